@@ -1,0 +1,20 @@
+# Build helpers shared by the in-tree targets. The installed SDK ships its own copy of
+# tessera_add_plugin() (sdk/cmake/TesseraSDKConfig.cmake.in) for out-of-tree plugins.
+
+# Reuse the project's precompiled LibTorch header (default visibility).
+function(tessera_use_torch_pch target)
+  target_precompile_headers(${target} REUSE_FROM tessera_pch)
+endfunction()
+
+# tessera_add_plugin(<name> SOURCES a.cpp ...) builds lib<name>.so as a MODULE into the
+# build tree's plugin directory, linked to the SDK and core, exporting only its descriptor.
+function(tessera_add_plugin name)
+  cmake_parse_arguments(ARG "" "" "SOURCES;LIBRARIES" ${ARGN})
+  add_library(${name} MODULE ${ARG_SOURCES})
+  target_link_libraries(${name} PRIVATE tessera::core ${ARG_LIBRARIES})
+  set_target_properties(${name} PROPERTIES PREFIX "lib"
+    LIBRARY_OUTPUT_DIRECTORY "${TESSERA_PLUGIN_BUILD_DIR}"
+    CXX_VISIBILITY_PRESET hidden VISIBILITY_INLINES_HIDDEN ON)
+  target_precompile_headers(${name} REUSE_FROM tessera_plugin_pch)
+  install(TARGETS ${name} LIBRARY DESTINATION "${TESSERA_PLUGIN_INSTALL_DIR}")
+endfunction()

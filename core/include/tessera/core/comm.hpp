@@ -1,0 +1,74 @@
+#pragma once
+/// Collectives over a group of ranks: the one place Tessera talks to c10d (Gloo on CPU,
+/// NCCL on CUDA). Every method is collective over the group and returns at once with a
+/// handle, so communication overlaps compute; `tag` names the collective ("forward
+/// all-gather of blocks.3") for the timeout report.
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include <ATen/core/Tensor.h>
+#include <c10/core/Device.h>
+
+#include "tessera/sdk/types.hpp"
+
+namespace tessera::core {
+
+/// An in-flight collective. wait() blocks until it is done (including any local
+/// post-processing such as the sum of a reduce-scatter) and throws sdk::Error on failure.
+class CommHandle {
+ public:
+  virtual ~CommHandle() = default;
+  virtual void wait() = 0;
+};
+using CommHandlePtr = std::shared_ptr<CommHandle>;
+
+/// Bytes this rank put on the wire, per collective kind (for tests and benchmarks).
+struct CommStats {
+  std::int64_t all_gather_bytes = 0;
+  std::int64_t reduce_scatter_bytes = 0;
+  std::int64_t all_reduce_bytes = 0;
+  std::int64_t broadcast_bytes = 0;
+  std::int64_t all_to_all_bytes = 0;
+  std::int64_t calls = 0;
+};
+
+class Communicator {
+ public:
+  virtual ~Communicator() = default;
+  virtual std::int64_t rank() const = 0;
+  virtual std::int64_t size() const = 0;
+
+  /// `output` (contiguous, numel = size() * input.numel()) := every rank's `input`
+  /// concatenated in rank order. Any dtype, bf16 included.
+  virtual CommHandlePtr all_gather(at::Tensor output, const at::Tensor& input, const std::string& tag) = 0;
+  /// `output` (numel = input.numel() / size()) := `op` over ranks of this rank's chunk of
+  /// `input` (contiguous, chunks in rank order). Low-precision inputs accumulate in fp32.
+  virtual CommHandlePtr reduce_scatter(at::Tensor output, const at::Tensor& input, sdk::ReduceOp op,
+                                       const std::string& tag) = 0;
+  /// In place.
+  virtual CommHandlePtr all_reduce(at::Tensor tensor, sdk::ReduceOp op, const std::string& tag) = 0;
+  /// In place, from group rank `src`.
+  virtual CommHandlePtr broadcast(at::Tensor tensor, std::int64_t src, const std::string& tag) = 0;
+  /// Equal splits: chunk r of `input` goes to rank r; chunk r of `output` comes from rank r.
+  virtual CommHandlePtr all_to_all(at::Tensor output, const at::Tensor& input, const std::string& tag) = 0;
+  virtual void barrier(const std::string& tag) = 0;
+
+  /// Splits the group: every rank calls with the same partition `groups` (lists of ranks of
+  /// this group) and gets the communicator of the group it belongs to.
+  virtual std::shared_ptr<Communicator> split(const std::vector<std::vector<std::int64_t>>& groups) = 0;
+
+  virtual const CommStats& stats() const = 0;
+};
+
+using CommunicatorPtr = std::shared_ptr<Communicator>;
+
+/// Rendezvous through a TCPStore at cluster.master_addr:master_port and create the world
+/// group: Gloo for CPU devices, NCCL for CUDA devices (when built with CUDA).
+CommunicatorPtr make_communicator(const sdk::ClusterInfo& cluster, const c10::Device& device);
+
+/// A one-rank group with no process group at all (single device and unit tests).
+CommunicatorPtr make_local_communicator();
+
+}  // namespace tessera::core

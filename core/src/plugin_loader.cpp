@@ -1,0 +1,178 @@
+#include "tessera/core/plugin_loader.hpp"
+
+#include <dlfcn.h>
+
+#include <algorithm>
+#include <cstdlib>
+#include <cstring>
+#include <sstream>
+
+#include <boost/dll/library_info.hpp>
+#include <boost/dll/shared_library.hpp>
+
+namespace tessera::core {
+
+namespace fs = std::filesystem;
+using sdk::PluginDescriptor;
+using sdk::PluginKind;
+
+struct PluginLoader::Library {
+  boost::dll::shared_library handle;
+  const PluginDescriptor* descriptor = nullptr;
+  fs::path path;
+};
+
+sdk::BuildFingerprint host_fingerprint() { return TESSERA_BUILD_FINGERPRINT; }
+
+std::string describe(const sdk::BuildFingerprint& f) {
+  std::ostringstream out;
+  out << "compiler " << (f.compiler ? f.compiler : "?") << ", C++11 ABI " << f.cxx11_abi << ", LibTorch "
+      << (f.torch_version ? f.torch_version : "?") << ", CUDA " << (f.cuda ? "on" : "off");
+  return out.str();
+}
+
+std::vector<fs::path> PluginLoader::search_path(const std::vector<std::string>& config_dirs) {
+  std::vector<fs::path> dirs(config_dirs.begin(), config_dirs.end());
+  if (const char* env = std::getenv("TESSERA_PLUGIN_PATH")) {
+    std::stringstream list(env);
+    for (std::string dir; std::getline(list, dir, ':');)
+      if (!dir.empty()) dirs.emplace_back(dir);
+  }
+  dirs.emplace_back(TESSERA_BUILD_PLUGIN_DIR);
+  dirs.emplace_back(TESSERA_INSTALL_PLUGIN_DIR);
+  return dirs;
+}
+
+PluginLoader::PluginLoader(std::vector<fs::path> dirs, bool never_unload)
+    : dirs_(std::move(dirs)), never_unload_(never_unload) {}
+PluginLoader::~PluginLoader() = default;
+
+std::shared_ptr<PluginLoader::Library> PluginLoader::load(const fs::path& file) {
+  // Look for the entry point in the file itself before dlopen runs any of its code.
+  std::vector<std::string> aliases;
+  try {
+    aliases = boost::dll::library_info(file).symbols("boost_aliases");
+  } catch (const std::exception& e) {
+    TESSERA_FAIL(file.string(), " is not a loadable shared library (", e.what(), ")");
+  }
+  TESSERA_CHECK(std::find(aliases.begin(), aliases.end(), "tessera_plugin") != aliases.end(), file.string(),
+                " is not a Tessera plugin: it exports no 'tessera_plugin' entry point. A plugin declares one with "
+                "TESSERA_PLUGIN(kind, version, entries...) from <tessera/sdk/plugin.hpp>.");
+
+  auto library = std::make_shared<Library>();
+  library->path = file;
+  auto mode = boost::dll::load_mode::rtld_local | boost::dll::load_mode::rtld_now;
+  if (never_unload_) mode = static_cast<boost::dll::load_mode::type>(mode | RTLD_NODELETE);
+  try {
+    library->handle.load(file, mode);
+  } catch (const std::exception& e) {
+    TESSERA_FAIL("cannot load plugin ", file.string(), ": ", dlerror() ? dlerror() : e.what());
+  }
+  auto& get_descriptor = library->handle.get_alias<const PluginDescriptor*()>("tessera_plugin");
+  const PluginDescriptor* d = get_descriptor();
+  TESSERA_CHECK(d != nullptr, "plugin ", file.string(), " returned no descriptor");
+  TESSERA_CHECK(d->abi_major == sdk::kAbiMajor, "plugin ", file.string(), " was built for SDK ABI ", d->abi_major, ".",
+                d->abi_minor, ", this tessera speaks ", sdk::kAbiMajor, ".", sdk::kAbiMinor,
+                ": rebuild the plugin against this SDK (find_package(TesseraSDK ", sdk::kAbiMajor, "))");
+  TESSERA_CHECK(d->struct_size >= sizeof(PluginDescriptor), "plugin ", file.string(), " has a descriptor of ",
+                d->struct_size, " bytes, this tessera expects at least ", sizeof(PluginDescriptor));
+  const sdk::BuildFingerprint host = host_fingerprint();
+  const sdk::BuildFingerprint& f = d->fingerprint;
+  bool same = f.compiler && f.torch_version && std::strcmp(f.compiler, host.compiler) == 0 &&
+              f.cxx11_abi == host.cxx11_abi && std::strcmp(f.torch_version, host.torch_version) == 0 &&
+              f.cuda == host.cuda;
+  TESSERA_CHECK(same, "plugin ", file.string(), " was built with ", describe(f), "; this tessera was built with ",
+                describe(host), ". Plugins and host must use the same compiler, standard library and LibTorch.");
+  TESSERA_CHECK(d->entries != nullptr && d->num_entries > 0, "plugin ", file.string(), " declares no entries");
+  for (std::uint32_t i = 0; i < d->num_entries; ++i) {
+    const sdk::PluginEntry& e = d->entries[i];
+    TESSERA_CHECK(e.name && e.create && e.destroy, "plugin ", file.string(), " entry ", i,
+                  " has a null name, create or destroy function");
+  }
+  library->descriptor = d;
+  return library;
+}
+
+std::vector<PluginInfo> PluginLoader::inspect(const fs::path& file) {
+  auto library = load(file);
+  libraries_.push_back(library);
+  const PluginDescriptor* d = library->descriptor;
+  std::vector<PluginInfo> infos;
+  for (std::uint32_t i = 0; i < d->num_entries; ++i)
+    infos.push_back(PluginInfo{file, d->kind, d->entries[i].name,
+                               d->entries[i].description ? d->entries[i].description : "", d->version ? d->version : "",
+                               d->abi_major, d->abi_minor});
+  return infos;
+}
+
+void PluginLoader::scan() {
+  if (scanned_) return;
+  scanned_ = true;
+  for (const fs::path& dir : dirs_) {
+    std::error_code ec;
+    if (!fs::is_directory(dir, ec)) continue;
+    std::vector<fs::path> files;
+    for (const auto& entry : fs::directory_iterator(dir, ec))
+      if (entry.path().extension() == ".so") files.push_back(entry.path());
+    std::sort(files.begin(), files.end());
+    for (const fs::path& file : files) {
+      try {
+        for (PluginInfo& info : inspect(file)) plugins_.push_back(std::move(info));
+      } catch (const sdk::Error& e) {
+        rejected_.push_back({file, e.what()});
+      }
+    }
+  }
+}
+
+const std::vector<PluginInfo>& PluginLoader::plugins() {
+  scan();
+  return plugins_;
+}
+
+const std::vector<RejectedPlugin>& PluginLoader::rejected() {
+  scan();
+  return rejected_;
+}
+
+std::shared_ptr<sdk::PluginObject> PluginLoader::create(PluginKind kind, const std::string& name,
+                                                        const sdk::Options& options) {
+  scan();
+  const PluginInfo* wrong_kind = nullptr;
+  for (const PluginInfo& info : plugins_) {
+    if (info.name != name) continue;
+    if (info.kind != kind) {
+      wrong_kind = &info;
+      continue;
+    }
+    auto library = *std::find_if(libraries_.begin(), libraries_.end(),
+                                 [&](const auto& lib) { return lib->path == info.path; });
+    const sdk::PluginEntry* entry = nullptr;
+    for (std::uint32_t i = 0; i < library->descriptor->num_entries; ++i)
+      if (name == library->descriptor->entries[i].name) entry = &library->descriptor->entries[i];
+    sdk::PluginObject* raw = entry->create(options);
+    TESSERA_CHECK(raw != nullptr, "plugin ", info.path.string(), " entry '", name, "' returned null");
+    auto destroy = entry->destroy;
+    // The deleter owns a reference to the library: the code of ~T() stays mapped until here.
+    return std::shared_ptr<sdk::PluginObject>(raw, [destroy, library](sdk::PluginObject* object) { destroy(object); });
+  }
+
+  std::vector<std::string> same_kind, dirs;
+  for (const PluginInfo& info : plugins_)
+    if (info.kind == kind) same_kind.push_back(info.name);
+  for (const fs::path& dir : dirs_) dirs.push_back(dir.string());
+  std::ostringstream message;
+  if (wrong_kind != nullptr) {
+    message << "plugin '" << name << "' in " << wrong_kind->path.string() << " is a " << sdk::to_string(wrong_kind->kind)
+            << " plugin, but a " << sdk::to_string(kind) << " plugin was expected.";
+  } else {
+    message << "no " << sdk::to_string(kind) << " plugin named '" << name << "'" << sdk::did_you_mean(name, same_kind)
+            << " in the plugin directories (" << sdk::join(dirs) << ").";
+  }
+  message << " Available " << sdk::to_string(kind) << " plugins: "
+          << (same_kind.empty() ? std::string("none") : sdk::join(same_kind)) << ".";
+  for (const RejectedPlugin& r : rejected_) message << "\n  refused " << r.path.string() << ": " << r.reason;
+  TESSERA_FAIL(message.str());
+}
+
+}  // namespace tessera::core

@@ -1,0 +1,46 @@
+#pragma once
+/// Model plugins (Lightning's LightningModule): a torch::nn::Module tree plus the steps.
+#include <memory>
+#include <string>
+#include <vector>
+
+#include <torch/nn/module.h>
+
+#include "tessera/sdk/optimizer.hpp"
+#include "tessera/sdk/plugin.hpp"
+#include "tessera/sdk/types.hpp"
+
+namespace tessera::sdk {
+
+class TESSERA_SDK_API Module : public PluginObject {
+ public:
+  ~Module() override;
+
+  /// Build the network (Lightning's configure_model). The host calls it once, on every
+  /// rank, inside the strategy's model_sharded_context() and the precision's
+  /// module_init_context(), so a strategy may defer or shard initialisation.
+  virtual void configure_model() = 0;
+  /// The root of the network built by configure_model().
+  virtual std::shared_ptr<torch::nn::Module> network() = 0;
+
+  /// Forward plus loss for one batch. Runs under the precision's forward_context().
+  virtual StepOutput training_step(const Batch& batch, std::int64_t batch_idx) = 0;
+  virtual StepOutput validation_step(const Batch& batch, std::int64_t batch_idx) = 0;
+  virtual StepOutput test_step(const Batch& batch, std::int64_t batch_idx) = 0;
+  /// Inference output for one batch (e.g. generated tokens); no gradients.
+  virtual at::Tensor predict_step(const Batch& batch, std::int64_t batch_idx) = 0;
+
+  /// The optimizer over `params` (the strategy's view: shards under FSDP). The default,
+  /// in the SDK library, is make_optimizer(params, settings).
+  virtual std::unique_ptr<torch::optim::Optimizer> configure_optimizers(const std::vector<NamedParameter>& params,
+                                                                        const OptimizerSettings& settings);
+
+  /// Names (torch::nn::Module::name()) of the classes that are FSDP units and are run
+  /// through sdk::invoke(): what the "transformer" auto-wrap policy wraps. Default: none.
+  virtual std::vector<std::string> fsdp_unit_classes() const;
+
+  /// Saved as "hyper_parameters" in checkpoints.
+  virtual Checkpoint hyper_parameters() const = 0;
+};
+
+}  // namespace tessera::sdk

@@ -1,0 +1,39 @@
+// Out-of-line destructors and defaults: they anchor the interfaces' vtables and type info
+// in the SDK library, shared by the host and every plugin.
+#include "tessera/sdk/data.hpp"
+#include "tessera/sdk/guard.hpp"
+#include "tessera/sdk/module.hpp"
+#include "tessera/sdk/precision.hpp"
+#include "tessera/sdk/checkpoint_io.hpp"
+#include "tessera/sdk/strategy.hpp"
+
+namespace tessera::sdk {
+
+PluginObject::~PluginObject() = default;
+Guard::~Guard() = default;
+Dataset::~Dataset() = default;
+DataModule::~DataModule() = default;
+Module::~Module() = default;
+Precision::~Precision() = default;
+CheckpointIO::~CheckpointIO() = default;
+Strategy::~Strategy() = default;
+
+std::unique_ptr<torch::optim::Optimizer> Module::configure_optimizers(const std::vector<NamedParameter>& params,
+                                                                      const OptimizerSettings& settings) {
+  return make_optimizer(params, settings);
+}
+
+std::vector<std::string> Module::fsdp_unit_classes() const { return {}; }
+
+const char* to_string(PluginKind kind) {
+  switch (kind) {
+    case PluginKind::strategy: return "strategy";
+    case PluginKind::precision: return "precision";
+    case PluginKind::checkpoint_io: return "checkpoint_io";
+    case PluginKind::model: return "model";
+    case PluginKind::data: return "data";
+  }
+  return "unknown";
+}
+
+}  // namespace tessera::sdk

@@ -1,0 +1,106 @@
+#include "tessera/sdk/options.hpp"
+
+#include "tessera/sdk/error.hpp"
+
+namespace tessera::sdk {
+
+Options::Options(std::string section, std::string source, toml::table table)
+    : section_(std::move(section)), source_(std::move(source)), table_(std::move(table)) {}
+Options::Options() : Options("", "<defaults>", toml::table{}) {}
+
+bool Options::has(const std::string& key) const { return table_.contains(key); }
+
+const toml::node* Options::find(const std::string& key) const {
+  used_.insert(key);
+  return table_.get(key);
+}
+
+std::string Options::locate(const std::string& key) const {
+  std::string where = source_;
+  if (const toml::node* node = table_.get(key); node != nullptr && node->source().begin.line > 0)
+    where += ":" + std::to_string(node->source().begin.line);
+  return where + ": [" + section_ + "] " + key;
+}
+
+void Options::wrong_type(const std::string& key, const char* expected) const {
+  TESSERA_FAIL(locate(key), " must be ", expected, ", found ", toml::impl::node_type_friendly_names[static_cast<int>(table_.get(key)->type())]);
+}
+
+std::int64_t Options::get_int(const std::string& key, std::int64_t fallback, std::int64_t min, std::int64_t max) const {
+  const toml::node* node = find(key);
+  if (node == nullptr) return fallback;
+  if (!node->is_integer()) wrong_type(key, "an integer");
+  std::int64_t value = node->as_integer()->get();
+  TESSERA_CHECK(value >= min && value <= max, locate(key), " = ", value, " is out of range [", min, ", ", max, "]");
+  return value;
+}
+
+double Options::get_double(const std::string& key, double fallback, double min, double max) const {
+  const toml::node* node = find(key);
+  if (node == nullptr) return fallback;
+  if (!node->is_number()) wrong_type(key, "a number");
+  double value = node->is_integer() ? static_cast<double>(node->as_integer()->get()) : node->as_floating_point()->get();
+  TESSERA_CHECK(value >= min && value <= max, locate(key), " = ", value, " is out of range [", min, ", ", max, "]");
+  return value;
+}
+
+bool Options::get_bool(const std::string& key, bool fallback) const {
+  const toml::node* node = find(key);
+  if (node == nullptr) return fallback;
+  if (!node->is_boolean()) wrong_type(key, "true or false");
+  return node->as_boolean()->get();
+}
+
+std::string Options::get_string(const std::string& key, const std::string& fallback) const {
+  const toml::node* node = find(key);
+  if (node == nullptr) return fallback;
+  if (!node->is_string()) wrong_type(key, "a string");
+  return node->as_string()->get();
+}
+
+std::string Options::get_choice(const std::string& key, const std::string& fallback,
+                                const std::vector<std::string>& choices) const {
+  std::string value = get_string(key, fallback);
+  for (const auto& choice : choices)
+    if (choice == value) return value;
+  TESSERA_FAIL(locate(key), " = \"", value, "\" is not valid", did_you_mean(value, choices), "; valid: ", join(choices));
+}
+
+std::vector<std::string> Options::get_string_list(const std::string& key, const std::vector<std::string>& fallback) const {
+  const toml::node* node = find(key);
+  if (node == nullptr) return fallback;
+  if (node->is_string()) return {node->as_string()->get()};
+  if (!node->is_array()) wrong_type(key, "an array of strings");
+  std::vector<std::string> out;
+  for (const toml::node& item : *node->as_array()) {
+    if (!item.is_string()) wrong_type(key, "an array of strings");
+    out.push_back(item.as_string()->get());
+  }
+  return out;
+}
+
+std::vector<double> Options::get_double_list(const std::string& key, const std::vector<double>& fallback) const {
+  const toml::node* node = find(key);
+  if (node == nullptr) return fallback;
+  if (!node->is_array()) wrong_type(key, "an array of numbers");
+  std::vector<double> out;
+  for (const toml::node& item : *node->as_array()) {
+    if (!item.is_number()) wrong_type(key, "an array of numbers");
+    out.push_back(item.is_integer() ? static_cast<double>(item.as_integer()->get()) : item.as_floating_point()->get());
+  }
+  return out;
+}
+
+void Options::mark_used(const std::string& key) const { used_.insert(key); }
+
+void Options::check_all_used(const std::vector<std::string>& extra_known) const {
+  std::vector<std::string> known(used_.begin(), used_.end());
+  known.insert(known.end(), extra_known.begin(), extra_known.end());
+  for (const auto& [key, node] : table_) {
+    std::string name(key.str());
+    if (used_.count(name) || std::find(extra_known.begin(), extra_known.end(), name) != extra_known.end()) continue;
+    TESSERA_FAIL(locate(name), " is not a known key", did_you_mean(name, known), "; known keys: ", join(known));
+  }
+}
+
+}  // namespace tessera::sdk
