@@ -1,0 +1,254 @@
+#include "tessera/core/strategy_base.hpp"
+
+#include <cmath>
+#include <limits>
+#include <set>
+
+#include <ATen/ATen.h>
+#include <torch/csrc/autograd/grad_mode.h>
+
+#include "tessera/core/checkpoint.hpp"
+#include "tessera/sdk/error.hpp"
+
+namespace tessera::core {
+
+StrategyBase::StrategyBase(const sdk::Options& options)
+    : accelerator_(options.get_choice("accelerator", "auto", {"auto", "cpu", "cuda"})) {}
+StrategyBase::~StrategyBase() = default;
+
+void StrategyBase::connect(std::shared_ptr<sdk::Precision> precision, std::shared_ptr<sdk::CheckpointIO> checkpoint_io) {
+  TESSERA_CHECK(precision && checkpoint_io, "a strategy needs both a precision and a checkpoint_io plugin");
+  precision_ = std::move(precision);
+  checkpoint_io_ = std::move(checkpoint_io);
+}
+
+sdk::Precision& StrategyBase::precision() {
+  TESSERA_CHECK(precision_, "strategy used before connect(): no precision plugin");
+  return *precision_;
+}
+
+sdk::CheckpointIO& StrategyBase::checkpoint_io() {
+  TESSERA_CHECK(checkpoint_io_, "strategy used before connect(): no checkpoint_io plugin");
+  return *checkpoint_io_;
+}
+
+void StrategyBase::setup_environment(const sdk::ClusterInfo& cluster) {
+  cluster_ = cluster;
+  bool cuda = accelerator_ == "cuda" || (accelerator_ == "auto" && at::hasCUDA());
+  TESSERA_CHECK(!cuda || at::hasCUDA(), "[strategy] accelerator = \"cuda\" but this tessera ",
+                (TESSERA_WITH_CUDA ? "sees no CUDA device" : "was built without CUDA"), "; valid here: \"cpu\", \"auto\"");
+  device_ = cuda ? c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(cluster.local_rank)) : c10::Device(c10::kCPU);
+  world_ = cluster.world_size > 1 ? make_communicator(cluster, device_) : make_local_communicator();
+}
+
+Communicator& StrategyBase::world() {
+  TESSERA_CHECK(world_, "strategy used before setup_environment()");
+  return *world_;
+}
+
+sdk::GuardPtr StrategyBase::model_sharded_context() { return nullptr; }
+sdk::GuardPtr StrategyBase::tensor_init_context() { return nullptr; }
+
+void StrategyBase::setup(std::shared_ptr<sdk::Module> module, const sdk::OptimizerSettings& optimizer) {
+  TESSERA_CHECK(module, "setup() needs a model");
+  module_ = std::move(module);
+  network_ = module_->network();
+  TESSERA_CHECK(network_, "the model plugin returned no network: configure_model() must build it");
+  network_->to(device_);
+  precision().convert_module(*network_);
+  setup_module();
+  std::vector<sdk::NamedParameter> params = optimizer_parameters();
+  optimizer_param_names_.clear();
+  for (const auto& p : params) optimizer_param_names_.push_back(p.name);
+  optimizer_ = module_->configure_optimizers(params, optimizer);
+  TESSERA_CHECK(optimizer_, "configure_optimizers() returned no optimizer");
+}
+
+void StrategyBase::setup_module() {}
+
+std::vector<sdk::NamedParameter> StrategyBase::optimizer_parameters() {
+  std::vector<sdk::NamedParameter> params;
+  for (const auto& item : network_->named_parameters(/*recurse=*/true))
+    if (item.value().requires_grad()) params.push_back({item.key(), item.value()});
+  return params;
+}
+
+torch::optim::Optimizer& StrategyBase::optimizer() {
+  TESSERA_CHECK(optimizer_, "optimizer() called before setup()");
+  return *optimizer_;
+}
+
+sdk::Batch StrategyBase::prepare_batch(const sdk::Batch& batch) {
+  auto move = [&](const at::Tensor& t) -> at::Tensor {
+    if (!t.defined()) return t;
+    at::Tensor on_device = t.to(device_, /*non_blocking=*/true);
+    return on_device.is_floating_point() ? precision().convert_input(on_device) : on_device;
+  };
+  return sdk::Batch{move(batch.input), move(batch.target)};
+}
+
+sdk::StepOutput StrategyBase::training_step(const sdk::Batch& batch, std::int64_t batch_idx) {
+  sdk::Batch prepared = prepare_batch(batch);
+  sdk::GuardPtr guard = precision().forward_context();
+  sdk::StepOutput out = module_->training_step(prepared, batch_idx);
+  out.loss = precision().convert_output(out.loss);
+  return out;
+}
+
+sdk::StepOutput StrategyBase::validation_step(const sdk::Batch& batch, std::int64_t batch_idx) {
+  torch::NoGradGuard no_grad;
+  sdk::Batch prepared = prepare_batch(batch);
+  sdk::GuardPtr guard = precision().forward_context();
+  return module_->validation_step(prepared, batch_idx);
+}
+
+sdk::StepOutput StrategyBase::test_step(const sdk::Batch& batch, std::int64_t batch_idx) {
+  torch::NoGradGuard no_grad;
+  sdk::Batch prepared = prepare_batch(batch);
+  sdk::GuardPtr guard = precision().forward_context();
+  return module_->test_step(prepared, batch_idx);
+}
+
+at::Tensor StrategyBase::predict_step(const sdk::Batch& batch, std::int64_t batch_idx) {
+  torch::NoGradGuard no_grad;
+  sdk::Batch prepared = prepare_batch(batch);
+  sdk::GuardPtr guard = precision().forward_context();
+  return module_->predict_step(prepared, batch_idx);
+}
+
+void StrategyBase::backward(const at::Tensor& loss, bool /*sync_gradients*/) {
+  precision().pre_backward(loss).backward();
+}
+
+sdk::StepResult StrategyBase::optimizer_step(double gradient_clip_val, double norm_type) {
+  sdk::StepResult result;
+  precision().unscale_gradients(optimizer(), *this);
+  if (gradient_clip_val > 0) result.grad_norm = clip_grad_norm(gradient_clip_val, norm_type);
+  result.stepped = precision().optimizer_step(optimizer(), *this);
+  optimizer().zero_grad();
+  return result;
+}
+
+double StrategyBase::clip_grad_norm(double max_norm, double norm_type) {
+  std::vector<at::Tensor> gradients;
+  for (const auto& group : optimizer().param_groups())
+    for (const auto& p : group.params())
+      if (p.grad().defined()) gradients.push_back(p.grad());
+  return clip_gradients(gradients, max_norm, norm_type, /*sharded=*/false);
+}
+
+double StrategyBase::clip_gradients(const std::vector<at::Tensor>& gradients, double max_norm, double norm_type,
+                                    bool sharded) {
+  TESSERA_CHECK(norm_type > 0, "gradient clipping norm_type must be > 0 or inf, got ", norm_type);
+  const bool inf_norm = std::isinf(norm_type);
+  at::Tensor local = at::zeros({}, at::TensorOptions().dtype(at::kFloat).device(device_));
+  for (const at::Tensor& g : gradients) {
+    if (g.numel() == 0) continue;
+    at::Tensor gf = g.detach().to(at::kFloat);
+    if (inf_norm) local = at::maximum(local, gf.abs().max());
+    else local = local + gf.abs().pow(norm_type).sum();
+  }
+  if (sharded) local = reduce(local, inf_norm ? sdk::ReduceOp::max : sdk::ReduceOp::sum);
+  double total = inf_norm ? local.item<double>() : std::pow(local.item<double>(), 1.0 / norm_type);
+  double coefficient = max_norm / (total + 1e-6);
+  if (coefficient < 1.0) {
+    torch::NoGradGuard no_grad;
+    for (const at::Tensor& g : gradients) g.detach().mul_(coefficient);
+  }
+  return total;
+}
+
+at::Tensor StrategyBase::reduce(const at::Tensor& tensor, sdk::ReduceOp op) {
+  at::Tensor out = tensor.detach().clone();
+  if (world().size() > 1) world().all_reduce(out, op, "reduce")->wait();
+  return out;
+}
+
+void StrategyBase::barrier(const std::string& name) {
+  if (world().size() > 1) world().barrier(name);
+}
+
+void StrategyBase::broadcast(at::Tensor& tensor, std::int64_t src) {
+  if (world().size() > 1) world().broadcast(tensor, src, "broadcast")->wait();
+}
+
+at::Tensor StrategyBase::all_gather(const at::Tensor& tensor) {
+  at::Tensor input = tensor.detach().contiguous();
+  std::vector<std::int64_t> shape{world().size()};
+  shape.insert(shape.end(), input.sizes().begin(), input.sizes().end());
+  at::Tensor output = at::empty(shape, input.options());
+  if (world().size() > 1) world().all_gather(output.view({-1}), input.view({-1}), "all_gather")->wait();
+  else output[0].copy_(input);
+  return output;
+}
+
+sdk::DataLoaderSpec StrategyBase::process_dataloader(sdk::DataLoaderSpec spec) {
+  spec.num_replicas = cluster_.world_size;
+  spec.rank = cluster_.global_rank;
+  return spec;
+}
+
+sdk::StateDict StrategyBase::lightning_module_state_dict() {
+  sdk::StateDict state;
+  for (const auto& item : network_->named_parameters(true)) state.insert(item.key(), item.value().detach());
+  for (const auto& item : network_->named_buffers(true)) state.insert(item.key(), item.value().detach());
+  return state;
+}
+
+void StrategyBase::load_model_state_dict(const sdk::StateDict& state, bool strict) {
+  sdk::StateDict own = lightning_module_state_dict();
+  std::vector<std::string> missing, unexpected;
+  for (const auto& item : own)
+    if (!state.contains(item.key())) missing.push_back(item.key());
+  for (const auto& item : state) {
+    const at::Tensor* target = own.find(item.key());
+    if (target == nullptr) {
+      unexpected.push_back(item.key());
+      continue;
+    }
+    TESSERA_CHECK(target->sizes() == item.value().sizes(), "checkpoint state_dict['", item.key(), "'] has shape ",
+                  item.value().sizes(), " but the model's parameter has shape ", target->sizes(),
+                  ": the checkpoint was written for a different model configuration");
+  }
+  TESSERA_CHECK(!strict || (missing.empty() && unexpected.empty()), "checkpoint state_dict does not match the model: ",
+                missing.size(), " missing key(s) [", sdk::join(missing), "], ", unexpected.size(),
+                " unexpected key(s) [", sdk::join(unexpected), "]");
+  torch::NoGradGuard no_grad;
+  for (const auto& item : state)
+    if (at::Tensor* target = own.find(item.key())) target->copy_(item.value());
+}
+
+sdk::Checkpoint StrategyBase::optimizer_state() { return optimizer_state_dict(optimizer(), optimizer_param_names_); }
+
+void StrategyBase::load_optimizer_state(const sdk::Checkpoint& state) {
+  load_optimizer_state_dict(optimizer(), state, optimizer_param_names_);
+}
+
+void StrategyBase::save_checkpoint(const sdk::Checkpoint& checkpoint, const std::string& path) {
+  if (is_global_zero()) {
+    sdk::ShardInfo full{0, 1, false};
+    checkpoint_io().save_checkpoint(checkpoint, path, full);
+    checkpoint_io().finalize_checkpoint(path, full);
+  }
+  barrier("save_checkpoint");
+}
+
+void StrategyBase::remove_checkpoint(const std::string& path) {
+  if (is_global_zero()) checkpoint_io().remove_checkpoint(path);
+  barrier("remove_checkpoint");
+}
+
+sdk::Checkpoint StrategyBase::load_checkpoint(const std::string& path) {
+  return checkpoint_io().load_checkpoint(path, sdk::ShardInfo{0, 1, false});
+}
+
+void StrategyBase::teardown() {
+  optimizer_.reset();
+}
+
+bool StrategyBase::is_global_zero() const { return cluster_.global_rank == 0; }
+std::int64_t StrategyBase::global_rank() const { return cluster_.global_rank; }
+std::int64_t StrategyBase::world_size() const { return cluster_.world_size; }
+c10::Device StrategyBase::root_device() const { return device_; }
+
+}  // namespace tessera::core
