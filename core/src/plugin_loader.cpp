@@ -51,7 +51,7 @@ std::shared_ptr<PluginLoader::Library> PluginLoader::load(const fs::path& file) 
   // Look for the entry point in the file itself before dlopen runs any of its code.
   std::vector<std::string> aliases;
   try {
-    aliases = boost::dll::library_info(file).symbols("boost_aliases");
+    aliases = boost::dll::library_info(file).symbols("boostdll");
   } catch (const std::exception& e) {
     TESSERA_FAIL(file.string(), " is not a loadable shared library (", e.what(), ")");
   }

@@ -1,0 +1,159 @@
+#include <dlfcn.h>
+#include <unistd.h>
+
+#include <gtest/gtest.h>
+
+#include "tessera/core/plugin_loader.hpp"
+
+namespace {
+
+using tessera::core::PluginLoader;
+using tessera::sdk::Options;
+using tessera::sdk::PluginKind;
+namespace fs = std::filesystem;
+
+fs::path toy_dir(const std::string& mode) { return fs::path(TOY_DIR) / mode; }
+fs::path toy_file(const std::string& mode) { return toy_dir(mode) / ("libtoy_" + mode + ".so"); }
+
+/// The error message of `body`, or "" if it did not throw sdk::Error.
+template <typename F>
+std::string error_of(F&& body) {
+  try {
+    body();
+  } catch (const tessera::sdk::Error& e) {
+    return e.what();
+  }
+  return "";
+}
+
+bool is_loaded(const fs::path& file) {
+  void* handle = dlopen(file.c_str(), RTLD_NOW | RTLD_NOLOAD);
+  if (handle == nullptr) return false;
+  dlclose(handle);  // RTLD_NOLOAD still takes a reference
+  return true;
+}
+
+Options toml_options(const std::string& text) {
+  return Options("model", "test.toml", toml::parse(text));
+}
+
+TEST(PluginLoader, ListsEveryEntryOfAGoodPlugin) {
+  PluginLoader loader({toy_dir("good")});
+  const auto& plugins = loader.plugins();
+  ASSERT_EQ(plugins.size(), 2u);
+  EXPECT_EQ(plugins[0].name, "toy_good");
+  EXPECT_EQ(plugins[1].name, "toy_good_alias");
+  EXPECT_EQ(plugins[0].kind, PluginKind::model);
+  EXPECT_EQ(plugins[0].version, "0.0.1");
+  EXPECT_EQ(plugins[0].abi_major, tessera::sdk::kAbiMajor);
+  EXPECT_EQ(plugins[0].path, toy_file("good"));
+  EXPECT_TRUE(loader.rejected().empty());
+}
+
+TEST(PluginLoader, CreatesWithOptionsAndRejectsUnknownKeys) {
+  PluginLoader loader({toy_dir("good")});
+  Options options = toml_options("plugin = 'toy_good'\ngreeting = 'hi'\ngreting = 'typo'\n");
+  auto object = loader.create(PluginKind::model, "toy_good", options);
+  ASSERT_NE(object, nullptr);
+  std::string message = error_of([&] { options.check_all_used({"plugin"}); });
+  EXPECT_NE(message.find("test.toml:3: [model] greting is not a known key"), std::string::npos) << message;
+  EXPECT_NE(message.find("did you mean 'greeting'"), std::string::npos) << message;
+}
+
+TEST(PluginLoader, KeepsTheLibraryUntilTheLastObjectDies) {
+  // A private copy: other tests in this process load the original with RTLD_NODELETE.
+  fs::path dir = fs::temp_directory_path() / ("tessera_loader_test_" + std::to_string(getpid()));
+  fs::create_directories(dir);
+  fs::path copy = dir / "libtoy_good.so";
+  fs::copy_file(toy_file("good"), copy, fs::copy_options::overwrite_existing);
+  std::shared_ptr<tessera::sdk::PluginObject> object;
+  {
+    PluginLoader loader({dir}, /*never_unload=*/false);
+    object = loader.create(PluginKind::model, "toy_good", Options());
+  }
+  // The loader is gone; the object's deleter still holds the library.
+  EXPECT_TRUE(is_loaded(copy));
+  object.reset();
+  EXPECT_FALSE(is_loaded(copy));
+  fs::remove_all(dir);
+}
+
+TEST(PluginLoader, NeverUnloadsInProductionMode) {
+  {
+    PluginLoader loader({toy_dir("good")});
+    loader.create(PluginKind::model, "toy_good", Options()).reset();
+  }
+  EXPECT_TRUE(is_loaded(toy_file("good")));
+}
+
+TEST(PluginLoader, MissingPluginSuggestsAndListsAlternatives) {
+  PluginLoader loader({toy_dir("good")});
+  std::string message = error_of([&] { loader.create(PluginKind::model, "toy_god", Options()); });
+  EXPECT_NE(message.find("no model plugin named 'toy_god' (did you mean 'toy_good'?)"), std::string::npos) << message;
+  EXPECT_NE(message.find(toy_dir("good").string()), std::string::npos) << message;
+  EXPECT_NE(message.find("Available model plugins: toy_good, toy_good_alias"), std::string::npos) << message;
+}
+
+TEST(PluginLoader, WrongKindNamesBothKinds) {
+  PluginLoader loader({toy_dir("good")});
+  std::string message = error_of([&] { loader.create(PluginKind::strategy, "toy_good", Options()); });
+  EXPECT_NE(message.find("is a model plugin, but a strategy plugin was expected"), std::string::npos) << message;
+  EXPECT_NE(message.find(toy_file("good").string()), std::string::npos) << message;
+}
+
+TEST(PluginLoader, LibraryWithoutEntryPointIsRefusedBeforeLoading) {
+  PluginLoader loader({}, /*never_unload=*/false);
+  std::string message = error_of([&] { loader.inspect(toy_file("no_entry")); });
+  EXPECT_NE(message.find(toy_file("no_entry").string() + " is not a Tessera plugin"), std::string::npos) << message;
+  EXPECT_NE(message.find("TESSERA_PLUGIN"), std::string::npos) << message;
+  EXPECT_FALSE(is_loaded(toy_file("no_entry")));
+}
+
+TEST(PluginLoader, AbiMismatchNamesBothVersions) {
+  PluginLoader loader({});
+  std::string message = error_of([&] { loader.inspect(toy_file("wrong_abi")); });
+  std::string expected = "was built for SDK ABI " + std::to_string(tessera::sdk::kAbiMajor + 1) +
+                         ".0, this tessera speaks " + std::to_string(tessera::sdk::kAbiMajor);
+  EXPECT_NE(message.find(expected), std::string::npos) << message;
+  EXPECT_NE(message.find(toy_file("wrong_abi").string()), std::string::npos) << message;
+}
+
+TEST(PluginLoader, FingerprintMismatchNamesBothBuilds) {
+  PluginLoader loader({});
+  std::string message = error_of([&] { loader.inspect(toy_file("wrong_fingerprint")); });
+  EXPECT_NE(message.find("LibTorch 0.1.0"), std::string::npos) << message;
+  EXPECT_NE(message.find(std::string("LibTorch ") + TORCH_VERSION), std::string::npos) << message;
+}
+
+TEST(PluginLoader, NullFunctionsAreRefused) {
+  PluginLoader loader({});
+  std::string message = error_of([&] { loader.inspect(toy_file("null_create")); });
+  EXPECT_NE(message.find("null name, create or destroy"), std::string::npos) << message;
+}
+
+TEST(PluginLoader, FactoryErrorsReachTheHostAsSdkErrors) {
+  PluginLoader loader({toy_dir("throwing_factory")});
+  Options options = toml_options("greeting = 'boom'\n");
+  std::string message = error_of([&] { loader.create(PluginKind::model, "toy_throwing_factory", options); });
+  EXPECT_NE(message.find("toy factory refuses: [model] greeting = \"boom\""), std::string::npos) << message;
+}
+
+TEST(PluginLoader, BrokenLibrariesAreReportedNextToGoodOnes) {
+  PluginLoader loader({toy_dir("good"), toy_dir("no_entry"), toy_dir("wrong_abi"), toy_dir("wrong_fingerprint")});
+  EXPECT_EQ(loader.plugins().size(), 2u);
+  ASSERT_EQ(loader.rejected().size(), 3u);
+  std::string message = error_of([&] { loader.create(PluginKind::model, "toy_wrong_abi", Options()); });
+  EXPECT_NE(message.find("refused " + toy_file("wrong_abi").string()), std::string::npos) << message;
+}
+
+TEST(PluginLoader, SearchPathOrderIsConfigThenEnvironmentThenDefault) {
+  setenv("TESSERA_PLUGIN_PATH", "/env/a:/env/b", 1);
+  auto dirs = PluginLoader::search_path({"/config"});
+  unsetenv("TESSERA_PLUGIN_PATH");
+  ASSERT_GE(dirs.size(), 4u);
+  EXPECT_EQ(dirs[0], "/config");
+  EXPECT_EQ(dirs[1], "/env/a");
+  EXPECT_EQ(dirs[2], "/env/b");
+}
+
+}  // namespace

@@ -1,0 +1,68 @@
+#include <gtest/gtest.h>
+
+#include "tessera/sdk/error.hpp"
+#include "tessera/sdk/options.hpp"
+
+namespace {
+
+using tessera::sdk::Options;
+
+Options parse(const std::string& text) { return Options("strategy", "run.toml", toml::parse(text)); }
+
+template <typename F>
+std::string error_of(F&& body) {
+  try {
+    body();
+  } catch (const tessera::sdk::Error& e) {
+    return e.what();
+  }
+  return "";
+}
+
+TEST(Options, TypedGettersReadValuesAndDefaults) {
+  Options o = parse("n = 3\nx = 2\ny = 0.5\nflag = true\nname = 'a'\nlist = ['p', 'q']\n");
+  EXPECT_EQ(o.get_int("n", 0), 3);
+  EXPECT_DOUBLE_EQ(o.get_double("x", 0), 2.0);  // an integer where a float is expected
+  EXPECT_DOUBLE_EQ(o.get_double("y", 0), 0.5);
+  EXPECT_TRUE(o.get_bool("flag", false));
+  EXPECT_EQ(o.get_string("name", ""), "a");
+  EXPECT_EQ(o.get_string_list("list", {}), (std::vector<std::string>{"p", "q"}));
+  EXPECT_EQ(o.get_int("absent", 7), 7);
+  EXPECT_NO_THROW(o.check_all_used());
+}
+
+TEST(Options, WrongTypeNamesFileLineAndKey) {
+  Options o = parse("\nn = 'three'\n");
+  std::string message = error_of([&] { o.get_int("n", 0); });
+  EXPECT_NE(message.find("run.toml:2: [strategy] n must be an integer, found string"), std::string::npos) << message;
+}
+
+TEST(Options, OutOfRangeNamesTheRange) {
+  Options o = parse("n = -1\n");
+  std::string message = error_of([&] { o.get_int("n", 0, 1, 8); });
+  EXPECT_NE(message.find("[strategy] n = -1 is out of range [1, 8]"), std::string::npos) << message;
+}
+
+TEST(Options, ChoiceListsValidValuesWithSuggestion) {
+  Options o = parse("sharding_strategy = 'FULL_SHRAD'\n");
+  std::string message =
+      error_of([&] { o.get_choice("sharding_strategy", "FULL_SHARD", {"FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"}); });
+  EXPECT_NE(message.find("did you mean 'FULL_SHARD'?"), std::string::npos) << message;
+  EXPECT_NE(message.find("valid: FULL_SHARD, SHARD_GRAD_OP, NO_SHARD"), std::string::npos) << message;
+}
+
+TEST(Options, UnusedKeyIsAnError) {
+  Options o = parse("plugin = 'fsdp'\ncpu_ofload = true\n");
+  o.get_bool("cpu_offload", false);
+  std::string message = error_of([&] { o.check_all_used({"plugin"}); });
+  EXPECT_NE(message.find("run.toml:2: [strategy] cpu_ofload is not a known key (did you mean 'cpu_offload'?)"),
+            std::string::npos)
+      << message;
+}
+
+TEST(Suggestions, OnlyPlausibleTyposAreSuggested) {
+  EXPECT_EQ(tessera::sdk::closest_match("fsdpp", {"fsdp", "ddp", "single_device"}), "fsdp");
+  EXPECT_EQ(tessera::sdk::closest_match("xyzzy", {"fsdp", "ddp"}), "");
+}
+
+}  // namespace
