@@ -14,7 +14,8 @@ function(tessera_add_plugin name)
   target_link_libraries(${name} PRIVATE tessera::core ${ARG_LIBRARIES})
   set_target_properties(${name} PROPERTIES PREFIX "lib"
     LIBRARY_OUTPUT_DIRECTORY "${TESSERA_PLUGIN_BUILD_DIR}"
-    CXX_VISIBILITY_PRESET hidden VISIBILITY_INLINES_HIDDEN ON)
+    CXX_VISIBILITY_PRESET hidden VISIBILITY_INLINES_HIDDEN ON
+    INSTALL_RPATH "$ORIGIN/../..")
   target_precompile_headers(${name} REUSE_FROM tessera_plugin_pch)
   install(TARGETS ${name} LIBRARY DESTINATION "${TESSERA_PLUGIN_INSTALL_DIR}")
 endfunction()

@@ -38,6 +38,11 @@ std::vector<fs::path> PluginLoader::search_path(const std::vector<std::string>& 
     for (std::string dir; std::getline(list, dir, ':');)
       if (!dir.empty()) dirs.emplace_back(dir);
   }
+  // Beside the executable first (an installed, possibly relocated prefix), then the build tree
+  // this binary came from, then the configured install prefix.
+  std::error_code ec;
+  fs::path exe = fs::read_symlink("/proc/self/exe", ec);
+  if (!ec) dirs.push_back(exe.parent_path().parent_path() / TESSERA_PLUGIN_INSTALL_SUBDIR);
   dirs.emplace_back(TESSERA_BUILD_PLUGIN_DIR);
   dirs.emplace_back(TESSERA_INSTALL_PLUGIN_DIR);
   return dirs;
