@@ -1,0 +1,107 @@
+#!/usr/bin/env python3
+"""PyTorch's own DDP (Gloo, CPU) or FSDP on the same byte-level GPT Tessera trains: the reference
+Tessera's throughput is compared against in bench/training/run.sh. Prints one line:
+  pytorch <strategy> ranks=N tokens_per_s=X peak_rss_mb=Y
+Run with Debian's python3-torch: /usr/bin/python3 pytorch_ddp_gpt.py --ranks 2 --steps 20
+"""
+import argparse
+import math
+import os
+import resource
+import time
+
+# One BLAS thread per rank (torchrun sets OMP_NUM_THREADS=1 likewise); must precede import torch.
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+class Block(nn.Module):
+    def __init__(self, n_embd, n_head):
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(n_embd)
+        self.attn = nn.Linear(n_embd, 3 * n_embd)
+        self.proj = nn.Linear(n_embd, n_embd)
+        self.ln_2 = nn.LayerNorm(n_embd)
+        self.fc = nn.Linear(n_embd, 4 * n_embd)
+        self.fc_proj = nn.Linear(4 * n_embd, n_embd)
+        self.n_head = n_head
+
+    def forward(self, x):
+        B, T, C = x.shape
+        q, k, v = self.attn(self.ln_1(x)).split(C, dim=2)
+        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
+        att = (q @ k.transpose(-2, -1)) / math.sqrt(k.size(-1))
+        mask = torch.ones(T, T, dtype=torch.bool).tril()
+        att = att.masked_fill(~mask, float("-inf")).softmax(-1)
+        y = (att @ v).transpose(1, 2).contiguous().view(B, T, C)
+        x = x + self.proj(y)
+        return x + self.fc_proj(F.gelu(self.fc(self.ln_2(x))))
+
+
+class GPT(nn.Module):
+    def __init__(self, n_layer, n_head, n_embd, block_size):
+        super().__init__()
+        self.wte = nn.Embedding(256, n_embd)
+        self.wpe = nn.Embedding(block_size, n_embd)
+        self.blocks = nn.ModuleList(Block(n_embd, n_head) for _ in range(n_layer))
+        self.ln_f = nn.LayerNorm(n_embd)
+
+    def forward(self, idx):
+        x = self.wte(idx) + self.wpe(torch.arange(idx.size(1)))
+        for block in self.blocks:
+            x = block(x)
+        return self.ln_f(x) @ self.wte.weight.t()
+
+
+def worker(rank, args):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(args.port))
+    torch.set_num_threads(max(1, os.cpu_count() // args.ranks))
+    dist.init_process_group("gloo", rank=rank, world_size=args.ranks)
+    torch.manual_seed(0)
+    model = GPT(args.n_layer, args.n_head, args.n_embd, args.block_size)
+    if args.strategy == "ddp":
+        model = nn.parallel.DistributedDataParallel(model)
+    else:
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+        model = FSDP(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-4)
+    data = torch.randint(0, 256, (args.steps + args.warmup, args.batch_size, args.block_size + 1))
+    for step in range(args.steps + args.warmup):
+        if step == args.warmup:
+            dist.barrier()
+            start = time.perf_counter()
+        x, y = data[step, :, :-1], data[step, :, 1:]
+        loss = F.cross_entropy(model(x).view(-1, 256), y.reshape(-1))
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+    dist.barrier()
+    elapsed = time.perf_counter() - start
+    tokens = args.steps * args.batch_size * args.block_size * args.ranks
+    rss = torch.tensor([resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0])
+    dist.all_reduce(rss, op=dist.ReduceOp.MAX)
+    if rank == 0:
+        print(f"pytorch {args.strategy} ranks={args.ranks} tokens_per_s={tokens / elapsed:.1f} "
+              f"peak_rss_mb={rss.item():.0f}", flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    p = argparse.ArgumentParser()
+    p.add_argument("--strategy", choices=["ddp", "fsdp"], default="ddp")
+    p.add_argument("--ranks", type=int, default=2)
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--n-layer", type=int, default=6)
+    p.add_argument("--n-head", type=int, default=6)
+    p.add_argument("--n-embd", type=int, default=384)
+    p.add_argument("--block-size", type=int, default=128)
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--port", type=int, default=29512)
+    a = p.parse_args()
+    mp.spawn(worker, args=(a,), nprocs=a.ranks)
