@@ -29,7 +29,7 @@ class SoftmaxRegression final : public tessera::sdk::Module {
   at::Tensor predict_step(const Batch& batch, std::int64_t) override { return logits(batch).argmax(1); }
 
   tessera::sdk::Checkpoint hyper_parameters() const override {
-    tessera::sdk::Checkpoint h;
+    tessera::sdk::Checkpoint h = tessera::sdk::make_checkpoint();
     h.insert("num_classes", num_classes_);
     h.insert("in_features", in_features_);
     return h;

@@ -25,6 +25,8 @@ std::unique_ptr<torch::optim::Optimizer> Module::configure_optimizers(const std:
 
 std::vector<std::string> Module::fsdp_unit_classes() const { return {}; }
 
+Checkpoint make_checkpoint() { return Checkpoint(c10::StringType::get(), c10::AnyType::get()); }
+
 const char* to_string(PluginKind kind) {
   switch (kind) {
     case PluginKind::strategy: return "strategy";

@@ -9,6 +9,8 @@
 #include <ATen/core/Tensor.h>
 #include <torch/ordered_dict.h>
 
+#include "tessera/sdk/export.hpp"
+
 namespace tessera::sdk {
 
 /// One batch as a data plugin produces it: `input` and (optionally) `target`, batch on dim 0.
@@ -33,7 +35,10 @@ using StateDict = torch::OrderedDict<std::string, at::Tensor>;
 /// A checkpoint: a nested dictionary of strings to tensors and plain values, the shape of a
 /// Lightning checkpoint ("state_dict", "optimizer_states", "global_step", "epoch",
 /// "hyper_parameters", ...). It pickles to a file Python's torch.load reads.
-using Checkpoint = c10::Dict<std::string, c10::IValue>;
+using Checkpoint = c10::impl::GenericDict;  // keys are strings
+
+/// An empty checkpoint dictionary (str -> any).
+TESSERA_SDK_API Checkpoint make_checkpoint();
 
 enum class ReduceOp { sum, mean, max, min };
 

@@ -1,0 +1,45 @@
+#pragma once
+/// Checkpoint building blocks shared by strategies and checkpoint IO plugins: state dicts
+/// inside checkpoint dictionaries, optimizer state in PyTorch's format (plus parameter
+/// names, so it can be re-keyed by name), and atomic, torch.load-compatible files.
+#include <functional>
+#include <string>
+#include <vector>
+
+#include <torch/optim/optimizer.h>
+
+#include "tessera/sdk/types.hpp"
+
+namespace tessera::core {
+
+/// A state dict as a checkpoint value: an ordered str -> tensor dictionary.
+c10::IValue to_ivalue(const sdk::StateDict& state);
+/// The inverse of to_ivalue; throws sdk::Error naming `what` if `value` is not one.
+sdk::StateDict state_dict_from(const c10::IValue& value, const std::string& what);
+
+/// PyTorch's optimizer state_dict: {"state": {index: {"step", "exp_avg", "exp_avg_sq" |
+/// "momentum_buffer"}}, "param_groups": [{"lr", "betas", ..., "params": [indices]}]},
+/// plus "param_names": the name of each index (PyTorch's PARAM_NAME keying). Adam, AdamW, SGD.
+sdk::Checkpoint optimizer_state_dict(const torch::optim::Optimizer& optimizer,
+                                     const std::vector<std::string>& param_names);
+/// Restores `state` into `optimizer`, matching parameters by name when the checkpoint has
+/// names (by index otherwise). Every shape is checked before anything changes; a mismatch
+/// throws naming the parameter and both shapes.
+void load_optimizer_state_dict(torch::optim::Optimizer& optimizer, const sdk::Checkpoint& state,
+                               const std::vector<std::string>& param_names);
+
+/// Writes `path` atomically: `write` fills a temporary file in the same directory, which is
+/// fsynced and renamed over `path`. If anything fails, the temporary is removed and an
+/// existing file at `path` is untouched.
+void atomic_write(const std::string& path, const std::function<void(std::ostream&)>& write);
+/// Pickles `value` in the zip format that torch.load reads, atomically.
+void save_pickle(const c10::IValue& value, const std::string& path);
+/// Loads a file written by save_pickle (or torch.save of plain containers and tensors);
+/// errors name the path.
+c10::IValue load_pickle(const std::string& path);
+
+/// Typed access into checkpoint dictionaries, with errors naming the key.
+const c10::IValue& checkpoint_get(const sdk::Checkpoint& checkpoint, const std::string& key);
+sdk::Checkpoint checkpoint_dict(const c10::IValue& value, const std::string& what);
+
+}  // namespace tessera::core
