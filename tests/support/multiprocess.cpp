@@ -1,0 +1,157 @@
+#include "multiprocess.hpp"
+
+#include <fcntl.h>
+#include <netinet/in.h>
+#include <signal.h>
+#include <spawn.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cstdlib>
+#include <fstream>
+#include <sstream>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <gtest/gtest.h>
+
+extern char** environ;
+
+namespace tessera::testing {
+
+namespace {
+
+constexpr const char* kRankVariable = "TESSERA_TEST_RANK";
+
+std::string tail(const std::string& path, std::size_t lines) {
+  std::ifstream in(path);
+  std::vector<std::string> all;
+  for (std::string line; std::getline(in, line);) all.push_back(line);
+  std::ostringstream out;
+  for (std::size_t i = all.size() > lines ? all.size() - lines : 0; i < all.size(); ++i) out << "    " << all[i] << "\n";
+  return out.str();
+}
+
+sdk::ClusterInfo cluster_from_environment() {
+  sdk::ClusterInfo c;
+  c.global_rank = std::atoll(std::getenv(kRankVariable));
+  c.world_size = std::atoll(std::getenv("WORLD_SIZE"));
+  c.local_rank = c.global_rank;
+  c.local_world_size = c.world_size;
+  c.master_addr = "127.0.0.1";
+  c.master_port = std::atoll(std::getenv("MASTER_PORT"));
+  c.environment = "test";
+  c.collective_timeout_s = std::atoll(std::getenv("TESSERA_TEST_COLLECTIVE_TIMEOUT"));
+  return c;
+}
+
+}  // namespace
+
+int free_port() {
+  int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in address{};
+  address.sin_family = AF_INET;
+  address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  address.sin_port = 0;
+  ::bind(fd, reinterpret_cast<sockaddr*>(&address), sizeof(address));
+  socklen_t length = sizeof(address);
+  ::getsockname(fd, reinterpret_cast<sockaddr*>(&address), &length);
+  int port = ntohs(address.sin_port);
+  ::close(fd);
+  return port;
+}
+
+const char* plugin_dir() { return TESSERA_BUILD_PLUGIN_DIR; }
+
+void run_ranks(int world_size, std::chrono::seconds timeout,
+               const std::function<void(const sdk::ClusterInfo& cluster)>& body) {
+  if (std::getenv(kRankVariable) != nullptr) {  // a child: be one rank, then leave
+    int code = 0;
+    try {
+      body(cluster_from_environment());
+    } catch (const std::exception& e) {
+      std::fprintf(stderr, "rank %s threw: %s\n", std::getenv(kRankVariable), e.what());
+      code = 2;
+    }
+    if (code == 0 && ::testing::Test::HasFailure()) code = 1;
+    std::fflush(stdout);
+    std::fflush(stderr);
+    std::_Exit(code);
+  }
+
+  const ::testing::TestInfo* test = ::testing::UnitTest::GetInstance()->current_test_info();
+  std::string filter = std::string("--gtest_filter=") + test->test_suite_name() + "." + test->name();
+  std::string exe(4096, '\0');
+  exe.resize(static_cast<std::size_t>(::readlink("/proc/self/exe", exe.data(), exe.size())));
+  std::string port = std::to_string(free_port());
+  // A rank's collectives give up well before the test's own deadline, so a hang is reported
+  // by the ranks themselves ("rank 1: ... timed out") when possible.
+  std::string collective_timeout = std::to_string(std::max<long>(5, timeout.count() / 2));
+
+  std::vector<pid_t> pids(world_size);
+  std::vector<std::string> logs(world_size);
+  for (int rank = 0; rank < world_size; ++rank) {
+    logs[rank] = ::testing::TempDir() + "tessera-rank-" + std::to_string(::getpid()) + "-" + std::to_string(rank) + ".log";
+    std::vector<std::string> env_strings;
+    for (char** e = environ; *e; ++e) env_strings.emplace_back(*e);
+    env_strings.push_back(std::string(kRankVariable) + "=" + std::to_string(rank));
+    env_strings.push_back("WORLD_SIZE=" + std::to_string(world_size));
+    env_strings.push_back("MASTER_PORT=" + port);
+    env_strings.push_back("TESSERA_TEST_COLLECTIVE_TIMEOUT=" + collective_timeout);
+    env_strings.push_back("OPENBLAS_NUM_THREADS=1");
+    env_strings.push_back("OMP_NUM_THREADS=1");
+    std::vector<char*> env;
+    for (auto& s : env_strings) env.push_back(s.data());
+    env.push_back(nullptr);
+    std::vector<char*> argv{exe.data(), filter.data(), nullptr};
+    posix_spawn_file_actions_t actions;
+    posix_spawn_file_actions_init(&actions);
+    posix_spawn_file_actions_addopen(&actions, STDOUT_FILENO, logs[rank].c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+    posix_spawn_file_actions_adddup2(&actions, STDOUT_FILENO, STDERR_FILENO);
+    int rc = posix_spawn(&pids[rank], exe.c_str(), &actions, nullptr, argv.data(), env.data());
+    posix_spawn_file_actions_destroy(&actions);
+    ASSERT_EQ(rc, 0) << "cannot start rank " << rank;
+  }
+
+  auto deadline = std::chrono::steady_clock::now() + timeout;
+  std::vector<bool> done(world_size, false);
+  int remaining = world_size;
+  std::string failure;
+  while (remaining > 0 && failure.empty()) {
+    for (int rank = 0; rank < world_size; ++rank) {
+      if (done[rank]) continue;
+      int status = 0;
+      if (::waitpid(pids[rank], &status, WNOHANG) != pids[rank]) continue;
+      done[rank] = true;
+      --remaining;
+      if (WIFEXITED(status) && WEXITSTATUS(status) == 0) continue;
+      std::ostringstream why;
+      why << "rank " << rank << " of " << world_size << " ";
+      if (WIFSIGNALED(status)) why << "was killed by signal " << WTERMSIG(status);
+      else why << "exited with status " << WEXITSTATUS(status);
+      failure = why.str() + "; its output ends:\n" + tail(logs[rank], 25);
+    }
+    if (failure.empty() && remaining > 0) {
+      if (std::chrono::steady_clock::now() > deadline) {
+        std::ostringstream why;
+        for (int rank = 0; rank < world_size; ++rank)
+          if (!done[rank]) why << "rank " << rank << " of " << world_size << " timed out after " << timeout.count()
+                               << " s; its output ends:\n" << tail(logs[rank], 15);
+        failure = why.str();
+      } else {
+        std::this_thread::sleep_for(std::chrono::milliseconds(20));
+      }
+    }
+  }
+  for (int rank = 0; rank < world_size; ++rank) {
+    if (done[rank]) continue;
+    ::kill(pids[rank], SIGKILL);
+    ::waitpid(pids[rank], nullptr, 0);
+  }
+  for (const auto& log : logs) std::remove(log.c_str());
+  if (!failure.empty()) FAIL() << failure;
+}
+
+}  // namespace tessera::testing
