@@ -1,0 +1,131 @@
+// `fashion_mnist`: the gzip IDX files of Debian's `dataset-fashion-mnist` package.
+#include <zlib.h>
+
+#include <ATen/ATen.h>
+
+#include "data.hpp"
+#include "tessera/sdk/error.hpp"
+
+namespace tessera::data {
+
+namespace {
+
+const char* const kClasses[] = {"T-shirt/top", "Trouser", "Pullover", "Dress", "Coat",
+                                "Sandal",      "Shirt",   "Sneaker",  "Bag",   "Ankle boot"};
+
+/// The whole decompressed content of a gzip file.
+std::string read_gzip(const std::string& path, const std::string& key_hint) {
+  gzFile file = gzopen(path.c_str(), "rb");
+  TESSERA_CHECK(file != nullptr, "cannot open ", path, " (", key_hint,
+                "; the default comes with Debian's `dataset-fashion-mnist` package)");
+  std::string out;
+  char buffer[1 << 16];
+  int n;
+  while ((n = gzread(file, buffer, sizeof(buffer))) > 0) out.append(buffer, static_cast<std::size_t>(n));
+  int error = 0;
+  const char* message = gzerror(file, &error);
+  gzclose(file);
+  TESSERA_CHECK(n == 0 && error == Z_OK, path, " is not a readable gzip file: ", message);
+  return out;
+}
+
+std::uint32_t big_endian(const std::string& data, std::size_t offset) {
+  auto b = [&](std::size_t i) { return static_cast<std::uint32_t>(static_cast<unsigned char>(data[offset + i])); };
+  return (b(0) << 24) | (b(1) << 16) | (b(2) << 8) | b(3);
+}
+
+/// Parses an IDX file of unsigned bytes with `dims` dimensions, checking magic and size.
+at::Tensor read_idx(const std::string& path, std::size_t dims, const std::string& key_hint) {
+  std::string data = read_gzip(path, key_hint);
+  const std::size_t header = 4 + 4 * dims;
+  TESSERA_CHECK(data.size() >= header, path, " is truncated: ", data.size(), " bytes, less than its IDX header");
+  const std::uint32_t magic = big_endian(data, 0);
+  TESSERA_CHECK(magic == 0x800u + dims, path, " is not an IDX file of ", dims,
+                "-D unsigned bytes (magic 0x", std::hex, magic, ", expected 0x", 0x800u + dims, ")");
+  std::vector<std::int64_t> shape;
+  std::size_t count = 1;
+  for (std::size_t d = 0; d < dims; ++d) {
+    shape.push_back(big_endian(data, 4 + 4 * d));
+    count *= static_cast<std::size_t>(shape.back());
+  }
+  TESSERA_CHECK(data.size() == header + count, path, " is truncated or padded: ", data.size() - header,
+                " data bytes for a header that announces ", count);
+  at::Tensor out = at::empty(shape, at::kByte);
+  std::memcpy(out.data_ptr(), data.data() + header, count);
+  return out;
+}
+
+class Images final : public sdk::Dataset {
+ public:
+  Images(at::Tensor images, at::Tensor labels) : images_(std::move(images)), labels_(std::move(labels)) {}
+  std::int64_t size() const override { return images_.size(0); }
+  sdk::Batch get_batch(const std::vector<std::int64_t>& indices) const override {
+    at::Tensor index = at::tensor(indices, at::kLong);
+    return sdk::Batch{images_.index_select(0, index), labels_.index_select(0, index)};
+  }
+
+ private:
+  at::Tensor images_, labels_;
+};
+
+class FashionMNIST final : public sdk::DataModule {
+ public:
+  explicit FashionMNIST(const sdk::Options& o)
+      : root_(o.get_string("root", "/usr/share/datasets/fashion-mnist")),
+        val_size_(o.get_int("val_size", 5000, 0, 59000)),
+        train_limit_(o.get_int("train_limit", 0, 0)),
+        test_limit_(o.get_int("test_limit", 0, 0)),
+        root_key_(o.locate("root")) {}
+
+  void setup(const std::string&) override {
+    if (train_) return;
+    auto [train_images, train_labels] = load("train");
+    auto [test_images, test_labels] = load("t10k");
+    const std::int64_t n_train = train_images.size(0) - val_size_;
+    auto take = [](const at::Tensor& t, std::int64_t start, std::int64_t n) { return t.narrow(0, start, n); };
+    std::int64_t train_n = train_limit_ > 0 ? std::min(train_limit_, n_train) : n_train;
+    train_ = std::make_shared<Images>(take(train_images, 0, train_n), take(train_labels, 0, train_n));
+    val_ = std::make_shared<Images>(take(train_images, n_train, val_size_), take(train_labels, n_train, val_size_));
+    std::int64_t test_n = test_limit_ > 0 ? std::min(test_limit_, test_images.size(0)) : test_images.size(0);
+    test_ = std::make_shared<Images>(take(test_images, 0, test_n), take(test_labels, 0, test_n));
+  }
+  std::shared_ptr<sdk::Dataset> train_dataset() override { return train_; }
+  std::shared_ptr<sdk::Dataset> val_dataset() override { return val_; }
+  std::shared_ptr<sdk::Dataset> test_dataset() override { return test_; }
+  std::shared_ptr<sdk::Dataset> predict_dataset() override { return test_; }
+  std::string describe_prediction(const sdk::Batch& batch, const at::Tensor& output) const override {
+    std::string out;
+    at::Tensor predicted = output.reshape({-1}).cpu();
+    for (std::int64_t i = 0; i < predicted.numel(); ++i) {
+      out += kClasses[predicted[i].item<std::int64_t>()];
+      if (batch.target.defined()) out += std::string(" (true: ") + kClasses[batch.target[i].item<std::int64_t>()] + ")";
+      out += "\n";
+    }
+    return out;
+  }
+  std::string item_unit() const override { return "samples"; }
+
+ private:
+  std::pair<at::Tensor, at::Tensor> load(const std::string& split) const {
+    at::Tensor images = read_idx(root_ + "/" + split + "-images-idx3-ubyte.gz", 3, root_key_);
+    at::Tensor labels = read_idx(root_ + "/" + split + "-labels-idx1-ubyte.gz", 1, root_key_);
+    TESSERA_CHECK(images.size(0) == labels.size(0), root_, ": ", split, " has ", images.size(0), " images but ",
+                  labels.size(0), " labels");
+    // Normalised with the training set's mean and standard deviation.
+    at::Tensor x = (images.to(at::kFloat).div_(255.0).sub_(0.2860).div_(0.3530)).unsqueeze(1).contiguous();
+    return {x, labels.to(at::kLong)};
+  }
+
+  std::string root_;
+  std::int64_t val_size_, train_limit_, test_limit_;
+  std::string root_key_;
+  std::shared_ptr<sdk::Dataset> train_, val_, test_;
+};
+
+}  // namespace
+
+sdk::PluginEntry fashion_mnist_entry() {
+  return sdk::plugin_entry<FashionMNIST>("fashion_mnist", "Fashion-MNIST images from dataset-fashion-mnist");
+}
+
+}  // namespace tessera::data

@@ -1,0 +1,196 @@
+// `gpt`: a byte-level decoder-only transformer (nanoGPT's architecture). Each Block is an
+// FSDP unit: the network runs it through sdk::invoke().
+#include <cmath>
+
+#include <ATen/ATen.h>
+#include <torch/nn/functional/activation.h>
+#include <torch/nn/functional/loss.h>
+#include <torch/nn/init.h>
+#include <torch/nn/modules/container/modulelist.h>
+#include <torch/nn/modules/dropout.h>
+#include <torch/nn/modules/embedding.h>
+#include <torch/nn/modules/linear.h>
+#include <torch/nn/modules/normalization.h>
+
+#include "models.hpp"
+#include "tessera/sdk/error.hpp"
+#include "tessera/sdk/unit.hpp"
+
+namespace tessera::models {
+
+namespace F = torch::nn::functional;
+using sdk::Batch;
+using sdk::StepOutput;
+
+namespace {
+
+constexpr std::int64_t kVocab = 256;  // bytes
+
+struct GPTConfig {
+  std::int64_t n_layer, n_head, n_embd, block_size;
+  double dropout;
+  bool bias, tie_embeddings;
+};
+
+class BlockImpl : public torch::nn::Module {
+ public:
+  explicit BlockImpl(const GPTConfig& c)
+      : torch::nn::Module("Block"),
+        n_head_(c.n_head),
+        ln_1(register_module("ln_1", torch::nn::LayerNorm(torch::nn::LayerNormOptions({c.n_embd})))),
+        attn(register_module("attn", torch::nn::Linear(torch::nn::LinearOptions(c.n_embd, 3 * c.n_embd).bias(c.bias)))),
+        proj(register_module("proj", torch::nn::Linear(torch::nn::LinearOptions(c.n_embd, c.n_embd).bias(c.bias)))),
+        ln_2(register_module("ln_2", torch::nn::LayerNorm(torch::nn::LayerNormOptions({c.n_embd})))),
+        fc(register_module("fc", torch::nn::Linear(torch::nn::LinearOptions(c.n_embd, 4 * c.n_embd).bias(c.bias)))),
+        fc_proj(register_module("fc_proj",
+                                torch::nn::Linear(torch::nn::LinearOptions(4 * c.n_embd, c.n_embd).bias(c.bias)))),
+        dropout(register_module("dropout", torch::nn::Dropout(c.dropout))) {}
+
+  at::Tensor forward(const at::Tensor& x) {
+    const std::int64_t B = x.size(0), T = x.size(1), C = x.size(2), H = n_head_;
+    auto qkv = attn(ln_1(x)).split(C, 2);
+    auto heads = [&](const at::Tensor& t) { return t.view({B, T, H, C / H}).transpose(1, 2); };
+    at::Tensor q = heads(qkv[0]), k = heads(qkv[1]), v = heads(qkv[2]);
+    at::Tensor att = at::matmul(q, k.transpose(-2, -1)) * (1.0 / std::sqrt(static_cast<double>(C / H)));
+    at::Tensor causal = at::ones({T, T}, at::TensorOptions().dtype(at::kBool).device(x.device())).triu(1);
+    att = dropout(at::softmax(att.masked_fill(causal, -std::numeric_limits<float>::infinity()), -1));
+    at::Tensor y = at::matmul(att, v).transpose(1, 2).contiguous().view({B, T, C});
+    at::Tensor h = x + dropout(proj(y));
+    return h + dropout(fc_proj(F::gelu(fc(ln_2(h)))));
+  }
+
+ private:
+  std::int64_t n_head_;
+
+ public:
+  torch::nn::LayerNorm ln_1;
+  torch::nn::Linear attn, proj;
+  torch::nn::LayerNorm ln_2;
+  torch::nn::Linear fc, fc_proj;
+  torch::nn::Dropout dropout;
+};
+TORCH_MODULE(Block);
+
+class GPTNetImpl : public torch::nn::Module {
+ public:
+  explicit GPTNetImpl(const GPTConfig& c) : torch::nn::Module("GPT"), config(c) {
+    wte = register_module("wte", torch::nn::Embedding(kVocab, c.n_embd));
+    wpe = register_module("wpe", torch::nn::Embedding(c.block_size, c.n_embd));
+    drop = register_module("drop", torch::nn::Dropout(c.dropout));
+    blocks = register_module("blocks", torch::nn::ModuleList());
+    for (std::int64_t i = 0; i < c.n_layer; ++i) {
+      units.emplace_back(c);
+      blocks->push_back(units.back());
+    }
+    ln_f = register_module("ln_f", torch::nn::LayerNorm(torch::nn::LayerNormOptions({c.n_embd})));
+    if (!c.tie_embeddings)
+      lm_head = register_module("lm_head", torch::nn::Linear(torch::nn::LinearOptions(c.n_embd, kVocab).bias(false)));
+    initialize();
+  }
+
+  at::Tensor forward(const at::Tensor& idx) {
+    const std::int64_t T = idx.size(1);
+    TESSERA_CHECK(T <= config.block_size, "gpt: sequence of ", T, " tokens exceeds [model] block_size = ",
+                  config.block_size);
+    at::Tensor pos = at::arange(T, at::TensorOptions().dtype(at::kLong).device(idx.device()));
+    at::Tensor x = drop(wte(idx) + wpe(pos));
+    for (auto& block : units) x = sdk::invoke(block, x);
+    x = ln_f(x);
+    // Tied: the output head is the token embedding itself (one parameter).
+    return lm_head ? lm_head(x) : at::matmul(x, wte->weight.t());
+  }
+
+  GPTConfig config;
+  torch::nn::Embedding wte{nullptr}, wpe{nullptr};
+  torch::nn::Dropout drop{nullptr};
+  torch::nn::ModuleList blocks{nullptr};
+  std::vector<Block> units;
+  torch::nn::LayerNorm ln_f{nullptr};
+  torch::nn::Linear lm_head{nullptr};
+
+ private:
+  void initialize() {
+    torch::NoGradGuard no_grad;
+    const double residual_std = 0.02 / std::sqrt(2.0 * static_cast<double>(config.n_layer));
+    for (auto& item : named_parameters()) {
+      const std::string& name = item.key();
+      at::Tensor& p = item.value();
+      if (name.find("ln_") != std::string::npos) continue;  // LayerNorm: weight 1, bias 0
+      if (p.dim() == 1) p.zero_();
+      else torch::nn::init::normal_(p, 0.0, name.find("proj.weight") != std::string::npos ? residual_std : 0.02);
+    }
+  }
+};
+TORCH_MODULE(GPTNet);
+
+class GPT final : public sdk::Module {
+ public:
+  explicit GPT(const sdk::Options& o)
+      : config_{o.get_int("n_layer", 4, 1), o.get_int("n_head", 4, 1),      o.get_int("n_embd", 128, 1),
+                o.get_int("block_size", 128, 1), o.get_double("dropout", 0.0, 0.0, 1.0), o.get_bool("bias", true),
+                o.get_bool("tie_embeddings", true)},
+        max_new_tokens_(o.get_int("max_new_tokens", 200, 1)),
+        temperature_(o.get_double("temperature", 0.8, 1e-6)),
+        top_k_(o.get_int("top_k", 40, 0, kVocab)) {
+    TESSERA_CHECK(config_.n_embd % config_.n_head == 0, o.locate("n_embd"), " = ", config_.n_embd,
+                  " must be divisible by n_head = ", config_.n_head);
+  }
+
+  void configure_model() override { net_ = GPTNet(config_); }
+  std::shared_ptr<torch::nn::Module> network() override { return net_.ptr(); }
+
+  StepOutput training_step(const Batch& batch, std::int64_t) override { return lm_loss(batch); }
+  StepOutput validation_step(const Batch& batch, std::int64_t) override { return lm_loss(batch); }
+  StepOutput test_step(const Batch& batch, std::int64_t) override { return lm_loss(batch); }
+
+  at::Tensor predict_step(const Batch& batch, std::int64_t) override {
+    at::Tensor idx = batch.input;
+    for (std::int64_t i = 0; i < max_new_tokens_; ++i) {
+      at::Tensor context = idx.size(1) <= config_.block_size ? idx : idx.narrow(1, idx.size(1) - config_.block_size,
+                                                                              config_.block_size);
+      at::Tensor logits = net_->forward(context).select(1, context.size(1) - 1).to(at::kFloat) / temperature_;
+      if (top_k_ > 0) {
+        at::Tensor kth = std::get<0>(logits.topk(top_k_, -1)).narrow(-1, top_k_ - 1, 1);
+        logits = logits.masked_fill(logits < kth, -std::numeric_limits<float>::infinity());
+      }
+      idx = at::cat({idx, at::multinomial(at::softmax(logits, -1), 1)}, 1);
+    }
+    return idx;
+  }
+
+  std::vector<std::string> fsdp_unit_classes() const override { return {"Block"}; }
+
+  sdk::Checkpoint hyper_parameters() const override {
+    sdk::Checkpoint h = sdk::make_checkpoint();
+    h.insert("n_layer", config_.n_layer);
+    h.insert("n_head", config_.n_head);
+    h.insert("n_embd", config_.n_embd);
+    h.insert("block_size", config_.block_size);
+    h.insert("dropout", config_.dropout);
+    h.insert("bias", config_.bias);
+    h.insert("tie_embeddings", config_.tie_embeddings);
+    h.insert("vocab_size", kVocab);
+    return h;
+  }
+
+ private:
+  StepOutput lm_loss(const Batch& batch) {
+    at::Tensor logits = net_->forward(batch.input);
+    at::Tensor loss = F::cross_entropy(logits.reshape({-1, kVocab}).to(at::kFloat), batch.target.reshape({-1}));
+    return StepOutput{loss, {{"loss", loss.detach()}}, batch.input.numel()};
+  }
+
+  GPTConfig config_;
+  std::int64_t max_new_tokens_;
+  double temperature_;
+  std::int64_t top_k_;
+  GPTNet net_{nullptr};
+};
+
+}  // namespace
+
+sdk::PluginEntry gpt_entry() {
+  return sdk::plugin_entry<GPT>("gpt", "byte-level decoder-only transformer; its Blocks are FSDP units");
+}
+
+}  // namespace tessera::models

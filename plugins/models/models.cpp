@@ -1,0 +1,5 @@
+// The shipped model plugin: `gpt`, `mlp`, `cnn`.
+#include "models.hpp"
+
+TESSERA_PLUGIN(model, TESSERA_VERSION, tessera::models::gpt_entry(), tessera::models::mlp_entry(),
+               tessera::models::cnn_entry());
