@@ -1,0 +1,33 @@
+#pragma once
+/// Walks an sdk::Dataset in batches with PyTorch's DistributedSampler semantics: a shuffle
+/// seeded by seed + epoch, padded by repeating its head (or truncated with drop_last) to a
+/// multiple of the number of replicas, and rank r taking positions r, r + N, r + 2N, ...
+/// Batch i of N ranks with batch size B therefore covers exactly the samples that batch i
+/// of one device with batch size B * N covers: the property parity tests rely on.
+#include <memory>
+#include <vector>
+
+#include "tessera/sdk/data.hpp"
+#include "tessera/sdk/types.hpp"
+
+namespace tessera::core {
+
+class DataLoader {
+ public:
+  DataLoader(std::shared_ptr<sdk::Dataset> dataset, const sdk::DataLoaderSpec& spec);
+
+  /// Reshuffles for `epoch` (a no-op without shuffle).
+  void set_epoch(std::int64_t epoch);
+  /// This rank's sample indices for the current epoch, in order.
+  const std::vector<std::int64_t>& indices() const { return indices_; }
+  std::int64_t num_batches() const;
+  /// Batch `i` of the current epoch (random access: resuming skips without reading).
+  sdk::Batch batch(std::int64_t i) const;
+
+ private:
+  std::shared_ptr<sdk::Dataset> dataset_;
+  sdk::DataLoaderSpec spec_;
+  std::vector<std::int64_t> indices_;
+};
+
+}  // namespace tessera::core

@@ -1,0 +1,136 @@
+#include "config.hpp"
+
+#include <cmath>
+#include <filesystem>
+
+#include "tessera/sdk/error.hpp"
+
+namespace tessera::host {
+
+namespace {
+
+const std::map<std::string, std::string> kDefaultPlugins = {
+    {"strategy", "single_device"}, {"precision", "precision"}, {"checkpoint_io", "torch"}, {"model", "gpt"},
+    {"data", "text"}};
+
+void apply_override(toml::table& root, const std::string& assignment) {
+  auto eq = assignment.find('=');
+  auto dot = assignment.find('.');
+  TESSERA_CHECK(eq != std::string::npos && dot != std::string::npos && dot < eq, "--set ", assignment,
+                ": expected section.key=value, e.g. --set trainer.max_steps=100");
+  std::string section = assignment.substr(0, dot), key = assignment.substr(dot + 1, eq - dot - 1);
+  std::string value = assignment.substr(eq + 1);
+  toml::table* table = root[section].as_table();
+  if (table == nullptr) {
+    root.insert_or_assign(section, toml::table{});
+    table = root[section].as_table();
+  }
+  toml::table holder;
+  try {
+    holder = toml::parse("v = " + value, "--set " + assignment);
+  } catch (const toml::parse_error&) {
+    holder = toml::table{{"v", value}};  // a bare word is a string
+  }
+  table->insert_or_assign(key, *holder.get("v"));
+}
+
+}  // namespace
+
+Config Config::load(const std::string& path, const std::vector<std::string>& overrides) {
+  Config config;
+  config.path_ = path;
+  TESSERA_CHECK(std::filesystem::is_regular_file(path), "config file ", path, " does not exist");
+  toml::table root;
+  try {
+    root = toml::parse_file(path);
+  } catch (const toml::parse_error& e) {
+    TESSERA_FAIL(path, ":", e.source().begin.line, ":", e.source().begin.column, ": invalid TOML: ", e.description());
+  }
+  for (const auto& assignment : overrides) apply_override(root, assignment);
+
+  std::vector<std::string> sections = {"trainer", "optimizer", "launch"};
+  sections.insert(sections.end(), kPluginSections.begin(), kPluginSections.end());
+  for (const auto& [key, node] : root) {
+    std::string name(key.str());
+    if (name == "plugin_dirs") continue;
+    bool known = std::find(sections.begin(), sections.end(), name) != sections.end();
+    std::string where = path + (node.source().begin.line ? ":" + std::to_string(node.source().begin.line) : "");
+    TESSERA_CHECK(known, where, ": unknown section [", name, "]", sdk::did_you_mean(name, sections),
+                  "; valid sections: ", sdk::join(sections), ", and the key plugin_dirs");
+    TESSERA_CHECK(node.is_table(), where, ": ", name, " must be a table ([", name, "])");
+  }
+  auto section = [&](const std::string& name) {
+    const toml::table* t = root[name].as_table();
+    return sdk::Options(name, path, t ? *t : toml::table{});
+  };
+  if (const toml::node* dirs = root.get("plugin_dirs")) {
+    TESSERA_CHECK(dirs->is_array(), path, ": plugin_dirs must be an array of directory names");
+    for (const toml::node& d : *dirs->as_array()) config.plugin_dirs.push_back(d.value_or(std::string()));
+  }
+
+  sdk::Options t = section("trainer");
+  TrainerSettings& tr = config.trainer;
+  tr.max_steps = t.get_int("max_steps", tr.max_steps, -1);
+  tr.max_epochs = t.get_int("max_epochs", tr.max_steps > 0 ? 1000000 : tr.max_epochs, 1);
+  tr.accumulate_grad_batches = t.get_int("accumulate_grad_batches", 1, 1);
+  tr.gradient_clip_val = t.get_double("gradient_clip_val", 0.0, 0.0);
+  t.get_choice("gradient_clip_algorithm", "norm", {"norm"});
+  tr.norm_type = t.get_double("norm_type", 2.0, 1e-6, INFINITY);
+  tr.val_check_interval = t.get_int("val_check_interval", 0, 0);
+  tr.limit_val_batches = t.get_int("limit_val_batches", 0, 0);
+  tr.limit_test_batches = t.get_int("limit_test_batches", 0, 0);
+  tr.limit_predict_batches = t.get_int("limit_predict_batches", 1, 0);
+  tr.log_every_n_steps = t.get_int("log_every_n_steps", 10, 1);
+  tr.seed = t.get_int("seed", 0, 0);
+  tr.default_root_dir = t.get_string("default_root_dir", tr.default_root_dir);
+  tr.checkpoint_every_n_steps = t.get_int("checkpoint_every_n_steps", 0, 0);
+  tr.save_last = t.get_bool("save_last", true);
+  if (t.has("enable_progress_bar") && t.table().get("enable_progress_bar")->is_boolean())
+    tr.enable_progress_bar = t.get_bool("enable_progress_bar", true) ? "true" : "false";
+  else
+    tr.enable_progress_bar = t.get_choice("enable_progress_bar", "auto", {"auto", "true", "false"});
+  t.check_all_used();
+
+  sdk::Options o = section("optimizer");
+  sdk::OptimizerSettings& opt = config.optimizer;
+  opt.name = o.get_choice("name", "adamw", {"adamw", "adam", "sgd"});
+  opt.lr = o.get_double("lr", 1e-3, 0.0);
+  std::vector<double> betas = o.get_double_list("betas", {0.9, 0.999});
+  TESSERA_CHECK(betas.size() == 2 && betas[0] >= 0 && betas[0] < 1 && betas[1] >= 0 && betas[1] < 1,
+                o.locate("betas"), " must be two numbers in [0, 1), e.g. [0.9, 0.95]");
+  opt.beta1 = betas[0];
+  opt.beta2 = betas[1];
+  opt.eps = o.get_double("eps", 1e-8, 0.0);
+  opt.weight_decay = o.get_double("weight_decay", opt.name == "adamw" ? 0.01 : 0.0, 0.0);
+  opt.momentum = o.get_double("momentum", 0.0, 0.0, 1.0);
+  config.schedule.schedule = o.get_choice("schedule", "cosine", {"cosine", "constant"});
+  config.schedule.warmup_steps = o.get_int("warmup_steps", 0, 0);
+  config.schedule.min_lr = o.get_double("min_lr", 0.0, 0.0);
+  o.check_all_used();
+
+  sdk::Options l = section("launch");
+  LaunchSettings& la = config.launch;
+  la.devices = l.get_int("devices", 1, 1, 1024);
+  la.nodes = l.get_int("nodes", 1, 1);
+  la.node_rank = l.get_int("node_rank", 0, 0, la.nodes - 1);
+  la.master_addr = l.get_string("master_addr", la.master_addr);
+  la.master_port = l.get_int("master_port", 0, 0, 65535);
+  la.cluster_environment =
+      l.get_choice("cluster_environment", "auto", {"auto", "local", "torchrun", "slurm", "mpi", "single"});
+  la.num_threads = l.get_int("num_threads", 0, 0);
+  la.collective_timeout_s = l.get_int("collective_timeout_s", 60, 1);
+  l.check_all_used();
+
+  for (const auto& name : kPluginSections) {
+    sdk::Options options = section(name);
+    config.plugin_names[name] = options.get_string("plugin", kDefaultPlugins.at(name));
+    if (name == "data") {  // the host's own keys in [data]; the rest belong to the plugin
+      config.data.batch_size = options.get_int("batch_size", 8, 1);
+      config.data.shuffle = options.get_bool("shuffle", true);
+    }
+    config.plugins.emplace(name, std::move(options));
+  }
+  return config;
+}
+
+}  // namespace tessera::host

@@ -1,0 +1,78 @@
+#pragma once
+// The run configuration: one TOML file plus --set overrides, validated before any work
+// starts. Plugin sections become sdk::Options handed to the plugin factories.
+#include <map>
+#include <string>
+#include <vector>
+
+#include "tessera/sdk/optimizer.hpp"
+#include "tessera/sdk/options.hpp"
+
+namespace tessera::host {
+
+struct TrainerSettings {
+  std::int64_t max_steps = -1;
+  std::int64_t max_epochs = 1;
+  std::int64_t accumulate_grad_batches = 1;
+  double gradient_clip_val = 0.0;
+  double norm_type = 2.0;
+  std::int64_t val_check_interval = 0;  ///< steps between validations; 0 = end of each epoch
+  std::int64_t limit_val_batches = 0;   ///< 0 = all
+  std::int64_t limit_test_batches = 0;
+  std::int64_t limit_predict_batches = 1;
+  std::int64_t log_every_n_steps = 10;
+  std::int64_t seed = 0;
+  std::string default_root_dir = "tessera_logs";
+  std::int64_t checkpoint_every_n_steps = 0;  ///< 0 = only last.ckpt
+  bool save_last = true;
+  std::string enable_progress_bar = "auto";  ///< "auto" (on a terminal), "true", "false"
+};
+
+struct ScheduleSettings {
+  std::string schedule = "cosine";  ///< "cosine" or "constant"
+  std::int64_t warmup_steps = 0;
+  double min_lr = 0.0;
+};
+
+struct LaunchSettings {
+  std::int64_t devices = 1;
+  std::int64_t nodes = 1;
+  std::int64_t node_rank = 0;
+  std::string master_addr = "127.0.0.1";
+  std::int64_t master_port = 0;  ///< 0: the local launcher picks a free port
+  std::string cluster_environment = "auto";
+  std::int64_t num_threads = 0;  ///< 0: cores / local ranks
+  std::int64_t collective_timeout_s = 60;
+};
+
+struct DataSettings {
+  std::int64_t batch_size = 8;  ///< per rank, as in Lightning
+  bool shuffle = true;
+};
+
+/// Every plugin kind's section, in creation order.
+inline const std::vector<std::string> kPluginSections = {"strategy", "precision", "checkpoint_io", "model", "data"};
+
+class Config {
+ public:
+  /// Parses `path`, applies `overrides` ("section.key=value", value parsed as TOML, else a
+  /// string) and validates every host-owned section. Throws sdk::Error naming file:line/key.
+  static Config load(const std::string& path, const std::vector<std::string>& overrides);
+
+  const std::string& path() const { return path_; }
+  std::vector<std::string> plugin_dirs;
+  TrainerSettings trainer;
+  sdk::OptimizerSettings optimizer;
+  ScheduleSettings schedule;
+  LaunchSettings launch;
+  DataSettings data;
+  /// The [strategy], [precision], ... tables; the factories read their own keys.
+  std::map<std::string, sdk::Options> plugins;
+  /// The `plugin = "..."` of each plugin section (with defaults).
+  std::map<std::string, std::string> plugin_names;
+
+ private:
+  std::string path_;
+};
+
+}  // namespace tessera::host
