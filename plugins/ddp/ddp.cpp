@@ -1,0 +1,144 @@
+// The `ddp` strategy: replicated parameters (broadcast from rank 0 at setup), gradients
+// averaged in buckets whose all-reduce starts from gradient-accumulator hooks while the rest
+// of backward still runs (PyTorch DDP's overlap), and no reduction on non-final
+// micro-batches (no_sync). The baseline FSDP is measured against.
+#include <unordered_map>
+
+#include <ATen/ATen.h>
+#include <torch/csrc/autograd/function.h>
+#include <torch/csrc/autograd/function_hook.h>
+#include <torch/csrc/autograd/variable.h>
+
+#include "tessera/core/strategy_base.hpp"
+#include "tessera/sdk/error.hpp"
+#include "tessera/sdk/plugin.hpp"
+
+namespace tessera::plugins {
+
+namespace {
+
+class DDPStrategy;
+
+/// Runs after a parameter's gradient has been accumulated into .grad.
+class GradReadyHook final : public torch::autograd::FunctionPostHook {
+ public:
+  GradReadyHook(DDPStrategy* owner, std::size_t index) : owner_(owner), index_(index) {}
+  torch::autograd::variable_list operator()(const torch::autograd::variable_list& outputs,
+                                            const torch::autograd::variable_list&) override;
+
+ private:
+  DDPStrategy* owner_;
+  std::size_t index_;
+};
+
+class DDPStrategy final : public core::StrategyBase {
+ public:
+  explicit DDPStrategy(const sdk::Options& options)
+      : StrategyBase(options), bucket_bytes_(static_cast<std::int64_t>(options.get_double("bucket_cap_mb", 25.0, 0.001) *
+                                                                       1024 * 1024)) {}
+
+  void backward(const at::Tensor& loss, bool sync_gradients) override {
+    sync_ = sync_gradients && world().size() > 1;
+    for (auto& bucket : buckets_) {
+      bucket.pending = static_cast<std::int64_t>(bucket.params.size());
+      bucket.handle.reset();
+    }
+    precision().pre_backward(loss).backward();
+    if (!sync_) return;
+    for (std::size_t b = 0; b < buckets_.size(); ++b)
+      if (!buckets_[b].handle) launch(b);  // parameters that got no gradient this step
+    torch::NoGradGuard no_grad;
+    for (auto& bucket : buckets_) {
+      bucket.handle->wait();
+      std::int64_t offset = 0;
+      for (auto& p : bucket.params) {
+        at::Tensor reduced = bucket.flat.narrow(0, offset, p.numel()).view(p.sizes());
+        if (p.grad().defined()) p.mutable_grad().copy_(reduced);
+        else p.mutable_grad() = reduced.clone();
+        offset += p.numel();
+      }
+    }
+  }
+
+  void grad_ready(std::size_t param_index) {
+    if (!sync_) return;
+    std::size_t b = bucket_of_[param_index];
+    if (--buckets_[b].pending == 0) launch(b);
+  }
+
+ protected:
+  void setup_module() override {
+    torch::NoGradGuard no_grad;
+    for (auto& p : network_->parameters()) broadcast(p, 0);
+    for (auto& b : network_->buffers()) broadcast(b, 0);
+    // Buckets in reverse registration order: roughly the order gradients become ready.
+    std::vector<at::Tensor> params;
+    for (auto& p : network_->parameters())
+      if (p.requires_grad()) params.push_back(p);
+    std::reverse(params.begin(), params.end());
+    for (std::size_t i = 0; i < params.size(); ++i) {
+      at::Tensor& p = params[i];
+      std::int64_t bytes = p.numel() * static_cast<std::int64_t>(p.element_size());
+      if (buckets_.empty() || buckets_.back().bytes + bytes > bucket_bytes_ ||
+          buckets_.back().flat_dtype != p.scalar_type())
+        buckets_.push_back(Bucket{{}, {}, 0, 0, {}, p.scalar_type()});
+      Bucket& bucket = buckets_.back();
+      bucket.params.push_back(p);
+      bucket.bytes += bytes;
+      bucket_of_[i] = buckets_.size() - 1;
+      auto accumulator = torch::autograd::impl::grad_accumulator(p);
+      accumulator->add_post_hook(std::make_unique<GradReadyHook>(this, i));
+      accumulators_.push_back(std::move(accumulator));  // the variable holds it only weakly
+    }
+    for (auto& bucket : buckets_) {
+      std::int64_t numel = 0;
+      for (auto& p : bucket.params) numel += p.numel();
+      bucket.flat = at::empty({numel}, bucket.params.front().options());
+    }
+  }
+
+ private:
+  struct Bucket {
+    std::vector<at::Tensor> params;
+    at::Tensor flat;
+    std::int64_t bytes;
+    std::int64_t pending;
+    core::CommHandlePtr handle;
+    at::ScalarType flat_dtype;
+  };
+
+  void launch(std::size_t b) {
+    Bucket& bucket = buckets_[b];
+    torch::NoGradGuard no_grad;
+    std::int64_t offset = 0;
+    for (auto& p : bucket.params) {
+      at::Tensor slot = bucket.flat.narrow(0, offset, p.numel());
+      if (p.grad().defined()) slot.copy_(p.grad().reshape({-1}));
+      else slot.zero_();
+      offset += p.numel();
+    }
+    bucket.handle = world().all_reduce(bucket.flat, sdk::ReduceOp::mean, "gradient all-reduce of bucket " +
+                                                                             std::to_string(b));
+  }
+
+  std::int64_t bucket_bytes_;
+  bool sync_ = false;
+  std::vector<Bucket> buckets_;
+  std::unordered_map<std::size_t, std::size_t> bucket_of_;
+  std::vector<std::shared_ptr<torch::autograd::Node>> accumulators_;
+};
+
+torch::autograd::variable_list GradReadyHook::operator()(const torch::autograd::variable_list& outputs,
+                                                         const torch::autograd::variable_list&) {
+  owner_->grad_ready(index_);
+  return outputs;
+}
+
+}  // namespace
+
+}  // namespace tessera::plugins
+
+TESSERA_PLUGIN(strategy, TESSERA_VERSION,
+               tessera::sdk::plugin_entry<tessera::plugins::DDPStrategy>(
+                   "ddp", "DistributedDataParallel: replicated model, bucketed gradient all-reduce overlapped with "
+                          "backward"));
