@@ -17,6 +17,10 @@
 
 #include <gtest/gtest.h>
 
+#include <filesystem>
+
+#include "tessera/core/checkpoint.hpp"
+
 extern char** environ;
 
 namespace tessera::testing {
@@ -152,6 +156,56 @@ void run_ranks(int world_size, std::chrono::seconds timeout,
   }
   for (const auto& log : logs) std::remove(log.c_str());
   if (!failure.empty()) FAIL() << failure;
+}
+
+}  // namespace tessera::testing
+
+namespace tessera::testing {
+
+CommandResult run_tessera(const std::string& arguments, const std::string& environment, int timeout_s) {
+  std::string command = environment + " timeout -k 5 " + std::to_string(timeout_s) + " " + TESSERA_BINARY + " " +
+                        arguments + " 2>&1";
+  CommandResult result{0, ""};
+  FILE* pipe = ::popen(command.c_str(), "r");
+  char buffer[4096];
+  while (std::fgets(buffer, sizeof(buffer), pipe) != nullptr) result.output += buffer;
+  int status = ::pclose(pipe);
+  result.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+  return result;
+}
+
+std::string fresh_dir(const std::string& name) {
+  std::string dir = ::testing::TempDir() + "tessera-" + name + "-" + std::to_string(::getpid());
+  std::filesystem::remove_all(dir);
+  std::filesystem::create_directories(dir);
+  return dir;
+}
+
+std::map<std::string, at::Tensor> checkpoint_state(const std::string& path) {
+  std::map<std::string, at::Tensor> out;
+  auto checkpoint = core::checkpoint_dict(core::load_pickle(path), path);
+  for (const auto& item : core::state_dict_from(core::checkpoint_get(checkpoint, "state_dict"), path))
+    out[item.key()] = item.value();
+  return out;
+}
+
+std::map<std::int64_t, double> metric_series(const std::string& csv, const std::string& stage,
+                                             const std::string& metric) {
+  std::map<std::int64_t, double> out;
+  std::ifstream in(csv);
+  std::string line;
+  std::getline(in, line);  // header: step,epoch,stage,metric,value
+  while (std::getline(in, line)) {
+    std::stringstream row(line);
+    std::string step, epoch, row_stage, name, value;
+    std::getline(row, step, ',');
+    std::getline(row, epoch, ',');
+    std::getline(row, row_stage, ',');
+    std::getline(row, name, ',');
+    std::getline(row, value, ',');
+    if (row_stage == stage && name == metric) out[std::stoll(step)] = std::stod(value);
+  }
+  return out;
 }
 
 }  // namespace tessera::testing

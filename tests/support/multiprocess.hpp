@@ -6,6 +6,10 @@
 /// fails the test naming the rank that failed, crashed or hung, with its output tail.
 #include <chrono>
 #include <functional>
+#include <map>
+#include <string>
+
+#include <ATen/core/Tensor.h>
 
 #include "tessera/sdk/types.hpp"
 
@@ -19,5 +23,28 @@ int free_port();
 
 /// The build tree's plugin directory (for core::PluginLoader in tests).
 const char* plugin_dir();
+
+}  // namespace tessera::testing
+
+namespace tessera::testing {
+
+/// Result of running the `tessera` binary.
+struct CommandResult {
+  int exit_code;
+  std::string output;  ///< stdout and stderr together
+};
+
+/// Runs the build tree's `tessera` with `arguments` (shell words) and extra environment
+/// assignments ("A=1 B=2"), bounded by `timeout_s` (the `timeout` command kills it).
+CommandResult run_tessera(const std::string& arguments, const std::string& environment = "", int timeout_s = 300);
+
+/// A fresh empty directory under the test temp dir.
+std::string fresh_dir(const std::string& name);
+
+/// The named tensors of a checkpoint's state_dict.
+std::map<std::string, at::Tensor> checkpoint_state(const std::string& path);
+
+/// Rows of metrics.csv for `metric` in stage `stage`: step -> value.
+std::map<std::int64_t, double> metric_series(const std::string& csv, const std::string& stage, const std::string& metric);
 
 }  // namespace tessera::testing
