@@ -125,9 +125,11 @@ sdk::StepResult StrategyBase::optimizer_step(double gradient_clip_val, double no
   precision().unscale_gradients(optimizer(), *this);
   if (gradient_clip_val > 0) result.grad_norm = clip_grad_norm(gradient_clip_val, norm_type);
   result.stepped = precision().optimizer_step(optimizer(), *this);
-  optimizer().zero_grad();
+  zero_grad();
   return result;
 }
+
+void StrategyBase::zero_grad() { optimizer().zero_grad(); }
 
 double StrategyBase::clip_grad_norm(double max_norm, double norm_type) {
   std::vector<at::Tensor> gradients;

@@ -70,6 +70,8 @@ class StrategyBase : public sdk::Strategy {
   /// Called by setup() after the network is on its device, before the optimizer exists
   /// (DDP broadcasts parameters here; FSDP shards).
   virtual void setup_module();
+  /// Clears gradients after a step (default: optimizer().zero_grad()).
+  virtual void zero_grad();
   /// What the optimizer steps on, named after the original parameters.
   virtual std::vector<sdk::NamedParameter> optimizer_parameters();
   /// Gradient-norm clipping over `gradients`; with `sharded`, each rank holds a disjoint

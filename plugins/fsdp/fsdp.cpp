@@ -1,0 +1,172 @@
+// The `fsdp` strategy: Lightning's FSDPStrategy over core::fsdp::ShardedModule (flat
+// parameters, PyTorch FSDP1 semantics). TOML keys use PyTorch's/Lightning's names.
+#include <ATen/ATen.h>
+
+#include "tessera/core/fsdp.hpp"
+#include "tessera/core/strategy_base.hpp"
+#include "tessera/sdk/error.hpp"
+#include "tessera/sdk/plugin.hpp"
+
+namespace tessera::plugins {
+
+namespace {
+
+namespace fsdp = core::fsdp;
+
+class FSDPStrategy : public core::StrategyBase {
+ public:
+  explicit FSDPStrategy(const sdk::Options& o, bool cpu_offload_default = false)
+      : StrategyBase(o),
+        sharding_strategy_(o.get_choice("sharding_strategy", "FULL_SHARD",
+                                        {"FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD"})),
+        hybrid_group_size_(o.get_int("hybrid_shard_group_size", 0, 0)),
+        unit_classes_(o.get_string_list("transformer_layer_cls", {})),
+        sync_module_states_(o.get_bool("sync_module_states", false)),
+        cpu_offload_(o.get_bool("cpu_offload", cpu_offload_default)),
+        options_key_(o.locate("transformer_layer_cls")) {
+    options_.auto_wrap_policy = o.get_choice("auto_wrap_policy", "transformer", {"transformer", "size", "none"});
+    options_.min_num_params = o.get_int("min_num_params", 100000000, 0);
+    options_.backward_prefetch = fsdp::parse_backward_prefetch(
+        o.get_choice("backward_prefetch", "BACKWARD_PRE", {"BACKWARD_PRE", "BACKWARD_POST", "none"}));
+    options_.forward_prefetch = o.get_bool("forward_prefetch", false);
+    // At most the unit in use plus one prefetched unit are ever gathered: the limit holds.
+    o.get_bool("limit_all_gathers", true);
+    options_.activation_checkpointing = o.get_string_list("activation_checkpointing", {});
+    options_.reduce_every_micro_batch = o.get_bool("reduce_every_micro_batch", false);
+    o.get_choice("state_dict_type", "FULL_STATE_DICT", {"FULL_STATE_DICT"});
+    options_.rank0_only = o.get_bool("rank0_only", true);
+    TESSERA_CHECK(o.get_string_list("ignored_modules", {}).empty(), o.locate("ignored_modules"),
+                  ": ignored_modules is not supported yet by this tessera (every parameter is sharded)");
+    TESSERA_CHECK(sharding_strategy_ == "HYBRID_SHARD" || hybrid_group_size_ == 0, o.locate("hybrid_shard_group_size"),
+                  " applies to sharding_strategy = \"HYBRID_SHARD\" only");
+  }
+
+  void setup_environment(const sdk::ClusterInfo& cluster) override {
+    StrategyBase::setup_environment(cluster);
+    // Parameters and gradients already live on the CPU there; on CUDA offload is not built yet.
+    TESSERA_CHECK(!cpu_offload_ || device_.is_cpu(), "[strategy] cpu_offload = true is not supported on ", device_,
+                  " by this tessera yet");
+  }
+
+  sdk::StepOutput training_step(const sdk::Batch& batch, std::int64_t batch_idx) override {
+    engine_->begin_forward(/*training=*/true);
+    return StrategyBase::training_step(batch, batch_idx);
+  }
+  sdk::StepOutput validation_step(const sdk::Batch& batch, std::int64_t batch_idx) override {
+    engine_->begin_forward(false);
+    sdk::StepOutput out = StrategyBase::validation_step(batch, batch_idx);
+    engine_->end_forward();
+    return out;
+  }
+  sdk::StepOutput test_step(const sdk::Batch& batch, std::int64_t batch_idx) override {
+    engine_->begin_forward(false);
+    sdk::StepOutput out = StrategyBase::test_step(batch, batch_idx);
+    engine_->end_forward();
+    return out;
+  }
+  at::Tensor predict_step(const sdk::Batch& batch, std::int64_t batch_idx) override {
+    engine_->begin_forward(false);
+    at::Tensor out = StrategyBase::predict_step(batch, batch_idx);
+    engine_->end_forward();
+    return out;
+  }
+
+  void backward(const at::Tensor& loss, bool sync_gradients) override {
+    engine_->begin_backward(sync_gradients || options_.reduce_every_micro_batch);
+    StrategyBase::backward(loss, sync_gradients);
+    engine_->finish_backward();
+  }
+
+  double clip_grad_norm(double max_norm, double norm_type) override {
+    return engine_->clip_grad_norm(max_norm, norm_type);
+  }
+
+  sdk::StateDict lightning_module_state_dict() override { return engine_->full_state_dict(); }
+  void load_model_state_dict(const sdk::StateDict& state, bool strict) override {
+    engine_->load_full_state_dict(state, strict);
+  }
+  sdk::Checkpoint optimizer_state() override { return engine_->full_optim_state_dict(optimizer()); }
+  void load_optimizer_state(const sdk::Checkpoint& state) override {
+    engine_->load_full_optim_state_dict(optimizer(), state);
+  }
+  void teardown() override {
+    engine_.reset();
+    StrategyBase::teardown();
+  }
+
+ protected:
+  void setup_module() override {
+    const std::int64_t world = world_size();  // ranks in the job
+    if (sync_module_states_) {
+      torch::NoGradGuard no_grad;
+      for (auto& p : network_->parameters()) broadcast(p, 0);
+      for (auto& b : network_->buffers()) broadcast(b, 0);
+    }
+    options_.sharding_strategy = fsdp::parse_sharding_strategy(sharding_strategy_);
+    options_.mixed_precision = precision().mixed_precision_policy();
+    options_.unit_classes = unit_classes_.empty() ? module_->fsdp_unit_classes() : unit_classes_;
+    check_unit_classes();
+
+    std::int64_t shard_size = world;  // FULL_SHARD, SHARD_GRAD_OP
+    if (options_.sharding_strategy == fsdp::ShardingStrategy::NO_SHARD) shard_size = 1;
+    if (options_.sharding_strategy == fsdp::ShardingStrategy::HYBRID_SHARD) {
+      shard_size = hybrid_group_size_ > 0 ? hybrid_group_size_ : cluster_.local_world_size;
+      TESSERA_CHECK(world % shard_size == 0, "[strategy] hybrid_shard_group_size = ", shard_size,
+                    " does not divide the world size ", world, "; choose a divisor of ", world);
+    }
+    std::vector<std::vector<std::int64_t>> shard_groups(world / shard_size), replicate_groups(shard_size);
+    for (std::int64_t r = 0; r < world; ++r) {
+      shard_groups[r / shard_size].push_back(r);
+      replicate_groups[r % shard_size].push_back(r);
+    }
+    core::CommunicatorPtr shard = world == 1 ? world_ : world_->split(shard_groups);
+    core::CommunicatorPtr replicate = world == 1 ? world_ : world_->split(replicate_groups);
+    engine_ = std::make_unique<fsdp::ShardedModule>(network_, options_, shard, replicate);
+  }
+
+  std::vector<sdk::NamedParameter> optimizer_parameters() override { return engine_->optimizer_parameters(); }
+  // The optimizer's gradients are views of the flat sharded gradient: zero that in place.
+  void zero_grad() override { engine_->after_optimizer_step(); }
+
+ private:
+  void check_unit_classes() const {
+    if (options_.auto_wrap_policy == "none") return;
+    std::vector<std::string> present;
+    for (const auto& item : network_->named_modules()) present.push_back(item.value()->name());
+    for (const auto& cls : options_.unit_classes)
+      TESSERA_CHECK(std::find(present.begin(), present.end(), cls) != present.end(), options_key_, ": the model has no ",
+                    "module class '", cls, "'", sdk::did_you_mean(cls, present), "; its unit classes are [",
+                    sdk::join(module_->fsdp_unit_classes()), "]");
+    for (const auto& cls : options_.activation_checkpointing)
+      TESSERA_CHECK(std::find(options_.unit_classes.begin(), options_.unit_classes.end(), cls) !=
+                        options_.unit_classes.end(),
+                    "[strategy] activation_checkpointing names '", cls,
+                    "', which is not an FSDP unit class; valid: ", sdk::join(options_.unit_classes));
+  }
+
+  fsdp::FSDPOptions options_;
+  std::string sharding_strategy_;
+  std::int64_t hybrid_group_size_;
+  std::vector<std::string> unit_classes_;
+  bool sync_module_states_;
+  bool cpu_offload_;
+  std::string options_key_;
+  std::unique_ptr<fsdp::ShardedModule> engine_;
+};
+
+/// Lightning registers "fsdp_cpu_offload" beside "fsdp": the same strategy, offload on.
+class FSDPCPUOffloadStrategy final : public FSDPStrategy {
+ public:
+  explicit FSDPCPUOffloadStrategy(const sdk::Options& o) : FSDPStrategy(o, /*cpu_offload_default=*/true) {}
+};
+
+}  // namespace
+
+}  // namespace tessera::plugins
+
+TESSERA_PLUGIN(strategy, TESSERA_VERSION,
+               tessera::sdk::plugin_entry<tessera::plugins::FSDPStrategy>(
+                   "fsdp", "FullyShardedDataParallel: flat-parameter sharding (FULL_SHARD, SHARD_GRAD_OP, NO_SHARD, "
+                           "HYBRID_SHARD)"),
+               tessera::sdk::plugin_entry<tessera::plugins::FSDPCPUOffloadStrategy>(
+                   "fsdp_cpu_offload", "fsdp with parameters and gradients offloaded to the CPU"));
