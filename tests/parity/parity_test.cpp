@@ -65,15 +65,18 @@ void expect_same(const Run& reference, const Run& run, const std::string& what, 
 }
 
 /// One test per (strategy, model): the single-device reference once, then 1-4 ranks.
+/// `strategy_sets` go to the parallel runs only; `trainer_sets` to the reference as well.
 void check_parity(const std::string& strategy, const std::string& strategy_sets, const std::string& model,
-                  int accumulate = 1, double tol = 2e-5) {
+                  int accumulate = 1, std::vector<int> worlds = {1, 2, 3, 4}, const std::string& trainer_sets = "",
+                  double tol = 2e-5) {
   // SGD with momentum: Adam's normalisation would turn float rounding noise in near-zero
   // gradients into lr-sized steps and hide real differences behind a loose tolerance.
-  Run reference = fit("reference-" + model, model, 1, "--set strategy.plugin=single_device", accumulate);
-  for (int world : {1, 2, 3, 4}) {
+  Run reference =
+      fit("reference-" + model, model, 1, "--set strategy.plugin=single_device " + trainer_sets, accumulate);
+  for (int world : worlds) {
     SCOPED_TRACE(strategy + " on " + std::to_string(world) + " rank(s), " + model);
-    Run run = fit(strategy + "-" + model, model, world, "--set strategy.plugin=" + strategy + " " + strategy_sets,
-                  accumulate);
+    Run run = fit(strategy + "-" + model, model, world,
+                  "--set strategy.plugin=" + strategy + " " + strategy_sets + " " + trainer_sets, accumulate);
     expect_same(reference, run, strategy + " x" + std::to_string(world), tol);
   }
 }
@@ -81,5 +84,37 @@ void check_parity(const std::string& strategy, const std::string& strategy_sets,
 TEST(Parity, DDPMatchesSingleDeviceMLP) { check_parity("ddp", "", "mlp"); }
 TEST(Parity, DDPMatchesSingleDeviceGPT) { check_parity("ddp", "", "gpt"); }
 TEST(Parity, DDPWithGradientAccumulation) { check_parity("ddp", "", "mlp", /*accumulate=*/3); }
+
+TEST(Parity, FSDPFullShardMLP) { check_parity("fsdp", "--set strategy.sharding_strategy=FULL_SHARD", "mlp"); }
+TEST(Parity, FSDPFullShardGPTTiedEmbedding) { check_parity("fsdp", "", "gpt"); }
+TEST(Parity, FSDPShardGradOp) { check_parity("fsdp", "--set strategy.sharding_strategy=SHARD_GRAD_OP", "gpt"); }
+TEST(Parity, FSDPNoShard) { check_parity("fsdp", "--set strategy.sharding_strategy=NO_SHARD", "mlp"); }
+TEST(Parity, FSDPHybridShard) {
+  check_parity("fsdp", "--set strategy.sharding_strategy=HYBRID_SHARD --set strategy.hybrid_shard_group_size=2", "mlp",
+               1, {2, 4});
+}
+TEST(Parity, FSDPPrefetchAndActivationCheckpointing) {
+  check_parity("fsdp",
+               "--set strategy.forward_prefetch=true --set strategy.backward_prefetch=BACKWARD_POST "
+               "--set strategy.activation_checkpointing=Block",
+               "gpt");
+}
+TEST(Parity, FSDPNoPrefetchRootOnly) {
+  check_parity("fsdp", "--set strategy.backward_prefetch=none --set strategy.auto_wrap_policy=none", "mlp");
+}
+TEST(Parity, FSDPGradientAccumulationNoSync) { check_parity("fsdp", "", "gpt", /*accumulate=*/3); }
+TEST(Parity, FSDPGradientAccumulationReduceEveryMicroBatch) {
+  check_parity("fsdp", "--set strategy.reduce_every_micro_batch=true", "mlp", /*accumulate=*/2);
+}
+TEST(Parity, FSDPCPUOffload) { check_parity("fsdp_cpu_offload", "", "mlp"); }
+TEST(Parity, FSDPGradientClipping) {
+  check_parity("fsdp", "", "gpt", 1, {1, 2, 3, 4}, "--set trainer.gradient_clip_val=0.05");
+}
+TEST(Parity, FSDPGradientClippingInfNorm) {
+  check_parity("fsdp", "", "mlp", 1, {2, 3}, "--set trainer.gradient_clip_val=0.01 --set trainer.norm_type=inf");
+}
+TEST(Parity, DDPGradientClippingInfNorm) {
+  check_parity("ddp", "", "mlp", 1, {2, 3}, "--set trainer.gradient_clip_val=0.01 --set trainer.norm_type=inf");
+}
 
 }  // namespace

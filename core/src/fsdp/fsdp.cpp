@@ -351,8 +351,10 @@ void ShardedModule::unshard(FlatParamUnit& u, const std::string& phase) {
 }
 
 void ShardedModule::reshard(FlatParamUnit& u) {
-  if (!u.gathered || shard_group_->size() == 1) return;
-  free_storage(u.full);
+  if (!u.gathered) return;
+  // One-rank shard groups (NO_SHARD, world 1) keep the storage; the next unshard refreshes
+  // it from the (stepped) shard.
+  if (shard_group_->size() > 1) free_storage(u.full);
   u.gathered = false;
 }
 
