@@ -3,6 +3,9 @@
 #include <fcntl.h>
 #include <unistd.h>
 
+#include <atomic>
+#include <cmath>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <map>
@@ -59,12 +62,12 @@ std::string state_key(const at::Tensor& p) { return c10::guts::to_string(p.unsaf
 sdk::Checkpoint param_state_dict(const torch::optim::OptimizerParamState& state) {
   sdk::Checkpoint out = sdk::make_checkpoint();
   if (auto* s = dynamic_cast<const torch::optim::AdamWParamState*>(&state)) {
-    out.insert("step", at::scalar_tensor(static_cast<double>(s->step())));
+    out.insert("step", at::scalar_tensor(static_cast<double>(s->step()), at::kFloat));
     out.insert("exp_avg", s->exp_avg());
     out.insert("exp_avg_sq", s->exp_avg_sq());
     if (s->max_exp_avg_sq().defined()) out.insert("max_exp_avg_sq", s->max_exp_avg_sq());
   } else if (auto* s = dynamic_cast<const torch::optim::AdamParamState*>(&state)) {
-    out.insert("step", at::scalar_tensor(static_cast<double>(s->step())));
+    out.insert("step", at::scalar_tensor(static_cast<double>(s->step()), at::kFloat));
     out.insert("exp_avg", s->exp_avg());
     out.insert("exp_avg_sq", s->exp_avg_sq());
     if (s->max_exp_avg_sq().defined()) out.insert("max_exp_avg_sq", s->max_exp_avg_sq());
@@ -106,7 +109,14 @@ sdk::Checkpoint group_options(const torch::optim::OptimizerOptions& options) {
 std::unique_ptr<torch::optim::OptimizerParamState> make_param_state(const torch::optim::Optimizer& optimizer,
                                                                     const sdk::Checkpoint& saved) {
   auto tensor = [&](const char* key) { return saved.contains(key) ? saved.at(key).toTensor().clone() : at::Tensor(); };
-  auto step = [&] { return saved.contains("step") ? static_cast<std::int64_t>(saved.at("step").toTensor().item<double>()) : 0; };
+  auto step = [&]() -> std::int64_t {
+    if (!saved.contains("step")) return 0;
+    const IValue& v = saved.at("step");
+    if (v.isTensor()) return static_cast<std::int64_t>(std::llround(v.toTensor().item<double>()));
+    if (v.isInt()) return v.toInt();
+    TESSERA_CHECK(v.isDouble(), "optimizer state 'step' is neither a tensor nor a number");
+    return static_cast<std::int64_t>(std::llround(v.toDouble()));
+  };
   if (dynamic_cast<const torch::optim::AdamW*>(&optimizer)) {
     auto s = std::make_unique<torch::optim::AdamWParamState>();
     s->step(step()).exp_avg(tensor("exp_avg")).exp_avg_sq(tensor("exp_avg_sq")).max_exp_avg_sq(tensor("max_exp_avg_sq"));
@@ -152,71 +162,227 @@ sdk::Checkpoint optimizer_state_dict(const torch::optim::Optimizer& optimizer,
   return out;
 }
 
+namespace {
+
+std::vector<std::string> saved_param_names(const sdk::Checkpoint& saved) {
+  std::vector<std::string> names;
+  if (!saved.contains("param_names")) return names;
+  const IValue& value = saved.at("param_names");
+  TESSERA_CHECK(value.isList(), "optimizer state 'param_names' is not a list of strings");
+  for (const IValue& name : value.toListRef()) {
+    TESSERA_CHECK(name.isString(), "optimizer state 'param_names' holds a non-string entry");
+    names.push_back(name.toStringRef());
+  }
+  return names;
+}
+
+bool keyed_by_name(const sdk::Checkpoint& saved) {
+  auto state = checkpoint_dict(checkpoint_get(saved, "state"), "optimizer state 'state'");
+  if (state.size() > 0) return state.begin()->key().isString();
+  for (const IValue& group : checkpoint_get(saved, "param_groups").toListRef()) {
+    sdk::Checkpoint g = checkpoint_dict(group, "optimizer param group");
+    auto params = checkpoint_get(g, "params").toListRef();
+    if (!params.empty()) return params[0].isString();
+  }
+  return false;
+}
+
+/// The saved state as PARAM_ID plus the name of each index (empty if unnamed).
+std::pair<c10::impl::GenericDict, std::vector<std::string>> state_by_index(const sdk::Checkpoint& saved) {
+  sdk::Checkpoint by_id = keyed_by_name(saved) ? rekey_optim_state_dict(saved, OptimStateKeyType::PARAM_ID) : saved;
+  auto state = checkpoint_dict(checkpoint_get(by_id, "state"), "optimizer state 'state'");
+  for (const auto& item : state)
+    TESSERA_CHECK(item.key().isInt() && item.value().isGenericDict(),
+                  "optimizer state 'state' must map parameter indices to dictionaries; found key ",
+                  item.key().tagKind());
+  return {state, saved_param_names(by_id)};
+}
+
+void set_group_options(torch::optim::OptimizerOptions& options, const sdk::Checkpoint& saved) {
+  auto number = [&](const char* key, double fallback) {
+    if (!saved.contains(key)) return fallback;
+    const IValue& v = saved.at(key);
+    TESSERA_CHECK(v.isDouble() || v.isInt(), "optimizer param group '", key, "' is not a number");
+    return v.isDouble() ? v.toDouble() : static_cast<double>(v.toInt());
+  };
+  auto flag = [&](const char* key, bool fallback) {
+    return saved.contains(key) && saved.at(key).isBool() ? saved.at(key).toBool() : fallback;
+  };
+  auto betas = [&](std::tuple<double, double> fallback) {
+    if (!saved.contains("betas") || !saved.at("betas").isTuple()) return fallback;
+    const auto& items = saved.at("betas").toTupleRef().elements();
+    TESSERA_CHECK(items.size() == 2, "optimizer param group 'betas' must have two entries");
+    return std::make_tuple(items[0].toDouble(), items[1].toDouble());
+  };
+  options.set_lr(number("lr", options.get_lr()));
+  if (auto* o = dynamic_cast<torch::optim::AdamWOptions*>(&options)) {
+    o->betas(betas(o->betas())).eps(number("eps", o->eps())).weight_decay(number("weight_decay", o->weight_decay()));
+    o->amsgrad(flag("amsgrad", o->amsgrad()));
+  } else if (auto* o = dynamic_cast<torch::optim::AdamOptions*>(&options)) {
+    o->betas(betas(o->betas())).eps(number("eps", o->eps())).weight_decay(number("weight_decay", o->weight_decay()));
+    o->amsgrad(flag("amsgrad", o->amsgrad()));
+  } else if (auto* o = dynamic_cast<torch::optim::SGDOptions*>(&options)) {
+    o->momentum(number("momentum", o->momentum())).dampening(number("dampening", o->dampening()));
+    o->weight_decay(number("weight_decay", o->weight_decay())).nesterov(flag("nesterov", o->nesterov()));
+  }
+}
+
+}  // namespace
+
 void load_optimizer_state_dict(torch::optim::Optimizer& optimizer, const sdk::Checkpoint& saved,
                                const std::vector<std::string>& param_names) {
-  auto state = checkpoint_get(saved, "state").toGenericDict();
-  std::vector<std::string> saved_names;
-  if (saved.contains("param_names"))
-    for (const IValue& name : saved.at("param_names").toListRef()) saved_names.push_back(name.toStringRef());
+  auto [state, saved_names] = state_by_index(saved);
   std::map<std::string, std::int64_t> saved_index;
   for (std::size_t i = 0; i < saved_names.size(); ++i) saved_index[saved_names[i]] = static_cast<std::int64_t>(i);
-  bool by_name = !saved_names.empty() && !param_names.empty();
+  const bool by_name = !saved_names.empty() && !param_names.empty();
+  const bool adam = dynamic_cast<const torch::optim::Adam*>(&optimizer) != nullptr ||
+                    dynamic_cast<const torch::optim::AdamW*>(&optimizer) != nullptr;
+
+  std::int64_t count = 0;
+  for (const auto& group : optimizer.param_groups()) count += static_cast<std::int64_t>(group.params().size());
+  TESSERA_CHECK(by_name || saved_names.empty() || static_cast<std::int64_t>(saved_names.size()) == count,
+                "optimizer state in the checkpoint is for ", saved_names.size(), " parameters but the optimizer has ",
+                count);
 
   // Plan first, then apply: a mismatch must leave the optimizer untouched.
   std::vector<std::pair<at::Tensor, sdk::Checkpoint>> plan;
   std::int64_t index = 0;
   for (const auto& group : optimizer.param_groups()) {
     for (const auto& p : group.params()) {
-      std::int64_t i = index++;
-      std::string name = i < static_cast<std::int64_t>(param_names.size()) ? param_names[i] : std::to_string(i);
+      const std::int64_t i = index++;
+      const std::string name = i < static_cast<std::int64_t>(param_names.size()) ? param_names[i] : std::to_string(i);
       std::int64_t source = i;
       if (by_name) {
         auto it = saved_index.find(name);
         TESSERA_CHECK(it != saved_index.end(), "optimizer state in the checkpoint has no entry for parameter '", name,
-                      "'");
+                      "'", sdk::did_you_mean(name, saved_names));
         source = it->second;
       }
-      if (!state.contains(source)) continue;  // parameter had no state yet (never stepped)
+      if (!state.contains(source)) continue;  // the parameter had no state yet (never stepped)
       sdk::Checkpoint entry = state.at(source).toGenericDict();
-      for (const char* key : {"exp_avg", "exp_avg_sq", "momentum_buffer"}) {
-        if (!entry.contains(key)) continue;
-        at::Tensor t = entry.at(key).toTensor();
+      if (adam)
+        for (const char* key : {"exp_avg", "exp_avg_sq"})
+          TESSERA_CHECK(entry.contains(key), "optimizer state of parameter '", name, "' has no '", key,
+                        "': the checkpoint was written by a different optimizer than this Adam/AdamW");
+      sdk::Checkpoint moved = sdk::make_checkpoint();
+      for (const auto& item : entry) {
+        const std::string key = item.key().toStringRef();
+        if (key == "step") {
+          moved.insert(key, item.value());
+          continue;
+        }
+        TESSERA_CHECK(item.value().isTensor(), "optimizer state '", key, "' of parameter '", name,
+                      "' is not a tensor");
+        at::Tensor t = item.value().toTensor();
         TESSERA_CHECK(t.sizes() == p.sizes(), "optimizer state '", key, "' of parameter '", name, "' has shape ",
                       t.sizes(), " in the checkpoint but the parameter has shape ", p.sizes());
+        moved.insert(key, t.is_floating_point() ? t.to(p.device(), p.scalar_type()) : t.to(p.device()));
       }
-      plan.emplace_back(p, entry);
+      plan.emplace_back(p, moved);
     }
   }
   auto groups = checkpoint_get(saved, "param_groups").toListRef();
-  for (const auto& [p, entry] : plan) {
-    auto fresh = make_param_state(optimizer, entry);
-    optimizer.state()[state_key(p)] = std::move(fresh);
-  }
-  // Hyper-parameters of the first group (the host's LR schedule overrides lr every step).
-  if (!groups.empty() && !optimizer.param_groups().empty()) {
-    sdk::Checkpoint g = groups[0].toGenericDict();
-    optimizer.param_groups()[0].options().set_lr(g.at("lr").toDouble());
+  const bool same_groups = groups.size() == optimizer.param_groups().size();
+  for (const auto& [p, entry] : plan) optimizer.state()[state_key(p)] = make_param_state(optimizer, entry);
+  if (same_groups) {
+    for (std::size_t g = 0; g < groups.size(); ++g)
+      set_group_options(optimizer.param_groups()[g].options(), checkpoint_dict(groups[g], "optimizer param group"));
+  } else if (!groups.empty() && !optimizer.param_groups().empty()) {
+    // Regrouped optimizer (e.g. different no-decay split): keep its own settings but the saved lr.
+    set_group_options(optimizer.param_groups()[0].options(), checkpoint_dict(groups[0], "optimizer param group"));
   }
 }
+
+sdk::Checkpoint rekey_optim_state_dict(const sdk::Checkpoint& saved, OptimStateKeyType key_type) {
+  const bool by_name = keyed_by_name(saved);
+  if (by_name == (key_type == OptimStateKeyType::PARAM_NAME)) return saved.copy();
+  auto state = checkpoint_dict(checkpoint_get(saved, "state"), "optimizer state 'state'");
+  auto groups = checkpoint_get(saved, "param_groups").toListRef();
+  sdk::Checkpoint out = sdk::make_checkpoint();
+  c10::impl::GenericList new_groups(c10::AnyType::get());
+  std::vector<std::string> names;
+  if (key_type == OptimStateKeyType::PARAM_NAME) {
+    names = saved_param_names(saved);
+    TESSERA_CHECK(!names.empty() || state.size() == 0,
+                  "optimizer state has no 'param_names': it cannot be keyed by parameter name");
+    auto name_of = [&](const IValue& id) -> const std::string& {
+      TESSERA_CHECK(id.isInt() && id.toInt() >= 0 && id.toInt() < static_cast<std::int64_t>(names.size()),
+                    "optimizer state refers to parameter index ", id, " but 'param_names' has ", names.size(),
+                    " entries");
+      return names[static_cast<std::size_t>(id.toInt())];
+    };
+    c10::impl::GenericDict new_state(c10::StringType::get(), c10::AnyType::get());
+    for (const auto& item : state) new_state.insert(name_of(item.key()), item.value());
+    for (const IValue& group : groups) {
+      sdk::Checkpoint g = checkpoint_dict(group, "optimizer param group").copy();
+      c10::List<std::string> params;
+      for (const IValue& id : checkpoint_get(g, "params").toListRef()) params.push_back(name_of(id));
+      g.insert_or_assign("params", params);
+      new_groups.push_back(g);
+    }
+    out.insert("state", new_state);
+  } else {
+    std::map<std::string, std::int64_t> id_of;
+    for (const IValue& group : groups)
+      for (const IValue& name : checkpoint_get(checkpoint_dict(group, "optimizer param group"), "params").toListRef()) {
+        id_of.emplace(name.toStringRef(), static_cast<std::int64_t>(names.size()));
+        names.push_back(name.toStringRef());
+      }
+    c10::impl::GenericDict new_state(c10::IntType::get(), c10::AnyType::get());
+    for (const auto& item : state) {
+      auto it = id_of.find(item.key().toStringRef());
+      TESSERA_CHECK(it != id_of.end(), "optimizer state has an entry for '", item.key().toStringRef(),
+                    "', which no param group lists");
+      new_state.insert(it->second, item.value());
+    }
+    std::int64_t next = 0;
+    for (const IValue& group : groups) {
+      sdk::Checkpoint g = checkpoint_dict(group, "optimizer param group").copy();
+      c10::List<std::int64_t> params;
+      for (std::size_t k = 0, n = checkpoint_get(g, "params").toListRef().size(); k < n; ++k) params.push_back(next++);
+      g.insert_or_assign("params", params);
+      new_groups.push_back(g);
+    }
+    out.insert("state", new_state);
+  }
+  out.insert("param_groups", new_groups);
+  out.insert("param_names", c10::List<std::string>(names));
+  return out;
+}
+
+namespace {
+
+[[noreturn]] void fail_io(const std::string& what, const fs::path& path, int error) {
+  TESSERA_FAIL("cannot ", what, " ", path.string(), ": ", std::strerror(error));
+}
+
+}  // namespace
 
 void atomic_write(const std::string& path, const std::function<void(std::ostream&)>& write) {
   fs::path target(path);
   fs::path dir = target.has_parent_path() ? target.parent_path() : fs::path(".");
   std::error_code ec;
   fs::create_directories(dir, ec);
-  fs::path temp = dir / ("." + target.filename().string() + ".tmp-" + std::to_string(::getpid()));
+  TESSERA_CHECK(!ec, "cannot create directory ", dir.string(), " for ", path, ": ", ec.message());
+  static std::atomic<std::uint64_t> counter{0};
+  fs::path temp = dir / ("." + target.filename().string() + ".tmp-" + std::to_string(::getpid()) + "-" +
+                         std::to_string(counter++));
   try {
     {
       std::ofstream out(temp, std::ios::binary | std::ios::trunc);
-      TESSERA_CHECK(out.good(), "cannot write ", temp.string(), ": ", std::strerror(errno));
+      if (!out.good()) fail_io("create", temp, errno);
       write(out);
       out.flush();
       TESSERA_CHECK(out.good(), "writing ", temp.string(), " failed (disk full?)");
     }
     int fd = ::open(temp.c_str(), O_RDONLY);
-    TESSERA_CHECK(fd >= 0 && ::fsync(fd) == 0, "cannot fsync ", temp.string());
+    if (fd < 0) fail_io("open", temp, errno);
+    const bool synced = ::fsync(fd) == 0;
+    const int sync_error = errno;
     ::close(fd);
-    fs::rename(temp, target);
+    if (!synced) fail_io("fsync", temp, sync_error);
+    fs::rename(temp, target, ec);
+    TESSERA_CHECK(!ec, "cannot rename ", temp.string(), " to ", path, ": ", ec.message());
     int dir_fd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY);
     if (dir_fd >= 0) {
       ::fsync(dir_fd);
@@ -234,15 +400,22 @@ void save_pickle(const IValue& value, const std::string& path) {
 }
 
 IValue load_pickle(const std::string& path) {
+  std::error_code ec;
+  TESSERA_CHECK(fs::exists(path, ec), "checkpoint ", path, " does not exist");
+  TESSERA_CHECK(fs::is_regular_file(path, ec), "checkpoint ", path, " is not a regular file");
   std::ifstream in(path, std::ios::binary);
   TESSERA_CHECK(in.good(), "cannot open checkpoint ", path, ": ", std::strerror(errno));
   std::vector<char> bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  TESSERA_CHECK(!bytes.empty(), "checkpoint ", path, " is empty (an interrupted copy?)");
+  // torch.save's format is a zip archive: anything else is not a checkpoint at all.
+  TESSERA_CHECK(bytes.size() >= 4 && bytes[0] == 'P' && bytes[1] == 'K' && bytes[2] == 3 && bytes[3] == 4,
+                path, " is not a checkpoint: it is not in torch.save's zip format");
   try {
     return torch::pickle_load(bytes);
   } catch (const std::exception& e) {
     std::string reason = e.what();
-    TESSERA_FAIL(path, " is not a readable checkpoint (truncated or not written by torch.save/tessera): ",
-                 reason.substr(0, reason.find('\n')));
+    TESSERA_FAIL(path, " is not a readable checkpoint (truncated or damaged; ", bytes.size(),
+                 " bytes): ", reason.substr(0, reason.find('\n')));
   }
 }
 

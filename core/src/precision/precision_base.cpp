@@ -4,6 +4,8 @@
 #include <ATen/autocast_mode.h>
 #include <c10/core/DefaultDtype.h>
 
+#include <cmath>
+
 #include "tessera/sdk/error.hpp"
 #include "tessera/sdk/strategy.hpp"
 
@@ -61,6 +63,34 @@ class DefaultDtypeGuard final : public sdk::Guard {
 
 }  // namespace
 
+const std::vector<std::string>& PrecisionBase::precisions() { return kPrecisions; }
+
+namespace {
+
+const std::vector<std::string> kDtypeNames = {"float32", "bfloat16", "float16"};
+
+at::ScalarType dtype_named(const std::string& name) {
+  if (name == "bfloat16") return at::kBFloat16;
+  if (name == "float16") return at::kHalf;
+  return at::kFloat;
+}
+
+/// Lightning's FSDPPrecision.mixed_precision_config for each precision string.
+sdk::MixedPrecisionPolicy lightning_policy(const std::string& precision) {
+  sdk::MixedPrecisionPolicy policy;
+  at::ScalarType half = precision.rfind("bf16", 0) == 0 ? at::kBFloat16
+                        : precision.rfind("16", 0) == 0 ? at::kHalf
+                                                        : at::kFloat;
+  const bool mixed = precision.find("mixed") != std::string::npos;
+  // Mixed: the parameters stay fp32 (autocast computes in half); gradients and buffers in half.
+  policy.param_dtype = mixed ? at::kFloat : half;
+  policy.reduce_dtype = half;
+  policy.buffer_dtype = half;
+  return policy;
+}
+
+}  // namespace
+
 PrecisionBase::PrecisionBase(const sdk::Options& options, bool fsdp_policy)
     : precision_(options.get_choice("precision", "32-true", kPrecisions)),
       fsdp_policy_(fsdp_policy),
@@ -71,10 +101,20 @@ PrecisionBase::PrecisionBase(const sdk::Options& options, bool fsdp_policy)
       growth_interval_(options.get_int("growth_interval", 2000, 1)) {
   TESSERA_CHECK(!(scaler_enabled_ && is_true_precision()), options.locate("scaler"),
                 ": a grad scaler needs fp32 master weights; precision \"", precision_,
-                "\" has none. Use \"16-mixed\" or \"bf16-mixed\" with a scaler.");
+                "\" has none. Use \"16-mixed\" or \"bf16-mixed\" with a scaler, or scaler = false.");
+  if (!fsdp_policy_) return;
+  policy_ = lightning_policy(precision_);
+  auto override_dtype = [&](const char* key, c10::optional<at::ScalarType>& slot) {
+    if (options.has(key)) slot = dtype_named(options.get_choice(key, "float32", kDtypeNames));
+  };
+  override_dtype("param_dtype", policy_.param_dtype);
+  override_dtype("reduce_dtype", policy_.reduce_dtype);
+  override_dtype("buffer_dtype", policy_.buffer_dtype);
+  policy_.keep_low_precision_grads = options.get_bool("keep_low_precision_grads", false);
 }
 
 bool PrecisionBase::is_true_precision() const { return precision_ == "16-true" || precision_ == "bf16-true"; }
+bool PrecisionBase::is_mixed_precision() const { return precision_ == "16-mixed" || precision_ == "bf16-mixed"; }
 
 at::ScalarType PrecisionBase::half_dtype() const {
   if (precision_.rfind("bf16", 0) == 0) return at::kBFloat16;
@@ -86,28 +126,25 @@ std::string PrecisionBase::precision() const { return precision_; }
 
 void PrecisionBase::check_device(const c10::Device& device) const {
   cuda_ = device.is_cuda();
-  TESSERA_CHECK(!(half_dtype() == at::kHalf && device.is_cpu()), "precision \"", precision_,
-                "\" needs a CUDA device: fp16 compute (addmm for Half) is not implemented on CPU in LibTorch ",
+  if (!device.is_cpu()) return;
+  TESSERA_CHECK(half_dtype() != at::kHalf, "precision \"", precision_, "\" needs a CUDA device, but this run's device is ",
+                device.str(), ": fp16 compute (addmm for Half) is not implemented on CPU in LibTorch ",
                 TORCH_VERSION, ". On CPU use \"bf16-mixed\", \"bf16-true\" or \"32-true\".");
+  TESSERA_CHECK(policy_.param_dtype != at::kHalf, "[precision] param_dtype = \"float16\" needs a CUDA device, but this ",
+                "run's device is ", device.str(), ": fp16 compute is not implemented on CPU in LibTorch ", TORCH_VERSION,
+                ". On CPU use param_dtype = \"bfloat16\" or \"float32\".");
 }
 
-sdk::MixedPrecisionPolicy PrecisionBase::mixed_precision_policy() const {
-  sdk::MixedPrecisionPolicy policy;
-  if (!fsdp_policy_) return policy;
-  // Lightning's FSDPPrecision: every FSDP dtype follows the precision's half type.
-  at::ScalarType dtype = half_dtype();
-  policy.param_dtype = dtype;
-  policy.reduce_dtype = dtype;
-  policy.buffer_dtype = dtype;
-  return policy;
-}
+sdk::MixedPrecisionPolicy PrecisionBase::mixed_precision_policy() const { return policy_; }
 
 void PrecisionBase::convert_module(torch::nn::Module& module) {
   if (is_true_precision()) module.to(half_dtype());
 }
 
 at::Tensor PrecisionBase::convert_input(const at::Tensor& data) {
-  return is_true_precision() && data.is_floating_point() ? data.to(half_dtype()) : data;
+  if (!data.defined() || !data.is_floating_point()) return data;
+  at::ScalarType dtype = is_true_precision() ? half_dtype() : at::kFloat;
+  return data.scalar_type() == dtype ? data : data.to(dtype);
 }
 
 at::Tensor PrecisionBase::convert_output(const at::Tensor& data) {
@@ -115,8 +152,10 @@ at::Tensor PrecisionBase::convert_output(const at::Tensor& data) {
 }
 
 sdk::GuardPtr PrecisionBase::forward_context() {
-  if (precision_ != "16-mixed" && precision_ != "bf16-mixed") return nullptr;
-  return std::make_unique<AutocastGuard>(cuda_, half_dtype());
+  if (is_mixed_precision()) return std::make_unique<AutocastGuard>(cuda_, half_dtype());
+  // *-true: tensors a forward creates (masks, positions, zeros) come out in the model's dtype.
+  if (is_true_precision()) return std::make_unique<DefaultDtypeGuard>(half_dtype());
+  return nullptr;
 }
 
 sdk::GuardPtr PrecisionBase::module_init_context() {
@@ -130,16 +169,21 @@ at::Tensor PrecisionBase::pre_backward(const at::Tensor& loss) {
 void PrecisionBase::unscale_gradients(torch::optim::Optimizer& optimizer, sdk::Strategy& strategy) {
   if (!scaler_enabled_ || unscaled_) return;
   unscaled_ = true;
-  at::Tensor found = at::zeros({}, at::kFloat);
   torch::NoGradGuard no_grad;
+  const double inv_scale = 1.0 / scale_;
+  // One flag per gradient, reduced without a host sync per tensor (that would stall CUDA).
+  std::vector<at::Tensor> non_finite;
   for (auto& group : optimizer.param_groups())
     for (auto& p : group.params()) {
-      if (!p.grad().defined()) continue;
-      p.mutable_grad().mul_(1.0 / scale_);
-      if (p.grad().numel() > 0 && !at::isfinite(p.grad()).all().item<bool>()) found.fill_(1.0);
+      if (!p.grad().defined() || p.grad().numel() == 0) continue;
+      p.mutable_grad().mul_(inv_scale);
+      non_finite.push_back(at::isfinite(p.grad()).all().logical_not().to(strategy.root_device()));
     }
-  // Every rank must skip the same step: one all-reduce of the found-inf flag.
-  found_inf_ = strategy.reduce(found.to(strategy.root_device()), sdk::ReduceOp::max).item<double>() > 0;
+  at::Tensor found = non_finite.empty() ? at::zeros({}, at::TensorOptions().device(strategy.root_device()))
+                                        : at::stack(non_finite).any().to(at::kFloat);
+  // Each rank sees only its gradient shards: every rank must skip the same step, so the flag
+  // is agreed with one all-reduce (max).
+  found_inf_ = strategy.reduce(found, sdk::ReduceOp::max).item<double>() > 0;
 }
 
 bool PrecisionBase::optimizer_step(torch::optim::Optimizer& optimizer, sdk::Strategy& strategy) {
@@ -148,7 +192,7 @@ bool PrecisionBase::optimizer_step(torch::optim::Optimizer& optimizer, sdk::Stra
     return true;
   }
   unscale_gradients(optimizer, strategy);
-  bool step = !found_inf_;
+  const bool step = !found_inf_;
   if (step) optimizer.step();
   if (found_inf_) {
     scale_ *= backoff_factor_;
@@ -164,18 +208,38 @@ bool PrecisionBase::optimizer_step(torch::optim::Optimizer& optimizer, sdk::Stra
 
 sdk::Checkpoint PrecisionBase::state_dict() const {
   sdk::Checkpoint state = sdk::make_checkpoint();
-  state.insert("precision", precision_);
-  if (scaler_enabled_) {
-    state.insert("scale", scale_);
-    state.insert("growth_tracker", growth_tracker_);
-  }
+  if (!scaler_enabled_) return state;
+  state.insert("scale", scale_);
+  state.insert("growth_factor", growth_factor_);
+  state.insert("backoff_factor", backoff_factor_);
+  state.insert("growth_interval", growth_interval_);
+  state.insert("_growth_tracker", growth_tracker_);
   return state;
 }
 
 void PrecisionBase::load_state_dict(const sdk::Checkpoint& state) {
-  if (!scaler_enabled_ || !state.contains("scale")) return;
-  scale_ = state.at("scale").toDouble();
-  growth_tracker_ = state.at("growth_tracker").toInt();
+  if (!scaler_enabled_) return;
+  TESSERA_CHECK(state.contains("scale"), "the checkpoint's precision_plugin state has no grad scaler 'scale' (it was ",
+                "written by a run without a scaler), but precision \"", precision_,
+                "\" uses one here; set [precision] scaler = false or resume from a checkpoint written with a scaler");
+  auto number = [&](const char* key, double fallback) {
+    if (!state.contains(key)) return fallback;
+    const c10::IValue& v = state.at(key);
+    if (v.isTensor()) return v.toTensor().item<double>();
+    TESSERA_CHECK(v.isDouble() || v.isInt(), "precision_plugin state '", key, "' is not a number");
+    return v.isDouble() ? v.toDouble() : static_cast<double>(v.toInt());
+  };
+  const double scale = number("scale", scale_);
+  TESSERA_CHECK(scale > 0 && std::isfinite(scale), "precision_plugin state 'scale' is ", scale,
+                "; a loss scale must be positive and finite");
+  scale_ = scale;
+  growth_factor_ = number("growth_factor", growth_factor_);
+  backoff_factor_ = number("backoff_factor", backoff_factor_);
+  growth_interval_ = static_cast<std::int64_t>(number("growth_interval", static_cast<double>(growth_interval_)));
+  growth_tracker_ = static_cast<std::int64_t>(
+      number("_growth_tracker", number("growth_tracker", static_cast<double>(growth_tracker_))));
+  unscaled_ = false;
+  found_inf_ = false;
 }
 
 }  // namespace tessera::core

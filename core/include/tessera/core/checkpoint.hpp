@@ -23,19 +23,29 @@ sdk::StateDict state_dict_from(const c10::IValue& value, const std::string& what
 sdk::Checkpoint optimizer_state_dict(const torch::optim::Optimizer& optimizer,
                                      const std::vector<std::string>& param_names);
 /// Restores `state` into `optimizer`, matching parameters by name when the checkpoint has
-/// names (by index otherwise). Every shape is checked before anything changes; a mismatch
-/// throws naming the parameter and both shapes.
+/// names (by index otherwise); keyed by PARAM_ID or PARAM_NAME. Every entry and shape is
+/// checked before anything changes; a mismatch throws naming the parameter and both shapes.
+/// State tensors move to each parameter's device (floating ones to its dtype, as PyTorch
+/// does); each group's hyper-parameters are restored when the group counts match.
 void load_optimizer_state_dict(torch::optim::Optimizer& optimizer, const sdk::Checkpoint& state,
                                const std::vector<std::string>& param_names);
 
+/// How an optimizer state dict's "state" and "param_groups"/"params" are keyed (PyTorch
+/// FSDP's OptimStateKeyType): by index in parameter order, or by parameter name.
+enum class OptimStateKeyType { PARAM_ID, PARAM_NAME };
+/// The same optimizer state keyed the other way, using its "param_names" (a PARAM_NAME
+/// dict needs none: its keys are the names). Tensors are shared, not copied.
+sdk::Checkpoint rekey_optim_state_dict(const sdk::Checkpoint& state, OptimStateKeyType key_type);
+
 /// Writes `path` atomically: `write` fills a temporary file in the same directory, which is
-/// fsynced and renamed over `path`. If anything fails, the temporary is removed and an
-/// existing file at `path` is untouched.
+/// fsynced and renamed over `path` (then the directory is fsynced). If anything fails,
+/// including `write` throwing, the temporary is removed and an existing file at `path` is
+/// untouched; the error is rethrown (filesystem errors as sdk::Error naming the path).
 void atomic_write(const std::string& path, const std::function<void(std::ostream&)>& write);
 /// Pickles `value` in the zip format that torch.load reads, atomically.
 void save_pickle(const c10::IValue& value, const std::string& path);
 /// Loads a file written by save_pickle (or torch.save of plain containers and tensors);
-/// errors name the path.
+/// a missing, empty, foreign or truncated file throws sdk::Error naming the path and which.
 c10::IValue load_pickle(const std::string& path);
 
 /// Typed access into checkpoint dictionaries, with errors naming the key.
