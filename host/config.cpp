@@ -89,6 +89,7 @@ Config Config::load(const std::string& path, const std::vector<std::string>& ove
     tr.enable_progress_bar = t.get_bool("enable_progress_bar", true) ? "true" : "false";
   else
     tr.enable_progress_bar = t.get_choice("enable_progress_bar", "auto", {"auto", "true", "false"});
+  tr.predict_after_fit = t.get_bool("predict_after_fit", false);
   t.check_all_used();
 
   sdk::Options o = section("optimizer");

@@ -26,6 +26,7 @@ struct TrainerSettings {
   std::int64_t checkpoint_every_n_steps = 0;  ///< 0 = only last.ckpt
   bool save_last = true;
   std::string enable_progress_bar = "auto";  ///< "auto" (on a terminal), "true", "false"
+  bool predict_after_fit = false;            ///< print one predict batch (e.g. a text sample) at the end
 };
 
 struct ScheduleSettings {

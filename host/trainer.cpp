@@ -287,6 +287,10 @@ void Trainer::fit(const std::string& ckpt_path) {
     }
   }
   if (t.save_last) save(t.default_root_dir + "/checkpoints/last.ckpt");
+  if (t.predict_after_fit) {
+    log_.info("sample from the trained model:");
+    predict_batches(1);
+  }
 }
 
 void Trainer::validate(const std::string& ckpt_path) {
@@ -312,12 +316,15 @@ void Trainer::test(const std::string& ckpt_path) {
 void Trainer::predict(const std::string& ckpt_path) {
   setup("predict");
   if (!ckpt_path.empty()) restore(resolve_checkpoint(ckpt_path), false);
+  predict_batches(config_.trainer.limit_predict_batches);
+}
+
+void Trainer::predict_batches(std::int64_t limit) {
   std::shared_ptr<sdk::Dataset> dataset = data_->predict_dataset();
   TESSERA_CHECK(dataset != nullptr, "data plugin '", config_.plugin_names.at("data"), "' has nothing to predict");
   sdk::DataLoaderSpec spec;
   spec.batch_size = config_.data.batch_size;
   core::DataLoader loader(dataset, strategy_->process_dataloader(spec));
-  std::int64_t limit = config_.trainer.limit_predict_batches;
   std::int64_t batches = limit > 0 ? std::min(limit, loader.num_batches()) : loader.num_batches();
   model_->network()->train(false);
   at::manual_seed(static_cast<std::uint64_t>(config_.trainer.seed));
@@ -326,6 +333,7 @@ void Trainer::predict(const std::string& ckpt_path) {
     at::Tensor output = strategy_->predict_step(batch, i);
     log_.info(data_->describe_prediction(batch, output.to(at::kCPU)));
   }
+  model_->network()->train(true);
 }
 
 }  // namespace tessera::host

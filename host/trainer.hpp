@@ -31,6 +31,8 @@ class Trainer {
   /// Runs the loop of `stage` ("val" or "test") over at most `limit` batches; returns the
   /// metrics averaged over batches and ranks.
   std::map<std::string, double> evaluate(const std::string& stage, std::int64_t limit);
+  /// Runs predict_step over at most `limit` batches (0 = all) and prints the results.
+  void predict_batches(std::int64_t limit);
   double learning_rate(std::int64_t step) const;
   void maybe_inject_fault(std::int64_t step) const;
 
