@@ -1,0 +1,398 @@
+// core/checkpoint (state dicts, optimizer state in PyTorch's format, atomic torch.load files)
+// and the `torch` and `distributed` checkpoint IO plugins.
+#include <gtest/gtest.h>
+
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+
+#include <ATen/ATen.h>
+#include <torch/optim/adam.h>
+#include <torch/optim/adamw.h>
+#include <torch/optim/sgd.h>
+
+#include "multiprocess.hpp"
+#include "tessera/core/checkpoint.hpp"
+#include "tessera/core/plugin_loader.hpp"
+#include "tessera/sdk/checkpoint_io.hpp"
+#include "tessera/sdk/error.hpp"
+
+namespace {
+
+namespace fs = std::filesystem;
+namespace core = tessera::core;
+namespace sdk = tessera::sdk;
+
+template <typename F>
+std::string error_of(F&& f) {
+  try {
+    f();
+  } catch (const sdk::Error& e) {
+    return e.what();
+  }
+  return "<no sdk::Error thrown>";
+}
+
+std::string read_file(const fs::path& path) {
+  std::ifstream in(path, std::ios::binary);
+  return std::string((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+}
+
+std::vector<std::string> files_in(const fs::path& dir) {
+  std::vector<std::string> names;
+  for (const auto& entry : fs::directory_iterator(dir)) names.push_back(entry.path().filename().string());
+  std::sort(names.begin(), names.end());
+  return names;
+}
+
+/// Two parameters, given gradients, stepped `steps` times.
+struct Params {
+  at::Tensor a = at::arange(6, at::kFloat).reshape({2, 3}).requires_grad_();
+  at::Tensor b = at::linspace(-1, 1, 4).requires_grad_();
+  void fill_grads(int step) {
+    a.mutable_grad() = at::full_like(a, 0.1 * (step + 1)) + at::arange(6, at::kFloat).reshape({2, 3}) * 0.01;
+    b.mutable_grad() = at::full_like(b, -0.2 * (step + 1));
+  }
+};
+
+const at::Tensor& state_tensor(const torch::optim::Optimizer& optimizer, const at::Tensor& p, const char* key) {
+  auto& state = *optimizer.state().at(c10::guts::to_string(p.unsafeGetTensorImpl()));
+  if (std::string(key) == "momentum_buffer") return dynamic_cast<const torch::optim::SGDParamState&>(state).momentum_buffer();
+  const auto& adam = dynamic_cast<const torch::optim::AdamWParamState&>(state);
+  return std::string(key) == "exp_avg" ? adam.exp_avg() : adam.exp_avg_sq();
+}
+
+TEST(StateDict, RoundTripsInOrderThroughACheckpointValue) {
+  sdk::StateDict state;
+  state.insert("z.weight", at::ones({2, 2}));
+  state.insert("a.bias", at::arange(3, at::kFloat));
+  sdk::StateDict back = core::state_dict_from(core::to_ivalue(state), "test");
+  ASSERT_EQ(back.keys(), (std::vector<std::string>{"z.weight", "a.bias"}));
+  EXPECT_TRUE(at::equal(back["a.bias"], state["a.bias"]));
+  EXPECT_NE(error_of([] { core::state_dict_from(c10::IValue(3), "checkpoint x [state_dict]"); })
+                .find("checkpoint x [state_dict] is not a dictionary"),
+            std::string::npos);
+}
+
+TEST(OptimizerState, AdamWInPyTorchsFormatWithNames) {
+  Params p;
+  torch::optim::AdamW optimizer({p.a, p.b}, torch::optim::AdamWOptions(0.01).betas({0.8, 0.9}).weight_decay(0.1));
+  for (int step = 0; step < 2; ++step) {
+    p.fill_grads(step);
+    optimizer.step();
+  }
+  sdk::Checkpoint saved = core::optimizer_state_dict(optimizer, {"layer.a", "layer.b"});
+  auto state = saved.at("state").toGenericDict();
+  ASSERT_EQ(state.size(), 2u);
+  sdk::Checkpoint first = state.at(0).toGenericDict();
+  EXPECT_EQ(first.at("step").toTensor().item<double>(), 2.0);
+  EXPECT_EQ(first.at("step").toTensor().scalar_type(), at::kFloat);  // Python's AdamW keeps a float tensor
+  EXPECT_TRUE(at::equal(first.at("exp_avg").toTensor(), state_tensor(optimizer, p.a, "exp_avg")));
+  EXPECT_TRUE(at::equal(state.at(1).toGenericDict().at("exp_avg_sq").toTensor(), state_tensor(optimizer, p.b, "exp_avg_sq")));
+  auto groups = saved.at("param_groups").toListRef();
+  ASSERT_EQ(groups.size(), 1u);
+  sdk::Checkpoint group = groups[0].toGenericDict();
+  EXPECT_DOUBLE_EQ(group.at("lr").toDouble(), 0.01);
+  EXPECT_DOUBLE_EQ(group.at("betas").toTupleRef().elements()[0].toDouble(), 0.8);
+  EXPECT_DOUBLE_EQ(group.at("weight_decay").toDouble(), 0.1);
+  EXPECT_EQ(group.at("params").toIntVector(), (std::vector<std::int64_t>{0, 1}));
+  auto names = saved.at("param_names").toListRef();
+  EXPECT_EQ(names[1].toStringRef(), "layer.b");
+}
+
+TEST(OptimizerState, LoadsByNameIntoAReorderedOptimizerAndContinuesIdentically) {
+  Params p;
+  torch::optim::AdamW optimizer({p.a, p.b}, torch::optim::AdamWOptions(0.01).betas({0.8, 0.9}));
+  for (int step = 0; step < 3; ++step) {
+    p.fill_grads(step);
+    optimizer.step();
+  }
+  sdk::Checkpoint saved = core::optimizer_state_dict(optimizer, {"a", "b"});
+
+  Params q;  // a copy of the stepped parameters, given to the optimizer in the other order
+  {
+    torch::NoGradGuard no_grad;
+    q.a.copy_(p.a);
+    q.b.copy_(p.b);
+  }
+  torch::optim::AdamW restored({q.b, q.a}, torch::optim::AdamWOptions(0.5));
+  core::load_optimizer_state_dict(restored, saved, {"b", "a"});
+  EXPECT_TRUE(at::equal(state_tensor(restored, q.a, "exp_avg"), state_tensor(optimizer, p.a, "exp_avg")));
+  EXPECT_DOUBLE_EQ(restored.param_groups()[0].options().get_lr(), 0.01);
+  auto& options = static_cast<torch::optim::AdamWOptions&>(restored.param_groups()[0].options());
+  EXPECT_DOUBLE_EQ(std::get<0>(options.betas()), 0.8);
+
+  p.fill_grads(3);
+  q.fill_grads(3);
+  optimizer.step();
+  restored.step();
+  EXPECT_TRUE(at::allclose(p.a, q.a, 0, 0)) << p.a - q.a;
+  EXPECT_TRUE(at::allclose(p.b, q.b, 0, 0)) << p.b - q.b;
+}
+
+TEST(OptimizerState, SGDMomentumRoundTrips) {
+  Params p;
+  torch::optim::SGD optimizer({p.a, p.b}, torch::optim::SGDOptions(0.1).momentum(0.9).nesterov(true));
+  p.fill_grads(0);
+  optimizer.step();
+  sdk::Checkpoint saved = core::optimizer_state_dict(optimizer, {"a", "b"});
+  Params q;
+  torch::optim::SGD restored({q.a, q.b}, torch::optim::SGDOptions(0.3).momentum(0.5));
+  core::load_optimizer_state_dict(restored, saved, {"a", "b"});
+  EXPECT_TRUE(at::equal(state_tensor(restored, q.b, "momentum_buffer"), state_tensor(optimizer, p.b, "momentum_buffer")));
+  auto& options = static_cast<torch::optim::SGDOptions&>(restored.param_groups()[0].options());
+  EXPECT_DOUBLE_EQ(options.momentum(), 0.9);
+  EXPECT_TRUE(options.nesterov());
+}
+
+TEST(OptimizerState, ShapeMismatchNamesTheParameterAndChangesNothing) {
+  Params p;
+  torch::optim::Adam optimizer({p.a, p.b}, torch::optim::AdamOptions(0.01));
+  p.fill_grads(0);
+  optimizer.step();
+  sdk::Checkpoint saved = core::optimizer_state_dict(optimizer, {"a", "b"});
+  at::Tensor a = at::zeros({2, 3}, at::kFloat).requires_grad_(), b = at::zeros({5}).requires_grad_();
+  torch::optim::Adam other({a, b}, torch::optim::AdamOptions(0.2));
+  std::string message = error_of([&] { core::load_optimizer_state_dict(other, saved, {"a", "b"}); });
+  EXPECT_NE(message.find("parameter 'b' has shape [4] in the checkpoint but the parameter has shape [5]"),
+            std::string::npos)
+      << message;
+  EXPECT_TRUE(other.state().empty());
+  EXPECT_DOUBLE_EQ(other.param_groups()[0].options().get_lr(), 0.2);
+
+  message = error_of([&] { core::load_optimizer_state_dict(other, saved, {"a", "c"}); });
+  EXPECT_NE(message.find("no entry for parameter 'c'"), std::string::npos) << message;
+}
+
+TEST(OptimizerState, StateOfAnotherOptimizerIsRefused) {
+  Params p;
+  torch::optim::SGD sgd({p.a, p.b}, torch::optim::SGDOptions(0.1).momentum(0.9));
+  p.fill_grads(0);
+  sgd.step();
+  sdk::Checkpoint saved = core::optimizer_state_dict(sgd, {"a", "b"});
+  Params q;
+  torch::optim::AdamW adam({q.a, q.b}, torch::optim::AdamWOptions(0.1));
+  std::string message = error_of([&] { core::load_optimizer_state_dict(adam, saved, {"a", "b"}); });
+  EXPECT_NE(message.find("has no 'exp_avg'"), std::string::npos) << message;
+  EXPECT_TRUE(adam.state().empty());
+}
+
+TEST(OptimizerState, RekeysBetweenParamIdAndParamName) {
+  Params p;
+  torch::optim::AdamW optimizer({p.a, p.b}, torch::optim::AdamWOptions(0.01));
+  p.fill_grads(0);
+  optimizer.step();
+  sdk::Checkpoint by_id = core::optimizer_state_dict(optimizer, {"net.a", "net.b"});
+  sdk::Checkpoint by_name = core::rekey_optim_state_dict(by_id, core::OptimStateKeyType::PARAM_NAME);
+  auto state = by_name.at("state").toGenericDict();
+  ASSERT_TRUE(state.contains("net.b"));
+  EXPECT_TRUE(at::equal(state.at("net.b").toGenericDict().at("exp_avg").toTensor(), state_tensor(optimizer, p.b, "exp_avg")));
+  auto params = by_name.at("param_groups").toListRef()[0].toGenericDict().at("params").toListRef();
+  EXPECT_EQ(params[0].toStringRef(), "net.a");
+
+  sdk::Checkpoint back = core::rekey_optim_state_dict(by_name, core::OptimStateKeyType::PARAM_ID);
+  auto back_state = back.at("state").toGenericDict();
+  EXPECT_TRUE(at::equal(back_state.at(1).toGenericDict().at("exp_avg").toTensor(), state_tensor(optimizer, p.b, "exp_avg")));
+  EXPECT_EQ(back.at("param_groups").toListRef()[0].toGenericDict().at("params").toIntVector(),
+            (std::vector<std::int64_t>{0, 1}));
+
+  // A name-keyed dict loads directly.
+  Params q;
+  torch::optim::AdamW restored({q.b, q.a}, torch::optim::AdamWOptions(0.01));
+  core::load_optimizer_state_dict(restored, by_name, {"net.b", "net.a"});
+  EXPECT_TRUE(at::equal(state_tensor(restored, q.a, "exp_avg_sq"), state_tensor(optimizer, p.a, "exp_avg_sq")));
+}
+
+class Files : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    dir_ = fs::path(::testing::TempDir()) / ("tessera-ckpt-" + std::to_string(::getpid()) + "-" +
+                                             ::testing::UnitTest::GetInstance()->current_test_info()->name());
+    fs::remove_all(dir_);
+    fs::create_directories(dir_);
+  }
+  void TearDown() override { fs::remove_all(dir_); }
+
+  static sdk::Checkpoint sample(double value) {
+    sdk::Checkpoint c = sdk::make_checkpoint();
+    sdk::StateDict state;
+    state.insert("w", at::full({3, 2}, value));
+    state.insert("h", at::full({2}, value).to(at::kBFloat16));
+    c.insert("state_dict", core::to_ivalue(state));
+    c.insert("global_step", static_cast<std::int64_t>(value));
+    c.insert("name", "tessera");
+    c.insert("lrs", c10::List<double>({0.1, 0.2}));
+    return c;
+  }
+  static double value_of(const sdk::Checkpoint& c) {
+    return core::state_dict_from(c.at("state_dict"), "state_dict")["w"][0][0].item<double>();
+  }
+
+  fs::path dir_;
+};
+
+TEST_F(Files, AtomicWriteWithAThrowingWriterLeavesTheOldFileAndNoTemporary) {
+  const fs::path path = dir_ / "last.ckpt";
+  core::atomic_write(path.string(), [](std::ostream& out) { out << "old contents"; });
+  EXPECT_THROW(core::atomic_write(path.string(),
+                                  [](std::ostream& out) {
+                                    out << "half of the new";
+                                    throw std::runtime_error("killed mid-write");
+                                  }),
+               std::runtime_error);
+  EXPECT_EQ(read_file(path), "old contents");
+  EXPECT_EQ(files_in(dir_), std::vector<std::string>{"last.ckpt"});
+}
+
+TEST_F(Files, PickleRoundTripKeepsNestedValues) {
+  const std::string path = (dir_ / "a.ckpt").string();
+  core::save_pickle(sample(3), path);
+  sdk::Checkpoint back = core::checkpoint_dict(core::load_pickle(path), path);
+  EXPECT_EQ(value_of(back), 3.0);
+  EXPECT_EQ(back.at("global_step").toInt(), 3);
+  EXPECT_EQ(back.at("name").toStringRef(), "tessera");
+  auto state = core::state_dict_from(back.at("state_dict"), "state_dict");
+  EXPECT_EQ(state["h"].scalar_type(), at::kBFloat16);
+}
+
+TEST_F(Files, BrokenFilesGiveErrorsNamingThePathAndTheProblem) {
+  const std::string missing = (dir_ / "missing.ckpt").string();
+  EXPECT_NE(error_of([&] { core::load_pickle(missing); }).find(missing + " does not exist"), std::string::npos);
+
+  const std::string empty = (dir_ / "empty.ckpt").string();
+  std::ofstream(empty).close();
+  EXPECT_NE(error_of([&] { core::load_pickle(empty); }).find(empty + " is empty"), std::string::npos);
+
+  const std::string text = (dir_ / "notes.ckpt").string();
+  std::ofstream(text) << "these are not the tensors you are looking for";
+  EXPECT_NE(error_of([&] { core::load_pickle(text); }).find(text + " is not a checkpoint"), std::string::npos);
+
+  const std::string good = (dir_ / "good.ckpt").string(), truncated = (dir_ / "truncated.ckpt").string();
+  core::save_pickle(sample(1), good);
+  std::string bytes = read_file(good);
+  std::ofstream(truncated, std::ios::binary) << bytes.substr(0, bytes.size() / 2);
+  std::string message = error_of([&] { core::load_pickle(truncated); });
+  EXPECT_NE(message.find(truncated + " is not a readable checkpoint (truncated or damaged"), std::string::npos)
+      << message;
+}
+
+TEST_F(Files, PythonTorchLoadReadsWhatWeWrite) {
+  const char* python = "/usr/bin/python3";
+  if (!fs::exists(python) || std::system("/usr/bin/python3 -c 'import torch' >/dev/null 2>&1") != 0)
+    GTEST_SKIP() << "SKIPPED: /usr/bin/python3 with torch (python3-torch) is not installed";
+  const std::string path = (dir_ / "py.ckpt").string();
+  core::save_pickle(sample(2), path);
+  const std::string script = (dir_ / "check.py").string();
+  std::ofstream(script) << "import sys, torch\n"
+                           "c = torch.load(sys.argv[1])\n"
+                           "sd = c['state_dict']\n"
+                           "assert list(sd.keys()) == ['w', 'h'], list(sd.keys())\n"
+                           "assert torch.equal(sd['w'], torch.full((3, 2), 2.0))\n"
+                           "assert sd['h'].dtype == torch.bfloat16\n"
+                           "assert c['global_step'] == 2 and c['name'] == 'tessera' and c['lrs'] == [0.1, 0.2]\n"
+                           "print('ok')\n";
+  const std::string out = (dir_ / "out.txt").string();
+  int rc = std::system(("/usr/bin/python3 " + script + " " + path + " > " + out + " 2>&1").c_str());
+  EXPECT_EQ(rc, 0) << read_file(out);
+  EXPECT_EQ(read_file(out), "ok\n");
+}
+
+class CheckpointIO : public Files {
+ protected:
+  std::shared_ptr<sdk::CheckpointIO> io(const std::string& name) {
+    return loader_.create_as<sdk::CheckpointIO>(sdk::PluginKind::checkpoint_io, name, sdk::Options());
+  }
+  core::PluginLoader loader_{{tessera::testing::plugin_dir()}};
+};
+
+TEST_F(CheckpointIO, TorchRoundTripMetadataAndRemove) {
+  auto torch_io = io("torch");
+  const std::string path = (dir_ / "epoch=0-step=5.ckpt").string();
+  torch_io->save_checkpoint(sample(5), path, sdk::ShardInfo{});
+  EXPECT_EQ(value_of(torch_io->load_checkpoint(path, sdk::ShardInfo{})), 5.0);
+  sdk::CheckpointMetadata meta = torch_io->read_metadata(path);
+  EXPECT_FALSE(meta.sharded);
+  EXPECT_EQ(meta.format, "torch");
+  torch_io->save_checkpoint(sample(6), path, sdk::ShardInfo{});  // overwrite in place
+  EXPECT_EQ(value_of(torch_io->load_checkpoint(path, sdk::ShardInfo{})), 6.0);
+  torch_io->remove_checkpoint(path);
+  EXPECT_FALSE(fs::exists(path));
+  EXPECT_NE(error_of([&] { torch_io->load_checkpoint(path, sdk::ShardInfo{}); }).find(path + " does not exist"),
+            std::string::npos);
+  EXPECT_NE(error_of([&] { torch_io->save_checkpoint(sample(1), path, sdk::ShardInfo{0, 2, true}); })
+                .find("plugin = \"distributed\""),
+            std::string::npos);
+  const std::string text = (dir_ / "notes.txt").string();
+  std::ofstream(text) << "hello";
+  EXPECT_NE(error_of([&] { torch_io->read_metadata(text); }).find("not in torch.save's zip format"), std::string::npos);
+}
+
+TEST_F(CheckpointIO, DistributedShardsRoundTripAndPublishAtomically) {
+  auto dist = io("distributed");
+  const std::string path = (dir_ / "step=2").string();
+  for (std::int64_t r = 0; r < 2; ++r) dist->save_checkpoint(sample(10 + r), path, sdk::ShardInfo{r, 2, true});
+  EXPECT_FALSE(fs::exists(path)) << "nothing is visible before finalize";
+  dist->finalize_checkpoint(path, sdk::ShardInfo{0, 2, true});
+  EXPECT_EQ(files_in(path), (std::vector<std::string>{"metadata.json", "shard-0-of-2.pt", "shard-1-of-2.pt"}));
+  EXPECT_FALSE(fs::exists(path + ".staging"));
+  sdk::CheckpointMetadata meta = dist->read_metadata(path);
+  EXPECT_TRUE(meta.sharded);
+  EXPECT_EQ(meta.world_size, 2);
+  EXPECT_NE(read_file(fs::path(path) / "metadata.json").find("tessera_version"), std::string::npos);
+  // Any rank may read any shard (resharding reads several).
+  EXPECT_EQ(value_of(dist->load_checkpoint(path, sdk::ShardInfo{1, 3, true})), 11.0);
+  EXPECT_EQ(value_of(dist->load_checkpoint(path, sdk::ShardInfo{0, 1, true})), 10.0);
+  EXPECT_NE(error_of([&] { dist->load_checkpoint(path, sdk::ShardInfo{2, 3, true}); }).find("shard 2 does not exist"),
+            std::string::npos);
+
+  // Full saves behave like `torch`.
+  const std::string full = (dir_ / "full.ckpt").string();
+  dist->save_checkpoint(sample(4), full, sdk::ShardInfo{});
+  dist->finalize_checkpoint(full, sdk::ShardInfo{});
+  EXPECT_EQ(value_of(io("torch")->load_checkpoint(full, sdk::ShardInfo{})), 4.0);
+  EXPECT_FALSE(dist->read_metadata(full).sharded);
+}
+
+TEST_F(CheckpointIO, InterruptedShardedSaveKeepsThePreviousCheckpoint) {
+  auto dist = io("distributed");
+  const std::string path = (dir_ / "last").string();
+  for (std::int64_t r = 0; r < 2; ++r) dist->save_checkpoint(sample(1 + r), path, sdk::ShardInfo{r, 2, true});
+  dist->finalize_checkpoint(path, sdk::ShardInfo{0, 2, true});
+
+  // A 3-rank save where rank 2 died before writing: finalize refuses, the old one stays.
+  dist->save_checkpoint(sample(7), path, sdk::ShardInfo{0, 3, true});
+  dist->save_checkpoint(sample(8), path, sdk::ShardInfo{1, 3, true});
+  std::string message = error_of([&] { dist->finalize_checkpoint(path, sdk::ShardInfo{0, 3, true}); });
+  EXPECT_NE(message.find("shard 2 of 3 was not written; the previous checkpoint is kept"), std::string::npos) << message;
+  EXPECT_EQ(dist->read_metadata(path).world_size, 2);
+  EXPECT_EQ(value_of(dist->load_checkpoint(path, sdk::ShardInfo{1, 2, true})), 2.0);
+
+  // The next complete save replaces it and drops the stale shards of the failed one.
+  for (std::int64_t r = 0; r < 2; ++r) dist->save_checkpoint(sample(20 + r), path, sdk::ShardInfo{r, 2, true});
+  dist->finalize_checkpoint(path, sdk::ShardInfo{0, 2, true});
+  EXPECT_EQ(files_in(path), (std::vector<std::string>{"metadata.json", "shard-0-of-2.pt", "shard-1-of-2.pt"}));
+  EXPECT_EQ(value_of(dist->load_checkpoint(path, sdk::ShardInfo{0, 2, true})), 20.0);
+  EXPECT_FALSE(fs::exists(path + ".old"));
+
+  // A save that died between its two renames left only <path>.old: it is still found.
+  fs::rename(path, path + ".old");
+  EXPECT_EQ(value_of(dist->load_checkpoint(path, sdk::ShardInfo{1, 2, true})), 21.0);
+  dist->remove_checkpoint(path);
+  EXPECT_FALSE(fs::exists(path + ".old"));
+  EXPECT_TRUE(files_in(dir_).empty());
+}
+
+TEST_F(CheckpointIO, BrokenShardedCheckpointsAreNamed) {
+  auto dist = io("distributed");
+  const std::string path = (dir_ / "broken").string();
+  fs::create_directories(path);
+  EXPECT_NE(error_of([&] { dist->read_metadata(path); }).find("has no metadata.json"), std::string::npos);
+  std::ofstream(fs::path(path) / "metadata.json") << "{\"format\": \"other\"}";
+  EXPECT_NE(error_of([&] { dist->read_metadata(path); }).find("has format \"other\""), std::string::npos);
+  std::ofstream(fs::path(path) / "metadata.json") << "{not json";
+  EXPECT_NE(error_of([&] { dist->read_metadata(path); }).find("is not valid JSON"), std::string::npos);
+  EXPECT_NE(error_of([&] { io("torch")->load_checkpoint(path, sdk::ShardInfo{}); }).find("plugin = \"distributed\""),
+            std::string::npos);
+}
+
+}  // namespace
