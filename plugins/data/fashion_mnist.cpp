@@ -1,6 +1,10 @@
 // `fashion_mnist`: the gzip IDX files of Debian's `dataset-fashion-mnist` package.
 #include <zlib.h>
 
+#include <cerrno>
+#include <cstring>
+#include <vector>
+
 #include <ATen/ATen.h>
 
 #include "data.hpp"
@@ -16,16 +20,18 @@ const char* const kClasses[] = {"T-shirt/top", "Trouser", "Pullover", "Dress", "
 /// The whole decompressed content of a gzip file.
 std::string read_gzip(const std::string& path, const std::string& key_hint) {
   gzFile file = gzopen(path.c_str(), "rb");
-  TESSERA_CHECK(file != nullptr, "cannot open ", path, " (", key_hint,
-                "; the default comes with Debian's `dataset-fashion-mnist` package)");
+  TESSERA_CHECK(file != nullptr, "cannot open ", path, ": ", std::strerror(errno), " (the directory is ", key_hint,
+                "; the default, /usr/share/datasets/fashion-mnist, comes with Debian's `dataset-fashion-mnist` "
+                "package)");
   std::string out;
-  char buffer[1 << 16];
+  std::vector<char> buffer(1 << 16);
   int n;
-  while ((n = gzread(file, buffer, sizeof(buffer))) > 0) out.append(buffer, static_cast<std::size_t>(n));
-  int error = 0;
-  const char* message = gzerror(file, &error);
+  while ((n = gzread(file, buffer.data(), static_cast<unsigned>(buffer.size()))) > 0)
+    out.append(buffer.data(), static_cast<std::size_t>(n));
+  int error = Z_OK;
+  const std::string message = gzerror(file, &error);  // copied: the text dies with the handle
   gzclose(file);
-  TESSERA_CHECK(n == 0 && error == Z_OK, path, " is not a readable gzip file: ", message);
+  TESSERA_CHECK(n == 0 && error == Z_OK, path, " is not a complete gzip file: ", message);
   return out;
 }
 
@@ -75,12 +81,15 @@ class FashionMNIST final : public sdk::DataModule {
         val_size_(o.get_int("val_size", 5000, 0, 59000)),
         train_limit_(o.get_int("train_limit", 0, 0)),
         test_limit_(o.get_int("test_limit", 0, 0)),
-        root_key_(o.locate("root")) {}
+        root_key_(o.locate("root")),
+        o_val_key_(o.locate("val_size")) {}
 
   void setup(const std::string&) override {
     if (train_) return;
     auto [train_images, train_labels] = load("train");
     auto [test_images, test_labels] = load("t10k");
+    TESSERA_CHECK(val_size_ < train_images.size(0), o_val_key_, " = ", val_size_, " leaves no training images: ", root_,
+                  " has ", train_images.size(0), " in its train split");
     const std::int64_t n_train = train_images.size(0) - val_size_;
     auto take = [](const at::Tensor& t, std::int64_t start, std::int64_t n) { return t.narrow(0, start, n); };
     std::int64_t train_n = train_limit_ > 0 ? std::min(train_limit_, n_train) : n_train;
@@ -97,7 +106,9 @@ class FashionMNIST final : public sdk::DataModule {
     std::string out;
     at::Tensor predicted = output.reshape({-1}).cpu();
     for (std::int64_t i = 0; i < predicted.numel(); ++i) {
-      out += kClasses[predicted[i].item<std::int64_t>()];
+      const std::int64_t c = predicted[i].item<std::int64_t>();
+      TESSERA_CHECK(c >= 0 && c < 10, "fashion_mnist: a prediction names class ", c, "; the classes are 0..9");
+      out += kClasses[c];
       if (batch.target.defined()) out += std::string(" (true: ") + kClasses[batch.target[i].item<std::int64_t>()] + ")";
       out += "\n";
     }
@@ -107,10 +118,18 @@ class FashionMNIST final : public sdk::DataModule {
 
  private:
   std::pair<at::Tensor, at::Tensor> load(const std::string& split) const {
-    at::Tensor images = read_idx(root_ + "/" + split + "-images-idx3-ubyte.gz", 3, root_key_);
-    at::Tensor labels = read_idx(root_ + "/" + split + "-labels-idx1-ubyte.gz", 1, root_key_);
+    const std::string images_path = root_ + "/" + split + "-images-idx3-ubyte.gz";
+    const std::string labels_path = root_ + "/" + split + "-labels-idx1-ubyte.gz";
+    at::Tensor images = read_idx(images_path, 3, root_key_);
+    at::Tensor labels = read_idx(labels_path, 1, root_key_);
+    TESSERA_CHECK(images.size(1) == 28 && images.size(2) == 28, images_path, " holds images of ", images.size(1), "x",
+                  images.size(2), " pixels; Fashion-MNIST's are 28x28");
     TESSERA_CHECK(images.size(0) == labels.size(0), root_, ": ", split, " has ", images.size(0), " images but ",
                   labels.size(0), " labels");
+    if (labels.numel() > 0) {
+      const std::int64_t max_label = labels.max().item<std::int64_t>();
+      TESSERA_CHECK(max_label < 10, labels_path, " holds label ", max_label, "; Fashion-MNIST's classes are 0..9");
+    }
     // Normalised with the training set's mean and standard deviation.
     at::Tensor x = (images.to(at::kFloat).div_(255.0).sub_(0.2860).div_(0.3530)).unsqueeze(1).contiguous();
     return {x, labels.to(at::kLong)};
@@ -118,7 +137,7 @@ class FashionMNIST final : public sdk::DataModule {
 
   std::string root_;
   std::int64_t val_size_, train_limit_, test_limit_;
-  std::string root_key_;
+  std::string root_key_, o_val_key_;
   std::shared_ptr<sdk::Dataset> train_, val_, test_;
 };
 

@@ -3,6 +3,7 @@
 // fixed offsets, so the sampler alone decides the order (and N ranks see exactly what one
 // device sees).
 #include <algorithm>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 
@@ -17,6 +18,49 @@ namespace {
 
 namespace fs = std::filesystem;
 
+/// Bytes as printable UTF-8 text: valid UTF-8 sequences, newlines and tabs are kept; any
+/// other control byte or invalid sequence becomes U+FFFD, so a terminal never sees raw junk.
+std::string decode_bytes(const std::string& bytes) {
+  static const std::string kReplacement = "\xEF\xBF\xBD";
+  std::string out;
+  const std::size_t n = bytes.size();
+  auto byte = [&](std::size_t i) { return static_cast<unsigned char>(bytes[i]); };
+  for (std::size_t i = 0; i < n;) {
+    const unsigned char c = byte(i);
+    if (c < 0x80) {
+      const bool printable = (c >= 0x20 && c != 0x7F) || c == '\n' || c == '\t';
+      if (printable) out += static_cast<char>(c);
+      else out += kReplacement;
+      ++i;
+      continue;
+    }
+    // Length and the allowed range of the second byte (RFC 3629: no overlongs, no surrogates).
+    std::size_t length = 0;
+    unsigned char lo = 0x80, hi = 0xBF;
+    if (c >= 0xC2 && c <= 0xDF) length = 2;
+    else if (c == 0xE0) length = 3, lo = 0xA0;
+    else if (c >= 0xE1 && c <= 0xEC) length = 3;
+    else if (c == 0xED) length = 3, hi = 0x9F;
+    else if (c >= 0xEE && c <= 0xEF) length = 3;
+    else if (c == 0xF0) length = 4, lo = 0x90;
+    else if (c >= 0xF1 && c <= 0xF3) length = 4;
+    else if (c == 0xF4) length = 4, hi = 0x8F;
+    bool valid = length > 0 && i + length <= n;
+    for (std::size_t k = 1; valid && k < length; ++k) {
+      const unsigned char b = byte(i + k);
+      valid = k == 1 ? (b >= lo && b <= hi) : (b >= 0x80 && b <= 0xBF);
+    }
+    if (valid) {
+      out.append(bytes, i, length);
+      i += length;
+    } else {
+      out += kReplacement;
+      ++i;
+    }
+  }
+  return out;
+}
+
 /// Windows of block_size + 1 bytes starting every `stride` bytes of `bytes`.
 class TextWindows final : public sdk::Dataset {
  public:
@@ -28,7 +72,11 @@ class TextWindows final : public sdk::Dataset {
   sdk::Batch get_batch(const std::vector<std::int64_t>& indices) const override {
     std::vector<at::Tensor> windows;
     windows.reserve(indices.size());
-    for (std::int64_t i : indices) windows.push_back(bytes_.narrow(0, i * stride_, block_size_ + 1));
+    const std::int64_t n = size();
+    for (std::int64_t i : indices) {
+      TESSERA_CHECK(i >= 0 && i < n, "text: sample index ", i, " is out of range [0, ", n, ")");
+      windows.push_back(bytes_.narrow(0, i * stride_, block_size_ + 1));
+    }
     at::Tensor batch = at::stack(windows).to(at::kLong);
     return sdk::Batch{batch.narrow(1, 0, block_size_).contiguous(), batch.narrow(1, 1, block_size_).contiguous()};
   }
@@ -44,9 +92,9 @@ class Prompt final : public sdk::Dataset {
   explicit Prompt(const std::string& text) : text_(text) {}
   std::int64_t size() const override { return 1; }
   sdk::Batch get_batch(const std::vector<std::int64_t>&) const override {
-    at::Tensor tokens = at::empty({1, static_cast<std::int64_t>(text_.size())}, at::kLong);
-    for (std::size_t i = 0; i < text_.size(); ++i) tokens[0][i] = static_cast<unsigned char>(text_[i]);
-    return sdk::Batch{tokens, {}};
+    at::Tensor bytes = at::empty({1, static_cast<std::int64_t>(text_.size())}, at::kByte);
+    std::memcpy(bytes.data_ptr(), text_.data(), text_.size());
+    return sdk::Batch{bytes.to(at::kLong), {}};
   }
 
  private:
@@ -68,13 +116,20 @@ class Text final : public sdk::DataModule {
   void setup(const std::string&) override {
     if (bytes_.defined()) return;
     std::string text = read_corpus();
-    TESSERA_CHECK(static_cast<std::int64_t>(text.size()) > 4 * (block_size_ + 1), "[data] path = \"", path_,
-                  "\" holds only ", text.size(), " bytes: too little for block_size ", block_size_);
-    bytes_ = at::empty({static_cast<std::int64_t>(text.size())}, at::kByte);
-    std::memcpy(bytes_.data_ptr(), text.data(), text.size());
-    std::int64_t split = static_cast<std::int64_t>(static_cast<double>(text.size()) * (1.0 - val_fraction_));
-    train_ = std::make_shared<TextWindows>(bytes_.narrow(0, 0, split), block_size_, stride_);
-    val_ = std::make_shared<TextWindows>(bytes_.narrow(0, split, bytes_.numel() - split), block_size_, block_size_);
+    at::Tensor bytes = at::empty({static_cast<std::int64_t>(text.size())}, at::kByte);
+    std::memcpy(bytes.data_ptr(), text.data(), text.size());
+    const std::int64_t split = static_cast<std::int64_t>(static_cast<double>(text.size()) * (1.0 - val_fraction_));
+    auto train = std::make_shared<TextWindows>(bytes.narrow(0, 0, split), block_size_, stride_);
+    auto val = std::make_shared<TextWindows>(bytes.narrow(0, split, bytes.numel() - split), block_size_, block_size_);
+    const char* hint = " bytes, too few for one window of block_size + 1 = ";
+    TESSERA_CHECK(train->size() > 0, options_.locate("path"), " = \"", path_, "\": the training part holds ", split, hint,
+                  block_size_ + 1, " bytes");
+    TESSERA_CHECK(val_fraction_ == 0.0 || val->size() > 0, options_.locate("val_fraction"), " = ", val_fraction_,
+                  " leaves ", bytes.numel() - split, hint, block_size_ + 1, " bytes in the validation part of \"", path_,
+                  "\"; raise val_fraction or set it to 0");
+    bytes_ = bytes;
+    train_ = train;
+    val_ = val;
   }
   std::shared_ptr<sdk::Dataset> train_dataset() override { return train_; }
   std::shared_ptr<sdk::Dataset> val_dataset() override { return val_; }
@@ -82,11 +137,13 @@ class Text final : public sdk::DataModule {
   std::shared_ptr<sdk::Dataset> predict_dataset() override { return std::make_shared<Prompt>(prompt_); }
 
   std::string describe_prediction(const sdk::Batch&, const at::Tensor& output) const override {
+    at::Tensor tokens = output.to(at::kLong).clamp(0, 255).to(at::kByte).cpu().contiguous();
+    if (tokens.dim() < 2) tokens = tokens.reshape({1, -1});
     std::string text;
-    at::Tensor tokens = output.reshape({-1}).to(at::kLong).cpu();
-    for (std::int64_t i = 0; i < tokens.numel(); ++i) {
-      auto c = static_cast<unsigned char>(tokens[i].item<std::int64_t>());
-      text += (c == '\n' || c == '\t' || (c >= 32 && c < 127) || c >= 128) ? static_cast<char>(c) : '?';
+    for (std::int64_t row = 0; row < tokens.size(0); ++row) {
+      if (row > 0) text += "\n---\n";
+      const at::Tensor r = tokens[row].contiguous();
+      text += decode_bytes(std::string(static_cast<const char*>(r.data_ptr()), static_cast<std::size_t>(r.numel())));
     }
     return text;
   }
@@ -101,9 +158,8 @@ class Text final : public sdk::DataModule {
     } else {
       TESSERA_CHECK(fs::is_directory(path_, ec), options_.locate("path"), " = \"", path_,
                     "\": no such file or directory",
-                    path_ == "/usr/share/games/fortunes" ? " (the default corpus comes with Debian's `fortunes` package: "
-                                                           "apt-get install fortunes)"
-                                                         : "");
+                    "; give a text file or a directory of text files (the default, /usr/share/games/fortunes, "
+                    "comes with Debian's `fortunes` package: apt-get install fortunes)");
       // Plain fortune files only: not the strfile indexes (*.dat), their UTF-8 twins (*.u8)
       // or symlinks, so each text is read once.
       for (const auto& entry : fs::directory_iterator(path_)) {

@@ -1,6 +1,7 @@
 // `gpt`: a byte-level decoder-only transformer (nanoGPT's architecture). Each Block is an
 // FSDP unit: the network runs it through sdk::invoke().
 #include <cmath>
+#include <limits>
 
 #include <ATen/ATen.h>
 #include <torch/nn/functional/activation.h>
@@ -52,15 +53,23 @@ class BlockImpl : public torch::nn::Module {
     auto heads = [&](const at::Tensor& t) { return t.view({B, T, H, C / H}).transpose(1, 2); };
     at::Tensor q = heads(qkv[0]), k = heads(qkv[1]), v = heads(qkv[2]);
     at::Tensor att = at::matmul(q, k.transpose(-2, -1)) * (1.0 / std::sqrt(static_cast<double>(C / H)));
-    at::Tensor causal = at::ones({T, T}, at::TensorOptions().dtype(at::kBool).device(x.device())).triu(1);
-    att = dropout(at::softmax(att.masked_fill(causal, -std::numeric_limits<float>::infinity()), -1));
+    att = dropout(at::softmax(att.masked_fill(causal_mask(T, x.device()), -std::numeric_limits<float>::infinity()), -1));
     at::Tensor y = at::matmul(att, v).transpose(1, 2).contiguous().view({B, T, C});
     at::Tensor h = x + dropout(proj(y));
     return h + dropout(fc_proj(F::gelu(fc(ln_2(h)))));
   }
 
  private:
+  // True above the diagonal (the future). Kept out of the module's buffers so that it is
+  // neither checkpointed nor sharded; rebuilt when the device or the length changes.
+  const at::Tensor& causal_mask(std::int64_t T, const at::Device& device) {
+    if (!causal_.defined() || causal_.size(0) != T || causal_.device() != device)
+      causal_ = at::ones({T, T}, at::TensorOptions().dtype(at::kBool).device(device)).triu(1);
+    return causal_;
+  }
+
   std::int64_t n_head_;
+  at::Tensor causal_;
 
  public:
   torch::nn::LayerNorm ln_1;
@@ -144,7 +153,11 @@ class GPT final : public sdk::Module {
   StepOutput test_step(const Batch& batch, std::int64_t) override { return lm_loss(batch); }
 
   at::Tensor predict_step(const Batch& batch, std::int64_t) override {
-    at::Tensor idx = batch.input;
+    TESSERA_CHECK(batch.input.defined() && batch.input.dim() == 2 && batch.input.size(1) > 0,
+                  "gpt: predict needs a batch of token prompts [B, T] with T >= 1, found ",
+                  batch.input.defined() ? batch.input.sizes() : at::IntArrayRef{});
+    torch::NoGradGuard no_grad;
+    at::Tensor idx = batch.input.to(at::kLong);
     for (std::int64_t i = 0; i < max_new_tokens_; ++i) {
       at::Tensor context = idx.size(1) <= config_.block_size ? idx : idx.narrow(1, idx.size(1) - config_.block_size,
                                                                               config_.block_size);
@@ -169,6 +182,9 @@ class GPT final : public sdk::Module {
     h.insert("dropout", config_.dropout);
     h.insert("bias", config_.bias);
     h.insert("tie_embeddings", config_.tie_embeddings);
+    h.insert("max_new_tokens", max_new_tokens_);
+    h.insert("temperature", temperature_);
+    h.insert("top_k", top_k_);
     h.insert("vocab_size", kVocab);
     return h;
   }
