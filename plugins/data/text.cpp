@@ -113,8 +113,9 @@ class Text final : public sdk::DataModule {
     TESSERA_CHECK(!prompt_.empty(), o.locate("prompt"), " must not be empty");
   }
 
-  void setup(const std::string&) override {
-    if (bytes_.defined()) return;
+  void setup(const std::string& stage) override {
+    // Predicting needs only the prompt: no corpus has to be installed for it.
+    if (stage == "predict" || bytes_.defined()) return;
     std::string text = read_corpus();
     at::Tensor bytes = at::empty({static_cast<std::int64_t>(text.size())}, at::kByte);
     std::memcpy(bytes.data_ptr(), text.data(), text.size());

@@ -99,8 +99,8 @@ class GPTNetImpl : public torch::nn::Module {
 
   at::Tensor forward(const at::Tensor& idx) {
     const std::int64_t T = idx.size(1);
-    TESSERA_CHECK(T <= config.block_size, "gpt: sequence of ", T, " tokens exceeds [model] block_size = ",
-                  config.block_size);
+    TESSERA_CHECK(T <= config.block_size, "gpt: a sequence of ", T, " tokens exceeds [model] block_size = ",
+                  config.block_size, " (the positional table's length); set [data] block_size to at most that");
     at::Tensor pos = at::arange(T, at::TensorOptions().dtype(at::kLong).device(idx.device()));
     at::Tensor x = drop(wte(idx) + wpe(pos));
     for (auto& block : units) x = sdk::invoke(block, x);

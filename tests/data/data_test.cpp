@@ -173,7 +173,9 @@ TEST(Text, TooShortCorpusIsAnError) {
 }
 
 TEST(Text, PromptIsEncodedAsBytesAndPredictionsDecode) {
-  auto data = make_data("text", "prompt = \"Hi \\u00e9\"\n");
+  // Predicting reads no corpus: a missing path does not matter.
+  auto data = make_data("text", "path = \"/nonexistent/corpus\"\nprompt = \"Hi \\u00e9\"\n");
+  data->setup("predict");
   auto predict = data->predict_dataset();
   ASSERT_EQ(predict->size(), 1);
   sdk::Batch prompt = predict->get_batch({0});
