@@ -1,6 +1,7 @@
 #include "trainer.hpp"
 
 #include <signal.h>
+#include <sys/resource.h>
 #include <unistd.h>
 
 #include <chrono>
@@ -286,6 +287,15 @@ void Trainer::fit(const std::string& ckpt_path) {
       }
     }
   }
+  // Peak resident memory of the busiest rank: the figure FSDP is meant to lower.
+  rusage usage{};
+  ::getrusage(RUSAGE_SELF, &usage);
+  double peak_mb = strategy_->reduce(at::full({}, static_cast<double>(usage.ru_maxrss) / 1024.0, at::kFloat)
+                                         .to(strategy_->root_device()),
+                                     sdk::ReduceOp::max)
+                       .item<double>();
+  log_.info("peak RSS per rank (max over ranks): " + format(peak_mb, 5) + " MB");
+  log_.metrics(global_step_, epoch_, "train", {{"peak_rss_mb", peak_mb}});
   if (t.save_last) save(t.default_root_dir + "/checkpoints/last.ckpt");
   if (t.predict_after_fit) {
     log_.info("sample from the trained model:");

@@ -1,0 +1,67 @@
+#!/usr/bin/env bash
+# Throughput and memory of Tessera's strategies against each other and against PyTorch's own
+# DDP, all measured in this one run on this machine (ratios, never absolute pass/fail).
+#   bash bench/training/run.sh [steps]        (after .ci/setup; ~5 minutes on 2 cores)
+# GPT of the issue: 6 layers, 384 wide, 6 heads, 128 tokens, batch 8 per rank, 2 ranks
+# (single device: batch 16, the same global batch).
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+steps="${1:-30}"
+tessera=build/bin/tessera
+out="$(mktemp -d)"; trap 'rm -rf "$out"' EXIT
+cat > "$out/gpt.toml" <<TOML
+[trainer]
+max_steps = $steps
+log_every_n_steps = 5
+enable_progress_bar = false
+save_last = false
+[optimizer]
+lr = 3e-4
+schedule = "constant"
+[model]
+plugin = "gpt"
+n_layer = 6
+n_head = 6
+n_embd = 384
+block_size = 128
+[data]
+plugin = "text"
+block_size = 128
+TOML
+
+# tokens/s averaged over the logged windows after the first two (warm-up), and peak RSS.
+run() {
+  local name="$1"; shift
+  local dir="$out/$name"
+  $tessera fit --config "$out/gpt.toml" --set trainer.default_root_dir="$dir" "$@" > "$dir.log" 2>&1 \
+    || { echo "$name failed:"; tail -20 "$dir.log"; exit 1; }
+  local tps rss
+  tps=$(awk -F, '$4=="tokens_per_s" {n++; if (n > 2) {s+=$5; c++}} END {printf "%.0f", s/c}' "$dir/metrics.csv")
+  rss=$(awk -F, '$4=="peak_rss_mb" {printf "%.0f", $5}' "$dir/metrics.csv")
+  echo "$name $tps $rss" >> "$out/results"
+  printf "%-28s %10s tokens/s %8s MB peak RSS per rank\n" "$name" "$tps" "$rss"
+}
+
+run single_device --set data.batch_size=16
+run ddp_2 --set launch.devices=2 --set strategy.plugin=ddp --set data.batch_size=8
+run fsdp_full_shard_2 --set launch.devices=2 --set strategy.plugin=fsdp --set data.batch_size=8
+run fsdp_shard_grad_op_2 --set launch.devices=2 --set strategy.plugin=fsdp \
+  --set strategy.sharding_strategy=SHARD_GRAD_OP --set data.batch_size=8
+run fsdp_bf16_mixed_2 --set launch.devices=2 --set strategy.plugin=fsdp --set precision.plugin=fsdp-precision \
+  --set precision.precision=bf16-mixed --set data.batch_size=8
+pytorch=$(/usr/bin/python3 bench/training/pytorch_ddp_gpt.py --ranks 2 --steps "$steps" --port $((20000 + RANDOM % 20000)))
+echo "$pytorch"
+echo "pytorch_ddp_2 $(sed -E 's/.*tokens_per_s=([0-9.]+).*/\1/' <<< "$pytorch") $(sed -E 's/.*peak_rss_mb=([0-9.]+).*/\1/' <<< "$pytorch")" >> "$out/results"
+
+echo
+echo "ratios (same run):"
+awk '{tps[$1]=$2; rss[$1]=$3}
+     END {
+       printf "  FSDP FULL_SHARD / tessera DDP      %.2fx tokens/s\n", tps["fsdp_full_shard_2"]/tps["ddp_2"];
+       printf "  FSDP FULL_SHARD / PyTorch DDP      %.2fx tokens/s\n", tps["fsdp_full_shard_2"]/tps["pytorch_ddp_2"];
+       printf "  FSDP SHARD_GRAD_OP / tessera DDP   %.2fx tokens/s\n", tps["fsdp_shard_grad_op_2"]/tps["ddp_2"];
+       printf "  tessera DDP / PyTorch DDP          %.2fx tokens/s\n", tps["ddp_2"]/tps["pytorch_ddp_2"];
+       printf "  tessera DDP (2 ranks) / single     %.2fx tokens/s\n", tps["ddp_2"]/tps["single_device"];
+       printf "  FSDP bf16-mixed / FSDP 32-true     %.2fx tokens/s, %.2fx peak RSS\n", tps["fsdp_bf16_mixed_2"]/tps["fsdp_full_shard_2"], rss["fsdp_bf16_mixed_2"]/rss["fsdp_full_shard_2"];
+       printf "  peak RSS FSDP / DDP                %.2fx\n", rss["fsdp_full_shard_2"]/rss["ddp_2"];
+     }' "$out/results"
