@@ -36,7 +36,7 @@ class Block(nn.Module):
         q, k, v = self.attn(self.ln_1(x)).split(C, dim=2)
         q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
         att = (q @ k.transpose(-2, -1)) / math.sqrt(k.size(-1))
-        mask = torch.ones(T, T, dtype=torch.bool).tril()
+        mask = torch.ones(T, T, dtype=torch.bool, device=x.device).tril()
         att = att.masked_fill(~mask, float("-inf")).softmax(-1)
         y = (att @ v).transpose(1, 2).contiguous().view(B, T, C)
         x = x + self.proj(y)
@@ -52,7 +52,7 @@ class GPT(nn.Module):
         self.ln_f = nn.LayerNorm(n_embd)
 
     def forward(self, idx):
-        x = self.wte(idx) + self.wpe(torch.arange(idx.size(1)))
+        x = self.wte(idx) + self.wpe(torch.arange(idx.size(1), device=idx.device))
         for block in self.blocks:
             x = block(x)
         return self.ln_f(x) @ self.wte.weight.t()

@@ -9,6 +9,9 @@
 
 #include <ATen/ATen.h>
 #include <ATen/native/Resize.h>
+#if TESSERA_WITH_CUDA
+#include <ATen/native/cuda/Resize.h>
+#endif
 #include <torch/csrc/autograd/autograd.h>
 #include <torch/csrc/autograd/custom_function.h>
 #include <torch/csrc/autograd/function.h>
@@ -50,7 +53,12 @@ using torch::autograd::variable_list;
 
 std::size_t storage_bytes(const at::Tensor& t) { return static_cast<std::size_t>(t.numel()) * t.element_size(); }
 
+// Frees or re-allocates a flat buffer's storage in place: every view of it (the module's
+// parameters, tensors autograd saved) stays valid and sees the data again once re-gathered.
 void resize_storage(const at::Tensor& t, std::size_t bytes) {
+#if TESSERA_WITH_CUDA
+  if (t.is_cuda()) return at::native::resize_bytes_cuda(t.storage().unsafeGetStorageImpl(), bytes);
+#endif
   TESSERA_CHECK(t.is_cpu(), "FSDP storage management for ", t.device(), " tensors is not available in this build");
   at::native::resize_bytes_cpu(t.storage().unsafeGetStorageImpl(), bytes);
 }

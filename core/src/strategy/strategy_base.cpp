@@ -1,5 +1,9 @@
 #include "tessera/core/strategy_base.hpp"
 
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
 #include <cmath>
 #include <limits>
 #include <set>
@@ -11,6 +15,20 @@
 #include "tessera/sdk/error.hpp"
 
 namespace tessera::core {
+
+namespace {
+int free_port() {
+  int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in address{};
+  address.sin_family = AF_INET;
+  address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  ::bind(fd, reinterpret_cast<sockaddr*>(&address), sizeof(address));
+  socklen_t length = sizeof(address);
+  ::getsockname(fd, reinterpret_cast<sockaddr*>(&address), &length);
+  ::close(fd);
+  return ntohs(address.sin_port);
+}
+}  // namespace
 
 StrategyBase::StrategyBase(const sdk::Options& options)
     : accelerator_(options.get_choice("accelerator", "auto", {"auto", "cpu", "cuda"})) {}
@@ -38,7 +56,15 @@ void StrategyBase::setup_environment(const sdk::ClusterInfo& cluster) {
   TESSERA_CHECK(!cuda || at::hasCUDA(), "[strategy] accelerator = \"cuda\" but this tessera ",
                 (TESSERA_WITH_CUDA ? "sees no CUDA device" : "was built without CUDA"), "; valid here: \"cpu\", \"auto\"");
   device_ = cuda ? c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(cluster.local_rank)) : c10::Device(c10::kCPU);
-  world_ = cluster.world_size > 1 ? make_communicator(cluster, device_) : make_local_communicator();
+  // One CPU rank needs no process group; on CUDA even one rank goes through NCCL, so the
+  // GPU path is the one used at scale.
+  if (cluster.world_size > 1 || device_.is_cuda()) {
+    sdk::ClusterInfo rendezvous = cluster;
+    if (rendezvous.master_port == 0) rendezvous.master_port = free_port();
+    world_ = make_communicator(rendezvous, device_);
+  } else {
+    world_ = make_local_communicator();
+  }
 }
 
 Communicator& StrategyBase::world() {
