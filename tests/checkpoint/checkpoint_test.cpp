@@ -56,7 +56,9 @@ struct Params {
 };
 
 const at::Tensor& state_tensor(const torch::optim::Optimizer& optimizer, const at::Tensor& p, const char* key) {
-  auto& state = *optimizer.state().at(c10::guts::to_string(p.unsafeGetTensorImpl()));
+  const auto* found = core::optimizer_param_state(optimizer, p);
+  EXPECT_NE(found, nullptr);
+  const auto& state = *found;
   if (std::string(key) == "momentum_buffer") return dynamic_cast<const torch::optim::SGDParamState&>(state).momentum_buffer();
   const auto& adam = dynamic_cast<const torch::optim::AdamWParamState&>(state);
   return std::string(key) == "exp_avg" ? adam.exp_avg() : adam.exp_avg_sq();

@@ -9,8 +9,9 @@
 #include <filesystem>
 #include <fstream>
 #include <map>
+#include <sstream>
+#include <type_traits>
 
-#include <c10/util/string_utils.h>
 #include <torch/optim/adam.h>
 #include <torch/optim/adamw.h>
 #include <torch/optim/sgd.h>
@@ -56,7 +57,22 @@ sdk::Checkpoint checkpoint_dict(const IValue& value, const std::string& what) {
 
 namespace {
 
-std::string state_key(const at::Tensor& p) { return c10::guts::to_string(p.unsafeGetTensorImpl()); }
+// The C++ optimizers key their state by the parameter's TensorImpl: as its printed address
+// in LibTorch 1.x, as the pointer itself in 2.x.
+using StateKey = std::decay_t<decltype(std::declval<const torch::optim::Optimizer&>().state())>::key_type;
+
+template <typename Key>
+Key key_of(const at::Tensor& p) {
+  if constexpr (std::is_same_v<Key, std::string>) {
+    std::ostringstream address;
+    address << p.unsafeGetTensorImpl();
+    return address.str();
+  } else {
+    return p.unsafeGetTensorImpl();
+  }
+}
+
+StateKey state_key(const at::Tensor& p) { return key_of<StateKey>(p); }
 
 /// Per-parameter state as a dict of tensors (Python's format: "step" is a tensor).
 sdk::Checkpoint param_state_dict(const torch::optim::OptimizerParamState& state) {
@@ -136,6 +152,12 @@ std::unique_ptr<torch::optim::OptimizerParamState> make_param_state(const torch:
 }
 
 }  // namespace
+
+const torch::optim::OptimizerParamState* optimizer_param_state(const torch::optim::Optimizer& optimizer,
+                                                              const at::Tensor& param) {
+  auto it = optimizer.state().find(state_key(param));
+  return it == optimizer.state().end() ? nullptr : it->second.get();
+}
 
 sdk::Checkpoint optimizer_state_dict(const torch::optim::Optimizer& optimizer,
                                      const std::vector<std::string>& param_names) {

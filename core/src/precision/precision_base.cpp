@@ -3,6 +3,7 @@
 #include <ATen/ATen.h>
 #include <ATen/autocast_mode.h>
 #include <c10/core/DefaultDtype.h>
+#include <torch/version.h>
 
 #include <cmath>
 
@@ -15,38 +16,48 @@ namespace {
 
 const std::vector<std::string> kPrecisions = {"32-true", "16-true", "bf16-true", "16-mixed", "bf16-mixed"};
 
+// LibTorch 2.4 replaced the per-device autocast functions (now deprecated, warning on every
+// call) by ones taking the device type; 1.13 (the CPU machines) has only the old ones.
+#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 4)
+bool autocast_enabled(bool cuda) { return at::autocast::is_autocast_enabled(cuda ? at::kCUDA : at::kCPU); }
+at::ScalarType autocast_dtype(bool cuda) { return at::autocast::get_autocast_dtype(cuda ? at::kCUDA : at::kCPU); }
+void set_autocast(bool cuda, bool enabled, at::ScalarType dtype) {
+  at::autocast::set_autocast_enabled(cuda ? at::kCUDA : at::kCPU, enabled);
+  at::autocast::set_autocast_dtype(cuda ? at::kCUDA : at::kCPU, dtype);
+}
+#else
+bool autocast_enabled(bool cuda) { return cuda ? at::autocast::is_enabled() : at::autocast::is_cpu_enabled(); }
+at::ScalarType autocast_dtype(bool cuda) {
+  return cuda ? at::autocast::get_autocast_gpu_dtype() : at::autocast::get_autocast_cpu_dtype();
+}
+void set_autocast(bool cuda, bool enabled, at::ScalarType dtype) {
+  if (cuda) {
+    at::autocast::set_enabled(enabled);
+    at::autocast::set_autocast_gpu_dtype(dtype);
+  } else {
+    at::autocast::set_cpu_enabled(enabled);
+    at::autocast::set_autocast_cpu_dtype(dtype);
+  }
+}
+#endif
+
 /// Autocast on the device type for the scope's lifetime, restoring the previous state.
 class AutocastGuard final : public sdk::Guard {
  public:
-  AutocastGuard(bool cuda, at::ScalarType dtype) : cuda_(cuda) {
-    if (cuda_) {
-      was_enabled_ = at::autocast::is_enabled();
-      previous_dtype_ = at::autocast::get_autocast_gpu_dtype();
-      at::autocast::set_enabled(true);
-      at::autocast::set_autocast_gpu_dtype(dtype);
-    } else {
-      was_enabled_ = at::autocast::is_cpu_enabled();
-      previous_dtype_ = at::autocast::get_autocast_cpu_dtype();
-      at::autocast::set_cpu_enabled(true);
-      at::autocast::set_autocast_cpu_dtype(dtype);
-    }
+  AutocastGuard(bool cuda, at::ScalarType dtype)
+      : cuda_(cuda), was_enabled_(autocast_enabled(cuda)), previous_dtype_(autocast_dtype(cuda)) {
+    set_autocast(cuda_, true, dtype);
     at::autocast::increment_nesting();
   }
   ~AutocastGuard() override {
     if (at::autocast::decrement_nesting() == 0) at::autocast::clear_cache();
-    if (cuda_) {
-      at::autocast::set_enabled(was_enabled_);
-      at::autocast::set_autocast_gpu_dtype(previous_dtype_);
-    } else {
-      at::autocast::set_cpu_enabled(was_enabled_);
-      at::autocast::set_autocast_cpu_dtype(previous_dtype_);
-    }
+    set_autocast(cuda_, was_enabled_, previous_dtype_);
   }
 
  private:
   bool cuda_;
-  bool was_enabled_ = false;
-  at::ScalarType previous_dtype_ = at::kFloat;
+  bool was_enabled_;
+  at::ScalarType previous_dtype_;
 };
 
 /// Default dtype for new parameters for the scope's lifetime.

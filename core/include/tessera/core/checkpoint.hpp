@@ -17,6 +17,11 @@ c10::IValue to_ivalue(const sdk::StateDict& state);
 /// The inverse of to_ivalue; throws sdk::Error naming `what` if `value` is not one.
 sdk::StateDict state_dict_from(const c10::IValue& value, const std::string& what);
 
+/// The optimizer's state for `param` (null before its first step), whatever the LibTorch
+/// version keys its state by.
+const torch::optim::OptimizerParamState* optimizer_param_state(const torch::optim::Optimizer& optimizer,
+                                                              const at::Tensor& param);
+
 /// PyTorch's optimizer state_dict: {"state": {index: {"step", "exp_avg", "exp_avg_sq" |
 /// "momentum_buffer"}}, "param_groups": [{"lr", "betas", ..., "params": [indices]}]},
 /// plus "param_names": the name of each index (PyTorch's PARAM_NAME keying). Adam, AdamW, SGD.
