@@ -1,7 +1,12 @@
 // The one place Tessera calls c10d. Compiles against LibTorch 1.13 (ProcessGroupGloo is a
 // ProcessGroup) and 2.x (it is a Backend with the same collective methods).
 #include <chrono>
+#include <condition_variable>
+#include <cstdio>
 #include <cstdlib>
+#include <map>
+#include <mutex>
+#include <thread>
 
 #include <ATen/ATen.h>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
@@ -21,6 +26,11 @@ namespace {
 using Clock = std::chrono::steady_clock;
 using WorkPtr = c10::intrusive_ptr<c10d::Work>;
 
+/// Gloo's own timeout throws from wait() with the collective's name; the watchdog only
+/// backs it up this much later. NCCL gets this much more, so that the watchdog is first.
+constexpr double kGlooBackstopS = 10.0;
+constexpr double kNcclExtraTimeoutS = 30.0;
+
 c10d::ReduceOp to_c10d(sdk::ReduceOp op) {
   switch (op) {
     case sdk::ReduceOp::sum:
@@ -33,12 +43,81 @@ c10d::ReduceOp to_c10d(sdk::ReduceOp op) {
 
 std::int64_t bytes_of(const at::Tensor& t) { return t.numel() * static_cast<std::int64_t>(t.element_size()); }
 
+/// Every collective in flight in this process (world group and its splits), by tag. A
+/// thread reports one that is still incomplete `deadline_s` after it started and ends the
+/// rank: the backstop for a backend whose own timeout never fires (NCCL's watchdog is given
+/// a longer one, so that the report names the collective) or a wait() never reached.
+class InFlight {
+ public:
+  InFlight(std::int64_t rank, double timeout_s, double deadline_s)
+      : rank_(rank), timeout_s_(timeout_s), deadline_s_(deadline_s), thread_([this] { watch(); }) {}
+  ~InFlight() {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      stop_ = true;
+    }
+    wake_.notify_all();
+    thread_.join();
+  }
+
+  std::uint64_t add(const WorkPtr& work, const std::string& tag) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    entries_[next_] = Entry{work, tag, Clock::now()};
+    return next_++;
+  }
+  void remove(std::uint64_t id) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    entries_.erase(id);
+  }
+
+ private:
+  struct Entry {
+    WorkPtr work;
+    std::string tag;
+    Clock::time_point start;
+  };
+
+  void watch() {
+    std::unique_lock<std::mutex> lock(mutex_);
+    while (!stop_) {
+      wake_.wait_for(lock, std::chrono::milliseconds(500));
+      for (const auto& [id, entry] : entries_) {
+        double waited = std::chrono::duration<double>(Clock::now() - entry.start).count();
+        if (waited < deadline_s_ || entry.work->isCompleted()) continue;
+        std::fprintf(stderr,
+                     "tessera: rank %lld: %s, waiting %.0f s (collective timeout %.0f s): another rank stopped or "
+                     "never reached this collective; stopping rank %lld\n",
+                     static_cast<long long>(rank_), entry.tag.c_str(), waited, timeout_s_,
+                     static_cast<long long>(rank_));
+        std::fflush(stderr);
+        std::_Exit(124);
+      }
+    }
+  }
+
+  std::int64_t rank_;
+  double timeout_s_;
+  double deadline_s_;
+  std::mutex mutex_;
+  std::condition_variable wake_;
+  bool stop_ = false;
+  std::uint64_t next_ = 0;
+  std::map<std::uint64_t, Entry> entries_;
+  std::thread thread_;
+};
+
 /// A c10d Work plus the local step that completes the collective (copy-out, sum, divide).
 class C10dHandle final : public CommHandle {
  public:
-  C10dHandle(WorkPtr work, std::function<void()> finish, std::string tag, std::int64_t rank, double timeout_s)
+  C10dHandle(WorkPtr work, std::function<void()> finish, std::string tag, std::int64_t rank, double timeout_s,
+             std::shared_ptr<InFlight> in_flight)
       : work_(std::move(work)), finish_(std::move(finish)), tag_(std::move(tag)), rank_(rank),
-        timeout_s_(timeout_s), start_(Clock::now()) {}
+        timeout_s_(timeout_s), start_(Clock::now()), in_flight_(std::move(in_flight)) {
+    if (work_ && in_flight_) id_ = in_flight_->add(work_, tag_);
+  }
+  ~C10dHandle() override {
+    if (in_flight_) in_flight_->remove(id_);
+  }
 
   void wait() override {
     if (done_) return;
@@ -54,6 +133,7 @@ class C10dHandle final : public CommHandle {
                    reason.substr(0, reason.find('\n')));
     }
     done_ = true;
+    if (in_flight_) in_flight_->remove(id_);
     if (finish_) finish_();
   }
 
@@ -64,6 +144,8 @@ class C10dHandle final : public CommHandle {
   std::int64_t rank_;
   double timeout_s_;
   Clock::time_point start_;
+  std::shared_ptr<InFlight> in_flight_;
+  std::uint64_t id_ = 0;
   bool done_ = false;
 };
 
@@ -87,9 +169,10 @@ template <typename Backend>
 class C10dCommunicator final : public Communicator {
  public:
   C10dCommunicator(c10::intrusive_ptr<c10d::Store> store, c10::intrusive_ptr<Backend> backend, std::int64_t rank,
-                   std::int64_t size, double timeout_s, bool is_gloo, std::string name)
+                   std::int64_t size, double timeout_s, bool is_gloo, std::string name,
+                   std::shared_ptr<InFlight> in_flight)
       : store_(std::move(store)), backend_(std::move(backend)), rank_(rank), size_(size), timeout_s_(timeout_s),
-        is_gloo_(is_gloo), name_(std::move(name)) {}
+        is_gloo_(is_gloo), name_(std::move(name)), in_flight_(std::move(in_flight)) {}
 
   std::int64_t rank() const override { return rank_; }
   std::int64_t size() const override { return size_; }
@@ -181,7 +264,8 @@ class C10dCommunicator final : public Communicator {
       std::int64_t group_rank = it - members.begin();
       std::int64_t group_size = static_cast<std::int64_t>(members.size());
       return std::make_shared<C10dCommunicator<Backend>>(store, make_backend(store, group_rank, group_size),
-                                                         group_rank, group_size, timeout_s_, is_gloo_, prefix);
+                                                         group_rank, group_size, timeout_s_, is_gloo_, prefix,
+                                                         in_flight_);
     }
     TESSERA_FAIL("split(): rank ", rank_, " is in none of the ", groups.size(), " groups");
   }
@@ -197,7 +281,7 @@ class C10dCommunicator final : public Communicator {
   }
 
   CommHandlePtr handle(WorkPtr work, std::function<void()> finish, const std::string& tag) {
-    return std::make_shared<C10dHandle>(std::move(work), std::move(finish), tag, rank_, timeout_s_);
+    return std::make_shared<C10dHandle>(std::move(work), std::move(finish), tag, rank_, timeout_s_, in_flight_);
   }
 
   c10::intrusive_ptr<c10d::Store> store_;
@@ -208,6 +292,7 @@ class C10dCommunicator final : public Communicator {
   bool is_gloo_;
   std::string name_;
   std::int64_t split_count_ = 0;
+  std::shared_ptr<InFlight> in_flight_;
   CommStats stats_;
 };
 
@@ -234,7 +319,8 @@ c10::intrusive_ptr<c10d::ProcessGroupGloo> C10dCommunicator<c10d::ProcessGroupGl
 c10::intrusive_ptr<c10d::ProcessGroupNCCL> make_nccl(const c10::intrusive_ptr<c10d::Store>& store, std::int64_t rank,
                                                      std::int64_t size, double timeout_s) {
   auto options = c10d::ProcessGroupNCCL::Options::create();
-  options->timeout = std::chrono::milliseconds(static_cast<std::int64_t>(timeout_s * 1000));
+  // NCCL's own watchdog aborts without naming the collective: ours (InFlight) fires first.
+  options->timeout = std::chrono::milliseconds(static_cast<std::int64_t>((timeout_s + kNcclExtraTimeoutS) * 1000));
   return c10::make_intrusive<c10d::ProcessGroupNCCL>(store, static_cast<int>(rank), static_cast<int>(size), options);
 }
 
@@ -306,14 +392,16 @@ CommunicatorPtr make_communicator(const sdk::ClusterInfo& cluster, const c10::De
 #if TESSERA_WITH_CUDA
     return std::make_shared<C10dCommunicator<c10d::ProcessGroupNCCL>>(
         store, make_nccl(store, cluster.global_rank, cluster.world_size, timeout_s), cluster.global_rank,
-        cluster.world_size, timeout_s, false, "world");
+        cluster.world_size, timeout_s, false, "world",
+        std::make_shared<InFlight>(cluster.global_rank, timeout_s, timeout_s));
 #else
     TESSERA_FAIL("CUDA tensors need NCCL, but this tessera was built without CUDA");
 #endif
   }
   return std::make_shared<C10dCommunicator<c10d::ProcessGroupGloo>>(
       store, make_gloo(store, cluster.global_rank, cluster.world_size, timeout_s, cluster.master_addr),
-      cluster.global_rank, cluster.world_size, timeout_s, true, "world");
+      cluster.global_rank, cluster.world_size, timeout_s, true, "world",
+      std::make_shared<InFlight>(cluster.global_rank, timeout_s, timeout_s + kGlooBackstopS));
 }
 
 }  // namespace tessera::core

@@ -180,6 +180,7 @@ ShardedModule::ShardedModule(std::shared_ptr<torch::nn::Module> network, const F
                              CommunicatorPtr shard_group, CommunicatorPtr replicate_group)
     : network_(std::move(network)), options_(options), shard_group_(std::move(shard_group)),
       replicate_group_(std::move(replicate_group)) {
+  for (const auto& p : network_->parameters()) device_ = p.device();
   plan_units();
   check_plan();
   for (auto& unit : units_) flatten(*unit);
@@ -187,6 +188,10 @@ ShardedModule::ShardedModule(std::shared_ptr<torch::nn::Module> network, const F
 
 ShardedModule::~ShardedModule() {
   for (const auto& item : network_->named_modules()) sdk::set_unit_runner(*item.value(), nullptr);
+}
+
+at::TensorOptions ShardedModule::fp32() const {
+  return at::TensorOptions().dtype(at::kFloat).device(device_);
 }
 
 void ShardedModule::plan_units() {
@@ -265,9 +270,12 @@ std::string ShardedModule::plan() const {
 void ShardedModule::check_plan() {
   // Ranks that planned different units would deadlock in mismatched collectives: compare first.
   const std::string mine = plan();
-  at::Tensor hash = at::full({1}, static_cast<std::int64_t>(std::hash<std::string>{}(mine) & 0x7fffffffffff), at::kLong);
-  at::Tensor all = at::empty({shard_group_->size()}, at::kLong);
+  at::Tensor hash = at::full({1}, static_cast<std::int64_t>(std::hash<std::string>{}(mine) & 0x7fffffffffff),
+                             fp32().dtype(at::kLong));
+  at::Tensor all = at::empty({shard_group_->size()}, fp32().dtype(at::kLong));
   shard_group_->all_gather(all, hash, "FSDP unit plan check")->wait();
+  hash = hash.cpu();
+  all = all.cpu();
   for (std::int64_t r = 0; r < shard_group_->size(); ++r)
     TESSERA_CHECK(all[r].item<std::int64_t>() == hash[0].item<std::int64_t>(), "FSDP: rank ", shard_group_->rank(),
                   " and rank ", r, " planned different units (this rank: ", mine,
@@ -288,10 +296,10 @@ void ShardedModule::flatten(FlatParamUnit& u) {
   if (u.padded == 0) u.padded = world;
   u.shard_numel = u.padded / world;
   u.shard_offset = shard_group_->rank() * u.shard_numel;
-  pieces.push_back(at::zeros({u.padded - u.numel}, at::kFloat));
+  pieces.push_back(at::zeros({u.padded - u.numel}, fp32()));
   at::Tensor flat = at::cat(pieces);
   u.shard = flat.narrow(0, u.shard_offset, u.shard_numel).clone();
-  u.shard_grad = at::zeros({u.shard_numel}, at::kFloat);
+  u.shard_grad = at::zeros({u.shard_numel}, fp32());
   u.compute_dtype = options_.mixed_precision.param_dtype.value_or(u.params.empty() ? at::kFloat
                                                                                      : u.params[0].scalar_type());
   u.full = flat.to(u.compute_dtype).clone();
@@ -454,7 +462,7 @@ void ShardedModule::after_optimizer_step() {
 
 double ShardedModule::clip_grad_norm(double max_norm, double norm_type) {
   const bool inf_norm = std::isinf(norm_type);
-  at::Tensor local = at::zeros({1}, at::kFloat);
+  at::Tensor local = at::zeros({1}, fp32());
   for (const auto& u : units_) {
     if (inf_norm) local = at::maximum(local, u->shard_grad.abs().max().reshape({1}));
     else local += u->shard_grad.abs().pow(norm_type).sum();
@@ -472,9 +480,10 @@ sdk::StateDict ShardedModule::full_state_dict() {
   std::map<std::string, at::Tensor> by_name;
   const bool keep = !options_.rank0_only || shard_group_->rank() == 0;
   for (auto& u : units_) {
-    at::Tensor full = at::empty({u->padded}, at::kFloat);
+    at::Tensor full = at::empty({u->padded}, fp32());
     shard_group_->all_gather(full, u->shard, "state_dict all-gather of " + u->name)->wait();
     if (!keep) continue;
+    full = full.cpu();  // checkpoints hold CPU tensors
     for (std::size_t i = 0; i < u->params.size(); ++i) {
       at::Tensor value = full.narrow(0, u->offsets[i], u->numels[i]).view(u->params[i].sizes()).clone();
       for (const auto& name : u->names[i]) by_name[name] = value;
@@ -511,7 +520,7 @@ void ShardedModule::load_full_state_dict(const sdk::StateDict& state, bool stric
                 " unexpected key(s) [", sdk::join(unexpected), "]");
   torch::NoGradGuard no_grad;
   for (auto& u : units_) {
-    at::Tensor flat = at::zeros({u->padded}, at::kFloat);
+    at::Tensor flat = at::zeros({u->padded}, fp32());
     for (std::size_t i = 0; i < u->params.size(); ++i)
       if (const at::Tensor* value = state.find(u->names[i][0]))
         flat.narrow(0, u->offsets[i], u->numels[i]).copy_(value->reshape({-1}));
@@ -542,18 +551,19 @@ sdk::Checkpoint ShardedModule::full_optim_state_dict(const torch::optim::Optimiz
       // Present for one parameter means present for all (same optimizer, same settings).
       bool present = local_state.contains(first_view) &&
                      local_state.at(first_view).toGenericDict().contains(key) && !u->params.empty();
-      at::Tensor flat_shard = at::zeros({u->shard_numel}, at::kFloat);
+      at::Tensor flat_shard = at::zeros({u->shard_numel}, fp32());
       if (present)
         for (std::size_t i = 0; i < u->params.size(); ++i) {
           at::Tensor piece = local_state.at(first_view + static_cast<std::int64_t>(i)).toGenericDict().at(key).toTensor();
           std::int64_t start = std::max<std::int64_t>(0, std::max(u->offsets[i], u->shard_offset) - u->shard_offset);
           if (piece.numel() > 0) flat_shard.narrow(0, start, piece.numel()).copy_(piece.reshape({-1}));
         }
-      at::Tensor flag = at::full({1}, present ? 1.0 : 0.0);
+      at::Tensor flag = at::full({1}, present ? 1.0 : 0.0, fp32());
       shard_group_->all_reduce(flag, sdk::ReduceOp::max, "optimizer state check")->wait();
       if (flag.item<double>() == 0) continue;
-      at::Tensor full = at::empty({u->padded}, at::kFloat);
+      at::Tensor full = at::empty({u->padded}, fp32());
       shard_group_->all_gather(full, flat_shard, "optimizer state all-gather of " + u->name)->wait();
+      full = full.cpu();
       for (std::size_t i = 0; i < u->params.size(); ++i)
         full_states[i].insert(key, full.narrow(0, u->offsets[i], u->numels[i]).view(u->params[i].sizes()).clone());
     }
@@ -601,7 +611,7 @@ void ShardedModule::load_full_optim_state_dict(torch::optim::Optimizer& optimize
         TESSERA_CHECK(value.sizes() == u->params[i].sizes(), "optimizer state '", key, "' of parameter '", name,
                       "' has shape ", value.sizes(), " in the checkpoint but the parameter has shape ",
                       u->params[i].sizes());
-        mine.insert(key, value.reshape({-1}).narrow(0, length > 0 ? lo - u->offsets[i] : 0, length).clone());
+        mine.insert(key, value.reshape({-1}).narrow(0, length > 0 ? lo - u->offsets[i] : 0, length).to(device_).clone());
       }
       state.insert(view, mine);
     }

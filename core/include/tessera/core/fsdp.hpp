@@ -97,13 +97,15 @@ class ShardedModule {
   void flatten(FlatParamUnit& unit);
   void reduce_gradients(FlatParamUnit& unit);
   void check_plan();
-  std::vector<sdk::NamedParameter> views_of(const at::Tensor& flat_shard, const FlatParamUnit& unit) const;
+  /// fp32 on the network's device (where collectives and shards live).
+  at::TensorOptions fp32() const;
 
   std::shared_ptr<torch::nn::Module> network_;
   FSDPOptions options_;
   CommunicatorPtr shard_group_;
   CommunicatorPtr replicate_group_;
   std::vector<std::unique_ptr<FlatParamUnit>> units_;  // children in forward order, root last
+  c10::Device device_{c10::kCPU};
   bool sync_ = true;
   bool accumulating_ = false;
 };
