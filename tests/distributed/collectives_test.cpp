@@ -1,6 +1,8 @@
 // Collectives over real Gloo process groups against a serial computation of the same result.
 #include <gtest/gtest.h>
 
+#include <thread>
+
 #include <ATen/ATen.h>
 
 #include "multiprocess.hpp"
@@ -88,6 +90,110 @@ TEST_P(Collectives, MatchSerialComputation) {
   });
 }
 
+/// Flat buffers whose true size does not divide by the world size: callers pad to a
+/// multiple (as FSDP's flat parameters do), and the padding must not leak into the result.
+TEST_P(Collectives, PaddedFlatBuffersAllToAllAndReductions) {
+  const int world = GetParam();
+  tessera::testing::run_ranks(world, std::chrono::seconds(60), [&](const tessera::sdk::ClusterInfo& cluster) {
+    auto comm = make_communicator(cluster, c10::kCPU);
+    const std::int64_t rank = comm->rank();
+    std::int64_t expected_rs_bytes = 0;
+    for (at::ScalarType dtype : {at::kFloat, at::kBFloat16}) {
+      const double tol = dtype == at::kFloat ? 1e-6 : 5e-2;
+      for (std::int64_t total : {1, 5, 23, 1001}) {
+        const std::int64_t shard_numel = (total + world - 1) / world;
+        const std::int64_t padded = shard_numel * world;
+        // Every rank holds the same full tensor, padded with zeros; shard r is its r-th chunk.
+        at::Tensor full = (at::arange(total, at::kFloat) * 0.5 - 7).to(dtype);
+        at::Tensor flat = at::zeros({padded}, dtype);
+        flat.narrow(0, 0, total).copy_(full);
+        at::Tensor gathered = at::full({padded}, 99.0, dtype);
+        comm->all_gather(gathered, flat.narrow(0, rank * shard_numel, shard_numel), "padded all_gather")->wait();
+        EXPECT_TRUE(at::equal(gathered.narrow(0, 0, total), full)) << "total " << total << " " << dtype;
+        EXPECT_TRUE(at::equal(gathered.narrow(0, total, padded - total), at::zeros({padded - total}, dtype)));
+
+        // Gradients: rank r contributes (r + 1) * full; the shard is the sum's r-th chunk.
+        at::Tensor grad = flat * static_cast<double>(rank + 1);
+        at::Tensor shard = at::empty({shard_numel}, dtype);
+        comm->reduce_scatter(shard, grad, ReduceOp::sum, "padded reduce_scatter")->wait();
+        expected_rs_bytes += (world - 1) * shard_numel * static_cast<std::int64_t>(shard.element_size());
+        at::Tensor expected = flat.to(at::kFloat) * (world * (world + 1) / 2.0);
+        EXPECT_TRUE(at::allclose(shard.to(at::kFloat), expected.narrow(0, rank * shard_numel, shard_numel), tol, tol))
+            << "total " << total << " " << dtype;
+      }
+
+      // all_to_all: chunk r of rank q's input lands in chunk q of rank r's output.
+      const std::int64_t chunk = 3;
+      at::Tensor input = (at::arange(world * chunk, at::kFloat) + 100.0 * rank).to(dtype);
+      at::Tensor output = at::empty({world * chunk}, dtype);
+      comm->all_to_all(output, input, "all_to_all")->wait();
+      for (int q = 0; q < world; ++q) {
+        at::Tensor from_q = (at::arange(world * chunk, at::kFloat) + 100.0 * q).narrow(0, rank * chunk, chunk);
+        EXPECT_TRUE(at::equal(output.narrow(0, q * chunk, chunk), from_q.to(dtype))) << "from rank " << q;
+      }
+
+      // all_reduce mean and min, in place, fp32 accumulation for bf16.
+      at::Tensor m = at::full({4}, static_cast<double>(rank), dtype);
+      comm->all_reduce(m, ReduceOp::mean, "mean")->wait();
+      EXPECT_NEAR(m[0].item<double>(), (world - 1) / 2.0, tol);
+      at::Tensor lo = at::full({2}, static_cast<double>(rank + 3), dtype);
+      comm->all_reduce(lo, ReduceOp::min, "min")->wait();
+      EXPECT_EQ(lo[1].item<double>(), 3.0);
+    }
+    EXPECT_EQ(comm->stats().reduce_scatter_bytes, expected_rs_bytes)
+        << "reduce_scatter puts (world - 1) shards on the wire per call";
+    comm->barrier("end");
+  });
+}
+
+/// Several collectives of different kinds in flight at once, waited in reverse order, with
+/// compute in between; and a 2-D split (rows and columns, as a DP x TP mesh needs).
+TEST_P(Collectives, AsyncOverlapAndTwoDimensionalSplit) {
+  const int world = GetParam();
+  tessera::testing::run_ranks(world, std::chrono::seconds(60), [&](const tessera::sdk::ClusterInfo& cluster) {
+    auto comm = make_communicator(cluster, c10::kCPU);
+    const std::int64_t rank = comm->rank();
+    const std::int64_t n = 1 << 16;
+    at::Tensor gathered = at::empty({world * n});
+    at::Tensor shard = at::empty({n});
+    at::Tensor summed = at::full({n}, static_cast<double>(rank));
+    auto h1 = comm->all_gather(gathered, at::full({n}, static_cast<double>(rank)), "overlap all_gather");
+    auto h2 = comm->reduce_scatter(shard, at::ones({world * n}), ReduceOp::sum, "overlap reduce_scatter");
+    auto h3 = comm->all_reduce(summed, ReduceOp::sum, "overlap all_reduce");
+    at::Tensor busy = at::mm(at::rand({128, 128}), at::rand({128, 128}));  // compute while they run
+    h3->wait();
+    h2->wait();
+    h1->wait();
+    EXPECT_EQ(busy.size(0), 128);
+    for (int r = 0; r < world; ++r) EXPECT_EQ(gathered[r * n + n - 1].item<float>(), r);
+    EXPECT_EQ(shard[n - 1].item<float>(), world);
+    EXPECT_EQ(summed[0].item<float>(), world * (world - 1) / 2.0);
+
+    // Rows {0,1},{2,3}; columns {0,2},{1,3} (for world 2: one row, two columns; 1 and 3: rows of one).
+    const int width = world % 2 == 0 ? 2 : 1;
+    std::vector<std::vector<std::int64_t>> rows, columns(width);
+    for (int r = 0; r < world; ++r) {
+      if (r % width == 0) rows.emplace_back();
+      rows.back().push_back(r);
+      columns[r % width].push_back(r);
+    }
+    auto row = comm->split(rows);
+    auto column = comm->split(columns);
+    EXPECT_EQ(row->size(), width);
+    EXPECT_EQ(column->size(), world / width);
+    at::Tensor row_sum = at::full({1}, static_cast<double>(rank));
+    row->all_reduce(row_sum, ReduceOp::sum, "row")->wait();
+    at::Tensor column_gather = at::empty({column->size()});
+    column->all_gather(column_gather, at::full({1}, static_cast<double>(rank)), "column")->wait();
+    double expected_row = 0;
+    for (std::int64_t r : rows[rank / width]) expected_row += static_cast<double>(r);
+    EXPECT_EQ(row_sum.item<double>(), expected_row);
+    for (std::int64_t i = 0; i < column->size(); ++i)
+      EXPECT_EQ(column_gather[i].item<double>(), static_cast<double>(columns[rank % width][i]));
+    comm->barrier("end");
+  });
+}
+
 INSTANTIATE_TEST_SUITE_P(WorldSizes, Collectives, ::testing::Values(1, 2, 3, 4));
 
 TEST(Collectives, LocalCommunicatorIsTheIdentity) {
@@ -102,15 +208,23 @@ TEST(Collectives, HungRankBecomesATimeoutNamingTheCollective) {
     tessera::sdk::ClusterInfo c = cluster;
     c.collective_timeout_s = 3;
     auto comm = make_communicator(c, c10::kCPU);
-    if (comm->rank() == 1) return;  // rank 1 never joins the collective
+    if (comm->rank() == 1) {  // rank 1 stays alive but never joins the collective
+      std::this_thread::sleep_for(std::chrono::seconds(6));
+      return;
+    }
     at::Tensor t = at::ones({4});
+    auto start = std::chrono::steady_clock::now();
     try {
       comm->all_reduce(t, ReduceOp::sum, "backward reduce-scatter of blocks.3")->wait();
       ADD_FAILURE() << "the collective should have timed out";
     } catch (const tessera::sdk::Error& e) {
       std::string message = e.what();
-      EXPECT_NE(message.find("rank 0: backward reduce-scatter of blocks.3"), std::string::npos) << message;
+      EXPECT_NE(message.find("rank 0: backward reduce-scatter of blocks.3 timed out after 3 s"), std::string::npos)
+          << message;
     }
+    double waited = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    EXPECT_GE(waited, 2.5);
+    EXPECT_LT(waited, 5.5);
   });
 }
 

@@ -38,6 +38,9 @@ struct CommandResult {
 /// assignments ("A=1 B=2"), bounded by `timeout_s` (the `timeout` command kills it).
 CommandResult run_tessera(const std::string& arguments, const std::string& environment = "", int timeout_s = 300);
 
+/// The build tree's `tessera` executable.
+const char* tessera_binary();
+
 /// A fresh empty directory under the test temp dir.
 std::string fresh_dir(const std::string& name);
 

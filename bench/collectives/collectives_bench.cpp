@@ -1,0 +1,190 @@
+// Collective bandwidth over loopback Gloo against message size, N ranks (default 2):
+// all_gather into one flat tensor, reduce_scatter (tessera's all_to_all + local sum),
+// all_reduce, and the all_reduce-based reduce-scatter newer PyTorch falls back to on Gloo,
+// all measured in the same run so the ratios mean something.
+//   collectives_bench [--world-size N] [--max-mb M] [--seconds S] [--bf16]
+// Bus bandwidth follows nccl-tests: all_gather / reduce_scatter move (n-1)/n of the full
+// buffer per rank, all_reduce 2(n-1)/n.
+#include <netinet/in.h>
+#include <spawn.h>
+#include <sys/socket.h>
+#include <sys/prctl.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+
+#include "tessera/core/comm.hpp"
+
+extern char** environ;
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+using tessera::core::Communicator;
+
+struct Settings {
+  int world_size = 2;
+  double max_mb = 64;
+  double seconds = 0.4;  ///< per (operation, size)
+  bool bf16 = false;
+};
+
+Settings parse(int argc, char** argv) {
+  Settings s;
+  for (int i = 1; i < argc; ++i) {
+    std::string a = argv[i];
+    auto next = [&]() -> std::string {
+      if (i + 1 >= argc) {
+        std::fprintf(stderr, "%s needs a value\n", a.c_str());
+        std::exit(2);
+      }
+      return argv[++i];
+    };
+    if (a == "--world-size") s.world_size = std::stoi(next());
+    else if (a == "--max-mb") s.max_mb = std::stod(next());
+    else if (a == "--seconds") s.seconds = std::stod(next());
+    else if (a == "--bf16") s.bf16 = true;
+    else {
+      std::fprintf(stderr, "usage: collectives_bench [--world-size N] [--max-mb M] [--seconds S] [--bf16]\n");
+      std::exit(2);
+    }
+  }
+  return s;
+}
+
+/// Mean seconds per call of `op`, repeated until `budget` seconds have passed (at least 3
+/// calls after one warm-up); every rank runs the same number of calls (rank 0 decides).
+template <typename Op>
+double time_per_call(Communicator& comm, double budget, Op op) {
+  op();
+  auto start = Clock::now();
+  std::int64_t calls = 0;
+  at::Tensor more = at::ones({1}, at::kFloat);
+  while (true) {
+    op();
+    ++calls;
+    double elapsed = std::chrono::duration<double>(Clock::now() - start).count();
+    more.fill_(calls < 3 || elapsed < budget ? 1.0 : 0.0);
+    comm.broadcast(more, 0, "bench: continue?")->wait();
+    if (more.item<float>() == 0.0f) return elapsed / static_cast<double>(calls);
+  }
+}
+
+int run_rank(const Settings& s) {
+  tessera::sdk::ClusterInfo cluster;
+  cluster.global_rank = std::atoi(std::getenv("TESSERA_BENCH_RANK"));
+  cluster.world_size = s.world_size;
+  cluster.local_rank = cluster.global_rank;
+  cluster.local_world_size = s.world_size;
+  cluster.master_port = std::atoi(std::getenv("MASTER_PORT"));
+  cluster.collective_timeout_s = 120;
+  at::set_num_threads(1);
+  auto comm = tessera::core::make_communicator(cluster, c10::kCPU);
+  const std::int64_t n = comm->size();
+  const at::ScalarType dtype = s.bf16 ? at::kBFloat16 : at::kFloat;
+  const double element = s.bf16 ? 2.0 : 4.0;
+  const double bus_gather = static_cast<double>(n - 1) / static_cast<double>(n);
+  if (comm->rank() == 0) {
+    std::printf("tessera collectives over Gloo on loopback: %lld ranks, %s; bandwidths in GB/s (bus, nccl-tests)\n",
+                static_cast<long long>(n), s.bf16 ? "bf16" : "fp32");
+    std::printf("%10s %12s %12s %12s %14s %10s\n", "bytes", "all_gather", "reduce_scat", "all_reduce",
+                "rs_via_allred", "rs/rs_ar");
+  }
+  for (double bytes = 4096; bytes <= s.max_mb * 1024 * 1024 + 1; bytes *= 4) {
+    // The full (unsharded) buffer has `bytes`; rounded to a multiple of the world size.
+    std::int64_t numel = static_cast<std::int64_t>(bytes / element) / n * n;
+    at::Tensor full = at::rand({numel}, at::kFloat).to(dtype);
+    at::Tensor shard = at::empty({numel / n}, dtype);
+    at::Tensor gathered = at::empty({numel}, dtype);
+    at::Tensor reduced = full.clone();
+    double t_gather = time_per_call(*comm, s.seconds, [&] { comm->all_gather(gathered, shard, "bench all_gather")->wait(); });
+    double t_scatter = time_per_call(*comm, s.seconds, [&] {
+      comm->reduce_scatter(shard, full, tessera::sdk::ReduceOp::sum, "bench reduce_scatter")->wait();
+    });
+    double t_reduce = time_per_call(*comm, s.seconds, [&] {
+      comm->all_reduce(reduced, tessera::sdk::ReduceOp::sum, "bench all_reduce")->wait();
+    });
+    // PyTorch >= 2.x Gloo reduce_scatter_tensor: all-reduce the whole buffer, keep a chunk.
+    double t_fallback = time_per_call(*comm, s.seconds, [&] {
+      reduced.copy_(full);
+      comm->all_reduce(reduced, tessera::sdk::ReduceOp::sum, "bench reduce_scatter via all_reduce")->wait();
+      shard.copy_(reduced.narrow(0, comm->rank() * (numel / n), numel / n));
+    });
+    if (comm->rank() == 0) {
+      double b = static_cast<double>(numel) * element;
+      auto bw = [&](double t, double factor) { return b * factor / t / 1e9; };
+      std::printf("%10.0f %12.3f %12.3f %12.3f %14.3f %9.2fx\n", b, bw(t_gather, bus_gather),
+                  bw(t_scatter, bus_gather), bw(t_reduce, 2 * bus_gather), bw(t_fallback, bus_gather),
+                  t_fallback / t_scatter);
+      std::fflush(stdout);
+    }
+  }
+  comm->barrier("bench end");
+  return 0;
+}
+
+int free_port() {
+  int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in address{};
+  address.sin_family = AF_INET;
+  address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  ::bind(fd, reinterpret_cast<sockaddr*>(&address), sizeof(address));
+  socklen_t length = sizeof(address);
+  ::getsockname(fd, reinterpret_cast<sockaddr*>(&address), &length);
+  ::close(fd);
+  return ntohs(address.sin_port);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  Settings s = parse(argc, argv);
+  if (std::getenv("TESSERA_BENCH_RANK") != nullptr) {
+    ::prctl(PR_SET_PDEATHSIG, SIGKILL);
+    try {
+      return run_rank(s);
+    } catch (const std::exception& e) {
+      std::fprintf(stderr, "rank %s: %s\n", std::getenv("TESSERA_BENCH_RANK"), e.what());
+      return 1;
+    }
+  }
+  std::string port = std::to_string(free_port());
+  std::vector<pid_t> pids;
+  for (int rank = 0; rank < s.world_size; ++rank) {
+    std::vector<std::string> strings;
+    for (char** e = environ; *e != nullptr; ++e) strings.emplace_back(*e);
+    strings.push_back("TESSERA_BENCH_RANK=" + std::to_string(rank));
+    strings.push_back("MASTER_PORT=" + port);
+    strings.push_back("OPENBLAS_NUM_THREADS=1");
+    strings.push_back("OMP_NUM_THREADS=1");
+    std::vector<char*> env;
+    for (auto& e : strings) env.push_back(e.data());
+    env.push_back(nullptr);
+    pid_t pid = 0;
+    if (::posix_spawn(&pid, "/proc/self/exe", nullptr, nullptr, argv, env.data()) != 0) {
+      std::fprintf(stderr, "cannot start rank %d\n", rank);
+      return 1;
+    }
+    pids.push_back(pid);
+  }
+  int code = 0;
+  for (std::size_t rank = 0; rank < pids.size(); ++rank) {
+    int status = 0;
+    ::waitpid(pids[rank], &status, 0);
+    if (!(WIFEXITED(status) && WEXITSTATUS(status) == 0)) {
+      std::fprintf(stderr, "rank %zu failed (status %d)\n", rank, status);
+      code = 1;
+      for (pid_t p : pids) ::kill(p, SIGKILL);
+    }
+  }
+  return code;
+}
