@@ -61,22 +61,23 @@ Settings parse(int argc, char** argv) {
   return s;
 }
 
-/// Mean seconds per call of `op`, repeated until `budget` seconds have passed (at least 3
-/// calls after one warm-up); every rank runs the same number of calls (rank 0 decides).
+/// Mean seconds per call of `op` over about `budget` seconds: a warm-up call, a 3-call
+/// estimate, then a count that rank 0 picks and broadcasts, timed between barriers so that
+/// no synchronisation of the bench itself is inside the measurement.
 template <typename Op>
 double time_per_call(Communicator& comm, double budget, Op op) {
   op();
+  comm.barrier("bench: estimate");
   auto start = Clock::now();
-  std::int64_t calls = 0;
-  at::Tensor more = at::ones({1}, at::kFloat);
-  while (true) {
-    op();
-    ++calls;
-    double elapsed = std::chrono::duration<double>(Clock::now() - start).count();
-    more.fill_(calls < 3 || elapsed < budget ? 1.0 : 0.0);
-    comm.broadcast(more, 0, "bench: continue?")->wait();
-    if (more.item<float>() == 0.0f) return elapsed / static_cast<double>(calls);
-  }
+  for (int i = 0; i < 3; ++i) op();
+  double estimate = std::chrono::duration<double>(Clock::now() - start).count() / 3;
+  at::Tensor calls = at::full({1}, std::max(3.0, std::min(1e5, budget / std::max(estimate, 1e-7))), at::kDouble);
+  comm.broadcast(calls, 0, "bench: calls")->wait();
+  const auto n = static_cast<std::int64_t>(calls.item<double>());
+  comm.barrier("bench: start");
+  start = Clock::now();
+  for (std::int64_t i = 0; i < n; ++i) op();
+  return std::chrono::duration<double>(Clock::now() - start).count() / static_cast<double>(n);
 }
 
 int run_rank(const Settings& s) {
