@@ -81,6 +81,7 @@ class FashionMNIST final : public sdk::DataModule {
         val_size_(o.get_int("val_size", 5000, 0, 59000)),
         train_limit_(o.get_int("train_limit", 0, 0)),
         test_limit_(o.get_int("test_limit", 0, 0)),
+        predict_limit_(o.get_int("predict_limit", 16, 0)),
         root_key_(o.locate("root")),
         o_val_key_(o.locate("val_size")) {}
 
@@ -97,11 +98,14 @@ class FashionMNIST final : public sdk::DataModule {
     val_ = std::make_shared<Images>(take(train_images, n_train, val_size_), take(train_labels, n_train, val_size_));
     std::int64_t test_n = test_limit_ > 0 ? std::min(test_limit_, test_images.size(0)) : test_images.size(0);
     test_ = std::make_shared<Images>(take(test_images, 0, test_n), take(test_labels, 0, test_n));
+    // `tessera predict` prints one line per image: the first few test images by default.
+    const std::int64_t predict_n = predict_limit_ > 0 ? std::min(predict_limit_, test_n) : test_n;
+    predict_ = std::make_shared<Images>(take(test_images, 0, predict_n), take(test_labels, 0, predict_n));
   }
   std::shared_ptr<sdk::Dataset> train_dataset() override { return train_; }
   std::shared_ptr<sdk::Dataset> val_dataset() override { return val_; }
   std::shared_ptr<sdk::Dataset> test_dataset() override { return test_; }
-  std::shared_ptr<sdk::Dataset> predict_dataset() override { return test_; }
+  std::shared_ptr<sdk::Dataset> predict_dataset() override { return predict_; }
   std::string describe_prediction(const sdk::Batch& batch, const at::Tensor& output) const override {
     std::string out;
     at::Tensor predicted = output.reshape({-1}).cpu();
@@ -136,9 +140,9 @@ class FashionMNIST final : public sdk::DataModule {
   }
 
   std::string root_;
-  std::int64_t val_size_, train_limit_, test_limit_;
+  std::int64_t val_size_, train_limit_, test_limit_, predict_limit_;
   std::string root_key_, o_val_key_;
-  std::shared_ptr<sdk::Dataset> train_, val_, test_;
+  std::shared_ptr<sdk::Dataset> train_, val_, test_, predict_;
 };
 
 }  // namespace

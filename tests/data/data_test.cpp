@@ -238,6 +238,7 @@ TEST(FashionMNIST, ReadsIdxSplitsAndNormalises) {
   ASSERT_EQ(data->train_dataset()->size(), 5);
   ASSERT_EQ(data->val_dataset()->size(), 3);
   ASSERT_EQ(data->test_dataset()->size(), 4);
+  ASSERT_EQ(data->predict_dataset()->size(), 4);  // predict_limit (16) capped by the test set
 
   sdk::Batch batch = data->train_dataset()->get_batch({4, 1});
   ASSERT_EQ(batch.input.sizes(), (std::vector<std::int64_t>{2, 1, 28, 28}));
@@ -329,6 +330,7 @@ TEST(FashionMNIST, TheDebianDatasetHasTheDocumentedSplits) {
   EXPECT_EQ(data->train_dataset()->size(), 55000);
   EXPECT_EQ(data->val_dataset()->size(), 5000);
   EXPECT_EQ(data->test_dataset()->size(), 10000);
+  EXPECT_EQ(data->predict_dataset()->size(), 16);
   at::Tensor images = data->train_dataset()->get_batch({0, 1, 2, 3, 4, 5, 6, 7}).input;
   EXPECT_LT(std::abs(images.mean().item<double>()), 0.3);  // normalised around 0
 }
