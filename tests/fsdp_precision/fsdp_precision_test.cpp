@@ -34,11 +34,15 @@ sdk::Options options(const std::string& toml_text) {
   return sdk::Options("precision", "run.toml", std::move(table));
 }
 
-/// A strategy on the job's world: what the scaler agrees through.
+/// A CPU strategy on the job's world (Gloo): what the scaler agrees through.
 class WorldStrategy final : public core::StrategyBase {
  public:
-  explicit WorldStrategy(const sdk::ClusterInfo& cluster) : StrategyBase(sdk::Options()) {
-    setup_environment(cluster);
+  explicit WorldStrategy(const sdk::ClusterInfo& cluster) : StrategyBase(cpu_options()) { setup_environment(cluster); }
+
+ private:
+  static sdk::Options cpu_options() {
+    toml::table table = toml::parse("accelerator = \"cpu\"\n");
+    return sdk::Options("strategy", "test.toml", std::move(table));
   }
 };
 
@@ -180,7 +184,7 @@ FitRun fit(const std::string& name, int world, const std::string& strategy, cons
   std::string config = run_config(dir, "[precision]\nplugin = \"fsdp-precision\"\nprecision = \"" + precision + "\"\n");
   auto result = run_tessera("fit --config " + config + " --set launch.devices=" + std::to_string(world) +
                                 " --set data.batch_size=" + std::to_string(kGlobalBatch / world) +
-                                " --set strategy.plugin=" + strategy,
+                                " --set strategy.plugin=" + strategy + " --set strategy.accelerator=cpu",
                             "", 240);
   EXPECT_EQ(result.exit_code, 0) << result.output;
   return FitRun{metric_series(dir + "/metrics.csv", "train", "train_loss"),
@@ -232,7 +236,8 @@ sdk::Checkpoint scaler_state(const std::string& path) {
 // the step-4 checkpoint continues with the saved scale (not init_scale) and ends with the
 // same scale and losses as the uninterrupted run.
 TEST(ScalerState, SurvivesCheckpointAndResumeUnderFSDP) {
-  const std::string sets = " --set launch.devices=2 --set strategy.plugin=fsdp --set data.batch_size=6";
+  const std::string sets =
+      " --set launch.devices=2 --set strategy.plugin=fsdp --set data.batch_size=6 --set strategy.accelerator=cpu";
   auto config = [&](const std::string& dir) {
     std::ofstream(dir + "/run.toml")
         << "[trainer]\nmax_steps = 8\nlog_every_n_steps = 1\nseed = 11\ncheckpoint_every_n_steps = 4\n"

@@ -9,6 +9,7 @@
 #include <torch/nn/modules/batchnorm.h>
 #include <torch/nn/modules/container/sequential.h>
 #include <torch/nn/modules/linear.h>
+#include <torch/optim/adamw.h>
 #include <torch/optim/sgd.h>
 
 #include "multiprocess.hpp"
@@ -45,10 +46,16 @@ std::shared_ptr<sdk::Precision> plugin(const std::string& name, const std::strin
 
 std::string precision_key(const std::string& precision) { return "precision = \"" + precision + "\"\n"; }
 
-/// A one-rank strategy: what the scaler reduces its found-inf flag through.
+/// A one-rank CPU strategy: what the scaler reduces its found-inf flag through.
 class LocalStrategy final : public core::StrategyBase {
  public:
-  LocalStrategy() : StrategyBase(sdk::Options()) { setup_environment(sdk::ClusterInfo{}); }
+  LocalStrategy() : StrategyBase(cpu_options()) { setup_environment(sdk::ClusterInfo{}); }
+
+ private:
+  static sdk::Options cpu_options() {
+    toml::table table = toml::parse("accelerator = \"cpu\"\n");
+    return sdk::Options("strategy", "test.toml", std::move(table));
+  }
 };
 
 TEST(PrecisionStrings, EveryLightningStringIsAcceptedByBothPlugins) {
@@ -292,6 +299,26 @@ TEST(GradScaler, StateSurvivesACheckpointFile) {
   core::PrecisionBase scalerless(options(precision_key("bf16-mixed")), false);
   EXPECT_NO_THROW(scalerless.load_state_dict(state));
   EXPECT_EQ(scalerless.scale(), 1.0);
+}
+
+TEST(OptimizerStep, AdamEpsThatIsZeroInFloat16IsRefusedUnder16True) {
+  core::PrecisionBase precision(options(precision_key("16-true")), false);
+  LocalStrategy strategy;
+  at::Tensor w = at::ones({2}, at::kHalf).requires_grad_();
+  w.mutable_grad() = at::ones({2}, at::kHalf);
+  torch::optim::AdamW tiny_eps({w}, torch::optim::AdamWOptions(0.1).eps(1e-8));
+  std::string message = error_of([&] { precision.optimizer_step(tiny_eps, strategy); });
+  EXPECT_NE(message.find("[optimizer] eps = 1e-08 is 0 in float16"), std::string::npos) << message;
+  EXPECT_TRUE(at::equal(w.detach(), at::ones({2}, at::kHalf))) << "nothing was stepped";
+  core::PrecisionBase fine(options(precision_key("16-true")), false);
+  torch::optim::AdamW big_eps({w}, torch::optim::AdamWOptions(0.1).eps(1e-4));
+  try {
+    fine.optimizer_step(big_eps, strategy);
+  } catch (const sdk::Error& e) {
+    ADD_FAILURE() << "eps = 1e-4 was refused: " << e.what();
+  } catch (const c10::Error&) {
+    // Past the check: LibTorch 1.13 has no CPU fp16 AdamW kernel (CUDA does).
+  }
 }
 
 }  // namespace

@@ -3,6 +3,8 @@
 #include <ATen/ATen.h>
 #include <ATen/autocast_mode.h>
 #include <c10/core/DefaultDtype.h>
+#include <torch/optim/adam.h>
+#include <torch/optim/adamw.h>
 #include <torch/version.h>
 
 #include <cmath>
@@ -197,7 +199,31 @@ void PrecisionBase::unscale_gradients(torch::optim::Optimizer& optimizer, sdk::S
   found_inf_ = strategy.reduce(found, sdk::ReduceOp::max).item<double>() > 0;
 }
 
+namespace {
+
+/// Adam's eps is added to a square root in the parameter's dtype: below half float16's
+/// smallest subnormal it rounds to 0 and the first zero second moment divides by zero.
+void check_eps_representable(const torch::optim::Optimizer& optimizer) {
+  for (const auto& group : optimizer.param_groups()) {
+    double eps = -1;
+    if (auto* o = dynamic_cast<const torch::optim::AdamWOptions*>(&group.options())) eps = o->eps();
+    else if (auto* o = dynamic_cast<const torch::optim::AdamOptions*>(&group.options())) eps = o->eps();
+    if (eps < 0) continue;
+    for (const auto& p : group.params())
+      TESSERA_CHECK(p.scalar_type() != at::kHalf || eps >= 6e-8, "[optimizer] eps = ", eps,
+                    " is 0 in float16, the dtype of the optimizer's parameters under this precision: every step would ",
+                    "divide by zero and turn the weights into NaN. Set [optimizer] eps = 1e-4 (or larger), or use ",
+                    "precision \"16-mixed\" (fp32 master weights).");
+  }
+}
+
+}  // namespace
+
 bool PrecisionBase::optimizer_step(torch::optim::Optimizer& optimizer, sdk::Strategy& strategy) {
+  if (!eps_checked_) {
+    if (half_dtype() == at::kHalf) check_eps_representable(optimizer);
+    eps_checked_ = true;
+  }
   if (!scaler_enabled_) {
     optimizer.step();
     return true;

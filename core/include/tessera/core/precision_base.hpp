@@ -46,6 +46,8 @@ class PrecisionBase : public sdk::Precision {
   /// The loss times the current scale (unchanged without a scaler).
   at::Tensor pre_backward(const at::Tensor& loss) override;
   void unscale_gradients(torch::optim::Optimizer& optimizer, sdk::Strategy& strategy) override;
+  /// Steps unless the scaler found inf/NaN on any rank; updates the scale. On the first
+  /// call, refuses an Adam/AdamW eps that is 0 in float16 when parameters are float16.
   bool optimizer_step(torch::optim::Optimizer& optimizer, sdk::Strategy& strategy) override;
   /// PyTorch GradScaler.state_dict(): scale, growth_factor, backoff_factor, growth_interval,
   /// _growth_tracker. Empty without a scaler.
@@ -77,6 +79,7 @@ class PrecisionBase : public sdk::Precision {
   std::int64_t growth_tracker_ = 0;
   bool unscaled_ = false;
   bool found_inf_ = false;
+  bool eps_checked_ = false;
   mutable bool cuda_ = false;  ///< the device check_device() was asked about (autocast device type)
 };
 
