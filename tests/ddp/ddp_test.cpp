@@ -115,7 +115,7 @@ struct Ddp {
 };
 
 Ddp make_ddp(tessera::core::PluginLoader& loader, const sdk::ClusterInfo& cluster, const std::string& bucket_cap_mb) {
-  sdk::Options options("strategy", "ddp_test", toml::parse("bucket_cap_mb = " + bucket_cap_mb + "\n"));
+  sdk::Options options("strategy", "ddp_test", toml::parse("accelerator = \"cpu\"\nbucket_cap_mb = " + bucket_cap_mb + "\n"));
   auto strategy = loader.create_as<sdk::Strategy>(sdk::PluginKind::strategy, "ddp", options);
   sdk::Options precision_options;
   auto precision = loader.create_as<sdk::Precision>(sdk::PluginKind::precision, "precision", precision_options);
