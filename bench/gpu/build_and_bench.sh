@@ -10,8 +10,8 @@ cmake -S . -B build-gpu -G Ninja -DCMAKE_BUILD_TYPE=Release \
   -DCMAKE_PREFIX_PATH="$torch_prefix;$deps/usr;$deps/usr/lib/x86_64-linux-gnu/cmake" \
   -DCMAKE_CXX_FLAGS="-isystem $deps/usr/include" ${nccl_root:+-DNCCL_ROOT="$nccl_root"} \
   -DTESSERA_CUDA=ON > "$out/configure.log" 2>&1 || { tail -30 "$out/configure.log"; exit 1; }
-cmake --build build-gpu -j 16 -k 0 > "$out/build.log" 2>&1; echo "build rc=$?"
-grep -E "error|FAILED" "$out/build.log" | head -40
+cmake --build build-gpu -j 16 -- -k 0 > "$out/build.log" 2>&1; echo "build rc=$?"
+grep -E "error:|FAILED" "$out/build.log" | head -40
 (cd build-gpu && timeout 200 ctest -j 8 -R "PluginLoader|Options|Collectives|Precision" --output-on-failure) > "$out/ctest.log" 2>&1
 tail -15 "$out/ctest.log"
 timeout 300 bash bench/gpu/run.sh 40
