@@ -8,6 +8,8 @@
 #include <mutex>
 #include <thread>
 
+#include "tessera/sdk/build_config.hpp"  // TESSERA_WITH_CUDA, before the #if below
+
 #include <ATen/ATen.h>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>

@@ -7,6 +7,8 @@
 #include <set>
 #include <unordered_map>
 
+#include "tessera/sdk/build_config.hpp"  // TESSERA_WITH_CUDA, before the #if below
+
 #include <ATen/ATen.h>
 #include <ATen/native/Resize.h>
 #if TESSERA_WITH_CUDA
