@@ -301,6 +301,28 @@ TEST(GradScaler, StateSurvivesACheckpointFile) {
   EXPECT_EQ(scalerless.scale(), 1.0);
 }
 
+TEST(GradScaler, CudaGradientsUseTheFusedUnscaleAndStillSkipOnInf) {
+  if (!at::hasCUDA()) GTEST_SKIP() << "SKIPPED: no CUDA device (the fused unscale kernel is CUDA-only here)";
+  core::PrecisionBase precision(options(precision_key("16-mixed") + "init_scale = 8.0\n"), false);
+  precision.check_device(c10::Device(c10::kCUDA, 0));
+  LocalStrategy strategy;
+  const auto cuda = at::TensorOptions().device(c10::Device(c10::kCUDA, 0));
+  at::Tensor a = at::ones({3}, cuda).requires_grad_(), b = at::ones({2}, cuda.dtype(at::kHalf)).requires_grad_();
+  torch::optim::SGD optimizer({a, b}, torch::optim::SGDOptions(0.5));
+  a.mutable_grad() = at::full({3}, 8.0, cuda);
+  b.mutable_grad() = at::full({2}, 16.0, cuda.dtype(at::kHalf));
+  precision.unscale_gradients(optimizer, strategy);
+  EXPECT_TRUE(at::allclose(a.grad().cpu(), at::ones({3})));
+  EXPECT_TRUE(at::allclose(b.grad().cpu().to(at::kFloat), at::full({2}, 2.0)));
+  EXPECT_TRUE(precision.optimizer_step(optimizer, strategy));
+  EXPECT_TRUE(at::allclose(a.detach().cpu(), at::full({3}, 0.5)));
+  a.mutable_grad() = at::full({3}, 8.0, cuda);
+  b.mutable_grad() = at::full({2}, std::numeric_limits<double>::infinity(), cuda.dtype(at::kHalf));
+  EXPECT_FALSE(precision.optimizer_step(optimizer, strategy));
+  EXPECT_TRUE(at::allclose(a.detach().cpu(), at::full({3}, 0.5))) << "skipped: untouched";
+  EXPECT_EQ(precision.scale(), 4.0);
+}
+
 TEST(OptimizerStep, AdamEpsThatIsZeroInFloat16IsRefusedUnder16True) {
   core::PrecisionBase precision(options(precision_key("16-true")), false);
   LocalStrategy strategy;

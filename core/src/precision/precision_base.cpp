@@ -8,6 +8,7 @@
 #include <torch/version.h>
 
 #include <cmath>
+#include <map>
 
 #include "tessera/sdk/error.hpp"
 #include "tessera/sdk/strategy.hpp"
@@ -183,17 +184,31 @@ void PrecisionBase::unscale_gradients(torch::optim::Optimizer& optimizer, sdk::S
   if (!scaler_enabled_ || unscaled_) return;
   unscaled_ = true;
   torch::NoGradGuard no_grad;
-  const double inv_scale = 1.0 / scale_;
-  // One flag per gradient, reduced without a host sync per tensor (that would stall CUDA).
+  const c10::Device root = strategy.root_device();
+  at::Tensor found = at::zeros({1}, at::TensorOptions().dtype(at::kFloat).device(root));
+  // CUDA gradients of one dtype go through PyTorch's fused kernel (GradScaler's); the rest
+  // (CPU: no such kernel in LibTorch 1.13) one flag each, without a host sync per tensor.
+  std::map<std::pair<std::string, at::ScalarType>, std::vector<at::Tensor>> fused;
   std::vector<at::Tensor> non_finite;
   for (auto& group : optimizer.param_groups())
     for (auto& p : group.params()) {
       if (!p.grad().defined() || p.grad().numel() == 0) continue;
-      p.mutable_grad().mul_(inv_scale);
-      non_finite.push_back(at::isfinite(p.grad()).all().logical_not().to(strategy.root_device()));
+      const at::Tensor& g = p.grad();
+      if (g.is_cuda() && (g.scalar_type() == at::kFloat || g.scalar_type() == at::kHalf)) {
+        fused[{g.device().str(), g.scalar_type()}].push_back(g);
+        continue;
+      }
+      p.mutable_grad().mul_(1.0 / scale_);
+      non_finite.push_back(at::isfinite(g).all().logical_not().to(root).to(at::kFloat).reshape({1}));
     }
-  at::Tensor found = non_finite.empty() ? at::zeros({}, at::TensorOptions().device(strategy.root_device()))
-                                        : at::stack(non_finite).any().to(at::kFloat);
+  for (auto& [key, grads] : fused) {
+    const c10::Device device = grads.front().device();
+    at::Tensor found_here = at::zeros({1}, at::TensorOptions().dtype(at::kFloat).device(device));
+    at::Tensor inv_scale = at::full({1}, 1.0 / scale_, at::TensorOptions().dtype(at::kFloat).device(device));
+    at::_amp_foreach_non_finite_check_and_unscale_(grads, found_here, inv_scale);
+    non_finite.push_back(found_here.to(root));
+  }
+  if (!non_finite.empty()) found = at::stack(non_finite).max().reshape({1});
   // Each rank sees only its gradient shards: every rank must skip the same step, so the flag
   // is agreed with one all-reduce (max).
   found_inf_ = strategy.reduce(found, sdk::ReduceOp::max).item<double>() > 0;
