@@ -14,4 +14,6 @@ cmake --build build-gpu -j 16 -- -k 0 > "$out/build.log" 2>&1; echo "build rc=$?
 grep -E "error:|FAILED" "$out/build.log" | head -40
 (cd build-gpu && timeout 200 ctest -j 8 -R "PluginLoader|Options|Collectives|Precision" --output-on-failure) > "$out/ctest.log" 2>&1
 tail -15 "$out/ctest.log"
+# The corpus comes from the carried fortunes packages (the machine has no network).
+export FORTUNES=/tmp/deps/usr/share/games/fortunes
 timeout 300 bash bench/gpu/run.sh 40
