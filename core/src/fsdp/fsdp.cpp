@@ -305,7 +305,7 @@ void ShardedModule::flatten(FlatParamUnit& u) {
   u.compute_dtype = options_.mixed_precision.param_dtype.value_or(u.params.empty() ? at::kFloat
                                                                                      : u.params[0].scalar_type());
   u.full = flat.to(u.compute_dtype).clone();
-  u.grad_full = at::zeros({u.padded}, u.compute_dtype);
+  u.grad_full = at::zeros({u.padded}, fp32().dtype(u.compute_dtype));
   free_storage(u.grad_full);
   for (std::size_t i = 0; i < u.params.size(); ++i)
     u.params[i].set_data(u.full.narrow(0, u.offsets[i], u.numels[i]).view(u.params[i].sizes()));
