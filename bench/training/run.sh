@@ -45,6 +45,8 @@ run() {
 run single_device --set data.batch_size=16
 run ddp_2 --set launch.devices=2 --set strategy.plugin=ddp --set data.batch_size=8
 run fsdp_full_shard_2 --set launch.devices=2 --set strategy.plugin=fsdp --set data.batch_size=8
+run fsdp_full_shard_prefetch_2 --set launch.devices=2 --set strategy.plugin=fsdp --set strategy.forward_prefetch=true \
+  --set data.batch_size=8
 run fsdp_shard_grad_op_2 --set launch.devices=2 --set strategy.plugin=fsdp \
   --set strategy.sharding_strategy=SHARD_GRAD_OP --set data.batch_size=8
 run fsdp_bf16_mixed_2 --set launch.devices=2 --set strategy.plugin=fsdp --set precision.plugin=fsdp-precision \
@@ -59,6 +61,7 @@ awk '{tps[$1]=$2; rss[$1]=$3}
      END {
        printf "  FSDP FULL_SHARD / tessera DDP      %.2fx tokens/s\n", tps["fsdp_full_shard_2"]/tps["ddp_2"];
        printf "  FSDP FULL_SHARD / PyTorch DDP      %.2fx tokens/s\n", tps["fsdp_full_shard_2"]/tps["pytorch_ddp_2"];
+       printf "  FSDP FULL_SHARD + forward_prefetch / tessera DDP  %.2fx tokens/s\n", tps["fsdp_full_shard_prefetch_2"]/tps["ddp_2"];
        printf "  FSDP SHARD_GRAD_OP / tessera DDP   %.2fx tokens/s\n", tps["fsdp_shard_grad_op_2"]/tps["ddp_2"];
        printf "  tessera DDP / PyTorch DDP          %.2fx tokens/s\n", tps["ddp_2"]/tps["pytorch_ddp_2"];
        printf "  tessera DDP (2 ranks) / single     %.2fx tokens/s\n", tps["ddp_2"]/tps["single_device"];
