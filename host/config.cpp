@@ -2,6 +2,7 @@
 
 #include <cmath>
 #include <filesystem>
+#include <sstream>
 
 #include "tessera/sdk/error.hpp"
 
@@ -25,13 +26,16 @@ void apply_override(toml::table& root, const std::string& assignment) {
     root.insert_or_assign(section, toml::table{});
     table = root[section].as_table();
   }
+  // The value node is moved, not copied, so it keeps its source ("--set ...") for messages.
   toml::table holder;
   try {
     holder = toml::parse("v = " + value, "--set " + assignment);
   } catch (const toml::parse_error&) {
-    holder = toml::table{{"v", value}};  // a bare word is a string
+    std::ostringstream quoted;  // a bare word is a string
+    quoted << toml::value<std::string>(value);
+    holder = toml::parse("v = " + quoted.str(), "--set " + assignment);
   }
-  table->insert_or_assign(key, *holder.get("v"));
+  table->insert_or_assign(key, std::move(*holder.get("v")));
 }
 
 }  // namespace
@@ -48,7 +52,7 @@ Config Config::load(const std::string& path, const std::vector<std::string>& ove
   }
   for (const auto& assignment : overrides) apply_override(root, assignment);
 
-  std::vector<std::string> sections = {"trainer", "optimizer", "launch"};
+  std::vector<std::string> sections = {"trainer", "optimizer", "lr_scheduler", "launch"};
   sections.insert(sections.end(), kPluginSections.begin(), kPluginSections.end());
   for (const auto& [key, node] : root) {
     std::string name(key.str());
@@ -59,9 +63,10 @@ Config Config::load(const std::string& path, const std::vector<std::string>& ove
                   "; valid sections: ", sdk::join(sections), ", and the key plugin_dirs");
     TESSERA_CHECK(node.is_table(), where, ": ", name, " must be a table ([", name, "])");
   }
+  // Each section is moved out of `root` once: a copied toml node forgets its source line.
   auto section = [&](const std::string& name) {
-    const toml::table* t = root[name].as_table();
-    return sdk::Options(name, path, t ? *t : toml::table{});
+    toml::table* t = root[name].as_table();
+    return sdk::Options(name, path, t ? std::move(*t) : toml::table{});
   };
   if (const toml::node* dirs = root.get("plugin_dirs")) {
     TESSERA_CHECK(dirs->is_array(), path, ": plugin_dirs must be an array of directory names");
@@ -104,10 +109,20 @@ Config Config::load(const std::string& path, const std::vector<std::string>& ove
   opt.eps = o.get_double("eps", 1e-8, 0.0);
   opt.weight_decay = o.get_double("weight_decay", opt.name == "adamw" ? 0.01 : 0.0, 0.0);
   opt.momentum = o.get_double("momentum", 0.0, 0.0, 1.0);
-  config.schedule.schedule = o.get_choice("schedule", "cosine", {"cosine", "constant"});
-  config.schedule.warmup_steps = o.get_int("warmup_steps", 0, 0);
-  config.schedule.min_lr = o.get_double("min_lr", 0.0, 0.0);
+  // The schedule's keys live in [lr_scheduler] or, for short configs, in [optimizer].
+  sdk::Options ls = section("lr_scheduler");
+  for (const char* key : {"schedule", "warmup_steps", "min_lr"})
+    TESSERA_CHECK(!(ls.has(key) && o.has(key)), o.locate(key), " and ", ls.locate(key),
+                  " both set the schedule's ", key, ": keep one of them");
+  auto schedule_options = [&](const char* key) -> const sdk::Options& { return ls.has(key) ? ls : o; };
+  config.schedule.schedule = schedule_options("schedule").get_choice("schedule", "cosine", {"cosine", "constant"});
+  config.schedule.warmup_steps = schedule_options("warmup_steps").get_int("warmup_steps", 0, 0);
+  config.schedule.min_lr = schedule_options("min_lr").get_double("min_lr", 0.0, 0.0);
+  TESSERA_CHECK(config.schedule.min_lr <= opt.lr, schedule_options("min_lr").locate("min_lr"), " = ",
+                config.schedule.min_lr, " is above [optimizer] lr = ", opt.lr, ": min_lr must be in [0, lr]");
+  for (const char* key : {"schedule", "warmup_steps", "min_lr"}) o.mark_used(key), ls.mark_used(key);
   o.check_all_used();
+  ls.check_all_used();
 
   sdk::Options l = section("launch");
   LaunchSettings& la = config.launch;
@@ -128,6 +143,9 @@ Config Config::load(const std::string& path, const std::vector<std::string>& ove
     if (name == "data") {  // the host's own keys in [data]; the rest belong to the plugin
       config.data.batch_size = options.get_int("batch_size", 8, 1);
       config.data.shuffle = options.get_bool("shuffle", true);
+      // Batches are read in the training process (the data plugins index into memory).
+      TESSERA_CHECK(options.get_int("num_workers", 0) == 0, options.locate("num_workers"),
+                    " is not supported: batches are read in each rank's training process; remove the key or set 0");
     }
     config.plugins.emplace(name, std::move(options));
   }

@@ -56,6 +56,13 @@ inline const std::vector<std::string> kPluginSections = {"strategy", "precision"
 
 class Config {
  public:
+  Config() = default;
+  // Move-only: a copied TOML table forgets the source lines that error messages name.
+  Config(Config&&) = default;
+  Config& operator=(Config&&) = default;
+  Config(const Config&) = delete;
+  Config& operator=(const Config&) = delete;
+
   /// Parses `path`, applies `overrides` ("section.key=value", value parsed as TOML, else a
   /// string) and validates every host-owned section. Throws sdk::Error naming file:line/key.
   static Config load(const std::string& path, const std::vector<std::string>& overrides);

@@ -34,18 +34,6 @@ using Clock = std::chrono::steady_clock;
 /// How long stopped ranks get between SIGTERM and SIGKILL.
 constexpr std::chrono::seconds kGracePeriod{5};
 
-int free_port() {
-  int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-  TESSERA_CHECK(fd >= 0, "cannot open a socket to find a free port: ", std::strerror(errno));
-  sockaddr_in address{};
-  address.sin_family = AF_INET;
-  address.sin_addr.s_addr = htonl(INADDR_ANY);
-  ::bind(fd, reinterpret_cast<sockaddr*>(&address), sizeof(address));
-  socklen_t length = sizeof(address);
-  ::getsockname(fd, reinterpret_cast<sockaddr*>(&address), &length);
-  ::close(fd);
-  return ntohs(address.sin_port);
-}
 
 std::string tail(const std::string& path, std::size_t lines) {
   std::ifstream in(path);
@@ -116,12 +104,12 @@ std::optional<int> launch_or_join(const LaunchSettings& settings, const std::str
   std::int64_t port = settings.master_port;
   if (settings.nodes == 1) {
     if (port != 0 && !port_is_free(settings.master_addr, port)) {
-      std::int64_t chosen = free_port();
+      std::int64_t chosen = core::free_port();
       std::cerr << "tessera: [launch] master_port = " << port << " is in use; the local ranks use free port "
                 << chosen << " instead\n";
       port = chosen;
     }
-    if (port == 0) port = free_port();
+    if (port == 0) port = core::free_port();
   } else {
     TESSERA_CHECK(port != 0, "[launch] nodes = ", settings.nodes,
                   " needs an explicit [launch] master_port, the same on every node");

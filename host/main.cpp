@@ -140,7 +140,7 @@ int main(int argc, char** argv) {
     if (auto code = host::launch_or_join(config.launch, root + "/logs", argc, argv, cluster)) return *code;
     host::configure_threads(config.launch, cluster);
     log = std::make_unique<host::RunLog>(root, cluster.global_rank, config.trainer.enable_progress_bar);
-    host::Trainer trainer(config, cluster, *log);
+    host::Trainer trainer(std::move(config), cluster, *log);
     if (args.command == "fit") trainer.fit(args.ckpt_path);
     else if (args.command == "validate") trainer.validate(args.ckpt_path);
     else if (args.command == "test") trainer.test(args.ckpt_path);

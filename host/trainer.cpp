@@ -17,6 +17,7 @@
 #include "tessera/core/checkpoint.hpp"
 #include "tessera/core/data_loader.hpp"
 #include "tessera/sdk/error.hpp"
+#include "lr_schedule.hpp"
 
 namespace tessera::host {
 
@@ -52,8 +53,9 @@ std::map<std::string, double> reduce_mean(sdk::Strategy& strategy, const std::ma
 
 }  // namespace
 
-Trainer::Trainer(const Config& config, const sdk::ClusterInfo& cluster, RunLog& log)
-    : config_(config), cluster_(cluster), log_(log), loader_(core::PluginLoader::search_path(config.plugin_dirs)) {}
+Trainer::Trainer(Config config, const sdk::ClusterInfo& cluster, RunLog& log)
+    : config_(std::move(config)), cluster_(cluster), log_(log),
+      loader_(core::PluginLoader::search_path(config_.plugin_dirs)) {}
 
 Trainer::~Trainer() {
   if (strategy_) strategy_->teardown();
@@ -110,7 +112,12 @@ void Trainer::save(const std::string& path) {
   checkpoint.insert("global_step", global_step_);
   checkpoint.insert("epoch", epoch_);
   checkpoint.insert("batch_in_epoch", next_batch_);
+  c10::impl::GenericList lr_schedulers(c10::AnyType::get());
+  lr_schedulers.push_back(schedule_->state_dict(global_step_));
+  checkpoint.insert("lr_schedulers", lr_schedulers);
   checkpoint.insert("rng_state", at::detail::getDefaultCPUGenerator().get_state());
+  if (strategy_->root_device().is_cuda())
+    checkpoint.insert("cuda_rng_state", at::globalContext().defaultGenerator(strategy_->root_device()).get_state());
   checkpoint.insert("hyper_parameters", model_->hyper_parameters());
   checkpoint.insert("tessera_version", std::string(TESSERA_VERSION));
   strategy_->save_checkpoint(checkpoint, path);
@@ -133,18 +140,18 @@ void Trainer::restore(const std::string& path, bool with_training_state) {
     next_batch_ = core::checkpoint_get(checkpoint, "batch_in_epoch").toInt();
     at::Generator generator = at::detail::getDefaultCPUGenerator();
     generator.set_state(core::checkpoint_get(checkpoint, "rng_state").toTensor());
+    if (strategy_->root_device().is_cuda() && checkpoint.contains("cuda_rng_state"))
+      at::globalContext().defaultGenerator(strategy_->root_device())
+          .set_state(core::checkpoint_get(checkpoint, "cuda_rng_state").toTensor());
+    if (checkpoint.contains("lr_schedulers")) {  // absent from checkpoints written before the schedule state was saved
+      auto schedulers = core::checkpoint_get(checkpoint, "lr_schedulers").toListRef();
+      TESSERA_CHECK(schedulers.size() == 1, "checkpoint ", path, " [lr_schedulers] has ", schedulers.size(),
+                    " entries; tessera writes exactly one");
+      restored_schedule_ = core::checkpoint_dict(schedulers[0], "checkpoint " + path + " [lr_schedulers][0]");
+      restored_from_ = path;
+    }
   }
   log_.info("restored " + path + (with_training_state ? " (resuming at step " + std::to_string(global_step_) + ")" : ""));
-}
-
-double Trainer::learning_rate(std::int64_t step) const {
-  const auto& s = config_.schedule;
-  const double base = config_.optimizer.lr;
-  if (step < s.warmup_steps) return base * static_cast<double>(step + 1) / static_cast<double>(s.warmup_steps);
-  if (s.schedule == "constant" || total_steps_ <= s.warmup_steps) return base;
-  double progress = std::min(1.0, static_cast<double>(step - s.warmup_steps) /
-                                      static_cast<double>(total_steps_ - s.warmup_steps));
-  return s.min_lr + 0.5 * (base - s.min_lr) * (1.0 + std::cos(M_PI * progress));
 }
 
 void Trainer::maybe_inject_fault(std::int64_t step) const {
@@ -202,6 +209,11 @@ void Trainer::fit(const std::string& ckpt_path) {
                 " batches per epoch, fewer than [trainer] accumulate_grad_batches = ", accumulate,
                 ": lower [data] batch_size or accumulate_grad_batches");
   total_steps_ = t.max_steps > 0 ? t.max_steps : t.max_epochs * steps_per_epoch;
+  schedule_ = std::make_unique<LRSchedule>(config_.schedule, config_.optimizer.lr, total_steps_);
+  if (restored_schedule_) {
+    std::string change = schedule_->compare(*restored_schedule_, global_step_, restored_from_ + " [lr_schedulers][0]");
+    if (!change.empty()) log_.info(change);
+  }
   log_.info("global batch = " + std::to_string(config_.data.batch_size) + " per rank x " +
             std::to_string(cluster_.world_size) + " ranks x " + std::to_string(accumulate) + " accumulated = " +
             std::to_string(config_.data.batch_size * cluster_.world_size * accumulate) + " samples; " +
@@ -217,7 +229,7 @@ void Trainer::fit(const std::string& ckpt_path) {
   while (epoch_ < t.max_epochs && global_step_ < total_steps_) {
     loader.set_epoch(epoch_);
     while (next_batch_ + accumulate <= loader.num_batches() && global_step_ < total_steps_) {
-      const double lr = learning_rate(global_step_);
+      const double lr = schedule_->lr(global_step_);
       for (auto& group : strategy_->optimizer().param_groups()) group.options().set_lr(lr);
       at::Tensor loss_sum = at::zeros({}, at::kFloat);
       for (std::int64_t m = 0; m < accumulate; ++m) {

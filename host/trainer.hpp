@@ -2,9 +2,11 @@
 // The trainer: creates the plugins, wires them like Lightning's Trainer, and runs fit,
 // validate, test or predict on this rank.
 #include <memory>
+#include <optional>
 #include <string>
 
 #include "config.hpp"
+#include "lr_schedule.hpp"
 #include "run_log.hpp"
 #include "tessera/core/plugin_loader.hpp"
 #include "tessera/sdk/data.hpp"
@@ -14,7 +16,9 @@ namespace tessera::host {
 
 class Trainer {
  public:
-  Trainer(const Config& config, const sdk::ClusterInfo& cluster, RunLog& log);
+  /// Takes the config by value: move it in, since a copied TOML table loses the source
+  /// lines that error messages name.
+  Trainer(Config config, const sdk::ClusterInfo& cluster, RunLog& log);
   ~Trainer();
 
   /// `ckpt_path`: "" (none), "last" (default_root_dir/checkpoints/last.ckpt) or a path.
@@ -33,7 +37,6 @@ class Trainer {
   std::map<std::string, double> evaluate(const std::string& stage, std::int64_t limit);
   /// Runs predict_step over at most `limit` batches (0 = all) and prints the results.
   void predict_batches(std::int64_t limit);
-  double learning_rate(std::int64_t step) const;
   void maybe_inject_fault(std::int64_t step) const;
 
   Config config_;
@@ -50,6 +53,9 @@ class Trainer {
   std::int64_t epoch_ = 0;
   std::int64_t next_batch_ = 0;
   std::int64_t total_steps_ = 0;
+  std::unique_ptr<LRSchedule> schedule_;
+  std::optional<sdk::Checkpoint> restored_schedule_;  ///< from --ckpt-path, checked against the config
+  std::string restored_from_;
 };
 
 }  // namespace tessera::host

@@ -22,6 +22,7 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
+#include "tessera/core/cluster.hpp"
 #include "tessera/core/comm.hpp"
 
 extern char** environ;
@@ -133,17 +134,6 @@ int run_rank(const Settings& s) {
   return 0;
 }
 
-int free_port() {
-  int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in address{};
-  address.sin_family = AF_INET;
-  address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  ::bind(fd, reinterpret_cast<sockaddr*>(&address), sizeof(address));
-  socklen_t length = sizeof(address);
-  ::getsockname(fd, reinterpret_cast<sockaddr*>(&address), &length);
-  ::close(fd);
-  return ntohs(address.sin_port);
-}
 
 }  // namespace
 
@@ -158,7 +148,7 @@ int main(int argc, char** argv) {
       return 1;
     }
   }
-  std::string port = std::to_string(free_port());
+  std::string port = std::to_string(tessera::core::free_port());
   std::vector<pid_t> pids;
   for (int rank = 0; rank < s.world_size; ++rank) {
     std::vector<std::string> strings;

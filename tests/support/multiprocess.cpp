@@ -54,20 +54,6 @@ sdk::ClusterInfo cluster_from_environment() {
 
 }  // namespace
 
-int free_port() {
-  int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in address{};
-  address.sin_family = AF_INET;
-  address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  address.sin_port = 0;
-  ::bind(fd, reinterpret_cast<sockaddr*>(&address), sizeof(address));
-  socklen_t length = sizeof(address);
-  ::getsockname(fd, reinterpret_cast<sockaddr*>(&address), &length);
-  int port = ntohs(address.sin_port);
-  ::close(fd);
-  return port;
-}
-
 const char* plugin_dir() { return TESSERA_BUILD_PLUGIN_DIR; }
 
 const char* tessera_binary() { return TESSERA_BINARY; }

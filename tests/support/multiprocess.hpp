@@ -11,6 +11,7 @@
 
 #include <ATen/core/Tensor.h>
 
+#include "tessera/core/cluster.hpp"
 #include "tessera/sdk/types.hpp"
 
 namespace tessera::testing {
@@ -18,8 +19,7 @@ namespace tessera::testing {
 void run_ranks(int world_size, std::chrono::seconds timeout,
                const std::function<void(const sdk::ClusterInfo& cluster)>& body);
 
-/// A free TCP port on 127.0.0.1.
-int free_port();
+using core::free_port;
 
 /// The build tree's plugin directory (for core::PluginLoader in tests).
 const char* plugin_dir();

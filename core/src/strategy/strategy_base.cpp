@@ -1,9 +1,5 @@
 #include "tessera/core/strategy_base.hpp"
 
-#include <netinet/in.h>
-#include <sys/socket.h>
-#include <unistd.h>
-
 #include <cmath>
 #include <limits>
 #include <set>
@@ -12,23 +8,10 @@
 #include <torch/csrc/autograd/grad_mode.h>
 
 #include "tessera/core/checkpoint.hpp"
+#include "tessera/core/cluster.hpp"
 #include "tessera/sdk/error.hpp"
 
 namespace tessera::core {
-
-namespace {
-int free_port() {
-  int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in address{};
-  address.sin_family = AF_INET;
-  address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  ::bind(fd, reinterpret_cast<sockaddr*>(&address), sizeof(address));
-  socklen_t length = sizeof(address);
-  ::getsockname(fd, reinterpret_cast<sockaddr*>(&address), &length);
-  ::close(fd);
-  return ntohs(address.sin_port);
-}
-}  // namespace
 
 StrategyBase::StrategyBase(const sdk::Options& options)
     : accelerator_(options.get_choice("accelerator", "auto", {"auto", "cpu", "cuda"})) {}

@@ -47,4 +47,8 @@ std::vector<std::int64_t> slurm_tasks_per_node(const std::string& value);
 /// This process's environment variables.
 Environment process_environment();
 
+/// A TCP port that was free a moment ago (bind to port 0 and ask): for rendezvous ports
+/// picked by the local launcher, one-rank NCCL groups and tests.
+int free_port();
+
 }  // namespace tessera::core
