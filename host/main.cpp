@@ -148,7 +148,8 @@ int main(int argc, char** argv) {
     return 0;
   } catch (const std::exception& e) {
     std::string message = e.what();
-    if (log) log->info("error: " + message);
+    // Under tessera's own launcher stderr already lands in this rank's log file.
+    if (log && std::getenv("TESSERA_LAUNCHED") == nullptr) log->to_file("error: " + message);
     std::cerr << "tessera: error: " << message << "\n";
     write_torchelastic_error(message);
     return 1;

@@ -36,6 +36,8 @@ void RunLog::info(const std::string& line) {
   std::cout << line << "\n" << std::flush;
 }
 
+void RunLog::to_file(const std::string& line) { log_ << line << "\n" << std::flush; }
+
 void RunLog::progress(const std::string& bar, const std::string& line, bool force_line) {
   if (force_line) log_ << line << "\n" << std::flush;
   if (rank_ != 0) return;

@@ -16,6 +16,8 @@ class RunLog {
 
   /// A line for the log file and (rank 0) the terminal.
   void info(const std::string& line);
+  /// A line for the log file only.
+  void to_file(const std::string& line);
   /// Progress of training (rank 0): redraws the bar on a terminal; `line` goes to the log.
   void progress(const std::string& bar, const std::string& line, bool force_line);
   /// One row per metric in metrics.csv (rank 0).

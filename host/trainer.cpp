@@ -140,9 +140,10 @@ void Trainer::restore(const std::string& path, bool with_training_state) {
     next_batch_ = core::checkpoint_get(checkpoint, "batch_in_epoch").toInt();
     at::Generator generator = at::detail::getDefaultCPUGenerator();
     generator.set_state(core::checkpoint_get(checkpoint, "rng_state").toTensor());
-    if (strategy_->root_device().is_cuda() && checkpoint.contains("cuda_rng_state"))
-      at::globalContext().defaultGenerator(strategy_->root_device())
-          .set_state(core::checkpoint_get(checkpoint, "cuda_rng_state").toTensor());
+    if (strategy_->root_device().is_cuda() && checkpoint.contains("cuda_rng_state")) {
+      at::Generator cuda_generator = at::globalContext().defaultGenerator(strategy_->root_device());
+      cuda_generator.set_state(core::checkpoint_get(checkpoint, "cuda_rng_state").toTensor());
+    }
     if (checkpoint.contains("lr_schedulers")) {  // absent from checkpoints written before the schedule state was saved
       auto schedulers = core::checkpoint_get(checkpoint, "lr_schedulers").toListRef();
       TESSERA_CHECK(schedulers.size() == 1, "checkpoint ", path, " [lr_schedulers] has ", schedulers.size(),

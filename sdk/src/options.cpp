@@ -17,7 +17,10 @@ const toml::node* Options::find(const std::string& key) const {
 
 std::string Options::locate(const std::string& key) const {
   std::string where = source_;
-  if (const toml::node* node = table_.get(key); node != nullptr && node->source().begin.line > 0)
+  const toml::node* node = table_.get(key);
+  if (node != nullptr && node->source().path && *node->source().path != source_)
+    where = *node->source().path;  // a value from elsewhere, e.g. the host's "--set section.key=value"
+  else if (node != nullptr && node->source().begin.line > 0)
     where += ":" + std::to_string(node->source().begin.line);
   return where + ": [" + section_ + "] " + key;
 }
@@ -94,8 +97,9 @@ std::vector<double> Options::get_double_list(const std::string& key, const std::
 void Options::mark_used(const std::string& key) const { used_.insert(key); }
 
 void Options::check_all_used(const std::vector<std::string>& extra_known) const {
-  std::vector<std::string> known(used_.begin(), used_.end());
-  known.insert(known.end(), extra_known.begin(), extra_known.end());
+  std::set<std::string> names(used_.begin(), used_.end());
+  names.insert(extra_known.begin(), extra_known.end());
+  std::vector<std::string> known(names.begin(), names.end());
   for (const auto& [key, node] : table_) {
     std::string name(key.str());
     if (used_.count(name) || std::find(extra_known.begin(), extra_known.end(), name) != extra_known.end()) continue;

@@ -1,0 +1,323 @@
+// host::Config: values, defaults, --set overrides and every error path (file, line, key,
+// valid choices, "did you mean"); plugin creation errors from the loader; the LR schedule.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+
+#include "config.hpp"
+#include "lr_schedule.hpp"
+#include "tessera/core/checkpoint.hpp"
+#include "tessera/core/plugin_loader.hpp"
+#include "tessera/sdk/error.hpp"
+
+namespace {
+
+namespace fs = std::filesystem;
+using tessera::host::Config;
+
+/// Writes `text` to a fresh file named after the running test and returns its path.
+std::string write_toml(const std::string& text) {
+  const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
+  fs::path dir = fs::temp_directory_path() / ("tessera-config-test-" + std::to_string(::getpid()));
+  fs::create_directories(dir);
+  fs::path path = dir / (std::string(info->test_suite_name()) + "." + info->name() + ".toml");
+  std::ofstream(path) << text;
+  return path.string();
+}
+
+/// Loads `text` and returns the error message (fails the test when it loads).
+std::string load_error(const std::string& text, const std::vector<std::string>& overrides = {}) {
+  std::string path = write_toml(text);
+  try {
+    Config::load(path, overrides);
+  } catch (const tessera::sdk::Error& e) {
+    return e.what();
+  }
+  ADD_FAILURE() << "expected an error for:\n" << text;
+  return "";
+}
+
+#define EXPECT_CONTAINS(text, part) EXPECT_NE(std::string(text).find(part), std::string::npos) << (text)
+
+TEST(Config, ReadsEverySection) {
+  std::string path = write_toml(R"(plugin_dirs = ["/opt/plugins"]
+[trainer]
+max_steps = 20
+accumulate_grad_batches = 2
+gradient_clip_val = 1.5
+gradient_clip_algorithm = "norm"
+norm_type = 2.0
+val_check_interval = 5
+limit_val_batches = 3
+log_every_n_steps = 2
+seed = 7
+default_root_dir = "runs/x"
+checkpoint_every_n_steps = 10
+save_last = false
+enable_progress_bar = false
+[optimizer]
+name = "sgd"
+lr = 0.1
+momentum = 0.9
+weight_decay = 1e-4
+[lr_scheduler]
+schedule = "constant"
+warmup_steps = 4
+[launch]
+devices = 2
+master_port = 29511
+[strategy]
+plugin = "fsdp"
+sharding_strategy = "FULL_SHARD"
+[data]
+plugin = "fashion_mnist"
+batch_size = 32
+shuffle = false
+)");
+  Config c = Config::load(path, {});
+  EXPECT_EQ(c.path(), path);
+  EXPECT_EQ(c.plugin_dirs, std::vector<std::string>{"/opt/plugins"});
+  EXPECT_EQ(c.trainer.max_steps, 20);
+  EXPECT_EQ(c.trainer.accumulate_grad_batches, 2);
+  EXPECT_DOUBLE_EQ(c.trainer.gradient_clip_val, 1.5);
+  EXPECT_EQ(c.trainer.val_check_interval, 5);
+  EXPECT_EQ(c.trainer.limit_val_batches, 3);
+  EXPECT_EQ(c.trainer.seed, 7);
+  EXPECT_EQ(c.trainer.default_root_dir, "runs/x");
+  EXPECT_EQ(c.trainer.checkpoint_every_n_steps, 10);
+  EXPECT_FALSE(c.trainer.save_last);
+  EXPECT_EQ(c.trainer.enable_progress_bar, "false");
+  EXPECT_EQ(c.optimizer.name, "sgd");
+  EXPECT_DOUBLE_EQ(c.optimizer.lr, 0.1);
+  EXPECT_DOUBLE_EQ(c.optimizer.momentum, 0.9);
+  EXPECT_DOUBLE_EQ(c.optimizer.weight_decay, 1e-4);
+  EXPECT_EQ(c.schedule.schedule, "constant");
+  EXPECT_EQ(c.schedule.warmup_steps, 4);
+  EXPECT_EQ(c.launch.devices, 2);
+  EXPECT_EQ(c.launch.master_port, 29511);
+  EXPECT_EQ(c.plugin_names.at("strategy"), "fsdp");
+  EXPECT_EQ(c.plugin_names.at("data"), "fashion_mnist");
+  EXPECT_EQ(c.data.batch_size, 32);
+  EXPECT_FALSE(c.data.shuffle);
+  // Plugin keys are left for the plugin: sharding_strategy is still unread.
+  EXPECT_EQ(c.plugins.at("strategy").get_string("sharding_strategy", ""), "FULL_SHARD");
+}
+
+TEST(Config, DefaultsAreSensible) {
+  Config c = Config::load(write_toml(""), {});
+  EXPECT_EQ(c.plugin_names.at("strategy"), "single_device");
+  EXPECT_EQ(c.plugin_names.at("precision"), "precision");
+  EXPECT_EQ(c.plugin_names.at("checkpoint_io"), "torch");
+  EXPECT_EQ(c.optimizer.name, "adamw");
+  EXPECT_DOUBLE_EQ(c.optimizer.beta1, 0.9);
+  EXPECT_DOUBLE_EQ(c.optimizer.beta2, 0.999);
+  EXPECT_EQ(c.trainer.accumulate_grad_batches, 1);
+  EXPECT_EQ(c.trainer.max_steps, -1);
+  EXPECT_EQ(c.trainer.max_epochs, 1);
+  EXPECT_EQ(c.schedule.schedule, "cosine");
+  EXPECT_EQ(c.schedule.warmup_steps, 0);
+  EXPECT_EQ(c.launch.devices, 1);
+  EXPECT_TRUE(c.data.shuffle);
+}
+
+TEST(Config, ScheduleKeysMayLiveInTheOptimizerSection) {
+  Config c = Config::load(write_toml("[optimizer]\nlr = 0.01\nwarmup_steps = 3\nmin_lr = 0.001\n"), {});
+  EXPECT_EQ(c.schedule.warmup_steps, 3);
+  EXPECT_DOUBLE_EQ(c.schedule.min_lr, 0.001);
+}
+
+TEST(Config, ScheduleKeySetTwiceIsAnError) {
+  std::string e = load_error("[optimizer]\nwarmup_steps = 3\n[lr_scheduler]\nwarmup_steps = 4\n");
+  EXPECT_CONTAINS(e, ":2: [optimizer] warmup_steps and ");
+  EXPECT_CONTAINS(e, ":4: [lr_scheduler] warmup_steps both set the schedule's warmup_steps");
+}
+
+TEST(Config, MinLrAboveLrIsAnError) {
+  EXPECT_CONTAINS(load_error("[optimizer]\nlr = 0.001\nmin_lr = 0.01\n"), "min_lr = 0.01 is above [optimizer] lr");
+}
+
+TEST(Config, SetOverridesParseValuesAsToml) {
+  Config c = Config::load(write_toml("[trainer]\nmax_steps = 100\n[strategy]\nplugin = \"fsdp\"\n"),
+                          {"trainer.max_steps=5", "strategy.sharding_strategy=\"SHARD_GRAD_OP\"",
+                           "data.prompt=Hello", "optimizer.betas=[0.8, 0.9]", "trainer.save_last=false",
+                           "optimizer.lr=2e-3", "model.plugin=mlp"});
+  EXPECT_EQ(c.trainer.max_steps, 5);
+  EXPECT_FALSE(c.trainer.save_last);
+  EXPECT_DOUBLE_EQ(c.optimizer.beta1, 0.8);
+  EXPECT_DOUBLE_EQ(c.optimizer.lr, 2e-3);
+  EXPECT_EQ(c.plugin_names.at("model"), "mlp");  // a section the file does not have
+  EXPECT_EQ(c.plugins.at("strategy").get_string("sharding_strategy", ""), "SHARD_GRAD_OP");
+  EXPECT_EQ(c.plugins.at("data").get_string("prompt", ""), "Hello");  // a bare word is a string
+}
+
+TEST(Config, SetValuesWithSpacesAndEqualsSigns) {
+  Config c = Config::load(write_toml(""), {"data.prompt=Q: a = b?"});
+  EXPECT_EQ(c.plugins.at("data").get_string("prompt", ""), "Q: a = b?");
+}
+
+TEST(Config, SetErrorsNameTheOverride) {
+  EXPECT_CONTAINS(load_error("", {"max_steps=5"}), "--set max_steps=5: expected section.key=value");
+  EXPECT_CONTAINS(load_error("", {"trainer.max_steps"}), "expected section.key=value");
+  std::string e = load_error("", {"trainer.max_steps=\"five\""});
+  EXPECT_CONTAINS(e, "[trainer] max_steps must be an integer, found string");
+  EXPECT_CONTAINS(e, "--set trainer.max_steps=\"five\"");
+  EXPECT_CONTAINS(load_error("", {"trainr.max_steps=5"}), "unknown section [trainr] (did you mean 'trainer'?)");
+}
+
+TEST(Config, MissingFileIsNamed) {
+  try {
+    Config::load("/nonexistent/run.toml", {});
+    FAIL() << "expected an error";
+  } catch (const tessera::sdk::Error& e) {
+    EXPECT_CONTAINS(e.what(), "config file /nonexistent/run.toml does not exist");
+  }
+}
+
+TEST(Config, InvalidTomlNamesFileLineAndColumn) {
+  std::string path = write_toml("[trainer]\nmax_steps = = 3\n");
+  std::string e = load_error("[trainer]\nmax_steps = = 3\n");
+  EXPECT_CONTAINS(e, ":2:");
+  EXPECT_CONTAINS(e, "invalid TOML");
+}
+
+TEST(Config, UnknownSectionSuggestsTheClosest) {
+  std::string e = load_error("[trainer]\nmax_steps = 3\n\n[optimiser]\nlr = 0.1\n");
+  EXPECT_CONTAINS(e, ":4: unknown section [optimiser] (did you mean 'optimizer'?)");
+  EXPECT_CONTAINS(e, "valid sections: trainer, optimizer, lr_scheduler, launch, strategy, precision");
+}
+
+TEST(Config, SectionMustBeATable) {
+  EXPECT_CONTAINS(load_error("trainer = 3\n"), "trainer must be a table ([trainer])");
+}
+
+TEST(Config, TypoKeySuggestsTheClosest) {
+  std::string e = load_error("[trainer]\nmax_steps = 3\nmax_stpes = 4\n");
+  EXPECT_CONTAINS(e, ":3: [trainer] max_stpes is not a known key (did you mean 'max_steps'?)");
+  EXPECT_CONTAINS(e, "known keys:");
+  EXPECT_CONTAINS(load_error("[optimizer]\nweight_decy = 0.1\n"),
+                  "[optimizer] weight_decy is not a known key (did you mean 'weight_decay'?)");
+  EXPECT_CONTAINS(load_error("[launch]\ndevice = 2\n"), "[launch] device is not a known key (did you mean 'devices'?)");
+  EXPECT_CONTAINS(load_error("[lr_scheduler]\nwarmup_step = 2\n"),
+                  "[lr_scheduler] warmup_step is not a known key (did you mean 'warmup_steps'?)");
+}
+
+TEST(Config, WrongTypeNamesExpectedAndFound) {
+  EXPECT_CONTAINS(load_error("[trainer]\nmax_steps = \"ten\"\n"),
+                  ":2: [trainer] max_steps must be an integer, found string");
+  EXPECT_CONTAINS(load_error("[optimizer]\nlr = \"fast\"\n"), "[optimizer] lr must be ");
+  EXPECT_CONTAINS(load_error("[trainer]\nsave_last = 1\n"), ":2: [trainer] save_last must be true or false, found integer");
+  EXPECT_CONTAINS(load_error("[data]\nbatch_size = 2.5\n"), "[data] batch_size must be an integer, found floating-point");
+  EXPECT_CONTAINS(load_error("plugin_dirs = \"/x\"\n"), "plugin_dirs must be an array of directory names");
+}
+
+TEST(Config, OutOfRangeNamesTheRange) {
+  EXPECT_CONTAINS(load_error("[trainer]\naccumulate_grad_batches = 0\n"),
+                  ":2: [trainer] accumulate_grad_batches = 0 is out of range [1, ");
+  EXPECT_CONTAINS(load_error("[optimizer]\nlr = -0.1\n"), "[optimizer] lr = -0.1 is out of range [0, ");
+  EXPECT_CONTAINS(load_error("[optimizer]\nbetas = [0.9, 1.5]\n"), "[optimizer] betas must be two numbers in [0, 1)");
+  EXPECT_CONTAINS(load_error("[launch]\nmaster_port = 70000\n"), "[launch] master_port = 70000 is out of range [0, 65535]");
+  EXPECT_CONTAINS(load_error("[launch]\nnodes = 2\nnode_rank = 2\n"), "[launch] node_rank = 2 is out of range [0, 1]");
+  EXPECT_CONTAINS(load_error("[data]\nbatch_size = 0\n"), "[data] batch_size = 0 is out of range [1, ");
+}
+
+TEST(Config, BadChoiceListsTheValidOnes) {
+  EXPECT_CONTAINS(load_error("[optimizer]\nname = \"adamww\"\n"),
+                  "[optimizer] name = \"adamww\" is not valid (did you mean 'adamw'?); valid: adamw, adam, sgd");
+  EXPECT_CONTAINS(load_error("[lr_scheduler]\nschedule = \"cosin\"\n"),
+                  "schedule = \"cosin\" is not valid (did you mean 'cosine'?); valid: cosine, constant");
+  EXPECT_CONTAINS(load_error("[trainer]\ngradient_clip_algorithm = \"value\"\n"), "valid: norm");
+  EXPECT_CONTAINS(load_error("[launch]\ncluster_environment = \"slurn\"\n"), "(did you mean 'slurm'?)");
+}
+
+TEST(Config, NumWorkersIsRefusedWithAReason) {
+  EXPECT_NO_THROW(Config::load(write_toml("[data]\nnum_workers = 0\n"), {}));
+  EXPECT_CONTAINS(load_error("[data]\nnum_workers = 4\n"), ":2: [data] num_workers is not supported");
+}
+
+TEST(Config, PluginSectionsNeedAStringPluginName) {
+  EXPECT_CONTAINS(load_error("[model]\nplugin = 3\n"), "[model] plugin must be a string");
+}
+
+/// Creating the configured plugins: the loader names unknown plugins, the plugin's own
+/// getters and check_all_used name its keys (what the trainer does before any work).
+std::shared_ptr<tessera::sdk::PluginObject> create_strategy(const Config& c) {
+  tessera::core::PluginLoader loader(tessera::core::PluginLoader::search_path({PLUGIN_DIR}));
+  const tessera::sdk::Options& options = c.plugins.at("strategy");
+  auto object = loader.create(tessera::sdk::PluginKind::strategy, c.plugin_names.at("strategy"), options);
+  options.check_all_used({"plugin"});
+  return object;
+}
+
+std::string create_error(const std::string& text) {
+  Config c = Config::load(write_toml(text), {});
+  try {
+    create_strategy(c);
+  } catch (const tessera::sdk::Error& e) {
+    return e.what();
+  }
+  ADD_FAILURE() << "expected an error for:\n" << text;
+  return "";
+}
+
+TEST(ConfigPlugins, UnknownPluginIsALoaderErrorWithSuggestion) {
+  EXPECT_CONTAINS(create_error("[strategy]\nplugin = \"single_devise\"\n"),
+                  "no strategy plugin named 'single_devise' (did you mean 'single_device'?)");
+}
+
+TEST(ConfigPlugins, PluginKeysAreCheckedByThePlugin) {
+  EXPECT_NO_THROW(create_strategy(Config::load(write_toml("[strategy]\naccelerator = \"cpu\"\n"), {})));
+  std::string e = create_error("[strategy]\nplugin = \"single_device\"\naccelerater = \"cpu\"\n");
+  EXPECT_CONTAINS(e, ":3: [strategy] accelerater is not a known key (did you mean 'accelerator'?)");
+  EXPECT_CONTAINS(create_error("[strategy]\naccelerator = \"tpu\"\n"),
+                  "[strategy] accelerator = \"tpu\" is not valid (did you mean 'cpu'?); valid: auto, cpu, cuda");
+}
+
+using tessera::host::LRSchedule;
+using tessera::host::ScheduleSettings;
+
+TEST(LRSchedule, LinearWarmupThenCosineToMinLr) {
+  ScheduleSettings s;
+  s.warmup_steps = 4;
+  s.min_lr = 0.1;
+  LRSchedule schedule(s, 1.0, 14);
+  EXPECT_DOUBLE_EQ(schedule.lr(0), 0.25);
+  EXPECT_DOUBLE_EQ(schedule.lr(3), 1.0);
+  EXPECT_DOUBLE_EQ(schedule.lr(4), 1.0);  // the cosine starts at lr
+  EXPECT_NEAR(schedule.lr(9), 0.1 + 0.45, 1e-12);  // half way: (lr + min_lr) / 2
+  EXPECT_NEAR(schedule.lr(14), 0.1, 1e-12);
+  EXPECT_NEAR(schedule.lr(100), 0.1, 1e-12);  // past the end it stays at min_lr
+  for (std::int64_t step = 4; step < 14; ++step) EXPECT_GT(schedule.lr(step), schedule.lr(step + 1)) << step;
+}
+
+TEST(LRSchedule, ConstantAndNoWarmup) {
+  ScheduleSettings s;
+  s.schedule = "constant";
+  LRSchedule constant(s, 0.5, 10);
+  for (std::int64_t step : {0, 5, 9}) EXPECT_DOUBLE_EQ(constant.lr(step), 0.5);
+  ScheduleSettings c;
+  LRSchedule cosine(c, 0.5, 10);
+  EXPECT_DOUBLE_EQ(cosine.lr(0), 0.5);
+  EXPECT_NEAR(cosine.lr(5), 0.25, 1e-12);
+}
+
+TEST(LRSchedule, StateDictHasLambdaLRKeysAndComparesAfterAReload) {
+  ScheduleSettings s;
+  s.warmup_steps = 2;
+  LRSchedule schedule(s, 0.01, 8);
+  auto state = schedule.state_dict(3);
+  EXPECT_EQ(state.at("last_epoch").toInt(), 3);
+  EXPECT_DOUBLE_EQ(state.at("base_lrs").toDoubleList().get(0), 0.01);
+  EXPECT_DOUBLE_EQ(state.at("_last_lr").toDoubleList().get(0), schedule.lr(2));
+  // Through a pickle, as in a checkpoint file.
+  std::string path = write_toml("");
+  tessera::core::save_pickle(state, path + ".pkl");
+  auto loaded = tessera::core::checkpoint_dict(tessera::core::load_pickle(path + ".pkl"), "schedule");
+  EXPECT_EQ(schedule.compare(loaded, 3, "ckpt"), "");
+  EXPECT_THROW(schedule.compare(loaded, 4, "ckpt"), tessera::sdk::Error);
+  LRSchedule longer(s, 0.01, 16);
+  EXPECT_CONTAINS(longer.compare(loaded, 3, "ckpt"), "total_steps 8 -> 16");
+}
+
+}  // namespace
