@@ -65,6 +65,36 @@ void check_resume(const std::string& name, const std::string& first_sets, const 
 
 TEST(Resume, SingleDeviceResumesExactly) { check_resume("resume-single", "", "", 1e-6); }
 
+TEST(Resume, AcrossAnEpochEndWithAccumulationClippingAndValidation) {
+  // A corpus of ~35 training windows: 8 batches of 4 = 4 optimizer steps per epoch with
+  // accumulate_grad_batches = 2, so step=4.ckpt is written at the end of epoch 0, before
+  // its validation; the resumed run must validate, reshuffle for epoch 1 and go on alike.
+  std::string corpus = tessera::testing::fresh_dir("resume-epoch-corpus") + "/corpus.txt";
+  {
+    std::ofstream out(corpus);
+    for (int i = 0; out.tellp() < 1200; ++i) out << "line " << i << ": the quick brown fox jumps over the lazy dog\n";
+  }
+  const std::string sets = "--set data.path=" + corpus + " --set trainer.max_steps=10 --set trainer.max_epochs=5" +
+                           " --set trainer.accumulate_grad_batches=2 --set trainer.gradient_clip_val=0.5" +
+                           " --set trainer.val_check_interval=0";
+  std::string full = tessera::testing::fresh_dir("resume-epoch-full");
+  auto a = run_tessera("fit --config " + write_config(full) + " " + sets);
+  ASSERT_EQ(a.exit_code, 0) << a.output;
+  ASSERT_NE(a.output.find("validation after epoch 1"), std::string::npos) << "expected several epochs\n" << a.output;
+  std::string part = tessera::testing::fresh_dir("resume-epoch-part");
+  auto b = run_tessera("fit --config " + write_config(part) + " " + sets, "TESSERA_FAULT_INJECT=rank=0,step=6,kind=kill");
+  ASSERT_NE(b.exit_code, 0) << b.output;
+  auto c = run_tessera("fit --config " + part + "/run.toml --ckpt-path " + part + "/checkpoints/step=4.ckpt " + sets);
+  ASSERT_EQ(c.exit_code, 0) << c.output;
+  expect_losses_equal(metric_series(full + "/metrics.csv", "train", "train_loss"),
+                      metric_series(part + "/metrics.csv", "train", "train_loss"), 1, 10, 1e-6);
+  auto val_full = metric_series(full + "/metrics.csv", "val", "val_loss");
+  auto val_part = metric_series(part + "/metrics.csv", "val", "val_loss");
+  ASSERT_FALSE(val_full.empty());
+  EXPECT_EQ(val_full.size(), val_part.size());
+  for (const auto& [step, loss] : val_full) EXPECT_NEAR(val_part[step], loss, 1e-6) << "validation at step " << step;
+}
+
 TEST(Resume, FSDPTwoRanksResumesExactly) {
   check_resume("resume-fsdp", "--set launch.devices=2 --set strategy.plugin=fsdp --set data.batch_size=2",
                "--set launch.devices=2 --set strategy.plugin=fsdp --set data.batch_size=2", 1e-5);
@@ -96,7 +126,7 @@ TEST(Checkpoint, HasTheDocumentedKeysAndFullShapes) {
   ASSERT_TRUE(fs::exists(dir + "/checkpoints/step=4.ckpt"));
   auto checkpoint = tessera::core::checkpoint_dict(tessera::core::load_pickle(dir + "/checkpoints/last.ckpt"), "last");
   for (const char* key : {"state_dict", "optimizer_states", "precision_plugin", "global_step", "epoch",
-                          "batch_in_epoch", "rng_state", "hyper_parameters", "tessera_version"})
+                          "batch_in_epoch", "lr_schedulers", "rng_state", "hyper_parameters", "tessera_version"})
     EXPECT_TRUE(checkpoint.contains(key)) << key;
   EXPECT_EQ(checkpoint.at("global_step").toInt(), 8);
   auto state = tessera::testing::checkpoint_state(dir + "/checkpoints/last.ckpt");

@@ -2,8 +2,11 @@
 /// Walks an sdk::Dataset in batches with PyTorch's DistributedSampler semantics: a shuffle
 /// seeded by seed + epoch, padded by repeating its head (or truncated with drop_last) to a
 /// multiple of the number of replicas, and rank r taking positions r, r + N, r + 2N, ...
-/// Batch i of N ranks with batch size B therefore covers exactly the samples that batch i
-/// of one device with batch size B * N covers: the property parity tests rely on.
+/// Batch i of rank r holds positions r + N * (i * B + j), j < B, of the padded order, so
+/// batch i of N ranks with batch size B together cover exactly positions [i*B*N, (i+1)*B*N):
+/// the samples batch i of one device with batch size B * N covers (same seed and epoch),
+/// the property parity tests rely on. With drop_last (the trainer's fit loop) this holds for
+/// every batch; without it the padded final partial batch may differ.
 #include <memory>
 #include <vector>
 
