@@ -238,6 +238,77 @@ TEST(Failures, AHungRankBecomesACollectiveTimeoutReport) {
   EXPECT_NE(std::system(("pgrep -f '" + dir + "/run[.]toml' >/dev/null").c_str()), 0) << "a rank outlived the job";
 }
 
+TEST(Cli, HelpUsageAndBadArguments) {
+  auto help = run_tessera("--help");
+  EXPECT_EQ(help.exit_code, 0);
+  EXPECT_NE(help.output.find("tessera fit|validate|test|predict --config FILE.toml"), std::string::npos) << help.output;
+  auto none = run_tessera("");
+  EXPECT_EQ(none.exit_code, 2);
+  EXPECT_NE(none.output.find("no command given"), std::string::npos) << none.output;
+  auto typo = run_tessera("fitt --config x.toml");
+  EXPECT_EQ(typo.exit_code, 2);
+  EXPECT_NE(typo.output.find("unknown command 'fitt' (did you mean 'fit'?)"), std::string::npos) << typo.output;
+  auto no_config = run_tessera("fit");
+  EXPECT_NE(no_config.output.find("fit needs --config FILE.toml"), std::string::npos) << no_config.output;
+  auto missing = run_tessera("fit --config /nonexistent/run.toml");
+  EXPECT_EQ(missing.exit_code, 1);
+  EXPECT_NE(missing.output.find("config file /nonexistent/run.toml does not exist"), std::string::npos)
+      << missing.output;
+}
+
+TEST(Trainer, ProgressBarLogLinesAndMetricsCsv) {
+  std::string dir = tessera::testing::fresh_dir("progress");
+  auto bar = run_tessera("fit --config " + write_config(dir) +
+                         " --set trainer.max_steps=3 --set trainer.enable_progress_bar=true --set trainer.save_last=false");
+  ASSERT_EQ(bar.exit_code, 0) << bar.output;
+  EXPECT_NE(bar.output.find("\r\033[Kstep 3/3  loss "), std::string::npos) << bar.output;
+  EXPECT_NE(bar.output.find(" tokens/s"), std::string::npos) << bar.output;
+  EXPECT_FALSE(fs::exists(dir + "/checkpoints/last.ckpt"));
+  std::string plain_dir = tessera::testing::fresh_dir("plain");
+  auto plain = run_tessera("fit --config " + write_config(plain_dir) + " --set trainer.max_steps=3");
+  ASSERT_EQ(plain.exit_code, 0) << plain.output;
+  EXPECT_EQ(plain.output.find("\r"), std::string::npos) << "no bar when enable_progress_bar = false";
+  EXPECT_NE(plain.output.find("epoch 0 step 3/3  loss "), std::string::npos) << plain.output;
+  std::ifstream csv(plain_dir + "/metrics.csv");
+  std::string header;
+  std::getline(csv, header);
+  EXPECT_EQ(header, "step,epoch,stage,metric,value");
+  EXPECT_EQ(metric_series(plain_dir + "/metrics.csv", "train", "train_loss").size(), 3u);
+  auto lr = metric_series(plain_dir + "/metrics.csv", "train", "lr");
+  ASSERT_EQ(lr.size(), 3u);
+  EXPECT_NEAR(lr.at(1), 0.0015, 1e-12);  // warmup_steps = 2: lr / 2, then lr
+  EXPECT_NEAR(lr.at(2), 0.003, 1e-12);
+  EXPECT_GT(metric_series(plain_dir + "/metrics.csv", "train", "tokens_per_s").at(3), 0.0);
+  EXPECT_TRUE(fs::exists(plain_dir + "/logs/rank-0.log"));
+}
+
+TEST(Trainer, GradientAccumulationEqualsTheLargerBatch) {
+  // No dropout: accumulate 2 x batch 2 sees exactly the samples of batch 4, in one step.
+  std::string a_dir = tessera::testing::fresh_dir("accumulate");
+  auto a = run_tessera("fit --config " + write_config(a_dir) +
+                       " --set model.dropout=0.0 --set trainer.max_steps=4 --set data.batch_size=2"
+                       " --set trainer.accumulate_grad_batches=2 --set trainer.gradient_clip_val=0.5");
+  ASSERT_EQ(a.exit_code, 0) << a.output;
+  std::string b_dir = tessera::testing::fresh_dir("big-batch");
+  auto b = run_tessera("fit --config " + write_config(b_dir) +
+                       " --set model.dropout=0.0 --set trainer.max_steps=4 --set trainer.gradient_clip_val=0.5");
+  ASSERT_EQ(b.exit_code, 0) << b.output;
+  expect_losses_equal(metric_series(a_dir + "/metrics.csv", "train", "train_loss"),
+                      metric_series(b_dir + "/metrics.csv", "train", "train_loss"), 1, 4, 1e-5);
+}
+
+TEST(Trainer, ValidateAndTestPrintMetricsFromACheckpoint) {
+  std::string dir = tessera::testing::fresh_dir("validate");
+  ASSERT_EQ(run_tessera("fit --config " + write_config(dir) + " --set trainer.max_steps=2").exit_code, 0);
+  for (const char* stage : {"validate", "test"}) {
+    auto r = run_tessera(std::string(stage) + " --config " + dir + "/run.toml --ckpt-path last " +
+                         "--set trainer.limit_val_batches=2 --set trainer.limit_test_batches=2");
+    ASSERT_EQ(r.exit_code, 0) << r.output;
+    std::string prefix = std::string(stage) == "validate" ? "val_loss " : "test_loss ";
+    EXPECT_NE(r.output.find(std::string(stage) + ":  " + prefix), std::string::npos) << r.output;
+  }
+}
+
 TEST(Cli, PluginsListsEveryShippedPlugin) {
   auto r = run_tessera("plugins");
   ASSERT_EQ(r.exit_code, 0) << r.output;
