@@ -59,6 +59,13 @@ Config Config::load(const std::string& path, const std::vector<std::string>& ove
     if (name == "plugin_dirs") continue;
     bool known = std::find(sections.begin(), sections.end(), name) != sections.end();
     std::string where = path + (node.source().begin.line ? ":" + std::to_string(node.source().begin.line) : "");
+    if (!known && !node.is_table()) {
+      std::vector<std::string> candidates = sections;
+      candidates.push_back("plugin_dirs");
+      TESSERA_FAIL(where, ": unknown top-level key ", name, sdk::did_you_mean(name, candidates),
+                   "; the only top-level key is plugin_dirs, every other key belongs in a section (",
+                   sdk::join(sections), ")");
+    }
     TESSERA_CHECK(known, where, ": unknown section [", name, "]", sdk::did_you_mean(name, sections),
                   "; valid sections: ", sdk::join(sections), ", and the key plugin_dirs");
     TESSERA_CHECK(node.is_table(), where, ": ", name, " must be a table ([", name, "])");

@@ -188,6 +188,12 @@ TEST(Config, UnknownSectionSuggestsTheClosest) {
   EXPECT_CONTAINS(e, "valid sections: trainer, optimizer, lr_scheduler, launch, strategy, precision");
 }
 
+TEST(Config, TopLevelKeysOtherThanPluginDirsAreErrors) {
+  std::string e = load_error("plugin_dir = [\"/x\"]\n");
+  EXPECT_CONTAINS(e, ":1: unknown top-level key plugin_dir (did you mean 'plugin_dirs'?)");
+  EXPECT_CONTAINS(load_error("seed = 3\n[trainer]\n"), "every other key belongs in a section");
+}
+
 TEST(Config, SectionMustBeATable) {
   EXPECT_CONTAINS(load_error("trainer = 3\n"), "trainer must be a table ([trainer])");
 }
