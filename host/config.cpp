@@ -1,5 +1,6 @@
 #include "config.hpp"
 
+#include <algorithm>
 #include <cmath>
 #include <filesystem>
 #include <sstream>
@@ -13,6 +14,17 @@ namespace {
 const std::map<std::string, std::string> kDefaultPlugins = {
     {"strategy", "single_device"}, {"precision", "precision"}, {"checkpoint_io", "torch"}, {"model", "gpt"},
     {"data", "text"}};
+
+BatchLimit read_limit(const sdk::Options& options, const std::string& key, BatchLimit fallback) {
+  const toml::node* node = options.table().get(key);
+  options.mark_used(key);
+  if (node == nullptr) return fallback;
+  if (node->is_integer()) return {false, static_cast<double>(options.get_int(key, 0, 0))};
+  if (node->is_floating_point()) return {true, options.get_double(key, 1.0, 0.0, 1.0)};
+  TESSERA_FAIL(options.locate(key), " must be an integer (a number of batches, 0 skips the loop) or a float in ",
+               "[0.0, 1.0] (a fraction of the batches), found ",
+               toml::impl::node_type_friendly_names[static_cast<int>(node->type())]);
+}
 
 void apply_override(toml::table& root, const std::string& assignment) {
   auto eq = assignment.find('=');
@@ -39,6 +51,12 @@ void apply_override(toml::table& root, const std::string& assignment) {
 }
 
 }  // namespace
+
+std::int64_t BatchLimit::of(std::int64_t num_batches) const {
+  if (!fraction) return std::min(num_batches, static_cast<std::int64_t>(value));
+  auto count = static_cast<std::int64_t>(std::floor(static_cast<double>(num_batches) * value));
+  return value > 0 ? std::clamp<std::int64_t>(count, std::min<std::int64_t>(1, num_batches), num_batches) : 0;
+}
 
 Config Config::load(const std::string& path, const std::vector<std::string>& overrides) {
   Config config;
@@ -89,9 +107,9 @@ Config Config::load(const std::string& path, const std::vector<std::string>& ove
   t.get_choice("gradient_clip_algorithm", "norm", {"norm"});
   tr.norm_type = t.get_double("norm_type", 2.0, 1e-6, INFINITY);
   tr.val_check_interval = t.get_int("val_check_interval", 0, 0);
-  tr.limit_val_batches = t.get_int("limit_val_batches", 0, 0);
-  tr.limit_test_batches = t.get_int("limit_test_batches", 0, 0);
-  tr.limit_predict_batches = t.get_int("limit_predict_batches", 1, 0);
+  tr.limit_val_batches = read_limit(t, "limit_val_batches", tr.limit_val_batches);
+  tr.limit_test_batches = read_limit(t, "limit_test_batches", tr.limit_test_batches);
+  tr.limit_predict_batches = read_limit(t, "limit_predict_batches", tr.limit_predict_batches);
   tr.log_every_n_steps = t.get_int("log_every_n_steps", 10, 1);
   tr.seed = t.get_int("seed", 0, 0);
   tr.default_root_dir = t.get_string("default_root_dir", tr.default_root_dir);

@@ -10,6 +10,15 @@
 
 namespace tessera::host {
 
+/// Lightning's limit_{val,test,predict}_batches: an integer is a number of batches (0 skips
+/// the loop), a float in [0.0, 1.0] a fraction of them.
+struct BatchLimit {
+  bool fraction = true;
+  double value = 1.0;
+  /// How many of `num_batches` to run (a non-zero fraction runs at least one).
+  std::int64_t of(std::int64_t num_batches) const;
+};
+
 struct TrainerSettings {
   std::int64_t max_steps = -1;
   std::int64_t max_epochs = 1;
@@ -17,9 +26,9 @@ struct TrainerSettings {
   double gradient_clip_val = 0.0;
   double norm_type = 2.0;
   std::int64_t val_check_interval = 0;  ///< steps between validations; 0 = end of each epoch
-  std::int64_t limit_val_batches = 0;   ///< 0 = all
-  std::int64_t limit_test_batches = 0;
-  std::int64_t limit_predict_batches = 1;
+  BatchLimit limit_val_batches;                    ///< all
+  BatchLimit limit_test_batches;                   ///< all
+  BatchLimit limit_predict_batches{false, 1.0};   ///< one batch: a sample, not the whole set
   std::int64_t log_every_n_steps = 10;
   std::int64_t seed = 0;
   std::string default_root_dir = "tessera_logs";

@@ -173,14 +173,15 @@ void Trainer::maybe_inject_fault(std::int64_t step) const {
   std::_Exit(3);
 }
 
-std::map<std::string, double> Trainer::evaluate(const std::string& stage, std::int64_t limit) {
+std::map<std::string, double> Trainer::evaluate(const std::string& stage, const BatchLimit& limit) {
   std::shared_ptr<sdk::Dataset> dataset = stage == "test" ? data_->test_dataset() : data_->val_dataset();
   if (!dataset || dataset->size() == 0) return {};
   sdk::DataLoaderSpec spec;
   spec.batch_size = config_.data.batch_size;
   spec.seed = config_.trainer.seed;
   core::DataLoader loader(dataset, strategy_->process_dataloader(spec));
-  std::int64_t batches = limit > 0 ? std::min(limit, loader.num_batches()) : loader.num_batches();
+  const std::int64_t batches = limit.of(loader.num_batches());
+  if (batches == 0) return {};
   auto network = model_->network();
   network->train(false);
   std::map<std::string, double> sums;
@@ -312,7 +313,7 @@ void Trainer::fit(const std::string& ckpt_path) {
   if (t.save_last) save(t.default_root_dir + "/checkpoints/last.ckpt");
   if (t.predict_after_fit) {
     log_.info("sample from the trained model:");
-    predict_batches(1);
+    predict_batches(BatchLimit{false, 1.0});
   }
 }
 
@@ -342,13 +343,13 @@ void Trainer::predict(const std::string& ckpt_path) {
   predict_batches(config_.trainer.limit_predict_batches);
 }
 
-void Trainer::predict_batches(std::int64_t limit) {
+void Trainer::predict_batches(const BatchLimit& limit) {
   std::shared_ptr<sdk::Dataset> dataset = data_->predict_dataset();
   TESSERA_CHECK(dataset != nullptr, "data plugin '", config_.plugin_names.at("data"), "' has nothing to predict");
   sdk::DataLoaderSpec spec;
   spec.batch_size = config_.data.batch_size;
   core::DataLoader loader(dataset, strategy_->process_dataloader(spec));
-  std::int64_t batches = limit > 0 ? std::min(limit, loader.num_batches()) : loader.num_batches();
+  const std::int64_t batches = limit.of(loader.num_batches());
   model_->network()->train(false);
   at::manual_seed(static_cast<std::uint64_t>(config_.trainer.seed));
   for (std::int64_t i = 0; i < batches; ++i) {

@@ -32,11 +32,11 @@ class Trainer {
   std::string resolve_checkpoint(const std::string& ckpt_path) const;
   void restore(const std::string& path, bool with_training_state);
   void save(const std::string& path);
-  /// Runs the loop of `stage` ("val" or "test") over at most `limit` batches; returns the
+  /// Runs the loop of `stage` ("val" or "test") over `limit` of its batches; returns the
   /// metrics averaged over batches and ranks.
-  std::map<std::string, double> evaluate(const std::string& stage, std::int64_t limit);
-  /// Runs predict_step over at most `limit` batches (0 = all) and prints the results.
-  void predict_batches(std::int64_t limit);
+  std::map<std::string, double> evaluate(const std::string& stage, const BatchLimit& limit);
+  /// Runs predict_step over `limit` of the predict batches and prints the results.
+  void predict_batches(const BatchLimit& limit);
   void maybe_inject_fault(std::int64_t step) const;
 
   Config config_;

@@ -83,7 +83,8 @@ shuffle = false
   EXPECT_EQ(c.trainer.accumulate_grad_batches, 2);
   EXPECT_DOUBLE_EQ(c.trainer.gradient_clip_val, 1.5);
   EXPECT_EQ(c.trainer.val_check_interval, 5);
-  EXPECT_EQ(c.trainer.limit_val_batches, 3);
+  EXPECT_FALSE(c.trainer.limit_val_batches.fraction);
+  EXPECT_EQ(c.trainer.limit_val_batches.of(10), 3);
   EXPECT_EQ(c.trainer.seed, 7);
   EXPECT_EQ(c.trainer.default_root_dir, "runs/x");
   EXPECT_EQ(c.trainer.checkpoint_every_n_steps, 10);
@@ -192,6 +193,24 @@ TEST(Config, TopLevelKeysOtherThanPluginDirsAreErrors) {
   std::string e = load_error("plugin_dir = [\"/x\"]\n");
   EXPECT_CONTAINS(e, ":1: unknown top-level key plugin_dir (did you mean 'plugin_dirs'?)");
   EXPECT_CONTAINS(load_error("seed = 3\n[trainer]\n"), "every other key belongs in a section");
+}
+
+TEST(Config, BatchLimitsFollowLightning) {
+  Config c = Config::load(
+      write_toml("[trainer]\nlimit_val_batches = 0.25\nlimit_test_batches = 0\nlimit_predict_batches = 1.0\n"), {});
+  EXPECT_EQ(c.trainer.limit_val_batches.of(10), 2);  // a fraction, rounded down
+  EXPECT_EQ(c.trainer.limit_val_batches.of(3), 1);   // ... but at least one batch
+  EXPECT_EQ(c.trainer.limit_test_batches.of(10), 0);  // 0 skips the loop
+  EXPECT_EQ(c.trainer.limit_predict_batches.of(7), 7);
+  Config d = Config::load(write_toml(""), {});
+  EXPECT_EQ(d.trainer.limit_val_batches.of(9), 9);  // default: all
+  EXPECT_EQ(d.trainer.limit_predict_batches.of(9), 1);
+  EXPECT_EQ(d.trainer.limit_val_batches.of(0), 0);
+  EXPECT_CONTAINS(load_error("[trainer]\nlimit_val_batches = 1.5\n"), "limit_val_batches = 1.5 is out of range [0, 1]");
+  EXPECT_CONTAINS(load_error("[trainer]\nlimit_val_batches = -1\n"), "limit_val_batches = -1 is out of range [0, ");
+  EXPECT_CONTAINS(load_error("[trainer]\nlimit_test_batches = \"all\"\n"),
+                  ":2: [trainer] limit_test_batches must be an integer (a number of batches, 0 skips the loop) or a "
+                  "float in [0.0, 1.0] (a fraction of the batches), found string");
 }
 
 TEST(Config, SectionMustBeATable) {
