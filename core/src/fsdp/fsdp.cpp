@@ -4,6 +4,7 @@
 #include <cmath>
 #include <functional>
 #include <map>
+#include <mutex>
 #include <set>
 #include <unordered_map>
 
@@ -19,10 +20,19 @@
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/function_hook.h>
 #include <torch/csrc/autograd/variable.h>
+#include <ATen/CPUGeneratorImpl.h>
+#include <c10/core/CPUAllocator.h>
+#include <torch/nn/modules/batchnorm.h>
+#include <torch/nn/modules/conv.h>
+#include <torch/nn/modules/embedding.h>
+#include <torch/nn/modules/linear.h>
+#include <torch/nn/modules/normalization.h>
 
 #include "tessera/core/checkpoint.hpp"
 #include "tessera/sdk/error.hpp"
 #include "tessera/sdk/unit.hpp"
+
+#include <torch/csrc/jit/serialization/pickle.h>
 
 namespace tessera::core::fsdp {
 
@@ -49,6 +59,10 @@ struct FlatParamUnit {
 };
 
 namespace {
+
+bool in_arena(const at::Tensor& t);
+void release_arena();
+void restore_arena_rng();
 
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
@@ -79,10 +93,11 @@ struct PreBackward : public torch::autograd::Function<PreBackward> {
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     auto* engine = reinterpret_cast<ShardedModule*>(ctx->saved_data["engine"].toInt());
     auto* unit = reinterpret_cast<FlatParamUnit*>(ctx->saved_data["unit"].toInt());
-    engine->unshard(*unit, "backward");
+    engine->unshard(*unit, ShardedModule::Phase::backward);
     engine->attach_gradients(*unit);
     if (engine->options().backward_prefetch == BackwardPrefetch::BACKWARD_PRE)
-      if (FlatParamUnit* previous = engine->previous_unit(*unit)) engine->unshard(*previous, "prefetch");
+      if (FlatParamUnit* previous = engine->previous_unit(*unit))
+        engine->unshard(*previous, ShardedModule::Phase::prefetch_backward);
     return {grads[0], at::Tensor(), at::Tensor()};
   }
 };
@@ -103,7 +118,7 @@ struct Recompute : public torch::autograd::Function<Recompute> {
     auto* engine = reinterpret_cast<ShardedModule*>(ctx->saved_data["engine"].toInt());
     auto* unit = reinterpret_cast<FlatParamUnit*>(ctx->saved_data["unit"].toInt());
     auto* forward = reinterpret_cast<sdk::UnitForward*>(ctx->saved_data["forward"].toInt());
-    engine->unshard(*unit, "backward");
+    engine->unshard(*unit, ShardedModule::Phase::backward);
     engine->attach_gradients(*unit);
     at::Tensor input = ctx->get_saved_variables()[0].detach().requires_grad_(true);
     at::Tensor output;
@@ -135,9 +150,9 @@ class UnitRunnerImpl final : public sdk::UnitRunner {
   UnitRunnerImpl(ShardedModule* engine, FlatParamUnit* unit) : engine_(engine), unit_(unit) {}
   // The forward callable must outlive the autograd graph when the unit recomputes.
   at::Tensor run(torch::nn::Module&, const sdk::UnitForward& forward, const at::Tensor& input) override {
-    engine_->unshard(*unit_, "forward");
+    engine_->unshard(*unit_, ShardedModule::Phase::forward);
     if (engine_->options().forward_prefetch)
-      if (FlatParamUnit* next = engine_->next_unit(*unit_)) engine_->unshard(*next, "prefetch");
+      if (FlatParamUnit* next = engine_->next_unit(*unit_)) engine_->unshard(*next, ShardedModule::Phase::prefetch_forward);
     const bool grad = at::GradMode::is_enabled();
     at::Tensor output;
     if (grad && unit_->checkpointed && input.requires_grad()) {
@@ -183,9 +198,24 @@ ShardedModule::ShardedModule(std::shared_ptr<torch::nn::Module> network, const F
     : network_(std::move(network)), options_(options), shard_group_(std::move(shard_group)),
       replicate_group_(std::move(replicate_group)) {
   for (const auto& p : network_->parameters()) device_ = p.device();
-  plan_units();
-  check_plan();
+  try {
+    plan_units();
+    check_plan();
+  } catch (...) {
+    for (const auto& item : network_->named_modules()) sdk::set_unit_runner(*item.value(), nullptr);
+    throw;
+  }
+  TESSERA_CHECK(!options_.deferred_init || ignored_params_.empty(), "[strategy] ignored_modules cannot be combined ",
+                "with deferred_init = true: ignored parameters are not sharded, so they would be built whole anyway");
+  if (options_.deferred_init) restore_arena_rng();
   for (auto& unit : units_) flatten(*unit);
+  if (options_.deferred_init) {
+    for (const auto& item : network_->named_buffers())
+      TESSERA_CHECK(!in_arena(item.value()), "deferred init: buffer '", item.key(),
+                    "' belongs to no module tessera can re-initialise, and the values computed for it at construction ",
+                    "were not kept; set [strategy] deferred_init = false for this model");
+    release_arena();
+  }
 }
 
 ShardedModule::~ShardedModule() {
@@ -196,15 +226,60 @@ at::TensorOptions ShardedModule::fp32() const {
   return at::TensorOptions().dtype(at::kFloat).device(device_);
 }
 
+void ShardedModule::find_ignored() {
+  if (options_.ignored_modules.empty()) return;
+  std::set<std::string> matched;
+  std::vector<std::string> paths;
+  for (const auto& item : network_->named_modules("", /*include_self=*/false)) {
+    paths.push_back(item.key());
+    const auto& wanted = options_.ignored_modules;
+    for (const std::string& key : {item.key(), item.value()->name()})
+      if (std::find(wanted.begin(), wanted.end(), key) != wanted.end()) {
+        matched.insert(key);
+        for (const auto& p : item.value()->parameters()) ignored_impls_.insert(p.unsafeGetTensorImpl());
+      }
+  }
+  for (const auto& name : options_.ignored_modules)
+    TESSERA_CHECK(matched.count(name), "[strategy] ignored_modules names '", name,
+                  "', which is neither a module path nor a module class of this model", sdk::did_you_mean(name, paths),
+                  "; module paths: [", sdk::join(paths), "]");
+  std::unordered_map<const void*, std::size_t> index;
+  for (const auto& item : network_->named_parameters()) {
+    const void* impl = item.value().unsafeGetTensorImpl();
+    if (!ignored_impls_.count(impl)) continue;
+    auto it = index.find(impl);
+    if (it != index.end()) {
+      ignored_names_[it->second].push_back(item.key());
+      continue;
+    }
+    index[impl] = ignored_params_.size();
+    ignored_params_.push_back(item.value());
+    ignored_names_.push_back({item.key()});
+  }
+}
+
 void ShardedModule::plan_units() {
+  find_ignored();
   const auto& classes = options_.unit_classes;
+  auto is_ignored = [&](const std::string& path, const torch::nn::Module& m) {
+    const auto& wanted = options_.ignored_modules;
+    return std::find(wanted.begin(), wanted.end(), path) != wanted.end() ||
+           std::find(wanted.begin(), wanted.end(), m.name()) != wanted.end();
+  };
   std::vector<std::pair<std::string, std::shared_ptr<torch::nn::Module>>> chosen;
+  std::vector<std::string> skipped;  // ignored modules: no unit inside them
   if (options_.auto_wrap_policy != "none") {
     for (const auto& item : network_->named_modules("", /*include_self=*/false)) {
       const std::string& name = item.key();
-      bool inside = std::any_of(chosen.begin(), chosen.end(),
-                                [&](const auto& c) { return name.rfind(c.first + ".", 0) == 0; });
-      if (inside || std::find(classes.begin(), classes.end(), item.value()->name()) == classes.end()) continue;
+      auto under = [&](const std::string& prefix) { return name.rfind(prefix + ".", 0) == 0; };
+      bool inside = std::any_of(chosen.begin(), chosen.end(), [&](const auto& c) { return under(c.first); }) ||
+                    std::any_of(skipped.begin(), skipped.end(), under);
+      if (inside) continue;
+      if (is_ignored(name, *item.value())) {
+        skipped.push_back(name);
+        continue;
+      }
+      if (std::find(classes.begin(), classes.end(), item.value()->name()) == classes.end()) continue;
       std::int64_t count = 0;
       for (const auto& p : item.value()->parameters()) count += p.numel();
       if (options_.auto_wrap_policy == "size" && count < options_.min_num_params) continue;
@@ -212,7 +287,8 @@ void ShardedModule::plan_units() {
     }
   }
   // A parameter used by several units (tied weights) goes to the root, which stays gathered
-  // for the whole step: every user sees it (PyTorch requires tied users in one unit).
+  // from the start of forward to the end of backward: every user sees it. PyTorch requires
+  // tied users in one unit (pytorch/pytorch#77724); here they may sit anywhere.
   std::unordered_map<const void*, int> owners;
   for (const auto& [name, module] : chosen) {
     std::set<const void*> seen;
@@ -221,9 +297,11 @@ void ShardedModule::plan_units() {
   }
   std::unordered_map<const void*, std::pair<FlatParamUnit*, std::size_t>> placed;
   auto add = [&](FlatParamUnit& unit, const std::string& name, const at::Tensor& p) {
+    if (ignored_impls_.count(p.unsafeGetTensorImpl())) return;
     auto it = placed.find(p.unsafeGetTensorImpl());
-    if (it != placed.end()) {  // another name of a parameter already placed
-      it->second.first->names[it->second.second].push_back(name);
+    if (it != placed.end()) {  // another name of a parameter already placed (or the same again)
+      auto& names = it->second.first->names[it->second.second];
+      if (std::find(names.begin(), names.end(), name) == names.end()) names.push_back(name);
       return;
     }
     placed[p.unsafeGetTensorImpl()] = {&unit, unit.params.size()};
@@ -241,6 +319,7 @@ void ShardedModule::plan_units() {
     sdk::set_unit_runner(*module, nullptr);
     units_.push_back(std::move(unit));
   }
+  unit_modules_ = chosen;
   auto root = std::make_unique<FlatParamUnit>();
   root->is_root = true;
   root->name = "<root>";
@@ -266,47 +345,212 @@ std::string ShardedModule::plan() const {
     for (const auto& p : u->params) n += p.numel();
     out += u->name + ":" + std::to_string(n) + ";";
   }
+  for (const auto& names : ignored_names_) out += "ignored " + names[0] + ";";
   return out;
 }
 
+namespace {
+// FNV-1a: the same on every rank and build (std::hash need not be).
+std::int64_t stable_hash(const std::string& text) {
+  std::uint64_t h = 1469598103934665603ull;
+  for (unsigned char c : text) h = (h ^ c) * 1099511628211ull;
+  return static_cast<std::int64_t>(h >> 1);
+}
+}  // namespace
+
+void ShardedModule::check_plan_over(Communicator& group, const std::vector<std::string>& entries) {
+  if (group.size() == 1) return;
+  const auto opts = fp32().dtype(at::kLong);
+  std::string all_text;
+  for (const auto& e : entries) all_text += e + ";";
+  at::Tensor mine = at::tensor({static_cast<std::int64_t>(entries.size()), stable_hash(all_text)}, opts.device(at::kCPU))
+                        .to(device_);
+  at::Tensor all = at::empty({2 * group.size()}, opts);
+  group.all_gather(all, mine, "FSDP unit plan check")->wait();
+  all = all.cpu().view({group.size(), 2});
+  std::int64_t most = 0;
+  bool same = true;
+  for (std::int64_t r = 0; r < group.size(); ++r) {
+    most = std::max(most, all[r][0].item<std::int64_t>());
+    same = same && all[r][1].item<std::int64_t>() == all[0][1].item<std::int64_t>();
+  }
+  if (same) return;
+  // Every rank saw the mismatch, so every rank joins this second gather: per-unit hashes.
+  at::Tensor each = at::zeros({most}, opts.device(at::kCPU));
+  for (std::size_t i = 0; i < entries.size(); ++i) each[static_cast<std::int64_t>(i)] = stable_hash(entries[i]);
+  at::Tensor every = at::empty({most * group.size()}, opts);
+  group.all_gather(every, each.to(device_), "FSDP unit plan comparison")->wait();
+  every = every.cpu().view({group.size(), most});
+  for (std::int64_t i = 0; i < most; ++i)
+    for (std::int64_t r = 0; r < group.size(); ++r) {
+      if (every[r][i].item<std::int64_t>() == (i < static_cast<std::int64_t>(entries.size()) ? each[i].item<std::int64_t>() : 0))
+        continue;
+      const std::string here = i < static_cast<std::int64_t>(entries.size()) ? "'" + entries[i] + "'" : "nothing";
+      TESSERA_FAIL("FSDP: the ranks planned different units; the first difference is unit #", i, ": this rank (",
+                   group.rank(), " of its group) has ", here, ", rank ", r, " of the group has ",
+                   every[r][i].item<std::int64_t>() == 0 ? "nothing" : "a different unit",
+                   "; every rank must build the same model with the same [strategy] settings (units as name:numel: ",
+                   all_text, ")");
+    }
+  TESSERA_FAIL("FSDP: the ranks planned different units (this rank: ", all_text, ")");
+}
+
 void ShardedModule::check_plan() {
-  // Ranks that planned different units would deadlock in mismatched collectives: compare first.
-  const std::string mine = plan();
-  at::Tensor hash = at::full({1}, static_cast<std::int64_t>(std::hash<std::string>{}(mine) & 0x7fffffffffff),
-                             fp32().dtype(at::kLong));
-  at::Tensor all = at::empty({shard_group_->size()}, fp32().dtype(at::kLong));
-  shard_group_->all_gather(all, hash, "FSDP unit plan check")->wait();
-  hash = hash.cpu();
-  all = all.cpu();
-  for (std::int64_t r = 0; r < shard_group_->size(); ++r)
-    TESSERA_CHECK(all[r].item<std::int64_t>() == hash[0].item<std::int64_t>(), "FSDP: rank ", shard_group_->rank(),
-                  " and rank ", r, " planned different units (this rank: ", mine,
-                  "); every rank must build the same model with the same [strategy] settings");
+  // Ranks that planned different units would deadlock in mismatched collectives: compare
+  // first. Shard groups x replicate groups cover the world, so equal in both = equal everywhere.
+  std::vector<std::string> entries;
+  for (const auto& u : units_) {
+    std::int64_t n = 0;
+    for (const auto& p : u->params) n += p.numel();
+    entries.push_back(u->name + ":" + std::to_string(n));
+  }
+  for (const auto& names : ignored_names_) entries.push_back("ignored " + names[0]);
+  check_plan_over(*shard_group_, entries);
+  check_plan_over(*replicate_group_, entries);
+}
+
+namespace {
+
+// Deferred init: while the guard lives, every CPU allocation is served from one scratch
+// block as large as the largest request so far (allocated through the previous allocator),
+// so a model's construction costs one tensor's memory; the values written are garbage until
+// ShardedModule re-points each unit's tensors at real memory and re-initialises them.
+void arena_noop(void*) {}
+
+class ArenaAllocator final : public c10::Allocator {
+ public:
+  c10::DataPtr allocate(std::size_t n) const override {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (n > capacity_ || blocks_.empty()) {
+      blocks_.push_back(previous_->allocate(std::max<std::size_t>(n, 64)));
+      capacity_ = std::max<std::size_t>(n, 64);
+    }
+    void* data = blocks_.back().get();
+    return {data, data, &arena_noop, c10::Device(c10::kCPU)};
+  }
+  c10::DeleterFnPtr raw_deleter() const override { return nullptr; }
+  void start() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    // Materialising replays the generator from here, so units initialised in construction
+    // order get exactly the values an eager build would.
+    rng_state_ = at::detail::getDefaultCPUGenerator().get_state();
+    previous_ = c10::GetCPUAllocator();
+    c10::SetCPUAllocator(this, /*priority=*/255);
+  }
+  void stop() {
+    c10::SetCPUAllocator(previous_, /*priority=*/255);
+  }
+  /// Frees the scratch blocks: only once no parameter or buffer points into them.
+  void release() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    blocks_.clear();
+    capacity_ = 0;
+  }
+  void restore_rng() {
+    at::Generator generator = at::detail::getDefaultCPUGenerator();
+    if (rng_state_.defined()) generator.set_state(rng_state_);
+  }
+
+ private:
+  mutable std::mutex mutex_;
+  mutable std::vector<c10::DataPtr> blocks_;
+  mutable std::size_t capacity_ = 0;
+  c10::Allocator* previous_ = nullptr;
+  at::Tensor rng_state_;
+};
+
+ArenaAllocator& arena() {
+  static ArenaAllocator instance;
+  return instance;
+}
+
+void release_arena() { arena().release(); }
+void restore_arena_rng() { arena().restore_rng(); }
+
+class DeferredInitGuard final : public sdk::Guard {
+ public:
+  DeferredInitGuard() { arena().start(); }
+  ~DeferredInitGuard() override { arena().stop(); }
+};
+
+bool in_arena(const at::Tensor& t) {
+  return t.defined() && t.has_storage() && t.device().is_cpu() && t.storage().data_ptr().get_deleter() == &arena_noop;
+}
+
+// LibTorch's own initialisers, the ones the modules ran in their constructors.
+bool reset_known_module(torch::nn::Module& m) {
+  if (auto* x = dynamic_cast<torch::nn::LinearImpl*>(&m)) return x->reset_parameters(), true;
+  if (auto* x = dynamic_cast<torch::nn::EmbeddingImpl*>(&m)) return x->reset_parameters(), true;
+  if (auto* x = dynamic_cast<torch::nn::LayerNormImpl*>(&m)) return x->reset_parameters(), true;
+  if (auto* x = dynamic_cast<torch::nn::Conv1dImpl*>(&m)) return x->reset_parameters(), true;
+  if (auto* x = dynamic_cast<torch::nn::Conv2dImpl*>(&m)) return x->reset_parameters(), true;
+  if (auto* x = dynamic_cast<torch::nn::Conv3dImpl*>(&m)) return x->reset_parameters(), true;
+  if (auto* x = dynamic_cast<torch::nn::BatchNorm1dImpl*>(&m)) return x->reset_parameters(), true;
+  if (auto* x = dynamic_cast<torch::nn::BatchNorm2dImpl*>(&m)) return x->reset_parameters(), true;
+  if (auto* x = dynamic_cast<torch::nn::BatchNorm3dImpl*>(&m)) return x->reset_parameters(), true;
+  return false;
+}
+
+}  // namespace
+
+bool has_deferred_tensors(const torch::nn::Module& network) {
+  for (const auto& p : network.parameters()) if (in_arena(p)) return true;
+  for (const auto& b : network.buffers()) if (in_arena(b)) return true;
+  return false;
+}
+
+sdk::GuardPtr deferred_init_guard() { return std::make_unique<DeferredInitGuard>(); }
+
+void ShardedModule::materialize(FlatParamUnit& u, at::Tensor& flat) {
+  std::set<const void*> mine;
+  for (std::size_t i = 0; i < u.params.size(); ++i) {
+    mine.insert(u.params[i].unsafeGetTensorImpl());
+    u.params[i].set_data(flat.narrow(0, u.offsets[i], u.numels[i]).view(u.params[i].sizes()));
+  }
+  torch::NoGradGuard no_grad;
+  for (const auto& item : network_->named_modules()) {
+    torch::nn::Module& m = *item.value();
+    bool here = false, elsewhere = false;
+    for (const auto& p : m.parameters(/*recurse=*/false)) (mine.count(p.unsafeGetTensorImpl()) ? here : elsewhere) = true;
+    if (!here) continue;
+    TESSERA_CHECK(!elsewhere, "deferred init: the parameters of module '", item.key(), "' (", m.name(),
+                  ") sit in different FSDP units (a tied weight?); build this model with [strategy] deferred_init = false");
+    for (auto& b : m.buffers(/*recurse=*/false)) b.set_data(at::zeros(b.sizes(), b.options().device(device_)));
+    TESSERA_CHECK(reset_known_module(m), "deferred init: module '", item.key(), "' of class '", m.name(),
+                  "' has parameters but no known initialiser (tessera re-initialises LibTorch's Linear, Embedding, "
+                  "LayerNorm, Conv1d-3d and BatchNorm1d-3d); give its parameters to such modules or set "
+                  "[strategy] deferred_init = false");
+  }
 }
 
 void ShardedModule::flatten(FlatParamUnit& u) {
   const std::int64_t world = shard_group_->size();
   torch::NoGradGuard no_grad;
-  std::vector<at::Tensor> pieces;
   for (const auto& p : u.params) {
     u.offsets.push_back(u.numel);
     u.numels.push_back(p.numel());
     u.numel += p.numel();
-    pieces.push_back(p.detach().reshape({-1}).to(at::kFloat));
   }
   u.padded = (u.numel + world - 1) / world * world;
   if (u.padded == 0) u.padded = world;
   u.shard_numel = u.padded / world;
   u.shard_offset = shard_group_->rank() * u.shard_numel;
-  pieces.push_back(at::zeros({u.padded - u.numel}, fp32()));
-  at::Tensor flat = at::cat(pieces);
-  u.shard = flat.narrow(0, u.shard_offset, u.shard_numel).clone();
-  u.shard_grad = at::zeros({u.shard_numel}, fp32());
   u.compute_dtype = options_.mixed_precision.param_dtype.value_or(u.params.empty() ? at::kFloat
                                                                                      : u.params[0].scalar_type());
-  u.full = flat.to(u.compute_dtype).clone();
-  u.grad_full = at::zeros({u.padded}, fp32().dtype(u.compute_dtype));
-  free_storage(u.grad_full);
+  at::Tensor flat = at::zeros({u.padded}, fp32());
+  if (options_.deferred_init) {
+    materialize(u, flat);
+  } else {
+    for (std::size_t i = 0; i < u.params.size(); ++i)
+      flat.narrow(0, u.offsets[i], u.numels[i]).copy_(u.params[i].detach().reshape({-1}));
+  }
+  u.shard = flat.narrow(0, u.shard_offset, u.shard_numel).clone();
+  u.shard_grad = at::zeros({u.shard_numel}, fp32());
+  // The buffers are built one at a time so that deferred init peaks at about one unit.
+  u.full = flat.scalar_type() == u.compute_dtype ? flat : flat.to(u.compute_dtype);
+  flat.reset();
+  u.grad_full = at::empty({0}, fp32().dtype(u.compute_dtype));  // sized now, allocated in backward
+  u.grad_full.unsafeGetTensorImpl()->set_sizes_contiguous({u.padded});
   for (std::size_t i = 0; i < u.params.size(); ++i)
     u.params[i].set_data(u.full.narrow(0, u.offsets[i], u.numels[i]).view(u.params[i].sizes()));
   u.gathered = true;
@@ -334,6 +578,13 @@ std::vector<sdk::NamedParameter> ShardedModule::optimizer_parameters() const {
   std::vector<sdk::NamedParameter> out;
   for (const auto& u : units_)
     for (std::size_t i = 0; i < u->params.size(); ++i) out.push_back({u->names[i][0], u->optimizer_views[i]});
+  for (std::size_t i = 0; i < ignored_params_.size(); ++i) out.push_back({ignored_names_[i][0], ignored_params_[i]});
+  return out;
+}
+
+std::vector<std::string> ShardedModule::optimizer_parameter_names() const {
+  std::vector<std::string> out;
+  for (const auto& p : optimizer_parameters()) out.push_back(p.name);
   return out;
 }
 
@@ -353,15 +604,16 @@ FlatParamUnit* ShardedModule::next_unit(const FlatParamUnit& unit) const {
   return unit.index + 2 < units_.size() ? units_[unit.index + 1].get() : nullptr;  // never the root
 }
 
-void ShardedModule::unshard(FlatParamUnit& u, const std::string& phase) {
+void ShardedModule::unshard(FlatParamUnit& u, Phase phase) {
   if (u.gathered) return;
   if (!u.gather_handle) {
     alloc_storage(u.full);
     u.gather_input = u.shard.to(u.compute_dtype);
-    u.gather_handle = shard_group_->all_gather(u.full, u.gather_input, phase == "backward" ? u.backward_tag
-                                                                                           : u.forward_tag);
+    const bool backward = phase == Phase::backward || phase == Phase::prefetch_backward;
+    u.gather_handle = shard_group_->all_gather(u.full, u.gather_input, backward ? u.backward_tag : u.forward_tag);
   }
-  if (phase == "prefetch") return;  // waited for by the unshard that needs it
+  // A prefetch is waited for by the unshard that needs it.
+  if (phase == Phase::prefetch_forward || phase == Phase::prefetch_backward) return;
   u.gather_handle->wait();
   u.gather_handle.reset();
   u.gather_input.reset();
@@ -387,7 +639,7 @@ void ShardedModule::attach_gradients(FlatParamUnit& u) {
 
 void ShardedModule::begin_forward(bool training) {
   FlatParamUnit& root = *units_.back();
-  unshard(root, "forward");
+  unshard(root, Phase::forward);
   if (training) {
     accumulating_ = true;
     attach_gradients(root);
@@ -410,7 +662,7 @@ void ShardedModule::on_gradient_ready(FlatParamUnit& u) {
   if (sync_) reduce_gradients(u);
   if (!u.is_root) reshard(u);
   if (options_.backward_prefetch == BackwardPrefetch::BACKWARD_POST)
-    if (FlatParamUnit* previous = previous_unit(u)) unshard(*previous, "prefetch");
+    if (FlatParamUnit* previous = previous_unit(u)) unshard(*previous, Phase::prefetch_backward);
 }
 
 void ShardedModule::reduce_gradients(FlatParamUnit& u) {
@@ -445,12 +697,35 @@ void ShardedModule::finish_backward() {
       free_storage(u->grad_full);
       u->grads_attached = false;
     }
+    reduce_ignored_gradients();
     accumulating_ = false;
   }
   for (auto& u : units_) reshard(*u);
 }
 
+void ShardedModule::reduce_ignored_gradients() {
+  if (ignored_params_.empty()) return;
+  torch::NoGradGuard no_grad;
+  std::vector<at::Tensor> grads;
+  for (auto& p : ignored_params_) {
+    if (!p.grad().defined()) p.mutable_grad() = at::zeros_like(p);  // unused here, maybe used elsewhere
+    grads.push_back(p.grad().reshape({-1}).to(at::kFloat));
+  }
+  at::Tensor flat = at::cat(grads);
+  // Mean over shard group then replicate group = mean over the world.
+  if (shard_group_->size() > 1) shard_group_->all_reduce(flat, sdk::ReduceOp::mean, "all-reduce of ignored parameters")->wait();
+  if (replicate_group_->size() > 1)
+    replicate_group_->all_reduce(flat, sdk::ReduceOp::mean, "replica all-reduce of ignored parameters")->wait();
+  std::int64_t offset = 0;
+  for (auto& p : ignored_params_) {
+    p.mutable_grad().copy_(flat.narrow(0, offset, p.numel()).view(p.sizes()));
+    offset += p.numel();
+  }
+}
+
 void ShardedModule::after_optimizer_step() {
+  for (auto& p : ignored_params_)
+    if (p.grad().defined()) p.mutable_grad().zero_();
   for (auto& u : units_) {
     u->shard_grad.zero_();
     for (std::size_t i = 0; i < u->optimizer_views.size(); ++i)
@@ -471,10 +746,20 @@ double ShardedModule::clip_grad_norm(double max_norm, double norm_type) {
   }
   // Replicas hold identical shards: the norm is over the shard group only.
   shard_group_->all_reduce(local, inf_norm ? sdk::ReduceOp::max : sdk::ReduceOp::sum, "clip_grad_norm")->wait();
+  // Ignored parameters' gradients are the same on every rank: counted once, after the reduce.
+  for (const auto& p : ignored_params_) {
+    if (!p.grad().defined()) continue;
+    at::Tensor g = p.grad().to(at::kFloat);
+    if (inf_norm) local = at::maximum(local, g.abs().max().reshape({1}));
+    else local += g.abs().pow(norm_type).sum();
+  }
   double total = inf_norm ? local.item<double>() : std::pow(local.item<double>(), 1.0 / norm_type);
   double coefficient = max_norm / (total + 1e-6);
-  if (coefficient < 1.0)
+  if (coefficient < 1.0) {
     for (auto& u : units_) u->shard_grad.mul_(coefficient);
+    for (auto& p : ignored_params_)
+      if (p.grad().defined()) p.mutable_grad().mul_(coefficient);
+  }
   return total;
 }
 
@@ -493,6 +778,8 @@ sdk::StateDict ShardedModule::full_state_dict() {
   }
   sdk::StateDict state;
   if (!keep) return state;
+  for (std::size_t i = 0; i < ignored_params_.size(); ++i)
+    for (const auto& name : ignored_names_[i]) by_name[name] = ignored_params_[i].detach().to(at::kCPU, at::kFloat).clone();
   for (const auto& item : network_->named_parameters()) state.insert(item.key(), by_name.at(item.key()));
   for (const auto& item : network_->named_buffers()) state.insert(item.key(), item.value().detach());
   return state;
@@ -514,6 +801,15 @@ void ShardedModule::load_full_state_dict(const sdk::StateDict& state, bool stric
                       value->sizes(), " but the model's parameter has shape ", u->params[i].sizes(),
                       ": the checkpoint was written for a different model configuration");
       }
+  for (std::size_t i = 0; i < ignored_params_.size(); ++i)
+    for (const auto& name : ignored_names_[i]) {
+      known.insert(name);
+      const at::Tensor* value = state.find(name);
+      if (value == nullptr) missing.push_back(name);
+      else
+        TESSERA_CHECK(value->sizes() == ignored_params_[i].sizes(), "checkpoint state_dict['", name, "'] has shape ",
+                      value->sizes(), " but the model's parameter has shape ", ignored_params_[i].sizes());
+    }
   for (const auto& item : network_->named_buffers()) known.insert(item.key());
   for (const auto& item : state)
     if (!known.count(item.key())) unexpected.push_back(item.key());
@@ -528,6 +824,8 @@ void ShardedModule::load_full_state_dict(const sdk::StateDict& state, bool stric
         flat.narrow(0, u->offsets[i], u->numels[i]).copy_(value->reshape({-1}));
     u->shard.copy_(flat.narrow(0, u->shard_offset, u->shard_numel));
   }
+  for (std::size_t i = 0; i < ignored_params_.size(); ++i)
+    if (const at::Tensor* value = state.find(ignored_names_[i][0])) ignored_params_[i].detach().copy_(*value);
   for (auto& item : network_->named_buffers())
     if (const at::Tensor* value = state.find(item.key())) item.value().copy_(*value);
 }
@@ -576,6 +874,15 @@ sdk::Checkpoint ShardedModule::full_optim_state_dict(const torch::optim::Optimiz
       names.push_back(u->names[i][0]);
     }
   }
+  for (std::size_t i = 0; i < ignored_params_.size(); ++i, ++view) {
+    if (local_state.contains(view)) {
+      sdk::Checkpoint copy = sdk::make_checkpoint();
+      for (const auto& entry : local_state.at(view).toGenericDict())
+        copy.insert(entry.key(), entry.value().isTensor() ? c10::IValue(entry.value().toTensor().cpu()) : entry.value());
+      state.insert(static_cast<std::int64_t>(names.size()), copy);
+    }
+    names.push_back(ignored_names_[i][0]);
+  }
   sdk::Checkpoint out = sdk::make_checkpoint();
   if (!keep) return out;
   out.insert("state", state);
@@ -618,11 +925,315 @@ void ShardedModule::load_full_optim_state_dict(torch::optim::Optimizer& optimize
       state.insert(view, mine);
     }
   }
+  for (std::size_t i = 0; i < ignored_params_.size(); ++i, ++view) {
+    const std::string& name = ignored_names_[i][0];
+    view_names.push_back(name);
+    auto it = index_of.find(name);
+    TESSERA_CHECK(it != index_of.end(), "optimizer state in the checkpoint has no entry for parameter '", name, "'");
+    if (full_state.contains(it->second)) state.insert(view, full_state.at(it->second));
+  }
   sdk::Checkpoint local = sdk::make_checkpoint();
   local.insert("state", state);
   local.insert("param_groups", checkpoint_get(full, "param_groups"));
   local.insert("param_names", c10::List<std::string>(view_names));
   load_optimizer_state_dict(optimizer, local, view_names);
+}
+
+namespace {
+
+class ScopeExit final : public sdk::Guard {
+ public:
+  explicit ScopeExit(std::function<void()> on_exit) : on_exit_(std::move(on_exit)) {}
+  ~ScopeExit() override { on_exit_(); }
+
+ private:
+  std::function<void()> on_exit_;
+};
+
+// Where this rank's piece of parameter i of `u` starts inside the parameter, and its length.
+std::pair<std::int64_t, std::int64_t> owned_piece(const FlatParamUnit& u, std::size_t i) {
+  std::int64_t lo = std::max(u.offsets[i], u.shard_offset);
+  std::int64_t hi = std::min(u.offsets[i] + u.numels[i], u.shard_offset + u.shard_numel);
+  if (hi <= lo) return {0, 0};
+  return {lo - u.offsets[i], hi - lo};
+}
+
+c10::List<std::int64_t> piece_metadata(std::int64_t start, at::IntArrayRef shape) {
+  c10::List<std::int64_t> out({start, static_cast<std::int64_t>(shape.size())});
+  for (auto d : shape) out.push_back(d);
+  return out;
+}
+
+}  // namespace
+
+sdk::GuardPtr ShardedModule::summon_full_params(bool writeback, bool rank0_only, bool offload_to_cpu) {
+  TESSERA_CHECK(!(writeback && rank0_only), "summon_full_params(writeback = true, rank0_only = true) is not allowed ",
+                "(as in PyTorch): ranks other than 0 hold no full parameters to write back");
+  TESSERA_CHECK(!summoned_, "summon_full_params: already inside summon_full_params (nesting is not supported)");
+  TESSERA_CHECK(!accumulating_, "summon_full_params between a training step's forward and its backward is not allowed");
+  TESSERA_CHECK(!offload_to_cpu || device_.is_cpu(), "summon_full_params(offload_to_cpu = true) for ", device_,
+                " parameters is not implemented yet; on CPU it is a no-op");
+  torch::NoGradGuard no_grad;
+  std::vector<FlatParamUnit*> gathered;
+  for (auto& u : units_) {
+    unshard(*u, Phase::forward);  // collective on every rank, rank0_only or not
+    gathered.push_back(u.get());
+  }
+  const bool rank0 = shard_group_->rank() == 0 && replicate_group_->rank() == 0;
+  if (rank0_only && !rank0) {
+    for (auto* u : gathered) reshard(*u);
+    return nullptr;
+  }
+  auto snapshots = std::make_shared<std::vector<at::Tensor>>();
+  if (writeback)
+    for (auto* u : gathered)
+      snapshots->push_back(u->compute_dtype == at::kFloat ? at::Tensor()
+                                                          : u->full.narrow(0, u->shard_offset, u->shard_numel).clone());
+  summoned_ = true;
+  return std::make_unique<ScopeExit>([this, gathered, snapshots, writeback] {
+    torch::NoGradGuard no_grad;
+    for (std::size_t k = 0; k < gathered.size(); ++k) {
+      FlatParamUnit& u = *gathered[k];
+      if (writeback) {
+        at::Tensor mine = u.full.narrow(0, u.shard_offset, u.shard_numel);
+        // Below fp32, only the elements the caller changed are written: the others keep
+        // their exact fp32 master values.
+        if (u.compute_dtype == at::kFloat) u.shard.copy_(mine);
+        else u.shard.copy_(at::where(mine.ne((*snapshots)[k]), mine.to(at::kFloat), u.shard));
+      }
+      reshard(u);
+    }
+    summoned_ = false;
+  });
+}
+
+void ShardedModule::apply(const std::function<void(torch::nn::Module&)>& fn) {
+  sdk::GuardPtr full = summon_full_params(/*writeback=*/true);
+  torch::NoGradGuard no_grad;
+  network_->apply([&](torch::nn::Module& m) { fn(m); });
+}
+
+std::vector<std::string> ShardedModule::fsdp_modules(bool root_only) const {
+  std::vector<std::string> out;
+  if (!root_only)
+    for (const auto& item : unit_modules_) out.push_back(item.first);
+  out.push_back("");
+  return out;
+}
+
+std::map<std::string, std::pair<std::int64_t, std::int64_t>> ShardedModule::owned_ranges() const {
+  std::map<std::string, std::pair<std::int64_t, std::int64_t>> out;
+  for (const auto& u : units_)
+    for (std::size_t i = 0; i < u->params.size(); ++i)
+      for (const auto& name : u->names[i]) out[name] = owned_piece(*u, i);
+  for (std::size_t i = 0; i < ignored_params_.size(); ++i)
+    for (const auto& name : ignored_names_[i]) out[name] = {0, ignored_params_[i].numel()};
+  for (const auto& item : network_->named_buffers()) out[item.key()] = {0, item.value().numel()};
+  return out;
+}
+
+sdk::StateDict ShardedModule::sharded_state_dict() const {
+  sdk::StateDict state;
+  for (const auto& u : units_)
+    for (std::size_t i = 0; i < u->params.size(); ++i) {
+      at::Tensor piece = u->optimizer_views[i].detach().to(at::kCPU).clone();
+      for (const auto& name : u->names[i]) state.insert(name, piece);
+    }
+  for (std::size_t i = 0; i < ignored_params_.size(); ++i)
+    for (const auto& name : ignored_names_[i])
+      state.insert(name, ignored_params_[i].detach().reshape({-1}).to(at::kCPU, at::kFloat).clone());
+  for (const auto& item : network_->named_buffers())
+    state.insert(item.key(), item.value().detach().reshape({-1}).to(at::kCPU).clone());
+  return state;
+}
+
+c10::IValue ShardedModule::shard_metadata() const {
+  c10::impl::GenericDict meta(c10::StringType::get(), c10::ListType::ofInts());
+  for (const auto& u : units_)
+    for (std::size_t i = 0; i < u->params.size(); ++i)
+      for (const auto& name : u->names[i]) meta.insert(name, piece_metadata(owned_piece(*u, i).first, u->params[i].sizes()));
+  for (std::size_t i = 0; i < ignored_params_.size(); ++i)
+    for (const auto& name : ignored_names_[i]) meta.insert(name, piece_metadata(0, ignored_params_[i].sizes()));
+  for (const auto& item : network_->named_buffers()) meta.insert(item.key(), piece_metadata(0, item.value().sizes()));
+  return meta;
+}
+
+void ShardedModule::load_sharded_state_dict(const sdk::StateDict& state) {
+  auto piece_for = [&](const std::vector<std::string>& names, std::int64_t numel) -> const at::Tensor& {
+    const at::Tensor* value = state.find(names[0]);
+    TESSERA_CHECK(value != nullptr, "sharded checkpoint: no entry for '", names[0], "'");
+    TESSERA_CHECK(value->numel() == numel, "sharded checkpoint: '", names[0], "' has ", value->numel(),
+                  " elements for this rank, expected ", numel, ": it was re-cut for a different model or world size");
+    return *value;
+  };
+  torch::NoGradGuard no_grad;
+  for (auto& u : units_)
+    for (std::size_t i = 0; i < u->params.size(); ++i)
+      u->optimizer_views[i].copy_(piece_for(u->names[i], u->optimizer_views[i].numel()).reshape({-1}));
+  for (std::size_t i = 0; i < ignored_params_.size(); ++i)
+    ignored_params_[i].detach().copy_(piece_for(ignored_names_[i], ignored_params_[i].numel()).view(ignored_params_[i].sizes()));
+  for (auto& item : network_->named_buffers())
+    item.value().copy_(piece_for({item.key()}, item.value().numel()).view(item.value().sizes()));
+  // One-rank shard groups keep the gathered storage: refresh it from the loaded shards.
+  for (auto& u : units_) u->gathered = false;
+}
+
+namespace {
+std::string flat_param_key(const FlatParamUnit& u) { return u.is_root ? "flat_param" : u.name + ".flat_param"; }
+}  // namespace
+
+sdk::StateDict ShardedModule::local_state_dict() const {
+  sdk::StateDict state;
+  for (const auto& u : units_) state.insert(flat_param_key(*u), u->shard.detach().to(at::kCPU).clone());
+  for (std::size_t i = 0; i < ignored_params_.size(); ++i)
+    state.insert(ignored_names_[i][0], ignored_params_[i].detach().to(at::kCPU, at::kFloat).clone());
+  for (const auto& item : network_->named_buffers()) state.insert(item.key(), item.value().detach().to(at::kCPU).clone());
+  return state;
+}
+
+void ShardedModule::load_local_state_dict(const sdk::StateDict& state) {
+  torch::NoGradGuard no_grad;
+  for (auto& u : units_) {
+    const at::Tensor* value = state.find(flat_param_key(*u));
+    TESSERA_CHECK(value != nullptr && value->numel() == u->shard_numel, "LOCAL state dict: '", flat_param_key(*u), "' ",
+                  value == nullptr ? std::string("is missing") : "has " + std::to_string(value->numel()) + " elements",
+                  " but this rank's shard has ", u->shard_numel,
+                  ": LOCAL checkpoints load only into the same world size, sharding strategy and model");
+    u->shard.copy_(*value);
+    u->gathered = false;
+  }
+  for (std::size_t i = 0; i < ignored_params_.size(); ++i) {
+    const at::Tensor* value = state.find(ignored_names_[i][0]);
+    TESSERA_CHECK(value != nullptr, "LOCAL state dict: no entry for ignored parameter '", ignored_names_[i][0], "'");
+    ignored_params_[i].detach().copy_(*value);
+  }
+  for (auto& item : network_->named_buffers())
+    if (const at::Tensor* value = state.find(item.key())) item.value().copy_(*value);
+}
+
+void ShardedModule::scatter_full_optim_state_dict(torch::optim::Optimizer& optimizer, const sdk::Checkpoint& full) {
+  // Rank 0 pickles the whole dict once; every rank unpickles and keeps its shards.
+  const bool rank0 = shard_group_->rank() == 0 && replicate_group_->rank() == 0;
+  std::vector<char> bytes;
+  if (rank0) bytes = torch::jit::pickle_save(full);
+  at::Tensor size = at::tensor({static_cast<std::int64_t>(bytes.size())}, at::kLong).to(device_);
+  auto spread = [&](at::Tensor& t, const std::string& tag) {
+    // World rank 0 -> the first rank of every shard group -> every rank of each shard group.
+    if (shard_group_->rank() == 0 && replicate_group_->size() > 1) replicate_group_->broadcast(t, 0, tag)->wait();
+    if (shard_group_->size() > 1) shard_group_->broadcast(t, 0, tag)->wait();
+  };
+  spread(size, "scatter_full_optim_state_dict size");
+  at::Tensor blob = rank0 ? at::from_blob(bytes.data(), {static_cast<std::int64_t>(bytes.size())}, at::kByte).to(device_).clone()
+                          : at::empty({size.cpu().item<std::int64_t>()}, at::TensorOptions(at::kByte).device(device_));
+  spread(blob, "scatter_full_optim_state_dict");
+  blob = blob.cpu();
+  std::vector<char> received(static_cast<const char*>(blob.data_ptr()), static_cast<const char*>(blob.data_ptr()) + blob.numel());
+  load_full_optim_state_dict(optimizer, torch::jit::pickle_load(received).toGenericDict());
+}
+
+sdk::Checkpoint read_resharded_checkpoint(sdk::CheckpointIO& io, const std::string& path, std::int64_t shards,
+                                          const std::map<std::string, std::pair<std::int64_t, std::int64_t>>* wanted) {
+  sdk::Checkpoint out = sdk::make_checkpoint();
+  std::map<std::string, at::Tensor> params;
+  std::map<std::string, std::vector<std::int64_t>> shapes;
+  std::map<std::string, std::int64_t> covered;
+  std::map<std::string, std::map<std::string, at::Tensor>> optim;  // name -> key -> piece
+  std::map<std::string, c10::IValue> optim_scalars;                  // name + "\n" + key -> value
+  c10::IValue param_groups, param_names;
+  auto range_of = [&](const std::string& name, std::int64_t full_numel) -> std::pair<std::int64_t, std::int64_t> {
+    if (wanted == nullptr) return {0, full_numel};
+    auto it = wanted->find(name);
+    return it == wanted->end() ? std::pair<std::int64_t, std::int64_t>{-1, 0} : it->second;
+  };
+  // Copies the overlap of a piece at [start, start + n) into the wanted range of `target`.
+  auto place = [](at::Tensor& target, const at::Tensor& piece, std::int64_t start, std::pair<std::int64_t, std::int64_t> want) {
+    std::int64_t lo = std::max(start, want.first), hi = std::min(start + piece.numel(), want.first + want.second);
+    if (hi <= lo) return std::int64_t{0};
+    target.narrow(0, lo - want.first, hi - lo).copy_(piece.reshape({-1}).narrow(0, lo - start, hi - lo));
+    return hi - lo;
+  };
+  for (std::int64_t r = 0; r < shards; ++r) {
+    sdk::Checkpoint shard = io.load_checkpoint(path, sdk::ShardInfo{r, shards, true});
+    const std::string where = "sharded checkpoint " + path + " shard " + std::to_string(r);
+    TESSERA_CHECK(shard.contains(kShardMetadataKey), where, " has no '", kShardMetadataKey,
+                  "': it was not written by the fsdp strategy with state_dict_type = \"sharded\"");
+    auto meta = shard.at(kShardMetadataKey).toGenericDict();
+    if (r == 0)
+      for (const auto& entry : shard)
+        if (entry.key().toStringRef() != "state_dict" && entry.key().toStringRef() != "optimizer_states" &&
+            entry.key().toStringRef() != kShardMetadataKey)
+          out.insert(entry.key(), entry.value());
+    auto starts = [&](const std::string& name) {
+      TESSERA_CHECK(meta.contains(name), where, ": '", name, "' has no entry in ", kShardMetadataKey);
+      auto m = meta.at(name).toIntList();
+      std::vector<std::int64_t> shape(m.begin() + 2, m.end());
+      shapes[name] = shape;
+      std::int64_t numel = 1;
+      for (auto d : shape) numel *= d;
+      return std::pair<std::int64_t, std::int64_t>{m.get(0), numel};
+    };
+    for (const auto& item : state_dict_from(checkpoint_get(shard, "state_dict"), where + " [state_dict]")) {
+      auto [start, numel] = starts(item.key());
+      auto want = range_of(item.key(), numel);
+      if (want.first < 0) continue;
+      auto it = params.find(item.key());
+      if (it == params.end()) it = params.emplace(item.key(), at::zeros({want.second}, item.value().options())).first;
+      covered[item.key()] += place(it->second, item.value(), start, want);
+    }
+    if (!shard.contains("optimizer_states")) continue;
+    auto states = shard.at("optimizer_states").toListRef();
+    if (states.empty()) continue;
+    sdk::Checkpoint opt = checkpoint_dict(states[0], where + " [optimizer_states][0]");
+    auto names = checkpoint_get(opt, "param_names").toListRef();
+    if (r == 0) {
+      param_groups = checkpoint_get(opt, "param_groups");
+      param_names = checkpoint_get(opt, "param_names");
+    }
+    for (const auto& entry : checkpoint_get(opt, "state").toGenericDict()) {
+      const std::string name = names.at(static_cast<std::size_t>(entry.key().toInt())).toStringRef();
+      auto [start, numel] = starts(name);
+      auto want = range_of(name, numel);
+      if (want.first < 0) continue;
+      for (const auto& kv : entry.value().toGenericDict()) {
+        const std::string key = kv.key().toStringRef();
+        if (key == "step" || !kv.value().isTensor()) {
+          optim_scalars[name + "\n" + key] = kv.value();
+          continue;
+        }
+        auto& target = optim[name][key];
+        if (!target.defined()) target = at::zeros({want.second}, kv.value().toTensor().options());
+        place(target, kv.value().toTensor(), start, want);
+      }
+    }
+  }
+  sdk::StateDict state;
+  for (auto& [name, value] : params) {
+    std::int64_t expected = wanted ? wanted->at(name).second : value.numel();
+    TESSERA_CHECK(covered[name] == expected, "sharded checkpoint ", path, ": the shards cover ", covered[name], " of ",
+                  expected, " wanted elements of '", name, "'; a shard file is missing or from another save");
+    state.insert(name, wanted ? value : value.view(shapes[name]));
+  }
+  out.insert("state_dict", to_ivalue(state));
+  if (!param_names.isNone()) {
+    c10::impl::GenericDict opt_state(c10::IntType::get(), c10::AnyType::get());
+    auto names = param_names.toListRef();
+    for (std::size_t i = 0; i < names.size(); ++i) {
+      const std::string name = names[i].toStringRef();
+      sdk::Checkpoint entry = sdk::make_checkpoint();
+      for (auto& [key, value] : optim[name]) entry.insert(key, wanted ? value : value.view(shapes[name]));
+      for (const auto& [k, v] : optim_scalars)
+        if (k.rfind(name + "\n", 0) == 0) entry.insert(k.substr(name.size() + 1), v);
+      if (entry.size() > 0) opt_state.insert(static_cast<std::int64_t>(i), entry);
+    }
+    sdk::Checkpoint opt = sdk::make_checkpoint();
+    opt.insert("state", opt_state);
+    opt.insert("param_groups", param_groups);
+    opt.insert("param_names", param_names);
+    c10::impl::GenericList list(c10::AnyType::get());
+    list.push_back(opt);
+    out.insert("optimizer_states", list);
+  }
+  return out;
 }
 
 }  // namespace tessera::core::fsdp

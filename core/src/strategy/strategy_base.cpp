@@ -1,6 +1,7 @@
 #include "tessera/core/strategy_base.hpp"
 
 #include <cmath>
+#include <filesystem>
 #include <limits>
 #include <set>
 
@@ -9,6 +10,7 @@
 
 #include "tessera/core/checkpoint.hpp"
 #include "tessera/core/cluster.hpp"
+#include "tessera/core/fsdp.hpp"
 #include "tessera/sdk/error.hpp"
 
 namespace tessera::core {
@@ -250,6 +252,12 @@ void StrategyBase::remove_checkpoint(const std::string& path) {
 }
 
 sdk::Checkpoint StrategyBase::load_checkpoint(const std::string& path) {
+  // A sharded checkpoint (fsdp state_dict_type = "sharded") is consolidated to full tensors.
+  std::error_code ec;
+  if (std::filesystem::is_directory(path, ec)) {
+    sdk::CheckpointMetadata meta = checkpoint_io().read_metadata(path);
+    if (meta.sharded) return fsdp::read_resharded_checkpoint(checkpoint_io(), path, meta.world_size, nullptr);
+  }
   return checkpoint_io().load_checkpoint(path, sdk::ShardInfo{0, 1, false});
 }
 

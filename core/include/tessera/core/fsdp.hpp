@@ -4,7 +4,10 @@
 /// one padded flat buffer whose storage is gathered before the unit runs (through the
 /// sdk::invoke seam) and freed after; gradients accumulate into a flat gradient buffer and
 /// are reduce-scattered into the sharded gradient once the unit's backward is complete.
+#include <functional>
+#include <map>
 #include <memory>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -12,6 +15,8 @@
 #include <torch/optim/optimizer.h>
 
 #include "tessera/core/comm.hpp"
+#include "tessera/sdk/checkpoint_io.hpp"
+#include "tessera/sdk/guard.hpp"
 #include "tessera/sdk/optimizer.hpp"
 #include "tessera/sdk/precision.hpp"
 #include "tessera/sdk/types.hpp"
@@ -33,8 +38,19 @@ struct FSDPOptions {
   std::vector<std::string> activation_checkpointing;  ///< unit classes recomputed in backward
   bool reduce_every_micro_batch = false;
   bool rank0_only = true;  ///< full state dicts are built on rank 0 only
+  /// Modules (by path, e.g. "lm_head", or by class name) whose parameters stay unsharded and
+  /// replicated on every rank; their gradients are all-reduced over the world.
+  std::vector<std::string> ignored_modules;
+  /// The network was built under deferred_init_guard(): initialise each unit when sharding it.
+  bool deferred_init = false;
   sdk::MixedPrecisionPolicy mixed_precision;
 };
+
+/// Where each tensor of a sharded state dict sits in its full tensor: name -> the flat
+/// start of this rank's piece and the full shape (pieces are 1-D slices of the flattened
+/// tensor). Saved in sharded checkpoints as kShardMetadataKey: {name: [start, ndim, dims...]}.
+constexpr const char* kShardMetadataKey = "fsdp_shard_metadata";
+
 
 struct FlatParamUnit;
 
@@ -76,6 +92,41 @@ class ShardedModule {
   /// Scatters a full optimizer state dict into this rank's shards (scatter_full_optim_state_dict).
   void load_full_optim_state_dict(torch::optim::Optimizer& optimizer, const sdk::Checkpoint& state);
 
+  /// Gathers every unit so that the module's parameters hold their full values (PyTorch's
+  /// summon_full_params) until the guard is destroyed. Collective. With `writeback`, changes
+  /// made to the parameters are written back into the shards (only changed elements, so a
+  /// param_dtype below fp32 does not round the master weights); `rank0_only` keeps the full
+  /// values on rank 0 only (incompatible with writeback, as in PyTorch); `offload_to_cpu` is
+  /// a no-op for CPU parameters and not implemented for CUDA ones.
+  sdk::GuardPtr summon_full_params(bool writeback = true, bool rank0_only = false, bool offload_to_cpu = false);
+  /// Applies `fn` to every module of the network with full parameters, writing changes back
+  /// into the shards (PyTorch's FullyShardedDataParallel.apply). Collective.
+  void apply(const std::function<void(torch::nn::Module&)>& fn);
+  /// The FSDP units' module paths in forward order, the root ("") last; `root_only`: the root.
+  std::vector<std::string> fsdp_modules(bool root_only = false) const;
+
+  /// SHARDED state dict: every original name -> this rank's 1-D piece of it (a flat slice
+  /// of the flattened parameter, possibly empty), with shard_metadata() saying where.
+  sdk::StateDict sharded_state_dict() const;
+  /// {name: [start, ndim, dims...]} for the tensors of sharded_state_dict().
+  c10::IValue shard_metadata() const;
+  /// The flat range [start, start + length) of each original parameter this rank owns.
+  std::map<std::string, std::pair<std::int64_t, std::int64_t>> owned_ranges() const;
+  /// Loads pieces shaped like sharded_state_dict() for this rank's ranges (as produced by
+  /// read_resharded_checkpoint from any world size).
+  void load_sharded_state_dict(const sdk::StateDict& state);
+  /// LOCAL state dict: each unit's flat fp32 shard, "<unit>.flat_param" ("flat_param" for the
+  /// root), plus ignored parameters under their names. Loads only into the same world size
+  /// and unit plan.
+  sdk::StateDict local_state_dict() const;
+  void load_local_state_dict(const sdk::StateDict& state);
+
+  /// Full optimizer state on rank 0 only -> every rank's shard (scatter_full_optim_state_dict):
+  /// rank 0 broadcasts each tensor over the shard and replicate groups. Collective.
+  void scatter_full_optim_state_dict(torch::optim::Optimizer& optimizer, const sdk::Checkpoint& full_on_rank0);
+  /// Names of optimizer_parameters(), in order (what local optimizer state dicts are keyed by).
+  std::vector<std::string> optimizer_parameter_names() const;
+
   /// "name:numel" of every unit in order: what ranks compare before the first step.
   std::string plan() const;
   std::size_t num_units() const;
@@ -83,7 +134,8 @@ class ShardedModule {
   std::int64_t sharded_bytes() const;
 
   // Called by the unit runners and hooks.
-  void unshard(FlatParamUnit& unit, const std::string& phase);
+  enum class Phase { forward, backward, prefetch_forward, prefetch_backward };
+  void unshard(FlatParamUnit& unit, Phase phase);
   void reshard(FlatParamUnit& unit);
   void attach_gradients(FlatParamUnit& unit);
   void on_gradient_ready(FlatParamUnit& unit);
@@ -97,6 +149,10 @@ class ShardedModule {
   void flatten(FlatParamUnit& unit);
   void reduce_gradients(FlatParamUnit& unit);
   void check_plan();
+  void check_plan_over(Communicator& group, const std::vector<std::string>& entries);
+  void find_ignored();
+  void materialize(FlatParamUnit& unit, at::Tensor& flat);
+  void reduce_ignored_gradients();
   /// fp32 on the network's device (where collectives and shards live).
   at::TensorOptions fp32() const;
 
@@ -105,6 +161,12 @@ class ShardedModule {
   CommunicatorPtr shard_group_;
   CommunicatorPtr replicate_group_;
   std::vector<std::unique_ptr<FlatParamUnit>> units_;  // children in forward order, root last
+  std::vector<std::pair<std::string, std::shared_ptr<torch::nn::Module>>> unit_modules_;  // children only
+  // Ignored (replicated) parameters: every name each has, and the tensor.
+  std::vector<std::vector<std::string>> ignored_names_;
+  std::vector<at::Tensor> ignored_params_;
+  std::set<const void*> ignored_impls_;
+  bool summoned_ = false;
   c10::Device device_{c10::kCPU};
   bool sync_ = true;
   bool accumulating_ = false;
@@ -112,5 +174,26 @@ class ShardedModule {
 
 ShardingStrategy parse_sharding_strategy(const std::string& name);
 BackwardPrefetch parse_backward_prefetch(const std::string& name);
+
+/// Whether any parameter or buffer of `network` was created under deferred_init_guard()
+/// and not materialised yet.
+bool has_deferred_tensors(const torch::nn::Module& network);
+/// model_sharded_context() under deferred init: while the guard lives, CPU allocations all
+/// share one scratch block (the size of the largest tensor), so building a model costs about
+/// one tensor. ShardedModule (with FSDPOptions::deferred_init) then gives each unit real
+/// memory, re-initialises it with its LibTorch modules' reset_parameters() (Linear,
+/// Embedding, LayerNorm, Conv1d-3d, BatchNorm1d-3d: the same values as an eager build with
+/// the same seed when units come in construction order) and shards it before the next unit.
+/// Other tensors made under the guard hold garbage; models whose parameters belong to other
+/// module classes, or with buffers computed at construction, are refused with an error.
+sdk::GuardPtr deferred_init_guard();
+
+/// Reads a sharded checkpoint written by any world size (`shards` files through `io`) and
+/// returns shard 0's entries with "state_dict" and "optimizer_states"[0] re-cut: with
+/// `wanted` (name -> flat [start, length)), each tensor is that 1-D piece; without, each is
+/// the whole tensor in its full shape (a full checkpoint, loadable by any strategy).
+/// Reads one shard file at a time.
+sdk::Checkpoint read_resharded_checkpoint(sdk::CheckpointIO& io, const std::string& path, std::int64_t shards,
+                                          const std::map<std::string, std::pair<std::int64_t, std::int64_t>>* wanted);
 
 }  // namespace tessera::core::fsdp

@@ -1,0 +1,397 @@
+// core::fsdp::ShardedModule on real ranks (Gloo on loopback) against an unsharded reference
+// in the same process: tied weights across units, ignored modules, summon_full_params /
+// apply / LOCAL state dicts / scatter_full_optim_state_dict, the unit-plan check, deferred
+// init under a tracked memory cap, sharded-state bytes ~1/N; and through the `tessera`
+// binary: SHARDED checkpoints resharded 2 -> 3 ranks and 2 ranks -> single device.
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <set>
+
+#include <ATen/ATen.h>
+#include <c10/core/CPUAllocator.h>
+#include <torch/nn/modules/linear.h>
+#include <torch/optim/adamw.h>
+
+#include "multiprocess.hpp"
+#include "tessera/core/checkpoint.hpp"
+#include "tessera/core/comm.hpp"
+#include "tessera/core/fsdp.hpp"
+#include "tessera/sdk/error.hpp"
+#include "tessera/sdk/unit.hpp"
+
+namespace {
+
+namespace core = tessera::core;
+namespace fsdp = tessera::core::fsdp;
+namespace sdk = tessera::sdk;
+using tessera::testing::metric_series;
+using tessera::testing::run_ranks;
+using tessera::testing::run_tessera;
+
+constexpr std::int64_t kWidth = 13;  // 13*13+13 = 182 parameters per Linear: indivisible by 3 and 4
+
+struct BlockImpl : torch::nn::Module {
+  BlockImpl(std::int64_t width, torch::nn::Linear shared_linear, bool bias = true) : torch::nn::Module("Block") {
+    fc = register_module("fc", torch::nn::Linear(torch::nn::LinearOptions(width, width).bias(bias)));
+    if (shared_linear) shared = register_module("shared", shared_linear);
+  }
+  at::Tensor forward(const at::Tensor& x) {
+    at::Tensor y = at::tanh(fc(x));
+    return shared ? y + 0.5 * shared(x) : y;
+  }
+  torch::nn::Linear fc{nullptr}, shared{nullptr};
+};
+TORCH_MODULE(Block);
+
+/// Three units; b1 and b3 share one Linear (a tied weight used by two different units);
+/// head stays in the root (or is ignored).
+struct NetImpl : torch::nn::Module {
+  explicit NetImpl(bool b2_bias = true) : torch::nn::Module("Net") {
+    torch::nn::Linear tied(kWidth, kWidth);
+    b1 = register_module("b1", Block(kWidth, tied));
+    b2 = register_module("b2", Block(kWidth, nullptr, b2_bias));
+    b3 = register_module("b3", Block(kWidth, tied));
+    head = register_module("head", torch::nn::Linear(kWidth, 3));
+  }
+  at::Tensor forward(const at::Tensor& x) {
+    return head(sdk::invoke(b3, sdk::invoke(b2, sdk::invoke(b1, x))));
+  }
+  Block b1{nullptr}, b2{nullptr}, b3{nullptr};
+  torch::nn::Linear head{nullptr};
+};
+TORCH_MODULE(Net);
+
+constexpr std::int64_t kBatch = 12;  // global batch: divisible by 1, 2, 3, 4
+
+at::Tensor inputs(int step) {
+  at::Generator g = at::detail::createCPUGenerator(100 + step);
+  return at::randn({kBatch, kWidth}, g);
+}
+at::Tensor targets(int step) {
+  at::Generator g = at::detail::createCPUGenerator(200 + step);
+  return at::randn({kBatch, 3}, g);
+}
+
+torch::optim::AdamWOptions adamw() { return torch::optim::AdamWOptions(0.02).weight_decay(0.1); }
+
+/// The unsharded reference: full batch, one process.
+std::map<std::string, at::Tensor> reference_after(int steps) {
+  torch::manual_seed(7);
+  Net net;
+  std::vector<at::Tensor> params;
+  std::set<const void*> seen;  // named_parameters() lists the tied weight under both names
+  for (const auto& p : net->parameters())
+    if (seen.insert(p.unsafeGetTensorImpl()).second) params.push_back(p);
+  torch::optim::AdamW optimizer(params, adamw());
+  for (int s = 0; s < steps; ++s) {
+    optimizer.zero_grad();
+    (net->forward(inputs(s)) - targets(s)).pow(2).mean().backward();
+    optimizer.step();
+  }
+  std::map<std::string, at::Tensor> out;
+  for (const auto& item : net->named_parameters()) out[item.key()] = item.value().detach().clone();
+  return out;
+}
+
+core::CommunicatorPtr world(const sdk::ClusterInfo& cluster) {
+  return cluster.world_size == 1 ? core::make_local_communicator() : core::make_communicator(cluster, c10::kCPU);
+}
+
+fsdp::FSDPOptions unit_options() {
+  fsdp::FSDPOptions o;
+  o.unit_classes = {"Block"};
+  o.rank0_only = false;
+  return o;
+}
+
+/// One FSDP training step on this rank's rows of the global batch.
+void train_step(fsdp::ShardedModule& sharded, Net& net, torch::optim::Optimizer& optimizer, int step,
+                const sdk::ClusterInfo& cluster) {
+  const std::int64_t rows = kBatch / cluster.world_size, first = rows * cluster.global_rank;
+  sharded.begin_forward(/*training=*/true);
+  at::Tensor loss = (net->forward(inputs(step).narrow(0, first, rows)) - targets(step).narrow(0, first, rows)).pow(2).mean();
+  sharded.begin_backward(/*sync=*/true);
+  loss.backward();
+  sharded.finish_backward();
+  optimizer.step();
+  sharded.after_optimizer_step();
+}
+
+std::vector<at::Tensor> tensors_of(const std::vector<sdk::NamedParameter>& params) {
+  std::vector<at::Tensor> out;
+  for (const auto& p : params) out.push_back(p.tensor);
+  return out;
+}
+
+void expect_matches(const sdk::StateDict& state, const std::map<std::string, at::Tensor>& reference, double tol,
+                    const std::string& what) {
+  ASSERT_EQ(static_cast<std::size_t>(state.size()), reference.size()) << what;
+  for (const auto& [name, value] : reference) {
+    const at::Tensor* got = state.find(name);
+    ASSERT_NE(got, nullptr) << what << ": no " << name;
+    EXPECT_TRUE(at::allclose(*got, value, tol, tol)) << what << ": " << name << " differs by "
+                                                     << (*got - value).abs().max().item<double>();
+  }
+}
+
+class Engine : public ::testing::TestWithParam<int> {};
+
+// Tied weight across b1/b3 (kept in the root), head ignored (replicated, all-reduced),
+// AdamW with weight decay on per-parameter views of the shards: the same parameters as the
+// unsharded run after 3 steps; optimizer names are the original ones; the sharded state
+// shrinks as 1/N.
+TEST_P(Engine, TiedAcrossUnitsAndIgnoredModuleMatchUnsharded) {
+  const int n = GetParam();
+  run_ranks(n, std::chrono::seconds(120), [&](const sdk::ClusterInfo& cluster) {
+    auto reference = reference_after(3);
+    auto comm = world(cluster);
+    for (bool ignore_head : {false, true}) {
+      torch::manual_seed(7);
+      Net net;
+      fsdp::FSDPOptions o = unit_options();
+      if (ignore_head) o.ignored_modules = {"head"};
+      fsdp::ShardedModule sharded(net.ptr(), o, comm, core::make_local_communicator());
+      EXPECT_EQ(sharded.fsdp_modules(), (std::vector<std::string>{"b1", "b2", "b3", ""}));
+      EXPECT_EQ(sharded.fsdp_modules(/*root_only=*/true), (std::vector<std::string>{""}));
+      std::set<std::string> names;
+      for (const auto& p : sharded.optimizer_parameters()) names.insert(p.name);
+      EXPECT_EQ(names, (std::set<std::string>{"b1.fc.weight", "b1.fc.bias", "b1.shared.weight", "b1.shared.bias",
+                                              "b2.fc.weight", "b2.fc.bias", "b3.fc.weight", "b3.fc.bias",
+                                              "head.weight", "head.bias"}));
+      torch::optim::AdamW optimizer(tensors_of(sharded.optimizer_parameters()), adamw());
+      for (int s = 0; s < 3; ++s) train_step(sharded, net, optimizer, s, cluster);
+      // Both names of the tied weight are in the state dict, with the same values.
+      expect_matches(sharded.full_state_dict(), reference, 2e-5,
+                     "rank " + std::to_string(cluster.global_rank) + (ignore_head ? " ignored head" : ""));
+      // Sharded state: master shards + sharded grads, fp32; units padded to a multiple of n.
+      std::int64_t padded = 0;
+      const std::int64_t per_unit[] = {182, 182, 182, 182 + (ignore_head ? 0 : 42)};  // b1-b3; root: tied + head
+      for (std::int64_t u : per_unit) padded += (u + n - 1) / n * n;
+      EXPECT_EQ(sharded.sharded_bytes(), 2 * 4 * padded / n) << "rank " << cluster.global_rank;
+    }
+  });
+}
+
+INSTANTIATE_TEST_SUITE_P(Ranks, Engine, ::testing::Values(1, 2, 3, 4));
+
+TEST(EngineApi, SummonApplyLocalStateAndScatteredOptimizerState) {
+  run_ranks(2, std::chrono::seconds(120), [&](const sdk::ClusterInfo& cluster) {
+    auto comm = world(cluster);
+    torch::manual_seed(7);
+    Net reference;
+    torch::manual_seed(7);
+    Net net;
+    fsdp::ShardedModule sharded(net.ptr(), unit_options(), comm, core::make_local_communicator());
+    {
+      sdk::GuardPtr full = sharded.summon_full_params(/*writeback=*/false);
+      EXPECT_TRUE(at::equal(net->b2->fc->weight, reference->b2->fc->weight));
+      EXPECT_TRUE(at::equal(net->b1->shared->weight, reference->b1->shared->weight));
+      torch::NoGradGuard no_grad;
+      net->b2->fc->bias.fill_(9.0);  // not written back
+    }
+    EXPECT_TRUE(at::equal(*sharded.full_state_dict().find("b2.fc.bias"), reference->b2->fc->bias));
+    {
+      sdk::GuardPtr full = sharded.summon_full_params(/*writeback=*/true);
+      torch::NoGradGuard no_grad;
+      net->b2->fc->bias.add_(1.0);
+    }
+    EXPECT_TRUE(at::allclose(*sharded.full_state_dict().find("b2.fc.bias"), reference->b2->fc->bias + 1.0));
+    {
+      sdk::GuardPtr full = sharded.summon_full_params(false, /*rank0_only=*/true);
+      if (cluster.global_rank == 0) EXPECT_TRUE(at::equal(net->b3->fc->weight, reference->b3->fc->weight));
+      else EXPECT_EQ(full, nullptr);
+    }
+    EXPECT_THROW(sharded.summon_full_params(true, true), sdk::Error);
+    sharded.apply([](torch::nn::Module& m) {
+      if (auto* linear = dynamic_cast<torch::nn::LinearImpl*>(&m)) linear->bias.fill_(0.25);
+    });
+    for (const auto& item : sharded.full_state_dict())
+      if (item.key().find("bias") != std::string::npos) EXPECT_TRUE(at::all(item.value() == 0.25).item<bool>()) << item.key();
+
+    // LOCAL state dict round trip.
+    sdk::StateDict local = sharded.local_state_dict();
+    EXPECT_NE(local.find("b1.flat_param"), nullptr);
+    EXPECT_NE(local.find("flat_param"), nullptr);
+    sharded.apply([](torch::nn::Module& m) {
+      for (auto& p : m.parameters(/*recurse=*/false)) p.fill_(-1.0);
+    });
+    sharded.load_local_state_dict(local);
+    for (const auto& item : sharded.full_state_dict())
+      if (item.key().find("bias") != std::string::npos) EXPECT_TRUE(at::all(item.value() == 0.25).item<bool>()) << item.key();
+
+    // Optimizer state: full on rank 0 only, scattered into a fresh optimizer's shards.
+    torch::optim::AdamW optimizer(tensors_of(sharded.optimizer_parameters()), adamw());
+    train_step(sharded, net, optimizer, 0, cluster);
+    train_step(sharded, net, optimizer, 1, cluster);
+    sdk::Checkpoint full = sharded.full_optim_state_dict(optimizer);  // rank0_only = false here
+    EXPECT_TRUE(full.contains("state"));
+    torch::optim::AdamW fresh(tensors_of(sharded.optimizer_parameters()), adamw());
+    sharded.scatter_full_optim_state_dict(fresh, cluster.global_rank == 0 ? full : sdk::make_checkpoint());
+    auto a = core::optimizer_state_dict(optimizer, sharded.optimizer_parameter_names()).at("state").toGenericDict();
+    auto b = core::optimizer_state_dict(fresh, sharded.optimizer_parameter_names()).at("state").toGenericDict();
+    ASSERT_EQ(a.size(), b.size());
+    for (const auto& entry : a)
+      for (const char* key : {"exp_avg", "exp_avg_sq"})
+        EXPECT_TRUE(at::equal(entry.value().toGenericDict().at(key).toTensor(),
+                              b.at(entry.key()).toGenericDict().at(key).toTensor()))
+            << "rank " << cluster.global_rank << " param " << entry.key().toInt() << " " << key;
+  });
+}
+
+TEST(EngineApi, RanksThatPlanDifferentUnitsFailNamingTheFirstDifference) {
+  run_ranks(2, std::chrono::seconds(60), [&](const sdk::ClusterInfo& cluster) {
+    auto comm = world(cluster);
+    Net net(/*b2_bias=*/cluster.global_rank == 0);
+    try {
+      fsdp::ShardedModule sharded(net.ptr(), unit_options(), comm, core::make_local_communicator());
+      ADD_FAILURE() << "rank " << cluster.global_rank << ": no error";
+    } catch (const sdk::Error& e) {
+      const std::string text = e.what();
+      EXPECT_NE(text.find("unit #1"), std::string::npos) << text;
+      EXPECT_NE(text.find(cluster.global_rank == 0 ? "'b2:182'" : "'b2:169'"), std::string::npos) << text;
+    }
+  });
+}
+
+// Live CPU bytes, through an allocator installed in place of LibTorch's.
+std::atomic<std::int64_t> live_bytes{0}, peak_bytes{0};
+struct Allocation {
+  void* data;
+  std::int64_t bytes;
+};
+void release(void* context) {
+  auto* a = static_cast<Allocation*>(context);
+  live_bytes -= a->bytes;
+  std::free(a->data);
+  delete a;
+}
+struct TrackingAllocator final : c10::Allocator {
+  c10::DataPtr allocate(std::size_t n) const override {
+    void* data = std::aligned_alloc(64, (n + 127) / 64 * 64);
+    std::int64_t now = live_bytes += static_cast<std::int64_t>(n);
+    std::int64_t peak = peak_bytes.load();
+    while (now > peak && !peak_bytes.compare_exchange_weak(peak, now)) {}
+    return {data, new Allocation{data, static_cast<std::int64_t>(n)}, &release, c10::Device(c10::kCPU)};
+  }
+  c10::DeleterFnPtr raw_deleter() const override { return nullptr; }
+};
+TrackingAllocator tracking;
+
+struct DeepNetImpl : torch::nn::Module {
+  DeepNetImpl() : torch::nn::Module("DeepNet") {
+    for (int i = 0; i < 8; ++i) blocks.push_back(register_module("b" + std::to_string(i), Block(64, nullptr)));
+    head = register_module("head", torch::nn::Linear(64, 3));
+  }
+  at::Tensor forward(at::Tensor x) {
+    for (auto& b : blocks) x = sdk::invoke(b, x);
+    return head(x);
+  }
+  std::vector<Block> blocks;
+  torch::nn::Linear head{nullptr};
+};
+TORCH_MODULE(DeepNet);
+
+// 4 ranks, 8 units: under deferred init no rank ever holds more than 80% of the model's
+// bytes (the model is never whole anywhere), the values equal a normal construction with
+// the same seed, the sharded state left is ~2/N of the model (+ one unit), and it trains.
+TEST(DeferredInit, BuildsUnitByUnitUnderAMemoryCap) {
+  run_ranks(4, std::chrono::seconds(120), [&](const sdk::ClusterInfo& cluster) {
+    auto comm = world(cluster);
+    const std::int64_t model_bytes = (8 * (64 * 64 + 64) + 64 * 3 + 3) * 4;
+    c10::SetCPUAllocator(&tracking, /*priority=*/100);
+    const std::int64_t base = live_bytes.load();
+    peak_bytes = base;
+    DeepNet net{nullptr};
+    torch::manual_seed(11);  // as the host seeds before model_sharded_context()
+    {
+      sdk::GuardPtr deferred = fsdp::deferred_init_guard();
+      net = DeepNet();
+    }
+    EXPECT_TRUE(fsdp::has_deferred_tensors(*net));
+    fsdp::FSDPOptions o = unit_options();
+    o.deferred_init = true;
+    auto sharded = std::make_unique<fsdp::ShardedModule>(net.ptr(), o, comm, core::make_local_communicator());
+    EXPECT_FALSE(fsdp::has_deferred_tensors(*net));
+    const std::int64_t peak = peak_bytes.load() - base, after = live_bytes.load() - base;
+    EXPECT_LE(peak, model_bytes * 8 / 10) << "rank " << cluster.global_rank << " peaked at " << peak << " of "
+                                          << model_bytes << " model bytes";
+    EXPECT_LE(after, 2 * model_bytes / 4 + (64 * 64 + 64) * 4 + 4096) << "rank " << cluster.global_rank;
+    EXPECT_EQ(sharded->sharded_bytes(), 2 * 4 * (8 * 4160 / 4 + 196 / 4));  // head: 195 padded to 196
+
+    torch::manual_seed(11);
+    DeepNet eager;
+    sdk::StateDict full = sharded->full_state_dict();
+    for (const auto& item : eager->named_parameters())
+      EXPECT_TRUE(at::equal(*full.find(item.key()), item.value())) << item.key();
+
+    torch::optim::AdamW optimizer(tensors_of(sharded->optimizer_parameters()), adamw());
+    sharded->begin_forward(true);
+    at::Tensor loss = net->forward(at::ones({2, 64})).pow(2).mean();
+    sharded->begin_backward(true);
+    loss.backward();
+    sharded->finish_backward();
+    optimizer.step();
+    sharded->after_optimizer_step();
+    EXPECT_FALSE(at::equal(*sharded->full_state_dict().find("b0.fc.weight"), *full.find("b0.fc.weight")));
+  });
+}
+
+// --- through the binary -------------------------------------------------------------------
+
+std::string write_config(const std::string& dir) {
+  std::ofstream(dir + "/run.toml") << "[trainer]\nmax_steps = 8\nlog_every_n_steps = 1\nseed = 3\n"
+                                   << "default_root_dir = \"" << dir << "\"\nenable_progress_bar = false\n"
+                                   << "checkpoint_every_n_steps = 4\n"
+                                   << "[optimizer]\nname = \"adamw\"\nlr = 0.003\nwarmup_steps = 2\n"
+                                   << "[model]\nplugin = \"gpt\"\nn_layer = 2\nn_head = 2\nn_embd = 32\n"
+                                   << "block_size = 32\ndropout = 0.0\nmax_new_tokens = 20\n"
+                                   << "[data]\nplugin = \"text\"\nblock_size = 32\nbatch_size = 6\n"
+                                   << "[checkpoint_io]\nplugin = \"distributed\"\n";
+  return dir + "/run.toml";
+}
+
+// A 2-rank run saving SHARDED checkpoints (a directory of shards), resumed from its step-4
+// checkpoint on 3 ranks (re-cut shards) and on a single device (consolidated): both
+// continue with the uninterrupted run's losses.
+TEST(ShardedCheckpoint, ReshardsToThreeRanksAndLoadsIntoSingleDevice) {
+  const std::string fsdp2 = " --set launch.devices=2 --set strategy.plugin=fsdp --set strategy.state_dict_type=sharded";
+  std::string full = tessera::testing::fresh_dir("sharded-full");
+  auto a = run_tessera("fit --config " + write_config(full) + fsdp2);
+  ASSERT_EQ(a.exit_code, 0) << a.output;
+  ASSERT_TRUE(std::filesystem::is_directory(full + "/checkpoints/step=4.ckpt")) << a.output;
+  auto losses = metric_series(full + "/metrics.csv", "train", "train_loss");
+  struct Case {
+    const char* name;
+    std::string sets;
+  };
+  for (const Case& c : {Case{"sharded-3", " --set launch.devices=3 --set strategy.plugin=fsdp --set data.batch_size=4 "
+                                          "--set strategy.state_dict_type=sharded"},
+                        Case{"sharded-single", " --set data.batch_size=12"}}) {
+    std::string dir = tessera::testing::fresh_dir(c.name);
+    auto r = run_tessera("fit --config " + write_config(dir) + " --ckpt-path " + full + "/checkpoints/step=4.ckpt" +
+                         c.sets);
+    ASSERT_EQ(r.exit_code, 0) << r.output;
+    auto resumed = metric_series(dir + "/metrics.csv", "train", "train_loss");
+    for (std::int64_t step = 5; step <= 8; ++step) {
+      ASSERT_TRUE(resumed.count(step) && losses.count(step)) << c.name << " step " << step << "\n" << r.output;
+      EXPECT_NEAR(resumed.at(step), losses.at(step), 1e-4) << c.name << " step " << step;
+    }
+  }
+}
+
+TEST(StrategyConfig, InvalidCombinationsAreClearErrors) {
+  std::string dir = tessera::testing::fresh_dir("fsdp-config");
+  auto r = run_tessera("fit --config " + write_config(dir) +
+                       " --set strategy.plugin=fsdp --set strategy.deferred_init=true --set strategy.sync_module_states=true");
+  EXPECT_NE(r.exit_code, 0);
+  EXPECT_NE(r.output.find("sync_module_states = true with deferred_init = true"), std::string::npos) << r.output;
+  r = run_tessera("fit --config " + write_config(dir) + " --set strategy.plugin=fsdp --set 'strategy.ignored_modules=[\"lm_haed\"]'");
+  EXPECT_NE(r.exit_code, 0);
+  EXPECT_NE(r.output.find("ignored_modules names 'lm_haed'"), std::string::npos) << r.output;
+}
+
+}  // namespace
