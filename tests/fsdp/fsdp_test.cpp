@@ -15,6 +15,7 @@
 #include <c10/core/CPUAllocator.h>
 #include <torch/nn/modules/linear.h>
 #include <torch/optim/adamw.h>
+#include <torch/optim/sgd.h>
 
 #include "multiprocess.hpp"
 #include "tessera/core/checkpoint.hpp"
@@ -253,6 +254,63 @@ TEST(EngineApi, RanksThatPlanDifferentUnitsFailNamingTheFirstDifference) {
       const std::string text = e.what();
       EXPECT_NE(text.find("unit #1"), std::string::npos) << text;
       EXPECT_NE(text.find(cluster.global_rank == 0 ? "'b2:182'" : "'b2:169'"), std::string::npos) << text;
+    }
+  });
+}
+
+/// Units run in an order set per step (not registration order); a step may skip one.
+struct OrderNetImpl : torch::nn::Module {
+  OrderNetImpl() : torch::nn::Module("OrderNet") {
+    for (int i = 0; i < 3; ++i) blocks.push_back(register_module("b" + std::to_string(i), Block(kWidth, nullptr)));
+    head = register_module("head", torch::nn::Linear(kWidth, 3));
+  }
+  at::Tensor forward(at::Tensor x) {
+    for (int i : order) x = sdk::invoke(blocks[i], x);
+    return head(x);
+  }
+  std::vector<Block> blocks;
+  torch::nn::Linear head{nullptr};
+  std::vector<int> order;
+};
+TORCH_MODULE(OrderNet);
+
+// Forward and backward prefetch follow the order recorded in the first forward (b2, b0, b1);
+// in step 2 b1 does not run, so its prefetch is dropped, and step 3 must gather b1's
+// stepped values, not the stale prefetched ones. Same parameters as the unsharded run.
+TEST(EngineApi, PrefetchFollowsExecutionOrderAndDropsUnusedPrefetches) {
+  run_ranks(2, std::chrono::seconds(90), [&](const sdk::ClusterInfo& cluster) {
+    const std::vector<std::vector<int>> orders = {{2, 0, 1}, {2, 0, 1}, {2, 0}, {2, 0, 1}};
+    auto run = [&](fsdp::ShardedModule* sharded, OrderNet& net, std::vector<at::Tensor> params) {
+      torch::optim::SGD optimizer(params, torch::optim::SGDOptions(0.1));
+      const std::int64_t rows = sharded ? kBatch / 2 : kBatch, first = sharded ? rows * cluster.global_rank : 0;
+      for (int s = 0; s < 4; ++s) {
+        net->order = orders[s];
+        if (sharded) sharded->begin_forward(true);
+        at::Tensor loss =
+            (net->forward(inputs(s).narrow(0, first, rows)) - targets(s).narrow(0, first, rows)).pow(2).mean();
+        if (sharded) sharded->begin_backward(true);
+        loss.backward();
+        if (sharded) sharded->finish_backward();
+        optimizer.step();
+        if (sharded) sharded->after_optimizer_step();
+        else optimizer.zero_grad();
+      }
+    };
+    torch::manual_seed(5);
+    OrderNet reference;
+    run(nullptr, reference, reference->parameters());
+    std::map<std::string, at::Tensor> expected;
+    for (const auto& item : reference->named_parameters()) expected[item.key()] = item.value().detach();
+    auto comm = world(cluster);  // one per process: a second rendezvous on the same port races the first's teardown
+    for (auto prefetch : {fsdp::BackwardPrefetch::BACKWARD_PRE, fsdp::BackwardPrefetch::BACKWARD_POST}) {
+      torch::manual_seed(5);
+      OrderNet net;
+      fsdp::FSDPOptions o = unit_options();
+      o.forward_prefetch = true;
+      o.backward_prefetch = prefetch;
+      fsdp::ShardedModule sharded(net.ptr(), o, comm, core::make_local_communicator());
+      run(&sharded, net, tensors_of(sharded.optimizer_parameters()));
+      expect_matches(sharded.full_state_dict(), expected, 1e-5, "rank " + std::to_string(cluster.global_rank));
     }
   });
 }

@@ -56,6 +56,7 @@ struct FlatParamUnit {
   at::Tensor gather_input, reduce_input, reduce_output;
   std::vector<std::shared_ptr<torch::autograd::Node>> accumulators;
   std::string forward_tag, backward_tag, reduce_tag;
+  std::int64_t order_position = -1;  // in the first forward's execution order, -1: never ran
 };
 
 namespace {
@@ -150,6 +151,7 @@ class UnitRunnerImpl final : public sdk::UnitRunner {
   UnitRunnerImpl(ShardedModule* engine, FlatParamUnit* unit) : engine_(engine), unit_(unit) {}
   // The forward callable must outlive the autograd graph when the unit recomputes.
   at::Tensor run(torch::nn::Module&, const sdk::UnitForward& forward, const at::Tensor& input) override {
+    engine_->record_forward(*unit_);
     engine_->unshard(*unit_, ShardedModule::Phase::forward);
     if (engine_->options().forward_prefetch)
       if (FlatParamUnit* next = engine_->next_unit(*unit_)) engine_->unshard(*next, ShardedModule::Phase::prefetch_forward);
@@ -596,12 +598,29 @@ std::int64_t ShardedModule::sharded_bytes() const {
   return bytes;
 }
 
+// Prefetch follows the order the units ran in the first forward (as PyTorch records it),
+// not the order they were registered in; until then, registration order.
 FlatParamUnit* ShardedModule::previous_unit(const FlatParamUnit& unit) const {
+  if (order_frozen_) return unit.order_position > 0 ? order_[unit.order_position - 1] : nullptr;
   return unit.index > 0 && !unit.is_root ? units_[unit.index - 1].get() : nullptr;
 }
 
 FlatParamUnit* ShardedModule::next_unit(const FlatParamUnit& unit) const {
+  if (order_frozen_)
+    return unit.order_position >= 0 && unit.order_position + 1 < static_cast<std::int64_t>(order_.size())
+               ? order_[unit.order_position + 1]
+               : nullptr;
   return unit.index + 2 < units_.size() ? units_[unit.index + 1].get() : nullptr;  // never the root
+}
+
+void ShardedModule::record_forward(FlatParamUnit& unit) {
+  if (order_frozen_ || unit.order_position >= 0) return;
+  unit.order_position = static_cast<std::int64_t>(order_.size());
+  order_.push_back(&unit);
+}
+
+void ShardedModule::freeze_order() {
+  if (!order_.empty()) order_frozen_ = true;
 }
 
 void ShardedModule::unshard(FlatParamUnit& u, Phase phase) {
@@ -621,6 +640,12 @@ void ShardedModule::unshard(FlatParamUnit& u, Phase phase) {
 }
 
 void ShardedModule::reshard(FlatParamUnit& u) {
+  if (u.gather_handle) {  // a prefetch nobody used (the unit did not run): finish it, then drop it
+    u.gather_handle->wait();
+    u.gather_handle.reset();
+    u.gather_input.reset();
+    u.gathered = true;
+  }
   if (!u.gathered) return;
   // One-rank shard groups (NO_SHARD, world 1) keep the storage; the next unshard refreshes
   // it from the (stepped) shard.
@@ -647,10 +672,12 @@ void ShardedModule::begin_forward(bool training) {
 }
 
 void ShardedModule::end_forward() {
+  freeze_order();
   for (auto& u : units_) reshard(*u);
 }
 
 void ShardedModule::begin_backward(bool sync) {
+  freeze_order();
   sync_ = sync;
   for (auto& u : units_) {
     u->pending_grads = u->expected_grads;

@@ -141,6 +141,7 @@ class ShardedModule {
   void on_gradient_ready(FlatParamUnit& unit);
   FlatParamUnit* previous_unit(const FlatParamUnit& unit) const;
   FlatParamUnit* next_unit(const FlatParamUnit& unit) const;
+  void record_forward(FlatParamUnit& unit);
   const FSDPOptions& options() const { return options_; }
   bool training_step_active() const { return sync_ || accumulating_; }
 
@@ -167,6 +168,9 @@ class ShardedModule {
   std::vector<at::Tensor> ignored_params_;
   std::set<const void*> ignored_impls_;
   bool summoned_ = false;
+  std::vector<FlatParamUnit*> order_;  // units in the first forward's execution order
+  bool order_frozen_ = false;
+  void freeze_order();
   c10::Device device_{c10::kCPU};
   bool sync_ = true;
   bool accumulating_ = false;
