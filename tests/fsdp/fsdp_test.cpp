@@ -6,6 +6,8 @@
 #include <gtest/gtest.h>
 
 #include <atomic>
+#include <cmath>
+#include <limits>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
@@ -232,14 +234,57 @@ TEST(EngineApi, SummonApplyLocalStateAndScatteredOptimizerState) {
     EXPECT_TRUE(full.contains("state"));
     torch::optim::AdamW fresh(tensors_of(sharded.optimizer_parameters()), adamw());
     sharded.scatter_full_optim_state_dict(fresh, cluster.global_rank == 0 ? full : sdk::make_checkpoint());
+    // And the same from a PARAM_NAME-keyed full dict through shard_full_optim_state_dict.
+    torch::optim::AdamW third(tensors_of(sharded.optimizer_parameters()), adamw());
+    core::load_optimizer_state_dict(
+        third, sharded.shard_full_optim_state_dict(core::rekey_optim_state_dict(full, core::OptimStateKeyType::PARAM_NAME)),
+        sharded.optimizer_parameter_names());
     auto a = core::optimizer_state_dict(optimizer, sharded.optimizer_parameter_names()).at("state").toGenericDict();
-    auto b = core::optimizer_state_dict(fresh, sharded.optimizer_parameter_names()).at("state").toGenericDict();
-    ASSERT_EQ(a.size(), b.size());
-    for (const auto& entry : a)
-      for (const char* key : {"exp_avg", "exp_avg_sq"})
-        EXPECT_TRUE(at::equal(entry.value().toGenericDict().at(key).toTensor(),
-                              b.at(entry.key()).toGenericDict().at(key).toTensor()))
-            << "rank " << cluster.global_rank << " param " << entry.key().toInt() << " " << key;
+    for (auto* other : {&fresh, &third}) {
+      auto b = core::optimizer_state_dict(*other, sharded.optimizer_parameter_names()).at("state").toGenericDict();
+      ASSERT_EQ(a.size(), b.size());
+      for (const auto& entry : a)
+        for (const char* key : {"exp_avg", "exp_avg_sq"})
+          EXPECT_TRUE(at::equal(entry.value().toGenericDict().at(key).toTensor(),
+                                b.at(entry.key()).toGenericDict().at(key).toTensor()))
+              << "rank " << cluster.global_rank << " param " << entry.key().toInt() << " " << key;
+    }
+  });
+}
+
+// The total norm over every shard (tied weight counted once, ignored head counted once
+// although replicated) equals the unsharded one, for the 2-norm and the inf-norm; clipping
+// scales every gradient alike.
+TEST(EngineApi, ClipGradNormEqualsTheUnshardedNorm) {
+  run_ranks(3, std::chrono::seconds(90), [&](const sdk::ClusterInfo& cluster) {
+    auto comm = world(cluster);
+    for (double norm_type : {2.0, std::numeric_limits<double>::infinity()}) {
+      torch::manual_seed(7);
+      Net reference;
+      (reference->forward(inputs(0)) - targets(0)).pow(2).mean().backward();
+      std::vector<at::Tensor> grads;
+      std::set<const void*> seen;
+      for (const auto& p : reference->parameters())
+        if (seen.insert(p.unsafeGetTensorImpl()).second) grads.push_back(p.grad().reshape({-1}));
+      at::Tensor all = at::cat(grads);
+      const double expected = std::isinf(norm_type) ? all.abs().max().item<double>() : all.norm().item<double>();
+
+      torch::manual_seed(7);
+      Net net;
+      fsdp::FSDPOptions o = unit_options();
+      o.ignored_modules = {"head"};
+      fsdp::ShardedModule sharded(net.ptr(), o, comm, core::make_local_communicator());
+      const std::int64_t rows = kBatch / 3, first = rows * cluster.global_rank;
+      sharded.begin_forward(true);
+      at::Tensor loss = (net->forward(inputs(0).narrow(0, first, rows)) - targets(0).narrow(0, first, rows)).pow(2).mean();
+      sharded.begin_backward(true);
+      loss.backward();
+      sharded.finish_backward();
+      const double total = sharded.clip_grad_norm(expected / 4, norm_type);
+      EXPECT_NEAR(total, expected, 1e-5 * expected) << "norm " << norm_type << " rank " << cluster.global_rank;
+      // After clipping to a quarter, the norm is a quarter.
+      EXPECT_NEAR(sharded.clip_grad_norm(1e9, norm_type), expected / 4, 1e-4 * expected) << "norm " << norm_type;
+    }
   });
 }
 

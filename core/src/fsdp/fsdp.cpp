@@ -919,6 +919,14 @@ sdk::Checkpoint ShardedModule::full_optim_state_dict(const torch::optim::Optimiz
 }
 
 void ShardedModule::load_full_optim_state_dict(torch::optim::Optimizer& optimizer, const sdk::Checkpoint& full) {
+  load_optimizer_state_dict(optimizer, shard_full_optim_state_dict(full), optimizer_parameter_names());
+}
+
+sdk::Checkpoint ShardedModule::shard_full_optim_state_dict(const sdk::Checkpoint& given) const {
+  sdk::Checkpoint full = given;
+  auto given_state = checkpoint_get(given, "state").toGenericDict();
+  if (given_state.size() > 0 && given_state.begin()->key().isString())  // PARAM_NAME-keyed (rekeyed)
+    full = rekey_optim_state_dict(given, OptimStateKeyType::PARAM_ID);
   auto full_state = checkpoint_get(full, "state").toGenericDict();
   std::map<std::string, std::int64_t> index_of;
   auto names = checkpoint_get(full, "param_names").toListRef();
@@ -963,7 +971,7 @@ void ShardedModule::load_full_optim_state_dict(torch::optim::Optimizer& optimize
   local.insert("state", state);
   local.insert("param_groups", checkpoint_get(full, "param_groups"));
   local.insert("param_names", c10::List<std::string>(view_names));
-  load_optimizer_state_dict(optimizer, local, view_names);
+  return local;
 }
 
 namespace {

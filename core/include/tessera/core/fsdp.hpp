@@ -89,7 +89,11 @@ class ShardedModule {
   /// The optimizer state consolidated to full parameter shapes, keyed by original names
   /// (PyTorch's full_optim_state_dict): loadable by single_device and any world size.
   sdk::Checkpoint full_optim_state_dict(const torch::optim::Optimizer& optimizer);
-  /// Scatters a full optimizer state dict into this rank's shards (scatter_full_optim_state_dict).
+  /// This rank's part of a full optimizer state dict (PyTorch's shard_full_optim_state_dict):
+  /// keyed by index over optimizer_parameters(), with their names; the full dict may be keyed
+  /// by PARAM_ID (with "param_names") or by PARAM_NAME, from any world size or single_device.
+  sdk::Checkpoint shard_full_optim_state_dict(const sdk::Checkpoint& full) const;
+  /// Loads a full optimizer state dict present on every rank into this rank's shards.
   void load_full_optim_state_dict(torch::optim::Optimizer& optimizer, const sdk::Checkpoint& state);
 
   /// Gathers every unit so that the module's parameters hold their full values (PyTorch's
