@@ -457,33 +457,44 @@ std::string write_config(const std::string& dir) {
   return dir + "/run.toml";
 }
 
-// A 2-rank run saving SHARDED checkpoints (a directory of shards), resumed from its step-4
-// checkpoint on 3 ranks (re-cut shards) and on a single device (consolidated): both
-// continue with the uninterrupted run's losses.
-TEST(ShardedCheckpoint, ReshardsToThreeRanksAndLoadsIntoSingleDevice) {
-  const std::string fsdp2 = " --set launch.devices=2 --set strategy.plugin=fsdp --set strategy.state_dict_type=sharded";
-  std::string full = tessera::testing::fresh_dir("sharded-full");
-  auto a = run_tessera("fit --config " + write_config(full) + fsdp2);
+/// A run saving SHARDED checkpoints (directories of shards) under `source`, then runs
+/// resumed from its step-4 checkpoint under each of `targets` (other world sizes /
+/// strategies, the same global batch of 12): they must continue with the source's losses.
+void check_sharded_resume(const std::string& name, const std::string& source,
+                          const std::vector<std::pair<std::string, std::string>>& targets) {
+  std::string full = tessera::testing::fresh_dir(name);
+  auto a = run_tessera("fit --config " + write_config(full) + source + " --set strategy.state_dict_type=sharded");
   ASSERT_EQ(a.exit_code, 0) << a.output;
   ASSERT_TRUE(std::filesystem::is_directory(full + "/checkpoints/step=4.ckpt")) << a.output;
   auto losses = metric_series(full + "/metrics.csv", "train", "train_loss");
-  struct Case {
-    const char* name;
-    std::string sets;
-  };
-  for (const Case& c : {Case{"sharded-3", " --set launch.devices=3 --set strategy.plugin=fsdp --set data.batch_size=4 "
-                                          "--set strategy.state_dict_type=sharded"},
-                        Case{"sharded-single", " --set data.batch_size=12"}}) {
-    std::string dir = tessera::testing::fresh_dir(c.name);
-    auto r = run_tessera("fit --config " + write_config(dir) + " --ckpt-path " + full + "/checkpoints/step=4.ckpt" +
-                         c.sets);
+  for (const auto& [target, sets] : targets) {
+    std::string dir = tessera::testing::fresh_dir(name + "-" + target);
+    auto r = run_tessera("fit --config " + write_config(dir) + " --ckpt-path " + full + "/checkpoints/step=4.ckpt" + sets);
     ASSERT_EQ(r.exit_code, 0) << r.output;
     auto resumed = metric_series(dir + "/metrics.csv", "train", "train_loss");
     for (std::int64_t step = 5; step <= 8; ++step) {
-      ASSERT_TRUE(resumed.count(step) && losses.count(step)) << c.name << " step " << step << "\n" << r.output;
-      EXPECT_NEAR(resumed.at(step), losses.at(step), 1e-4) << c.name << " step " << step;
+      ASSERT_TRUE(resumed.count(step) && losses.count(step)) << target << " step " << step << "\n" << r.output;
+      EXPECT_NEAR(resumed.at(step), losses.at(step), 1e-4) << target << " step " << step;
     }
   }
+}
+
+TEST(ShardedCheckpoint, ReshardsToThreeRanksAndLoadsIntoSingleDevice) {
+  check_sharded_resume("sharded-2", " --set launch.devices=2 --set strategy.plugin=fsdp",
+                       {{"3-ranks", " --set launch.devices=3 --set strategy.plugin=fsdp --set data.batch_size=4 "
+                                    "--set strategy.state_dict_type=sharded"},
+                        {"single", " --set data.batch_size=12"}});
+}
+
+// HYBRID_SHARD writes every replica's shards (overlapping pieces); NO_SHARD writes whole
+// tensors from every rank. Both re-cut into FULL_SHARD on 2 ranks.
+TEST(ShardedCheckpoint, HybridAndNoShardSavesLoadIntoFullShard) {
+  const std::string target = " --set launch.devices=2 --set strategy.plugin=fsdp --set strategy.state_dict_type=sharded";
+  check_sharded_resume("sharded-hybrid", " --set launch.devices=4 --set strategy.plugin=fsdp --set data.batch_size=3 "
+                       "--set strategy.sharding_strategy=HYBRID_SHARD --set strategy.hybrid_shard_group_size=2",
+                       {{"full-shard", target}});
+  check_sharded_resume("sharded-noshard", " --set launch.devices=2 --set strategy.plugin=fsdp "
+                       "--set strategy.sharding_strategy=NO_SHARD", {{"full-shard", target}});
 }
 
 TEST(StrategyConfig, InvalidCombinationsAreClearErrors) {

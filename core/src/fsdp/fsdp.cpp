@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <deque>
 #include <functional>
 #include <map>
 #include <mutex>
@@ -55,7 +56,7 @@ struct FlatParamUnit {
   CommHandlePtr gather_handle, reduce_handle;
   at::Tensor gather_input, reduce_input, reduce_output;
   std::vector<std::shared_ptr<torch::autograd::Node>> accumulators;
-  std::string forward_tag, backward_tag, reduce_tag;
+  std::string forward_tag, backward_tag, reduce_tag, replica_tag;
   std::int64_t order_position = -1;  // in the first forward's execution order, -1: never ran
 };
 
@@ -335,6 +336,7 @@ void ShardedModule::plan_units() {
     u.forward_tag = "forward all-gather of " + u.name;
     u.backward_tag = "backward all-gather of " + u.name;
     u.reduce_tag = "reduce-scatter of " + u.name;
+    u.replica_tag = "replica all-reduce of " + u.name;
   }
   for (std::size_t i = 0; i < chosen.size(); ++i)
     sdk::set_unit_runner(*chosen[i].second, std::make_shared<UnitRunnerImpl>(this, units_[i].get()));
@@ -686,6 +688,10 @@ void ShardedModule::begin_backward(bool sync) {
 }
 
 void ShardedModule::on_gradient_ready(FlatParamUnit& u) {
+  // Gradients of a unit whose pre-backward never ran would land outside the flat gradient.
+  TESSERA_CHECK(u.grads_attached, "FSDP unit '", u.name, "' received gradients but was not run through ",
+                "sdk::invoke in this forward: every module of an FSDP unit class must be called through sdk::invoke ",
+                "(or leave its class out of [strategy] transformer_layer_cls)");
   if (sync_) reduce_gradients(u);
   if (!u.is_root) reshard(u);
   if (options_.backward_prefetch == BackwardPrefetch::BACKWARD_POST)
@@ -703,26 +709,39 @@ void ShardedModule::reduce_gradients(FlatParamUnit& u) {
   } else {
     u.reduce_output = u.reduce_input;
   }
+  // At most two reductions in flight: unit i's overlaps the backward of unit i-1, and the
+  // unsharded gradients (plus the collective's buffers) of older units are freed instead of
+  // piling up to a whole unsharded model by the end of backward.
+  reducing_.push_back(&u);
+  while (reducing_.size() > 2) {
+    FlatParamUnit* oldest = reducing_.front();
+    reducing_.pop_front();
+    finish_reduction(*oldest);
+  }
+}
+
+void ShardedModule::finish_reduction(FlatParamUnit& u) {
+  torch::NoGradGuard no_grad;
+  if (u.reduce_handle) u.reduce_handle->wait();
+  u.reduce_handle.reset();
+  if (replicate_group_->size() > 1) replicate_group_->all_reduce(u.reduce_output, sdk::ReduceOp::mean, u.replica_tag)->wait();
+  u.shard_grad.add_(u.reduce_output.to(at::kFloat));
+  u.reduce_input.reset();
+  u.reduce_output.reset();
+  for (auto& p : u.params) p.mutable_grad().reset();
+  free_storage(u.grad_full);
+  u.grads_attached = false;
 }
 
 void ShardedModule::finish_backward() {
   if (sync_) {
     // Units whose hooks did not all fire (parameters unused this step) reduce now, in the
-    // same unit order on every rank.
+    // same unit order on every rank; then every reduction finishes in launch order.
     for (auto& u : units_) reduce_gradients(*u);
-    torch::NoGradGuard no_grad;
-    for (auto& u : units_) {
-      if (!u->reduced) continue;
-      if (u->reduce_handle) u->reduce_handle->wait();
-      u->reduce_handle.reset();
-      if (replicate_group_->size() > 1)
-        replicate_group_->all_reduce(u->reduce_output, sdk::ReduceOp::mean, "replica all-reduce of " + u->name)->wait();
-      u->shard_grad.add_(u->reduce_output.to(at::kFloat));
-      u->reduce_input.reset();
-      u->reduce_output.reset();
-      for (auto& p : u->params) p.mutable_grad().reset();
-      free_storage(u->grad_full);
-      u->grads_attached = false;
+    while (!reducing_.empty()) {
+      FlatParamUnit* oldest = reducing_.front();
+      reducing_.pop_front();
+      finish_reduction(*oldest);
     }
     reduce_ignored_gradients();
     accumulating_ = false;
@@ -1171,7 +1190,7 @@ sdk::Checkpoint read_resharded_checkpoint(sdk::CheckpointIO& io, const std::stri
   sdk::Checkpoint out = sdk::make_checkpoint();
   std::map<std::string, at::Tensor> params;
   std::map<std::string, std::vector<std::int64_t>> shapes;
-  std::map<std::string, std::int64_t> covered;
+  std::map<std::string, at::Tensor> covered;  // which wanted elements some shard provided (replicas overlap)
   std::map<std::string, std::map<std::string, at::Tensor>> optim;  // name -> key -> piece
   std::map<std::string, c10::IValue> optim_scalars;                  // name + "\n" + key -> value
   c10::IValue param_groups, param_names;
@@ -1181,11 +1200,12 @@ sdk::Checkpoint read_resharded_checkpoint(sdk::CheckpointIO& io, const std::stri
     return it == wanted->end() ? std::pair<std::int64_t, std::int64_t>{-1, 0} : it->second;
   };
   // Copies the overlap of a piece at [start, start + n) into the wanted range of `target`.
-  auto place = [](at::Tensor& target, const at::Tensor& piece, std::int64_t start, std::pair<std::int64_t, std::int64_t> want) {
+  auto place = [](at::Tensor& target, const at::Tensor& piece, std::int64_t start, std::pair<std::int64_t, std::int64_t> want,
+                  at::Tensor* mask) {
     std::int64_t lo = std::max(start, want.first), hi = std::min(start + piece.numel(), want.first + want.second);
-    if (hi <= lo) return std::int64_t{0};
+    if (hi <= lo) return;
     target.narrow(0, lo - want.first, hi - lo).copy_(piece.reshape({-1}).narrow(0, lo - start, hi - lo));
-    return hi - lo;
+    if (mask) mask->narrow(0, lo - want.first, hi - lo).fill_(true);
   };
   for (std::int64_t r = 0; r < shards; ++r) {
     sdk::Checkpoint shard = io.load_checkpoint(path, sdk::ShardInfo{r, shards, true});
@@ -1212,8 +1232,11 @@ sdk::Checkpoint read_resharded_checkpoint(sdk::CheckpointIO& io, const std::stri
       auto want = range_of(item.key(), numel);
       if (want.first < 0) continue;
       auto it = params.find(item.key());
-      if (it == params.end()) it = params.emplace(item.key(), at::zeros({want.second}, item.value().options())).first;
-      covered[item.key()] += place(it->second, item.value(), start, want);
+      if (it == params.end()) {
+        it = params.emplace(item.key(), at::zeros({want.second}, item.value().options())).first;
+        covered[item.key()] = at::zeros({want.second}, at::kBool);
+      }
+      place(it->second, item.value(), start, want, &covered[item.key()]);
     }
     if (!shard.contains("optimizer_states")) continue;
     auto states = shard.at("optimizer_states").toListRef();
@@ -1237,15 +1260,15 @@ sdk::Checkpoint read_resharded_checkpoint(sdk::CheckpointIO& io, const std::stri
         }
         auto& target = optim[name][key];
         if (!target.defined()) target = at::zeros({want.second}, kv.value().toTensor().options());
-        place(target, kv.value().toTensor(), start, want);
+        place(target, kv.value().toTensor(), start, want, nullptr);
       }
     }
   }
   sdk::StateDict state;
   for (auto& [name, value] : params) {
-    std::int64_t expected = wanted ? wanted->at(name).second : value.numel();
-    TESSERA_CHECK(covered[name] == expected, "sharded checkpoint ", path, ": the shards cover ", covered[name], " of ",
-                  expected, " wanted elements of '", name, "'; a shard file is missing or from another save");
+    const std::int64_t have = covered[name].sum().item<std::int64_t>();
+    TESSERA_CHECK(have == value.numel(), "sharded checkpoint ", path, ": the shards cover ", have, " of ",
+                  value.numel(), " wanted elements of '", name, "'; a shard file is missing or from another save");
     state.insert(name, wanted ? value : value.view(shapes[name]));
   }
   out.insert("state_dict", to_ivalue(state));

@@ -4,6 +4,7 @@
 /// one padded flat buffer whose storage is gathered before the unit runs (through the
 /// sdk::invoke seam) and freed after; gradients accumulate into a flat gradient buffer and
 /// are reduce-scattered into the sharded gradient once the unit's backward is complete.
+#include <deque>
 #include <functional>
 #include <map>
 #include <memory>
@@ -153,6 +154,7 @@ class ShardedModule {
   void plan_units();
   void flatten(FlatParamUnit& unit);
   void reduce_gradients(FlatParamUnit& unit);
+  void finish_reduction(FlatParamUnit& unit);
   void check_plan();
   void check_plan_over(Communicator& group, const std::vector<std::string>& entries);
   void find_ignored();
@@ -172,6 +174,7 @@ class ShardedModule {
   std::vector<at::Tensor> ignored_params_;
   std::set<const void*> ignored_impls_;
   bool summoned_ = false;
+  std::deque<FlatParamUnit*> reducing_;  // reductions launched and not finished, oldest first
   std::vector<FlatParamUnit*> order_;  // units in the first forward's execution order
   bool order_frozen_ = false;
   void freeze_order();
