@@ -3,11 +3,13 @@
 // the scaler's state survives checkpoint/resume through the `tessera` binary.
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <fstream>
 #include <set>
 
 #include <ATen/ATen.h>
 #include <torch/nn/modules/activation.h>
+#include <torch/nn/modules/batchnorm.h>
 #include <torch/nn/modules/linear.h>
 #include <torch/optim/adamw.h>
 #include <torch/optim/sgd.h>
@@ -159,6 +161,89 @@ TEST(MixedPrecisionPolicy, BytesOnTheWireHalveUnderBf16) {
     // The optimizer steps on fp32 master shards in the mixed modes.
     EXPECT_EQ(bf16_mixed.master_dtype, at::kFloat);
     EXPECT_EQ(bf16_params.master_dtype, at::kFloat);
+  });
+}
+
+/// A unit with a BatchNorm (kept out of the mixed-precision policy) and a floating buffer
+/// (cast to buffer_dtype while training, fp32 in state dicts).
+struct NormBlockImpl : torch::nn::Module {
+  NormBlockImpl() : torch::nn::Module("NormBlock") {
+    fc = register_module("fc", torch::nn::Linear(13, 13));
+    bn = register_module("bn", torch::nn::BatchNorm1d(13));
+    scale = register_buffer("scale", at::full({13}, 0.5));
+  }
+  at::Tensor forward(const at::Tensor& x) { return bn(fc(x)) * scale; }
+  torch::nn::Linear fc{nullptr};
+  torch::nn::BatchNorm1d bn{nullptr};
+  at::Tensor scale;
+};
+TORCH_MODULE(NormBlock);
+
+struct NormNetImpl : torch::nn::Module {
+  NormNetImpl() {
+    b1 = register_module("b1", NormBlock());
+    head = register_module("head", torch::nn::Linear(13, 1));
+  }
+  at::Tensor forward(const at::Tensor& x) { return head(sdk::invoke(b1, x)); }
+  NormBlock b1{nullptr};
+  torch::nn::Linear head{nullptr};
+};
+TORCH_MODULE(NormNet);
+
+// bf16-mixed with param_dtype and buffer_dtype bf16 and keep_low_precision_grads: the
+// BatchNorm keeps fp32 parameters (replicated, equal on every rank after steps) and fp32
+// running statistics; the other floating buffer is bf16 in the module and fp32 in the state
+// dict; the optimizer sees bf16 gradients for the flat units and fp32 ones for the norm.
+TEST(MixedPrecisionPolicy, NormLayersStayFp32BuffersCastLowPrecisionGradsKept) {
+  run_ranks(2, std::chrono::seconds(90), [&](const sdk::ClusterInfo& cluster) {
+    auto comm = core::make_communicator(cluster, c10::kCPU);
+    core::PrecisionBase precision(options("precision = \"bf16-mixed\"\nparam_dtype = \"bfloat16\"\n"
+                                          "buffer_dtype = \"bfloat16\"\nkeep_low_precision_grads = true\n"),
+                                  /*fsdp_policy=*/true);
+    torch::manual_seed(0);
+    NormNet net;
+    core::fsdp::FSDPOptions fsdp_options;
+    fsdp_options.unit_classes = {"NormBlock"};
+    fsdp_options.rank0_only = false;
+    fsdp_options.mixed_precision = precision.mixed_precision_policy();
+    core::fsdp::ShardedModule sharded(net.ptr(), fsdp_options, comm, comm);
+    EXPECT_EQ(net->b1->bn->weight.scalar_type(), at::kFloat);
+    EXPECT_EQ(net->b1->bn->running_mean.scalar_type(), at::kFloat);
+    EXPECT_EQ(net->b1->scale.scalar_type(), at::kBFloat16);
+    std::vector<at::Tensor> params;
+    for (const auto& p : sharded.optimizer_parameters()) params.push_back(p.tensor);
+    torch::optim::SGD optimizer(params, torch::optim::SGDOptions(0.1));
+    for (int step = 0; step < 3; ++step) {
+      at::Generator g = at::detail::createCPUGenerator(10 * step + cluster.global_rank);
+      sharded.begin_forward(/*training=*/true);
+      at::Tensor loss;
+      {
+        sdk::GuardPtr guard = precision.forward_context();
+        loss = precision.convert_output(net->forward(at::randn({6, 13}, g)).pow(2).mean());
+      }
+      sharded.begin_backward(/*sync=*/true);
+      loss.backward();
+      sharded.finish_backward();
+      EXPECT_TRUE(std::isfinite(sharded.clip_grad_norm(1.0, 2.0)));
+      optimizer.step();
+      sharded.after_optimizer_step();
+    }
+    for (const auto& p : sharded.optimizer_parameters()) {
+      const bool norm = p.name.find(".bn.") != std::string::npos;
+      EXPECT_EQ(p.tensor.scalar_type(), at::kFloat) << p.name;  // fp32 master
+      EXPECT_EQ(p.tensor.grad().scalar_type(), norm ? at::kFloat : at::kBFloat16) << p.name;
+      if (norm) EXPECT_EQ(p.tensor.numel(), 13) << p.name << " is replicated whole";
+    }
+    // The replicated norm parameters moved, and identically on every rank.
+    at::Tensor weight = net->b1->bn->weight.detach().clone();
+    EXPECT_FALSE(at::equal(weight, at::ones({13})));
+    at::Tensor spread = weight.clone();
+    comm->all_reduce(spread, sdk::ReduceOp::max, "test")->wait();
+    EXPECT_TRUE(at::equal(spread, weight)) << "rank " << cluster.global_rank;
+    sdk::StateDict state = sharded.full_state_dict();
+    EXPECT_EQ(state.find("b1.scale")->scalar_type(), at::kFloat);
+    EXPECT_EQ(state.find("b1.bn.running_var")->scalar_type(), at::kFloat);
+    EXPECT_FALSE(at::equal(*state.find("b1.bn.running_mean"), at::zeros({13})));
   });
 }
 

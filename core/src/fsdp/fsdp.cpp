@@ -63,6 +63,7 @@ struct FlatParamUnit {
 namespace {
 
 bool in_arena(const at::Tensor& t);
+bool reset_known_module(torch::nn::Module& m);
 void release_arena();
 void restore_arena_rng();
 
@@ -208,17 +209,27 @@ ShardedModule::ShardedModule(std::shared_ptr<torch::nn::Module> network, const F
     for (const auto& item : network_->named_modules()) sdk::set_unit_runner(*item.value(), nullptr);
     throw;
   }
-  TESSERA_CHECK(!options_.deferred_init || ignored_params_.empty(), "[strategy] ignored_modules cannot be combined ",
+  TESSERA_CHECK(!options_.deferred_init || options_.ignored_modules.empty(), "[strategy] ignored_modules cannot be combined ",
                 "with deferred_init = true: ignored parameters are not sharded, so they would be built whole anyway");
   if (options_.deferred_init) restore_arena_rng();
   for (auto& unit : units_) flatten(*unit);
   if (options_.deferred_init) {
+    // Exempt norm layers are replicated: built whole (deterministic ones and zeros).
+    torch::NoGradGuard no_grad;
+    for (auto& m : norm_layers_) {
+      for (auto& p : m->parameters(/*recurse=*/false))
+        if (ignored_impls_.count(p.unsafeGetTensorImpl())) p.set_data(at::empty(p.sizes(), p.options().device(device_)));
+      for (auto& b : m->buffers(/*recurse=*/false))
+        if (in_arena(b)) b.set_data(at::zeros(b.sizes(), b.options().device(device_)));
+      reset_known_module(*m);
+    }
     for (const auto& item : network_->named_buffers())
       TESSERA_CHECK(!in_arena(item.value()), "deferred init: buffer '", item.key(),
                     "' belongs to no module tessera can re-initialise, and the values computed for it at construction ",
                     "were not kept; set [strategy] deferred_init = false for this model");
     release_arena();
   }
+  cast_buffers();
 }
 
 ShardedModule::~ShardedModule() {
@@ -261,8 +272,64 @@ void ShardedModule::find_ignored() {
   }
 }
 
+namespace {
+bool is_batch_norm(const torch::nn::Module& m) {
+  return dynamic_cast<const torch::nn::BatchNorm1dImpl*>(&m) || dynamic_cast<const torch::nn::BatchNorm2dImpl*>(&m) ||
+         dynamic_cast<const torch::nn::BatchNorm3dImpl*>(&m);
+}
+}  // namespace
+
+// PyTorch keeps BatchNorm out of FSDP's mixed precision (MixedPrecision's
+// _module_classes_to_ignore): running statistics in half precision drift. Their buffers are
+// never cast to buffer_dtype, and where param_dtype would lower their parameters those stay
+// out of the flat units, replicated in their own dtype with all-reduced gradients (as
+// ignored_modules are): a few numbers per channel.
+void ShardedModule::exempt_norm_layers() {
+  const auto& param_dtype = options_.mixed_precision.param_dtype;
+  for (const auto& item : network_->named_modules("", /*include_self=*/false)) {
+    if (!is_batch_norm(*item.value())) continue;
+    norm_layers_.push_back(item.value());
+    for (const auto& p : item.value()->named_parameters(/*recurse=*/false)) {
+      if (!param_dtype || *param_dtype == p.value().scalar_type()) continue;
+      if (!ignored_impls_.insert(p.value().unsafeGetTensorImpl()).second) continue;  // ignored already
+      ignored_params_.push_back(p.value());
+      ignored_names_.push_back({item.key() + "." + p.key()});
+    }
+  }
+}
+
+// buffer_dtype applies to the floating buffers of everything FSDP manages (not ignored
+// modules, not norm layers); state dicts hold them in their own dtype again.
+void ShardedModule::cast_buffers() {
+  const auto& buffer_dtype = options_.mixed_precision.buffer_dtype;
+  if (!buffer_dtype) return;
+  std::set<const void*> exempt;
+  std::vector<std::shared_ptr<torch::nn::Module>> exempt_modules = norm_layers_;
+  for (const auto& item : network_->named_modules("", /*include_self=*/false)) {
+    const auto& wanted = options_.ignored_modules;
+    if (std::find(wanted.begin(), wanted.end(), item.key()) != wanted.end() ||
+        std::find(wanted.begin(), wanted.end(), item.value()->name()) != wanted.end())
+      exempt_modules.push_back(item.value());
+  }
+  for (const auto& m : exempt_modules)
+    for (const auto& b : m->buffers()) exempt.insert(b.unsafeGetTensorImpl());
+  torch::NoGradGuard no_grad;
+  for (auto& item : network_->named_buffers()) {
+    at::Tensor& b = item.value();
+    if (!b.is_floating_point() || b.scalar_type() == *buffer_dtype || exempt.count(b.unsafeGetTensorImpl())) continue;
+    buffer_dtypes_[item.key()] = b.scalar_type();
+    b.set_data(b.to(*buffer_dtype));
+  }
+}
+
+at::Tensor ShardedModule::buffer_for_state(const std::string& name, const at::Tensor& buffer) const {
+  auto it = buffer_dtypes_.find(name);
+  return it == buffer_dtypes_.end() ? buffer.detach() : buffer.detach().to(it->second);
+}
+
 void ShardedModule::plan_units() {
   find_ignored();
+  exempt_norm_layers();
   const auto& classes = options_.unit_classes;
   auto is_ignored = [&](const std::string& path, const torch::nn::Module& m) {
     const auto& wanted = options_.ignored_modules;
@@ -549,7 +616,11 @@ void ShardedModule::flatten(FlatParamUnit& u) {
       flat.narrow(0, u.offsets[i], u.numels[i]).copy_(u.params[i].detach().reshape({-1}));
   }
   u.shard = flat.narrow(0, u.shard_offset, u.shard_numel).clone();
-  u.shard_grad = at::zeros({u.shard_numel}, fp32());
+  // keep_low_precision_grads: the optimizer sees gradients in reduce_dtype, as PyTorch's
+  // FSDP leaves them (for optimizers that step in low precision); otherwise fp32.
+  const auto& policy = options_.mixed_precision;
+  at::ScalarType grad_dtype = policy.keep_low_precision_grads ? policy.reduce_dtype.value_or(u.compute_dtype) : at::kFloat;
+  u.shard_grad = at::zeros({u.shard_numel}, fp32().dtype(grad_dtype));
   // The buffers are built one at a time so that deferred init peaks at about one unit.
   u.full = flat.scalar_type() == u.compute_dtype ? flat : flat.to(u.compute_dtype);
   flat.reset();
@@ -725,7 +796,7 @@ void ShardedModule::finish_reduction(FlatParamUnit& u) {
   if (u.reduce_handle) u.reduce_handle->wait();
   u.reduce_handle.reset();
   if (replicate_group_->size() > 1) replicate_group_->all_reduce(u.reduce_output, sdk::ReduceOp::mean, u.replica_tag)->wait();
-  u.shard_grad.add_(u.reduce_output.to(at::kFloat));
+  u.shard_grad.add_(u.reduce_output);
   u.reduce_input.reset();
   u.reduce_output.reset();
   for (auto& p : u.params) p.mutable_grad().reset();
@@ -787,8 +858,9 @@ double ShardedModule::clip_grad_norm(double max_norm, double norm_type) {
   const bool inf_norm = std::isinf(norm_type);
   at::Tensor local = at::zeros({1}, fp32());
   for (const auto& u : units_) {
-    if (inf_norm) local = at::maximum(local, u->shard_grad.abs().max().reshape({1}));
-    else local += u->shard_grad.abs().pow(norm_type).sum();
+    at::Tensor g = u->shard_grad.to(at::kFloat);
+    if (inf_norm) local = at::maximum(local, g.abs().max().reshape({1}));
+    else local += g.abs().pow(norm_type).sum();
   }
   // Replicas hold identical shards: the norm is over the shard group only.
   shard_group_->all_reduce(local, inf_norm ? sdk::ReduceOp::max : sdk::ReduceOp::sum, "clip_grad_norm")->wait();
@@ -827,7 +899,7 @@ sdk::StateDict ShardedModule::full_state_dict() {
   for (std::size_t i = 0; i < ignored_params_.size(); ++i)
     for (const auto& name : ignored_names_[i]) by_name[name] = ignored_params_[i].detach().to(at::kCPU, at::kFloat).clone();
   for (const auto& item : network_->named_parameters()) state.insert(item.key(), by_name.at(item.key()));
-  for (const auto& item : network_->named_buffers()) state.insert(item.key(), item.value().detach());
+  for (const auto& item : network_->named_buffers()) state.insert(item.key(), buffer_for_state(item.key(), item.value()));
   return state;
 }
 
@@ -1097,7 +1169,7 @@ sdk::StateDict ShardedModule::sharded_state_dict() const {
     for (const auto& name : ignored_names_[i])
       state.insert(name, ignored_params_[i].detach().reshape({-1}).to(at::kCPU, at::kFloat).clone());
   for (const auto& item : network_->named_buffers())
-    state.insert(item.key(), item.value().detach().reshape({-1}).to(at::kCPU).clone());
+    state.insert(item.key(), buffer_for_state(item.key(), item.value()).reshape({-1}).to(at::kCPU).clone());
   return state;
 }
 
@@ -1141,7 +1213,8 @@ sdk::StateDict ShardedModule::local_state_dict() const {
   for (const auto& u : units_) state.insert(flat_param_key(*u), u->shard.detach().to(at::kCPU).clone());
   for (std::size_t i = 0; i < ignored_params_.size(); ++i)
     state.insert(ignored_names_[i][0], ignored_params_[i].detach().to(at::kCPU, at::kFloat).clone());
-  for (const auto& item : network_->named_buffers()) state.insert(item.key(), item.value().detach().to(at::kCPU).clone());
+  for (const auto& item : network_->named_buffers())
+    state.insert(item.key(), buffer_for_state(item.key(), item.value()).to(at::kCPU).clone());
   return state;
 }
 

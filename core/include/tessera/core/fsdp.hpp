@@ -158,6 +158,10 @@ class ShardedModule {
   void check_plan();
   void check_plan_over(Communicator& group, const std::vector<std::string>& entries);
   void find_ignored();
+  void exempt_norm_layers();
+  void cast_buffers();
+  /// A buffer as state dicts hold it: in its dtype from before buffer_dtype cast it.
+  at::Tensor buffer_for_state(const std::string& name, const at::Tensor& buffer) const;
   void materialize(FlatParamUnit& unit, at::Tensor& flat);
   void reduce_ignored_gradients();
   /// fp32 on the network's device (where collectives and shards live).
@@ -173,6 +177,9 @@ class ShardedModule {
   std::vector<std::vector<std::string>> ignored_names_;
   std::vector<at::Tensor> ignored_params_;
   std::set<const void*> ignored_impls_;
+  // BatchNorm modules, kept out of the mixed-precision policy (see exempt_norm_layers).
+  std::vector<std::shared_ptr<torch::nn::Module>> norm_layers_;
+  std::map<std::string, at::ScalarType> buffer_dtypes_;  // buffers cast to buffer_dtype: their own dtype
   bool summoned_ = false;
   std::deque<FlatParamUnit*> reducing_;  // reductions launched and not finished, oldest first
   std::vector<FlatParamUnit*> order_;  // units in the first forward's execution order
