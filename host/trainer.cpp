@@ -16,8 +16,13 @@
 
 #include "tessera/core/checkpoint.hpp"
 #include "tessera/core/data_loader.hpp"
+#include "tessera/sdk/build_config.hpp"  // TESSERA_WITH_CUDA, before the #if below
 #include "tessera/sdk/error.hpp"
 #include "lr_schedule.hpp"
+
+#if TESSERA_WITH_CUDA
+#include <c10/cuda/CUDACachingAllocator.h>
+#endif
 
 namespace tessera::host {
 
@@ -310,6 +315,19 @@ void Trainer::fit(const std::string& ckpt_path) {
                        .item<double>();
   log_.info("peak RSS per rank (max over ranks): " + format(peak_mb, 5) + " MB");
   log_.metrics(global_step_, epoch_, "train", {{"peak_rss_mb", peak_mb}});
+#if TESSERA_WITH_CUDA
+  // And the peak of tensor memory on the GPU (what cpu_offload and sharding lower there).
+  if (strategy_->root_device().is_cuda()) {
+    const auto stats = c10::cuda::CUDACachingAllocator::getDeviceStats(strategy_->root_device().index());
+    const auto peak = stats.allocated_bytes[0].peak;  // [0]: StatType::AGGREGATE (its namespace moved in LibTorch 2)
+    double cuda_mb = strategy_->reduce(at::full({}, static_cast<double>(peak) / 1048576.0, at::kFloat)
+                                           .to(strategy_->root_device()),
+                                       sdk::ReduceOp::max)
+                         .item<double>();
+    log_.info("peak CUDA tensor memory per rank (max over ranks): " + format(cuda_mb, 5) + " MB");
+    log_.metrics(global_step_, epoch_, "train", {{"peak_cuda_mb", cuda_mb}});
+  }
+#endif
   if (t.save_last) save(t.default_root_dir + "/checkpoints/last.ckpt");
   if (t.predict_after_fit) {
     log_.info("sample from the trained model:");

@@ -64,13 +64,6 @@ class FSDPStrategy : public core::StrategyBase {
     return *engine_;
   }
 
-  void setup_environment(const sdk::ClusterInfo& cluster) override {
-    StrategyBase::setup_environment(cluster);
-    // Parameters and gradients already live on the CPU there; on CUDA offload is not built yet.
-    TESSERA_CHECK(!cpu_offload_ || device_.is_cpu(), "[strategy] cpu_offload = true is not supported on ", device_,
-                  " by this tessera yet");
-  }
-
   sdk::StepOutput training_step(const sdk::Batch& batch, std::int64_t batch_idx) override {
     engine_->begin_forward(/*training=*/true);
     return StrategyBase::training_step(batch, batch_idx);
@@ -176,6 +169,7 @@ class FSDPStrategy : public core::StrategyBase {
     }
     options_.sharding_strategy = fsdp::parse_sharding_strategy(sharding_strategy_);
     options_.deferred_init = deferred_init_;
+    options_.cpu_offload = cpu_offload_;
     options_.mixed_precision = precision().mixed_precision_policy();
     options_.unit_classes = unit_classes_.empty() ? module_->fsdp_unit_classes() : unit_classes_;
     check_unit_classes();

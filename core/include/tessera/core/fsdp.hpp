@@ -44,6 +44,13 @@ struct FSDPOptions {
   std::vector<std::string> ignored_modules;
   /// The network was built under deferred_init_guard(): initialise each unit when sharding it.
   bool deferred_init = false;
+  /// The fp32 master shards, their gradients and so the optimizer state live in pinned CPU
+  /// memory; units are copied to the device to be gathered and gradients copied back after
+  /// their reduce-scatter. Nothing changes for CPU networks.
+  bool cpu_offload = false;
+  /// param_dtype: gather and compute; reduce_dtype: gradient reduction (and the optimizer's
+  /// gradients with keep_low_precision_grads); buffer_dtype: floating buffers. BatchNorm
+  /// modules stay out of it, as in PyTorch.
   sdk::MixedPrecisionPolicy mixed_precision;
 };
 
@@ -164,8 +171,10 @@ class ShardedModule {
   at::Tensor buffer_for_state(const std::string& name, const at::Tensor& buffer) const;
   void materialize(FlatParamUnit& unit, at::Tensor& flat);
   void reduce_ignored_gradients();
-  /// fp32 on the network's device (where collectives and shards live).
+  /// fp32 on the network's device (where collectives run).
   at::TensorOptions fp32() const;
+  /// fp32 where the shards live: the network's device, or pinned CPU memory under cpu_offload.
+  at::TensorOptions shard_options() const;
 
   std::shared_ptr<torch::nn::Module> network_;
   FSDPOptions options_;

@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# Peak RSS per rank of a ~57M-parameter GPT (8 layers, 768 wide) for a few AdamW steps:
+# single device, DDP on 2 ranks, FSDP FULL_SHARD on 1, 2 and 4 ranks, eager and with
+# deferred_init (the model never built whole). Model state (fp32 params + grads + Adam) is
+# ~0.9 GB unsharded; FSDP's share per rank should fall as 1/N above the process baseline.
+#   bash bench/training/memory.sh [build-dir]        (~3 minutes on 2 cores)
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+tessera="${1:-build}/bin/tessera"
+out="$(mktemp -d)"; trap 'rm -rf "$out"' EXIT
+cat > "$out/gpt.toml" <<TOML
+[trainer]
+max_steps = 3
+log_every_n_steps = 1
+enable_progress_bar = false
+save_last = false
+[optimizer]
+name = "adamw"
+lr = 3e-4
+schedule = "constant"
+[model]
+plugin = "gpt"
+n_layer = 8
+n_head = 12
+n_embd = 768
+block_size = 64
+[data]
+plugin = "text"
+block_size = 64
+TOML
+
+# Each configuration runs twice: with the 57M model and with a 1-layer, 48-wide one of the
+# same vocabulary; the difference is what the model costs per rank (state + activations),
+# the process baseline (LibTorch, Gloo, data) taken out.
+peak_rss() {
+  local dir="$1"; shift
+  $tessera fit --config "$out/gpt.toml" --set trainer.default_root_dir="$dir" "$@" > "$dir.log" 2>&1 \
+    || { echo "$dir failed:" >&2; tail -20 "$dir.log" >&2; exit 1; }
+  awk -F, '$4=="peak_rss_mb" {printf "%.0f", $5}' "$dir/metrics.csv"
+}
+run() {
+  local name="$1"; shift
+  local big tiny
+  big=$(peak_rss "$out/$name" "$@")
+  tiny=$(peak_rss "$out/$name-tiny" "$@" --set model.n_layer=1 --set model.n_embd=48)
+  printf "%-24s %6s MB peak RSS per rank, %6s MB of it for the model (tiny-model baseline %s MB)\n" \
+    "$name" "$big" "$((big - tiny))" "$tiny"
+}
+
+run single_device --set data.batch_size=4
+run ddp_2 --set launch.devices=2 --set strategy.plugin=ddp --set data.batch_size=2
+for n in 1 2 4; do
+  run "fsdp_full_shard_$n" --set launch.devices=$n --set strategy.plugin=fsdp --set data.batch_size=$((4 / n))
+  run "fsdp_deferred_init_$n" --set launch.devices=$n --set strategy.plugin=fsdp --set strategy.deferred_init=true \
+    --set data.batch_size=$((4 / n))
+done
