@@ -548,6 +548,11 @@ TEST(StrategyConfig, InvalidCombinationsAreClearErrors) {
   r = run_tessera("fit --config " + write_config(dir) + " --set strategy.plugin=fsdp --set 'strategy.ignored_modules=[\"lm_haed\"]'");
   EXPECT_NE(r.exit_code, 0);
   EXPECT_NE(r.output.find("ignored_modules names 'lm_haed'"), std::string::npos) << r.output;
+  r = run_tessera("fit --config " + write_config(dir) + " --set strategy.plugin=fsdp --set strategy.accelerator=cpu" +
+                  " --set strategy.device_id=1");
+  EXPECT_NE(r.exit_code, 0);
+  EXPECT_NE(r.output.find("[strategy] device_id = 1 names a CUDA device, but this run is on the CPU"), std::string::npos)
+      << r.output;
 }
 
 }  // namespace

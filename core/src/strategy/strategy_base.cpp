@@ -6,6 +6,7 @@
 #include <set>
 
 #include <ATen/ATen.h>
+#include <torch/cuda.h>
 #include <torch/csrc/autograd/grad_mode.h>
 
 #include "tessera/core/checkpoint.hpp"
@@ -16,7 +17,9 @@
 namespace tessera::core {
 
 StrategyBase::StrategyBase(const sdk::Options& options)
-    : accelerator_(options.get_choice("accelerator", "auto", {"auto", "cpu", "cuda"})) {}
+    : accelerator_(options.get_choice("accelerator", "auto", {"auto", "cpu", "cuda"})),
+      device_id_(options.get_int("device_id", 0, 0)),
+      device_id_key_(options.locate("device_id")) {}
 StrategyBase::~StrategyBase() = default;
 
 void StrategyBase::connect(std::shared_ptr<sdk::Precision> precision, std::shared_ptr<sdk::CheckpointIO> checkpoint_io) {
@@ -40,7 +43,17 @@ void StrategyBase::setup_environment(const sdk::ClusterInfo& cluster) {
   bool cuda = accelerator_ == "cuda" || (accelerator_ == "auto" && at::hasCUDA());
   TESSERA_CHECK(!cuda || at::hasCUDA(), "[strategy] accelerator = \"cuda\" but this tessera ",
                 (TESSERA_WITH_CUDA ? "sees no CUDA device" : "was built without CUDA"), "; valid here: \"cpu\", \"auto\"");
-  device_ = cuda ? c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(cluster.local_rank)) : c10::Device(c10::kCPU);
+  // device_id (PyTorch FSDP's name) is local rank 0's GPU; the others follow it, so two jobs
+  // can share a node: device_id = 4 puts a 4-rank job on cuda:4-7.
+  TESSERA_CHECK(cuda || device_id_ == 0, device_id_key_, " = ", device_id_, " names a CUDA device, but this run is on the CPU");
+  if (cuda) {
+    const std::int64_t index = device_id_ + cluster.local_rank, count = static_cast<std::int64_t>(torch::cuda::device_count());
+    TESSERA_CHECK(index < count, "local rank ", cluster.local_rank, " would use cuda:", index, " (", device_id_key_, " = ",
+                  device_id_, " + local rank) but this node has ", count, " CUDA device(s); valid device_id: 0 to ",
+                  std::max<std::int64_t>(0, count - cluster.local_world_size));
+  }
+  device_ = cuda ? c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(device_id_ + cluster.local_rank))
+                 : c10::Device(c10::kCPU);
   // One CPU rank needs no process group; on CUDA even one rank goes through NCCL, so the
   // GPU path is the one used at scale.
   if (cluster.world_size > 1 || device_.is_cuda()) {

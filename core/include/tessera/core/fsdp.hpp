@@ -190,6 +190,7 @@ class ShardedModule {
   std::vector<std::shared_ptr<torch::nn::Module>> norm_layers_;
   std::map<std::string, at::ScalarType> buffer_dtypes_;  // buffers cast to buffer_dtype: their own dtype
   bool summoned_ = false;
+  bool recycle_buffers_ = false;  // freed unit buffers go to the block pool (not while sharding)
   std::deque<FlatParamUnit*> reducing_;  // reductions launched and not finished, oldest first
   std::vector<FlatParamUnit*> order_;  // units in the first forward's execution order
   bool order_frozen_ = false;

@@ -15,7 +15,8 @@ namespace tessera::core {
 
 class StrategyBase : public sdk::Strategy {
  public:
-  /// Reads `accelerator` ("auto", "cpu", "cuda") from `options`.
+  /// Reads `accelerator` ("auto", "cpu", "cuda") and `device_id` (local rank 0's GPU; rank r
+  /// uses device_id + r) from `options`.
   explicit StrategyBase(const sdk::Options& options);
   ~StrategyBase() override;
 
@@ -91,6 +92,8 @@ class StrategyBase : public sdk::Strategy {
   CommunicatorPtr world_;
   sdk::ClusterInfo cluster_;
   std::string accelerator_;
+  std::int64_t device_id_;
+  std::string device_id_key_;
   c10::Device device_{c10::kCPU};
 };
 
