@@ -539,6 +539,48 @@ TEST(CUDA, CPUOffloadMatchesOnTheGPUAndHalfPrecisionsTrain) {
   }
 }
 
+// summon_full_params(offload_to_cpu) on a GPU: inside the guard the parameters are full CPU
+// tensors; writeback reaches the shards (under a bf16 param_dtype only the changed elements,
+// the others keep their exact fp32 master values); training works afterwards.
+TEST(CUDA, SummonFullParamsOffloadsToTheCPU) {
+  if (!at::hasCUDA()) GTEST_SKIP() << "SKIPPED: no CUDA device";
+  run_ranks(1, std::chrono::seconds(120), [&](const sdk::ClusterInfo& cluster) {
+    const c10::Device cuda(c10::kCUDA, 0);
+    auto comm = core::make_communicator(cluster, cuda);
+    for (bool bf16 : {false, true}) {
+      torch::manual_seed(7);
+      Net reference;
+      torch::manual_seed(7);
+      Net net;
+      net->to(cuda);
+      fsdp::FSDPOptions o = unit_options();
+      if (bf16) o.mixed_precision.param_dtype = at::kBFloat16;
+      fsdp::ShardedModule sharded(net.ptr(), o, comm, comm);
+      {
+        sdk::GuardPtr full = sharded.summon_full_params(/*writeback=*/true, /*rank0_only=*/false, /*offload_to_cpu=*/true);
+        EXPECT_TRUE(net->b2->fc->weight.is_cpu()) << "bf16 " << bf16;
+        EXPECT_TRUE(at::allclose(net->b2->fc->weight.to(at::kFloat), reference->b2->fc->weight, 1e-2, 1e-2));
+        torch::NoGradGuard no_grad;
+        net->b2->fc->bias.fill_(0.5);
+      }
+      EXPECT_TRUE(net->b2->fc->weight.is_cuda());
+      sdk::StateDict state = sharded.full_state_dict();
+      EXPECT_TRUE(at::equal(*state.find("b2.fc.bias"), at::full({kWidth}, 0.5))) << "bf16 " << bf16;
+      EXPECT_TRUE(at::equal(*state.find("b2.fc.weight"), reference->b2->fc->weight)) << "bf16 " << bf16;
+      torch::optim::SGD optimizer(tensors_of(sharded.optimizer_parameters()), torch::optim::SGDOptions(0.1));
+      sharded.begin_forward(/*training=*/true);
+      at::Tensor x = inputs(0).to(cuda, bf16 ? at::kBFloat16 : at::kFloat);
+      at::Tensor loss = net->forward(x).to(at::kFloat).pow(2).mean();
+      sharded.begin_backward(/*sync=*/true);
+      loss.backward();
+      sharded.finish_backward();
+      optimizer.step();
+      sharded.after_optimizer_step();
+      EXPECT_FALSE(at::equal(*sharded.full_state_dict().find("b1.fc.weight"), reference->b1->fc->weight)) << "bf16 " << bf16;
+    }
+  });
+}
+
 TEST(StrategyConfig, InvalidCombinationsAreClearErrors) {
   std::string dir = tessera::testing::fresh_dir("fsdp-config");
   auto r = run_tessera("fit --config " + write_config(dir) +

@@ -15,6 +15,7 @@
 #include <ATen/native/Resize.h>
 #if TESSERA_WITH_CUDA
 #include <ATen/native/cuda/Resize.h>
+#include <c10/cuda/CUDAStream.h>
 #endif
 #include <torch/csrc/autograd/autograd.h>
 #include <torch/csrc/autograd/custom_function.h>
@@ -53,6 +54,7 @@ struct FlatParamUnit {
   at::Tensor shard, shard_grad, full, grad_full;
   std::vector<at::Tensor> optimizer_views;
   bool gathered = false, grads_attached = false, reduced = false;
+  bool shard_grad_written = false;  // since the last optimizer step (cpu_offload copies into it)
   std::int64_t expected_grads = 0, pending_grads = 0;
   CommHandlePtr gather_handle, reduce_handle;
   at::Tensor gather_input, reduce_input, reduce_output;
@@ -699,14 +701,7 @@ void ShardedModule::flatten(FlatParamUnit& u) {
     u.params[i].set_data(u.full.narrow(0, u.offsets[i], u.numels[i]).view(u.params[i].sizes()));
   u.gathered = true;
   reshard(u);
-  // Hooks after set_data: a dtype change resets a parameter's gradient accumulator.
-  for (auto& p : u.params) {
-    if (!p.requires_grad()) continue;
-    auto accumulator = torch::autograd::impl::grad_accumulator(p);
-    accumulator->add_post_hook(std::make_unique<GradientReadyHook>(this, &u));
-    u.accumulators.push_back(std::move(accumulator));
-    ++u.expected_grads;
-  }
+  install_gradient_hooks(u);
   // The optimizer steps on per-parameter views of the fp32 master shard.
   for (std::size_t i = 0; i < u.params.size(); ++i) {
     std::int64_t lo = std::max(u.offsets[i], u.shard_offset);
@@ -717,6 +712,27 @@ void ShardedModule::flatten(FlatParamUnit& u) {
     u.optimizer_views.push_back(view);
   }
 }
+
+// After set_data: a dtype or device change resets a parameter's gradient accumulator.
+void ShardedModule::install_gradient_hooks(FlatParamUnit& u) {
+  u.accumulators.clear();
+  u.expected_grads = 0;
+  for (auto& p : u.params) {
+    if (!p.requires_grad()) continue;
+    auto accumulator = torch::autograd::impl::grad_accumulator(p);
+    accumulator->add_post_hook(std::make_unique<GradientReadyHook>(this, &u));
+    u.accumulators.push_back(std::move(accumulator));
+    ++u.expected_grads;
+  }
+}
+
+namespace {
+// Points unit u's parameters at `flat` (its gathered buffer, or a CPU copy of it).
+void point_params_at(FlatParamUnit& u, const at::Tensor& flat) {
+  for (std::size_t i = 0; i < u.params.size(); ++i)
+    u.params[i].set_data(flat.narrow(0, u.offsets[i], u.numels[i]).view(u.params[i].sizes()));
+}
+}  // namespace
 
 std::vector<sdk::NamedParameter> ShardedModule::optimizer_parameters() const {
   std::vector<sdk::NamedParameter> out;
@@ -869,7 +885,17 @@ void ShardedModule::finish_reduction(FlatParamUnit& u) {
   if (u.reduce_handle) u.reduce_handle->wait();
   u.reduce_handle.reset();
   if (replicate_group_->size() > 1) replicate_group_->all_reduce(u.reduce_output, sdk::ReduceOp::mean, u.replica_tag)->wait();
-  u.shard_grad.add_(u.reduce_output.to(u.shard_grad.device()));
+  if (u.shard_grad.device() == u.reduce_output.device()) {
+    u.shard_grad.add_(u.reduce_output);
+  } else if (!u.shard_grad_written && u.shard_grad.scalar_type() == u.reduce_output.scalar_type()) {
+    // cpu_offload: the first gradient since the step goes to pinned memory without blocking
+    // (finish_backward waits once for all of them); the stream orders reuse of the source.
+    u.shard_grad.copy_(u.reduce_output, /*non_blocking=*/true);
+    offload_copies_pending_ = true;
+  } else {
+    u.shard_grad.add_(u.reduce_output.to(u.shard_grad.device()));  // accumulating: on the CPU
+  }
+  u.shard_grad_written = true;
   u.reduce_input.reset();
   u.reduce_output.reset();
   for (auto& p : u.params) p.mutable_grad().reset();
@@ -890,6 +916,10 @@ void ShardedModule::finish_backward() {
     reduce_ignored_gradients();
     accumulating_ = false;
   }
+#if TESSERA_WITH_CUDA
+  if (offload_copies_pending_) c10::cuda::getCurrentCUDAStream(device_.index()).synchronize();
+#endif
+  offload_copies_pending_ = false;
   for (auto& u : units_) reshard(*u);
 }
 
@@ -918,6 +948,7 @@ void ShardedModule::after_optimizer_step() {
     if (p.grad().defined()) p.mutable_grad().zero_();
   for (auto& u : units_) {
     u->shard_grad.zero_();
+    u->shard_grad_written = false;
     for (std::size_t i = 0; i < u->optimizer_views.size(); ++i)
       if (!u->optimizer_views[i].grad().defined()) {  // zero_grad(set_to_none) in LibTorch 2.x
         std::int64_t lo = std::max(u->offsets[i], u->shard_offset);
@@ -1171,8 +1202,7 @@ sdk::GuardPtr ShardedModule::summon_full_params(bool writeback, bool rank0_only,
                 "(as in PyTorch): ranks other than 0 hold no full parameters to write back");
   TESSERA_CHECK(!summoned_, "summon_full_params: already inside summon_full_params (nesting is not supported)");
   TESSERA_CHECK(!accumulating_, "summon_full_params between a training step's forward and its backward is not allowed");
-  TESSERA_CHECK(!offload_to_cpu || device_.is_cpu(), "summon_full_params(offload_to_cpu = true) for ", device_,
-                " parameters is not implemented yet; on CPU it is a no-op");
+  if (offload_to_cpu && !device_.is_cpu()) return summon_full_params_on_cpu(writeback, rank0_only);
   torch::NoGradGuard no_grad;
   std::vector<FlatParamUnit*> gathered;
   for (auto& u : units_) {
@@ -1211,6 +1241,42 @@ void ShardedModule::apply(const std::function<void(torch::nn::Module&)>& fn) {
   sdk::GuardPtr full = summon_full_params(/*writeback=*/true);
   torch::NoGradGuard no_grad;
   network_->apply([&](torch::nn::Module& m) { fn(m); });
+}
+
+// offload_to_cpu on a GPU: each unit is gathered, copied to the CPU and freed again, so the
+// model is whole only in CPU memory; the parameters point at the CPU copies until the guard
+// ends, then (with writeback) the changed elements go back into the shards.
+sdk::GuardPtr ShardedModule::summon_full_params_on_cpu(bool writeback, bool rank0_only) {
+  torch::NoGradGuard no_grad;
+  const bool keep = !rank0_only || (shard_group_->rank() == 0 && replicate_group_->rank() == 0);
+  auto copies = std::make_shared<std::vector<at::Tensor>>(), originals = std::make_shared<std::vector<at::Tensor>>();
+  for (auto& u : units_) {
+    unshard(*u, Phase::forward);  // collective on every rank
+    copies->push_back(keep ? u->full.to(at::kCPU) : at::Tensor());
+    originals->push_back(keep && writeback && u->compute_dtype != at::kFloat ? copies->back().clone() : at::Tensor());
+    if (keep) point_params_at(*u, copies->back());
+    reshard(*u);
+  }
+  if (!keep) return nullptr;
+  summoned_ = true;
+  return std::make_unique<ScopeExit>([this, copies, originals, writeback] {
+    torch::NoGradGuard no_grad;
+    for (std::size_t k = 0; k < units_.size(); ++k) {
+      FlatParamUnit& u = *units_[k];
+      if (writeback) {
+        at::Tensor mine = (*copies)[k].narrow(0, u.shard_offset, u.shard_numel).to(at::kFloat);
+        if ((*originals)[k].defined()) {  // below fp32: only the elements the caller changed
+          at::Tensor changed = (*copies)[k].ne((*originals)[k]).narrow(0, u.shard_offset, u.shard_numel);
+          mine = at::where(changed, mine, u.shard.to(at::kCPU));
+        }
+        u.shard.copy_(mine);
+      }
+      point_params_at(u, u.full);
+      install_gradient_hooks(u);
+      u.gathered = false;  // one-rank shard groups keep `full`: refreshed from the shard on the next use
+    }
+    summoned_ = false;
+  });
 }
 
 std::vector<std::string> ShardedModule::fsdp_modules(bool root_only) const {

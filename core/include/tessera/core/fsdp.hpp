@@ -108,8 +108,9 @@ class ShardedModule {
   /// summon_full_params) until the guard is destroyed. Collective. With `writeback`, changes
   /// made to the parameters are written back into the shards (only changed elements, so a
   /// param_dtype below fp32 does not round the master weights); `rank0_only` keeps the full
-  /// values on rank 0 only (incompatible with writeback, as in PyTorch); `offload_to_cpu` is
-  /// a no-op for CPU parameters and not implemented for CUDA ones.
+  /// values on rank 0 only (incompatible with writeback, as in PyTorch); `offload_to_cpu`
+  /// (a no-op for CPU networks) keeps the full values in CPU memory, gathering one unit at a
+  /// time on the GPU.
   sdk::GuardPtr summon_full_params(bool writeback = true, bool rank0_only = false, bool offload_to_cpu = false);
   /// Applies `fn` to every module of the network with full parameters, writing changes back
   /// into the shards (PyTorch's FullyShardedDataParallel.apply). Collective.
@@ -171,6 +172,8 @@ class ShardedModule {
   at::Tensor buffer_for_state(const std::string& name, const at::Tensor& buffer) const;
   void materialize(FlatParamUnit& unit, at::Tensor& flat);
   void reduce_ignored_gradients();
+  void install_gradient_hooks(FlatParamUnit& unit);
+  sdk::GuardPtr summon_full_params_on_cpu(bool writeback, bool rank0_only);
   /// fp32 on the network's device (where collectives run).
   at::TensorOptions fp32() const;
   /// fp32 where the shards live: the network's device, or pinned CPU memory under cpu_offload.
@@ -190,7 +193,8 @@ class ShardedModule {
   std::vector<std::shared_ptr<torch::nn::Module>> norm_layers_;
   std::map<std::string, at::ScalarType> buffer_dtypes_;  // buffers cast to buffer_dtype: their own dtype
   bool summoned_ = false;
-  bool recycle_buffers_ = false;  // freed unit buffers go to the block pool (not while sharding)
+  bool recycle_buffers_ = false;
+  bool offload_copies_pending_ = false;  // cpu_offload gradient copies launched, not waited for  // freed unit buffers go to the block pool (not while sharding)
   std::deque<FlatParamUnit*> reducing_;  // reductions launched and not finished, oldest first
   std::vector<FlatParamUnit*> order_;  // units in the first forward's execution order
   bool order_frozen_ = false;
