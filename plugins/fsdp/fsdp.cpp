@@ -170,6 +170,10 @@ class FSDPStrategy : public core::StrategyBase {
     options_.sharding_strategy = fsdp::parse_sharding_strategy(sharding_strategy_);
     options_.deferred_init = deferred_init_;
     options_.cpu_offload = cpu_offload_;
+    options_.device = device_;
+    options_.param_init_fn = [module = module_](const std::string& path, torch::nn::Module& m) {
+      return module->init_parameters(path, m);
+    };
     options_.mixed_precision = precision().mixed_precision_policy();
     options_.unit_classes = unit_classes_.empty() ? module_->fsdp_unit_classes() : unit_classes_;
     check_unit_classes();

@@ -109,6 +109,18 @@ class GPTNetImpl : public torch::nn::Module {
     return lm_head ? lm_head(x) : at::matmul(x, wte->weight.t());
   }
 
+  /// One parameter's initialisation, by its name in the network (nanoGPT's): LayerNorms keep
+  /// their 1 and 0 (returns false), other vectors 0, matrices N(0, 0.02), the residual
+  /// projections N(0, 0.02 / sqrt(2 n_layer)).
+  static bool init_parameter(const std::string& name, at::Tensor& p, std::int64_t n_layer) {
+    if (name.find("ln_") != std::string::npos) return false;
+    torch::NoGradGuard no_grad;
+    const double residual_std = 0.02 / std::sqrt(2.0 * static_cast<double>(n_layer));
+    if (p.dim() == 1) p.zero_();
+    else torch::nn::init::normal_(p, 0.0, name.find("proj.weight") != std::string::npos ? residual_std : 0.02);
+    return true;
+  }
+
   GPTConfig config;
   torch::nn::Embedding wte{nullptr}, wpe{nullptr};
   torch::nn::Dropout drop{nullptr};
@@ -119,15 +131,7 @@ class GPTNetImpl : public torch::nn::Module {
 
  private:
   void initialize() {
-    torch::NoGradGuard no_grad;
-    const double residual_std = 0.02 / std::sqrt(2.0 * static_cast<double>(config.n_layer));
-    for (auto& item : named_parameters()) {
-      const std::string& name = item.key();
-      at::Tensor& p = item.value();
-      if (name.find("ln_") != std::string::npos) continue;  // LayerNorm: weight 1, bias 0
-      if (p.dim() == 1) p.zero_();
-      else torch::nn::init::normal_(p, 0.0, name.find("proj.weight") != std::string::npos ? residual_std : 0.02);
-    }
+    for (auto& item : named_parameters()) init_parameter(item.key(), item.value(), config.n_layer);
   }
 };
 TORCH_MODULE(GPTNet);
@@ -172,6 +176,15 @@ class GPT final : public sdk::Module {
   }
 
   std::vector<std::string> fsdp_unit_classes() const override { return {"Block"}; }
+
+  /// Deferred init: the same rules as an eager build (the same distribution; the draws come
+  /// in unit order, so not the same values for a given seed).
+  bool init_parameters(const std::string& path, torch::nn::Module& module) override {
+    bool handled = true;
+    for (auto& item : module.named_parameters(/*recurse=*/false))
+      handled = GPTNetImpl::init_parameter(path + "." + item.key(), item.value(), config_.n_layer) && handled;
+    return handled;
+  }
 
   sdk::Checkpoint hyper_parameters() const override {
     sdk::Checkpoint h = sdk::make_checkpoint();

@@ -504,9 +504,28 @@ TEST(ShardedCheckpoint, HybridAndNoShardSavesLoadIntoFullShard) {
                        "--set strategy.sharding_strategy=NO_SHARD", {{"full-shard", target}});
 }
 
+// Deferred init of the GPT goes through its init_parameters() (nanoGPT's N(0, 0.02), not
+// LibTorch's defaults): the first loss is the eager build's (~ln 256, the same distribution;
+// other draws), and it trains.
+TEST(DeferredInit, GPTUsesTheModelsOwnInitialisation) {
+  std::map<std::int64_t, double> losses[2];
+  for (int deferred = 0; deferred < 2; ++deferred) {
+    std::string dir = tessera::testing::fresh_dir(deferred ? "gpt-deferred" : "gpt-eager");
+    auto r = run_tessera("fit --config " + write_config(dir) + " --set launch.devices=2 --set strategy.plugin=fsdp" +
+                         " --set strategy.accelerator=cpu --set data.batch_size=3 --set strategy.deferred_init=" +
+                         (deferred ? "true" : "false"));
+    ASSERT_EQ(r.exit_code, 0) << r.output;
+    losses[deferred] = metric_series(dir + "/metrics.csv", "train", "train_loss");
+    ASSERT_EQ(losses[deferred].size(), 8u);
+  }
+  EXPECT_NEAR(losses[1].at(1), losses[0].at(1), 0.01 * losses[0].at(1));
+  EXPECT_LT(losses[1].at(8), losses[1].at(1));
+}
+
 // On a CUDA machine (NCCL; one GPU, so one rank): fsdp_cpu_offload computes the same run as
 // fsdp with its shards, gradients and optimizer state in CPU memory (so a lower GPU peak),
-// and the GPT trains under every half precision. CI has no GPU: reported as skipped there.
+// deferred init builds on the GPU, and the GPT trains under every half precision. CI has no
+// GPU: reported as skipped there.
 TEST(CUDA, CPUOffloadMatchesOnTheGPUAndHalfPrecisionsTrain) {
   if (!at::hasCUDA()) GTEST_SKIP() << "SKIPPED: no CUDA device";
   struct Run {
@@ -528,6 +547,11 @@ TEST(CUDA, CPUOffloadMatchesOnTheGPUAndHalfPrecisionsTrain) {
   for (const auto& [step, loss] : on_gpu.losses) EXPECT_NEAR(offloaded.losses.at(step), loss, 1e-4) << "step " << step;
   EXPECT_GT(on_gpu.peak_cuda_mb, 0.0);
   EXPECT_LT(offloaded.peak_cuda_mb, on_gpu.peak_cuda_mb);
+  // Deferred init materialises unit by unit on the GPU (never the whole model there first).
+  Run deferred = fit("cuda-deferred", " --set strategy.plugin=fsdp --set strategy.deferred_init=true");
+  ASSERT_EQ(deferred.losses.size(), 8u);
+  EXPECT_NEAR(deferred.losses.at(1), on_gpu.losses.at(1), 0.01 * on_gpu.losses.at(1));
+  EXPECT_LE(deferred.peak_cuda_mb, on_gpu.peak_cuda_mb);
   for (const char* precision : {"16-mixed", "16-true", "bf16-mixed", "bf16-true"}) {
     Run run = fit(std::string("cuda-") + precision, std::string(" --set strategy.plugin=fsdp --set precision.plugin=fsdp-precision") +
                                                         " --set precision.precision=" + precision);

@@ -253,6 +253,9 @@ ShardedModule::ShardedModule(std::shared_ptr<torch::nn::Module> network, const F
     : network_(std::move(network)), options_(options), shard_group_(std::move(shard_group)),
       replicate_group_(std::move(replicate_group)) {
   for (const auto& p : network_->parameters()) device_ = p.device();
+  if (options_.device) device_ = *options_.device;
+  TESSERA_CHECK(options_.deferred_init || device_ == options_.device.value_or(device_), "FSDP: the network is on ",
+                device_, " but FSDPOptions::device says ", *options_.device);
   try {
     plan_units();
     check_plan();
@@ -650,10 +653,11 @@ void ShardedModule::materialize(FlatParamUnit& u, at::Tensor& flat) {
     TESSERA_CHECK(!elsewhere, "deferred init: the parameters of module '", item.key(), "' (", m.name(),
                   ") sit in different FSDP units (a tied weight?); build this model with [strategy] deferred_init = false");
     for (auto& b : m.buffers(/*recurse=*/false)) b.set_data(at::zeros(b.sizes(), b.options().device(device_)));
+    if (options_.param_init_fn && options_.param_init_fn(item.key(), m)) continue;
     TESSERA_CHECK(reset_known_module(m), "deferred init: module '", item.key(), "' of class '", m.name(),
-                  "' has parameters but no known initialiser (tessera re-initialises LibTorch's Linear, Embedding, "
-                  "LayerNorm, Conv1d-3d and BatchNorm1d-3d); give its parameters to such modules or set "
-                  "[strategy] deferred_init = false");
+                  "' has parameters but no known initialiser (tessera re-initialises LibTorch's Linear, Embedding, ",
+                  "LayerNorm, Conv1d-3d and BatchNorm1d-3d); initialise it in the model's init_parameters(), give its ",
+                  "parameters to such modules or set [strategy] deferred_init = false");
   }
 }
 
@@ -671,10 +675,15 @@ void ShardedModule::flatten(FlatParamUnit& u) {
   u.shard_offset = shard_group_->rank() * u.shard_numel;
   u.compute_dtype = options_.mixed_precision.param_dtype.value_or(u.params.empty() ? at::kFloat
                                                                                      : u.params[0].scalar_type());
-  at::Tensor flat = at::zeros({u.padded}, fp32());
+  at::Tensor flat;
   if (options_.deferred_init) {
+    // Initialised on the CPU, where an eager build draws its values, then moved: a GPU never
+    // holds more than this unit of the unsharded model.
+    flat = at::zeros({u.padded}, at::kFloat);
     materialize(u, flat);
+    flat = flat.to(device_);
   } else {
+    flat = at::zeros({u.padded}, fp32());
     for (std::size_t i = 0; i < u.params.size(); ++i)
       flat.narrow(0, u.offsets[i], u.numels[i]).copy_(u.params[i].detach().reshape({-1}));
   }

@@ -78,7 +78,9 @@ void StrategyBase::setup(std::shared_ptr<sdk::Module> module, const sdk::Optimiz
   module_ = std::move(module);
   network_ = module_->network();
   TESSERA_CHECK(network_, "the model plugin returned no network: configure_model() must build it");
-  network_->to(device_);
+  // A network built under deferred init is not anywhere yet: the strategy materialises it on
+  // the device unit by unit (moving it whole would allocate the whole model there).
+  if (!core::fsdp::has_deferred_tensors(*network_)) network_->to(device_);
   precision().convert_module(*network_);
   setup_module();
   std::vector<sdk::NamedParameter> params = optimizer_parameters();

@@ -44,6 +44,12 @@ struct FSDPOptions {
   std::vector<std::string> ignored_modules;
   /// The network was built under deferred_init_guard(): initialise each unit when sharding it.
   bool deferred_init = false;
+  /// Under deferred init: initialises one module's own tensors in place (sdk::Module::
+  /// init_parameters); returning false (or unset) falls back to its reset_parameters().
+  std::function<bool(const std::string& path, torch::nn::Module& module)> param_init_fn;
+  /// Where the network runs. Default: where its parameters are; under deferred init they are
+  /// nowhere yet (the strategy sets it, and each unit is materialised there).
+  c10::optional<c10::Device> device;
   /// The fp32 master shards, their gradients and so the optimizer state live in pinned CPU
   /// memory; units are copied to the device to be gathered and gradients copied back after
   /// their reduce-scatter. Nothing changes for CPU networks.

@@ -39,6 +39,14 @@ class TESSERA_SDK_API Module : public PluginObject {
   /// through sdk::invoke(): what the "transformer" auto-wrap policy wraps. Default: none.
   virtual std::vector<std::string> fsdp_unit_classes() const;
 
+  /// Deferred init (PyTorch FSDP's param_init_fn): initialise, in place, the parameters and
+  /// buffers that `module` (at `path` in the network) owns directly, as configure_model()
+  /// does. FSDP strategies call it unit by unit under [strategy] deferred_init, after giving
+  /// the module real memory. Return false to let the module's own reset_parameters() do it
+  /// (LibTorch's Linear, Embedding, LayerNorm, Conv, BatchNorm). Default: false everywhere,
+  /// right for models that keep LibTorch's default initialisation.
+  virtual bool init_parameters(const std::string& path, torch::nn::Module& module);
+
   /// Saved as "hyper_parameters" in checkpoints.
   virtual Checkpoint hyper_parameters() const = 0;
 };
