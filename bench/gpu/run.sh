@@ -16,7 +16,7 @@ for run in fsdp:32-true fsdp:bf16-mixed fsdp:16-mixed fsdp:16-true fsdp_cpu_offl
     --set trainer.log_every_n_steps=5 --set trainer.val_check_interval=0 --set trainer.checkpoint_every_n_steps=0 \
     --set trainer.predict_after_fit=false --set trainer.default_root_dir=$dir --set model.n_layer=6 \
     --set model.n_embd=384 --set model.n_head=6 --set data.batch_size=8 --set optimizer.warmup_steps=0 \
-    ${FORTUNES:+--set data.path=$FORTUNES} > "$dir.log" 2>&1
+    ${FORTUNES:+--set data.path=$FORTUNES} $([ "$precision" = 16-true ] && echo --set optimizer.eps=1e-4) > "$dir.log" 2>&1
   rc=$?
   tps=$(awk -F, '$4=="tokens_per_s" {n++; if (n > 2) {s+=$5; c++}} END {if (c) printf "%.0f", s/c}' "$dir/metrics.csv" 2>/dev/null)
   loss=$(awk -F, '$4=="train_loss" {l=$5} END {print l}' "$dir/metrics.csv" 2>/dev/null)

@@ -161,6 +161,8 @@ TEST(MixedPrecisionPolicy, BytesOnTheWireHalveUnderBf16) {
     // The optimizer steps on fp32 master shards in the mixed modes.
     EXPECT_EQ(bf16_mixed.master_dtype, at::kFloat);
     EXPECT_EQ(bf16_params.master_dtype, at::kFloat);
+    // *-true: the master shards are the model's own half dtype (never fp32, as on one device).
+    EXPECT_EQ(bf16_true.master_dtype, at::kBFloat16);
   });
 }
 

@@ -40,7 +40,7 @@
 namespace tessera::core::fsdp {
 
 /// One FSDP unit: its parameters live in `full` (padded, flat) while gathered; this rank
-/// owns `shard` (fp32 master) and `shard_grad`.
+/// owns `shard` (the master: fp32, or the parameters' half dtype under *-true) and `shard_grad`.
 struct FlatParamUnit {
   std::string name;  // "blocks.3", or "" for the root
   std::size_t index = 0;
@@ -51,6 +51,7 @@ struct FlatParamUnit {
   std::vector<std::int64_t> offsets, numels;
   std::int64_t numel = 0, padded = 0, shard_numel = 0, shard_offset = 0;
   at::ScalarType compute_dtype = at::kFloat;
+  at::ScalarType master_dtype = at::kFloat;  // of the shard: the parameters' own (bf16 under bf16-true)
   at::Tensor shard, shard_grad, full, grad_full;
   std::vector<at::Tensor> optimizer_views;
   bool gathered = false, grads_attached = false, reduced = false;
@@ -673,33 +674,40 @@ void ShardedModule::flatten(FlatParamUnit& u) {
   if (u.padded == 0) u.padded = world;
   u.shard_numel = u.padded / world;
   u.shard_offset = shard_group_->rank() * u.shard_numel;
-  u.compute_dtype = options_.mixed_precision.param_dtype.value_or(u.params.empty() ? at::kFloat
-                                                                                     : u.params[0].scalar_type());
+  // The master shard keeps the parameters' own dtype: fp32 in the mixed modes, the half
+  // dtype under *-true (the model never exists in fp32, as on one device).
+  u.master_dtype = at::kFloat;
+  if (!u.params.empty() && std::all_of(u.params.begin(), u.params.end(), [&](const at::Tensor& p) {
+        return p.scalar_type() == u.params[0].scalar_type();
+      }))
+    u.master_dtype = u.params[0].scalar_type();
+  u.compute_dtype = options_.mixed_precision.param_dtype.value_or(u.master_dtype);
   at::Tensor flat;
   if (options_.deferred_init) {
     // Initialised on the CPU, where an eager build draws its values, then moved: a GPU never
     // holds more than this unit of the unsharded model.
-    flat = at::zeros({u.padded}, at::kFloat);
+    flat = at::zeros({u.padded}, u.master_dtype);
     materialize(u, flat);
     flat = flat.to(device_);
   } else {
-    flat = at::zeros({u.padded}, fp32());
+    flat = at::zeros({u.padded}, fp32().dtype(u.master_dtype));
     for (std::size_t i = 0; i < u.params.size(); ++i)
       flat.narrow(0, u.offsets[i], u.numels[i]).copy_(u.params[i].detach().reshape({-1}));
   }
   // A one-rank shard group (NO_SHARD, world 1) computing in fp32 where it keeps its shard
   // needs no second copy: the shard is the gathered buffer.
-  const bool aliased = world == 1 && u.compute_dtype == at::kFloat && shard_options().device() == device_;
+  const bool aliased = world == 1 && u.compute_dtype == u.master_dtype && shard_options().device() == device_;
   if (aliased) {
     u.shard = flat;
   } else {
-    u.shard = at::empty({u.shard_numel}, shard_options());
+    u.shard = at::empty({u.shard_numel}, shard_options().dtype(u.master_dtype));
     u.shard.copy_(flat.narrow(0, u.shard_offset, u.shard_numel));
   }
   // keep_low_precision_grads: the optimizer sees gradients in reduce_dtype, as PyTorch's
   // FSDP leaves them (for optimizers that step in low precision); otherwise fp32.
   const auto& policy = options_.mixed_precision;
-  at::ScalarType grad_dtype = policy.keep_low_precision_grads ? policy.reduce_dtype.value_or(u.compute_dtype) : at::kFloat;
+  at::ScalarType grad_dtype =
+      policy.keep_low_precision_grads ? policy.reduce_dtype.value_or(u.compute_dtype) : u.master_dtype;
   u.shard_grad = at::zeros({u.shard_numel}, shard_options().dtype(grad_dtype));
   // The buffers are built one at a time so that deferred init peaks at about one unit.
   u.full = flat.scalar_type() == u.compute_dtype ? flat : flat.to(u.compute_dtype);
@@ -711,7 +719,7 @@ void ShardedModule::flatten(FlatParamUnit& u) {
   u.gathered = true;
   reshard(u);
   install_gradient_hooks(u);
-  // The optimizer steps on per-parameter views of the fp32 master shard.
+  // The optimizer steps on per-parameter views of the master shard.
   for (std::size_t i = 0; i < u.params.size(); ++i) {
     std::int64_t lo = std::max(u.offsets[i], u.shard_offset);
     std::int64_t hi = std::min(u.offsets[i] + u.numels[i], u.shard_offset + u.shard_numel);
@@ -998,7 +1006,7 @@ sdk::StateDict ShardedModule::full_state_dict() {
   std::map<std::string, at::Tensor> by_name;
   const bool keep = !options_.rank0_only || shard_group_->rank() == 0;
   for (auto& u : units_) {
-    at::Tensor full = at::empty({u->padded}, fp32());
+    at::Tensor full = at::empty({u->padded}, fp32().dtype(u->master_dtype));
     shard_group_->all_gather(full, u->shard.to(device_), "state_dict all-gather of " + u->name)->wait();
     if (!keep) continue;
     full = full.cpu();  // checkpoints hold CPU tensors
@@ -1226,7 +1234,7 @@ sdk::GuardPtr ShardedModule::summon_full_params(bool writeback, bool rank0_only,
   auto snapshots = std::make_shared<std::vector<at::Tensor>>();
   if (writeback)
     for (auto* u : gathered)
-      snapshots->push_back(u->compute_dtype == at::kFloat ? at::Tensor()
+      snapshots->push_back(u->compute_dtype == u->master_dtype ? at::Tensor()
                                                           : u->full.narrow(0, u->shard_offset, u->shard_numel).clone());
   summoned_ = true;
   return std::make_unique<ScopeExit>([this, gathered, snapshots, writeback] {
@@ -1236,9 +1244,9 @@ sdk::GuardPtr ShardedModule::summon_full_params(bool writeback, bool rank0_only,
       if (writeback) {
         at::Tensor mine = u.full.narrow(0, u.shard_offset, u.shard_numel);
         // Below fp32, only the elements the caller changed are written: the others keep
-        // their exact fp32 master values.
-        if (u.compute_dtype == at::kFloat) u.shard.copy_(mine);
-        else u.shard.copy_(at::where(mine.ne((*snapshots)[k]), mine.to(at::kFloat), u.shard.to(device_)));
+        // their exact master values.
+        if (u.compute_dtype == u.master_dtype) u.shard.copy_(mine);
+        else u.shard.copy_(at::where(mine.ne((*snapshots)[k]), mine.to(u.master_dtype), u.shard.to(device_)));
       }
       reshard(u);
     }
@@ -1262,7 +1270,7 @@ sdk::GuardPtr ShardedModule::summon_full_params_on_cpu(bool writeback, bool rank
   for (auto& u : units_) {
     unshard(*u, Phase::forward);  // collective on every rank
     copies->push_back(keep ? u->full.to(at::kCPU) : at::Tensor());
-    originals->push_back(keep && writeback && u->compute_dtype != at::kFloat ? copies->back().clone() : at::Tensor());
+    originals->push_back(keep && writeback && u->compute_dtype != u->master_dtype ? copies->back().clone() : at::Tensor());
     if (keep) point_params_at(*u, copies->back());
     reshard(*u);
   }
@@ -1273,7 +1281,7 @@ sdk::GuardPtr ShardedModule::summon_full_params_on_cpu(bool writeback, bool rank
     for (std::size_t k = 0; k < units_.size(); ++k) {
       FlatParamUnit& u = *units_[k];
       if (writeback) {
-        at::Tensor mine = (*copies)[k].narrow(0, u.shard_offset, u.shard_numel).to(at::kFloat);
+        at::Tensor mine = (*copies)[k].narrow(0, u.shard_offset, u.shard_numel).to(u.master_dtype);
         if ((*originals)[k].defined()) {  // below fp32: only the elements the caller changed
           at::Tensor changed = (*copies)[k].ne((*originals)[k]).narrow(0, u.shard_offset, u.shard_numel);
           mine = at::where(changed, mine, u.shard.to(at::kCPU));

@@ -50,7 +50,7 @@ struct FSDPOptions {
   /// Where the network runs. Default: where its parameters are; under deferred init they are
   /// nowhere yet (the strategy sets it, and each unit is materialised there).
   c10::optional<c10::Device> device;
-  /// The fp32 master shards, their gradients and so the optimizer state live in pinned CPU
+  /// The master shards, their gradients and so the optimizer state live in pinned CPU
   /// memory; units are copied to the device to be gathered and gradients copied back after
   /// their reduce-scatter. Nothing changes for CPU networks.
   bool cpu_offload = false;
@@ -95,7 +95,7 @@ class ShardedModule {
   /// Total norm of the sharded gradients over all ranks; scales them to `max_norm`.
   double clip_grad_norm(double max_norm, double norm_type);
 
-  /// FULL state dict (collective): original names and shapes, fp32. Empty on ranks other
+  /// FULL state dict (collective): original names and shapes, the master dtype. Empty on ranks other
   /// than 0 when options.rank0_only.
   sdk::StateDict full_state_dict();
   /// Loads a full state dict on every rank (each keeps its shard): any world size.
