@@ -306,13 +306,14 @@ void Trainer::fit(const std::string& ckpt_path) {
       }
     }
   }
+  auto max_over_ranks = [&](double value) {
+    at::Tensor t = at::full({}, value, at::kFloat).to(strategy_->root_device());
+    return strategy_->reduce(t, sdk::ReduceOp::max).item<double>();
+  };
   // Peak resident memory of the busiest rank: the figure FSDP is meant to lower.
   rusage usage{};
   ::getrusage(RUSAGE_SELF, &usage);
-  double peak_mb = strategy_->reduce(at::full({}, static_cast<double>(usage.ru_maxrss) / 1024.0, at::kFloat)
-                                         .to(strategy_->root_device()),
-                                     sdk::ReduceOp::max)
-                       .item<double>();
+  double peak_mb = max_over_ranks(static_cast<double>(usage.ru_maxrss) / 1024.0);
   log_.info("peak RSS per rank (max over ranks): " + format(peak_mb, 5) + " MB");
   log_.metrics(global_step_, epoch_, "train", {{"peak_rss_mb", peak_mb}});
 #if TESSERA_WITH_CUDA
@@ -320,10 +321,7 @@ void Trainer::fit(const std::string& ckpt_path) {
   if (strategy_->root_device().is_cuda()) {
     const auto stats = c10::cuda::CUDACachingAllocator::getDeviceStats(strategy_->root_device().index());
     const auto peak = stats.allocated_bytes[0].peak;  // [0]: StatType::AGGREGATE (its namespace moved in LibTorch 2)
-    double cuda_mb = strategy_->reduce(at::full({}, static_cast<double>(peak) / 1048576.0, at::kFloat)
-                                           .to(strategy_->root_device()),
-                                       sdk::ReduceOp::max)
-                         .item<double>();
+    double cuda_mb = max_over_ranks(static_cast<double>(peak) / 1048576.0);
     log_.info("peak CUDA tensor memory per rank (max over ranks): " + format(cuda_mb, 5) + " MB");
     log_.metrics(global_step_, epoch_, "train", {{"peak_cuda_mb", cuda_mb}});
   }

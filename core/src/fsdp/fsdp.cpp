@@ -301,6 +301,12 @@ at::TensorOptions ShardedModule::shard_options() const {
   return at::TensorOptions().dtype(at::kFloat).device(at::kCPU).pinned_memory(true);
 }
 
+bool ShardedModule::is_ignored_module(const std::string& path, const torch::nn::Module& module) const {
+  const auto& wanted = options_.ignored_modules;
+  return std::find(wanted.begin(), wanted.end(), path) != wanted.end() ||
+         std::find(wanted.begin(), wanted.end(), module.name()) != wanted.end();
+}
+
 void ShardedModule::find_ignored() {
   if (options_.ignored_modules.empty()) return;
   std::set<std::string> matched;
@@ -366,12 +372,8 @@ void ShardedModule::cast_buffers() {
   if (!buffer_dtype) return;
   std::set<const void*> exempt;
   std::vector<std::shared_ptr<torch::nn::Module>> exempt_modules = norm_layers_;
-  for (const auto& item : network_->named_modules("", /*include_self=*/false)) {
-    const auto& wanted = options_.ignored_modules;
-    if (std::find(wanted.begin(), wanted.end(), item.key()) != wanted.end() ||
-        std::find(wanted.begin(), wanted.end(), item.value()->name()) != wanted.end())
-      exempt_modules.push_back(item.value());
-  }
+  for (const auto& item : network_->named_modules("", /*include_self=*/false))
+    if (is_ignored_module(item.key(), *item.value())) exempt_modules.push_back(item.value());
   for (const auto& m : exempt_modules)
     for (const auto& b : m->buffers()) exempt.insert(b.unsafeGetTensorImpl());
   torch::NoGradGuard no_grad;
@@ -392,11 +394,6 @@ void ShardedModule::plan_units() {
   find_ignored();
   exempt_norm_layers();
   const auto& classes = options_.unit_classes;
-  auto is_ignored = [&](const std::string& path, const torch::nn::Module& m) {
-    const auto& wanted = options_.ignored_modules;
-    return std::find(wanted.begin(), wanted.end(), path) != wanted.end() ||
-           std::find(wanted.begin(), wanted.end(), m.name()) != wanted.end();
-  };
   std::vector<std::pair<std::string, std::shared_ptr<torch::nn::Module>>> chosen;
   std::vector<std::string> skipped;  // ignored modules: no unit inside them
   if (options_.auto_wrap_policy != "none") {
@@ -406,7 +403,7 @@ void ShardedModule::plan_units() {
       bool inside = std::any_of(chosen.begin(), chosen.end(), [&](const auto& c) { return under(c.first); }) ||
                     std::any_of(skipped.begin(), skipped.end(), under);
       if (inside) continue;
-      if (is_ignored(name, *item.value())) {
+      if (is_ignored_module(name, *item.value())) {
         skipped.push_back(name);
         continue;
       }
@@ -1214,6 +1211,16 @@ c10::List<std::int64_t> piece_metadata(std::int64_t start, at::IntArrayRef shape
 
 }  // namespace
 
+namespace {
+// Writes this rank's `piece` of a summoned unit (as the caller left it) into the shard. Below
+// the master dtype only the elements that differ from `before` (the piece as gathered) are
+// written, so the others keep their exact master values; `before` undefined: all of them.
+void write_back(FlatParamUnit& u, const at::Tensor& piece, const at::Tensor& before) {
+  if (!before.defined()) return void(u.shard.copy_(piece));
+  u.shard.copy_(at::where(piece.ne(before), piece.to(u.master_dtype), u.shard.to(piece.device())));
+}
+}  // namespace
+
 sdk::GuardPtr ShardedModule::summon_full_params(bool writeback, bool rank0_only, bool offload_to_cpu) {
   TESSERA_CHECK(!(writeback && rank0_only), "summon_full_params(writeback = true, rank0_only = true) is not allowed ",
                 "(as in PyTorch): ranks other than 0 hold no full parameters to write back");
@@ -1241,13 +1248,7 @@ sdk::GuardPtr ShardedModule::summon_full_params(bool writeback, bool rank0_only,
     torch::NoGradGuard no_grad;
     for (std::size_t k = 0; k < gathered.size(); ++k) {
       FlatParamUnit& u = *gathered[k];
-      if (writeback) {
-        at::Tensor mine = u.full.narrow(0, u.shard_offset, u.shard_numel);
-        // Below fp32, only the elements the caller changed are written: the others keep
-        // their exact master values.
-        if (u.compute_dtype == u.master_dtype) u.shard.copy_(mine);
-        else u.shard.copy_(at::where(mine.ne((*snapshots)[k]), mine.to(u.master_dtype), u.shard.to(device_)));
-      }
+      if (writeback) write_back(u, u.full.narrow(0, u.shard_offset, u.shard_numel), (*snapshots)[k]);
       reshard(u);
     }
     summoned_ = false;
@@ -1270,7 +1271,9 @@ sdk::GuardPtr ShardedModule::summon_full_params_on_cpu(bool writeback, bool rank
   for (auto& u : units_) {
     unshard(*u, Phase::forward);  // collective on every rank
     copies->push_back(keep ? u->full.to(at::kCPU) : at::Tensor());
-    originals->push_back(keep && writeback && u->compute_dtype != u->master_dtype ? copies->back().clone() : at::Tensor());
+    originals->push_back(keep && writeback && u->compute_dtype != u->master_dtype
+                             ? copies->back().narrow(0, u->shard_offset, u->shard_numel).clone()
+                             : at::Tensor());
     if (keep) point_params_at(*u, copies->back());
     reshard(*u);
   }
@@ -1280,14 +1283,7 @@ sdk::GuardPtr ShardedModule::summon_full_params_on_cpu(bool writeback, bool rank
     torch::NoGradGuard no_grad;
     for (std::size_t k = 0; k < units_.size(); ++k) {
       FlatParamUnit& u = *units_[k];
-      if (writeback) {
-        at::Tensor mine = (*copies)[k].narrow(0, u.shard_offset, u.shard_numel).to(u.master_dtype);
-        if ((*originals)[k].defined()) {  // below fp32: only the elements the caller changed
-          at::Tensor changed = (*copies)[k].ne((*originals)[k]).narrow(0, u.shard_offset, u.shard_numel);
-          mine = at::where(changed, mine, u.shard.to(at::kCPU));
-        }
-        u.shard.copy_(mine);
-      }
+      if (writeback) write_back(u, (*copies)[k].narrow(0, u.shard_offset, u.shard_numel), (*originals)[k]);
       point_params_at(u, u.full);
       install_gradient_hooks(u);
       u.gathered = false;  // one-rank shard groups keep `full`: refreshed from the shard on the next use

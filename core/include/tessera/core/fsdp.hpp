@@ -172,6 +172,8 @@ class ShardedModule {
   void check_plan();
   void check_plan_over(Communicator& group, const std::vector<std::string>& entries);
   void find_ignored();
+  /// Whether `module` (at `path`) is named, by path or class, in options.ignored_modules.
+  bool is_ignored_module(const std::string& path, const torch::nn::Module& module) const;
   void exempt_norm_layers();
   void cast_buffers();
   /// A buffer as state dicts hold it: in its dtype from before buffer_dtype cast it.
