@@ -6,6 +6,7 @@
 
 #include "tessera/core/checkpoint.hpp"
 #include "tessera/core/fsdp.hpp"
+#include "tessera/core/fsdp/wrap.hpp"
 #include "tessera/core/strategy_base.hpp"
 #include "tessera/sdk/error.hpp"
 #include "tessera/sdk/plugin.hpp"
@@ -31,7 +32,8 @@ class FSDPStrategy : public core::StrategyBase {
             "state_dict_type", "full",
             {"full", "sharded", "local", "FULL_STATE_DICT", "SHARDED_STATE_DICT", "LOCAL_STATE_DICT"}))),
         options_key_(o.locate("transformer_layer_cls")) {
-    options_.auto_wrap_policy = o.get_choice("auto_wrap_policy", "transformer", {"transformer", "size", "none"});
+    options_.auto_wrap_policy =
+        o.get_choice("auto_wrap_policy", "transformer", {"transformer", "size", "custom", "none"});
     options_.min_num_params = o.get_int("min_num_params", 100000000, 0);
     options_.backward_prefetch = fsdp::parse_backward_prefetch(
         o.get_choice("backward_prefetch", "BACKWARD_PRE", {"BACKWARD_PRE", "BACKWARD_POST", "none"}));
@@ -176,6 +178,9 @@ class FSDPStrategy : public core::StrategyBase {
     };
     options_.mixed_precision = precision().mixed_precision_policy();
     options_.unit_classes = unit_classes_.empty() ? module_->fsdp_unit_classes() : unit_classes_;
+    options_.custom_wrap_policy = [module = module_](const std::string& path, const torch::nn::Module& m) {
+      return module->fsdp_wrap_policy(path, m);
+    };
     check_unit_classes();
 
     std::int64_t shard_size = world;  // FULL_SHARD, SHARD_GRAD_OP
@@ -201,15 +206,12 @@ class FSDPStrategy : public core::StrategyBase {
 
  private:
   void check_unit_classes() const {
-    if (options_.auto_wrap_policy == "none") return;
-    std::vector<std::string> present;
-    for (const auto& item : network_->named_modules()) present.push_back(item.value()->name());
-    for (const auto& cls : options_.unit_classes)
-      TESSERA_CHECK(std::find(present.begin(), present.end(), cls) != present.end(), options_key_, ": the model has no ",
-                    "module class '", cls, "'", sdk::did_you_mean(cls, present), "; its unit classes are [",
-                    sdk::join(module_->fsdp_unit_classes()), "]");
+    if (options_.auto_wrap_policy == "transformer" || options_.auto_wrap_policy == "size") {
+      const std::string problem = fsdp::unit_class_problem(*network_, options_.unit_classes);
+      TESSERA_CHECK(problem.empty(), options_key_, ": ", problem);
+    }
     for (const auto& cls : options_.activation_checkpointing)
-      TESSERA_CHECK(std::find(options_.unit_classes.begin(), options_.unit_classes.end(), cls) !=
+      TESSERA_CHECK(options_.auto_wrap_policy == "custom" ||std::find(options_.unit_classes.begin(), options_.unit_classes.end(), cls) !=
                         options_.unit_classes.end(),
                     "[strategy] activation_checkpointing names '", cls,
                     "', which is not an FSDP unit class; valid: ", sdk::join(options_.unit_classes));

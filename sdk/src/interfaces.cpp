@@ -24,6 +24,7 @@ std::unique_ptr<torch::optim::Optimizer> Module::configure_optimizers(const std:
 }
 
 std::vector<std::string> Module::fsdp_unit_classes() const { return {}; }
+bool Module::fsdp_wrap_policy(const std::string&, const torch::nn::Module&) const { return false; }
 bool Module::init_parameters(const std::string&, torch::nn::Module&) { return false; }
 
 Checkpoint make_checkpoint() { return Checkpoint(c10::StringType::get(), c10::AnyType::get()); }

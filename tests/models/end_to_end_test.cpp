@@ -60,9 +60,10 @@ TEST(Models, MLPGradientsEqualAHandWrittenReference) {
 /// Counts the units run through sdk::invoke.
 class CountingRunner final : public tessera::sdk::UnitRunner {
  public:
-  at::Tensor run(torch::nn::Module&, const tessera::sdk::UnitForward& forward, const at::Tensor& input) override {
+  std::vector<at::Tensor> run(torch::nn::Module&, tessera::sdk::UnitFunction forward,
+                              const std::vector<at::Tensor>& inputs) override {
     ++calls;
-    return forward(input);
+    return forward(inputs);
   }
   int calls = 0;
 };

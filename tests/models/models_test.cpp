@@ -110,9 +110,10 @@ std::pair<at::Tensor, at::Tensor> random_tokens(std::int64_t B, std::int64_t T) 
 /// Counts, per unit module, how often sdk::invoke ran it; runs the unit's own forward.
 class CountingRunner final : public sdk::UnitRunner {
  public:
-  at::Tensor run(torch::nn::Module& unit, const sdk::UnitForward& forward, const at::Tensor& input) override {
+  std::vector<at::Tensor> run(torch::nn::Module& unit, sdk::UnitFunction forward,
+                              const std::vector<at::Tensor>& inputs) override {
     ++calls[&unit];
-    return forward(input);
+    return forward(inputs);
   }
   std::map<const torch::nn::Module*, int> calls;
 };

@@ -11,7 +11,9 @@
 
 #include "tessera/core/checkpoint.hpp"
 #include "tessera/core/cluster.hpp"
-#include "tessera/core/fsdp.hpp"
+#include "tessera/core/clip_grad.hpp"
+#include "tessera/core/deferred_init.hpp"
+#include "tessera/core/fsdp.hpp"  // read_resharded_checkpoint, until the checkpoint module has it
 #include "tessera/sdk/error.hpp"
 
 namespace tessera::core {
@@ -80,7 +82,7 @@ void StrategyBase::setup(std::shared_ptr<sdk::Module> module, const sdk::Optimiz
   TESSERA_CHECK(network_, "the model plugin returned no network: configure_model() must build it");
   // A network built under deferred init is not anywhere yet: the strategy materialises it on
   // the device unit by unit (moving it whole would allocate the whole model there).
-  if (!core::fsdp::has_deferred_tensors(*network_)) network_->to(device_);
+  if (!has_deferred_tensors(*network_)) network_->to(device_);
   precision().convert_module(*network_);
   setup_module();
   std::vector<sdk::NamedParameter> params = optimizer_parameters();
@@ -162,28 +164,7 @@ double StrategyBase::clip_grad_norm(double max_norm, double norm_type) {
   for (const auto& group : optimizer().param_groups())
     for (const auto& p : group.params())
       if (p.grad().defined()) gradients.push_back(p.grad());
-  return clip_gradients(gradients, max_norm, norm_type, /*sharded=*/false);
-}
-
-double StrategyBase::clip_gradients(const std::vector<at::Tensor>& gradients, double max_norm, double norm_type,
-                                    bool sharded) {
-  TESSERA_CHECK(norm_type > 0, "gradient clipping norm_type must be > 0 or inf, got ", norm_type);
-  const bool inf_norm = std::isinf(norm_type);
-  at::Tensor local = at::zeros({}, at::TensorOptions().dtype(at::kFloat).device(device_));
-  for (const at::Tensor& g : gradients) {
-    if (g.numel() == 0) continue;
-    at::Tensor gf = g.detach().to(at::kFloat);
-    if (inf_norm) local = at::maximum(local, gf.abs().max());
-    else local = local + gf.abs().pow(norm_type).sum();
-  }
-  if (sharded) local = reduce(local, inf_norm ? sdk::ReduceOp::max : sdk::ReduceOp::sum);
-  double total = inf_norm ? local.item<double>() : std::pow(local.item<double>(), 1.0 / norm_type);
-  double coefficient = max_norm / (total + 1e-6);
-  if (coefficient < 1.0) {
-    torch::NoGradGuard no_grad;
-    for (const at::Tensor& g : gradients) g.detach().mul_(coefficient);
-  }
-  return total;
+  return core::clip_grad_norm({}, gradients, max_norm, norm_type, nullptr, device_);
 }
 
 at::Tensor StrategyBase::reduce(const at::Tensor& tensor, sdk::ReduceOp op) {

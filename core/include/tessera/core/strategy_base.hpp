@@ -75,9 +75,6 @@ class StrategyBase : public sdk::Strategy {
   virtual void zero_grad();
   /// What the optimizer steps on, named after the original parameters.
   virtual std::vector<sdk::NamedParameter> optimizer_parameters();
-  /// Gradient-norm clipping over `gradients`; with `sharded`, each rank holds a disjoint
-  /// part and the norm is reduced across the world (inf norm: max).
-  double clip_gradients(const std::vector<at::Tensor>& gradients, double max_norm, double norm_type, bool sharded);
   /// `batch` on `device_`, floating inputs converted by the precision.
   sdk::Batch prepare_batch(const sdk::Batch& batch);
   /// The communicator's ranks must agree: throws if setup_environment has not run.

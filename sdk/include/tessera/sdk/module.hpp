@@ -39,6 +39,12 @@ class TESSERA_SDK_API Module : public PluginObject {
   /// through sdk::invoke(): what the "transformer" auto-wrap policy wraps. Default: none.
   virtual std::vector<std::string> fsdp_unit_classes() const;
 
+  /// The "custom" auto-wrap policy (PyTorch's lambda_auto_wrap_policy / CustomPolicy):
+  /// whether the module at `path` (e.g. "blocks.3") becomes an FSDP unit; the module must then
+  /// be run through sdk::invoke. Called once per module, outermost first; the modules inside a
+  /// unit are not asked. Default: false (the root is the only unit).
+  virtual bool fsdp_wrap_policy(const std::string& path, const torch::nn::Module& module) const;
+
   /// Deferred init (PyTorch FSDP's param_init_fn): initialise, in place, the parameters and
   /// buffers that `module` (at `path` in the network) owns directly, as configure_model()
   /// does. FSDP strategies call it unit by unit under [strategy] deferred_init, after giving

@@ -22,7 +22,7 @@
 namespace tessera::sdk {
 
 /// The vtables of the SDK interfaces are the ABI: any change to them bumps the major.
-inline constexpr std::uint32_t kAbiMajor = 2;  // 2: Module::init_parameters
+inline constexpr std::uint32_t kAbiMajor = 3;  // 3: multi-argument units, Module::fsdp_wrap_policy
 inline constexpr std::uint32_t kAbiMinor = 0;
 
 enum class PluginKind : std::uint32_t { strategy = 1, precision, checkpoint_io, model, data };

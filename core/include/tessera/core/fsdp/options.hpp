@@ -1,0 +1,61 @@
+#pragma once
+/// What a sharding strategy asks of the sharding core (PyTorch FSDP's constructor arguments).
+#include <cstdint>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include <c10/core/Device.h>
+#include <c10/util/Optional.h>
+#include <torch/nn/module.h>
+
+#include "tessera/sdk/precision.hpp"
+
+namespace tessera::core::fsdp {
+
+enum class ShardingStrategy { FULL_SHARD, SHARD_GRAD_OP, NO_SHARD, HYBRID_SHARD };
+enum class BackwardPrefetch { NONE, BACKWARD_PRE, BACKWARD_POST };
+
+ShardingStrategy parse_sharding_strategy(const std::string& name);
+BackwardPrefetch parse_backward_prefetch(const std::string& name);
+
+/// Decides, per module path, whether a module becomes an FSDP unit (PyTorch's lambda /
+/// CustomPolicy): the "custom" auto_wrap_policy.
+using WrapPolicyFn = std::function<bool(const std::string& path, const torch::nn::Module& module)>;
+
+struct FSDPOptions {
+  ShardingStrategy sharding_strategy = ShardingStrategy::FULL_SHARD;
+  BackwardPrefetch backward_prefetch = BackwardPrefetch::BACKWARD_PRE;
+  bool forward_prefetch = false;
+  /// "transformer": modules whose class name() is in unit_classes; "size": those of them with
+  /// at least min_num_params parameters; "custom": modules for which custom_wrap_policy
+  /// returns true; "none": the root is the only unit. Units are run through sdk::invoke.
+  std::string auto_wrap_policy = "transformer";
+  std::vector<std::string> unit_classes;
+  std::int64_t min_num_params = 0;
+  WrapPolicyFn custom_wrap_policy;
+  std::vector<std::string> activation_checkpointing;  ///< unit classes recomputed in backward
+  bool reduce_every_micro_batch = false;
+  bool rank0_only = true;  ///< full state dicts are built on rank 0 only
+  /// Modules (by path, e.g. "lm_head", or by class name) whose parameters stay unsharded and
+  /// replicated on every rank; their gradients are all-reduced over the world.
+  std::vector<std::string> ignored_modules;
+  /// The network was built under deferred_init_guard(): initialise each unit when sharding it.
+  bool deferred_init = false;
+  /// Under deferred init: initialises one module's own tensors in place (sdk::Module::
+  /// init_parameters); returning false (or unset) falls back to its reset_parameters().
+  std::function<bool(const std::string& path, torch::nn::Module& module)> param_init_fn;
+  /// Where the network runs. Default: where its parameters are; under deferred init they are
+  /// nowhere yet (the strategy sets it, and each unit is materialised there).
+  c10::optional<c10::Device> device;
+  /// The master shards, their gradients and so the optimizer state live in pinned CPU
+  /// memory; units are copied to the device to be gathered and gradients copied back after
+  /// their reduce-scatter. Nothing changes for CPU networks.
+  bool cpu_offload = false;
+  /// param_dtype: gather and compute; reduce_dtype: gradient reduction (and the optimizer's
+  /// gradients with keep_low_precision_grads); buffer_dtype: floating buffers. BatchNorm
+  /// modules stay out of it, as in PyTorch.
+  sdk::MixedPrecisionPolicy mixed_precision;
+};
+
+}  // namespace tessera::core::fsdp

@@ -1,0 +1,42 @@
+#pragma once
+/// One FSDP unit at run time (PyTorch FSDP2's FSDPParamGroup): its layout, where it stands
+/// in the step (gathered? gradients attached? reduced?), its collectives in flight and the
+/// autograd state that tells when its gradients are complete.
+#include <memory>
+#include <string>
+#include <vector>
+
+#include <torch/csrc/autograd/function.h>
+#include <torch/nn/module.h>
+
+#include "tessera/core/comm.hpp"
+#include "tessera/core/fsdp/layout.hpp"
+
+namespace tessera::core::fsdp {
+
+struct FSDPUnit {
+  // What it is.
+  std::string name;  ///< module path, "<root>" for the root
+  std::size_t index = 0;  ///< in registration order; the root is last
+  bool is_root = false;
+  bool checkpointed = false;  ///< activation checkpointing
+  std::shared_ptr<torch::nn::Module> module;  ///< null for the root
+  std::unique_ptr<UnitLayout> layout;
+  std::string forward_tag, backward_tag, reduce_tag, replica_tag;  ///< collective names for reports
+
+  // The schedule (scheduler.cpp).
+  bool gathered = false;
+  CommHandlePtr gather_handle;  ///< an all-gather in flight (a prefetch, until waited for)
+  at::Tensor gather_input;
+  bool grads_attached = false;  ///< unsharded gradients allocated and the parameters' .grad
+  bool reduced = false;         ///< this backward's reduce-scatter launched
+  CommHandlePtr reduce_handle;
+  at::Tensor reduce_input, reduce_output;
+  std::int64_t order_position = -1;  ///< in the first forward's execution order; -1: never ran
+
+  // Gradient readiness (autograd_seam.cpp): hooks on the parameters' accumulators.
+  std::vector<std::shared_ptr<torch::autograd::Node>> accumulators;
+  std::int64_t expected_grads = 0, pending_grads = 0;
+};
+
+}  // namespace tessera::core::fsdp

@@ -1,0 +1,211 @@
+#include "tessera/core/fsdp/autograd_seam.hpp"
+
+#include <ATen/ATen.h>
+#include <ATen/autocast_mode.h>
+#include <ATen/core/ivalue.h>
+#include <torch/csrc/autograd/autograd.h>
+#include <torch/csrc/autograd/custom_function.h>
+#include <torch/csrc/autograd/function_hook.h>
+#include <torch/csrc/autograd/variable.h>
+#include <torch/version.h>
+
+namespace tessera::core::fsdp {
+
+namespace {
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+/// The typed state an autograd node keeps for its unit (held through an IValue capsule:
+/// what torch::autograd::Function lets a node own).
+struct UnitRef : torch::CustomClassHolder {
+  UnitRef(UnitHooks& h, FSDPUnit& u) : hooks(&h), unit(&u) {}
+  UnitHooks* hooks;
+  FSDPUnit* unit;
+};
+
+/// What a recomputation needs to redo the forward exactly.
+struct RecomputeState : UnitRef {
+  RecomputeState(UnitHooks& h, FSDPUnit& u, sdk::UnitFunction f) : UnitRef(h, u), forward(std::move(f)) {}
+  sdk::UnitFunction forward;
+  std::vector<bool> input_requires_grad;
+  c10::Device device{c10::kCPU};
+  at::Tensor cpu_rng, device_rng;  // generator states at the first run
+  bool autocast_cpu = false, autocast_gpu = false;
+  at::ScalarType autocast_cpu_dtype = at::kBFloat16, autocast_gpu_dtype = at::kHalf;
+};
+
+template <typename T>
+c10::intrusive_ptr<T> state_of(AutogradContext* ctx) {
+  return c10::static_intrusive_pointer_cast<T>(ctx->saved_data["unit"].toCapsule());
+}
+
+struct PreBackward : public torch::autograd::Function<PreBackward> {
+  static variable_list forward(AutogradContext* ctx, at::TensorList outputs, c10::intrusive_ptr<UnitRef> ref) {
+    ctx->saved_data["unit"] = c10::IValue::make_capsule(std::move(ref));
+    return outputs.vec();
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    auto ref = state_of<UnitRef>(ctx);
+    ref->hooks->pre_backward(*ref->unit);
+    grads.emplace_back();  // for the state argument
+    return grads;
+  }
+};
+
+// Autocast's per-thread state, as LibTorch's version exposes it.
+#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 4)
+bool autocast_enabled(bool cpu) { return at::autocast::is_autocast_enabled(cpu ? at::kCPU : at::kCUDA); }
+at::ScalarType autocast_dtype(bool cpu) { return at::autocast::get_autocast_dtype(cpu ? at::kCPU : at::kCUDA); }
+void set_autocast(bool cpu, bool enabled, at::ScalarType dtype) {
+  at::autocast::set_autocast_enabled(cpu ? at::kCPU : at::kCUDA, enabled);
+  at::autocast::set_autocast_dtype(cpu ? at::kCPU : at::kCUDA, dtype);
+}
+#else
+bool autocast_enabled(bool cpu) { return cpu ? at::autocast::is_cpu_enabled() : at::autocast::is_enabled(); }
+at::ScalarType autocast_dtype(bool cpu) {
+  return cpu ? at::autocast::get_autocast_cpu_dtype() : at::autocast::get_autocast_gpu_dtype();
+}
+void set_autocast(bool cpu, bool enabled, at::ScalarType dtype) {
+  if (cpu) {
+    at::autocast::set_cpu_enabled(enabled);
+    at::autocast::set_autocast_cpu_dtype(dtype);
+  } else {
+    at::autocast::set_enabled(enabled);
+    at::autocast::set_autocast_gpu_dtype(dtype);
+  }
+}
+#endif
+
+at::Generator default_generator(c10::Device device) { return at::globalContext().defaultGenerator(device); }
+
+/// Sets the generators and autocast to a recorded state for one scope, then restores them
+/// (PyTorch's checkpoint preserve_rng_state), so the recomputation draws the same dropout masks.
+class ReplayScope {
+ public:
+  explicit ReplayScope(const RecomputeState& s)
+      : state_(s), cpu_rng_(default_generator(c10::kCPU).get_state()),
+        autocast_cpu_(autocast_enabled(true)), autocast_gpu_(autocast_enabled(false)),
+        cpu_dtype_(autocast_dtype(true)), gpu_dtype_(autocast_dtype(false)) {
+    if (!s.device.is_cpu()) device_rng_ = default_generator(s.device).get_state();
+    default_generator(c10::kCPU).set_state(s.cpu_rng);
+    if (!s.device.is_cpu()) default_generator(s.device).set_state(s.device_rng);
+    set_autocast(true, s.autocast_cpu, s.autocast_cpu_dtype);
+    set_autocast(false, s.autocast_gpu, s.autocast_gpu_dtype);
+  }
+  ~ReplayScope() {
+    default_generator(c10::kCPU).set_state(cpu_rng_);
+    if (!state_.device.is_cpu()) default_generator(state_.device).set_state(device_rng_);
+    set_autocast(true, autocast_cpu_, cpu_dtype_);
+    set_autocast(false, autocast_gpu_, gpu_dtype_);
+  }
+
+ private:
+  const RecomputeState& state_;
+  at::Tensor cpu_rng_, device_rng_;
+  bool autocast_cpu_, autocast_gpu_;
+  at::ScalarType cpu_dtype_, gpu_dtype_;
+};
+
+struct Recompute : public torch::autograd::Function<Recompute> {
+  static variable_list forward(AutogradContext* ctx, at::TensorList input_list, c10::intrusive_ptr<RecomputeState> state) {
+    variable_list inputs = input_list.vec();
+    for (const auto& x : inputs) {
+      state->input_requires_grad.push_back(x.requires_grad());
+      if (x.defined() && !x.is_cpu()) state->device = x.device();
+    }
+    state->cpu_rng = default_generator(c10::kCPU).get_state();
+    if (!state->device.is_cpu()) state->device_rng = default_generator(state->device).get_state();
+    state->autocast_cpu = autocast_enabled(true);
+    state->autocast_gpu = autocast_enabled(false);
+    state->autocast_cpu_dtype = autocast_dtype(true);
+    state->autocast_gpu_dtype = autocast_dtype(false);
+    ctx->save_for_backward(inputs);
+    variable_list outputs;
+    {
+      at::AutoGradMode no_grad(false);
+      outputs = state->forward(inputs);
+    }
+    for (const auto& y : outputs)
+      if (y.defined() && !y.is_floating_point() && !y.is_complex()) ctx->mark_non_differentiable({y});
+    ctx->saved_data["unit"] = c10::IValue::make_capsule(std::move(state));
+    return outputs;
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    auto state = state_of<RecomputeState>(ctx);
+    state->hooks->pre_backward(*state->unit);
+    variable_list inputs = ctx->get_saved_variables();
+    for (std::size_t i = 0; i < inputs.size(); ++i)
+      if (inputs[i].defined()) inputs[i] = inputs[i].detach().requires_grad_(state->input_requires_grad[i]);
+    variable_list outputs;
+    {
+      ReplayScope replay(*state);
+      at::AutoGradMode grad(true);
+      outputs = state->forward(inputs);
+    }
+    variable_list roots, root_grads;
+    for (std::size_t i = 0; i < outputs.size() && i < grads.size(); ++i)
+      if (grads[i].defined() && outputs[i].requires_grad()) {
+        roots.push_back(outputs[i]);
+        root_grads.push_back(grads[i]);
+      }
+    if (!roots.empty()) torch::autograd::backward(roots, root_grads);
+    variable_list input_grads;
+    for (std::size_t i = 0; i < inputs.size(); ++i)
+      input_grads.push_back(state->input_requires_grad[i] ? inputs[i].grad() : at::Tensor());
+    input_grads.emplace_back();  // for the state argument
+    return input_grads;
+  }
+};
+
+/// Counts down a unit's parameters whose gradient has been accumulated.
+class GradientReadyHook final : public torch::autograd::FunctionPostHook {
+ public:
+  GradientReadyHook(UnitHooks& hooks, FSDPUnit& unit) : hooks_(hooks), unit_(unit) {}
+  variable_list operator()(const variable_list& outputs, const variable_list&) override {
+    if (--unit_.pending_grads == 0) hooks_.post_backward(unit_);
+    return outputs;
+  }
+
+ private:
+  UnitHooks& hooks_;
+  FSDPUnit& unit_;
+};
+
+}  // namespace
+
+std::vector<at::Tensor> attach_pre_backward(UnitHooks& hooks, FSDPUnit& unit, const std::vector<at::Tensor>& outputs) {
+  std::vector<std::size_t> through;  // outputs that take part in backward
+  variable_list differentiable;
+  for (std::size_t i = 0; i < outputs.size(); ++i)
+    if (outputs[i].defined() && outputs[i].requires_grad()) {
+      through.push_back(i);
+      differentiable.push_back(outputs[i]);
+    }
+  if (through.empty()) return outputs;
+  // A TensorList, not a std::vector: Function::apply counts only those as tensor inputs.
+  variable_list wrapped = PreBackward::apply(at::TensorList(differentiable), c10::make_intrusive<UnitRef>(hooks, unit));
+  std::vector<at::Tensor> result = outputs;
+  for (std::size_t k = 0; k < through.size(); ++k) result[through[k]] = wrapped[k];
+  return result;
+}
+
+std::vector<at::Tensor> checkpointed_forward(UnitHooks& hooks, FSDPUnit& unit, sdk::UnitFunction forward,
+                                             const std::vector<at::Tensor>& inputs) {
+  return Recompute::apply(at::TensorList(inputs), c10::make_intrusive<RecomputeState>(hooks, unit, std::move(forward)));
+}
+
+void install_post_backward_hooks(UnitHooks& hooks, FSDPUnit& unit) {
+  unit.accumulators.clear();
+  unit.expected_grads = 0;
+  for (const auto& p : unit.layout->params()) {
+    if (!p.tensor.requires_grad()) continue;
+    auto accumulator = torch::autograd::impl::grad_accumulator(p.tensor);
+    accumulator->add_post_hook(std::make_unique<GradientReadyHook>(hooks, unit));
+    unit.accumulators.push_back(std::move(accumulator));
+    ++unit.expected_grads;
+  }
+}
+
+}  // namespace tessera::core::fsdp

@@ -1,0 +1,194 @@
+#include "tessera/core/fsdp/flat_param.hpp"
+
+#include <algorithm>
+
+#include <ATen/ATen.h>
+#include <torch/csrc/autograd/grad_mode.h>
+
+#include "tessera/core/fsdp/storage.hpp"
+
+namespace tessera::core::fsdp {
+
+FlatParamHandle::FlatParamHandle(std::vector<UnitParam> params, const Config& config)
+    : params_(std::move(params)), config_(config) {
+  for (const auto& p : params_) {
+    offsets_.push_back(numel_);
+    numels_.push_back(p.tensor.numel());
+    numel_ += p.tensor.numel();
+  }
+  const std::int64_t world = config_.world;
+  padded_ = (numel_ + world - 1) / world * world;
+  if (padded_ == 0) padded_ = world;
+  shard_numel_ = padded_ / world;
+  shard_offset_ = config_.rank * shard_numel_;
+  // The master shard keeps the parameters' own dtype: fp32 in the mixed modes, the half
+  // dtype under *-true (the model never exists in fp32, as on one device).
+  if (!params_.empty() && std::all_of(params_.begin(), params_.end(), [&](const UnitParam& p) {
+        return p.tensor.scalar_type() == params_[0].tensor.scalar_type();
+      }))
+    master_dtype_ = params_[0].tensor.scalar_type();
+  compute_dtype_ = config_.mixed_precision.param_dtype.value_or(master_dtype_);
+}
+
+at::Tensor FlatParamHandle::flatten_params() const {
+  torch::NoGradGuard no_grad;
+  at::Tensor flat = at::zeros({padded_}, at::TensorOptions().dtype(master_dtype_).device(config_.device));
+  for (std::size_t i = 0; i < params_.size(); ++i)
+    flat.narrow(0, offsets_[i], numels_[i]).copy_(params_[i].tensor.detach().reshape({-1}));
+  return flat;
+}
+
+void FlatParamHandle::shard(at::Tensor flat) {
+  torch::NoGradGuard no_grad;
+  // A one-rank shard group (NO_SHARD, world 1) computing in fp32 where it keeps its shard
+  // needs no second copy: the shard is the gathered buffer.
+  const bool aliased = config_.world == 1 && compute_dtype_ == master_dtype_ &&
+                       config_.shard_options.device() == config_.device;
+  if (aliased) {
+    shard_ = flat;
+  } else {
+    shard_ = at::empty({shard_numel_}, config_.shard_options.dtype(master_dtype_));
+    shard_.copy_(flat.narrow(0, shard_offset_, shard_numel_));
+  }
+  // keep_low_precision_grads: the optimizer sees gradients in reduce_dtype, as PyTorch's
+  // FSDP leaves them (for optimizers that step in low precision); otherwise the master dtype.
+  const auto& policy = config_.mixed_precision;
+  at::ScalarType grad_dtype =
+      policy.keep_low_precision_grads ? policy.reduce_dtype.value_or(compute_dtype_) : master_dtype_;
+  shard_grad_ = at::zeros({shard_numel_}, config_.shard_options.dtype(grad_dtype));
+  // The buffers are built one at a time so that deferred init peaks at about one unit.
+  full_ = flat.scalar_type() == compute_dtype_ ? flat : flat.to(compute_dtype_);
+  flat.reset();
+  grad_full_ = at::empty({0}, at::TensorOptions().dtype(compute_dtype_).device(config_.device));
+  grad_full_.unsafeGetTensorImpl()->set_sizes_contiguous({padded_});  // sized now, allocated in backward
+  point_params_at(full_);
+  free_unsharded(/*recycle=*/false);  // what sharding frees is really freed
+  for (std::size_t i = 0; i < params_.size(); ++i) {
+    auto [start, length] = shard_slice(i);
+    at::Tensor view = shard_.narrow(0, start, length);
+    view.mutable_grad() = shard_grad_.narrow(0, start, length);
+    optimizer_views_.push_back(view);
+  }
+}
+
+std::pair<std::int64_t, std::int64_t> FlatParamHandle::shard_slice(std::size_t i) const {
+  std::int64_t lo = std::max(offsets_[i], shard_offset_);
+  std::int64_t hi = std::min(offsets_[i] + numels_[i], shard_offset_ + shard_numel_);
+  std::int64_t start = std::max<std::int64_t>(0, lo - shard_offset_), length = std::max<std::int64_t>(0, hi - lo);
+  return {std::min(start, shard_numel_), length};
+}
+
+std::vector<at::Tensor> FlatParamHandle::unflatten(const at::Tensor& flat) const {
+  std::vector<at::Tensor> out;
+  for (std::size_t i = 0; i < params_.size(); ++i)
+    out.push_back(flat.narrow(0, offsets_[i], numels_[i]).view(params_[i].tensor.sizes()));
+  return out;
+}
+
+void FlatParamHandle::point_params_at(const at::Tensor& unsharded) {
+  std::vector<at::Tensor> views = unflatten(unsharded);
+  for (std::size_t i = 0; i < params_.size(); ++i) params_[i].tensor.set_data(views[i]);
+}
+
+std::pair<at::Tensor, at::Tensor> FlatParamHandle::all_gather_buffers(c10::Device device) {
+  alloc_storage(full_);
+  return {full_, shard_.to(device, compute_dtype_, /*non_blocking=*/true)};
+}
+
+void FlatParamHandle::free_unsharded(bool recycle) {
+  // One-rank shard groups keep the storage; the next unshard refreshes it from the shard.
+  if (config_.world > 1) free_storage(full_, recycle);
+}
+
+void FlatParamHandle::attach_unsharded_grads() {
+  alloc_storage(grad_full_);
+  grad_full_.zero_();
+  std::vector<at::Tensor> views = unflatten(grad_full_);
+  for (std::size_t i = 0; i < params_.size(); ++i) params_[i].tensor.mutable_grad() = views[i];
+}
+
+at::Tensor FlatParamHandle::reduce_scatter_input(at::ScalarType dtype) {
+  return grad_full_.scalar_type() == dtype ? grad_full_ : grad_full_.to(dtype);
+}
+
+bool FlatParamHandle::accumulate_sharded_grad(const at::Tensor& reduced) {
+  bool copy_in_flight = false;
+  if (shard_grad_.device() == reduced.device()) {
+    shard_grad_.add_(reduced);
+  } else if (!shard_grad_written_ && shard_grad_.scalar_type() == reduced.scalar_type()) {
+    // cpu_offload: the first gradient since the step goes to pinned memory without blocking
+    // (the scheduler waits once for all of them); the stream orders reuse of the source.
+    shard_grad_.copy_(reduced, /*non_blocking=*/true);
+    copy_in_flight = true;
+  } else {
+    shard_grad_.add_(reduced.to(shard_grad_.device()));  // accumulating: on the CPU
+  }
+  shard_grad_written_ = true;
+  return copy_in_flight;
+}
+
+void FlatParamHandle::free_unsharded_grads() {
+  for (auto& p : params_) p.tensor.mutable_grad().reset();
+  free_storage(grad_full_);
+}
+
+void FlatParamHandle::zero_sharded_grads() {
+  shard_grad_.zero_();
+  shard_grad_written_ = false;
+  for (std::size_t i = 0; i < optimizer_views_.size(); ++i)
+    if (!optimizer_views_[i].grad().defined())  // zero_grad(set_to_none) in LibTorch 2.x
+      optimizer_views_[i].mutable_grad() = shard_grad_.narrow(0, shard_slice(i).first, optimizer_views_[i].numel());
+}
+
+OwnedRange FlatParamHandle::owned_range(std::size_t i) const {
+  std::int64_t lo = std::max(offsets_[i], shard_offset_);
+  std::int64_t hi = std::min(offsets_[i] + numels_[i], shard_offset_ + shard_numel_);
+  if (hi <= lo) return {0, 0};
+  return {lo - offsets_[i], hi - lo};
+}
+
+std::vector<at::Tensor> FlatParamHandle::gather_full_params(Communicator& shard_group, c10::Device device,
+                                                            const std::string& tag) {
+  at::Tensor full = at::empty({padded_}, at::TensorOptions().dtype(master_dtype_).device(device));
+  shard_group.all_gather(full, shard_.to(device), tag)->wait();
+  return unflatten(full);
+}
+
+std::vector<at::Tensor> FlatParamHandle::gather_full_state(const std::vector<at::Tensor>& pieces,
+                                                           Communicator& shard_group, c10::Device device,
+                                                           const std::string& tag) {
+  const auto fp32 = at::TensorOptions().dtype(at::kFloat).device(device);
+  at::Tensor flat_shard = at::zeros({shard_numel_}, fp32);
+  for (std::size_t i = 0; i < params_.size(); ++i)
+    if (pieces[i].numel() > 0) flat_shard.narrow(0, shard_slice(i).first, pieces[i].numel()).copy_(pieces[i].reshape({-1}));
+  at::Tensor full = at::empty({padded_}, fp32);
+  shard_group.all_gather(full, flat_shard, tag)->wait();
+  std::vector<at::Tensor> out;
+  for (const at::Tensor& view : unflatten(full.cpu())) out.push_back(view.clone());
+  return out;
+}
+
+void FlatParamHandle::load_full_params(const std::vector<const at::Tensor*>& values) {
+  torch::NoGradGuard no_grad;
+  at::Tensor flat = at::zeros({padded_}, at::TensorOptions().dtype(at::kFloat).device(config_.device));
+  for (std::size_t i = 0; i < params_.size(); ++i)
+    if (values[i] != nullptr) flat.narrow(0, offsets_[i], numels_[i]).copy_(values[i]->reshape({-1}));
+  shard_.copy_(flat.narrow(0, shard_offset_, shard_numel_));
+}
+
+at::Tensor FlatParamHandle::owned_part(const at::Tensor& unsharded) const {
+  return unsharded.narrow(0, shard_offset_, shard_numel_);
+}
+
+void FlatParamHandle::write_back(const at::Tensor& piece, const at::Tensor& before) {
+  if (!before.defined()) return void(shard_.copy_(piece));
+  shard_.copy_(at::where(piece.ne(before), piece.to(master_dtype_), shard_.to(piece.device())));
+}
+
+void FlatParamHandle::load_local_shard(const at::Tensor& value) { shard_.copy_(value); }
+
+std::int64_t FlatParamHandle::sharded_bytes() const {
+  return static_cast<std::int64_t>(storage_bytes(shard_) + storage_bytes(shard_grad_));
+}
+
+}  // namespace tessera::core::fsdp

@@ -1,0 +1,212 @@
+#include "tessera/core/fsdp.hpp"
+
+#include <set>
+
+#include <ATen/ATen.h>
+#include <torch/csrc/autograd/grad_mode.h>
+
+#include "tessera/core/clip_grad.hpp"
+#include "tessera/core/fsdp/flat_param.hpp"
+#include "tessera/core/fsdp/wrap.hpp"
+#include "tessera/sdk/error.hpp"
+#include "tessera/sdk/sharded.hpp"
+
+namespace tessera::core::fsdp {
+
+namespace {
+// What model plugins and callbacks reach through sdk::summon_full_params and friends.
+class SdkView final : public sdk::ShardedModel {
+ public:
+  explicit SdkView(ShardedModule& engine) : engine_(engine) {}
+  sdk::GuardPtr summon_full_params(const sdk::SummonOptions& o) override {
+    return engine_.summon_full_params(o.writeback, o.rank0_only, o.offload_to_cpu, o.with_grads);
+  }
+  void apply(const std::function<void(torch::nn::Module&)>& fn) override { engine_.apply(fn); }
+  std::vector<std::string> fsdp_modules(bool root_only) const override { return engine_.fsdp_modules(root_only); }
+
+ private:
+  ShardedModule& engine_;
+};
+}  // namespace
+
+ShardingStrategy parse_sharding_strategy(const std::string& name) {
+  if (name == "FULL_SHARD") return ShardingStrategy::FULL_SHARD;
+  if (name == "SHARD_GRAD_OP") return ShardingStrategy::SHARD_GRAD_OP;
+  if (name == "NO_SHARD") return ShardingStrategy::NO_SHARD;
+  if (name == "HYBRID_SHARD") return ShardingStrategy::HYBRID_SHARD;
+  TESSERA_FAIL("unknown sharding_strategy '", name, "'");
+}
+
+BackwardPrefetch parse_backward_prefetch(const std::string& name) {
+  if (name == "BACKWARD_PRE") return BackwardPrefetch::BACKWARD_PRE;
+  if (name == "BACKWARD_POST") return BackwardPrefetch::BACKWARD_POST;
+  if (name == "none" || name == "NONE") return BackwardPrefetch::NONE;
+  TESSERA_FAIL("unknown backward_prefetch '", name, "'");
+}
+
+ShardedModule::ShardedModule(std::shared_ptr<torch::nn::Module> network, const FSDPOptions& options,
+                             CommunicatorPtr shard_group, CommunicatorPtr replicate_group)
+    : network_(std::move(network)), options_(options), shard_group_(std::move(shard_group)),
+      replicate_group_(std::move(replicate_group)) {
+  for (const auto& p : network_->parameters()) device_ = p.device();
+  if (options_.device) device_ = *options_.device;
+  TESSERA_CHECK(!options_.deferred_init || options_.ignored_modules.empty(), "[strategy] ignored_modules cannot be combined ",
+                "with deferred_init = true: ignored parameters are not sharded, so they would be built whole anyway");
+  build_units();
+  cast_buffers();
+  std::vector<at::Tensor> replicated;
+  for (const auto& p : replicated_) replicated.push_back(p.tensor);
+  scheduler_ = std::make_unique<Scheduler>(units_, std::move(replicated), options_, shard_group_, replicate_group_, device_);
+  scheduler_->install();
+  sdk::set_sharded_model(*network_, std::make_shared<SdkView>(*this));
+}
+
+ShardedModule::~ShardedModule() { sdk::set_sharded_model(*network_, nullptr); }
+
+void ShardedModule::build_units() {
+  UnitPlan plan = plan_units(*network_, options_);
+  // Ranks that planned different units would deadlock in mismatched collectives: compare
+  // first. Shard groups x replicate groups cover the world, so equal in both = equal everywhere.
+  const std::vector<std::string> entries = plan.entries();
+  check_plan_agreement(*shard_group_, entries, device_);
+  check_plan_agreement(*replicate_group_, entries, device_);
+  replicated_ = plan.replicated;
+  norm_layers_ = plan.norm_layers;
+
+  FlatParamHandle::Config config;
+  config.rank = shard_group_->rank();
+  config.world = shard_group_->size();
+  config.device = device_;
+  config.shard_options = fp32();
+  if (options_.cpu_offload && !device_.is_cpu())
+    config.shard_options = at::TensorOptions().dtype(at::kFloat).device(at::kCPU).pinned_memory(true);
+  config.mixed_precision = options_.mixed_precision;
+
+  if (options_.deferred_init) replay_deferred_init_rng();
+  for (std::size_t i = 0; i < plan.units.size(); ++i) {
+    PlannedUnit& planned = plan.units[i];
+    auto unit = std::make_unique<FSDPUnit>();
+    unit->name = planned.name;
+    unit->index = i;
+    unit->is_root = i + 1 == plan.units.size();
+    unit->checkpointed = planned.checkpointed;
+    unit->module = planned.module;
+    unit->forward_tag = "forward all-gather of " + unit->name;
+    unit->backward_tag = "backward all-gather of " + unit->name;
+    unit->reduce_tag = "reduce-scatter of " + unit->name;
+    unit->replica_tag = "replica all-reduce of " + unit->name;
+    if (unit->module) sdk::set_unit_runner(*unit->module, nullptr);
+    std::set<const void*> impls;
+    for (const auto& p : planned.params) impls.insert(p.tensor.unsafeGetTensorImpl());
+    auto handle = std::make_unique<FlatParamHandle>(std::move(planned.params), config);
+    at::Tensor flat;
+    if (options_.deferred_init) {
+      // Initialised on the CPU, where an eager build draws its values, then moved: a GPU never
+      // holds more than this unit of the unsharded model.
+      torch::NoGradGuard no_grad;
+      flat = at::zeros({handle->padded_numel()}, handle->master_dtype());
+      handle->point_params_at(flat);
+      initialize_modules(*network_, impls, device_, options_.param_init_fn);
+      flat = flat.to(device_);
+    } else {
+      flat = handle->flatten_params();
+    }
+    handle->shard(std::move(flat));
+    unit->layout = std::move(handle);
+    units_.push_back(std::move(unit));
+  }
+  if (!options_.deferred_init) return;
+  // Exempt norm layers are replicated: built whole (deterministic ones and zeros).
+  torch::NoGradGuard no_grad;
+  for (auto& m : norm_layers_) {
+    for (auto& p : m->parameters(/*recurse=*/false))
+      if (plan.replicated_impls.count(p.unsafeGetTensorImpl())) p.set_data(at::empty(p.sizes(), p.options().device(device_)));
+    for (auto& b : m->buffers(/*recurse=*/false))
+      if (is_deferred(b)) b.set_data(at::zeros(b.sizes(), b.options().device(device_)));
+    reset_known_module(*m);
+  }
+  for (const auto& item : network_->named_buffers())
+    TESSERA_CHECK(!is_deferred(item.value()), "deferred init: buffer '", item.key(),
+                  "' belongs to no module tessera can re-initialise, and the values computed for it at construction ",
+                  "were not kept; set [strategy] deferred_init = false for this model");
+  release_deferred_init_memory();
+}
+
+// buffer_dtype applies to the floating buffers of everything FSDP manages (not ignored
+// modules, not norm layers); state dicts hold them in their own dtype again.
+void ShardedModule::cast_buffers() {
+  const auto& buffer_dtype = options_.mixed_precision.buffer_dtype;
+  if (!buffer_dtype) return;
+  std::set<const void*> exempt;
+  std::vector<std::shared_ptr<torch::nn::Module>> exempt_modules = norm_layers_;
+  for (const auto& item : network_->named_modules("", /*include_self=*/false))
+    if (is_ignored_module(item.key(), *item.value(), options_.ignored_modules)) exempt_modules.push_back(item.value());
+  for (const auto& m : exempt_modules)
+    for (const auto& b : m->buffers()) exempt.insert(b.unsafeGetTensorImpl());
+  torch::NoGradGuard no_grad;
+  for (auto& item : network_->named_buffers()) {
+    at::Tensor& b = item.value();
+    if (!b.is_floating_point() || b.scalar_type() == *buffer_dtype || exempt.count(b.unsafeGetTensorImpl())) continue;
+    buffer_dtypes_[item.key()] = b.scalar_type();
+    b.set_data(b.to(*buffer_dtype));
+  }
+}
+
+at::Tensor ShardedModule::buffer_for_state(const std::string& name, const at::Tensor& buffer) const {
+  auto it = buffer_dtypes_.find(name);
+  return it == buffer_dtypes_.end() ? buffer.detach() : buffer.detach().to(it->second);
+}
+
+std::vector<sdk::NamedParameter> ShardedModule::optimizer_parameters() const {
+  std::vector<sdk::NamedParameter> out;
+  for (const auto& u : units_) {
+    const auto& params = u->layout->params();
+    const auto& tensors = u->layout->optimizer_tensors();
+    for (std::size_t i = 0; i < params.size(); ++i) out.push_back({params[i].names[0], tensors[i]});
+  }
+  for (const auto& p : replicated_) out.push_back({p.names[0], p.tensor});
+  return out;
+}
+
+std::vector<std::string> ShardedModule::optimizer_parameter_names() const {
+  std::vector<std::string> out;
+  for (const auto& p : optimizer_parameters()) out.push_back(p.name);
+  return out;
+}
+
+double ShardedModule::clip_grad_norm(double max_norm, double norm_type) {
+  // Replicas hold identical shards: the norm is reduced over the shard group only.
+  std::vector<at::Tensor> sharded, replicated;
+  for (const auto& u : units_)
+    for (const auto& g : u->layout->sharded_grads()) sharded.push_back(g);
+  for (const auto& p : replicated_) replicated.push_back(p.tensor.grad());
+  return core::clip_grad_norm(sharded, replicated, max_norm, norm_type, shard_group_.get(), device_);
+}
+
+std::string ShardedModule::plan() const {
+  std::string out;
+  for (const auto& u : units_) {
+    std::int64_t n = 0;
+    for (const auto& p : u->layout->params()) n += p.tensor.numel();
+    out += u->name + ":" + std::to_string(n) + ";";
+  }
+  for (const auto& p : replicated_) out += "ignored " + p.names[0] + ";";
+  return out;
+}
+
+std::vector<std::string> ShardedModule::fsdp_modules(bool root_only) const {
+  std::vector<std::string> out;
+  if (!root_only)
+    for (const auto& u : units_)
+      if (!u->is_root) out.push_back(u->name);
+  out.push_back("");
+  return out;
+}
+
+std::int64_t ShardedModule::sharded_bytes() const {
+  std::int64_t bytes = 0;
+  for (const auto& u : units_) bytes += u->layout->sharded_bytes();
+  return bytes;
+}
+
+}  // namespace tessera::core::fsdp

@@ -1,0 +1,279 @@
+// The sharding core's seams on real ranks (Gloo on loopback) against an unsharded reference:
+// units whose forward takes several arguments and returns several tensors, with dropout
+// recomputed under activation checkpointing; the size and custom wrap policies and the error
+// naming the classes a network has; summon_full_params / apply / fsdp_modules reached
+// through the SDK (what model plugins and callbacks call), with and without gradients.
+#include <gtest/gtest.h>
+
+#include <set>
+#include <tuple>
+
+#include <ATen/ATen.h>
+#include <torch/nn/modules/linear.h>
+#include <torch/optim/sgd.h>
+
+#include "multiprocess.hpp"
+#include "tessera/core/comm.hpp"
+#include "tessera/core/fsdp.hpp"
+#include "tessera/core/fsdp/wrap.hpp"
+#include "tessera/sdk/sharded.hpp"
+#include "tessera/sdk/unit.hpp"
+
+namespace {
+
+namespace core = tessera::core;
+namespace fsdp = tessera::core::fsdp;
+namespace sdk = tessera::sdk;
+using tessera::testing::run_ranks;
+
+constexpr std::int64_t kWidth = 11;  // 11*11+11 = 132 per Linear: not divisible by 5 or 7
+constexpr std::int64_t kBatch = 6;   // divisible by 1, 2, 3
+
+/// A block taking (x, mask, scale) and returning (y, aux). Its dropout acts on the weight
+/// (DropConnect), so the mask does not depend on how the batch is split across ranks and
+/// every rank and the reference draw the same masks from the same seed.
+struct GateBlockImpl : torch::nn::Module {
+  explicit GateBlockImpl(std::int64_t width) : torch::nn::Module("GateBlock") {
+    fc = register_module("fc", torch::nn::Linear(width, width));
+    gate = register_module("gate", torch::nn::Linear(width, width));
+  }
+  std::tuple<at::Tensor, at::Tensor> forward(const at::Tensor& x, const at::Tensor& mask, double scale) {
+    at::Tensor w = at::dropout(fc->weight, 0.3, is_training());
+    at::Tensor y = at::tanh(at::linear(x, w, fc->bias)) * mask + scale * x;
+    return {y, at::sigmoid(gate(x)).mean(1)};
+  }
+  torch::nn::Linear fc{nullptr}, gate{nullptr};
+};
+TORCH_MODULE(GateBlock);
+
+struct GateNetImpl : torch::nn::Module {
+  GateNetImpl() : torch::nn::Module("GateNet") {
+    b1 = register_module("b1", GateBlock(kWidth));
+    b2 = register_module("b2", GateBlock(kWidth));
+    head = register_module("head", torch::nn::Linear(kWidth, 2));
+  }
+  at::Tensor forward(const at::Tensor& x, const at::Tensor& mask) {
+    auto [h1, a1] = sdk::invoke(b1, x, mask, 0.5);
+    auto [h2, a2] = sdk::invoke(b2, h1, mask, 0.25);
+    return head(h2) + (a1 + a2).unsqueeze(1);
+  }
+  GateBlock b1{nullptr}, b2{nullptr};
+  torch::nn::Linear head{nullptr};
+};
+TORCH_MODULE(GateNet);
+
+at::Tensor batch(int step, std::int64_t cols, int salt) {
+  at::Generator g = at::detail::createCPUGenerator(1000 * salt + step);
+  return at::randn({kBatch, cols}, g);
+}
+at::Tensor mask_for(int step) { return (batch(step, kWidth, 3) > -0.5).to(at::kFloat); }
+
+at::Tensor loss_of(GateNet& net, int step, std::int64_t first, std::int64_t rows) {
+  at::Tensor out = net->forward(batch(step, kWidth, 1).narrow(0, first, rows), mask_for(step).narrow(0, first, rows));
+  return (out - batch(step, 2, 2).narrow(0, first, rows)).pow(2).mean();
+}
+
+constexpr int kSteps = 3;
+
+std::map<std::string, at::Tensor> reference_after(int steps) {
+  torch::manual_seed(11);
+  GateNet net;
+  torch::optim::SGD optimizer(net->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
+  for (int s = 0; s < steps; ++s) {
+    optimizer.zero_grad();
+    loss_of(net, s, 0, kBatch).backward();
+    optimizer.step();
+  }
+  std::map<std::string, at::Tensor> out;
+  for (const auto& item : net->named_parameters()) out[item.key()] = item.value().detach().clone();
+  return out;
+}
+
+core::CommunicatorPtr world(const sdk::ClusterInfo& cluster) {
+  return cluster.world_size == 1 ? core::make_local_communicator() : core::make_communicator(cluster, c10::kCPU);
+}
+
+std::vector<at::Tensor> tensors_of(const std::vector<sdk::NamedParameter>& params) {
+  std::vector<at::Tensor> out;
+  for (const auto& p : params) out.push_back(p.tensor);
+  return out;
+}
+
+void expect_matches(const sdk::StateDict& state, const std::map<std::string, at::Tensor>& reference, double tol) {
+  ASSERT_EQ(static_cast<std::size_t>(state.size()), reference.size());
+  for (const auto& [name, value] : reference) {
+    const at::Tensor* got = state.find(name);
+    ASSERT_NE(got, nullptr) << name;
+    EXPECT_TRUE(at::allclose(*got, value, tol, tol)) << name << " differs by " << (*got - value).abs().max().item<double>();
+  }
+}
+
+class MultiArgUnits : public ::testing::TestWithParam<std::tuple<int, bool>> {};
+
+// Gradients reach both outputs of every unit and the tensor input of the second; with
+// activation checkpointing the recomputation draws the same dropout masks as the forward.
+TEST_P(MultiArgUnits, MatchTheUnshardedRunWithDropout) {
+  const auto [n, checkpointed] = GetParam();
+  const auto expected = reference_after(kSteps);
+  run_ranks(n, std::chrono::seconds(120), [&, checkpointed = checkpointed](const sdk::ClusterInfo& cluster) {
+    torch::manual_seed(11);
+    GateNet net;
+    fsdp::FSDPOptions options;
+    options.unit_classes = {"GateBlock"};
+    options.rank0_only = false;
+    if (checkpointed) options.activation_checkpointing = {"GateBlock"};
+    auto group = world(cluster);
+    fsdp::ShardedModule sharded(net.ptr(), options, group, core::make_local_communicator());
+    torch::optim::SGD optimizer(tensors_of(sharded.optimizer_parameters()),
+                                torch::optim::SGDOptions(0.1).momentum(0.9));
+    const std::int64_t rows = kBatch / cluster.world_size, first = rows * cluster.global_rank;
+    for (int s = 0; s < kSteps; ++s) {
+      sharded.begin_forward(true);
+      at::Tensor loss = loss_of(net, s, first, rows);
+      sharded.begin_backward(true);
+      loss.backward();
+      sharded.finish_backward();
+      optimizer.step();
+      sharded.after_optimizer_step();
+    }
+    expect_matches(sharded.full_state_dict(), expected, 1e-5);
+  });
+}
+
+INSTANTIATE_TEST_SUITE_P(Ranks, MultiArgUnits,
+                         ::testing::Combine(::testing::Values(1, 2, 3), ::testing::Values(false, true)),
+                         [](const auto& info) {
+                           return std::to_string(std::get<0>(info.param)) + "ranks" +
+                                  (std::get<1>(info.param) ? "Checkpointed" : "");
+                         });
+
+// Without restoring the RNG the recomputation would draw new masks: checked directly.
+TEST(MultiArgUnits, RecomputationSeesTheForwardsRandomState) {
+  torch::manual_seed(3);
+  GateNet plain;
+  torch::manual_seed(3);
+  GateNet recomputed;
+  fsdp::FSDPOptions options;
+  options.unit_classes = {"GateBlock"};
+  options.activation_checkpointing = {"GateBlock"};
+  fsdp::ShardedModule sharded(recomputed.ptr(), options, core::make_local_communicator(),
+                              core::make_local_communicator());
+  torch::manual_seed(5);
+  loss_of(plain, 0, 0, kBatch).backward();
+  const float after_plain = at::rand({1}).item<float>();
+  torch::manual_seed(5);
+  sharded.begin_forward(true);
+  at::Tensor loss = loss_of(recomputed, 0, 0, kBatch);
+  sharded.begin_backward(true);
+  loss.backward();
+  sharded.finish_backward();
+  EXPECT_EQ(at::rand({1}).item<float>(), after_plain) << "the generator continues where an uncheckpointed step leaves it";
+  // The sharded gradient of b1.fc.weight is the optimizer view's .grad.
+  for (const auto& p : sharded.optimizer_parameters()) {
+    at::Tensor reference = plain->named_parameters()[p.name].grad().reshape({-1});
+    EXPECT_TRUE(at::allclose(p.tensor.grad(), reference, 1e-6, 1e-6)) << p.name;
+  }
+}
+
+/// b1 is small, b2 large: the size policy wraps b2 only; the custom one what the model says.
+struct SizedNetImpl : torch::nn::Module {
+  SizedNetImpl() : torch::nn::Module("SizedNet") {
+    b1 = register_module("b1", GateBlock(3));
+    b2 = register_module("b2", GateBlock(kWidth));
+    head = register_module("head", torch::nn::Linear(kWidth, 2));
+  }
+  GateBlock b1{nullptr}, b2{nullptr};
+  torch::nn::Linear head{nullptr};
+};
+TORCH_MODULE(SizedNet);
+
+TEST(WrapPolicies, SizeWrapsUnitClassesWithEnoughParameters) {
+  SizedNet net;
+  fsdp::FSDPOptions options;
+  options.auto_wrap_policy = "size";
+  options.unit_classes = {"GateBlock"};
+  options.min_num_params = 100;  // b1 has 2 * (9 + 3) = 24, b2 has 2 * 132 = 264
+  fsdp::UnitPlan plan = fsdp::plan_units(*net, options);
+  ASSERT_EQ(plan.units.size(), 2u);
+  EXPECT_EQ(plan.units[0].name, "b2");
+  EXPECT_EQ(plan.units[0].params.size(), 4u);
+  EXPECT_EQ(plan.units[1].name, "<root>");
+  EXPECT_EQ(plan.units[1].params.size(), 6u);  // b1's four and head's two
+  options.min_num_params = 10;
+  EXPECT_EQ(fsdp::plan_units(*net, options).units.size(), 3u);
+}
+
+TEST(WrapPolicies, CustomPolicyDecidesByModulePath) {
+  SizedNet net;
+  fsdp::FSDPOptions options;
+  options.auto_wrap_policy = "custom";
+  std::vector<std::string> asked;
+  options.custom_wrap_policy = [&](const std::string& path, const torch::nn::Module&) {
+    asked.push_back(path);
+    return path == "b1" || path == "b1.fc";
+  };
+  fsdp::UnitPlan plan = fsdp::plan_units(*net, options);
+  ASSERT_EQ(plan.units.size(), 2u);
+  EXPECT_EQ(plan.units[0].name, "b1");
+  // Outermost first; nothing inside a chosen unit is asked.
+  EXPECT_EQ(asked, (std::vector<std::string>{"b1", "b2", "b2.fc", "b2.gate", "head"}));
+}
+
+TEST(WrapPolicies, AnUnknownUnitClassNamesTheClassesTheNetworkHas) {
+  SizedNet net;
+  EXPECT_EQ(fsdp::unit_class_problem(*net, {"GateBlock"}), "");
+  const std::string problem = fsdp::unit_class_problem(*net, {"ResBlock"});
+  EXPECT_NE(problem.find("no module class 'ResBlock'"), std::string::npos) << problem;
+  EXPECT_NE(problem.find("[SizedNet, GateBlock, torch::nn::LinearImpl]"), std::string::npos) << problem;
+  EXPECT_NE(problem.find("torch::nn::Module(\"Name\")"), std::string::npos) << problem;
+}
+
+class SummonThroughTheSdk : public ::testing::TestWithParam<int> {};
+
+// What a model plugin or callback sees: full parameters (and gradients) of a sharded
+// network, apply() with write-back, the unit list; nothing sharded: the plain network.
+TEST_P(SummonThroughTheSdk, GivesFullParametersGradientsAndUnits) {
+  const int n = GetParam();
+  torch::manual_seed(11);
+  GateNet reference;
+  loss_of(reference, 0, 0, kBatch).backward();
+  EXPECT_EQ(sdk::fsdp_modules(*reference), std::vector<std::string>{""});
+  EXPECT_EQ(sdk::summon_full_params(*reference), nullptr);
+  run_ranks(n, std::chrono::seconds(120), [&](const sdk::ClusterInfo& cluster) {
+    torch::manual_seed(11);
+    GateNet net;
+    fsdp::FSDPOptions options;
+    options.unit_classes = {"GateBlock"};
+    fsdp::ShardedModule sharded(net.ptr(), options, world(cluster), core::make_local_communicator());
+    EXPECT_EQ(sdk::fsdp_modules(*net), (std::vector<std::string>{"b1", "b2", ""}));
+    EXPECT_EQ(sdk::fsdp_modules(*net, /*root_only=*/true), std::vector<std::string>{""});
+    const std::int64_t rows = kBatch / cluster.world_size, first = rows * cluster.global_rank;
+    sharded.begin_forward(true);
+    at::Tensor loss = loss_of(net, 0, first, rows);
+    sharded.begin_backward(true);
+    loss.backward();
+    sharded.finish_backward();
+    {
+      sdk::SummonOptions o;
+      o.with_grads = true;
+      o.writeback = false;
+      sdk::GuardPtr full = sdk::summon_full_params(*net, o);
+      auto ref = reference->named_parameters();
+      for (const auto& item : net->named_parameters()) {
+        EXPECT_TRUE(at::allclose(item.value(), ref[item.key()], 1e-6, 1e-6)) << item.key();
+        EXPECT_TRUE(at::allclose(item.value().grad(), ref[item.key()].grad(), 1e-5, 1e-6)) << item.key() << " grad";
+      }
+    }
+    for (const auto& item : net->named_parameters()) EXPECT_FALSE(item.value().grad().defined()) << item.key();
+    sdk::apply(*net, [](torch::nn::Module& m) {
+      if (auto* linear = dynamic_cast<torch::nn::LinearImpl*>(&m)) linear->bias.fill_(0.25);
+    });
+    sdk::StateDict state = sharded.full_state_dict();
+    for (const auto& item : state)
+      if (item.key().find("bias") != std::string::npos) EXPECT_TRUE(item.value().eq(0.25).all().item<bool>()) << item.key();
+  });
+}
+
+INSTANTIATE_TEST_SUITE_P(Ranks, SummonThroughTheSdk, ::testing::Values(1, 2, 3));
+
+}  // namespace
