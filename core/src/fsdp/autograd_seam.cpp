@@ -1,13 +1,13 @@
 #include "tessera/core/fsdp/autograd_seam.hpp"
 
+#include "tessera/core/autocast.hpp"
+
 #include <ATen/ATen.h>
-#include <ATen/autocast_mode.h>
 #include <ATen/core/ivalue.h>
 #include <torch/csrc/autograd/autograd.h>
 #include <torch/csrc/autograd/custom_function.h>
 #include <torch/csrc/autograd/function_hook.h>
 #include <torch/csrc/autograd/variable.h>
-#include <torch/version.h>
 
 namespace tessera::core::fsdp {
 
@@ -53,29 +53,6 @@ struct PreBackward : public torch::autograd::Function<PreBackward> {
   }
 };
 
-// Autocast's per-thread state, as LibTorch's version exposes it.
-#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 4)
-bool autocast_enabled(bool cpu) { return at::autocast::is_autocast_enabled(cpu ? at::kCPU : at::kCUDA); }
-at::ScalarType autocast_dtype(bool cpu) { return at::autocast::get_autocast_dtype(cpu ? at::kCPU : at::kCUDA); }
-void set_autocast(bool cpu, bool enabled, at::ScalarType dtype) {
-  at::autocast::set_autocast_enabled(cpu ? at::kCPU : at::kCUDA, enabled);
-  at::autocast::set_autocast_dtype(cpu ? at::kCPU : at::kCUDA, dtype);
-}
-#else
-bool autocast_enabled(bool cpu) { return cpu ? at::autocast::is_cpu_enabled() : at::autocast::is_enabled(); }
-at::ScalarType autocast_dtype(bool cpu) {
-  return cpu ? at::autocast::get_autocast_cpu_dtype() : at::autocast::get_autocast_gpu_dtype();
-}
-void set_autocast(bool cpu, bool enabled, at::ScalarType dtype) {
-  if (cpu) {
-    at::autocast::set_cpu_enabled(enabled);
-    at::autocast::set_autocast_cpu_dtype(dtype);
-  } else {
-    at::autocast::set_enabled(enabled);
-    at::autocast::set_autocast_gpu_dtype(dtype);
-  }
-}
-#endif
 
 at::Generator default_generator(c10::Device device) { return at::globalContext().defaultGenerator(device); }
 
@@ -85,19 +62,19 @@ class ReplayScope {
  public:
   explicit ReplayScope(const RecomputeState& s)
       : state_(s), cpu_rng_(default_generator(c10::kCPU).get_state()),
-        autocast_cpu_(autocast_enabled(true)), autocast_gpu_(autocast_enabled(false)),
-        cpu_dtype_(autocast_dtype(true)), gpu_dtype_(autocast_dtype(false)) {
+        autocast_cpu_(autocast_enabled(/*cuda=*/false)), autocast_gpu_(autocast_enabled(/*cuda=*/true)),
+        cpu_dtype_(autocast_dtype(/*cuda=*/false)), gpu_dtype_(autocast_dtype(/*cuda=*/true)) {
     if (!s.device.is_cpu()) device_rng_ = default_generator(s.device).get_state();
     default_generator(c10::kCPU).set_state(s.cpu_rng);
     if (!s.device.is_cpu()) default_generator(s.device).set_state(s.device_rng);
-    set_autocast(true, s.autocast_cpu, s.autocast_cpu_dtype);
-    set_autocast(false, s.autocast_gpu, s.autocast_gpu_dtype);
+    set_autocast(/*cuda=*/false, s.autocast_cpu, s.autocast_cpu_dtype);
+    set_autocast(/*cuda=*/true, s.autocast_gpu, s.autocast_gpu_dtype);
   }
   ~ReplayScope() {
     default_generator(c10::kCPU).set_state(cpu_rng_);
     if (!state_.device.is_cpu()) default_generator(state_.device).set_state(device_rng_);
-    set_autocast(true, autocast_cpu_, cpu_dtype_);
-    set_autocast(false, autocast_gpu_, gpu_dtype_);
+    set_autocast(/*cuda=*/false, autocast_cpu_, cpu_dtype_);
+    set_autocast(/*cuda=*/true, autocast_gpu_, gpu_dtype_);
   }
 
  private:
@@ -116,10 +93,10 @@ struct Recompute : public torch::autograd::Function<Recompute> {
     }
     state->cpu_rng = default_generator(c10::kCPU).get_state();
     if (!state->device.is_cpu()) state->device_rng = default_generator(state->device).get_state();
-    state->autocast_cpu = autocast_enabled(true);
-    state->autocast_gpu = autocast_enabled(false);
-    state->autocast_cpu_dtype = autocast_dtype(true);
-    state->autocast_gpu_dtype = autocast_dtype(false);
+    state->autocast_cpu = autocast_enabled(/*cuda=*/false);
+    state->autocast_gpu = autocast_enabled(/*cuda=*/true);
+    state->autocast_cpu_dtype = autocast_dtype(/*cuda=*/false);
+    state->autocast_gpu_dtype = autocast_dtype(/*cuda=*/true);
     ctx->save_for_backward(inputs);
     variable_list outputs;
     {

@@ -10,6 +10,7 @@
 #include <cmath>
 #include <map>
 
+#include "tessera/core/autocast.hpp"
 #include "tessera/sdk/error.hpp"
 #include "tessera/sdk/strategy.hpp"
 
@@ -19,30 +20,6 @@ namespace {
 
 const std::vector<std::string> kPrecisions = {"32-true", "16-true", "bf16-true", "16-mixed", "bf16-mixed"};
 
-// LibTorch 2.4 replaced the per-device autocast functions (now deprecated, warning on every
-// call) by ones taking the device type; 1.13 (the CPU machines) has only the old ones.
-#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 4)
-bool autocast_enabled(bool cuda) { return at::autocast::is_autocast_enabled(cuda ? at::kCUDA : at::kCPU); }
-at::ScalarType autocast_dtype(bool cuda) { return at::autocast::get_autocast_dtype(cuda ? at::kCUDA : at::kCPU); }
-void set_autocast(bool cuda, bool enabled, at::ScalarType dtype) {
-  at::autocast::set_autocast_enabled(cuda ? at::kCUDA : at::kCPU, enabled);
-  at::autocast::set_autocast_dtype(cuda ? at::kCUDA : at::kCPU, dtype);
-}
-#else
-bool autocast_enabled(bool cuda) { return cuda ? at::autocast::is_enabled() : at::autocast::is_cpu_enabled(); }
-at::ScalarType autocast_dtype(bool cuda) {
-  return cuda ? at::autocast::get_autocast_gpu_dtype() : at::autocast::get_autocast_cpu_dtype();
-}
-void set_autocast(bool cuda, bool enabled, at::ScalarType dtype) {
-  if (cuda) {
-    at::autocast::set_enabled(enabled);
-    at::autocast::set_autocast_gpu_dtype(dtype);
-  } else {
-    at::autocast::set_cpu_enabled(enabled);
-    at::autocast::set_autocast_cpu_dtype(dtype);
-  }
-}
-#endif
 
 /// Autocast on the device type for the scope's lifetime, restoring the previous state.
 class AutocastGuard final : public sdk::Guard {
