@@ -3,12 +3,18 @@
 /// inside checkpoint dictionaries, optimizer state in PyTorch's format (plus parameter
 /// names, so it can be re-keyed by name), and atomic, torch.load-compatible files.
 #include <functional>
+#include <map>
 #include <string>
 #include <vector>
 
 #include <torch/optim/optimizer.h>
 
+#include "tessera/core/tensor_piece.hpp"
 #include "tessera/sdk/types.hpp"
+
+namespace tessera::sdk {
+class CheckpointIO;
+}
 
 namespace tessera::core {
 
@@ -52,6 +58,16 @@ void save_pickle(const c10::IValue& value, const std::string& path);
 /// Loads a file written by save_pickle (or torch.save of plain containers and tensors);
 /// a missing, empty, foreign or truncated file throws sdk::Error naming the path and which.
 c10::IValue load_pickle(const std::string& path);
+
+/// Reads a sharded checkpoint written by any world size and layout (`shards` files through `io`,
+/// each naming its tensors' pieces under kTensorPiecesKey or the legacy fsdp key) and returns
+/// shard 0's other entries with "state_dict" and "optimizer_states"[0] re-cut to `wanted`: each
+/// tensor laid out as wanted[name].local_shape() (whole pieces give a full checkpoint).
+/// Before any tensor is copied, each shard's names and global shapes are compared with
+/// `wanted`: another shape, a wanted tensor it lacks or a stored one not wanted throws naming
+/// them; elements no shard covers throw too. Reads one shard file at a time.
+sdk::Checkpoint read_resharded_checkpoint(sdk::CheckpointIO& io, const std::string& path, std::int64_t shards,
+                                          const std::map<std::string, TensorPiece>& wanted);
 
 /// Typed access into checkpoint dictionaries, with errors naming the key.
 const c10::IValue& checkpoint_get(const sdk::Checkpoint& checkpoint, const std::string& key);
