@@ -151,8 +151,14 @@ class FSDPStrategy : public core::StrategyBase {
       loaded_ = "local";
       return checkpoint_io().load_checkpoint(path, sdk::ShardInfo{global_rank(), world_size(), true});
     }
-    auto wanted = engine().owned_ranges();
-    sdk::Checkpoint out = fsdp::read_resharded_checkpoint(checkpoint_io(), path, meta.world_size, &wanted);
+    // This rank's flat range of each tensor; the module's own tensors keep their full shapes.
+    std::map<std::string, std::vector<std::int64_t>> shapes;
+    for (const auto& item : network_->named_parameters()) shapes.emplace(item.key(), item.value().sizes().vec());
+    for (const auto& item : network_->named_buffers()) shapes.emplace(item.key(), item.value().sizes().vec());
+    std::map<std::string, core::TensorPiece> wanted;
+    for (const auto& [name, range] : engine().owned_ranges())
+      wanted.emplace(name, core::TensorPiece::flat_range(shapes.at(name), range.first, range.second));
+    sdk::Checkpoint out = core::read_resharded_checkpoint(checkpoint_io(), path, meta.world_size, wanted);
     loaded_ = "sharded";
     return out;
   }

@@ -13,7 +13,6 @@
 #include "tessera/core/cluster.hpp"
 #include "tessera/core/clip_grad.hpp"
 #include "tessera/core/deferred_init.hpp"
-#include "tessera/core/fsdp.hpp"  // read_resharded_checkpoint, until the checkpoint module has it
 #include "tessera/sdk/error.hpp"
 
 namespace tessera::core {
@@ -252,7 +251,12 @@ sdk::Checkpoint StrategyBase::load_checkpoint(const std::string& path) {
   std::error_code ec;
   if (std::filesystem::is_directory(path, ec)) {
     sdk::CheckpointMetadata meta = checkpoint_io().read_metadata(path);
-    if (meta.sharded) return fsdp::read_resharded_checkpoint(checkpoint_io(), path, meta.world_size, nullptr);
+    if (meta.sharded) {
+      std::map<std::string, TensorPiece> wanted;
+      for (const auto& item : StrategyBase::lightning_module_state_dict())
+        wanted.emplace(item.key(), TensorPiece::whole(item.value().sizes()));
+      return read_resharded_checkpoint(checkpoint_io(), path, meta.world_size, wanted);
+    }
   }
   return checkpoint_io().load_checkpoint(path, sdk::ShardInfo{0, 1, false});
 }

@@ -104,7 +104,7 @@ class ShardedModule {
   /// The flat range [start, start + length) of each original parameter this rank owns.
   std::map<std::string, std::pair<std::int64_t, std::int64_t>> owned_ranges() const;
   /// Loads pieces shaped like sharded_state_dict() for this rank's ranges (as produced by
-  /// read_resharded_checkpoint from any world size).
+  /// core::read_resharded_checkpoint from any world size).
   void load_sharded_state_dict(const sdk::StateDict& state);
   /// LOCAL state dict: each unit's flat fp32 shard, "<unit>.flat_param" ("flat_param" for the
   /// root), plus ignored parameters under their names. Loads only into the same world size
@@ -141,17 +141,5 @@ class ShardedModule {
   std::unique_ptr<Scheduler> scheduler_;
   bool summoned_ = false;
 };
-
-}  // namespace tessera::core::fsdp
-
-namespace tessera::core::fsdp {
-
-/// Reads a sharded checkpoint written by any world size (`shards` files through `io`) and
-/// returns shard 0's entries with "state_dict" and "optimizer_states"[0] re-cut: with
-/// `wanted` (name -> flat [start, length)), each tensor is that 1-D piece; without, each is
-/// the whole tensor in its full shape (a full checkpoint, loadable by any strategy).
-/// Reads one shard file at a time.
-sdk::Checkpoint read_resharded_checkpoint(sdk::CheckpointIO& io, const std::string& path, std::int64_t shards,
-                                          const std::map<std::string, std::pair<std::int64_t, std::int64_t>>* wanted);
 
 }  // namespace tessera::core::fsdp
