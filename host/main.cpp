@@ -8,6 +8,7 @@
 #include <string>
 #include <vector>
 
+#include "checkpoint_tool.hpp"
 #include "config.hpp"
 #include "launcher.hpp"
 #include "run_log.hpp"
@@ -22,6 +23,7 @@ using namespace tessera;
 constexpr const char* kUsage = R"(usage:
   tessera fit|validate|test|predict --config FILE.toml [--set section.key=value ...] [--ckpt-path last|PATH]
   tessera plugins [--config FILE.toml]
+  tessera checkpoint inspect|verify|export PATH [--to FILE.safetensors|FILE.ckpt]
   tessera --help | --version
 
   fit        train (resume with --ckpt-path last or a .ckpt path)
@@ -110,6 +112,7 @@ void write_torchelastic_error(const std::string& message) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  if (argc > 1 && std::string(argv[1]) == "checkpoint") return host::checkpoint_tool(argc - 1, argv + 1);
   Arguments args;
   try {
     for (int i = 1; i < argc; ++i) {

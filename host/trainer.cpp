@@ -15,6 +15,7 @@
 #include <ATen/CPUGeneratorImpl.h>
 
 #include "tessera/core/checkpoint.hpp"
+#include "tessera/core/checkpoint_folder.hpp"
 #include "tessera/core/data_loader.hpp"
 #include "tessera/sdk/build_config.hpp"  // TESSERA_WITH_CUDA, before the #if below
 #include "tessera/sdk/error.hpp"
@@ -104,7 +105,7 @@ void Trainer::setup(const std::string& stage) {
 }
 
 std::string Trainer::resolve_checkpoint(const std::string& ckpt_path) const {
-  return ckpt_path == "last" ? config_.trainer.default_root_dir + "/checkpoints/last.ckpt" : ckpt_path;
+  return ckpt_path == "last" ? core::resolve_last(config_.trainer.default_root_dir + "/checkpoints") : ckpt_path;
 }
 
 void Trainer::save(const std::string& path) {
@@ -125,11 +126,15 @@ void Trainer::save(const std::string& path) {
     checkpoint.insert("cuda_rng_state", at::globalContext().defaultGenerator(strategy_->root_device()).get_state());
   checkpoint.insert("hyper_parameters", model_->hyper_parameters());
   checkpoint.insert("tessera_version", std::string(TESSERA_VERSION));
+  checkpoint.insert("save_id", core::agree_on_save_id(*strategy_));
+  const auto start = std::chrono::steady_clock::now();
   strategy_->save_checkpoint(checkpoint, path);
-  log_.info("checkpoint saved: " + path + " (step " + std::to_string(global_step_) + ")");
+  log_.info("checkpoint saved: " + path + " (step " + std::to_string(global_step_) + ", training paused " +
+            format(std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count(), 3) + " s)");
 }
 
 void Trainer::restore(const std::string& path, bool with_training_state) {
+  const auto start = std::chrono::steady_clock::now();
   sdk::Checkpoint checkpoint = strategy_->load_checkpoint(path);
   strategy_->load_model_state_dict(
       core::state_dict_from(core::checkpoint_get(checkpoint, "state_dict"), "checkpoint " + path + " [state_dict]"),
@@ -157,7 +162,8 @@ void Trainer::restore(const std::string& path, bool with_training_state) {
       restored_from_ = path;
     }
   }
-  log_.info("restored " + path + (with_training_state ? " (resuming at step " + std::to_string(global_step_) + ")" : ""));
+  log_.info("restored " + path + (with_training_state ? " (resuming at step " + std::to_string(global_step_) + ")" : "") +
+            " in " + format(std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count(), 3) + " s");
 }
 
 void Trainer::maybe_inject_fault(std::int64_t step) const {

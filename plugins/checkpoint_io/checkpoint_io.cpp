@@ -1,15 +1,30 @@
 // Checkpoint IO plugins.
-//  `torch`:       one full checkpoint file, atomic, readable by Python's torch.load.
-//  `distributed`: sharded checkpoints: a directory with one file per rank and a metadata
-//                 file, published atomically by rank 0 once every shard is written.
+//  `torch`:       one full checkpoint file, atomic, readable by Python's torch.load, with the
+//                 xxh64 of every tensor inside (checked at load).
+//  `distributed`: sharded checkpoints: a folder with one safetensors file per rank and a JSON
+//                 manifest, committed by rank 0 once every rank's file is written
+//                 (core/sharded_checkpoint.hpp); full saves as `torch`.
+// Both: `last` points at the newest commit, interrupted saves are swept before this process's
+// first save into a folder, keep_last_k prunes after a commit, and async = true writes in a
+// background thread from a host-memory snapshot.
+#include <chrono>
+#include <condition_variable>
+#include <deque>
 #include <filesystem>
 #include <fstream>
+#include <functional>
+#include <iostream>
+#include <map>
+#include <mutex>
 #include <set>
+#include <thread>
 
 #include <boost/property_tree/json_parser.hpp>
 #include <boost/property_tree/ptree.hpp>
 
 #include "tessera/core/checkpoint.hpp"
+#include "tessera/core/checkpoint_folder.hpp"
+#include "tessera/core/sharded_checkpoint.hpp"
 #include "tessera/sdk/checkpoint_io.hpp"
 #include "tessera/sdk/error.hpp"
 #include "tessera/sdk/plugin.hpp"
@@ -21,8 +36,6 @@ using tessera::sdk::Checkpoint;
 using tessera::sdk::CheckpointMetadata;
 using tessera::sdk::ShardInfo;
 
-constexpr const char* kShardedFormat = "tessera-sharded";
-
 /// Whether `path` starts like a torch.save file (a zip archive).
 bool has_zip_magic(const fs::path& path) {
   char magic[4] = {};
@@ -31,101 +44,204 @@ bool has_zip_magic(const fs::path& path) {
   return in.gcount() == 4 && magic[0] == 'P' && magic[1] == 'K' && magic[2] == 3 && magic[3] == 4;
 }
 
+std::string folder_of(const std::string& path) {
+  return fs::path(path).has_parent_path() ? fs::path(path).parent_path().string() : ".";
+}
+
+/// Save jobs run one after another on one background thread; a job's error is rethrown by
+/// the next wait().
+class BackgroundWriter {
+ public:
+  ~BackgroundWriter() {
+    try {
+      wait();
+    } catch (const std::exception& e) {  // nothing left to report it to
+      std::cerr << "tessera: error: background checkpoint save failed: " << e.what() << "\n";
+    }
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      stop_ = true;
+    }
+    wake_.notify_all();
+    if (thread_.joinable()) thread_.join();
+  }
+  void submit(std::function<void()> job) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (!thread_.joinable()) thread_ = std::thread([this] { loop(); });
+    jobs_.push_back(std::move(job));
+    wake_.notify_all();
+  }
+  /// Blocks until every submitted job is done; rethrows the first error.
+  void wait() {
+    std::unique_lock<std::mutex> lock(mutex_);
+    done_.wait(lock, [&] { return jobs_.empty() && !busy_; });
+    if (error_) std::rethrow_exception(std::exchange(error_, nullptr));
+  }
+
+ private:
+  void loop() {
+    std::unique_lock<std::mutex> lock(mutex_);
+    for (;;) {
+      wake_.wait(lock, [&] { return stop_ || !jobs_.empty(); });
+      if (jobs_.empty()) return;
+      auto job = std::move(jobs_.front());
+      jobs_.pop_front();
+      busy_ = true;
+      lock.unlock();
+      std::exception_ptr failed;
+      if (!error_) {  // after a failure the rest of that save is skipped
+        try {
+          job();
+        } catch (...) {
+          failed = std::current_exception();
+        }
+      }
+      lock.lock();
+      if (failed && !error_) error_ = failed;
+      busy_ = false;
+      done_.notify_all();
+    }
+  }
+  std::mutex mutex_;
+  std::condition_variable wake_, done_;
+  std::deque<std::function<void()>> jobs_;
+  std::exception_ptr error_;
+  bool busy_ = false, stop_ = false;
+  std::thread thread_;
+};
+
 /// One file: the whole checkpoint.
 class TorchCheckpointIO : public tessera::sdk::CheckpointIO {
  public:
-  explicit TorchCheckpointIO(const tessera::sdk::Options&) {}
+  explicit TorchCheckpointIO(const tessera::sdk::Options& options)
+      : keep_last_k_(options.get_int("keep_last_k", 0, 0)), async_(options.get_bool("async", false)) {}
 
   void save_checkpoint(const Checkpoint& checkpoint, const std::string& path, const ShardInfo& shard) override {
     TESSERA_CHECK(!shard.sharded, "checkpoint_io \"torch\" writes full checkpoints only; for sharded state use "
                                   "[checkpoint_io] plugin = \"distributed\"");
-    tessera::core::save_pickle(checkpoint, path);
+    writer_.wait();  // the previous save is committed (or failed) before the next one starts
+    sweep_once(path, "");
+    if (!async_) return write_full(checkpoint, path);
+    Checkpoint snapshot = tessera::core::snapshot_to_host(checkpoint);
+    writer_.submit([snapshot, path] { write_full(snapshot, path); });
   }
-  void finalize_checkpoint(const std::string&, const ShardInfo&) override {}
+  /// Rank 0, once the checkpoint at `path` is complete: `last` points at it, then keep_last_k prunes.
+  void finalize_checkpoint(const std::string& path, const ShardInfo&) override {
+    if (async_) return writer_.submit([this, path] { committed(path); });
+    committed(path);
+  }
 
   Checkpoint load_checkpoint(const std::string& path, const ShardInfo&) override {
+    writer_.wait();
     check_file(path);
-    return tessera::core::checkpoint_dict(tessera::core::load_pickle(path), "checkpoint " + path);
+    Checkpoint c = tessera::core::checkpoint_dict(tessera::core::load_pickle(path), "checkpoint " + path);
+    tessera::core::check_tensor_checksums(c, path);
+    return c;
   }
 
   CheckpointMetadata read_metadata(const std::string& path) override {
+    writer_.wait();
     check_file(path);
     TESSERA_CHECK(has_zip_magic(path), path, " is not a checkpoint: it is not in torch.save's zip format");
     return CheckpointMetadata{false, 1, "torch"};
   }
 
   void remove_checkpoint(const std::string& path) override {
+    writer_.wait();  // never remove anything while a save is not committed
     std::error_code ec;
     fs::remove_all(path, ec);
     TESSERA_CHECK(!ec, "cannot remove checkpoint ", path, ": ", ec.message());
   }
 
- private:
+ protected:
+  /// Before this process's first save into a folder, what interrupted saves left there goes.
+  void sweep_once(const std::string& path, const std::string& save_id) {
+    if (swept_.insert(folder_of(path)).second) tessera::core::sweep_interrupted(folder_of(path), save_id);
+  }
+  void committed(const std::string& path) {
+    tessera::core::update_last(path);
+    tessera::core::prune_checkpoints(folder_of(path), keep_last_k_);
+  }
+  /// Optimizer state in the model's parameter order (what Python's optimizers expect), every
+  /// tensor's checksum inside.
+  static void write_full(const Checkpoint& checkpoint, const std::string& path) {
+    tessera::core::save_pickle(
+        tessera::core::with_tensor_checksums(tessera::core::optimizer_states_in_model_order(checkpoint)), path);
+  }
   static void check_file(const std::string& path) {
     std::error_code ec;
     TESSERA_CHECK(fs::exists(path, ec), "checkpoint ", path, " does not exist");
     TESSERA_CHECK(!fs::is_directory(path, ec), "checkpoint ", path,
                   " is a directory: a sharded checkpoint? Load it with [checkpoint_io] plugin = \"distributed\"");
   }
+
+  std::int64_t keep_last_k_;
+  bool async_;
+  std::set<std::string> swept_;
+  BackgroundWriter writer_;  // last: joined before the members its jobs use go
 };
 
-/// Sharded: <path>/shard-<r>-of-<n>.pt + <path>/metadata.json; full saves as `torch`.
-/// Shards are written into <path>.staging/; finalize publishes it by renames, keeping the
-/// previous checkpoint as <path>.old until the new one is in place.
+/// Sharded: core::write_shard on every rank, core::commit_shards on rank 0. Also reads the
+/// folders of the format before it (metadata.json + shard-R-of-N.pt pickles).
 class DistributedCheckpointIO final : public TorchCheckpointIO {
  public:
-  explicit DistributedCheckpointIO(const tessera::sdk::Options& options) : TorchCheckpointIO(options) {}
+  explicit DistributedCheckpointIO(const tessera::sdk::Options& options)
+      : TorchCheckpointIO(options), commit_timeout_s_(options.get_int("commit_timeout_s", 600, 1)) {}
 
   void save_checkpoint(const Checkpoint& checkpoint, const std::string& path, const ShardInfo& shard) override {
     if (!shard.sharded) return TorchCheckpointIO::save_checkpoint(checkpoint, path, ShardInfo{});
-    TESSERA_CHECK(shard.world_size >= 1 && shard.rank >= 0 && shard.rank < shard.world_size,
-                  "sharded checkpoint ", path, ": shard ", shard.rank, " of ", shard.world_size, " is out of range");
-    tessera::core::save_pickle(checkpoint, (staging(path) / shard_name(shard.rank, shard.world_size)).string());
+    TESSERA_CHECK(checkpoint.contains("save_id") && checkpoint.at("save_id").isString(), "sharded checkpoint ", path,
+                  ": the checkpoint has no 'save_id' (the same string on every rank of one save; the trainer sets it)");
+    const std::string save_id = checkpoint.at("save_id").toStringRef();
+    writer_.wait();
+    if (shard.rank == 0) {
+      sweep_once(path, save_id);
+      pending_[path] = save_id;
+    }
+    if (!async_) return tessera::core::write_shard(checkpoint, path, shard.rank, shard.world_size, save_id);
+    Checkpoint snapshot = tessera::core::snapshot_to_host(checkpoint);
+    writer_.submit([snapshot, path, shard, save_id] {
+      tessera::core::write_shard(snapshot, path, shard.rank, shard.world_size, save_id);
+    });
   }
 
+  /// Rank 0: commits once every rank's part is written (async: waits for them in the background).
   void finalize_checkpoint(const std::string& path, const ShardInfo& shard) override {
-    if (!shard.sharded) return;
-    fs::path stage = staging(path);
-    std::set<std::string> expected;
-    for (std::int64_t r = 0; r < shard.world_size; ++r) {
-      expected.insert(shard_name(r, shard.world_size));
-      TESSERA_CHECK(fs::exists(stage / shard_name(r, shard.world_size)), "sharded checkpoint ", path, ": shard ", r,
-                    " of ", shard.world_size, " was not written; the previous checkpoint is kept");
-    }
-    // Leftovers of an earlier interrupted save (other world sizes, temporaries) are not part of it.
-    std::error_code ec;
-    for (const auto& entry : fs::directory_iterator(stage))
-      if (!expected.count(entry.path().filename().string())) fs::remove_all(entry.path(), ec);
-    boost::property_tree::ptree meta;
-    meta.put("format", kShardedFormat);
-    meta.put("sharded", true);
-    meta.put("world_size", shard.world_size);
-    meta.put("tessera_version", TESSERA_VERSION);
-    tessera::core::atomic_write((stage / "metadata.json").string(),
-                                [&](std::ostream& out) { boost::property_tree::write_json(out, meta); });
-    fs::path target(path), old = aside(path);
-    fs::remove_all(old, ec);
-    if (fs::exists(target)) rename_or_fail(target, old);
-    rename_or_fail(stage, target);
-    fs::remove_all(old, ec);
+    if (!shard.sharded) return TorchCheckpointIO::finalize_checkpoint(path, shard);
+    auto it = pending_.find(path);
+    TESSERA_CHECK(it != pending_.end(), "sharded checkpoint ", path,
+                  ": finalize_checkpoint on a rank that did not save rank 0's part of it");
+    const std::string save_id = it->second;
+    pending_.erase(it);
+    auto commit = [this, path, world = shard.world_size, save_id, wait_s = async_ ? commit_timeout_s_ : 0] {
+      tessera::core::commit_shards(path, world, save_id, wait_s);
+      committed(path);
+    };
+    if (async_) return writer_.submit(commit);
+    commit();
   }
 
   Checkpoint load_checkpoint(const std::string& path, const ShardInfo& shard) override {
-    const std::string where = resolve(path);
-    if (!fs::is_directory(where)) return TorchCheckpointIO::load_checkpoint(where, shard);
-    CheckpointMetadata meta = read_metadata(where);
-    TESSERA_CHECK(shard.rank >= 0 && shard.rank < meta.world_size, "sharded checkpoint ", where, " has ",
+    writer_.wait();  // a save in flight may be publishing `path`
+    if (!fs::is_directory(path)) return TorchCheckpointIO::load_checkpoint(path, shard);
+    CheckpointMetadata meta = read_metadata(path);
+    TESSERA_CHECK(shard.rank >= 0 && shard.rank < meta.world_size, "sharded checkpoint ", path, " has ",
                   meta.world_size, " shards (0..", meta.world_size - 1, "); shard ", shard.rank, " does not exist");
-    std::string file = (fs::path(where) / shard_name(shard.rank, meta.world_size)).string();
+    if (meta.format == tessera::core::kShardedFormatName) return tessera::core::load_shard(path, shard.rank);
+    std::string file = (fs::path(path) / legacy_shard_name(shard.rank, meta.world_size)).string();
     return tessera::core::checkpoint_dict(tessera::core::load_pickle(file), "checkpoint shard " + file);
   }
 
   CheckpointMetadata read_metadata(const std::string& path) override {
-    const std::string where = resolve(path);
-    if (!fs::is_directory(where)) return TorchCheckpointIO::read_metadata(where);
-    fs::path file = fs::path(where) / "metadata.json";
-    TESSERA_CHECK(fs::exists(file), "sharded checkpoint ", where, " has no metadata.json: it is incomplete or not a ",
-                  "checkpoint");
+    writer_.wait();
+    if (!fs::is_directory(path)) return TorchCheckpointIO::read_metadata(path);
+    if (fs::exists(fs::path(path) / tessera::core::kManifestName)) {
+      tessera::core::Manifest manifest = tessera::core::read_manifest(path);
+      return CheckpointMetadata{true, manifest.world_size, tessera::core::kShardedFormatName};
+    }
+    fs::path file = fs::path(path) / "metadata.json";
+    TESSERA_CHECK(fs::exists(file), "sharded checkpoint ", path, " has no ", tessera::core::kManifestName,
+                  ": it is not a committed checkpoint (an interrupted save?)");
     boost::property_tree::ptree meta;
     try {
       boost::property_tree::read_json(file.string(), meta);
@@ -133,37 +249,20 @@ class DistributedCheckpointIO final : public TorchCheckpointIO {
       TESSERA_FAIL(file.string(), " is not valid JSON: ", e.what());
     }
     const std::string format = meta.get<std::string>("format", "");
-    TESSERA_CHECK(format == kShardedFormat, file.string(), " has format \"", format, "\"; expected \"", kShardedFormat,
-                  "\"");
+    TESSERA_CHECK(format == "tessera-sharded", file.string(), " has format \"", format,
+                  "\"; expected \"tessera-sharded\"");
     const auto world = meta.get_optional<std::int64_t>("world_size");
     TESSERA_CHECK(world && *world >= 1, file.string(), " has no valid world_size");
-    return CheckpointMetadata{true, *world, kShardedFormat};
-  }
-
-  void remove_checkpoint(const std::string& path) override {
-    TorchCheckpointIO::remove_checkpoint(path);
-    TorchCheckpointIO::remove_checkpoint(staging(path).string());
-    TorchCheckpointIO::remove_checkpoint(aside(path).string());
+    return CheckpointMetadata{true, *world, kLegacyFormat};
   }
 
  private:
-  static fs::path staging(const std::string& path) { return fs::path(path + ".staging"); }
-  static fs::path aside(const std::string& path) { return fs::path(path + ".old"); }
-  static std::string shard_name(std::int64_t rank, std::int64_t world) {
+  static constexpr const char* kLegacyFormat = "tessera-sharded-pickle";  // before the manifest (tessera 0.1)
+  static std::string legacy_shard_name(std::int64_t rank, std::int64_t world) {
     return "shard-" + std::to_string(rank) + "-of-" + std::to_string(world) + ".pt";
   }
-  /// A save that died between its two renames leaves only <path>.old: that is the
-  /// previous complete checkpoint, so it is what `path` means.
-  static std::string resolve(const std::string& path) {
-    std::error_code ec;
-    if (!fs::exists(path, ec) && fs::exists(aside(path) / "metadata.json", ec)) return aside(path).string();
-    return path;
-  }
-  static void rename_or_fail(const fs::path& from, const fs::path& to) {
-    std::error_code ec;
-    fs::rename(from, to, ec);
-    TESSERA_CHECK(!ec, "cannot rename ", from.string(), " to ", to.string(), ": ", ec.message());
-  }
+  std::int64_t commit_timeout_s_;
+  std::map<std::string, std::string> pending_;  // path -> save id of rank 0's saves not yet finalized
 };
 
 }  // namespace
@@ -171,4 +270,5 @@ class DistributedCheckpointIO final : public TorchCheckpointIO {
 TESSERA_PLUGIN(checkpoint_io, TESSERA_VERSION,
                tessera::sdk::plugin_entry<TorchCheckpointIO>("torch", "one full .ckpt file, readable by torch.load"),
                tessera::sdk::plugin_entry<DistributedCheckpointIO>(
-                   "distributed", "sharded checkpoints: one file per rank plus metadata, published atomically"));
+                   "distributed", "sharded checkpoints: one safetensors file per rank plus a JSON manifest, "
+                                  "committed atomically"));

@@ -2,6 +2,7 @@
 
 #include <fcntl.h>
 #include <unistd.h>
+#include <xxhash.h>
 
 #include <atomic>
 #include <cmath>
@@ -381,21 +382,13 @@ namespace {
 }  // namespace
 
 void atomic_write(const std::string& path, const std::function<void(std::ostream&)>& write) {
-  fs::path target(path);
-  fs::path dir = target.has_parent_path() ? target.parent_path() : fs::path(".");
-  std::error_code ec;
-  fs::create_directories(dir, ec);
-  TESSERA_CHECK(!ec, "cannot create directory ", dir.string(), " for ", path, ": ", ec.message());
-  static std::atomic<std::uint64_t> counter{0};
-  fs::path temp = dir / ("." + target.filename().string() + ".tmp-" + std::to_string(::getpid()) + "-" +
-                         std::to_string(counter++));
-  try {
+  atomic_write_file(path, [&](const std::string& temp) {
     {
       std::ofstream out(temp, std::ios::binary | std::ios::trunc);
       if (!out.good()) fail_io("create", temp, errno);
       write(out);
       out.flush();
-      TESSERA_CHECK(out.good(), "writing ", temp.string(), " failed (disk full?)");
+      TESSERA_CHECK(out.good(), "writing ", temp, " failed (disk full?)");
     }
     int fd = ::open(temp.c_str(), O_RDONLY);
     if (fd < 0) fail_io("open", temp, errno);
@@ -403,17 +396,7 @@ void atomic_write(const std::string& path, const std::function<void(std::ostream
     const int sync_error = errno;
     ::close(fd);
     if (!synced) fail_io("fsync", temp, sync_error);
-    fs::rename(temp, target, ec);
-    TESSERA_CHECK(!ec, "cannot rename ", temp.string(), " to ", path, ": ", ec.message());
-    int dir_fd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY);
-    if (dir_fd >= 0) {
-      ::fsync(dir_fd);
-      ::close(dir_fd);
-    }
-  } catch (...) {
-    fs::remove(temp, ec);
-    throw;
-  }
+  });
 }
 
 void save_pickle(const IValue& value, const std::string& path) {
@@ -439,6 +422,170 @@ IValue load_pickle(const std::string& path) {
     TESSERA_FAIL(path, " is not a readable checkpoint (truncated or damaged; ", bytes.size(),
                  " bytes): ", reason.substr(0, reason.find('\n')));
   }
+}
+
+namespace {
+
+std::string xxh64_of(const at::Tensor& t) {
+  const at::Tensor cpu = t.detach().to(at::kCPU).contiguous();
+  char text[17];
+  std::snprintf(text, sizeof text, "%016llx",
+                static_cast<unsigned long long>(XXH64(cpu.data_ptr(), cpu.numel() * cpu.element_size(), 0)));
+  return text;
+}
+
+/// Every tensor in a checkpoint value, with its path ("state_dict/w", "optimizer_states/0/state/3/exp_avg").
+void for_each_tensor(const IValue& v, const std::string& path,
+                     const std::function<void(const std::string&, const at::Tensor&)>& fn) {
+  auto child = [&](const std::string& key) { return path.empty() ? key : path + "/" + key; };
+  if (v.isTensor()) return fn(path, v.toTensor());
+  if (v.isGenericDict())
+    for (const auto& item : v.toGenericDict())
+      for_each_tensor(item.value(), child(item.key().isString() ? item.key().toStringRef()
+                                                                : std::to_string(item.key().toInt())), fn);
+  if (v.isList() || v.isTuple()) {
+    auto items = v.isList() ? v.toListRef() : v.toTupleRef().elements();
+    for (std::size_t i = 0; i < items.size(); ++i) for_each_tensor(items[i], child(std::to_string(i)), fn);
+  }
+}
+
+}  // namespace
+
+sdk::Checkpoint with_tensor_checksums(const sdk::Checkpoint& checkpoint) {
+  sdk::Checkpoint out = checkpoint.copy();
+  (void)out.erase(kTensorChecksumsKey);  // a re-save recomputes them
+  c10::Dict<std::string, std::string> sums;
+  for_each_tensor(out, "", [&](const std::string& path, const at::Tensor& t) { sums.insert(path, xxh64_of(t)); });
+  out.insert(kTensorChecksumsKey, sums);
+  return out;
+}
+
+void check_tensor_checksums(const sdk::Checkpoint& checkpoint, const std::string& path) {
+  if (!checkpoint.contains(kTensorChecksumsKey)) return;
+  const IValue& sums = checkpoint.at(kTensorChecksumsKey);
+  TESSERA_CHECK(sums.isGenericDict(), path, " [", kTensorChecksumsKey, "] is not a dictionary");
+  std::map<std::string, std::string> expected;
+  for (const auto& item : sums.toGenericDict()) expected[item.key().toStringRef()] = item.value().toStringRef();
+  std::size_t seen = 0;
+  for_each_tensor(checkpoint, "", [&](const std::string& name, const at::Tensor& t) {
+    auto it = expected.find(name);
+    if (it == expected.end()) return;
+    ++seen;
+    TESSERA_CHECK(xxh64_of(t) == it->second, path, ": tensor ", name,
+                  " does not match its checksum: the file is damaged");
+  });
+  TESSERA_CHECK(seen == expected.size(), path, ": ", expected.size() - seen,
+                " tensor(s) listed in its checksums are missing");
+}
+
+void atomic_write_file(const std::string& path, const std::function<void(const std::string& temp)>& write) {
+  fs::path target(path);
+  fs::path dir = target.has_parent_path() ? target.parent_path() : fs::path(".");
+  std::error_code ec;
+  fs::create_directories(dir, ec);
+  TESSERA_CHECK(!ec, "cannot create directory ", dir.string(), " for ", path, ": ", ec.message());
+  static std::atomic<std::uint64_t> counter{0};
+  fs::path temp = dir / ("." + target.filename().string() + ".tmp-" + std::to_string(::getpid()) + "-" +
+                         std::to_string(counter++));
+  try {
+    write(temp.string());
+    fs::rename(temp, target, ec);
+    TESSERA_CHECK(!ec, "cannot rename ", temp.string(), " to ", path, ": ", ec.message());
+    int dir_fd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY);
+    if (dir_fd >= 0) {
+      ::fsync(dir_fd);
+      ::close(dir_fd);
+    }
+  } catch (...) {
+    fs::remove(temp, ec);
+    throw;
+  }
+}
+
+namespace {
+IValue snapshot_value(const IValue& v) {
+  if (v.isTensor()) {
+    const at::Tensor& t = v.toTensor();
+    if (!t.is_cuda()) return t.detach().clone();
+    at::Tensor host = at::empty(t.sizes(), t.options().device(at::kCPU).pinned_memory(true));
+    host.copy_(t.detach());
+    return host;
+  }
+  if (v.isGenericDict()) {
+    auto dict = v.toGenericDict();
+    c10::impl::GenericDict out(dict.keyType(), dict.valueType());
+    for (const auto& item : dict) out.insert(item.key(), snapshot_value(item.value()));
+    return out;
+  }
+  if (v.isList()) {
+    auto list = v.toList();
+    c10::impl::GenericList out(list.elementType());
+    for (const IValue& item : list) out.push_back(snapshot_value(item));
+    return out;
+  }
+  if (v.isTuple()) {
+    std::vector<IValue> items;
+    for (const IValue& item : v.toTupleRef().elements()) items.push_back(snapshot_value(item));
+    return c10::ivalue::Tuple::create(std::move(items));
+  }
+  return v;  // immutable plain values
+}
+}  // namespace
+
+sdk::Checkpoint snapshot_to_host(const sdk::Checkpoint& checkpoint) {
+  return snapshot_value(checkpoint).toGenericDict();
+}
+
+sdk::Checkpoint optimizer_states_in_model_order(const sdk::Checkpoint& checkpoint) {
+  if (!checkpoint.contains("optimizer_states") || !checkpoint.contains("state_dict")) return checkpoint;
+  std::map<std::string, std::size_t> rank_of;  // position of each name in the model
+  for (const auto& item : state_dict_from(checkpoint.at("state_dict"), "checkpoint [state_dict]"))
+    rank_of.emplace(item.key(), rank_of.size());
+  c10::impl::GenericList states(c10::AnyType::get());
+  for (const IValue& value : checkpoint.at("optimizer_states").toListRef()) {
+    sdk::Checkpoint opt = checkpoint_dict(value, "checkpoint [optimizer_states]");
+    const std::vector<std::string> names = saved_param_names(opt);
+    if (names.empty() || keyed_by_name(opt)) {
+      states.push_back(opt);
+      continue;
+    }
+    auto position = [&](std::int64_t i) {
+      auto it = rank_of.find(names.at(static_cast<std::size_t>(i)));
+      return it == rank_of.end() ? rank_of.size() + static_cast<std::size_t>(i) : it->second;
+    };
+    // New indices: group after group, each group's parameters in model order.
+    std::map<std::int64_t, std::int64_t> new_index;
+    std::vector<std::string> new_names;
+    c10::impl::GenericList groups(c10::AnyType::get());
+    for (const IValue& g : checkpoint_get(opt, "param_groups").toListRef()) {
+      sdk::Checkpoint group = checkpoint_dict(g, "optimizer param group").copy();
+      std::vector<std::int64_t> ids;
+      for (const IValue& id : checkpoint_get(group, "params").toListRef()) ids.push_back(id.toInt());
+      std::stable_sort(ids.begin(), ids.end(), [&](std::int64_t a, std::int64_t b) { return position(a) < position(b); });
+      c10::List<std::int64_t> params;
+      for (std::int64_t id : ids) {
+        new_index[id] = static_cast<std::int64_t>(new_names.size());
+        params.push_back(static_cast<std::int64_t>(new_names.size()));
+        new_names.push_back(names.at(static_cast<std::size_t>(id)));
+      }
+      group.insert_or_assign("params", params);
+      groups.push_back(group);
+    }
+    c10::impl::GenericDict state(c10::IntType::get(), c10::AnyType::get());
+    std::vector<std::pair<std::int64_t, IValue>> entries;
+    for (const auto& item : checkpoint_dict(checkpoint_get(opt, "state"), "optimizer state 'state'"))
+      entries.emplace_back(new_index.at(item.key().toInt()), item.value());
+    std::sort(entries.begin(), entries.end(), [](const auto& a, const auto& b) { return a.first < b.first; });
+    for (auto& [index, entry] : entries) state.insert(index, entry);
+    sdk::Checkpoint out = opt.copy();
+    out.insert_or_assign("state", state);
+    out.insert_or_assign("param_groups", groups);
+    out.insert_or_assign("param_names", c10::List<std::string>(new_names));
+    states.push_back(out);
+  }
+  sdk::Checkpoint out = checkpoint.copy();
+  out.insert_or_assign("optimizer_states", states);
+  return out;
 }
 
 }  // namespace tessera::core

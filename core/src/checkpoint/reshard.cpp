@@ -5,18 +5,13 @@
 #include <ATen/ATen.h>
 
 #include "tessera/core/checkpoint.hpp"
+#include "tessera/core/sharded_checkpoint.hpp"
 #include "tessera/sdk/checkpoint_io.hpp"
 #include "tessera/sdk/error.hpp"
 
 namespace tessera::core {
 
 namespace {
-
-std::string shape_string(const std::vector<std::int64_t>& dims) {
-  std::ostringstream out;
-  out << at::IntArrayRef(dims);
-  return out.str();
-}
 
 /// Which piece of each stored tensor a shard holds (today's format, or the fsdp one before it).
 std::map<std::string, TensorPiece> stored_pieces(const sdk::Checkpoint& shard, const sdk::StateDict& state,
@@ -30,31 +25,18 @@ std::map<std::string, TensorPiece> stored_pieces(const sdk::Checkpoint& shard, c
 
 /// Names and global shapes of the checkpoint against the wanted ones, before any tensor is
 /// copied: a checkpoint of another model configuration must not load.
-void check_against_wanted(const std::map<std::string, TensorPiece>& stored, const sdk::StateDict& state,
-                          const std::map<std::string, TensorPiece>& wanted, const std::string& where) {
-  std::vector<std::string> missing, unexpected, mismatched;
+void check_stored_against_wanted(const std::map<std::string, TensorPiece>& stored, const sdk::StateDict& state,
+                                 const std::map<std::string, TensorPiece>& wanted, const std::string& where) {
+  std::map<std::string, std::vector<std::int64_t>> saved;
   for (const auto& item : state) {
     auto piece = stored.find(item.key());
     TESSERA_CHECK(piece != stored.end(), where, ": tensor '", item.key(), "' has no piece description");
     TESSERA_CHECK(item.value().numel() == piece->second.numel(), where, ": tensor '", item.key(), "' holds ",
                   item.value().numel(), " elements but its piece ", piece->second.to_string(), " has ",
                   piece->second.numel());
-    auto want = wanted.find(item.key());
-    if (want == wanted.end()) unexpected.push_back(item.key());
-    else if (want->second.global_shape != piece->second.global_shape)
-      mismatched.push_back("'" + item.key() + "' is " + shape_string(piece->second.global_shape) +
-                           " in the checkpoint but " + shape_string(want->second.global_shape) + " in the model");
+    saved.emplace(item.key(), piece->second.global_shape);
   }
-  for (const auto& [name, piece] : wanted)
-    if (!state.contains(name)) missing.push_back(name);
-  if (missing.empty() && unexpected.empty() && mismatched.empty()) return;
-  auto first = [](const std::vector<std::string>& names) {
-    std::vector<std::string> shown(names.begin(), names.begin() + std::min<std::size_t>(names.size(), 8));
-    return sdk::join(shown) + (names.size() > shown.size() ? ", ..." : "");
-  };
-  TESSERA_FAIL(where, " does not match the model (it was written for a different model configuration): ",
-               mismatched.empty() ? "" : first(mismatched) + "; ", missing.size(), " missing tensor(s) [",
-               first(missing), "], ", unexpected.size(), " unexpected tensor(s) [", first(unexpected), "]");
+  check_against_wanted(saved, wanted, where);
 }
 
 /// One wanted tensor being assembled from the shards' pieces, with which elements arrived.
@@ -75,6 +57,8 @@ struct Assembled {
 
 sdk::Checkpoint read_resharded_checkpoint(sdk::CheckpointIO& io, const std::string& path, std::int64_t shards,
                                           const std::map<std::string, TensorPiece>& wanted) {
+  // Tessera's sharded format: only the byte ranges of the wanted pieces are read.
+  if (is_sharded_checkpoint(path)) return load_sharded(path, wanted, 0);
   sdk::Checkpoint out = sdk::make_checkpoint();
   std::vector<std::string> order;  // shard 0's state_dict order
   std::map<std::string, Assembled> params;
@@ -86,7 +70,7 @@ sdk::Checkpoint read_resharded_checkpoint(sdk::CheckpointIO& io, const std::stri
     const std::string where = "sharded checkpoint " + path + " shard " + std::to_string(r);
     sdk::StateDict state = state_dict_from(checkpoint_get(shard, "state_dict"), where + " [state_dict]");
     std::map<std::string, TensorPiece> pieces = stored_pieces(shard, state, where);
-    check_against_wanted(pieces, state, wanted, where);
+    check_stored_against_wanted(pieces, state, wanted, where);
     if (r == 0) {
       for (const auto& entry : shard) {
         const std::string& key = entry.key().toStringRef();

@@ -65,9 +65,33 @@ c10::IValue load_pickle(const std::string& path);
 /// tensor laid out as wanted[name].local_shape() (whole pieces give a full checkpoint).
 /// Before any tensor is copied, each shard's names and global shapes are compared with
 /// `wanted`: another shape, a wanted tensor it lacks or a stored one not wanted throws naming
-/// them; elements no shard covers throw too. Reads one shard file at a time.
+/// them; elements no shard covers throw too. Reads one shard file at a time; a folder in
+/// tessera's sharded format (core/sharded_checkpoint.hpp) is read by byte ranges instead.
 sdk::Checkpoint read_resharded_checkpoint(sdk::CheckpointIO& io, const std::string& path, std::int64_t shards,
                                           const std::map<std::string, TensorPiece>& wanted);
+
+/// Like atomic_write, for writers that open the file themselves: `write` fills the temporary
+/// path it is given (and fsyncs it); then it is renamed over `path` and the folder fsynced.
+void atomic_write_file(const std::string& path, const std::function<void(const std::string& temp)>& write);
+
+/// Where a full checkpoint keeps the xxh64 of each of its tensors ({"state_dict/w": hex, ...}):
+/// torch.save's format has no checksum LibTorch checks, so a flipped byte would load silently.
+constexpr const char* kTensorChecksumsKey = "tessera_tensor_xxh64";
+/// `checkpoint` with kTensorChecksumsKey added (tensors shared, not copied).
+sdk::Checkpoint with_tensor_checksums(const sdk::Checkpoint& checkpoint);
+/// Recomputes every checksum kTensorChecksumsKey lists (none listed: nothing to check); a
+/// mismatch throws naming `path` and the tensor.
+void check_tensor_checksums(const sdk::Checkpoint& checkpoint, const std::string& path);
+
+/// A deep copy of `checkpoint` whose tensors are all on the CPU (pinned when copied from
+/// CUDA): what an asynchronous save writes while training changes the originals.
+sdk::Checkpoint snapshot_to_host(const sdk::Checkpoint& checkpoint);
+
+/// A full checkpoint's optimizer_states re-indexed so parameter indices follow the order of
+/// its state_dict (the model's own order, as single device and PyTorch number them), group
+/// by group, names alongside: Python's AdamW(model.parameters()).load_state_dict() then puts
+/// each moment on its parameter. Tensors are shared, not copied.
+sdk::Checkpoint optimizer_states_in_model_order(const sdk::Checkpoint& checkpoint);
 
 /// Typed access into checkpoint dictionaries, with errors naming the key.
 const c10::IValue& checkpoint_get(const sdk::Checkpoint& checkpoint, const std::string& key);

@@ -1,0 +1,177 @@
+#include "checkpoint_tool.hpp"
+
+#include <algorithm>
+#include <filesystem>
+#include <iostream>
+#include <map>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include <ATen/ATen.h>
+
+#include "tessera/core/checkpoint.hpp"
+#include "tessera/core/safetensors.hpp"
+#include "tessera/core/sharded_checkpoint.hpp"
+#include "tessera/sdk/error.hpp"
+
+namespace tessera::host {
+
+namespace {
+
+namespace fs = std::filesystem;
+
+constexpr const char* kToolUsage = R"(usage:
+  tessera checkpoint inspect PATH                    summary: step, world size, tensors, sizes
+  tessera checkpoint verify PATH                     every checksum (exit 1 naming the damaged file)
+  tessera checkpoint export PATH --to FILE.safetensors|FILE.ckpt
+                                                     the weights as safetensors (streamed: one tensor
+                                                     in memory at a time), or a full checkpoint
+PATH is a full .ckpt file or a sharded checkpoint folder (or a `last` link to either).
+)";
+
+std::string shape_of(const std::vector<std::int64_t>& dims) {
+  std::ostringstream out;
+  out << at::IntArrayRef(dims);
+  return out.str();
+}
+
+std::string megabytes(double bytes) {
+  std::ostringstream out;
+  out.precision(3);
+  out << bytes / 1e6 << " MB";
+  return out.str();
+}
+
+void inspect(const std::string& path) {
+  if (core::is_sharded_checkpoint(path)) {
+    const core::Manifest m = core::read_manifest(path);
+    std::int64_t bytes = 0;
+    for (const auto& [name, digest] : m.files) bytes += digest.size;
+    std::cout << "sharded checkpoint " << path << "\n  format " << core::kShardedFormatName << " v"
+              << m.format_version << ", written by tessera " << m.tessera_version << ", save " << m.save_id
+              << "\n  world size " << m.world_size << ", " << m.files.size() << " files, " << megabytes(bytes)
+              << "\n  trainer state " << m.trainer_state.substr(0, 400) << (m.trainer_state.size() > 400 ? "..." : "")
+              << "\n  tensors (" << m.tensors.size() << "):\n";
+    for (const auto& [name, t] : m.tensors)
+      std::cout << "    " << name << "  " << t.dtype << " " << shape_of(t.global_shape) << "  " << t.pieces.size()
+                << " piece(s)\n";
+    return;
+  }
+  sdk::Checkpoint c = core::checkpoint_dict(core::load_pickle(path), "checkpoint " + path);
+  std::cout << "full checkpoint " << path << " (torch.save zip, " << megabytes(static_cast<double>(fs::file_size(path)))
+            << ")\n";
+  for (const char* key : {"global_step", "epoch", "tessera_version"})
+    if (c.contains(key)) std::cout << "  " << key << " " << c.at(key) << "\n";
+  if (c.contains("state_dict")) {
+    sdk::StateDict state = core::state_dict_from(c.at("state_dict"), path + " [state_dict]");
+    std::cout << "  state_dict (" << state.size() << " tensors):\n";
+    for (const auto& item : state)
+      std::cout << "    " << item.key() << "  " << core::safetensors_dtype(item.value().scalar_type()) << " "
+                << shape_of(item.value().sizes().vec()) << "\n";
+  }
+}
+
+void verify(const std::string& path) {
+  if (core::is_sharded_checkpoint(path)) {
+    core::verify_sharded(path);
+    std::cout << "ok: " << path << ": every file's size, checksums and save id match its manifest\n";
+    return;
+  }
+  sdk::Checkpoint c = core::checkpoint_dict(core::load_pickle(path), "checkpoint " + path);
+  core::check_tensor_checksums(c, path);
+  std::cout << "ok: " << path << (c.contains(core::kTensorChecksumsKey) ? ": every tensor's checksum matches\n"
+                                                                          : ": readable (written without checksums)\n");
+}
+
+void export_to(const std::string& path, const std::string& to) {
+  const bool safetensors = to.size() > 12 && to.compare(to.size() - 12, 12, ".safetensors") == 0;
+  const bool ckpt = to.size() > 5 && to.compare(to.size() - 5, 5, ".ckpt") == 0;
+  TESSERA_CHECK(safetensors || ckpt, "--to ", to, ": export writes FILE.safetensors or FILE.ckpt");
+  if (core::is_sharded_checkpoint(path)) {
+    core::ShardedReader reader(core::read_manifest(path));
+    if (safetensors) {
+      // Streamed: each weight is assembled from its pieces just before it is written.
+      std::vector<core::TensorSpec> specs;
+      for (const auto& [name, t] : reader.manifest().tensors)
+        if (name.rfind("state_dict/", 0) == 0)
+          specs.push_back({name.substr(11), core::scalar_type_of(t.dtype, name), t.global_shape});
+      core::atomic_write_file(to, [&](const std::string& temp) {
+        core::write_safetensors(
+            temp, specs,
+            [&](std::size_t i) {
+              return reader.read("state_dict/" + specs[i].name, core::TensorPiece::whole(specs[i].shape));
+            },
+            {{"format", "pt"}, {"source", path}});
+      });
+    } else {
+      std::map<std::string, core::TensorPiece> whole;
+      for (const auto& [name, t] : reader.manifest().tensors)
+        if (name.rfind("state_dict/", 0) == 0) whole.emplace(name.substr(11), core::TensorPiece::whole(t.global_shape));
+      core::save_pickle(
+          core::with_tensor_checksums(core::optimizer_states_in_model_order(core::load_sharded(path, whole, 0))), to);
+    }
+  } else {
+    sdk::Checkpoint c = core::checkpoint_dict(core::load_pickle(path), "checkpoint " + path);
+    core::check_tensor_checksums(c, path);
+    if (ckpt) {
+      core::save_pickle(c, to);
+    } else {
+      sdk::StateDict state = core::state_dict_from(core::checkpoint_get(c, "state_dict"), path + " [state_dict]");
+      std::vector<std::pair<std::string, at::Tensor>> tensors;
+      for (const auto& item : state) tensors.emplace_back(item.key(), item.value());
+      core::atomic_write_file(to, [&](const std::string& temp) {
+        core::write_safetensors(temp, tensors, {{"format", "pt"}, {"source", path}});
+      });
+    }
+  }
+  std::cout << "exported " << path << " to " << to << "\n";
+}
+
+}  // namespace
+
+int checkpoint_tool(int argc, char** argv) {
+  std::vector<std::string> words(argv + 1, argv + argc);
+  std::string command, path, to;
+  try {
+    for (std::size_t i = 0; i < words.size(); ++i) {
+      const std::string& w = words[i];
+      if (w == "--help" || w == "-h") return std::cout << kToolUsage, 0;
+      if (w == "--to" || w.rfind("--to=", 0) == 0) {
+        if (w.size() > 5) to = w.substr(5);
+        else {
+          TESSERA_CHECK(i + 1 < words.size(), "--to needs a file name");
+          to = words[++i];
+        }
+      } else if (command.empty()) {
+        const std::vector<std::string> commands{"inspect", "verify", "export"};
+        TESSERA_CHECK(std::find(commands.begin(), commands.end(), w) != commands.end(), "unknown checkpoint command '",
+                      w, "'", sdk::did_you_mean(w, commands), "; valid: ", sdk::join(commands));
+        command = w;
+      } else if (path.empty()) {
+        path = w;
+      } else {
+        TESSERA_FAIL("unexpected argument '", w, "'");
+      }
+    }
+    TESSERA_CHECK(!command.empty() && !path.empty(), "checkpoint needs a command and a PATH");
+    TESSERA_CHECK(command == "export" || to.empty(), "--to is for export only");
+    TESSERA_CHECK(command != "export" || !to.empty(), "export needs --to FILE.safetensors or --to FILE.ckpt");
+  } catch (const sdk::Error& e) {
+    std::cerr << "tessera checkpoint: " << e.what() << "\n\n" << kToolUsage;
+    return 2;
+  }
+  try {
+    std::error_code ec;
+    TESSERA_CHECK(fs::exists(path, ec), "checkpoint ", path, " does not exist");
+    if (command == "inspect") inspect(path);
+    else if (command == "verify") verify(path);
+    else export_to(path, to);
+    return 0;
+  } catch (const std::exception& e) {
+    std::cerr << "tessera checkpoint " << command << ": error: " << e.what() << "\n";
+    return 1;
+  }
+}
+
+}  // namespace tessera::host

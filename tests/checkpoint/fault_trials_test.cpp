@@ -1,0 +1,100 @@
+// Fault trials through the `tessera` binary: a 2-rank FSDP run saving at every step is killed
+// (kill -9 of a rank or of the launcher) at random moments, then resumed from `last`, several
+// times in one run folder, for each IO. `last` must always name a committed checkpoint that
+// verifies, never an older one than before, and what interrupted saves left is swept.
+#include <gtest/gtest.h>
+
+#include <unistd.h>
+
+#include <filesystem>
+#include <fstream>
+#include <random>
+
+#include "multiprocess.hpp"
+#include "tessera/core/checkpoint_folder.hpp"
+#include "tessera/core/sharded_checkpoint.hpp"
+
+namespace {
+
+namespace fs = std::filesystem;
+using tessera::testing::run_tessera;
+
+std::int64_t step_of(const std::string& checkpoint) {
+  if (tessera::core::is_sharded_checkpoint(checkpoint)) {
+    const std::string state = tessera::core::read_manifest(checkpoint).trainer_state;
+    const auto at = state.find("\"global_step\":");
+    return at == std::string::npos ? -1 : std::stoll(state.substr(at + 14));
+  }
+  const auto name = fs::path(checkpoint).filename().string();  // step=N.ckpt
+  return name.rfind("step=", 0) == 0 ? std::stoll(name.substr(5)) : -1;
+}
+
+int temporaries_in(const fs::path& dir) {
+  int n = 0;
+  std::error_code ec;
+  for (const auto& entry : fs::directory_iterator(dir, ec))
+    if (entry.path().filename().string().find(".tmp-") != std::string::npos) ++n;
+  return n;
+}
+
+class FaultTrials : public ::testing::TestWithParam<const char*> {};
+
+TEST_P(FaultTrials, KillsDuringSavesNeverLoseOrRewindLast) {
+  const std::string io = GetParam();
+  const std::string dir = tessera::testing::fresh_dir(std::string("faults-") + io);
+  std::ofstream(dir + "/run.toml")
+      << "[trainer]\nmax_steps = 100000\nlog_every_n_steps = 1\nseed = 3\ndefault_root_dir = \"" << dir
+      << "\"\nenable_progress_bar = false\ncheckpoint_every_n_steps = 1\nsave_last = false\n"
+      << "[optimizer]\nname = \"adamw\"\nlr = 0.001\n"
+      << "[launch]\ndevices = 2\ncollective_timeout_s = 20\n"
+      << "[strategy]\nplugin = \"fsdp\"\nstate_dict_type = \"" << (io == "distributed" ? "sharded" : "full") << "\"\n"
+      << "[checkpoint_io]\nplugin = \"" << io << "\"\nkeep_last_k = 2\n"
+      << "[model]\nplugin = \"gpt\"\nn_layer = 2\nn_head = 4\nn_embd = 256\nblock_size = 32\ndropout = 0.0\n"
+      << "[data]\nplugin = \"text\"\nblock_size = 32\nbatch_size = 2\n";
+  const fs::path checkpoints = fs::path(dir) / "checkpoints";
+  std::mt19937 rng(static_cast<unsigned>(::getpid()));
+  std::int64_t last_step = -1;
+  int during_save = 0;
+  const int trials = 4;
+  for (int trial = 0; trial < trials; ++trial) {
+    const bool resume = fs::is_symlink(checkpoints / tessera::core::kLastPointer);
+    const double delay = std::uniform_real_distribution<double>(0.5, 5.0)(rng);
+    const bool kill_rank = trial % 2 == 0;
+    // The launcher in the background; once a checkpoint exists, after `delay` s more, kill -9
+    // one rank (a child of the launcher) or the launcher itself (its ranks die with it).
+    const std::string script = std::string(tessera::testing::tessera_binary()) + " fit --config " + dir + "/run.toml" +
+                               (resume ? " --ckpt-path last" : "") + " > " + dir + "/trial.log 2>&1 & L=$!; " +
+                               "for i in $(seq 1200); do [ -L " + (checkpoints / "last").string() +
+                               " ] && break; sleep 0.05; done; sleep " + std::to_string(delay) + "; C=$(pgrep -P $L); " +
+                               (kill_rank ? "set -- $C; kill -9 $1" : "kill -9 $L") +
+                               // every process of the run gone (ranks die with the launcher, asynchronously)
+                               "; for p in $L $C; do timeout 60 tail --pid=$p -f /dev/null; done";
+    ASSERT_EQ(std::system(("bash -c '" + script + "'").c_str()), 0);
+    std::ifstream log(dir + "/trial.log");
+    const std::string output((std::istreambuf_iterator<char>(log)), std::istreambuf_iterator<char>());
+    if (temporaries_in(checkpoints) > 0) ++during_save;
+    if (!fs::is_symlink(checkpoints / tessera::core::kLastPointer)) {
+      ASSERT_EQ(last_step, -1) << "`last` disappeared after trial " << trial << "\n" << output;
+      continue;  // killed before its first commit
+    }
+    const std::string last = tessera::core::resolve_last(checkpoints.string());
+    auto verify = run_tessera("checkpoint verify " + last);
+    EXPECT_EQ(verify.exit_code, 0) << "trial " << trial << ": " << verify.output;
+    const std::int64_t step = step_of(last);
+    EXPECT_GE(step, last_step) << "trial " << trial << ": `last` went back from step " << last_step;
+    last_step = step;
+  }
+  ASSERT_GE(last_step, 1) << "no trial got as far as a checkpoint: the kills came too early";
+  // A clean resume from `last` loads it, sweeps what the killed saves left, and trains on.
+  auto r = run_tessera("fit --config " + dir + "/run.toml --ckpt-path last --set trainer.max_steps=" +
+                       std::to_string(last_step + 1));
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("resuming at step " + std::to_string(last_step)), std::string::npos) << r.output;
+  EXPECT_EQ(temporaries_in(checkpoints), 0);
+  std::cout << "[ fault trials ] " << io << ": " << trials << " kills, " << during_save
+            << " left an interrupted save behind; `last` at step " << last_step << "\n";
+}
+
+INSTANTIATE_TEST_SUITE_P(IO, FaultTrials, ::testing::Values("distributed", "torch"));
+
+}  // namespace
