@@ -3,6 +3,7 @@
 #include <dlfcn.h>
 
 #include <algorithm>
+#include <cstddef>
 #include <cstdlib>
 #include <cstring>
 #include <sstream>
@@ -20,14 +21,23 @@ struct PluginLoader::Library {
   boost::dll::shared_library handle;
   const PluginDescriptor* descriptor = nullptr;
   fs::path path;
+  std::string sdk_version;  ///< "" when the descriptor predates the field
 };
+
+namespace {
+
+/// Whether the plugin's descriptor is long enough to hold the (appended) field at `offset`.
+bool covers(const PluginDescriptor& d, std::size_t offset, std::size_t size) { return d.struct_size >= offset + size; }
+
+}  // namespace
 
 sdk::BuildFingerprint host_fingerprint() { return TESSERA_BUILD_FINGERPRINT; }
 
 std::string describe(const sdk::BuildFingerprint& f) {
   std::ostringstream out;
   out << "compiler " << (f.compiler ? f.compiler : "?") << ", C++11 ABI " << f.cxx11_abi << ", LibTorch "
-      << (f.torch_version ? f.torch_version : "?") << ", CUDA " << (f.cuda ? "on" : "off");
+      << (f.torch_version ? f.torch_version : "?") << ", CUDA " << (f.cuda ? "on" : "off") << ", TOML++ "
+      << (f.toml_version ? f.toml_version : "?");
   return out.str();
 }
 
@@ -79,15 +89,23 @@ std::shared_ptr<PluginLoader::Library> PluginLoader::load(const fs::path& file) 
   TESSERA_CHECK(d->abi_major == sdk::kAbiMajor, "plugin ", file.string(), " was built for SDK ABI ", d->abi_major, ".",
                 d->abi_minor, ", this tessera speaks ", sdk::kAbiMajor, ".", sdk::kAbiMinor,
                 ": rebuild the plugin against this SDK (find_package(TesseraSDK ", sdk::kAbiMajor, "))");
-  TESSERA_CHECK(d->struct_size >= sizeof(PluginDescriptor), "plugin ", file.string(), " has a descriptor of ",
-                d->struct_size, " bytes, this tessera expects at least ", sizeof(PluginDescriptor));
+  TESSERA_CHECK(d->struct_size >= sdk::kDescriptorBaseSize, "plugin ", file.string(), " has a descriptor of ",
+                d->struct_size, " bytes, but every SDK ABI ", sdk::kAbiMajor, " descriptor has at least ",
+                sdk::kDescriptorBaseSize);
+  library->sdk_version = covers(*d, offsetof(PluginDescriptor, sdk_version), sizeof(d->sdk_version)) && d->sdk_version
+                             ? d->sdk_version
+                             : "";
+  const std::string built_against =
+      library->sdk_version.empty() ? "" : " (against Tessera SDK " + library->sdk_version + ")";
   const sdk::BuildFingerprint host = host_fingerprint();
   const sdk::BuildFingerprint& f = d->fingerprint;
-  bool same = f.compiler && f.torch_version && std::strcmp(f.compiler, host.compiler) == 0 &&
-              f.cxx11_abi == host.cxx11_abi && std::strcmp(f.torch_version, host.torch_version) == 0 &&
-              f.cuda == host.cuda;
-  TESSERA_CHECK(same, "plugin ", file.string(), " was built with ", describe(f), "; this tessera was built with ",
-                describe(host), ". Plugins and host must use the same compiler, standard library and LibTorch.");
+  auto same_string = [](const char* a, const char* b) { return a && b && std::strcmp(a, b) == 0; };
+  bool same = same_string(f.compiler, host.compiler) && f.cxx11_abi == host.cxx11_abi &&
+              same_string(f.torch_version, host.torch_version) && f.cuda == host.cuda &&
+              same_string(f.toml_version, host.toml_version);
+  TESSERA_CHECK(same, "plugin ", file.string(), " was built", built_against, " with ", describe(f),
+                "; this tessera was built with ", describe(host),
+                ". Plugins and host must use the same compiler, standard library, LibTorch and TOML++.");
   TESSERA_CHECK(d->entries != nullptr && d->num_entries > 0, "plugin ", file.string(), " declares no entries");
   for (std::uint32_t i = 0; i < d->num_entries; ++i) {
     const sdk::PluginEntry& e = d->entries[i];
@@ -106,7 +124,7 @@ std::vector<PluginInfo> PluginLoader::inspect(const fs::path& file) {
   for (std::uint32_t i = 0; i < d->num_entries; ++i)
     infos.push_back(PluginInfo{file, d->kind, d->entries[i].name,
                                d->entries[i].description ? d->entries[i].description : "", d->version ? d->version : "",
-                               d->abi_major, d->abi_minor});
+                               d->abi_major, d->abi_minor, library->sdk_version});
   return infos;
 }
 

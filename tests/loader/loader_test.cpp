@@ -47,7 +47,29 @@ TEST(PluginLoader, ListsEveryEntryOfAGoodPlugin) {
   EXPECT_EQ(plugins[0].version, "0.0.1");
   EXPECT_EQ(plugins[0].abi_major, tessera::sdk::kAbiMajor);
   EXPECT_EQ(plugins[0].path, toy_file("good"));
+  EXPECT_EQ(plugins[0].sdk_version, TESSERA_VERSION);
   EXPECT_TRUE(loader.rejected().empty());
+}
+
+/// A plugin built against an older header of the same ABI major has a shorter descriptor:
+/// it loads, and the appended fields take their defaults (never read past struct_size).
+TEST(PluginLoader, OlderDescriptorOfTheSameMajorLoads) {
+  PluginLoader loader({toy_dir("old_descriptor")});
+  const auto& plugins = loader.plugins();
+  ASSERT_EQ(plugins.size(), 1u) << (loader.rejected().empty() ? "" : loader.rejected()[0].reason);
+  EXPECT_EQ(plugins[0].name, "toy_old_descriptor");
+  EXPECT_EQ(plugins[0].sdk_version, "") << "the loader read an appended field the descriptor does not have";
+  auto object = loader.create(PluginKind::model, "toy_old_descriptor", Options());
+  EXPECT_NE(object, nullptr);
+}
+
+TEST(PluginLoader, DescriptorShorterThanItsMajorIsRefused) {
+  PluginLoader loader({});
+  std::string message = error_of([&] { loader.inspect(toy_file("short_descriptor")); });
+  EXPECT_NE(message.find("but every SDK ABI " + std::to_string(tessera::sdk::kAbiMajor) + " descriptor has at least " +
+                         std::to_string(tessera::sdk::kDescriptorBaseSize)),
+            std::string::npos)
+      << message;
 }
 
 TEST(PluginLoader, CreatesWithOptionsAndRejectsUnknownKeys) {
@@ -116,6 +138,8 @@ TEST(PluginLoader, AbiMismatchNamesBothVersions) {
                          ".0, this tessera speaks " + std::to_string(tessera::sdk::kAbiMajor);
   EXPECT_NE(message.find(expected), std::string::npos) << message;
   EXPECT_NE(message.find(toy_file("wrong_abi").string()), std::string::npos) << message;
+  EXPECT_NE(message.find("find_package(TesseraSDK " + std::to_string(tessera::sdk::kAbiMajor) + ")"), std::string::npos)
+      << message;
 }
 
 TEST(PluginLoader, FingerprintMismatchNamesBothBuilds) {
@@ -123,6 +147,8 @@ TEST(PluginLoader, FingerprintMismatchNamesBothBuilds) {
   std::string message = error_of([&] { loader.inspect(toy_file("wrong_fingerprint")); });
   EXPECT_NE(message.find("LibTorch 0.1.0"), std::string::npos) << message;
   EXPECT_NE(message.find(std::string("LibTorch ") + TORCH_VERSION), std::string::npos) << message;
+  EXPECT_NE(message.find(std::string("TOML++ ") + TESSERA_TOML_VERSION), std::string::npos) << message;
+  EXPECT_NE(message.find(std::string("(against Tessera SDK ") + TESSERA_VERSION + ")"), std::string::npos) << message;
 }
 
 TEST(PluginLoader, NullFunctionsAreRefused) {

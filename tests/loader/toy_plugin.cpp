@@ -1,5 +1,7 @@
 // One source, compiled into several deliberately good and broken plugins (see CMakeLists.txt):
 // TOY_MODE selects what is wrong with the resulting library.
+#include <cstddef>
+
 #include "tessera/sdk/error.hpp"
 #include "tessera/sdk/plugin.hpp"
 
@@ -9,6 +11,8 @@
 #define TOY_WRONG_FINGERPRINT 3
 #define TOY_THROWING_FACTORY 4
 #define TOY_NULL_CREATE 5
+#define TOY_OLD_DESCRIPTOR 6
+#define TOY_SHORT_DESCRIPTOR 7
 
 namespace {
 
@@ -51,13 +55,48 @@ const tessera::sdk::PluginDescriptor toy_descriptor = {
     tessera::sdk::PluginKind::model,
     "0.0.1",
 #if TOY_MODE == TOY_WRONG_FINGERPRINT
-    tessera::sdk::BuildFingerprint{__VERSION__, TESSERA_CXX11_ABI, "0.1.0", TESSERA_WITH_CUDA},
+    tessera::sdk::BuildFingerprint{__VERSION__, TESSERA_CXX11_ABI, "0.1.0", TESSERA_WITH_CUDA, TESSERA_TOML_VERSION},
 #else
     TESSERA_BUILD_FINGERPRINT,
 #endif
     toy_entries,
-    1};
+    1,
+    TESSERA_VERSION};
 const tessera::sdk::PluginDescriptor* toy_get_descriptor() { return &toy_descriptor; }
+}  // namespace
+BOOST_DLL_ALIAS(toy_get_descriptor, tessera_plugin)
+#elif TOY_MODE == TOY_OLD_DESCRIPTOR || TOY_MODE == TOY_SHORT_DESCRIPTOR
+// A descriptor as an older header of this ABI major wrote it: the base fields only, followed
+// in memory by a decoy where the appended sdk_version would be. The host must not read it.
+namespace {
+struct OldDescriptor {
+  std::uint32_t abi_major;
+  std::uint32_t abi_minor;
+  std::uint32_t struct_size;
+  tessera::sdk::PluginKind kind;
+  const char* version;
+  tessera::sdk::BuildFingerprint fingerprint;
+  const tessera::sdk::PluginEntry* entries;
+  std::uint32_t num_entries;
+};
+static_assert(sizeof(OldDescriptor) == offsetof(tessera::sdk::PluginDescriptor, sdk_version));
+struct OldDescriptorThenDecoy {
+  OldDescriptor descriptor;
+  const char* decoy;
+};
+const tessera::sdk::PluginEntry toy_entries[] = {tessera::sdk::plugin_entry<Toy>(TOY_NAME, "an older descriptor")};
+const OldDescriptorThenDecoy toy_descriptor = {
+    {tessera::sdk::kAbiMajor, 0,
+#if TOY_MODE == TOY_SHORT_DESCRIPTOR
+     static_cast<std::uint32_t>(offsetof(OldDescriptor, num_entries)),  // cut before num_entries
+#else
+     static_cast<std::uint32_t>(sizeof(OldDescriptor)),
+#endif
+     tessera::sdk::PluginKind::model, "0.0.1", TESSERA_BUILD_FINGERPRINT, toy_entries, 1},
+    "decoy: read past struct_size"};
+const tessera::sdk::PluginDescriptor* toy_get_descriptor() {
+  return reinterpret_cast<const tessera::sdk::PluginDescriptor*>(&toy_descriptor.descriptor);
+}
 }  // namespace
 BOOST_DLL_ALIAS(toy_get_descriptor, tessera_plugin)
 #else

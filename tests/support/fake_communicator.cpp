@@ -90,24 +90,6 @@ struct Group {
   std::map<std::uint64_t, Op> ops;  ///< by sequence number
 };
 
-/// The local half of c10d's reduce-scatter (c10d_communicator.cpp), on the same rows.
-void reduce_rows(const at::Tensor& rows, at::Tensor output, sdk::ReduceOp op) {
-  const double n = static_cast<double>(rows.size(0));
-  if (rows.scalar_type() == at::kFloat && output.is_contiguous() &&
-      (op == sdk::ReduceOp::sum || op == sdk::ReduceOp::mean)) {
-    at::Tensor out = output.view({-1});
-    at::sum_out(out, rows, {0});
-    if (op == sdk::ReduceOp::mean) out.div_(n);
-    return;
-  }
-  at::Tensor chunks = rows.to(at::kFloat);
-  at::Tensor reduced = op == sdk::ReduceOp::max   ? std::get<0>(chunks.max(0))
-                       : op == sdk::ReduceOp::min ? std::get<0>(chunks.min(0))
-                                                  : chunks.sum(0);
-  if (op == sdk::ReduceOp::mean) reduced.div_(n);
-  output.view({-1}).copy_(reduced);
-}
-
 class FakeHandle final : public core::CommHandle {
  public:
   explicit FakeHandle(std::function<void()> complete) : complete_(std::move(complete)) {}
@@ -151,7 +133,7 @@ class FakeCommunicator final : public core::Communicator {
                    const std::int64_t chunk = o.call.numel / static_cast<std::int64_t>(o.inputs.size());
                    std::vector<at::Tensor> rows;
                    for (const at::Tensor& in : o.inputs) rows.push_back(in.narrow(0, me * chunk, chunk));
-                   reduce_rows(at::stack(rows), output, op);
+                   core::reduce_rows(at::stack(rows), output, op);
                  });
   }
 

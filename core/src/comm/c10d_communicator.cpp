@@ -205,21 +205,7 @@ class C10dCommunicator final : public Communicator {
     at::Tensor wire_out = wire_view(received), wire_in = wire_view(in);
     WorkPtr work = backend_->alltoall_base(wire_out, wire_in, splits, splits);
     std::int64_t n = size_;
-    return handle(work, [received, output, op, n]() mutable {
-      if (received.scalar_type() == at::kFloat && output.is_contiguous() &&
-          (op == sdk::ReduceOp::sum || op == sdk::ReduceOp::mean)) {  // sum straight into the output
-        at::Tensor out = output.view({-1});
-        at::sum_out(out, received.view({n, -1}), {0});
-        if (op == sdk::ReduceOp::mean) out.div_(static_cast<double>(n));
-        return;
-      }
-      at::Tensor chunks = received.view({n, -1}).to(at::kFloat);
-      at::Tensor reduced = op == sdk::ReduceOp::max   ? std::get<0>(chunks.max(0))
-                           : op == sdk::ReduceOp::min ? std::get<0>(chunks.min(0))
-                                                      : chunks.sum(0);
-      if (op == sdk::ReduceOp::mean) reduced.div_(static_cast<double>(n));
-      output.view({-1}).copy_(reduced);
-    }, tag);
+    return handle(work, [received, output, op, n]() mutable { reduce_rows(received.view({n, -1}), output, op); }, tag);
   }
 
   CommHandlePtr all_reduce(at::Tensor tensor, sdk::ReduceOp op, const std::string& tag) override {
@@ -374,6 +360,23 @@ class LocalCommunicator final : public Communicator {
 };
 
 }  // namespace
+
+void reduce_rows(const at::Tensor& rows, at::Tensor output, sdk::ReduceOp op) {
+  const double n = static_cast<double>(rows.size(0));
+  if (rows.scalar_type() == at::kFloat && output.is_contiguous() &&
+      (op == sdk::ReduceOp::sum || op == sdk::ReduceOp::mean)) {  // sum straight into the output
+    at::Tensor out = output.view({-1});
+    at::sum_out(out, rows, {0});
+    if (op == sdk::ReduceOp::mean) out.div_(n);
+    return;
+  }
+  at::Tensor chunks = rows.to(at::kFloat);
+  at::Tensor reduced = op == sdk::ReduceOp::max   ? std::get<0>(chunks.max(0))
+                       : op == sdk::ReduceOp::min ? std::get<0>(chunks.min(0))
+                                                  : chunks.sum(0);
+  if (op == sdk::ReduceOp::mean) reduced.div_(n);
+  output.view({-1}).copy_(reduced);
+}
 
 CommunicatorPtr make_local_communicator() { return std::make_shared<LocalCommunicator>(); }
 

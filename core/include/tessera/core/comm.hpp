@@ -64,6 +64,12 @@ class Communicator {
 
 using CommunicatorPtr = std::shared_ptr<Communicator>;
 
+/// The local half of a reduce-scatter built on all-to-all: `rows` ([ranks, chunk], in rank
+/// order) holds every rank's copy of this rank's chunk; writes `op` over the rows into
+/// `output` (low-precision values accumulate in fp32). Every Communicator reduces through
+/// it, so all of them sum in the same order.
+void reduce_rows(const at::Tensor& rows, at::Tensor output, sdk::ReduceOp op);
+
 /// Rendezvous through a TCPStore at cluster.master_addr:master_port and create the world
 /// group: Gloo for CPU devices, NCCL for CUDA devices (when built with CUDA).
 CommunicatorPtr make_communicator(const sdk::ClusterInfo& cluster, const c10::Device& device);

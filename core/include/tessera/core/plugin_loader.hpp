@@ -22,6 +22,7 @@ struct PluginInfo {
   std::string version;
   std::uint32_t abi_major = 0;
   std::uint32_t abi_minor = 0;
+  std::string sdk_version;  ///< Tessera SDK version it was built against; "" for a descriptor without it
 };
 
 /// A library in a plugin directory that could not be used, and why.
@@ -78,7 +79,7 @@ class PluginLoader {
 
 /// The host's build fingerprint (what every plugin must match).
 sdk::BuildFingerprint host_fingerprint();
-/// "gcc 12.2.0, C++11 ABI 1, LibTorch 1.13.0, CUDA off".
+/// "compiler 12.2.0, C++11 ABI 1, LibTorch 1.13.0, CUDA off, TOML++ 3.3.0".
 std::string describe(const sdk::BuildFingerprint& fingerprint);
 
 }  // namespace tessera::core

@@ -9,6 +9,7 @@
 ///
 /// Objects a plugin creates are destroyed by the same plugin (PluginEntry::destroy); the
 /// host keeps the library loaded for as long as any of them lives.
+#include <cstddef>
 #include <cstdint>
 #include <iterator>
 
@@ -21,8 +22,12 @@
 
 namespace tessera::sdk {
 
-/// The vtables of the SDK interfaces are the ABI: any change to them bumps the major.
-inline constexpr std::uint32_t kAbiMajor = 3;  // 3: multi-argument units, Module::fsdp_wrap_policy
+/// The vtables of the SDK interfaces, and the layout of the strategy API's classes in
+/// tessera/core (StrategyBase, Communicator, DeviceMesh, PrecisionBase), are the ABI: any
+/// change to them bumps the major.
+/// The installed CMake package's version is this ABI: find_package(TesseraSDK 3).
+inline constexpr std::uint32_t kAbiMajor = 3;  // 3: multi-argument units, Module::fsdp_wrap_policy,
+                                               //    TOML++ in the fingerprint, descriptor sdk_version
 inline constexpr std::uint32_t kAbiMinor = 0;
 
 enum class PluginKind : std::uint32_t { strategy = 1, precision, checkpoint_io, model, data };
@@ -43,24 +48,42 @@ struct PluginEntry {
   void (*destroy)(PluginObject* object);
 };
 
-/// What the plugin was compiled with; must equal the host's, field by field.
+/// What the plugin was compiled with; must equal the host's, field by field. It names every
+/// third-party library whose types cross the boundary: the standard library (compiler, C++11
+/// ABI), LibTorch (tensors, modules, optimizers) and TOML++ (the table inside Options).
 struct BuildFingerprint {
   const char* compiler;       ///< __VERSION__
   std::int32_t cxx11_abi;     ///< _GLIBCXX_USE_CXX11_ABI
   const char* torch_version;  ///< TORCH_VERSION
   std::int32_t cuda;          ///< built with CUDA paths
+  const char* toml_version;   ///< TOML_LIB_MAJOR.MINOR.PATCH
 };
 
+/// abi_major, abi_minor and struct_size come first in every ABI, so that any host can read
+/// them. Fields after num_entries are appended ones: a plugin built against an older header
+/// of the same major lacks them (its struct_size says so), and the host then uses their
+/// defaults. Append new fields at the end (and bump kAbiMinor); never reorder or remove.
 struct PluginDescriptor {
   std::uint32_t abi_major;
   std::uint32_t abi_minor;
-  std::uint32_t struct_size;  ///< sizeof(PluginDescriptor) in the plugin: fields may be appended
+  std::uint32_t struct_size;  ///< sizeof(PluginDescriptor) in the plugin
   PluginKind kind;
   const char* version;        ///< the plugin's own version
   BuildFingerprint fingerprint;
   const PluginEntry* entries;
   std::uint32_t num_entries;
+  // Appended fields (read only when struct_size covers them):
+  const char* sdk_version;    ///< TESSERA_VERSION of the SDK headers it was built with (default "")
 };
+
+/// The fields every descriptor of this ABI major has (those up to num_entries).
+inline constexpr std::uint32_t kDescriptorBaseSize = offsetof(PluginDescriptor, num_entries) + sizeof(std::uint32_t);
+
+#define TESSERA_STRINGIFY_(x) #x
+#define TESSERA_STRINGIFY(x) TESSERA_STRINGIFY_(x)
+/// The TOML++ version this translation unit sees, e.g. "3.3.0".
+#define TESSERA_TOML_VERSION \
+  TESSERA_STRINGIFY(TOML_LIB_MAJOR) "." TESSERA_STRINGIFY(TOML_LIB_MINOR) "." TESSERA_STRINGIFY(TOML_LIB_PATCH)
 
 #if defined(_GLIBCXX_USE_CXX11_ABI)
 #define TESSERA_CXX11_ABI _GLIBCXX_USE_CXX11_ABI
@@ -70,7 +93,7 @@ struct PluginDescriptor {
 
 /// The fingerprint of the translation unit that expands it.
 #define TESSERA_BUILD_FINGERPRINT \
-  ::tessera::sdk::BuildFingerprint { __VERSION__, TESSERA_CXX11_ABI, TORCH_VERSION, TESSERA_WITH_CUDA }
+  ::tessera::sdk::BuildFingerprint { __VERSION__, TESSERA_CXX11_ABI, TORCH_VERSION, TESSERA_WITH_CUDA, TESSERA_TOML_VERSION }
 
 /// An entry whose factory is `new T(options)`.
 template <typename T>
@@ -93,7 +116,8 @@ PluginEntry plugin_entry(const char* name, const char* description) {
       VERSION,                                                                                      \
       TESSERA_BUILD_FINGERPRINT,                                                                    \
       tessera_plugin_entries_,                                                                      \
-      static_cast<std::uint32_t>(std::size(tessera_plugin_entries_))};                              \
+      static_cast<std::uint32_t>(std::size(tessera_plugin_entries_)),                               \
+      TESSERA_VERSION};                                                                             \
   const ::tessera::sdk::PluginDescriptor* tessera_plugin_get_descriptor_() {                        \
     return &tessera_plugin_descriptor_;                                                             \
   }                                                                                                 \
