@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
 #include <filesystem>
 #include <sstream>
 
@@ -24,6 +25,20 @@ BatchLimit read_limit(const sdk::Options& options, const std::string& key, Batch
   TESSERA_FAIL(options.locate(key), " must be an integer (a number of batches, 0 skips the loop) or a float in ",
                "[0.0, 1.0] (a fraction of the batches), found ",
                toml::impl::node_type_friendly_names[static_cast<int>(node->type())]);
+}
+
+/// Lightning's max_time: "DD:HH:MM:SS", or a number of seconds.
+double read_max_time(const sdk::Options& options) {
+  const toml::node* node = options.table().get("max_time");
+  if (node == nullptr || node->is_number()) return options.get_double("max_time", 0.0, 0.0);
+  std::string text = options.get_string("max_time", "");
+  int d = 0, h = 0, m = 0, s = 0;
+  char end = 0;
+  TESSERA_CHECK(std::sscanf(text.c_str(), "%d:%d:%d:%d%c", &d, &h, &m, &s, &end) == 4 && d >= 0 && h >= 0 &&
+                    h < 24 && m >= 0 && m < 60 && s >= 0 && s < 60,
+                options.locate("max_time"), " = \"", text,
+                "\" is not a duration: write \"DD:HH:MM:SS\" (e.g. \"00:12:00:00\" for 12 hours) or a number of seconds");
+  return ((d * 24.0 + h) * 60.0 + m) * 60.0 + s;
 }
 
 void apply_override(toml::table& root, const std::string& assignment) {
@@ -69,8 +84,9 @@ Config Config::load(const std::string& path, const std::vector<std::string>& ove
     TESSERA_FAIL(path, ":", e.source().begin.line, ":", e.source().begin.column, ": invalid TOML: ", e.description());
   }
   for (const auto& assignment : overrides) apply_override(root, assignment);
+  config.resolved = root;
 
-  std::vector<std::string> sections = {"trainer", "optimizer", "lr_scheduler", "launch"};
+  std::vector<std::string> sections = {"trainer", "optimizer", "lr_scheduler", "launch", "logger", "callbacks"};
   sections.insert(sections.end(), kPluginSections.begin(), kPluginSections.end());
   for (const auto& [key, node] : root) {
     std::string name(key.str());
@@ -120,7 +136,33 @@ Config Config::load(const std::string& path, const std::vector<std::string>& ove
   else
     tr.enable_progress_bar = t.get_choice("enable_progress_bar", "auto", {"auto", "true", "false"});
   tr.predict_after_fit = t.get_bool("predict_after_fit", false);
+  tr.max_time_s = read_max_time(t);
+  tr.profiler = t.get_choice("profiler", "", {"", "simple", "trace"});
   t.check_all_used();
+
+  sdk::Options lg = section("logger");
+  config.logger.loggers = lg.get_string_list("loggers", config.logger.loggers);
+  for (const auto& name : config.logger.loggers)
+    TESSERA_CHECK(name == "csv" || name == "tensorboard", lg.locate("loggers"), ": unknown logger \"", name, "\"",
+                  sdk::did_you_mean(name, {"csv", "tensorboard"}), "; valid: csv, tensorboard");
+  config.logger.name = lg.get_string("name", "");
+  if (lg.has("version") && lg.table().get("version")->is_integer())
+    config.logger.version = std::to_string(lg.get_int("version", 0, 0));
+  else
+    config.logger.version = lg.get_string("version", "");
+  for (const std::string* part : {&config.logger.name, &config.logger.version})
+    TESSERA_CHECK(part->find('/') == std::string::npos && *part != "." && *part != "..", lg.locate("name"),
+                  " / version must be a folder name, not a path: \"", *part, "\"");
+  lg.check_all_used();
+
+  if (toml::table* callbacks = root["callbacks"].as_table()) {
+    for (auto& [key, node] : *callbacks) {
+      std::string name(key.str());
+      TESSERA_CHECK(node.is_table(), path, ":", node.source().begin.line, ": [callbacks] ", name,
+                    " must be a table: write [callbacks.", name, "] with its keys below it");
+      config.callbacks.emplace_back(name, sdk::Options("callbacks." + name, path, std::move(*node.as_table())));
+    }
+  }
 
   sdk::Options o = section("optimizer");
   sdk::OptimizerSettings& opt = config.optimizer;

@@ -36,6 +36,15 @@ struct TrainerSettings {
   bool save_last = true;
   std::string enable_progress_bar = "auto";  ///< "auto" (on a terminal), "true", "false"
   bool predict_after_fit = false;            ///< print one predict batch (e.g. a text sample) at the end
+  double max_time_s = 0;                     ///< stop fit after this long (0: no limit); "DD:HH:MM:SS" in TOML
+  std::string profiler;                      ///< "" (none), "simple" or "trace"
+};
+
+/// [logger]: where a run's files go (Lightning's loggers make the version folders).
+struct LoggerSettings {
+  std::vector<std::string> loggers = {"csv"};  ///< "csv", "tensorboard"
+  std::string name;     ///< "": runs in default_root_dir/version_N; else default_root_dir/name/version_N
+  std::string version;  ///< "": the next free version_N; an integer N: version_N; other text: that folder
 };
 
 struct ScheduleSettings {
@@ -83,6 +92,12 @@ class Config {
   ScheduleSettings schedule;
   LaunchSettings launch;
   DataSettings data;
+  LoggerSettings logger;
+  /// The [callbacks.NAME] tables in file order: NAME is a built-in callback or, with
+  /// `plugin = "..."` (default NAME), a callback plugin.
+  std::vector<std::pair<std::string, sdk::Options>> callbacks;
+  /// The whole file with --set applied (saved in each run's folder as config.toml).
+  toml::table resolved;
   /// The [strategy], [precision], ... tables; the factories read their own keys.
   std::map<std::string, sdk::Options> plugins;
   /// The `plugin = "..."` of each plugin section (with defaults).

@@ -8,6 +8,8 @@
 #include <string>
 #include <vector>
 
+#include <c10/util/Exception.h>
+
 #include "checkpoint_tool.hpp"
 #include "config.hpp"
 #include "launcher.hpp"
@@ -93,6 +95,7 @@ void check_plugins(const host::Config& config) {
     loader.create(kinds[i], config.plugin_names.at(section), options);
     options.check_all_used({"plugin"});
   }
+  host::make_callbacks(config, loader);
 }
 
 /// torchrun reports the root cause from this file (TORCHELASTIC_ERROR_FILE).
@@ -138,8 +141,10 @@ int main(int argc, char** argv) {
     host::Config config = host::Config::load(args.config, args.overrides);
     const std::string root = config.trainer.default_root_dir;
     sdk::ClusterInfo cluster;
-    if (std::getenv("TESSERA_LAUNCHED") == nullptr && config.launch.devices * config.launch.nodes > 1)
+    if (std::getenv("TESSERA_LAUNCHED") == nullptr && config.launch.devices * config.launch.nodes > 1) {
       check_plugins(config);
+      host::Trainer::resolve_checkpoint(config, args.ckpt_path);  // a missing checkpoint stops us before any rank
+    }
     if (auto code = host::launch_or_join(config.launch, root + "/logs", argc, argv, cluster)) return *code;
     host::configure_threads(config.launch, cluster);
     log = std::make_unique<host::RunLog>(root, cluster.global_rank, config.trainer.enable_progress_bar);
@@ -148,9 +153,11 @@ int main(int argc, char** argv) {
     else if (args.command == "validate") trainer.validate(args.ckpt_path);
     else if (args.command == "test") trainer.test(args.ckpt_path);
     else trainer.predict(args.ckpt_path);
-    return 0;
+    return trainer.exit_code();
   } catch (const std::exception& e) {
-    std::string message = e.what();
+    // LibTorch's errors carry a C++ stack trace that says nothing to a user: the message only.
+    auto* torch_error = dynamic_cast<const c10::Error*>(&e);
+    std::string message = torch_error ? torch_error->what_without_backtrace() : e.what();
     // Under tessera's own launcher stderr already lands in this rank's log file.
     if (log && std::getenv("TESSERA_LAUNCHED") == nullptr) log->to_file("error: " + message);
     std::cerr << "tessera: error: " << message << "\n";

@@ -1,28 +1,45 @@
 #include "run_log.hpp"
 
+#include <fcntl.h>
 #include <unistd.h>
 
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
 #include <filesystem>
-#include <iomanip>
 #include <iostream>
 
 namespace tessera::host {
 
+bool RunLog::stdout_is_user_terminal() {
+  if (!::isatty(STDOUT_FILENO)) return false;
+  // A launcher that relays our output through a pseudo-terminal (Open MPI does) while its own
+  // stdout is a file or a pipe: the user sees no terminal, so no escape codes.
+  std::string parent_stdout = "/proc/" + std::to_string(::getppid()) + "/fd/1";
+  int fd = ::open(parent_stdout.c_str(), O_WRONLY | O_NOCTTY | O_CLOEXEC);
+  if (fd < 0) return true;  // cannot tell (another user's process): trust our own stdout
+  bool parent_tty = ::isatty(fd);
+  ::close(fd);
+  return parent_tty;
+}
+
 RunLog::RunLog(const std::string& root_dir, std::int64_t rank, const std::string& progress_bar)
     : rank_(rank),
-      terminal_(rank == 0 && (progress_bar == "true" || (progress_bar == "auto" && ::isatty(STDOUT_FILENO)))),
+      terminal_(rank == 0 && (progress_bar == "true" || (progress_bar == "auto" && stdout_is_user_terminal()))),
       log_path_(root_dir + "/logs/rank-" + std::to_string(rank) + ".log") {
   std::filesystem::create_directories(root_dir + "/logs");
   log_.open(log_path_, std::ios::app);
-  if (rank_ == 0) {
-    std::string csv = root_dir + "/metrics.csv";
-    bool fresh = !std::filesystem::exists(csv);
-    csv_.open(csv, std::ios::app);
-    if (fresh) csv_ << "step,epoch,stage,metric,value\n";
-  }
 }
 
 RunLog::~RunLog() { end_bar(); }
+
+std::string RunLog::bar(double fraction, int width) {
+  fraction = std::clamp(fraction, 0.0, 1.0);
+  int filled = static_cast<int>(std::floor(fraction * width));
+  char percent[8];
+  std::snprintf(percent, sizeof(percent), "%3d%%", static_cast<int>(std::floor(fraction * 100)));
+  return "[" + std::string(filled, '#') + std::string(width - filled, '.') + "] " + percent;
+}
 
 void RunLog::end_bar() {
   if (bar_open_) std::cout << "\n" << std::flush;
@@ -47,14 +64,6 @@ void RunLog::progress(const std::string& bar, const std::string& line, bool forc
   } else if (force_line) {
     std::cout << line << "\n" << std::flush;
   }
-}
-
-void RunLog::metrics(std::int64_t step, std::int64_t epoch, const std::string& stage,
-                     const std::map<std::string, double>& values) {
-  if (rank_ != 0) return;
-  for (const auto& [name, value] : values)
-    csv_ << step << "," << epoch << "," << stage << "," << name << "," << std::setprecision(8) << value << "\n";
-  csv_.flush();
 }
 
 }  // namespace tessera::host

@@ -1,10 +1,8 @@
 #pragma once
-// What a rank tells the user: its log file (every rank: default_root_dir/logs/rank-K.log),
-// the terminal (rank 0 only: a live progress bar on a TTY, plain lines otherwise) and the
-// metrics CSV (rank 0 only: default_root_dir/metrics.csv, one row per metric value).
-#include <chrono>
+// What a rank tells the user: its log file (every rank: default_root_dir/logs/rank-K.log)
+// and the terminal (rank 0 only: a live progress bar on a terminal, plain lines otherwise).
+// Metrics go to the run's loggers (loggers/).
 #include <fstream>
-#include <map>
 #include <string>
 
 namespace tessera::host {
@@ -18,13 +16,18 @@ class RunLog {
   void info(const std::string& line);
   /// A line for the log file only.
   void to_file(const std::string& line);
-  /// Progress of training (rank 0): redraws the bar on a terminal; `line` goes to the log.
+  /// Progress (rank 0): redraws `bar` on a terminal; `line` goes to the log, and to stdout
+  /// when it is not a terminal, if `force_line`.
   void progress(const std::string& bar, const std::string& line, bool force_line);
-  /// One row per metric in metrics.csv (rank 0).
-  void metrics(std::int64_t step, std::int64_t epoch, const std::string& stage,
-               const std::map<std::string, double>& values);
   const std::string& log_path() const { return log_path_; }
   bool is_terminal() const { return terminal_; }
+
+  /// "[#####.....]  50%" for `fraction` of `width` cells.
+  static std::string bar(double fraction, int width = 20);
+  /// Whether stdout is a terminal the user sees: a TTY, and so is our parent's stdout when
+  /// it writes elsewhere. Under mpirun a rank's stdout is a pseudo-terminal of mpirun's even
+  /// when mpirun's own output goes to a file: then this is false.
+  static bool stdout_is_user_terminal();
 
  private:
   void end_bar();
@@ -34,7 +37,6 @@ class RunLog {
   bool bar_open_ = false;
   std::string log_path_;
   std::ofstream log_;
-  std::ofstream csv_;
 };
 
 }  // namespace tessera::host

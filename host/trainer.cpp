@@ -5,6 +5,8 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <filesystem>
+#include <fstream>
 #include <cmath>
 #include <cstdlib>
 #include <iomanip>
@@ -14,9 +16,13 @@
 #include <ATen/ATen.h>
 #include <ATen/CPUGeneratorImpl.h>
 
+#include "loggers/run_directory.hpp"
+#include "model_summary.hpp"
+#include "profiler.hpp"
 #include "tessera/core/checkpoint.hpp"
 #include "tessera/core/checkpoint_folder.hpp"
 #include "tessera/core/data_loader.hpp"
+#include "tessera/core/trace.hpp"
 #include "tessera/sdk/build_config.hpp"  // TESSERA_WITH_CUDA, before the #if below
 #include "tessera/sdk/error.hpp"
 #include "lr_schedule.hpp"
@@ -57,7 +63,79 @@ std::map<std::string, double> reduce_mean(sdk::Strategy& strategy, const std::ma
   return out;
 }
 
+/// The signal that asked fit to stop (SIGINT, SIGTERM); a second one ends the process.
+volatile sig_atomic_t g_signal = 0;
+
+void on_stop_signal(int signal) {
+  if (g_signal != 0) {
+    ::signal(signal, SIG_DFL);
+    ::raise(signal);
+  }
+  g_signal = signal;
+}
+
+/// Installs the handlers for one fit and restores the previous ones after it.
+class StopSignals {
+ public:
+  StopSignals() {
+    struct sigaction action {};
+    action.sa_handler = on_stop_signal;
+    action.sa_flags = SA_RESTART;  // a collective blocked in a syscall carries on
+    ::sigaction(SIGINT, &action, &old_int_);
+    ::sigaction(SIGTERM, &action, &old_term_);
+  }
+  ~StopSignals() {
+    ::sigaction(SIGINT, &old_int_, nullptr);
+    ::sigaction(SIGTERM, &old_term_, nullptr);
+    g_signal = 0;
+  }
+
+ private:
+  struct sigaction old_int_ {}, old_term_ {};
+};
+
+std::string metrics_line(const std::string& head, const std::map<std::string, double>& metrics, int precision = 4) {
+  std::string line = head;
+  for (const auto& [name, value] : metrics) line += "  " + name + " " + format(value, precision);
+  return line;
+}
+
+/// LibTorch's dtype errors inside a step under autocast, explained: the classic is LibTorch
+/// 1.13's CPU autocast leaving LayerNorm out of its cast lists, so a LayerNorm fed by a bf16
+/// Linear output meets its fp32 weight. Other errors pass through unchanged.
+void explain_step_failure(const c10::Error& error, const std::string& step, const std::string& precision,
+                          const c10::Device& device, torch::nn::Module& network) {
+  std::string message = error.what_without_backtrace();
+  const bool dtype_error = message.find("scalar type") != std::string::npos || message.find("dtype") != std::string::npos;
+  if (!dtype_error || precision.find("-mixed") == std::string::npos) throw;
+  std::vector<std::string> norms;
+  for (const auto& item : network.named_modules("", /*include_self=*/false))
+    if (item.value()->name() == "torch::nn::LayerNormImpl") norms.push_back(item.key());
+  std::string listed;
+  for (std::size_t i = 0; i < norms.size() && i < 6; ++i) listed += (i ? ", " : "") + norms[i];
+  if (norms.size() > 6) listed += ", ... (" + std::to_string(norms.size()) + " in all)";
+  TESSERA_FAIL(step, " failed under precision ", precision, " on ", device.str(), ": ",
+               message.substr(0, message.find('\n')), ".\n  Likely cause: autocast runs Linear and matmul in ",
+               precision.substr(0, precision.find('-')), " but ",
+               norms.empty() ? "leaves some ops of the model in fp32, so one of them met a low-precision input"
+                             : "LibTorch's " + std::string(device.is_cpu() ? "CPU " : "") +
+                                   "autocast leaves LayerNorm out, so a LayerNorm fed by a low-precision output "
+                                   "meets its fp32 weight. LayerNorm modules in the model: " + listed,
+               ".\n  Fix: give those modules fp32 inputs in the model (e.g. norm(x.to(at::kFloat))), or use "
+               "[precision] precision = \"bf16-true\" (the whole model in bf16)");
+}
+
 }  // namespace
+
+template <typename Step>
+auto Trainer::run_step(const char* name, Step&& step) {
+  try {
+    return step();
+  } catch (const c10::Error& error) {
+    explain_step_failure(error, name, precision_->precision(), strategy_->root_device(), *model_->network());
+    throw;
+  }
+}
 
 Trainer::Trainer(Config config, const sdk::ClusterInfo& cluster, RunLog& log)
     : config_(std::move(config)), cluster_(cluster), log_(log),
@@ -67,15 +145,24 @@ Trainer::~Trainer() {
   if (strategy_) strategy_->teardown();
 }
 
+template <typename Hook>
+void Trainer::call(const char* name, Hook&& hook) {
+  for (auto& [callback_name, callback] : callbacks_) {
+    core::trace::Span span("hook", core::trace::enabled() ? "[Callback]" + callback_name + "." + name : "");
+    hook(*callback);
+  }
+}
+
 void Trainer::setup(const std::string& stage) {
   using sdk::PluginKind;
+  stage_ = stage;
   auto create = [&](const std::string& section, PluginKind kind) {
     const sdk::Options& options = config_.plugins.at(section);
     auto object = loader_.create(kind, config_.plugin_names.at(section), options);
     options.check_all_used({"plugin"});
     return object;
   };
-  // Every plugin is created (and its configuration checked) before any work starts.
+  // Every plugin and callback is created (and its configuration checked) before any work starts.
   strategy_ = std::dynamic_pointer_cast<sdk::Strategy>(create("strategy", PluginKind::strategy));
   precision_ = std::dynamic_pointer_cast<sdk::Precision>(create("precision", PluginKind::precision));
   checkpoint_io_ = std::dynamic_pointer_cast<sdk::CheckpointIO>(create("checkpoint_io", PluginKind::checkpoint_io));
@@ -83,6 +170,8 @@ void Trainer::setup(const std::string& stage) {
   data_ = std::dynamic_pointer_cast<sdk::DataModule>(create("data", PluginKind::data));
   TESSERA_CHECK(strategy_ && precision_ && checkpoint_io_ && model_ && data_,
                 "a plugin created an object of the wrong interface");
+  callbacks_ = make_callbacks(config_, loader_);
+  if (!config_.trainer.profiler.empty()) core::trace::enable(true);
 
   strategy_->connect(precision_, checkpoint_io_);
   strategy_->setup_environment(cluster_);
@@ -104,11 +193,66 @@ void Trainer::setup(const std::string& stage) {
             cluster_.environment + "] on " + strategy_->root_device().str());
 }
 
-std::string Trainer::resolve_checkpoint(const std::string& ckpt_path) const {
-  return ckpt_path == "last" ? core::resolve_last(config_.trainer.default_root_dir + "/checkpoints") : ckpt_path;
+void Trainer::begin_run() {
+  open_run_directory();
+  call("setup", [&](sdk::Callback& c) { c.setup(*this, stage_); });
 }
 
-void Trainer::save(const std::string& path) {
+void Trainer::open_run_directory() {
+  const std::string parent = versions_parent(config_.trainer.default_root_dir, config_.logger);
+  std::string version = config_.logger.version;
+  if (version.empty()) {
+    at::Tensor n = at::zeros({1}, at::kLong);
+    if (cluster_.global_rank == 0) n.fill_(create_next_version(parent));
+    at::Tensor on_device = n.to(strategy_->root_device());
+    strategy_->broadcast(on_device, 0);
+    version = std::to_string(on_device.to(at::kCPU).item<std::int64_t>());
+  }
+  log_dir_ = run_directory(parent, version);
+  if (cluster_.global_rank == 0) {
+    std::filesystem::create_directories(log_dir_);
+    std::ofstream out(log_dir_ + "/config.toml");
+    out << "# The resolved configuration of this run: " << config_.path() << " with --set applied.\n"
+        << config_.resolved << "\n";
+    for (const auto& name : config_.logger.loggers)
+      loggers_.push_back(name == "csv" ? make_csv_logger(log_dir_) : make_tensorboard_logger(log_dir_));
+    HyperParameters hparams;
+    flatten_hyperparameters(model_->hyper_parameters(), "", hparams);
+    for (const auto& section : kPluginSections) hparams[section] = config_.plugin_names.at(section);
+    hparams["precision"] = precision_->precision();
+    hparams["optimizer.name"] = config_.optimizer.name;
+    hparams["optimizer.lr"] = config_.optimizer.lr;
+    hparams["data.batch_size"] = config_.data.batch_size;
+    hparams["world_size"] = cluster_.world_size;
+    for (auto& logger : loggers_) logger->log_hyperparams(hparams);
+  }
+  strategy_->barrier("run directory");
+  log_.info("run directory: " + log_dir_);
+}
+
+std::string Trainer::resolve_checkpoint(const Config& config, const std::string& ckpt_path) {
+  if (ckpt_path.empty()) return "";
+  if (ckpt_path == "last")
+    return find_last_checkpoint(versions_parent(config.trainer.default_root_dir, config.logger), config.logger);
+  TESSERA_CHECK(std::filesystem::exists(ckpt_path), "--ckpt-path ", ckpt_path,
+                " does not exist: pass a checkpoint written by tessera fit, or \"last\"");
+  return ckpt_path;
+}
+
+void Trainer::log_metrics(const std::map<std::string, double>& metrics) { log_stage_metrics(metrics, "train"); }
+
+void Trainer::log_stage_metrics(const std::map<std::string, double>& metrics, const std::string& stage) {
+  for (const auto& [name, value] : metrics) callback_metrics_[name] = value;
+  for (auto& logger : loggers_) logger->log_metrics(metrics, global_step_, epoch_, stage);
+}
+
+void Trainer::request_stop(const std::string& reason) {
+  if (!should_stop_) stop_reason_ = reason;
+  should_stop_ = true;
+}
+
+void Trainer::save_checkpoint(const std::string& path) {
+  core::trace::Span span("hook", "[Trainer]save_checkpoint");
   sdk::Checkpoint checkpoint = sdk::make_checkpoint();
   checkpoint.insert("state_dict", core::to_ivalue(strategy_->lightning_module_state_dict()));
   c10::impl::GenericList optimizer_states(c10::AnyType::get());
@@ -125,12 +269,22 @@ void Trainer::save(const std::string& path) {
   if (strategy_->root_device().is_cuda())
     checkpoint.insert("cuda_rng_state", at::globalContext().defaultGenerator(strategy_->root_device()).get_state());
   checkpoint.insert("hyper_parameters", model_->hyper_parameters());
+  sdk::Checkpoint callback_states = sdk::make_checkpoint();  // Lightning's "callbacks": state_key -> state
+  for (const auto& [name, callback] : callbacks_)
+    if (std::string key = callback->state_key(); !key.empty()) callback_states.insert(key, callback->state_dict());
+  checkpoint.insert("callbacks", callback_states);
   checkpoint.insert("tessera_version", std::string(TESSERA_VERSION));
   checkpoint.insert("save_id", core::agree_on_save_id(*strategy_));
+  call("on_save_checkpoint", [&](sdk::Callback& c) { c.on_save_checkpoint(*this, checkpoint); });
   const auto start = std::chrono::steady_clock::now();
   strategy_->save_checkpoint(checkpoint, path);
   log_.info("checkpoint saved: " + path + " (step " + std::to_string(global_step_) + ", training paused " +
             format(std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count(), 3) + " s)");
+}
+
+void Trainer::remove_checkpoint(const std::string& path) {
+  strategy_->remove_checkpoint(path);
+  log_.to_file("checkpoint removed: " + path);
 }
 
 void Trainer::restore(const std::string& path, bool with_training_state) {
@@ -161,13 +315,20 @@ void Trainer::restore(const std::string& path, bool with_training_state) {
       restored_schedule_ = core::checkpoint_dict(schedulers[0], "checkpoint " + path + " [lr_schedulers][0]");
       restored_from_ = path;
     }
+    if (checkpoint.contains("callbacks")) {
+      sdk::Checkpoint states = core::checkpoint_dict(checkpoint.at("callbacks"), "checkpoint " + path + " [callbacks]");
+      for (const auto& [name, callback] : callbacks_)
+        if (std::string key = callback->state_key(); !key.empty() && states.contains(key))
+          callback->load_state_dict(core::checkpoint_dict(states.at(key), "checkpoint [callbacks][" + key + "]"));
+    }
   }
+  call("on_load_checkpoint", [&](sdk::Callback& c) { c.on_load_checkpoint(*this, checkpoint); });
   log_.info("restored " + path + (with_training_state ? " (resuming at step " + std::to_string(global_step_) + ")" : "") +
             " in " + format(std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count(), 3) + " s");
 }
 
 void Trainer::maybe_inject_fault(std::int64_t step) const {
-  // Test-only: TESSERA_FAULT_INJECT="rank=1,step=3,kind=exit|kill|hang".
+  // Test-only: TESSERA_FAULT_INJECT="rank=1,step=3,kind=exit|kill|hang|sigint".
   const char* spec = std::getenv("TESSERA_FAULT_INJECT");
   if (spec == nullptr) return;
   std::map<std::string, std::string> fields;
@@ -179,12 +340,14 @@ void Trainer::maybe_inject_fault(std::int64_t step) const {
   if (std::stoll(fields["rank"]) != cluster_.global_rank || std::stoll(fields["step"]) != step) return;
   log_.info("fault injection: rank " + std::to_string(cluster_.global_rank) + " " + fields["kind"] + " at step " +
             std::to_string(step));
+  if (fields["kind"] == "sigint") return void(::raise(SIGINT));  // as Ctrl-C: handled at the step's end
   if (fields["kind"] == "kill") ::raise(SIGKILL);
   if (fields["kind"] == "hang") std::this_thread::sleep_for(std::chrono::hours(1));
   std::_Exit(3);
 }
 
 std::map<std::string, double> Trainer::evaluate(const std::string& stage, const BatchLimit& limit) {
+  core::trace::Span span("hook", "[Trainer]" + std::string(stage == "test" ? "test" : "validation") + "_loop");
   std::shared_ptr<sdk::Dataset> dataset = stage == "test" ? data_->test_dataset() : data_->val_dataset();
   if (!dataset || dataset->size() == 0) return {};
   sdk::DataLoaderSpec spec;
@@ -196,19 +359,39 @@ std::map<std::string, double> Trainer::evaluate(const std::string& stage, const 
   auto network = model_->network();
   network->train(false);
   std::map<std::string, double> sums;
+  const std::string title = stage == "test" ? "testing    " : "validation ";
   for (std::int64_t i = 0; i < batches; ++i) {
     sdk::Batch batch = loader.batch(i);
-    sdk::StepOutput out = stage == "test" ? strategy_->test_step(batch, i) : strategy_->validation_step(batch, i);
+    sdk::StepOutput out = run_step(stage == "test" ? "test_step" : "validation_step", [&] {
+      return stage == "test" ? strategy_->test_step(batch, i) : strategy_->validation_step(batch, i);
+    });
     for (const auto& [name, value] : out.metrics) sums[stage + "_" + name] += value.item<double>();
+    log_.progress(title + RunLog::bar(static_cast<double>(i + 1) / static_cast<double>(batches)) + "  " +
+                      std::to_string(i + 1) + "/" + std::to_string(batches),
+                  "", false);
   }
   network->train(true);
   for (auto& [name, value] : sums) value /= static_cast<double>(std::max<std::int64_t>(1, batches));
   return reduce_mean(*strategy_, sums);
 }
 
+void Trainer::validate_during_fit(const std::string& when) {
+  if (config_.trainer.limit_val_batches.of(1) == 0 || !data_->val_dataset() || data_->val_dataset()->size() == 0)
+    return;
+  call("on_validation_start", [&](sdk::Callback& c) { c.on_validation_start(*this); });
+  auto val = evaluate("val", config_.trainer.limit_val_batches);
+  if (!val.empty()) {
+    log_.info(metrics_line("validation " + when + ":", val));
+    log_stage_metrics(val, "val");
+  }
+  call("on_validation_end", [&](sdk::Callback& c) { c.on_validation_end(*this); });
+}
+
 void Trainer::fit(const std::string& ckpt_path) {
+  const std::string checkpoint = resolve_checkpoint(config_, ckpt_path);  // before a new run folder exists
   setup("fit");
-  if (!ckpt_path.empty()) restore(resolve_checkpoint(ckpt_path), /*with_training_state=*/true);
+  if (!checkpoint.empty()) restore(checkpoint, /*with_training_state=*/true);
+  begin_run();
   const TrainerSettings& t = config_.trainer;
   sdk::DataLoaderSpec spec;
   spec.batch_size = config_.data.batch_size;
@@ -231,86 +414,143 @@ void Trainer::fit(const std::string& ckpt_path) {
             std::to_string(cluster_.world_size) + " ranks x " + std::to_string(accumulate) + " accumulated = " +
             std::to_string(config_.data.batch_size * cluster_.world_size * accumulate) + " samples; " +
             std::to_string(total_steps_) + " optimizer steps");
+  std::string summary = model_summary(*model_, *strategy_, config_.optimizer);  // collective: every rank
+  if (cluster_.global_rank == 0) log_.info(summary);
 
+  StopSignals signals;
   const std::string unit = data_->item_unit();
   auto window_start = Clock::now();
   auto run_start = Clock::now();
-  std::int64_t window_items = 0, window_steps = 0, start_step = global_step_;
-  double last_loss = NAN;
+  std::int64_t window_items = 0, start_step = global_step_;
+  std::string status = "success";
   auto network = model_->network();
   network->train(true);
-  while (epoch_ < t.max_epochs && global_step_ < total_steps_) {
-    loader.set_epoch(epoch_);
-    while (next_batch_ + accumulate <= loader.num_batches() && global_step_ < total_steps_) {
-      const double lr = schedule_->lr(global_step_);
-      for (auto& group : strategy_->optimizer().param_groups()) group.options().set_lr(lr);
-      at::Tensor loss_sum = at::zeros({}, at::kFloat);
-      for (std::int64_t m = 0; m < accumulate; ++m) {
-        sdk::StepOutput out = strategy_->training_step(loader.batch(next_batch_ + m), next_batch_ + m);
-        strategy_->backward(out.loss / static_cast<double>(accumulate), /*sync_gradients=*/m == accumulate - 1);
-        loss_sum += out.loss.detach().to(at::kCPU).to(at::kFloat);
-        window_items += out.items;
-      }
-      sdk::StepResult result = strategy_->optimizer_step(t.gradient_clip_val, t.norm_type);
-      next_batch_ += accumulate;
-      ++global_step_;
-      ++window_steps;
-      maybe_inject_fault(global_step_);
-      last_loss = loss_sum.item<double>() / static_cast<double>(accumulate);
-
-      const bool log_now = global_step_ % t.log_every_n_steps == 0 || global_step_ == total_steps_ ||
-                           global_step_ == start_step + 1;
-      double elapsed = std::chrono::duration<double>(Clock::now() - window_start).count();
-      double per_step = std::chrono::duration<double>(Clock::now() - run_start).count() /
-                        static_cast<double>(global_step_ - start_step);
-      std::string bar = "step " + std::to_string(global_step_) + "/" + std::to_string(total_steps_) + "  loss " +
-                        format(last_loss) + "  lr " + format(lr, 3) + "  ETA " +
-                        duration(per_step * static_cast<double>(total_steps_ - global_step_));
-      if (log_now) {
-        std::map<std::string, double> metrics = reduce_mean(*strategy_, {{"train_loss", last_loss}});
-        // Throughput of the whole job: every rank's items since the last log line.
-        at::Tensor items = strategy_->reduce(at::full({}, static_cast<double>(window_items), at::kFloat).to(
-                                                 strategy_->root_device()),
-                                             sdk::ReduceOp::sum);
-        double rate = items.item<double>() / std::max(elapsed, 1e-9);
-        metrics["lr"] = lr;
-        metrics[unit + "_per_s"] = rate;
-        if (result.grad_norm >= 0) metrics["grad_norm"] = result.grad_norm;
-        if (!result.stepped) metrics["skipped_step"] = 1;
-        std::string line = "epoch " + std::to_string(epoch_) + " step " + std::to_string(global_step_) + "/" +
-                           std::to_string(total_steps_) + "  loss " + format(metrics["train_loss"]) + "  lr " +
-                           format(lr, 3) + "  " + format(rate, 5) + " " + unit + "/s  ETA " +
-                           duration(per_step * static_cast<double>(total_steps_ - global_step_));
-        log_.progress(bar + "  " + format(rate, 5) + " " + unit + "/s", line, true);
-        log_.metrics(global_step_, epoch_, "train", metrics);
-        window_items = 0;
-        window_steps = 0;
-        window_start = Clock::now();
-      } else {
-        log_.progress(bar, "", false);
-      }
-      if (t.val_check_interval > 0 && global_step_ % t.val_check_interval == 0) {
-        auto val = evaluate("val", t.limit_val_batches);
-        if (!val.empty()) {
-          std::string line = "validation at step " + std::to_string(global_step_) + ":";
-          for (const auto& [name, value] : val) line += "  " + name + " " + format(value);
-          log_.info(line);
-          log_.metrics(global_step_, epoch_, "val", val);
+  try {
+    call("on_fit_start", [&](sdk::Callback& c) { c.on_fit_start(*this); });
+    call("on_train_start", [&](sdk::Callback& c) { c.on_train_start(*this); });
+    while (epoch_ < t.max_epochs && global_step_ < total_steps_ && !should_stop_) {
+      loader.set_epoch(epoch_);
+      if (next_batch_ == 0) call("on_train_epoch_start", [&](sdk::Callback& c) { c.on_train_epoch_start(*this); });
+      while (next_batch_ + accumulate <= loader.num_batches() && global_step_ < total_steps_ && !should_stop_) {
+        const double lr = schedule_->lr(global_step_);
+        for (auto& group : strategy_->optimizer().param_groups()) group.options().set_lr(lr);
+        at::Tensor loss_sum = at::zeros({}, at::kFloat);
+        sdk::StepOutput last_out;
+        sdk::Batch last_batch;
+        for (std::int64_t m = 0; m < accumulate; ++m) {
+          const std::int64_t batch_idx = next_batch_ + m;
+          sdk::Batch batch;
+          {
+            core::trace::Span span("hook", "[DataLoader]next");
+            batch = loader.batch(batch_idx);
+          }
+          call("on_train_batch_start", [&](sdk::Callback& c) { c.on_train_batch_start(*this, batch, batch_idx); });
+          sdk::StepOutput out;
+          {
+            core::trace::Span span("hook", "[Strategy]training_step");
+            out = run_step("training_step", [&] { return strategy_->training_step(batch, batch_idx); });
+          }
+          {
+            core::trace::Span span("hook", "[Strategy]backward");
+            run_step("backward", [&] {
+              strategy_->backward(out.loss / static_cast<double>(accumulate), /*sync_gradients=*/m == accumulate - 1);
+            });
+          }
+          loss_sum += out.loss.detach().to(at::kCPU).to(at::kFloat);
+          window_items += out.items;
+          if (m < accumulate - 1) {
+            call("on_train_batch_end", [&](sdk::Callback& c) { c.on_train_batch_end(*this, out, batch, batch_idx); });
+          } else {
+            last_out = std::move(out);
+            last_batch = std::move(batch);
+          }
         }
+        sdk::StepResult result;
+        {
+          core::trace::Span span("hook", "[Strategy]optimizer_step");
+          result = strategy_->optimizer_step(t.gradient_clip_val, t.norm_type);
+        }
+        next_batch_ += accumulate;
+        ++global_step_;
+        maybe_inject_fault(global_step_);
+        const double local_loss = loss_sum.item<double>() / static_cast<double>(accumulate);
+
+        // One all-reduce per step: the global loss (the bar shows what the log shows) and
+        // whether any rank must stop (a signal, max_time, a callback).
+        const double elapsed_total = std::chrono::duration<double>(Clock::now() - run_start).count();
+        at::Tensor sync = at::tensor(std::vector<double>{local_loss, g_signal != 0 ? 1.0 : 0.0,
+                                                         t.max_time_s > 0 && elapsed_total >= t.max_time_s ? 1.0 : 0.0,
+                                                         should_stop_ ? 1.0 : 0.0},
+                                     at::kDouble).to(at::kFloat);
+        sync = strategy_->reduce(sync.to(strategy_->root_device()), sdk::ReduceOp::sum).to(at::kCPU);
+        const double loss = sync[0].item<double>() / static_cast<double>(cluster_.world_size);
+        callback_metrics_["train_loss"] = loss;
+
+        const bool log_now = global_step_ % t.log_every_n_steps == 0 || global_step_ == total_steps_ ||
+                             global_step_ == start_step + 1;
+        double elapsed = std::chrono::duration<double>(Clock::now() - window_start).count();
+        double per_step = elapsed_total / static_cast<double>(global_step_ - start_step);
+        const std::string eta = duration(per_step * static_cast<double>(total_steps_ - global_step_));
+        std::string bar = "epoch " + std::to_string(epoch_) + " " +
+                          RunLog::bar(static_cast<double>(global_step_) / static_cast<double>(total_steps_)) + " " +
+                          std::to_string(global_step_) + "/" + std::to_string(total_steps_) + "  loss " +
+                          format(loss) + "  lr " + format(lr, 3) + "  ETA " + eta;
+        if (log_now) {
+          std::map<std::string, double> metrics = {{"train_loss", loss}};
+          // Throughput of the whole job: every rank's items since the last log line.
+          at::Tensor items = strategy_->reduce(at::full({}, static_cast<double>(window_items), at::kFloat).to(
+                                                   strategy_->root_device()),
+                                               sdk::ReduceOp::sum);
+          double rate = items.item<double>() / std::max(elapsed, 1e-9);
+          metrics[unit + "_per_s"] = rate;
+          if (result.grad_norm >= 0) metrics["grad_norm"] = result.grad_norm;
+          if (!result.stepped) metrics["skipped_step"] = 1;
+          std::string line = "epoch " + std::to_string(epoch_) + " step " + std::to_string(global_step_) + "/" +
+                             std::to_string(total_steps_) + "  loss " + format(loss) + "  lr " + format(lr, 3) + "  " +
+                             format(rate, 5) + " " + unit + "/s  ETA " + eta;
+          log_.progress(bar + "  " + format(rate, 5) + " " + unit + "/s", line, true);
+          log_stage_metrics(metrics, "train");
+          window_items = 0;
+          window_start = Clock::now();
+        } else {
+          log_.progress(bar, "", false);
+        }
+        if (t.val_check_interval > 0 && global_step_ % t.val_check_interval == 0)
+          validate_during_fit("at step " + std::to_string(global_step_));
+        const std::int64_t last_idx = next_batch_ - 1;
+        call("on_train_batch_end",
+             [&](sdk::Callback& c) { c.on_train_batch_end(*this, last_out, last_batch, last_idx); });
+
+        if (sync[1].item<double>() > 0) {  // SIGINT / SIGTERM on some rank
+          const int signal = g_signal != 0 ? static_cast<int>(g_signal) : SIGTERM;
+          const std::string path = log_dir_ + "/checkpoints/last.ckpt";
+          save_checkpoint(path);
+          status = "interrupted";
+          exit_code_ = 128 + signal;
+          log_.info(std::string("interrupted by ") + (g_signal != 0 ? strsignal(signal) : "a signal on another rank") +
+                    " at step " + std::to_string(global_step_) + ": checkpoint saved to " + path +
+                    "; resume with --ckpt-path last");
+          sdk::Error error("fit interrupted at step " + std::to_string(global_step_));
+          call("on_exception", [&](sdk::Callback& c) { c.on_exception(*this, error); });
+          finish(status);
+          return;
+        }
+        if (sync[2].item<double>() > 0 && !should_stop_)
+          request_stop("max_time " + format(t.max_time_s, 6) + " s reached");
+        if (sync[3].item<double>() > 0 && !should_stop_) request_stop("a callback on another rank asked to stop");
+        if (should_stop_) log_.info("stopping at step " + std::to_string(global_step_) + ": " + stop_reason_);
       }
-      if (t.checkpoint_every_n_steps > 0 && global_step_ % t.checkpoint_every_n_steps == 0)
-        save(t.default_root_dir + "/checkpoints/step=" + std::to_string(global_step_) + ".ckpt");
-    }
-    if (next_batch_ + accumulate > loader.num_batches()) {  // the epoch is complete
-      ++epoch_;
-      next_batch_ = 0;
-      if (t.val_check_interval == 0) {
-        auto val = evaluate("val", t.limit_val_batches);
-        std::string line = "validation after epoch " + std::to_string(epoch_ - 1) + ":";
-        for (const auto& [name, value] : val) line += "  " + name + " " + format(value);
-        if (!val.empty()) log_.info(line), log_.metrics(global_step_, epoch_, "val", val);
+      if (next_batch_ + accumulate > loader.num_batches()) {  // the epoch is complete
+        ++epoch_;
+        next_batch_ = 0;
+        if (t.val_check_interval == 0) validate_during_fit("after epoch " + std::to_string(epoch_ - 1));
+        call("on_train_epoch_end", [&](sdk::Callback& c) { c.on_train_epoch_end(*this); });
       }
     }
+  } catch (const std::exception& error) {
+    call("on_exception", [&](sdk::Callback& c) { c.on_exception(*this, error); });
+    finish("failed");
+    throw;
   }
   auto max_over_ranks = [&](double value) {
     at::Tensor t = at::full({}, value, at::kFloat).to(strategy_->root_device());
@@ -321,7 +561,7 @@ void Trainer::fit(const std::string& ckpt_path) {
   ::getrusage(RUSAGE_SELF, &usage);
   double peak_mb = max_over_ranks(static_cast<double>(usage.ru_maxrss) / 1024.0);
   log_.info("peak RSS per rank (max over ranks): " + format(peak_mb, 5) + " MB");
-  log_.metrics(global_step_, epoch_, "train", {{"peak_rss_mb", peak_mb}});
+  log_stage_metrics({{"peak_rss_mb", peak_mb}}, "train");
 #if TESSERA_WITH_CUDA
   // And the peak of tensor memory on the GPU (what cpu_offload and sharding lower there).
   if (strategy_->root_device().is_cuda()) {
@@ -329,39 +569,71 @@ void Trainer::fit(const std::string& ckpt_path) {
     const auto peak = stats.allocated_bytes[0].peak;  // [0]: StatType::AGGREGATE (its namespace moved in LibTorch 2)
     double cuda_mb = max_over_ranks(static_cast<double>(peak) / 1048576.0);
     log_.info("peak CUDA tensor memory per rank (max over ranks): " + format(cuda_mb, 5) + " MB");
-    log_.metrics(global_step_, epoch_, "train", {{"peak_cuda_mb", cuda_mb}});
+    log_stage_metrics({{"peak_cuda_mb", cuda_mb}}, "train");
   }
 #endif
-  if (t.save_last) save(t.default_root_dir + "/checkpoints/last.ckpt");
+  call("on_train_end", [&](sdk::Callback& c) { c.on_train_end(*this); });
+  call("on_fit_end", [&](sdk::Callback& c) { c.on_fit_end(*this); });
+  finish(status);
   if (t.predict_after_fit) {
     log_.info("sample from the trained model:");
     predict_batches(BatchLimit{false, 1.0});
   }
 }
 
+void Trainer::finish(const std::string& status) {
+  call("teardown", [&](sdk::Callback& c) { c.teardown(*this, stage_); });
+  for (auto& logger : loggers_) logger->finalize(status);
+  if (!config_.trainer.profiler.empty()) {
+    std::vector<core::trace::Event> events = core::trace::events();
+    if (config_.trainer.profiler == "simple") {
+      std::string table = simple_profile(events);
+      if (cluster_.global_rank == 0) {
+        log_.info(table);
+        std::ofstream(log_dir_ + "/profiler.txt") << table;
+      }
+    } else {
+      std::string path = log_dir_ + "/trace-rank-" + std::to_string(cluster_.global_rank) + ".json";
+      write_chrome_trace(path, cluster_.global_rank, events);
+      log_.info("trace written: " + path + " (open in https://ui.perfetto.dev or chrome://tracing)");
+    }
+  }
+}
+
 void Trainer::validate(const std::string& ckpt_path) {
+  TESSERA_CHECK(!ckpt_path.empty(), "validate needs --ckpt-path last|PATH: without it the model's random ",
+                "initial weights would be evaluated");
+  const std::string checkpoint = resolve_checkpoint(config_, ckpt_path);
   setup("validate");
-  if (!ckpt_path.empty()) restore(resolve_checkpoint(ckpt_path), false);
+  restore(checkpoint, false);
+  begin_run();
+  call("on_validation_start", [&](sdk::Callback& c) { c.on_validation_start(*this); });
   auto metrics = evaluate("val", config_.trainer.limit_val_batches);
-  std::string line = "validate:";
-  for (const auto& [name, value] : metrics) line += "  " + name + " " + format(value, 6);
-  log_.info(line);
-  log_.metrics(global_step_, epoch_, "validate", metrics);
+  log_.info(metrics_line("validate:", metrics, 6));
+  log_stage_metrics(metrics, "validate");
+  call("on_validation_end", [&](sdk::Callback& c) { c.on_validation_end(*this); });
+  finish("success");
 }
 
 void Trainer::test(const std::string& ckpt_path) {
+  TESSERA_CHECK(!ckpt_path.empty(), "test needs --ckpt-path last|PATH: without it the model's random ",
+                "initial weights would be evaluated");
+  const std::string checkpoint = resolve_checkpoint(config_, ckpt_path);
   setup("test");
-  if (!ckpt_path.empty()) restore(resolve_checkpoint(ckpt_path), false);
+  restore(checkpoint, false);
+  begin_run();
+  call("on_test_start", [&](sdk::Callback& c) { c.on_test_start(*this); });
   auto metrics = evaluate("test", config_.trainer.limit_test_batches);
-  std::string line = "test:";
-  for (const auto& [name, value] : metrics) line += "  " + name + " " + format(value, 6);
-  log_.info(line);
-  log_.metrics(global_step_, epoch_, "test", metrics);
+  log_.info(metrics_line("test:", metrics, 6));
+  log_stage_metrics(metrics, "test");
+  call("on_test_end", [&](sdk::Callback& c) { c.on_test_end(*this); });
+  finish("success");
 }
 
 void Trainer::predict(const std::string& ckpt_path) {
+  const std::string checkpoint = resolve_checkpoint(config_, ckpt_path);
   setup("predict");
-  if (!ckpt_path.empty()) restore(resolve_checkpoint(ckpt_path), false);
+  if (!checkpoint.empty()) restore(checkpoint, false);
   predict_batches(config_.trainer.limit_predict_batches);
 }
 
@@ -376,7 +648,7 @@ void Trainer::predict_batches(const BatchLimit& limit) {
   at::manual_seed(static_cast<std::uint64_t>(config_.trainer.seed));
   for (std::int64_t i = 0; i < batches; ++i) {
     sdk::Batch batch = loader.batch(i);
-    at::Tensor output = strategy_->predict_step(batch, i);
+    at::Tensor output = run_step("predict_step", [&] { return strategy_->predict_step(batch, i); });
     log_.info(data_->describe_prediction(batch, output.to(at::kCPU)));
   }
   model_->network()->train(true);

@@ -1,42 +1,83 @@
 #pragma once
-// The trainer: creates the plugins, wires them like Lightning's Trainer, and runs fit,
-// validate, test or predict on this rank.
+// The trainer: creates the plugins and callbacks, wires them like Lightning's Trainer, and
+// runs fit, validate, test or predict on this rank, with a run folder per fit/validate/test.
 #include <memory>
 #include <optional>
 #include <string>
+#include <vector>
 
+#include "callbacks/callbacks.hpp"
 #include "config.hpp"
+#include "loggers/logger.hpp"
 #include "lr_schedule.hpp"
 #include "run_log.hpp"
 #include "tessera/core/plugin_loader.hpp"
+#include "tessera/sdk/callback.hpp"
 #include "tessera/sdk/data.hpp"
 #include "tessera/sdk/strategy.hpp"
 
 namespace tessera::host {
 
-class Trainer {
+class Trainer final : public sdk::Trainer {
  public:
   /// Takes the config by value: move it in, since a copied TOML table loses the source
   /// lines that error messages name.
   Trainer(Config config, const sdk::ClusterInfo& cluster, RunLog& log);
-  ~Trainer();
+  ~Trainer() override;
 
-  /// `ckpt_path`: "" (none), "last" (default_root_dir/checkpoints/last.ckpt) or a path.
+  /// `ckpt_path`: "" (none), "last" (see resolve_checkpoint) or a path.
   void fit(const std::string& ckpt_path);
   void validate(const std::string& ckpt_path);
   void test(const std::string& ckpt_path);
   void predict(const std::string& ckpt_path);
+  /// The process exit code for the run: 0, or 128 + signal when fit was interrupted.
+  int exit_code() const { return exit_code_; }
+
+  /// The one place `--ckpt-path` is resolved: "last" is the newest checkpoint of the
+  /// newest run under default_root_dir/[logger name] (see find_last_checkpoint); any other
+  /// value is a path that must exist.
+  static std::string resolve_checkpoint(const Config& config, const std::string& ckpt_path);
+
+  // sdk::Trainer, for callbacks.
+  const std::string& stage() const override { return stage_; }
+  std::int64_t global_step() const override { return global_step_; }
+  std::int64_t current_epoch() const override { return epoch_; }
+  std::int64_t estimated_stepping_batches() const override { return total_steps_; }
+  const std::map<std::string, double>& callback_metrics() const override { return callback_metrics_; }
+  void log_metrics(const std::map<std::string, double>& metrics) override;
+  void print(const std::string& line) override { log_.info(line); }
+  void request_stop(const std::string& reason) override;
+  bool should_stop() const override { return should_stop_; }
+  const std::string& log_dir() const override { return log_dir_; }
+  void save_checkpoint(const std::string& path) override;
+  void remove_checkpoint(const std::string& path) override;
+  sdk::Strategy& strategy() override { return *strategy_; }
+  sdk::Module& lightning_module() override { return *model_; }
+  bool is_global_zero() const override { return cluster_.global_rank == 0; }
 
  private:
   void setup(const std::string& stage);
-  std::string resolve_checkpoint(const std::string& ckpt_path) const;
+  /// After setup (and restore): the run folder, then the callbacks' setup hook.
+  void begin_run();
+  /// Creates this run's folder (rank 0 picks version_N, the others learn it by broadcast)
+  /// and writes config.toml and the hyper-parameters into it.
+  void open_run_directory();
   void restore(const std::string& path, bool with_training_state);
-  void save(const std::string& path);
   /// Runs the loop of `stage` ("val" or "test") over `limit` of its batches; returns the
   /// metrics averaged over batches and ranks.
   std::map<std::string, double> evaluate(const std::string& stage, const BatchLimit& limit);
+  /// Validation inside fit: metrics logged, callbacks' on_validation_start/end around it.
+  void validate_during_fit(const std::string& when);
   /// Runs predict_step over `limit` of the predict batches and prints the results.
   void predict_batches(const BatchLimit& limit);
+  void log_stage_metrics(const std::map<std::string, double>& metrics, const std::string& stage);
+  /// Runs `hook` on every callback, each under a profiler span.
+  template <typename Hook>
+  void call(const char* name, Hook&& hook);
+  void finish(const std::string& status);
+  /// Runs one step, explaining LibTorch's dtype errors under autocast (explain_step_failure).
+  template <typename Step>
+  auto run_step(const char* name, Step&& step);
   void maybe_inject_fault(std::int64_t step) const;
 
   Config config_;
@@ -48,6 +89,14 @@ class Trainer {
   std::shared_ptr<sdk::CheckpointIO> checkpoint_io_;
   std::shared_ptr<sdk::Module> model_;
   std::shared_ptr<sdk::DataModule> data_;
+  std::vector<NamedCallback> callbacks_;
+  std::vector<std::unique_ptr<Logger>> loggers_;
+  std::string stage_;
+  std::string log_dir_;
+  std::map<std::string, double> callback_metrics_;
+  bool should_stop_ = false;
+  std::string stop_reason_;
+  int exit_code_ = 0;
   // Where training stands (saved in checkpoints, restored by --ckpt-path).
   std::int64_t global_step_ = 0;
   std::int64_t epoch_ = 0;
@@ -55,6 +104,7 @@ class Trainer {
   std::int64_t total_steps_ = 0;
   std::unique_ptr<LRSchedule> schedule_;
   std::optional<sdk::Checkpoint> restored_schedule_;  ///< from --ckpt-path, checked against the config
+  std::optional<sdk::Checkpoint> restored_callbacks_;
   std::string restored_from_;
 };
 

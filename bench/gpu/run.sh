@@ -18,9 +18,9 @@ for run in fsdp:32-true fsdp:bf16-mixed fsdp:16-mixed fsdp:16-true fsdp_cpu_offl
     --set model.n_embd=384 --set model.n_head=6 --set data.batch_size=8 --set optimizer.warmup_steps=0 \
     ${FORTUNES:+--set data.path=$FORTUNES} $([ "$precision" = 16-true ] && echo --set optimizer.eps=1e-4) > "$dir.log" 2>&1
   rc=$?
-  tps=$(awk -F, '$4=="tokens_per_s" {n++; if (n > 2) {s+=$5; c++}} END {if (c) printf "%.0f", s/c}' "$dir/metrics.csv" 2>/dev/null)
-  loss=$(awk -F, '$4=="train_loss" {l=$5} END {print l}' "$dir/metrics.csv" 2>/dev/null)
-  mem=$(awk -F, '$4=="peak_cuda_mb" {printf "%.0f", $5}' "$dir/metrics.csv" 2>/dev/null)
+  tps=$(awk -F, '$4=="tokens_per_s" {n++; if (n > 2) {s+=$5; c++}} END {if (c) printf "%.0f", s/c}' "$dir/version_0/metrics.csv" 2>/dev/null)
+  loss=$(awk -F, '$4=="train_loss" {l=$5} END {print l}' "$dir/version_0/metrics.csv" 2>/dev/null)
+  mem=$(awk -F, '$4=="peak_cuda_mb" {printf "%.0f", $5}' "$dir/version_0/metrics.csv" 2>/dev/null)
   echo "tessera $strategy $precision rc=$rc tokens_per_s=$tps final_loss=$loss peak_cuda_mb=$mem"
   [ $rc -eq 0 ] || tail -5 "$dir.log"
 done

@@ -38,7 +38,7 @@ peak_rss() {
   local dir="$1"; shift
   $tessera fit --config "$out/gpt.toml" --set trainer.default_root_dir="$dir" "$@" > "$dir.log" 2>&1 \
     || { echo "$dir failed:" >&2; tail -20 "$dir.log" >&2; exit 1; }
-  awk -F, '$4=="peak_rss_mb" {printf "%.0f", $5}' "$dir/metrics.csv"
+  awk -F, '$4=="peak_rss_mb" {printf "%.0f", $5}' "$dir/version_0/metrics.csv"
 }
 base=$(peak_rss "$out/baseline" --set data.batch_size=4 --set model.n_layer=1 --set model.n_embd=48)
 echo "process baseline (1-layer 48-wide model, one device): $base MB"

@@ -36,8 +36,8 @@ run() {
   $tessera fit --config "$out/gpt.toml" --set trainer.default_root_dir="$dir" "$@" > "$dir.log" 2>&1 \
     || { echo "$name failed:"; tail -20 "$dir.log"; exit 1; }
   local tps rss
-  tps=$(awk -F, '$4=="tokens_per_s" {n++; if (n > 2) {s+=$5; c++}} END {printf "%.0f", s/c}' "$dir/metrics.csv")
-  rss=$(awk -F, '$4=="peak_rss_mb" {printf "%.0f", $5}' "$dir/metrics.csv")
+  tps=$(awk -F, '$4=="tokens_per_s" {n++; if (n > 2) {s+=$5; c++}} END {printf "%.0f", s/c}' "$dir/version_0/metrics.csv")
+  rss=$(awk -F, '$4=="peak_rss_mb" {printf "%.0f", $5}' "$dir/version_0/metrics.csv")
   echo "$name $tps $rss" >> "$out/results"
   printf "%-28s %10s tokens/s %8s MB peak RSS per rank\n" "$name" "$tps" "$rss"
 }

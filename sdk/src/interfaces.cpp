@@ -36,6 +36,7 @@ const char* to_string(PluginKind kind) {
     case PluginKind::checkpoint_io: return "checkpoint_io";
     case PluginKind::model: return "model";
     case PluginKind::data: return "data";
+    case PluginKind::callback: return "callback";
   }
   return "unknown";
 }

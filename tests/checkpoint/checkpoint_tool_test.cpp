@@ -30,10 +30,10 @@ TEST(CheckpointTool, InspectVerifyAndExportASharded2RankCheckpoint) {
                                    << "[data]\nplugin = \"text\"\nblock_size = 32\nbatch_size = 2\n";
   auto fit = run_tessera("fit --config " + dir + "/run.toml");
   ASSERT_EQ(fit.exit_code, 0) << fit.output;
-  const std::string ckpt = dir + "/checkpoints/step=2.ckpt";
+  const std::string ckpt = tessera::testing::run_dir(dir) + "/checkpoints/step=2.ckpt";
   ASSERT_TRUE(core::is_sharded_checkpoint(ckpt)) << fit.output;
 
-  auto inspect = run_tessera("checkpoint inspect " + dir + "/checkpoints/last");
+  auto inspect = run_tessera("checkpoint inspect " + tessera::testing::run_dir(dir) + "/checkpoints/last");
   EXPECT_EQ(inspect.exit_code, 0) << inspect.output;
   for (const char* text : {"sharded checkpoint", "world size 2", "state_dict/wte.weight  F32 [256, 32]  2 piece(s)",
                            "optimizer/wte.weight/exp_avg", "\"global_step\":2"})

@@ -50,8 +50,9 @@ TEST_P(FaultTrials, KillsDuringSavesNeverLoseOrRewindLast) {
       << "[strategy]\nplugin = \"fsdp\"\nstate_dict_type = \"" << (io == "distributed" ? "sharded" : "full") << "\"\n"
       << "[checkpoint_io]\nplugin = \"" << io << "\"\nkeep_last_k = 2\n"
       << "[model]\nplugin = \"gpt\"\nn_layer = 2\nn_head = 4\nn_embd = 256\nblock_size = 32\ndropout = 0.0\n"
-      << "[data]\nplugin = \"text\"\nblock_size = 32\nbatch_size = 2\n";
-  const fs::path checkpoints = fs::path(dir) / "checkpoints";
+      << "[data]\nplugin = \"text\"\nblock_size = 32\nbatch_size = 2\n"
+      << "[logger]\nversion = 0\n";  // every trial resumes into the same run folder and checkpoint folder
+  const fs::path checkpoints = fs::path(dir) / "version_0" / "checkpoints";
   std::mt19937 rng(static_cast<unsigned>(::getpid()));
   std::int64_t last_step = -1;
   int during_save = 0;

@@ -186,7 +186,7 @@ TEST(Config, InvalidTomlNamesFileLineAndColumn) {
 TEST(Config, UnknownSectionSuggestsTheClosest) {
   std::string e = load_error("[trainer]\nmax_steps = 3\n\n[optimiser]\nlr = 0.1\n");
   EXPECT_CONTAINS(e, ":4: unknown section [optimiser] (did you mean 'optimizer'?)");
-  EXPECT_CONTAINS(e, "valid sections: trainer, optimizer, lr_scheduler, launch, strategy, precision");
+  EXPECT_CONTAINS(e, "valid sections: trainer, optimizer, lr_scheduler, launch, logger, callbacks, strategy, precision");
 }
 
 TEST(Config, TopLevelKeysOtherThanPluginDirsAreErrors) {

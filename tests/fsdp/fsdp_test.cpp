@@ -472,13 +472,13 @@ void check_sharded_resume(const std::string& name, const std::string& source,
   std::string full = tessera::testing::fresh_dir(name);
   auto a = run_tessera("fit --config " + write_config(full) + source + " --set strategy.state_dict_type=sharded");
   ASSERT_EQ(a.exit_code, 0) << a.output;
-  ASSERT_TRUE(std::filesystem::is_directory(full + "/checkpoints/step=4.ckpt")) << a.output;
-  auto losses = metric_series(full + "/metrics.csv", "train", "train_loss");
+  ASSERT_TRUE(std::filesystem::is_directory(tessera::testing::run_dir(full) + "/checkpoints/step=4.ckpt")) << a.output;
+  auto losses = metric_series(tessera::testing::run_dir(full) + "/metrics.csv", "train", "train_loss");
   for (const auto& [target, sets] : targets) {
     std::string dir = tessera::testing::fresh_dir(name + "-" + target);
-    auto r = run_tessera("fit --config " + write_config(dir) + " --ckpt-path " + full + "/checkpoints/step=4.ckpt" + sets);
+    auto r = run_tessera("fit --config " + write_config(dir) + " --ckpt-path " + tessera::testing::run_dir(full) + "/checkpoints/step=4.ckpt" + sets);
     ASSERT_EQ(r.exit_code, 0) << r.output;
-    auto resumed = metric_series(dir + "/metrics.csv", "train", "train_loss");
+    auto resumed = metric_series(tessera::testing::run_dir(dir) + "/metrics.csv", "train", "train_loss");
     for (std::int64_t step = 5; step <= 8; ++step) {
       ASSERT_TRUE(resumed.count(step) && losses.count(step)) << target << " step " << step << "\n" << r.output;
       EXPECT_NEAR(resumed.at(step), losses.at(step), 1e-4) << target << " step " << step;
@@ -515,7 +515,7 @@ TEST(DeferredInit, GPTUsesTheModelsOwnInitialisation) {
                          " --set strategy.accelerator=cpu --set data.batch_size=3 --set strategy.deferred_init=" +
                          (deferred ? "true" : "false"));
     ASSERT_EQ(r.exit_code, 0) << r.output;
-    losses[deferred] = metric_series(dir + "/metrics.csv", "train", "train_loss");
+    losses[deferred] = metric_series(tessera::testing::run_dir(dir) + "/metrics.csv", "train", "train_loss");
     ASSERT_EQ(losses[deferred].size(), 8u);
   }
   EXPECT_NEAR(losses[1].at(1), losses[0].at(1), 0.01 * losses[0].at(1));
@@ -537,8 +537,8 @@ TEST(CUDA, CPUOffloadMatchesOnTheGPUAndHalfPrecisionsTrain) {
     auto r = run_tessera("fit --config " + write_config(dir) + " --set strategy.accelerator=cuda --set model.n_embd=128" +
                          " --set model.n_head=4 --set checkpoint_io.plugin=torch" + sets);
     EXPECT_EQ(r.exit_code, 0) << name << "\n" << r.output;
-    auto peak = metric_series(dir + "/metrics.csv", "train", "peak_cuda_mb");
-    return Run{metric_series(dir + "/metrics.csv", "train", "train_loss"), peak.empty() ? 0.0 : peak.rbegin()->second};
+    auto peak = metric_series(tessera::testing::run_dir(dir) + "/metrics.csv", "train", "peak_cuda_mb");
+    return Run{metric_series(tessera::testing::run_dir(dir) + "/metrics.csv", "train", "train_loss"), peak.empty() ? 0.0 : peak.rbegin()->second};
   };
   Run on_gpu = fit("cuda-fsdp", " --set strategy.plugin=fsdp");
   Run offloaded = fit("cuda-offload", " --set strategy.plugin=fsdp_cpu_offload");

@@ -274,8 +274,8 @@ FitRun fit(const std::string& name, int world, const std::string& strategy, cons
                                 " --set strategy.plugin=" + strategy + " --set strategy.accelerator=cpu",
                             "", 240);
   EXPECT_EQ(result.exit_code, 0) << result.output;
-  return FitRun{metric_series(dir + "/metrics.csv", "train", "train_loss"),
-             tessera::testing::checkpoint_state(dir + "/checkpoints/last.ckpt")};
+  return FitRun{metric_series(tessera::testing::run_dir(dir) + "/metrics.csv", "train", "train_loss"),
+             tessera::testing::checkpoint_state(tessera::testing::run_dir(dir) + "/checkpoints/last.ckpt")};
 }
 
 void expect_close(const FitRun& reference, const FitRun& run, const std::string& what, double loss_tol, double param_tol) {
@@ -339,19 +339,19 @@ TEST(ScalerState, SurvivesCheckpointAndResumeUnderFSDP) {
   std::string full = tessera::testing::fresh_dir("scaler-full");
   auto a = run_tessera("fit --config " + config(full) + sets, "", 240);
   ASSERT_EQ(a.exit_code, 0) << a.output;
-  sdk::Checkpoint at_4 = scaler_state(full + "/checkpoints/step=4.ckpt");
+  sdk::Checkpoint at_4 = scaler_state(tessera::testing::run_dir(full) + "/checkpoints/step=4.ckpt");
   EXPECT_EQ(at_4.at("scale").toDouble(), 4096.0);  // doubled at steps 2 and 4
-  sdk::Checkpoint at_8 = scaler_state(full + "/checkpoints/last.ckpt");
+  sdk::Checkpoint at_8 = scaler_state(tessera::testing::run_dir(full) + "/checkpoints/last.ckpt");
   EXPECT_EQ(at_8.at("scale").toDouble(), 16384.0);
 
   std::string resumed = tessera::testing::fresh_dir("scaler-resumed");
-  auto b = run_tessera("fit --config " + config(resumed) + " --ckpt-path " + full + "/checkpoints/step=4.ckpt" + sets,
+  auto b = run_tessera("fit --config " + config(resumed) + " --ckpt-path " + tessera::testing::run_dir(full) + "/checkpoints/step=4.ckpt" + sets,
                        "", 240);
   ASSERT_EQ(b.exit_code, 0) << b.output;
-  EXPECT_EQ(scaler_state(resumed + "/checkpoints/last.ckpt").at("scale").toDouble(), 16384.0)
+  EXPECT_EQ(scaler_state(tessera::testing::run_dir(resumed) + "/checkpoints/last.ckpt").at("scale").toDouble(), 16384.0)
       << "a scaler restarted from init_scale would end at 4096";
-  auto full_losses = metric_series(full + "/metrics.csv", "train", "train_loss");
-  auto resumed_losses = metric_series(resumed + "/metrics.csv", "train", "train_loss");
+  auto full_losses = metric_series(tessera::testing::run_dir(full) + "/metrics.csv", "train", "train_loss");
+  auto resumed_losses = metric_series(tessera::testing::run_dir(resumed) + "/metrics.csv", "train", "train_loss");
   for (std::int64_t step = 5; step <= 8; ++step) {
     ASSERT_TRUE(full_losses.count(step) && resumed_losses.count(step)) << "no loss at step " << step;
     EXPECT_NEAR(resumed_losses.at(step), full_losses.at(step), 1e-5) << "step " << step;

@@ -6,6 +6,8 @@
 #include <fstream>
 #include <sstream>
 
+#include <nlohmann/json.hpp>
+
 #include <ATen/ATen.h>
 
 #include "multiprocess.hpp"
@@ -15,7 +17,18 @@ namespace {
 
 namespace fs = std::filesystem;
 using tessera::testing::metric_series;
+using tessera::testing::run_dir;
 using tessera::testing::run_tessera;
+
+/// `metric` over every run folder under `root` (version_0, version_1, ...): a resumed run
+/// continues in a new folder, and its values replace the old ones from where it resumed.
+std::map<std::int64_t, double> all_runs(const std::string& root, const std::string& stage, const std::string& metric) {
+  std::map<std::int64_t, double> out;
+  for (int v = 0; fs::exists(root + "/version_" + std::to_string(v)); ++v)
+    for (const auto& [step, value] : metric_series(root + "/version_" + std::to_string(v) + "/metrics.csv", stage, metric))
+      out[step] = value;
+  return out;
+}
 
 /// A small GPT run on fortunes; `extra` is appended to the config.
 std::string write_config(const std::string& dir, const std::string& extra = "") {
@@ -54,13 +67,15 @@ void check_resume(const std::string& name, const std::string& first_sets, const 
   std::string part = tessera::testing::fresh_dir(name + "-part");
   auto b = run_tessera("fit --config " + write_config(part) + " " + first_sets, "TESSERA_FAULT_INJECT=rank=0,step=6,kind=kill");
   ASSERT_NE(b.exit_code, 0) << b.output;
-  ASSERT_FALSE(fs::exists(part + "/checkpoints/last.ckpt"));
-  auto c = run_tessera("fit --config " + part + "/run.toml --ckpt-path " + part + "/checkpoints/step=4.ckpt " +
+  // save_last writes last.ckpt beside each checkpoint (as Lightning): the killed run's is step 4's.
+  auto last = tessera::core::checkpoint_dict(tessera::core::load_pickle(run_dir(part) + "/checkpoints/last.ckpt"), "last");
+  ASSERT_EQ(last.at("global_step").toInt(), 4);
+  auto c = run_tessera("fit --config " + part + "/run.toml --ckpt-path " + run_dir(part) + "/checkpoints/step=4.ckpt " +
                        resume_sets);
   ASSERT_EQ(c.exit_code, 0) << c.output;
   EXPECT_NE(c.output.find("resuming at step 4"), std::string::npos) << c.output;
-  expect_losses_equal(metric_series(full + "/metrics.csv", "train", "train_loss"),
-                      metric_series(part + "/metrics.csv", "train", "train_loss"), 1, 8, tol);
+  expect_losses_equal(metric_series(run_dir(full) + "/metrics.csv", "train", "train_loss"),
+                      all_runs(part, "train", "train_loss"), 1, 8, tol);
 }
 
 TEST(Resume, SingleDeviceResumesExactly) { check_resume("resume-single", "", "", 1e-6); }
@@ -84,12 +99,12 @@ TEST(Resume, AcrossAnEpochEndWithAccumulationClippingAndValidation) {
   std::string part = tessera::testing::fresh_dir("resume-epoch-part");
   auto b = run_tessera("fit --config " + write_config(part) + " " + sets, "TESSERA_FAULT_INJECT=rank=0,step=6,kind=kill");
   ASSERT_NE(b.exit_code, 0) << b.output;
-  auto c = run_tessera("fit --config " + part + "/run.toml --ckpt-path " + part + "/checkpoints/step=4.ckpt " + sets);
+  auto c = run_tessera("fit --config " + part + "/run.toml --ckpt-path " + run_dir(part) + "/checkpoints/step=4.ckpt " + sets);
   ASSERT_EQ(c.exit_code, 0) << c.output;
-  expect_losses_equal(metric_series(full + "/metrics.csv", "train", "train_loss"),
-                      metric_series(part + "/metrics.csv", "train", "train_loss"), 1, 10, 1e-6);
-  auto val_full = metric_series(full + "/metrics.csv", "val", "val_loss");
-  auto val_part = metric_series(part + "/metrics.csv", "val", "val_loss");
+  expect_losses_equal(metric_series(run_dir(full) + "/metrics.csv", "train", "train_loss"),
+                      all_runs(part, "train", "train_loss"), 1, 10, 1e-6);
+  auto val_full = metric_series(run_dir(full) + "/metrics.csv", "val", "val_loss");
+  auto val_part = all_runs(part, "val", "val_loss");
   ASSERT_FALSE(val_full.empty());
   EXPECT_EQ(val_full.size(), val_part.size());
   for (const auto& [step, loss] : val_full) EXPECT_NEAR(val_part[step], loss, 1e-6) << "validation at step " << step;
@@ -123,13 +138,13 @@ TEST(Checkpoint, HasTheDocumentedKeysAndFullShapes) {
   auto r = run_tessera("fit --config " + write_config(dir) +
                        " --set launch.devices=2 --set strategy.plugin=fsdp --set data.batch_size=2");
   ASSERT_EQ(r.exit_code, 0) << r.output;
-  ASSERT_TRUE(fs::exists(dir + "/checkpoints/step=4.ckpt"));
-  auto checkpoint = tessera::core::checkpoint_dict(tessera::core::load_pickle(dir + "/checkpoints/last.ckpt"), "last");
+  ASSERT_TRUE(fs::exists(run_dir(dir) + "/checkpoints/step=4.ckpt"));
+  auto checkpoint = tessera::core::checkpoint_dict(tessera::core::load_pickle(run_dir(dir) + "/checkpoints/last.ckpt"), "last");
   for (const char* key : {"state_dict", "optimizer_states", "precision_plugin", "global_step", "epoch",
                           "batch_in_epoch", "lr_schedulers", "rng_state", "hyper_parameters", "tessera_version"})
     EXPECT_TRUE(checkpoint.contains(key)) << key;
   EXPECT_EQ(checkpoint.at("global_step").toInt(), 8);
-  auto state = tessera::testing::checkpoint_state(dir + "/checkpoints/last.ckpt");
+  auto state = tessera::testing::checkpoint_state(run_dir(dir) + "/checkpoints/last.ckpt");
   EXPECT_EQ(state.at("wte.weight").sizes(), (std::vector<std::int64_t>{256, 32}));  // full, not a shard
   EXPECT_EQ(state.at("blocks.1.fc.weight").sizes(), (std::vector<std::int64_t>{128, 32}));
   auto optimizer = tessera::core::checkpoint_dict(checkpoint.at("optimizer_states").toListRef()[0], "optimizer");
@@ -142,7 +157,7 @@ TEST(Checkpoint, PythonTorchLoadReadsIt) {
   std::string dir = tessera::testing::fresh_dir("pyload");
   auto r = run_tessera("fit --config " + write_config(dir) + " --set trainer.max_steps=2");
   ASSERT_EQ(r.exit_code, 0) << r.output;
-  std::string command = "/usr/bin/python3 -c \"import torch; c = torch.load('" + dir +
+  std::string command = "/usr/bin/python3 -c \"import torch; c = torch.load('" + run_dir(dir) +
                         "/checkpoints/last.ckpt'); assert c['global_step'] == 2; "
                         "assert tuple(c['state_dict']['wte.weight'].shape) == (256, 32); print('ok')\"";
   EXPECT_EQ(std::system(command.c_str()), 0);
@@ -161,12 +176,13 @@ TEST(Predict, PrintsGeneratedTextFromThePrompt) {
 TEST(BadInput, WrongShapesInACheckpointAreRefusedAndTheCheckpointKept) {
   std::string dir = tessera::testing::fresh_dir("shapes");
   ASSERT_EQ(run_tessera("fit --config " + write_config(dir) + " --set trainer.max_steps=4").exit_code, 0);
-  std::string before = file_bytes(dir + "/checkpoints/last.ckpt");
+  std::string before = file_bytes(dir + "/version_0/checkpoints/last.ckpt");
   auto r = run_tessera("fit --config " + dir + "/run.toml --ckpt-path last --set model.n_embd=48");
   EXPECT_NE(r.exit_code, 0);
   EXPECT_NE(r.output.find("has shape [256, 32]"), std::string::npos) << r.output;
   EXPECT_NE(r.output.find("different model configuration"), std::string::npos) << r.output;
-  EXPECT_EQ(file_bytes(dir + "/checkpoints/last.ckpt"), before) << "the existing checkpoint was modified";
+  EXPECT_EQ(file_bytes(dir + "/version_0/checkpoints/last.ckpt"), before) << "the existing checkpoint was modified";
+  EXPECT_FALSE(fs::exists(dir + "/version_1")) << "a run that failed to restore left a run folder";
 }
 
 TEST(BadInput, MissingCheckpointNamesThePath) {
@@ -259,26 +275,24 @@ TEST(Cli, HelpUsageAndBadArguments) {
 TEST(Trainer, ProgressBarLogLinesAndMetricsCsv) {
   std::string dir = tessera::testing::fresh_dir("progress");
   auto bar = run_tessera("fit --config " + write_config(dir) +
-                         " --set trainer.max_steps=3 --set trainer.enable_progress_bar=true --set trainer.save_last=false");
+                         " --set trainer.max_steps=3 --set trainer.enable_progress_bar=true --set trainer.save_last=false"
+                         " --set trainer.val_check_interval=3 --set trainer.limit_val_batches=2");
   ASSERT_EQ(bar.exit_code, 0) << bar.output;
-  EXPECT_NE(bar.output.find("\r\033[Kstep 3/3  loss "), std::string::npos) << bar.output;
+  EXPECT_NE(bar.output.find("\r\033[Kepoch 0 [####################] 100% 3/3  loss "), std::string::npos) << bar.output;
+  EXPECT_NE(bar.output.find("\r\033[Kvalidation [####################] 100% "), std::string::npos) << bar.output;
   EXPECT_NE(bar.output.find(" tokens/s"), std::string::npos) << bar.output;
-  EXPECT_FALSE(fs::exists(dir + "/checkpoints/last.ckpt"));
+  EXPECT_FALSE(fs::exists(run_dir(dir) + "/checkpoints/last.ckpt"));
   std::string plain_dir = tessera::testing::fresh_dir("plain");
   auto plain = run_tessera("fit --config " + write_config(plain_dir) + " --set trainer.max_steps=3");
   ASSERT_EQ(plain.exit_code, 0) << plain.output;
   EXPECT_EQ(plain.output.find("\r"), std::string::npos) << "no bar when enable_progress_bar = false";
   EXPECT_NE(plain.output.find("epoch 0 step 3/3  loss "), std::string::npos) << plain.output;
-  std::ifstream csv(plain_dir + "/metrics.csv");
+  std::ifstream csv(run_dir(plain_dir) + "/metrics.csv");
   std::string header;
   std::getline(csv, header);
   EXPECT_EQ(header, "step,epoch,stage,metric,value");
-  EXPECT_EQ(metric_series(plain_dir + "/metrics.csv", "train", "train_loss").size(), 3u);
-  auto lr = metric_series(plain_dir + "/metrics.csv", "train", "lr");
-  ASSERT_EQ(lr.size(), 3u);
-  EXPECT_NEAR(lr.at(1), 0.0015, 1e-12);  // warmup_steps = 2: lr / 2, then lr
-  EXPECT_NEAR(lr.at(2), 0.003, 1e-12);
-  EXPECT_GT(metric_series(plain_dir + "/metrics.csv", "train", "tokens_per_s").at(3), 0.0);
+  EXPECT_EQ(metric_series(run_dir(plain_dir) + "/metrics.csv", "train", "train_loss").size(), 3u);
+  EXPECT_GT(metric_series(run_dir(plain_dir) + "/metrics.csv", "train", "tokens_per_s").at(3), 0.0);
   EXPECT_TRUE(fs::exists(plain_dir + "/logs/rank-0.log"));
 }
 
@@ -293,8 +307,8 @@ TEST(Trainer, GradientAccumulationEqualsTheLargerBatch) {
   auto b = run_tessera("fit --config " + write_config(b_dir) +
                        " --set model.dropout=0.0 --set trainer.max_steps=4 --set trainer.gradient_clip_val=0.5");
   ASSERT_EQ(b.exit_code, 0) << b.output;
-  expect_losses_equal(metric_series(a_dir + "/metrics.csv", "train", "train_loss"),
-                      metric_series(b_dir + "/metrics.csv", "train", "train_loss"), 1, 4, 1e-5);
+  expect_losses_equal(metric_series(run_dir(a_dir) + "/metrics.csv", "train", "train_loss"),
+                      metric_series(run_dir(b_dir) + "/metrics.csv", "train", "train_loss"), 1, 4, 1e-5);
 }
 
 TEST(Trainer, ValidateAndTestPrintMetricsFromACheckpoint) {
@@ -315,6 +329,275 @@ TEST(Cli, PluginsListsEveryShippedPlugin) {
   for (const char* name : {"single_device", "ddp", "fsdp", "fsdp_cpu_offload", "precision", "fsdp-precision",
                            "torch", "distributed", "gpt", "mlp", "cnn", "text", "fashion_mnist"})
     EXPECT_NE(r.output.find(std::string(" ") + name + " "), std::string::npos) << name << "\n" << r.output;
+}
+
+// ---- run folders, callbacks, loggers, profiler, stopping (issue 12) ----
+
+std::string slurp(const std::string& path) { return file_bytes(path); }
+
+std::vector<std::string> checkpoint_files(const std::string& dir) {
+  std::vector<std::string> names;
+  for (const auto& entry : fs::directory_iterator(dir)) names.push_back(entry.path().filename().string());
+  std::sort(names.begin(), names.end());
+  return names;
+}
+
+TEST(RunDirectory, VersionFoldersConfigHparamsAndLast) {
+  std::string dir = tessera::testing::fresh_dir("versions");
+  std::string config = write_config(dir);
+  for (int i = 0; i < 2; ++i) {
+    auto r = run_tessera("fit --config " + config + " --set trainer.max_steps=" + std::to_string(2 + i));
+    ASSERT_EQ(r.exit_code, 0) << r.output;
+    EXPECT_NE(r.output.find("run directory: " + dir + "/version_" + std::to_string(i)), std::string::npos) << r.output;
+  }
+  for (int i = 0; i < 2; ++i) {
+    std::string run = dir + "/version_" + std::to_string(i);
+    EXPECT_TRUE(fs::exists(run + "/checkpoints/last.ckpt")) << run;
+    EXPECT_EQ(metric_series(run + "/metrics.csv", "train", "train_loss").size(), 2u + i) << "one run's rows each";
+    // The resolved configuration: the file's keys with --set applied.
+    std::string saved = slurp(run + "/config.toml");
+    EXPECT_NE(saved.find("max_steps = " + std::to_string(2 + i)), std::string::npos) << saved;
+    EXPECT_NE(saved.find("n_embd = 32"), std::string::npos) << saved;
+    std::string hparams = slurp(run + "/hparams.yaml");
+    EXPECT_NE(hparams.find("n_layer: 2"), std::string::npos) << hparams;
+    EXPECT_NE(hparams.find("strategy: \"single_device\""), std::string::npos) << hparams;
+  }
+  // --ckpt-path last: the newest run's checkpoint (step 3 of version_1), in a new version_2.
+  auto resumed = run_tessera("fit --config " + config + " --set trainer.max_steps=4 --ckpt-path last");
+  ASSERT_EQ(resumed.exit_code, 0) << resumed.output;
+  EXPECT_NE(resumed.output.find("restored " + dir + "/version_1/checkpoints/last.ckpt (resuming at step 3)"),
+            std::string::npos) << resumed.output;
+  EXPECT_EQ(metric_series(dir + "/version_2/metrics.csv", "train", "train_loss").size(), 1u);
+  // A named run: default_root_dir/name/version.
+  auto named = run_tessera("fit --config " + config + " --set trainer.max_steps=1 --set logger.name=exp" +
+                           " --set logger.version=baseline");
+  ASSERT_EQ(named.exit_code, 0) << named.output;
+  EXPECT_TRUE(fs::exists(dir + "/exp/baseline/checkpoints/last.ckpt"));
+  // Nothing to resume from names where it looked.
+  std::string empty = tessera::testing::fresh_dir("versions-empty");
+  auto none = run_tessera("fit --config " + write_config(empty) + " --ckpt-path last");
+  EXPECT_NE(none.exit_code, 0);
+  EXPECT_NE(none.output.find("--ckpt-path last: no checkpoint in any run under " + empty), std::string::npos)
+      << none.output;
+}
+
+TEST(Callbacks, ModelCheckpointKeepsTheTopKByTheMonitoredMetric) {
+  // mode = "max" on a falling val_loss: the early checkpoints are the ones to keep, so later
+  // ones are refused or pruned.
+  std::string dir = tessera::testing::fresh_dir("topk");
+  std::string config = write_config(dir, "[callbacks.best]\nplugin = \"model_checkpoint\"\nmonitor = \"val_loss\"\n"
+                                         "mode = \"max\"\nsave_top_k = 2\nevery_n_train_steps = 1\n"
+                                         "filename = \"{step}-{val_loss:.5f}\"\nsave_last = true\n");
+  std::string text = slurp(config);
+  text.erase(text.find("checkpoint_every_n_steps = 4\n"), std::string("checkpoint_every_n_steps = 4\n").size());
+  std::ofstream(config) << text;
+  auto r = run_tessera("fit --config " + config + " --set trainer.max_steps=6 --set trainer.val_check_interval=1 " +
+                       "--set trainer.limit_val_batches=3 --set trainer.checkpoint_every_n_steps=0");
+  EXPECT_NE(r.exit_code, 0) << "[trainer] checkpoint keys beside [callbacks.best] must be refused";
+  EXPECT_NE(r.output.find("both configure checkpointing"), std::string::npos) << r.output;
+  r = run_tessera("fit --config " + config + " --set trainer.max_steps=6 --set trainer.val_check_interval=1 " +
+                  "--set trainer.limit_val_batches=3");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  auto val = metric_series(run_dir(dir) + "/metrics.csv", "val", "val_loss");
+  ASSERT_EQ(val.size(), 6u);
+  std::vector<std::pair<double, std::int64_t>> by_score;
+  for (const auto& [step, loss] : val) by_score.emplace_back(-loss, step);
+  std::sort(by_score.begin(), by_score.end());
+  std::vector<std::string> expected = {"last.ckpt"};
+  for (int i = 0; i < 2; ++i) {
+    char name[64];
+    std::snprintf(name, sizeof(name), "step=%lld-val_loss=%.5f.ckpt", static_cast<long long>(by_score[i].second),
+                  -by_score[i].first);
+    expected.push_back(name);
+  }
+  std::sort(expected.begin(), expected.end());
+  EXPECT_EQ(checkpoint_files(run_dir(dir) + "/checkpoints"), expected) << r.output;
+  auto last = tessera::core::checkpoint_dict(tessera::core::load_pickle(run_dir(dir) + "/checkpoints/last.ckpt"), "last");
+  EXPECT_EQ(last.at("global_step").toInt(), 6);
+  auto state = tessera::core::checkpoint_dict(last.at("callbacks"), "callbacks");
+  EXPECT_TRUE(state.contains("ModelCheckpoint{monitor=val_loss,mode=max}"));
+}
+
+TEST(Callbacks, EarlyStoppingStopsAfterPatienceChecksWithoutImprovement) {
+  std::string dir = tessera::testing::fresh_dir("early");
+  std::string config = write_config(dir, "[callbacks.early_stopping]\nmonitor = \"val_loss\"\nmode = \"max\"\n"
+                                         "patience = 2\nmin_delta = 0.0\n");
+  auto r = run_tessera("fit --config " + config + " --set trainer.max_steps=30 --set trainer.val_check_interval=1 " +
+                       "--set trainer.limit_val_batches=2");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  // The stop step EarlyStopping must reach, replayed from the logged validation losses.
+  auto val = metric_series(run_dir(dir) + "/metrics.csv", "val", "val_loss");
+  double best = -1e30;
+  std::int64_t wait = 0, expected_stop = -1;
+  for (const auto& [step, loss] : val) {
+    if (loss > best) best = loss, wait = 0;
+    else if (++wait >= 2) { expected_stop = step; break; }
+  }
+  ASSERT_GT(expected_stop, 0) << "val_loss rose for 30 steps?\n" << r.output;
+  auto train = metric_series(run_dir(dir) + "/metrics.csv", "train", "train_loss");
+  EXPECT_EQ(train.rbegin()->first, expected_stop);
+  EXPECT_NE(r.output.find("early stopping at step " + std::to_string(expected_stop)), std::string::npos) << r.output;
+  auto last = tessera::core::checkpoint_dict(tessera::core::load_pickle(run_dir(dir) + "/checkpoints/last.ckpt"), "last");
+  EXPECT_EQ(last.at("global_step").toInt(), expected_stop);
+}
+
+TEST(Callbacks, LrMonitorLogsTheScheduledRate) {
+  std::string dir = tessera::testing::fresh_dir("lrmonitor");
+  auto r = run_tessera("fit --config " + write_config(dir, "[callbacks.lr_monitor]\nlog_momentum = true\n") +
+                       " --set trainer.max_steps=3");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  auto lr = metric_series(run_dir(dir) + "/metrics.csv", "train", "lr-AdamW");
+  ASSERT_EQ(lr.size(), 3u);
+  EXPECT_NEAR(lr.at(1), 0.0015, 1e-12);  // warmup_steps = 2: lr / 2, then lr
+  EXPECT_NEAR(lr.at(2), 0.003, 1e-12);
+  EXPECT_NEAR(metric_series(run_dir(dir) + "/metrics.csv", "train", "lr-AdamW-momentum").at(3), 0.9, 1e-12);
+  auto typo = run_tessera("fit --config " + write_config(dir, "[callbacks.lr_monitr]\n"));
+  EXPECT_NE(typo.exit_code, 0);
+  EXPECT_NE(typo.output.find("'lr_monitr' is neither a built-in callback (did you mean 'lr_monitor'?)"),
+            std::string::npos) << typo.output;
+}
+
+TEST(Logger, TensorBoardEventsDecodeWithPythonProtobuf) {
+  if (std::system("/usr/bin/python3 -c 'import google.protobuf' 2>/dev/null") != 0 ||
+      std::system("command -v protoc >/dev/null") != 0)
+    GTEST_SKIP() << "python3-protobuf or protobuf-compiler is not installed: event files not decoded";
+  std::string dir = tessera::testing::fresh_dir("tensorboard");
+  auto r = run_tessera("fit --config " + write_config(dir, "[logger]\nloggers = [\"csv\", \"tensorboard\"]\n") +
+                       " --set trainer.max_steps=4 --set trainer.val_check_interval=2 --set trainer.limit_val_batches=2");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  std::string json_path = dir + "/decoded.json";
+  std::string command = "/usr/bin/python3 " TESSERA_TEST_SOURCE_DIR "/read_tensorboard.py " TESSERA_PROTO_DIR " " +
+                        run_dir(dir) + " > " + json_path;
+  ASSERT_EQ(std::system(command.c_str()), 0) << command;
+  auto decoded = nlohmann::json::parse(slurp(json_path));
+  auto csv = metric_series(run_dir(dir) + "/metrics.csv", "train", "train_loss");
+  ASSERT_EQ(decoded["scalars"]["train_loss"].size(), csv.size()) << decoded.dump();
+  for (const auto& [step, loss] : csv)
+    EXPECT_NEAR(decoded["scalars"]["train_loss"][std::to_string(step)].get<double>(), loss, 1e-5 * std::abs(loss));
+  EXPECT_EQ(decoded["scalars"]["val_loss"].size(), 2u);
+  EXPECT_EQ(decoded["hparams"]["n_layer"].get<double>(), 2.0);
+  EXPECT_EQ(decoded["hparams"]["strategy"].get<std::string>(), "single_device");
+  EXPECT_EQ(decoded["status"].get<int>(), 1);  // STATUS_SUCCESS
+}
+
+TEST(Profiler, SummarySimpleTableAndChromeTracePerRank) {
+  std::string dir = tessera::testing::fresh_dir("profiler");
+  auto simple = run_tessera("fit --config " + write_config(dir) + " --set trainer.max_steps=3 --set trainer.profiler=simple");
+  ASSERT_EQ(simple.exit_code, 0) << simple.output;
+  for (const char* text : {"Profiler report (simple)", "[Strategy]backward", "[Strategy]optimizer_step",
+                           "[Callback]model_checkpoint.on_train_batch_end", "| Name", "trainable params",
+                           "per rank (max over 1): parameters"})
+    EXPECT_NE(simple.output.find(text), std::string::npos) << text << "\n" << simple.output;
+  EXPECT_TRUE(fs::exists(run_dir(dir) + "/profiler.txt"));
+
+  auto trace = run_tessera("fit --config " + write_config(dir) + " --set trainer.max_steps=2 --set trainer.profiler=trace" +
+                           " --set launch.devices=2 --set strategy.plugin=fsdp --set data.batch_size=2");
+  ASSERT_EQ(trace.exit_code, 0) << trace.output;
+  EXPECT_NE(trace.output.find("per rank (max over 2)"), std::string::npos) << trace.output;
+  for (int rank = 0; rank < 2; ++rank) {
+    std::string path = run_dir(dir) + "/trace-rank-" + std::to_string(rank) + ".json";
+    ASSERT_TRUE(fs::exists(path)) << path;
+    auto json = nlohmann::json::parse(slurp(path));
+    std::set<std::string> spans, collectives;
+    for (const auto& e : json["traceEvents"]) {
+      if (e["ph"] == "X") spans.insert(e["name"].get<std::string>());
+      if (e["ph"] == "b") collectives.insert(e["name"].get<std::string>());
+      if (e["ph"] == "X" || e["ph"] == "b") EXPECT_EQ(e["pid"].get<int>(), rank);
+    }
+    for (const char* name : {"[Strategy]training_step", "[Strategy]backward", "[Strategy]optimizer_step"})
+      EXPECT_TRUE(spans.count(name)) << name << " missing from " << path;
+    bool gather = false, reduce = false;
+    for (const auto& name : collectives) {
+      gather |= name.find("all-gather") != std::string::npos || name.find("all_gather") != std::string::npos;
+      reduce |= name.find("reduce") != std::string::npos;
+    }
+    EXPECT_TRUE(gather && reduce) << "collective spans in " << path << ": " << nlohmann::json(collectives).dump();
+  }
+}
+
+TEST(Stopping, MaxTimeStopsTheRunAndSavesLast) {
+  std::string dir = tessera::testing::fresh_dir("maxtime");
+  auto start = std::chrono::steady_clock::now();
+  auto r = run_tessera("fit --config " + write_config(dir) +
+                       " --set trainer.max_steps=100000 --set trainer.max_time='\"00:00:00:03\"' --set trainer.log_every_n_steps=50");
+  double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("max_time 3 s reached"), std::string::npos) << r.output;
+  EXPECT_LT(seconds, 60);
+  auto last = tessera::core::checkpoint_dict(tessera::core::load_pickle(run_dir(dir) + "/checkpoints/last.ckpt"), "last");
+  EXPECT_LT(last.at("global_step").toInt(), 100000);
+  auto bad = run_tessera("fit --config " + write_config(dir) + " --set trainer.max_time=3h");
+  EXPECT_NE(bad.exit_code, 0);
+  EXPECT_NE(bad.output.find("[trainer] max_time = \"3h\" is not a duration"), std::string::npos) << bad.output;
+}
+
+TEST(Stopping, SigintSavesACheckpointThatResumesExactly) {
+  std::string full = tessera::testing::fresh_dir("sigint-full");
+  ASSERT_EQ(run_tessera("fit --config " + write_config(full)).exit_code, 0);
+  std::string dir = tessera::testing::fresh_dir("sigint");
+  auto r = run_tessera("fit --config " + write_config(dir), "TESSERA_FAULT_INJECT=rank=0,step=3,kind=sigint");
+  EXPECT_EQ(r.exit_code, 130) << r.output;
+  EXPECT_NE(r.output.find("interrupted by Interrupt at step 3: checkpoint saved to " + dir +
+                          "/version_0/checkpoints/last.ckpt; resume with --ckpt-path last"),
+            std::string::npos) << r.output;
+  auto c = run_tessera("fit --config " + dir + "/run.toml --ckpt-path last");
+  ASSERT_EQ(c.exit_code, 0) << c.output;
+  EXPECT_NE(c.output.find("resuming at step 3"), std::string::npos) << c.output;
+  expect_losses_equal(metric_series(run_dir(full) + "/metrics.csv", "train", "train_loss"),
+                      all_runs(dir, "train", "train_loss"), 1, 8, 1e-6);
+}
+
+TEST(Stopping, CtrlCOnTheLauncherCheckpointsEveryRankThenExits) {
+  // A real SIGINT to the launcher of 2 ranks: it asks the ranks to stop (SIGTERM), they agree
+  // on a step, save last.ckpt and exit; the launcher exits 130.
+  std::string dir = tessera::testing::fresh_dir("ctrlc");
+  std::string config = write_config(dir);
+  std::ofstream(dir + "/ctrlc.sh") << "cd " << dir << "\n(" << tessera::testing::tessera_binary() << " fit --config "
+                                    << config << " --set trainer.max_steps=100000 --set launch.devices=2"
+                                    << " --set strategy.plugin=ddp --set data.batch_size=2 > out.txt 2>&1 &\n"
+                                    << " echo $! > pid; wait $!; echo $? > rc) &\n"
+                                    << "for i in $(seq 600); do grep -q 'step 20/' logs/rank-0.log 2>/dev/null && break;"
+                                    << " sleep 0.1; done\nkill -INT $(cat pid)\n"
+                                    << "for i in $(seq 600); do [ -f rc ] && break; sleep 0.1; done\n";
+  ASSERT_EQ(std::system(("timeout 120 bash " + dir + "/ctrlc.sh").c_str()), 0);
+  std::string out = slurp(dir + "/out.txt");
+  EXPECT_EQ(slurp(dir + "/rc"), "130\n") << out;
+  EXPECT_NE(out.find("interrupted by"), std::string::npos) << out;
+  EXPECT_NE(out.find("resume with --ckpt-path last"), std::string::npos) << out;
+  ASSERT_TRUE(fs::exists(run_dir(dir) + "/checkpoints/last.ckpt")) << out;
+  auto resumed = run_tessera("fit --config " + config + " --ckpt-path last --set trainer.max_steps=100000" +
+                             " --set launch.devices=2 --set strategy.plugin=ddp --set data.batch_size=2" +
+                             " --set trainer.max_time=1");
+  EXPECT_EQ(resumed.exit_code, 0) << resumed.output;
+  EXPECT_NE(resumed.output.find("resuming at step"), std::string::npos) << resumed.output;
+}
+
+TEST(Progress, PlainLinesUnderAPseudoTerminalThatIsNotTheUsers) {
+  // As under mpirun with output to a file: our stdout is a pty, our parent's stdout is not.
+  std::string dir = tessera::testing::fresh_dir("pty");
+  std::string out = dir + "/out.txt";
+  std::string command = "/usr/bin/python3 -c \"import pty, sys; pty.spawn(sys.argv[1:])\" " +
+                        std::string(tessera::testing::tessera_binary()) + " fit --config " + write_config(dir) +
+                        " --set trainer.max_steps=3 --set trainer.enable_progress_bar=auto > " + out + " 2>&1";
+  ASSERT_EQ(std::system(command.c_str()), 0) << slurp(out);
+  std::string text = slurp(out);
+  EXPECT_EQ(text.find("\033["), std::string::npos) << text;
+  EXPECT_NE(text.find("epoch 0 step 3/3  loss "), std::string::npos) << text;
+}
+
+TEST(BadInput, Bf16LayerNormOnCpuIsExplainedWithoutAStackTrace) {
+  std::string dir = tessera::testing::fresh_dir("bf16-layernorm");
+  std::ofstream(dir + "/run.toml") << "plugin_dirs = [\"" TEST_PLUGIN_DIR "\"]\n"
+                                   << "[trainer]\nmax_steps = 2\ndefault_root_dir = \"" << dir << "\"\n"
+                                   << "[precision]\nprecision = \"bf16-mixed\"\n"
+                                   << "[model]\nplugin = \"layernorm_model\"\n"
+                                   << "[data]\nplugin = \"fashion_mnist\"\nbatch_size = 8\ntrain_limit = 64\n";
+  auto r = run_tessera("fit --config " + dir + "/run.toml");
+  EXPECT_EQ(r.exit_code, 1) << r.output;
+  EXPECT_NE(r.output.find("training_step failed under precision bf16-mixed on cpu: "), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("LayerNorm modules in the model: norm"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("bf16-true"), std::string::npos) << r.output;
+  EXPECT_EQ(r.output.find("frame #"), std::string::npos) << "a LibTorch stack trace reached the user:\n" << r.output;
 }
 
 }  // namespace

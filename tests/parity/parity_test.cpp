@@ -45,8 +45,8 @@ Run fit(const std::string& name, const std::string& model, int world, const std:
                      strategy_sets;
   auto result = run_tessera(args, "", 240);
   EXPECT_EQ(result.exit_code, 0) << result.output;
-  return Run{metric_series(dir + "/metrics.csv", "train", "train_loss"),
-             checkpoint_state(dir + "/checkpoints/last.ckpt")};
+  return Run{metric_series(tessera::testing::run_dir(dir) + "/metrics.csv", "train", "train_loss"),
+             checkpoint_state(tessera::testing::run_dir(dir) + "/checkpoints/last.ckpt")};
 }
 
 void expect_same(const Run& reference, const Run& run, const std::string& what, double tol) {

@@ -180,6 +180,17 @@ std::map<std::string, at::Tensor> checkpoint_state(const std::string& path) {
   return out;
 }
 
+std::string run_dir(const std::string& default_root_dir) {
+  std::int64_t newest = -1;
+  std::error_code ec;
+  for (const auto& entry : std::filesystem::directory_iterator(default_root_dir, ec)) {
+    std::string name = entry.path().filename().string();
+    if (name.rfind("version_", 0) == 0 && name.size() > 8 && name.find_first_not_of("0123456789", 8) == std::string::npos)
+      newest = std::max<std::int64_t>(newest, std::stoll(name.substr(8)));
+  }
+  return default_root_dir + "/version_" + std::to_string(std::max<std::int64_t>(newest, 0));
+}
+
 std::map<std::int64_t, double> metric_series(const std::string& csv, const std::string& stage,
                                              const std::string& metric) {
   std::map<std::int64_t, double> out;

@@ -47,6 +47,9 @@ std::string fresh_dir(const std::string& name);
 /// The named tensors of a checkpoint's state_dict.
 std::map<std::string, at::Tensor> checkpoint_state(const std::string& path);
 
+/// The newest run folder (version_N with the largest N) under a default_root_dir.
+std::string run_dir(const std::string& default_root_dir);
+
 /// Rows of metrics.csv for `metric` in stage `stage`: step -> value.
 std::map<std::int64_t, double> metric_series(const std::string& csv, const std::string& stage, const std::string& metric);
 

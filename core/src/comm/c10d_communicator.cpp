@@ -19,6 +19,7 @@
 #endif
 
 #include "tessera/core/comm.hpp"
+#include "tessera/core/trace.hpp"
 #include "tessera/sdk/error.hpp"
 
 namespace tessera::core {
@@ -137,6 +138,7 @@ class C10dHandle final : public CommHandle {
     done_ = true;
     if (in_flight_) in_flight_->remove(id_);
     if (finish_) finish_();
+    trace::record(tag_, "collective", start_, Clock::now(), /*overlapping=*/true);  // issue to completion
   }
 
  private:

@@ -27,10 +27,10 @@ namespace tessera::sdk {
 /// change to them bumps the major.
 /// The installed CMake package's version is this ABI: find_package(TesseraSDK 3).
 inline constexpr std::uint32_t kAbiMajor = 3;  // 3: multi-argument units, Module::fsdp_wrap_policy,
-                                               //    TOML++ in the fingerprint, descriptor sdk_version
+                                               //    TOML++ in the fingerprint, descriptor sdk_version, callback plugins
 inline constexpr std::uint32_t kAbiMinor = 0;
 
-enum class PluginKind : std::uint32_t { strategy = 1, precision, checkpoint_io, model, data };
+enum class PluginKind : std::uint32_t { strategy = 1, precision, checkpoint_io, model, data, callback };
 TESSERA_SDK_API const char* to_string(PluginKind kind);
 
 /// Base of every object a plugin hands to the host.

@@ -1,0 +1,57 @@
+#include "callbacks.hpp"
+
+#include <algorithm>
+
+#include "tessera/sdk/error.hpp"
+
+namespace tessera::host {
+
+bool is_better(double candidate, double reference, const std::string& mode, double min_delta) {
+  return mode == "min" ? candidate < reference - min_delta : candidate > reference + min_delta;
+}
+
+std::vector<NamedCallback> make_callbacks(const Config& config, core::PluginLoader& loader) {
+  std::vector<NamedCallback> callbacks, checkpointing;
+  const toml::table* trainer = config.resolved["trainer"].as_table();
+  const bool trainer_keys = trainer && (trainer->contains("checkpoint_every_n_steps") || trainer->contains("save_last"));
+  bool have_checkpoint = false;
+  for (const auto& [name, options] : config.callbacks) {
+    std::string plugin = options.get_string("plugin", name);
+    std::shared_ptr<sdk::Callback> callback;
+    if (plugin == "model_checkpoint") callback = make_model_checkpoint(options);
+    else if (plugin == "early_stopping") callback = make_early_stopping(options);
+    else if (plugin == "lr_monitor") callback = make_lr_monitor(options);
+    else {
+      try {
+        callback = loader.create_as<sdk::Callback>(sdk::PluginKind::callback, plugin, options);
+      } catch (const sdk::Error& e) {
+        if (std::string(e.what()).find("no callback plugin named") == std::string::npos) throw;
+        TESSERA_FAIL(config.path(), ": [callbacks.", name, "]: '", plugin, "' is neither a built-in callback",
+                     sdk::did_you_mean(plugin, {"model_checkpoint", "early_stopping", "lr_monitor"}),
+                     " (model_checkpoint, early_stopping, lr_monitor) nor a callback plugin: ", e.what());
+      }
+    }
+    options.check_all_used({"plugin"});
+    if (plugin == "model_checkpoint") {
+      TESSERA_CHECK(!trainer_keys, config.path(), ": [callbacks.", name, "] and [trainer] checkpoint_every_n_steps / save_last both configure ",
+                    "checkpointing: move those keys into [callbacks.", name, "] (every_n_train_steps, save_last)");
+      have_checkpoint = true;
+      checkpointing.emplace_back(name, callback);
+    } else {
+      callbacks.emplace_back(name, callback);
+    }
+  }
+  if (!have_checkpoint) {  // Lightning's default checkpoint callback, from the [trainer] keys
+    toml::table table;
+    table.insert("every_n_train_steps", config.trainer.checkpoint_every_n_steps);
+    table.insert("save_top_k", -1);
+    table.insert("save_last", config.trainer.save_last);
+    if (config.trainer.checkpoint_every_n_steps == 0) table.insert("every_n_epochs", 0);
+    checkpointing.emplace_back("model_checkpoint",
+                               make_model_checkpoint(sdk::Options("trainer", config.path(), std::move(table))));
+  }
+  callbacks.insert(callbacks.end(), checkpointing.begin(), checkpointing.end());
+  return callbacks;
+}
+
+}  // namespace tessera::host

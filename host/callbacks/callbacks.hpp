@@ -1,0 +1,29 @@
+#pragma once
+// The [callbacks.NAME] tables made into callbacks: Lightning's built-ins (model_checkpoint,
+// early_stopping, lr_monitor) implemented in the host, anything else a `callback` plugin.
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "config.hpp"
+#include "tessera/core/plugin_loader.hpp"
+#include "tessera/sdk/callback.hpp"
+
+namespace tessera::host {
+
+using NamedCallback = std::pair<std::string, std::shared_ptr<sdk::Callback>>;
+
+/// Every configured callback, checkpointing ones last (Lightning's order), with a default
+/// model_checkpoint from [trainer] checkpoint_every_n_steps / save_last when none is
+/// configured. Every key is checked here, before any work.
+std::vector<NamedCallback> make_callbacks(const Config& config, core::PluginLoader& loader);
+
+std::shared_ptr<sdk::Callback> make_model_checkpoint(const sdk::Options& options);
+std::shared_ptr<sdk::Callback> make_early_stopping(const sdk::Options& options);
+std::shared_ptr<sdk::Callback> make_lr_monitor(const sdk::Options& options);
+
+/// The monitored-metric comparison of ModelCheckpoint and EarlyStopping: "min" or "max".
+bool is_better(double candidate, double reference, const std::string& mode, double min_delta = 0.0);
+
+}  // namespace tessera::host

@@ -1,0 +1,67 @@
+// Lightning's LearningRateMonitor: logs each parameter group's learning rate (and momentum)
+// as lr-<Optimizer>[/pgN], every step or at each epoch start.
+#include <torch/optim/adam.h>
+#include <torch/optim/adamw.h>
+#include <torch/optim/sgd.h>
+
+#include "callbacks.hpp"
+#include "tessera/sdk/strategy.hpp"
+
+namespace tessera::host {
+
+namespace {
+
+class LearningRateMonitor final : public sdk::Callback {
+ public:
+  explicit LearningRateMonitor(const sdk::Options& o)
+      : logging_interval_(o.get_choice("logging_interval", "step", {"step", "epoch"})),
+        log_momentum_(o.get_bool("log_momentum", false)),
+        log_weight_decay_(o.get_bool("log_weight_decay", false)) {}
+
+  void on_train_batch_end(sdk::Trainer& trainer, const sdk::StepOutput&, const sdk::Batch&, std::int64_t) override {
+    if (logging_interval_ == "step" && trainer.global_step() != logged_step_) log(trainer);
+  }
+  void on_train_epoch_start(sdk::Trainer& trainer) override {
+    if (logging_interval_ == "epoch") log(trainer);
+  }
+
+ private:
+  void log(sdk::Trainer& trainer) {
+    logged_step_ = trainer.global_step();
+    torch::optim::Optimizer& optimizer = trainer.strategy().optimizer();
+    std::string name = dynamic_cast<torch::optim::AdamW*>(&optimizer) ? "AdamW"
+                       : dynamic_cast<torch::optim::Adam*>(&optimizer) ? "Adam"
+                       : dynamic_cast<torch::optim::SGD*>(&optimizer)  ? "SGD"
+                                                                       : "Optimizer";
+    std::map<std::string, double> metrics;
+    const auto& groups = optimizer.param_groups();
+    for (std::size_t i = 0; i < groups.size(); ++i) {
+      std::string key = "lr-" + name + (groups.size() > 1 ? "/pg" + std::to_string(i + 1) : "");
+      const auto& options = groups[i].options();
+      metrics[key] = options.get_lr();
+      if (auto* adamw = dynamic_cast<const torch::optim::AdamWOptions*>(&options)) {
+        if (log_momentum_) metrics[key + "-momentum"] = std::get<0>(adamw->betas());
+        if (log_weight_decay_) metrics[key + "-weight_decay"] = adamw->weight_decay();
+      } else if (auto* adam = dynamic_cast<const torch::optim::AdamOptions*>(&options)) {
+        if (log_momentum_) metrics[key + "-momentum"] = std::get<0>(adam->betas());
+        if (log_weight_decay_) metrics[key + "-weight_decay"] = adam->weight_decay();
+      } else if (auto* sgd = dynamic_cast<const torch::optim::SGDOptions*>(&options)) {
+        if (log_momentum_) metrics[key + "-momentum"] = sgd->momentum();
+        if (log_weight_decay_) metrics[key + "-weight_decay"] = sgd->weight_decay();
+      }
+    }
+    trainer.log_metrics(metrics);
+  }
+
+  std::string logging_interval_;
+  bool log_momentum_, log_weight_decay_;
+  std::int64_t logged_step_ = -1;
+};
+
+}  // namespace
+
+std::shared_ptr<sdk::Callback> make_lr_monitor(const sdk::Options& options) {
+  return std::make_shared<LearningRateMonitor>(options);
+}
+
+}  // namespace tessera::host

@@ -1,0 +1,47 @@
+#include <filesystem>
+#include <fstream>
+#include <iomanip>
+
+#include <nlohmann/json.hpp>
+
+#include "logger.hpp"
+
+namespace tessera::host {
+
+namespace {
+
+class CsvLogger final : public Logger {
+ public:
+  explicit CsvLogger(std::string dir) : dir_(std::move(dir)) {
+    std::string path = dir_ + "/metrics.csv";
+    bool fresh = !std::filesystem::exists(path);
+    csv_.open(path, std::ios::app);
+    if (fresh) csv_ << "step,epoch,stage,metric,value\n";
+  }
+
+  void log_hyperparams(const HyperParameters& params) override {
+    // JSON scalars are YAML scalars: strings come out quoted and escaped.
+    std::ofstream yaml(dir_ + "/hparams.yaml");
+    for (const auto& [key, value] : params)
+      std::visit([&, &key = key](const auto& v) { yaml << key << ": " << nlohmann::json(v).dump() << "\n"; }, value);
+  }
+
+  void log_metrics(const std::map<std::string, double>& metrics, std::int64_t step, std::int64_t epoch,
+                   const std::string& stage) override {
+    for (const auto& [name, value] : metrics)
+      csv_ << step << "," << epoch << "," << stage << "," << name << "," << std::setprecision(8) << value << "\n";
+    csv_.flush();
+  }
+
+  void finalize(const std::string&) override { csv_.flush(); }
+
+ private:
+  std::string dir_;
+  std::ofstream csv_;
+};
+
+}  // namespace
+
+std::unique_ptr<Logger> make_csv_logger(const std::string& run_dir) { return std::make_unique<CsvLogger>(run_dir); }
+
+}  // namespace tessera::host

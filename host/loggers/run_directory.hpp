@@ -1,0 +1,27 @@
+#pragma once
+// Run folders as Lightning's loggers make them: default_root_dir/[name/]version_N, one per
+// fit / validate / test, each with its config.toml, hparams.yaml, metrics and checkpoints/.
+#include <cstdint>
+#include <string>
+
+#include "config.hpp"
+
+namespace tessera::host {
+
+/// default_root_dir/[name]: the folder that holds the version folders.
+std::string versions_parent(const std::string& default_root_dir, const LoggerSettings& logger);
+
+/// Creates the next free version_N under `parent` (atomically: two runs never share one) and
+/// returns N. Called by rank 0 only; the others get N by broadcast.
+std::int64_t create_next_version(const std::string& parent);
+
+/// The run folder for `version` ("N" -> version_N; other text -> that folder name).
+std::string run_directory(const std::string& parent, const std::string& version);
+
+/// `--ckpt-path last`: the newest committed checkpoint (core::resolve_last: the checkpoint
+/// folder's `last` pointer) of the newest run under `parent` that has one. With a fixed
+/// [logger] version only that run is searched.
+/// Throws naming where it looked when there is none.
+std::string find_last_checkpoint(const std::string& parent, const LoggerSettings& logger);
+
+}  // namespace tessera::host
