@@ -12,6 +12,22 @@ namespace tessera::host {
 
 namespace {
 
+/// Upper bounds that catch typos (100000 threads runs without end) without limiting real use.
+constexpr std::int64_t kMaxThreads = 1024;
+constexpr std::int64_t kMaxTimeoutS = 7 * 24 * 3600;
+/// Optimizer values become floats in LibTorch: larger ones overflow after setup.
+constexpr double kMaxFloat = 3.4e38;
+
+/// A path-like string: not empty, no NUL (a C++ string keeps it, the OS cuts the path there).
+std::string read_path(const sdk::Options& options, const std::string& key, const std::string& fallback) {
+  std::string value = options.get_string(key, fallback);
+  TESSERA_CHECK(!value.empty(), options.locate(key), " is empty: give a directory (relative paths are taken from "
+                "the working directory), e.g. \"", fallback, "\"");
+  TESSERA_CHECK(value.find('\0') == std::string::npos, options.locate(key),
+                " contains a NUL character, which no path can hold");
+  return value;
+}
+
 const std::map<std::string, std::string> kDefaultPlugins = {
     {"strategy", "single_device"}, {"precision", "precision"}, {"checkpoint_io", "torch"}, {"model", "gpt"},
     {"data", "text"}};
@@ -110,8 +126,20 @@ Config Config::load(const std::string& path, const std::vector<std::string>& ove
     return sdk::Options(name, path, t ? std::move(*t) : toml::table{});
   };
   if (const toml::node* dirs = root.get("plugin_dirs")) {
-    TESSERA_CHECK(dirs->is_array(), path, ": plugin_dirs must be an array of directory names");
-    for (const toml::node& d : *dirs->as_array()) config.plugin_dirs.push_back(d.value_or(std::string()));
+    auto where = [&](const toml::node& n) {
+      const auto& src = n.source();
+      return (src.path ? *src.path : path) + (src.begin.line ? ":" + std::to_string(src.begin.line) : "");
+    };
+    TESSERA_CHECK(dirs->is_array(), where(*dirs), ": plugin_dirs must be an array of directory names, e.g. "
+                  "plugin_dirs = [\"build/plugins\"]");
+    for (const toml::node& d : *dirs->as_array()) {
+      TESSERA_CHECK(d.is_string() && !d.value_or(std::string()).empty() &&
+                        d.value_or(std::string()).find('\0') == std::string::npos,
+                    where(d), ": plugin_dirs entries must be non-empty directory names (strings), found ",
+                    toml::impl::node_type_friendly_names[static_cast<int>(d.type())],
+                    (d.is_string() ? " (empty or with a NUL)" : ""));
+      config.plugin_dirs.push_back(d.value_or(std::string()));
+    }
   }
 
   sdk::Options t = section("trainer");
@@ -119,7 +147,7 @@ Config Config::load(const std::string& path, const std::vector<std::string>& ove
   tr.max_steps = t.get_int("max_steps", tr.max_steps, -1);
   tr.max_epochs = t.get_int("max_epochs", tr.max_steps > 0 ? 1000000 : tr.max_epochs, 1);
   tr.accumulate_grad_batches = t.get_int("accumulate_grad_batches", 1, 1);
-  tr.gradient_clip_val = t.get_double("gradient_clip_val", 0.0, 0.0);
+  tr.gradient_clip_val = t.get_double("gradient_clip_val", 0.0, 0.0, kMaxFloat);
   t.get_choice("gradient_clip_algorithm", "norm", {"norm"});
   tr.norm_type = t.get_double("norm_type", 2.0, 1e-6, INFINITY);
   tr.val_check_interval = t.get_int("val_check_interval", 0, 0);
@@ -128,7 +156,7 @@ Config Config::load(const std::string& path, const std::vector<std::string>& ove
   tr.limit_predict_batches = read_limit(t, "limit_predict_batches", tr.limit_predict_batches);
   tr.log_every_n_steps = t.get_int("log_every_n_steps", 10, 1);
   tr.seed = t.get_int("seed", 0, 0);
-  tr.default_root_dir = t.get_string("default_root_dir", tr.default_root_dir);
+  tr.default_root_dir = read_path(t, "default_root_dir", tr.default_root_dir);
   tr.checkpoint_every_n_steps = t.get_int("checkpoint_every_n_steps", 0, 0);
   tr.save_last = t.get_bool("save_last", true);
   if (t.has("enable_progress_bar") && t.table().get("enable_progress_bar")->is_boolean())
@@ -167,14 +195,14 @@ Config Config::load(const std::string& path, const std::vector<std::string>& ove
   sdk::Options o = section("optimizer");
   sdk::OptimizerSettings& opt = config.optimizer;
   opt.name = o.get_choice("name", "adamw", {"adamw", "adam", "sgd"});
-  opt.lr = o.get_double("lr", 1e-3, 0.0);
+  opt.lr = o.get_double("lr", 1e-3, 0.0, kMaxFloat);
   std::vector<double> betas = o.get_double_list("betas", {0.9, 0.999});
   TESSERA_CHECK(betas.size() == 2 && betas[0] >= 0 && betas[0] < 1 && betas[1] >= 0 && betas[1] < 1,
                 o.locate("betas"), " must be two numbers in [0, 1), e.g. [0.9, 0.95]");
   opt.beta1 = betas[0];
   opt.beta2 = betas[1];
-  opt.eps = o.get_double("eps", 1e-8, 0.0);
-  opt.weight_decay = o.get_double("weight_decay", opt.name == "adamw" ? 0.01 : 0.0, 0.0);
+  opt.eps = o.get_double("eps", 1e-8, 0.0, kMaxFloat);
+  opt.weight_decay = o.get_double("weight_decay", opt.name == "adamw" ? 0.01 : 0.0, 0.0, kMaxFloat);
   opt.momentum = o.get_double("momentum", 0.0, 0.0, 1.0);
   // The schedule's keys live in [lr_scheduler] or, for short configs, in [optimizer].
   sdk::Options ls = section("lr_scheduler");
@@ -200,8 +228,10 @@ Config Config::load(const std::string& path, const std::vector<std::string>& ove
   la.master_port = l.get_int("master_port", 0, 0, 65535);
   la.cluster_environment =
       l.get_choice("cluster_environment", "auto", {"auto", "local", "torchrun", "slurm", "mpi", "single"});
-  la.num_threads = l.get_int("num_threads", 0, 0);
-  la.collective_timeout_s = l.get_int("collective_timeout_s", 60, 1);
+  la.num_threads = l.get_int("num_threads", 0, 0, kMaxThreads);
+  la.collective_timeout_s = l.get_int("collective_timeout_s", 60, 1, kMaxTimeoutS);
+  la.rendezvous_timeout_s = l.get_int("rendezvous_timeout_s", 600, 1, kMaxTimeoutS);
+  la.checkpoint_timeout_s = l.get_int("checkpoint_timeout_s", 1800, 1, kMaxTimeoutS);
   l.check_all_used();
 
   for (const auto& name : kPluginSections) {

@@ -61,7 +61,9 @@ struct LaunchSettings {
   std::int64_t master_port = 0;  ///< 0: the local launcher picks a free port
   std::string cluster_environment = "auto";
   std::int64_t num_threads = 0;  ///< 0: cores / local ranks
-  std::int64_t collective_timeout_s = 60;
+  std::int64_t collective_timeout_s = 60;    ///< each collective while training
+  std::int64_t rendezvous_timeout_s = 600;   ///< joining the store and creating the process groups
+  std::int64_t checkpoint_timeout_s = 1800;  ///< collectives while a checkpoint is saved or loaded
 };
 
 struct DataSettings {

@@ -17,12 +17,15 @@
 #include <filesystem>
 #include <fstream>
 #include <iostream>
+#include <map>
+#include <memory>
 #include <thread>
 #include <vector>
 
 #include <ATen/Parallel.h>
 
 #include "tessera/core/cluster.hpp"
+#include "tessera/core/comm.hpp"
 #include "tessera/sdk/error.hpp"
 
 namespace tessera::host {
@@ -33,6 +36,11 @@ using Clock = std::chrono::steady_clock;
 
 /// How long stopped ranks get between SIGTERM and SIGKILL.
 constexpr std::chrono::seconds kGracePeriod{5};
+/// After a rank fails, how long the others get to fail on their own and write their
+/// reports (a broken collective, a hang report) before they are stopped.
+constexpr std::chrono::seconds kSettlePeriod{4};
+
+std::string first_line(const std::string& s) { return s.substr(0, s.find('\n')); }
 
 
 std::string tail(const std::string& path, std::size_t lines) {
@@ -104,18 +112,23 @@ std::optional<int> launch_or_join(const LaunchSettings& settings, const std::str
   std::int64_t port = settings.master_port;
   if (settings.nodes == 1) {
     if (port != 0 && !port_is_free(settings.master_addr, port)) {
-      std::int64_t chosen = core::free_port();
-      std::cerr << "tessera: [launch] master_port = " << port << " is in use; the local ranks use free port "
-                << chosen << " instead\n";
-      port = chosen;
+      std::cerr << "tessera: [launch] master_port = " << port << " is in use; the local ranks use a free port instead\n";
+      port = 0;
     }
-    if (port == 0) port = core::free_port();
   } else {
     TESSERA_CHECK(port != 0, "[launch] nodes = ", settings.nodes,
                   " needs an explicit [launch] master_port, the same on every node");
     TESSERA_CHECK(settings.node_rank != 0 || port_is_free(settings.master_addr, port), "[launch] master_port = ", port,
                   " is already in use on this host, where node 0's rendezvous must listen: choose a free port "
                   "(the same on every node)");
+  }
+  // Node 0's launcher hosts the rendezvous store, as torchrun's agent does: the ranks join it
+  // as clients, and their ledgers and failure reports outlive any one rank.
+  std::unique_ptr<core::AgentStore> store;
+  if (settings.node_rank == 0) {
+    store = std::make_unique<core::AgentStore>(settings.master_addr, port, true,
+                                               static_cast<double>(settings.rendezvous_timeout_s));
+    port = store->port();
   }
   std::filesystem::create_directories(log_dir);
   std::int64_t cores = std::max(1u, std::thread::hardware_concurrency());
@@ -146,6 +159,8 @@ std::optional<int> launch_or_join(const LaunchSettings& settings, const std::str
     child["ROLE_WORLD_SIZE"] = std::to_string(world);
     child["MASTER_ADDR"] = settings.master_addr;
     child["MASTER_PORT"] = std::to_string(port);
+    child["TORCHELASTIC_USE_AGENT_STORE"] = "True";
+    child["TORCHELASTIC_RESTART_COUNT"] = "0";
     child["OMP_NUM_THREADS"] = std::to_string(threads);
     child["OPENBLAS_NUM_THREADS"] = std::to_string(threads);
     std::vector<std::string> strings;
@@ -212,12 +227,19 @@ std::optional<int> launch_or_join(const LaunchSettings& settings, const std::str
     }
   };
 
+  struct Failed {
+    std::int64_t rank;
+    pid_t pid;
+    int status;
+    std::int64_t time_ms;
+  };
+  std::vector<Failed> failed;
   std::vector<bool> done(local, false);
   std::int64_t remaining = local;
   int exit_code = 0;
   std::string report;
-  bool stopping = false, killed = false;
-  Clock::time_point kill_at{};
+  bool stopping = false, killed = false, settling = false;
+  Clock::time_point kill_at{}, settle_until{};
   auto stop_all = [&] {
     if (stopping) return;
     stopping = true;
@@ -233,16 +255,16 @@ std::optional<int> launch_or_join(const LaunchSettings& settings, const std::str
       if (r != pids[i]) continue;
       done[i] = true;
       --remaining;
-      if ((WIFEXITED(status) && WEXITSTATUS(status) == 0) || !report.empty()) continue;
-      std::int64_t rank = settings.node_rank * local + i;
-      if (stopping) continue;  // stopped by us after an interrupt: not a root cause
-      exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
-      if (i == 0) pump(0);  // rank 0's last words are in the pipe
-      report = "tessera: rank " + std::to_string(rank) + " (pid " + std::to_string(pids[i]) + ") failed first: " +
-               describe_status(status) + "; stopping the other ranks\n  last lines of " + logs[i] + ":\n" +
-               tail(logs[i], 15);
-      stop_all();
+      if (WIFEXITED(status) && WEXITSTATUS(status) == 0) continue;
+      if (stopping) continue;  // stopped by us: not a root cause
+      if (i == 0) pump(0);     // rank 0's last words are in the pipe
+      failed.push_back({settings.node_rank * local + i, pids[i], status, core::wall_ms()});
+      if (!settling) {
+        settling = true;
+        settle_until = Clock::now() + kSettlePeriod;
+      }
     }
+    if (settling && !stopping && (remaining == 0 || Clock::now() >= settle_until)) stop_all();
     if (g_interrupted && !stopping) {
       report = std::string("tessera: interrupted by ") + strsignal(g_interrupted) + "; stopping all ranks\n";
       exit_code = 128 + g_interrupted;
@@ -251,6 +273,50 @@ std::optional<int> launch_or_join(const LaunchSettings& settings, const std::str
     if (stopping && !killed && remaining > 0 && Clock::now() >= kill_at) {
       ::kill(-group, SIGKILL);  // the group exists while any member is unreaped
       killed = true;
+    }
+  }
+  if (!failed.empty() && report.empty()) {
+    std::map<std::int64_t, core::FailureRecord> records;
+    if (store) records = store->failures(world);
+    else records = core::AgentStore(settings.master_addr, port, false, 5.0).failures(world);
+    // The root cause: the earliest failure of a rank's own (an error it reported, a signal, an
+    // exit without a report), not the first process reaped; failures caused by another rank
+    // (a broken or timed-out collective) are consequences.
+    auto own = [&](const Failed& f) { return !records.count(f.rank) || !records.at(f.rank).consequence; };
+    auto time_of = [&](const Failed& f) { return records.count(f.rank) ? records.at(f.rank).time_ms : f.time_ms; };
+    const Failed* root = nullptr;
+    for (const Failed& f : failed)
+      if (own(f) && (root == nullptr || time_of(f) < time_of(*root))) root = &f;
+    std::int64_t blamed = -1;  // a rank named by the others' hang reports that never failed itself
+    const Failed* namer = nullptr;
+    if (root == nullptr) {
+      for (const Failed& f : failed)  // the first to detect it saw the least disturbed picture
+        if (namer == nullptr && records.count(f.rank) && records.at(f.rank).root >= 0)
+          blamed = records.at(f.rank).root, namer = &f;
+      if (blamed < 0) root = &failed.front();
+    }
+    auto log_of = [&](std::int64_t rank) { return log_dir + "/rank-" + std::to_string(rank) + ".log"; };
+    if (root != nullptr) {
+      exit_code = WIFEXITED(root->status) ? WEXITSTATUS(root->status) : 128 + WTERMSIG(root->status);
+      report = "tessera: rank " + std::to_string(root->rank) + " (pid " + std::to_string(root->pid) +
+               ") failed first: " + describe_status(root->status) + "; stopping the other ranks\n  last lines of " +
+               log_of(root->rank) + ":\n" + tail(log_of(root->rank), 15);
+    } else {
+      const Failed& first = *namer;
+      exit_code = WIFEXITED(first.status) ? WEXITSTATUS(first.status) : 128 + WTERMSIG(first.status);
+      std::int64_t local_index = blamed - settings.node_rank * local;
+      std::string pid = local_index >= 0 && local_index < local ? " (pid " + std::to_string(pids[local_index]) + ")" : "";
+      report = "tessera: rank " + std::to_string(blamed) + pid + " failed first: named by rank " +
+               std::to_string(first.rank) + "'s hang report (it did not exit by itself; stopped by the launcher)\n" +
+               "  rank " + std::to_string(first.rank) + " reported: " + records.at(first.rank).message + "\n";
+      if (local_index >= 0 && local_index < local)
+        report += "  last lines of " + log_of(blamed) + ":\n" + tail(log_of(blamed), 15);
+    }
+    for (const Failed& f : failed) {
+      if (&f == root) continue;
+      report += "  as a consequence: rank " + std::to_string(f.rank) + " (pid " + std::to_string(f.pid) + ") " +
+                describe_status(f.status) +
+                (records.count(f.rank) ? ": " + first_line(records.at(f.rank).message) : std::string()) + "\n";
     }
   }
   while (err_read >= 0) pump(100);

@@ -1,11 +1,15 @@
 // The `tessera` command line: fit | validate | test | predict | plugins.
+#include <fcntl.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
-#include <ctime>
-#include <fstream>
+#include <cstdio>
+#include <filesystem>
 #include <iostream>
+#include <optional>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include <c10/util/Exception.h>
@@ -14,6 +18,7 @@
 #include "config.hpp"
 #include "launcher.hpp"
 #include "run_log.hpp"
+#include "tessera/core/comm.hpp"
 #include "tessera/core/plugin_loader.hpp"
 #include "tessera/sdk/error.hpp"
 #include "trainer.hpp"
@@ -70,6 +75,9 @@ Arguments parse(int argc, char** argv) {
   }
   TESSERA_CHECK(!args.command.empty(), "no command given");
   TESSERA_CHECK(args.command == "plugins" || !args.config.empty(), args.command, " needs --config FILE.toml");
+  TESSERA_CHECK((args.command != "validate" && args.command != "test") || !args.ckpt_path.empty(), args.command,
+                " needs --ckpt-path last|PATH: without a checkpoint it would evaluate the model's random initial "
+                "weights");
   return args;
 }
 
@@ -80,6 +88,8 @@ int list_plugins(const std::vector<std::string>& config_dirs) {
     std::printf("%-14s %-20s %-9s %u.%-3u %s\n", sdk::to_string(p.kind), p.name.c_str(), p.version.c_str(),
                 p.abi_major, p.abi_minor, p.path.c_str());
   for (const auto& r : loader.rejected()) std::printf("refused %s: %s\n", r.path.c_str(), r.reason.c_str());
+  for (const auto& r : loader.skipped_dirs())
+    std::printf("skipped directory %s: %s\n", r.path.c_str(), r.reason.c_str());
   return 0;
 }
 
@@ -98,18 +108,53 @@ void check_plugins(const host::Config& config) {
   host::make_callbacks(config, loader);
 }
 
-/// torchrun reports the root cause from this file (TORCHELASTIC_ERROR_FILE).
-void write_torchelastic_error(const std::string& message) {
-  const char* path = std::getenv("TORCHELASTIC_ERROR_FILE");
-  if (path == nullptr) return;
-  std::string escaped;
-  for (char c : message) {
-    if (c == '"' || c == '\\') escaped += '\\';
-    if (c == '\n') escaped += "\\n";
-    else escaped += c;
+std::string json_string(const std::string& text) {
+  std::string out = "\"";
+  for (unsigned char c : text) {
+    if (c == '"' || c == '\\') out += '\\', out += static_cast<char>(c);
+    else if (c == '\n') out += "\\n";
+    else if (c < 0x20) {
+      char buffer[8];
+      std::snprintf(buffer, sizeof(buffer), "\\u%04x", c);
+      out += buffer;
+    } else out += static_cast<char>(c);
   }
-  std::ofstream(path) << "{\"message\": {\"message\": \"" << escaped << "\", \"extraInfo\": {\"py_callstack\": \"\", "
-                      << "\"timestamp\": \"" << std::time(nullptr) << "\"}}}\n";
+  return out + "\"";
+}
+
+/// torchrun's error file, in the layout its ChildFailedError reads; the message also goes in
+/// extraInfo.py_callstack, which torchrun shows in preference to it. `exclusive`: only if no
+/// file exists yet (a report written for a rank that died without one).
+void write_error_file(const std::string& path, const std::string& message, std::int64_t timestamp_s,
+                      bool exclusive) {
+  int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | (exclusive ? O_EXCL : O_TRUNC) | O_CLOEXEC, 0644);
+  if (fd < 0) return;
+  std::string json = "{\"message\": {\"message\": " + json_string(message) + ", \"extraInfo\": {\"py_callstack\": " +
+                     json_string(message) + ", \"timestamp\": \"" + std::to_string(timestamp_s) + "\"}}}\n";
+  ssize_t written = ::write(fd, json.data(), json.size());
+  (void)written;
+  ::close(fd);
+}
+
+/// Records this rank's failure for the launcher and torchrun. torchrun blames the error file
+/// with the smallest timestamp (whole seconds): a consequence of another rank's failure is
+/// stamped strictly after it, and a root cause that died without a report (killed, or gone
+/// silent) gets one written for it from the hang report.
+void report_failure(const std::string& message) {
+  core::FailureRecord record = core::report_failure(message);
+  const char* error_file = std::getenv("TORCHELASTIC_ERROR_FILE");
+  if (error_file == nullptr) return;
+  std::int64_t stamp = record.time_ms / 1000;
+  if (std::optional<core::Diagnosis> d = core::last_collective_failure(); d && record.consequence && d->root >= 0) {
+    const std::int64_t root_s = d->root_time_ms / 1000;
+    if (!d->root_reported && !d->root_error_file.empty())
+      write_error_file(d->root_error_file,
+                       d->root_summary + " (reported for it by rank " + std::to_string(record.rank) + ")", root_s,
+                       /*exclusive=*/true);
+    while (core::wall_ms() / 1000 <= root_s) std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    stamp = std::max(stamp, core::wall_ms() / 1000);
+  }
+  write_error_file(error_file, message, stamp, /*exclusive=*/false);
 }
 
 }  // namespace
@@ -141,10 +186,13 @@ int main(int argc, char** argv) {
     host::Config config = host::Config::load(args.config, args.overrides);
     const std::string root = config.trainer.default_root_dir;
     sdk::ClusterInfo cluster;
-    if (std::getenv("TESSERA_LAUNCHED") == nullptr && config.launch.devices * config.launch.nodes > 1) {
+    if (std::getenv("TESSERA_LAUNCHED") == nullptr) {  // once per job, before any rank starts
+      host::Trainer::resolve_checkpoint(config, args.ckpt_path);  // a missing checkpoint stops us here
       check_plugins(config);
-      host::Trainer::resolve_checkpoint(config, args.ckpt_path);  // a missing checkpoint stops us before any rank
     }
+    core::set_comm_timeouts({static_cast<double>(config.launch.rendezvous_timeout_s),
+                             static_cast<double>(config.launch.checkpoint_timeout_s)});
+    core::set_fatal_reporter(report_failure);
     if (auto code = host::launch_or_join(config.launch, root + "/logs", argc, argv, cluster)) return *code;
     host::configure_threads(config.launch, cluster);
     log = std::make_unique<host::RunLog>(root, cluster.global_rank, config.trainer.enable_progress_bar);
@@ -161,7 +209,7 @@ int main(int argc, char** argv) {
     // Under tessera's own launcher stderr already lands in this rank's log file.
     if (log && std::getenv("TESSERA_LAUNCHED") == nullptr) log->to_file("error: " + message);
     std::cerr << "tessera: error: " << message << "\n";
-    write_torchelastic_error(message);
+    report_failure(message);
     return 1;
   }
 }

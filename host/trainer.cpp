@@ -22,6 +22,7 @@
 #include "tessera/core/checkpoint.hpp"
 #include "tessera/core/checkpoint_folder.hpp"
 #include "tessera/core/data_loader.hpp"
+#include "tessera/core/ledger.hpp"
 #include "tessera/core/trace.hpp"
 #include "tessera/sdk/build_config.hpp"  // TESSERA_WITH_CUDA, before the #if below
 #include "tessera/sdk/error.hpp"
@@ -253,6 +254,8 @@ void Trainer::request_stop(const std::string& reason) {
 
 void Trainer::save_checkpoint(const std::string& path) {
   core::trace::Span span("hook", "[Trainer]save_checkpoint");
+  core::LedgerPhase phase("save_checkpoint");  // collectives here wait up to [launch] checkpoint_timeout_s
+  maybe_inject_fault(global_step_, /*saving=*/true);
   sdk::Checkpoint checkpoint = sdk::make_checkpoint();
   checkpoint.insert("state_dict", core::to_ivalue(strategy_->lightning_module_state_dict()));
   c10::impl::GenericList optimizer_states(c10::AnyType::get());
@@ -288,6 +291,7 @@ void Trainer::remove_checkpoint(const std::string& path) {
 }
 
 void Trainer::restore(const std::string& path, bool with_training_state) {
+  core::LedgerPhase phase("load_checkpoint");
   const auto start = std::chrono::steady_clock::now();
   sdk::Checkpoint checkpoint = strategy_->load_checkpoint(path);
   strategy_->load_model_state_dict(
@@ -327,8 +331,8 @@ void Trainer::restore(const std::string& path, bool with_training_state) {
             " in " + format(std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count(), 3) + " s");
 }
 
-void Trainer::maybe_inject_fault(std::int64_t step) const {
-  // Test-only: TESSERA_FAULT_INJECT="rank=1,step=3,kind=exit|kill|hang|sigint".
+void Trainer::maybe_inject_fault(std::int64_t step, bool saving) const {
+  // Test-only: TESSERA_FAULT_INJECT="rank=1,step=3,kind=exit|kill|hang|sigint|error|slow_save[,seconds=N]".
   const char* spec = std::getenv("TESSERA_FAULT_INJECT");
   if (spec == nullptr) return;
   std::map<std::string, std::string> fields;
@@ -337,12 +341,16 @@ void Trainer::maybe_inject_fault(std::int64_t step) const {
     auto eq = item.find('=');
     if (eq != std::string::npos) fields[item.substr(0, eq)] = item.substr(eq + 1);
   }
-  if (std::stoll(fields["rank"]) != cluster_.global_rank || std::stoll(fields["step"]) != step) return;
+  if (std::stoll(fields["rank"]) != cluster_.global_rank || std::stoll(fields["step"]) != step ||
+      (fields["kind"] == "slow_save") != saving)
+    return;
   log_.info("fault injection: rank " + std::to_string(cluster_.global_rank) + " " + fields["kind"] + " at step " +
             std::to_string(step));
   if (fields["kind"] == "sigint") return void(::raise(SIGINT));  // as Ctrl-C: handled at the step's end
   if (fields["kind"] == "kill") ::raise(SIGKILL);
   if (fields["kind"] == "hang") std::this_thread::sleep_for(std::chrono::hours(1));
+  if (fields["kind"] == "error") TESSERA_FAIL("fault injection: rank ", cluster_.global_rank, " fails at step ", step);
+  if (fields["kind"] == "slow_save") return std::this_thread::sleep_for(std::chrono::seconds(std::stoll(fields["seconds"])));
   std::_Exit(3);
 }
 
@@ -439,6 +447,7 @@ void Trainer::fit(const std::string& ckpt_path) {
         sdk::Batch last_batch;
         for (std::int64_t m = 0; m < accumulate; ++m) {
           const std::int64_t batch_idx = next_batch_ + m;
+          core::ledger_set_step(global_step_ + 1, m);
           sdk::Batch batch;
           {
             core::trace::Span span("hook", "[DataLoader]next");

@@ -78,7 +78,7 @@ class Trainer final : public sdk::Trainer {
   /// Runs one step, explaining LibTorch's dtype errors under autocast (explain_step_failure).
   template <typename Step>
   auto run_step(const char* name, Step&& step);
-  void maybe_inject_fault(std::int64_t step) const;
+  void maybe_inject_fault(std::int64_t step, bool saving = false) const;
 
   Config config_;
   sdk::ClusterInfo cluster_;

@@ -6,6 +6,7 @@
 #include <cstddef>
 #include <cstdlib>
 #include <cstring>
+#include <fstream>
 #include <sstream>
 
 #include <boost/dll/library_info.hpp>
@@ -28,6 +29,19 @@ namespace {
 
 /// Whether the plugin's descriptor is long enough to hold the (appended) field at `offset`.
 bool covers(const PluginDescriptor& d, std::size_t offset, std::size_t size) { return d.struct_size >= offset + size; }
+std::string describe_type(const fs::path& path) {
+  std::error_code ec;
+  switch (fs::status(path, ec).type()) {
+    case fs::file_type::fifo: return "a FIFO";
+    case fs::file_type::directory: return "a directory";
+    case fs::file_type::character: return "a character device";
+    case fs::file_type::block: return "a block device";
+    case fs::file_type::socket: return "a socket";
+    case fs::file_type::not_found: return "missing, or a broken symbolic link";
+    case fs::file_type::regular: return "a regular file";
+    default: return "not a regular file";
+  }
+}
 
 }  // namespace
 
@@ -63,12 +77,26 @@ PluginLoader::PluginLoader(std::vector<fs::path> dirs, bool never_unload)
 PluginLoader::~PluginLoader() = default;
 
 std::shared_ptr<PluginLoader::Library> PluginLoader::load(const fs::path& file) {
+  // Only a regular file is opened: a FIFO named *.so would block the reader forever.
+  std::error_code ec;
+  TESSERA_CHECK(fs::is_regular_file(file, ec), file.string(), " is not a regular file (", describe_type(file),
+                "): not opened");
+  const auto size = fs::file_size(file, ec);
+  TESSERA_CHECK(!ec && size > 0, file.string(), " is empty (0 bytes), not a shared library");
+  {
+    std::ifstream in(file, std::ios::binary);
+    char magic[4] = {};
+    in.read(magic, 4);
+    TESSERA_CHECK(in.good() && std::memcmp(magic, "\x7f" "ELF", 4) == 0, file.string(),
+                  in.good() ? " is not an ELF shared library (wrong magic bytes)" : " cannot be read");
+  }
   // Look for the entry point in the file itself before dlopen runs any of its code.
   std::vector<std::string> aliases;
   try {
     aliases = boost::dll::library_info(file).symbols("boostdll");
   } catch (const std::exception& e) {
-    TESSERA_FAIL(file.string(), " is not a loadable shared library (", e.what(), ")");
+    TESSERA_FAIL(file.string(), " is a truncated or damaged shared library (", size,
+                 " bytes; its section headers cannot be read)");
   }
   TESSERA_CHECK(std::find(aliases.begin(), aliases.end(), "tessera_plugin") != aliases.end(), file.string(),
                 " is not a Tessera plugin: it exports no 'tessera_plugin' entry point. A plugin declares one with "
@@ -133,9 +161,21 @@ void PluginLoader::scan() {
   scanned_ = true;
   for (const fs::path& dir : dirs_) {
     std::error_code ec;
-    if (!fs::is_directory(dir, ec)) continue;
+    if (!fs::exists(dir, ec)) {
+      skipped_dirs_.push_back({dir, "does not exist"});
+      continue;
+    }
+    if (!fs::is_directory(dir, ec)) {
+      skipped_dirs_.push_back({dir, "is not a directory (" + describe_type(dir) + ")"});
+      continue;
+    }
     std::vector<fs::path> files;
-    for (const auto& entry : fs::directory_iterator(dir, ec))
+    fs::directory_iterator it(dir, ec);
+    if (ec) {
+      skipped_dirs_.push_back({dir, "cannot be read: " + ec.message()});
+      continue;
+    }
+    for (const auto& entry : it)
       if (entry.path().extension() == ".so") files.push_back(entry.path());
     std::sort(files.begin(), files.end());
     for (const fs::path& file : files) {
@@ -156,6 +196,11 @@ const std::vector<PluginInfo>& PluginLoader::plugins() {
 const std::vector<RejectedPlugin>& PluginLoader::rejected() {
   scan();
   return rejected_;
+}
+
+const std::vector<RejectedPlugin>& PluginLoader::skipped_dirs() {
+  scan();
+  return skipped_dirs_;
 }
 
 std::shared_ptr<sdk::PluginObject> PluginLoader::create(PluginKind kind, const std::string& name,
@@ -195,6 +240,8 @@ std::shared_ptr<sdk::PluginObject> PluginLoader::create(PluginKind kind, const s
   message << " Available " << sdk::to_string(kind) << " plugins: "
           << (same_kind.empty() ? std::string("none") : sdk::join(same_kind)) << ".";
   for (const RejectedPlugin& r : rejected_) message << "\n  refused " << r.path.string() << ": " << r.reason;
+  for (const RejectedPlugin& r : skipped_dirs_)
+    message << "\n  skipped directory " << r.path.string() << ": " << r.reason;
   TESSERA_FAIL(message.str());
 }
 

@@ -157,6 +157,9 @@ class Text final : public sdk::DataModule {
     if (fs::is_regular_file(path_, ec)) {
       files.push_back(path_);
     } else {
+      TESSERA_CHECK(!fs::exists(path_, ec) || fs::is_directory(path_, ec), options_.locate("path"), " = \"", path_,
+                    "\" is neither a regular file nor a directory (a device, FIFO or socket): give a text file or "
+                    "a directory of text files");
       TESSERA_CHECK(fs::is_directory(path_, ec), options_.locate("path"), " = \"", path_,
                     "\": no such file or directory",
                     "; give a text file or a directory of text files (the default, /usr/share/games/fortunes, "

@@ -142,7 +142,7 @@ class GPT final : public sdk::Module {
       : config_{o.get_int("n_layer", 4, 1), o.get_int("n_head", 4, 1),      o.get_int("n_embd", 128, 1),
                 o.get_int("block_size", 128, 1), o.get_double("dropout", 0.0, 0.0, 1.0), o.get_bool("bias", true),
                 o.get_bool("tie_embeddings", true)},
-        max_new_tokens_(o.get_int("max_new_tokens", 200, 1)),
+        max_new_tokens_(o.get_int("max_new_tokens", 200, 1, 65536)),
         temperature_(o.get_double("temperature", 0.8, 1e-6)),
         top_k_(o.get_int("top_k", 40, 0, kVocab)) {
     TESSERA_CHECK(config_.n_embd % config_.n_head == 0, o.locate("n_embd"), " = ", config_.n_embd,

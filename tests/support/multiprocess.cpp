@@ -154,8 +154,11 @@ void run_ranks(int world_size, std::chrono::seconds timeout,
 namespace tessera::testing {
 
 CommandResult run_tessera(const std::string& arguments, const std::string& environment, int timeout_s) {
-  std::string command = environment + " timeout -k 5 " + std::to_string(timeout_s) + " " + TESSERA_BINARY + " " +
-                        arguments + " 2>&1";
+  return run_command(environment + " timeout -k 5 " + std::to_string(timeout_s) + " " + TESSERA_BINARY + " " +
+                     arguments + " 2>&1");
+}
+
+CommandResult run_command(const std::string& command) {
   CommandResult result{0, ""};
   FILE* pipe = ::popen(command.c_str(), "r");
   char buffer[4096];

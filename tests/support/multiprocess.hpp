@@ -34,6 +34,9 @@ struct CommandResult {
   std::string output;  ///< stdout and stderr together
 };
 
+/// Runs `/bin/sh -c command` and collects what it writes to stdout (append 2>&1 for stderr).
+CommandResult run_command(const std::string& command);
+
 /// Runs the build tree's `tessera` with `arguments` (shell words) and extra environment
 /// assignments ("A=1 B=2"), bounded by `timeout_s` (the `timeout` command kills it).
 CommandResult run_tessera(const std::string& arguments, const std::string& environment = "", int timeout_s = 300);

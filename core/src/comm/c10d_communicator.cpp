@@ -1,7 +1,11 @@
 // The one place Tessera calls c10d. Compiles against LibTorch 1.13 (ProcessGroupGloo is a
 // ProcessGroup) and 2.x (it is a Backend with the same collective methods).
 #include <chrono>
+#include <atomic>
 #include <condition_variable>
+#include <functional>
+#include <future>
+#include <optional>
 #include <cstdio>
 #include <cstdlib>
 #include <map>
@@ -46,15 +50,143 @@ c10d::ReduceOp to_c10d(sdk::ReduceOp op) {
 
 std::int64_t bytes_of(const at::Tensor& t) { return t.numel() * static_cast<std::int64_t>(t.element_size()); }
 
-/// Every collective in flight in this process (world group and its splits), by tag. A
-/// thread reports one that is still incomplete `deadline_s` after it started and ends the
-/// rank: the backstop for a backend whose own timeout never fires (NCCL's watchdog is given
-/// a longer one, so that the report names the collective) or a wait() never reached.
-class InFlight {
+constexpr double kPublishIntervalS = 0.2;
+/// A broken connection is seen at once, its rank's failure record a moment later.
+constexpr double kRecordGraceS = 0.5;
+/// A rank whose ledger has not been republished for this long stopped responding.
+constexpr double kStaleS = 2.0;
+/// How long reading the store for a report may take before the report goes without it.
+constexpr double kStoreReadS = 5.0;
+
+/// Where this process's rendezvous store is (set by make_communicator), for the ledger
+/// publisher, hang reports and failure records.
+struct StoreAddress {
+  std::string host;
+  std::int64_t port = 0;
+  std::string prefix;  ///< "/worker/attempt_N" under an agent store
+  std::int64_t rank = 0;
+  std::int64_t world = 1;
+  bool rank0_hosts = false;
+};
+
+struct Shared {
+  std::mutex mutex;
+  std::optional<StoreAddress> store;
+  CommTimeouts timeouts;
+  std::optional<Diagnosis> last_failure;
+  std::function<void(const std::string&)> fatal_reporter;
+  std::atomic<bool> poisoned{false};  ///< a collective timed out: its Gloo thread may still be inside it
+};
+
+Shared& shared() {
+  static Shared* s = new Shared;  // never destroyed: detached report threads may outlive main
+  return *s;
+}
+
+std::optional<StoreAddress> store_address() {
+  std::lock_guard<std::mutex> lock(shared().mutex);
+  return shared().store;
+}
+
+c10::intrusive_ptr<c10d::Store> open_client(const StoreAddress& a, double timeout_s) {
+  c10d::TCPStoreOptions options;
+  options.port = static_cast<std::uint16_t>(a.port);
+  options.isServer = false;
+  options.waitWorkers = false;  // not a rank: the server must not count it
+  options.timeout = std::chrono::milliseconds(static_cast<std::int64_t>(timeout_s * 1000));
+  c10::intrusive_ptr<c10d::Store> tcp = c10::make_intrusive<c10d::TCPStore>(a.host, options);
+  if (a.prefix.empty()) return tcp;
+  return c10::make_intrusive<c10d::PrefixStore>(a.prefix, tcp);
+}
+
+std::string ledger_key(std::int64_t rank) { return "tessera/ledger/" + std::to_string(rank); }
+std::string failure_key(std::int64_t rank) { return "tessera/failure/" + std::to_string(rank); }
+
+std::string to_string(const std::vector<std::uint8_t>& bytes) { return std::string(bytes.begin(), bytes.end()); }
+std::vector<std::uint8_t> to_bytes(const std::string& s) { return std::vector<std::uint8_t>(s.begin(), s.end()); }
+
+/// Runs `fn` on its own thread and gives up after `seconds` (a store whose host is stopped
+/// never answers); nullopt when it did not finish or threw.
+template <typename T>
+std::optional<T> bounded(std::function<T()> fn, double seconds) {
+  auto promise = std::make_shared<std::promise<T>>();
+  std::future<T> future = promise->get_future();
+  std::thread([promise, fn = std::move(fn)] {
+    try {
+      promise->set_value(fn());
+    } catch (...) {
+      promise->set_exception(std::current_exception());
+    }
+  }).detach();
+  if (future.wait_for(std::chrono::duration<double>(seconds)) != std::future_status::ready) return std::nullopt;
+  try {
+    return future.get();
+  } catch (const std::exception&) {
+    return std::nullopt;
+  }
+}
+
+std::map<std::int64_t, FailureRecord> read_failures(c10d::Store& store, std::int64_t world) {
+  std::map<std::int64_t, FailureRecord> failures;
+  for (std::int64_t r = 0; r < world; ++r)
+    if (store.check({failure_key(r)})) failures[r] = FailureRecord::parse(to_string(store.get(failure_key(r))));
+  return failures;
+}
+
+struct StoreView {
+  std::vector<std::optional<LedgerEntry>> ledgers;
+  std::map<std::int64_t, FailureRecord> failures;
+};
+
+/// Reads every rank's ledger and the failure records, then names the root cause; reads once
+/// more after kStaleS when nobody stands out yet (a rank that just died still looks alive).
+Diagnosis diagnose_now(std::int64_t me, bool timed_out) {
+  std::optional<StoreAddress> address = store_address();
+  if (!timed_out) std::this_thread::sleep_for(std::chrono::duration<double>(kRecordGraceS));
+  Diagnosis d;
+  if (!address) {
+    d.text = "no rendezvous store to read the other ranks' ledgers from";
+    return d;
+  }
+  for (int attempt = 0; attempt < 2; ++attempt) {
+    StoreAddress a = *address;
+    std::optional<StoreView> view = bounded<StoreView>([a] {
+      auto store = open_client(a, 2.0);
+      StoreView v;
+      v.ledgers.resize(static_cast<std::size_t>(a.world));
+      for (std::int64_t r = 0; r < a.world; ++r)
+        if (store->check({ledger_key(r)})) v.ledgers[r] = LedgerEntry::parse(to_string(store->get(ledger_key(r))));
+      v.failures = read_failures(*store, a.world);
+      return v;
+    }, kStoreReadS);
+    if (!view) {
+      d.text = "the rendezvous store at " + a.host + ":" + std::to_string(a.port) + " does not answer";
+      if (a.rank0_hosts && me != 0) {
+        d.root = 0;
+        d.text += " (rank 0 hosts it: rank 0 stopped responding or is gone)";
+      }
+      return d;
+    }
+    LedgerEntry mine = ledger_snapshot();
+    mine.published_ms = wall_ms();
+    view->ledgers[static_cast<std::size_t>(me)] = mine;
+    d = diagnose(me, view->ledgers, view->failures, wall_ms(), kStaleS);
+    if (d.root >= 0) return d;
+    if (attempt == 0) std::this_thread::sleep_for(std::chrono::duration<double>(kStaleS + kPublishIntervalS));
+  }
+  return d;
+}
+
+/// Every collective in flight in this process (world group and its splits), and the ledger
+/// publisher: a thread republishes this rank's ledger every kPublishIntervalS (the heartbeat)
+/// and reports a collective still incomplete past its timeout plus a backstop, then ends the
+/// rank: for a backend whose own timeout never fires (NCCL's watchdog is given a longer one)
+/// or a collective whose wait() is never reached.
+class Monitor {
  public:
-  InFlight(std::int64_t rank, double timeout_s, double deadline_s)
-      : rank_(rank), timeout_s_(timeout_s), deadline_s_(deadline_s), thread_([this] { watch(); }) {}
-  ~InFlight() {
+  Monitor(std::int64_t rank, double backstop_s, std::optional<StoreAddress> store)
+      : rank_(rank), backstop_s_(backstop_s), store_(std::move(store)), thread_([this] { watch(); }) {}
+  ~Monitor() {
     {
       std::lock_guard<std::mutex> lock(mutex_);
       stop_ = true;
@@ -63,9 +195,9 @@ class InFlight {
     thread_.join();
   }
 
-  std::uint64_t add(const WorkPtr& work, const std::string& tag) {
+  std::uint64_t add(const WorkPtr& work, const std::string& tag, std::int64_t seq, double timeout_s) {
     std::lock_guard<std::mutex> lock(mutex_);
-    entries_[next_] = Entry{work, tag, Clock::now()};
+    entries_[next_] = Entry{work, tag, seq, timeout_s, Clock::now()};
     return next_++;
   }
   void remove(std::uint64_t id) {
@@ -77,30 +209,64 @@ class InFlight {
   struct Entry {
     WorkPtr work;
     std::string tag;
+    std::int64_t seq;
+    double timeout_s;
     Clock::time_point start;
   };
+
+  void publish() {
+    if (!store_ || broken_) return;
+    try {
+      if (!client_) client_ = open_client(*store_, 5.0);
+      LedgerEntry entry = ledger_snapshot();
+      entry.published_ms = wall_ms();
+      client_->set(ledger_key(rank_), to_bytes(entry.serialize()));
+    } catch (const std::exception&) {
+      broken_ = true;  // the store is gone (its host ended): nobody could read the ledger anyway
+    }
+  }
 
   void watch() {
     std::unique_lock<std::mutex> lock(mutex_);
     while (!stop_) {
-      wake_.wait_for(lock, std::chrono::milliseconds(500));
+      lock.unlock();
+      publish();
+      lock.lock();
+      wake_.wait_for(lock, std::chrono::duration<double>(kPublishIntervalS), [this] { return stop_; });
       for (const auto& [id, entry] : entries_) {
         double waited = std::chrono::duration<double>(Clock::now() - entry.start).count();
-        if (waited < deadline_s_ || entry.work->isCompleted()) continue;
-        std::fprintf(stderr,
-                     "tessera: rank %lld: %s, waiting %.0f s (collective timeout %.0f s): another rank stopped or "
-                     "never reached this collective; stopping rank %lld\n",
-                     static_cast<long long>(rank_), entry.tag.c_str(), waited, timeout_s_,
-                     static_cast<long long>(rank_));
+        if (waited < entry.timeout_s + backstop_s_ || entry.work->isCompleted()) continue;
+        Entry stuck = entry;
+        lock.unlock();
+        Diagnosis d = diagnose_now(rank_, /*timed_out=*/true);
+        {
+          std::lock_guard<std::mutex> guard(shared().mutex);
+          shared().last_failure = d;
+        }
+        std::string message = "rank " + std::to_string(rank_) + ": " + stuck.tag + " incomplete after " +
+                              std::to_string(static_cast<std::int64_t>(waited)) + " s (collective #" +
+                              std::to_string(stuck.seq) + ", timeout " +
+                              std::to_string(static_cast<std::int64_t>(stuck.timeout_s)) +
+                              " s; this rank never waited for it). Hang report: " + d.text;
+        std::fprintf(stderr, "tessera: error: %s\n", message.c_str());
         std::fflush(stderr);
+        std::function<void(const std::string&)> reporter;
+        {
+          std::lock_guard<std::mutex> guard(shared().mutex);
+          reporter = shared().fatal_reporter;
+        }
+        if (reporter) reporter(message);
+        else report_failure(message);
         std::_Exit(124);
       }
     }
   }
 
   std::int64_t rank_;
-  double timeout_s_;
-  double deadline_s_;
+  double backstop_s_;
+  std::optional<StoreAddress> store_;
+  c10::intrusive_ptr<c10d::Store> client_;
+  bool broken_ = false;
   std::mutex mutex_;
   std::condition_variable wake_;
   bool stop_ = false;
@@ -110,46 +276,73 @@ class InFlight {
 };
 
 /// A c10d Work plus the local step that completes the collective (copy-out, sum, divide).
+/// wait() waits up to the collective's timeout, then reports where every rank is.
 class C10dHandle final : public CommHandle {
  public:
-  C10dHandle(WorkPtr work, std::function<void()> finish, std::string tag, std::int64_t rank, double timeout_s,
-             std::shared_ptr<InFlight> in_flight)
-      : work_(std::move(work)), finish_(std::move(finish)), tag_(std::move(tag)), rank_(rank),
-        timeout_s_(timeout_s), start_(Clock::now()), in_flight_(std::move(in_flight)) {
-    if (work_ && in_flight_) id_ = in_flight_->add(work_, tag_);
+  C10dHandle(WorkPtr work, std::function<void()> finish, std::string tag, std::int64_t global_rank,
+             double collective_timeout_s, std::shared_ptr<Monitor> monitor)
+      : work_(std::move(work)), finish_(std::move(finish)), tag_(std::move(tag)), rank_(global_rank),
+        start_(Clock::now()), monitor_(std::move(monitor)) {
+    checkpoint_ = is_checkpoint_phase(ledger_phase());
+    if (checkpoint_) {
+      std::lock_guard<std::mutex> lock(shared().mutex);
+      timeout_s_ = shared().timeouts.checkpoint_s;
+    } else {
+      timeout_s_ = collective_timeout_s;
+    }
+    if (work_) {
+      seq_ = detail::ledger_issue(tag_);
+      if (monitor_) id_ = monitor_->add(work_, tag_, seq_, timeout_s_);
+    }
   }
   ~C10dHandle() override {
-    if (in_flight_) in_flight_->remove(id_);
+    if (monitor_ && work_) monitor_->remove(id_);
   }
 
   void wait() override {
     if (done_) return;
-    try {
-      if (work_) work_->wait();
-    } catch (const std::exception& e) {
-      double waited = std::chrono::duration<double>(Clock::now() - start_).count();
-      std::string reason = e.what();
-      bool timed_out = reason.find("imed out") != std::string::npos || waited >= timeout_s_;
-      TESSERA_FAIL("rank ", rank_, ": ", tag_, (timed_out ? " timed out" : " failed"), " after ",
-                   static_cast<std::int64_t>(waited), " s (collective timeout ", timeout_s_,
-                   " s): another rank stopped or never reached this collective. c10d: ",
-                   reason.substr(0, reason.find('\n')));
+    if (work_) {
+      detail::ledger_wait(seq_, tag_);
+      try {
+        work_->wait(std::chrono::milliseconds(std::max<std::int64_t>(1, static_cast<std::int64_t>(timeout_s_ * 1000))));
+      } catch (const std::exception& e) {
+        fail(e.what());
+      }
+      detail::ledger_done();
     }
     done_ = true;
-    if (in_flight_) in_flight_->remove(id_);
+    if (monitor_ && work_) monitor_->remove(id_);
     if (finish_) finish_();
     trace::record(tag_, "collective", start_, Clock::now(), /*overlapping=*/true);  // issue to completion
   }
 
  private:
+  [[noreturn]] void fail(const std::string& what) {
+    double waited = std::chrono::duration<double>(Clock::now() - start_).count();
+    std::string reason = what.substr(0, what.find('\n'));
+    bool timed_out = reason.find("imed out") != std::string::npos || waited >= timeout_s_ - 0.1;
+    if (timed_out) shared().poisoned = true;
+    Diagnosis d = diagnose_now(rank_, timed_out);
+    {
+      std::lock_guard<std::mutex> lock(shared().mutex);
+      shared().last_failure = d;
+    }
+    TESSERA_FAIL("rank ", rank_, ": ", tag_, (timed_out ? " timed out" : " failed"), " after ",
+                 static_cast<std::int64_t>(waited), " s (collective #", seq_, "; [launch] ",
+                 (checkpoint_ ? "checkpoint_timeout_s" : "collective_timeout_s"), " = ", timeout_s_,
+                 "). Hang report: ", d.text, ". c10d: ", reason);
+  }
+
   WorkPtr work_;
   std::function<void()> finish_;
   std::string tag_;
   std::int64_t rank_;
-  double timeout_s_;
+  double timeout_s_ = 0;
+  bool checkpoint_ = false;
   Clock::time_point start_;
-  std::shared_ptr<InFlight> in_flight_;
+  std::shared_ptr<Monitor> monitor_;
   std::uint64_t id_ = 0;
+  std::int64_t seq_ = 0;
   bool done_ = false;
 };
 
@@ -173,10 +366,16 @@ template <typename Backend>
 class C10dCommunicator final : public Communicator {
  public:
   C10dCommunicator(c10::intrusive_ptr<c10d::Store> store, c10::intrusive_ptr<Backend> backend, std::int64_t rank,
-                   std::int64_t size, double timeout_s, bool is_gloo, std::string name,
-                   std::shared_ptr<InFlight> in_flight)
-      : store_(std::move(store)), backend_(std::move(backend)), rank_(rank), size_(size), timeout_s_(timeout_s),
-        is_gloo_(is_gloo), name_(std::move(name)), in_flight_(std::move(in_flight)) {}
+                   std::int64_t size, std::int64_t global_rank, double timeout_s, double backend_timeout_s,
+                   bool is_gloo, std::string name, std::shared_ptr<Monitor> monitor)
+      : store_(std::move(store)), backend_(std::move(backend)), rank_(rank), size_(size), global_rank_(global_rank),
+        timeout_s_(timeout_s), backend_timeout_s_(backend_timeout_s), is_gloo_(is_gloo), name_(std::move(name)),
+        monitor_(std::move(monitor)) {}
+  ~C10dCommunicator() override {
+    // After a timeout the backend's worker thread may still sit in the collective, and the
+    // backend's destructor would join it: leave it to the process's exit.
+    if (shared().poisoned) (void)backend_.release();
+  }
 
   std::int64_t rank() const override { return rank_; }
   std::int64_t size() const override { return size_; }
@@ -261,8 +460,8 @@ class C10dCommunicator final : public Communicator {
       std::int64_t group_rank = it - members.begin();
       std::int64_t group_size = static_cast<std::int64_t>(members.size());
       return std::make_shared<C10dCommunicator<Backend>>(store, make_backend(store, group_rank, group_size),
-                                                         group_rank, group_size, timeout_s_, is_gloo_, prefix,
-                                                         in_flight_);
+                                                         group_rank, group_size, global_rank_, timeout_s_,
+                                                         backend_timeout_s_, is_gloo_, prefix, monitor_);
     }
     TESSERA_FAIL("split(): rank ", rank_, " is in none of the ", groups.size(), " groups");
   }
@@ -278,18 +477,20 @@ class C10dCommunicator final : public Communicator {
   }
 
   CommHandlePtr handle(WorkPtr work, std::function<void()> finish, const std::string& tag) {
-    return std::make_shared<C10dHandle>(std::move(work), std::move(finish), tag, rank_, timeout_s_, in_flight_);
+    return std::make_shared<C10dHandle>(std::move(work), std::move(finish), tag, global_rank_, timeout_s_, monitor_);
   }
 
   c10::intrusive_ptr<c10d::Store> store_;
   c10::intrusive_ptr<Backend> backend_;
   std::int64_t rank_;
   std::int64_t size_;
-  double timeout_s_;
+  std::int64_t global_rank_;
+  double timeout_s_;          ///< each collective's wait (outside checkpoint phases)
+  double backend_timeout_s_;  ///< the backend's own, the longest of them plus a backstop
   bool is_gloo_;
   std::string name_;
   std::int64_t split_count_ = 0;
-  std::shared_ptr<InFlight> in_flight_;
+  std::shared_ptr<Monitor> monitor_;
   CommStats stats_;
 };
 
@@ -309,14 +510,14 @@ c10::intrusive_ptr<c10d::ProcessGroupGloo> make_gloo(const c10::intrusive_ptr<c1
 template <>
 c10::intrusive_ptr<c10d::ProcessGroupGloo> C10dCommunicator<c10d::ProcessGroupGloo>::make_backend(
     const c10::intrusive_ptr<c10d::Store>& store, std::int64_t rank, std::int64_t size) const {
-  return make_gloo(store, rank, size, timeout_s_, "127.0.0.1");
+  return make_gloo(store, rank, size, backend_timeout_s_, "127.0.0.1");
 }
 
 #if TESSERA_WITH_CUDA
 c10::intrusive_ptr<c10d::ProcessGroupNCCL> make_nccl(const c10::intrusive_ptr<c10d::Store>& store, std::int64_t rank,
                                                      std::int64_t size, double timeout_s) {
   auto options = c10d::ProcessGroupNCCL::Options::create();
-  // NCCL's own watchdog aborts without naming the collective: ours (InFlight) fires first.
+  // NCCL's own watchdog aborts without naming the collective: our waits and Monitor fire first.
   options->timeout = std::chrono::milliseconds(static_cast<std::int64_t>((timeout_s + kNcclExtraTimeoutS) * 1000));
   return c10::make_intrusive<c10d::ProcessGroupNCCL>(store, static_cast<int>(rank), static_cast<int>(size), options);
 }
@@ -324,7 +525,7 @@ c10::intrusive_ptr<c10d::ProcessGroupNCCL> make_nccl(const c10::intrusive_ptr<c1
 template <>
 c10::intrusive_ptr<c10d::ProcessGroupNCCL> C10dCommunicator<c10d::ProcessGroupNCCL>::make_backend(
     const c10::intrusive_ptr<c10d::Store>& store, std::int64_t rank, std::int64_t size) const {
-  return make_nccl(store, rank, size, timeout_s_);
+  return make_nccl(store, rank, size, backend_timeout_s_);
 }
 #endif
 
@@ -385,37 +586,145 @@ CommunicatorPtr make_local_communicator() { return std::make_shared<LocalCommuni
 CommunicatorPtr make_communicator(const sdk::ClusterInfo& cluster, const c10::Device& device) {
   TESSERA_CHECK(cluster.master_port > 0 && cluster.master_port < 65536, "MASTER_PORT ", cluster.master_port,
                 " is not a valid port");
-  double timeout_s = static_cast<double>(cluster.collective_timeout_s);
+  const double timeout_s = static_cast<double>(cluster.collective_timeout_s);
+  CommTimeouts timeouts;
+  {
+    std::lock_guard<std::mutex> lock(shared().mutex);
+    timeouts = shared().timeouts;
+  }
+  // The backend's own timeout only backs ours up: each wait() has the collective's timeout.
+  const double backend_timeout_s = std::max(timeout_s, timeouts.checkpoint_s) + kGlooBackstopS;
+  const char* agent = std::getenv("TORCHELASTIC_USE_AGENT_STORE");
+  const bool agent_store = agent != nullptr && std::string(agent) == "True";
+  StoreAddress address;
+  address.host = cluster.master_addr;
+  address.port = cluster.master_port;
+  address.rank = cluster.global_rank;
+  address.world = cluster.world_size;
+  address.rank0_hosts = !agent_store;
+  if (agent_store) {  // as torch.distributed's _create_c10d_store
+    const char* attempt = std::getenv("TORCHELASTIC_RESTART_COUNT");
+    address.prefix = "/worker/attempt_" + std::string(attempt ? attempt : "0");
+  }
+  detail::ledger_set_rank(cluster.global_rank);
+
   c10d::TCPStoreOptions options;
   options.port = static_cast<std::uint16_t>(cluster.master_port);
-  options.isServer = cluster.global_rank == 0;
+  options.isServer = !agent_store && cluster.global_rank == 0;
   options.numWorkers = static_cast<std::size_t>(cluster.world_size);
   options.waitWorkers = true;
-  options.timeout = std::chrono::milliseconds(static_cast<std::int64_t>(timeout_s * 1000));
+  options.timeout = std::chrono::milliseconds(static_cast<std::int64_t>(timeouts.rendezvous_s * 1000));
   c10::intrusive_ptr<c10d::Store> store;
   try {
     store = c10::make_intrusive<c10d::TCPStore>(cluster.master_addr, options);
   } catch (const std::exception& e) {
     std::string reason = e.what();
+    std::string advice;
+    if (agent_store)
+      advice = ": the launcher hosts this store (TORCHELASTIC_USE_AGENT_STORE=True); is it still running?";
+    else if (cluster.global_rank != 0)
+      advice = ": is rank 0 running and reachable?";
+    else if (cluster.environment == "local" || cluster.environment == "single")
+      advice = ": is the port already in use? Choose another [launch] master_port.";
+    else
+      advice = ": is the port already in use? MASTER_PORT comes from the " + cluster.environment +
+               " environment: choose another there.";
     TESSERA_FAIL("rank ", cluster.global_rank, ": rendezvous at ", cluster.master_addr, ":", cluster.master_port,
-                 " failed (", reason.substr(0, reason.find('\n')), ")",
-                 cluster.global_rank == 0 ? ": is the port already in use? Choose another [launch] master_port."
-                                          : ": is rank 0 running and reachable?");
+                 " failed within [launch] rendezvous_timeout_s = ", timeouts.rendezvous_s, " s (",
+                 reason.substr(0, reason.find('\n')), ")", advice);
+  }
+  if (agent_store) store = c10::make_intrusive<c10d::PrefixStore>(address.prefix, store);
+  {
+    std::lock_guard<std::mutex> lock(shared().mutex);
+    shared().store = address;
   }
   if (device.is_cuda()) {
 #if TESSERA_WITH_CUDA
     return std::make_shared<C10dCommunicator<c10d::ProcessGroupNCCL>>(
-        store, make_nccl(store, cluster.global_rank, cluster.world_size, timeout_s), cluster.global_rank,
-        cluster.world_size, timeout_s, false, "world",
-        std::make_shared<InFlight>(cluster.global_rank, timeout_s, timeout_s));
+        store, make_nccl(store, cluster.global_rank, cluster.world_size, backend_timeout_s), cluster.global_rank,
+        cluster.world_size, cluster.global_rank, timeout_s, backend_timeout_s, false, "world",
+        std::make_shared<Monitor>(cluster.global_rank, 0.0, address));
 #else
     TESSERA_FAIL("CUDA tensors need NCCL, but this tessera was built without CUDA");
 #endif
   }
   return std::make_shared<C10dCommunicator<c10d::ProcessGroupGloo>>(
-      store, make_gloo(store, cluster.global_rank, cluster.world_size, timeout_s, cluster.master_addr),
-      cluster.global_rank, cluster.world_size, timeout_s, true, "world",
-      std::make_shared<InFlight>(cluster.global_rank, timeout_s, timeout_s + kGlooBackstopS));
+      store, make_gloo(store, cluster.global_rank, cluster.world_size, backend_timeout_s, cluster.master_addr),
+      cluster.global_rank, cluster.world_size, cluster.global_rank, timeout_s, backend_timeout_s, true, "world",
+      std::make_shared<Monitor>(cluster.global_rank, kGlooBackstopS, address));
+}
+
+void set_comm_timeouts(const CommTimeouts& timeouts) {
+  std::lock_guard<std::mutex> lock(shared().mutex);
+  shared().timeouts = timeouts;
+}
+
+std::optional<Diagnosis> last_collective_failure() {
+  std::lock_guard<std::mutex> lock(shared().mutex);
+  return shared().last_failure;
+}
+
+void set_fatal_reporter(std::function<void(const std::string& message)> reporter) {
+  std::lock_guard<std::mutex> lock(shared().mutex);
+  shared().fatal_reporter = std::move(reporter);
+}
+
+FailureRecord report_failure(const std::string& message) {
+  FailureRecord record;
+  record.rank = ledger_snapshot().rank;
+  record.time_ms = wall_ms();
+  record.message = message;
+  if (std::optional<Diagnosis> d = last_collective_failure()) {
+    record.consequence = d->root != record.rank;
+    record.root = d->root;
+  }
+  if (std::optional<StoreAddress> a = store_address()) {
+    std::string text = record.serialize();
+    std::int64_t rank = record.rank;
+    StoreAddress address = *a;
+    bounded<bool>([address, text, rank] {
+      open_client(address, 2.0)->set(failure_key(rank), to_bytes(text));
+      return true;
+    }, kStoreReadS);
+  }
+  return record;
+}
+
+struct AgentStore::Impl {
+  c10::intrusive_ptr<c10d::TCPStore> tcp;
+  StoreAddress address;
+};
+
+AgentStore::AgentStore(const std::string& host, std::int64_t port, bool server, double timeout_s)
+    : impl_(std::make_unique<Impl>()) {
+  c10d::TCPStoreOptions options;
+  options.port = static_cast<std::uint16_t>(port);
+  options.isServer = server;
+  options.waitWorkers = false;
+  options.timeout = std::chrono::milliseconds(static_cast<std::int64_t>(timeout_s * 1000));
+  try {
+    impl_->tcp = c10::make_intrusive<c10d::TCPStore>(host, options);
+  } catch (const std::exception& e) {
+    std::string reason = e.what();
+    TESSERA_FAIL("cannot ", (server ? "host" : "reach"), " the rendezvous store at ", host, ":", port, " (",
+                 reason.substr(0, reason.find('\n')), ")",
+                 (server ? ": is the port in use? Choose another [launch] master_port." : ""));
+  }
+  impl_->address.host = host;
+  impl_->address.port = impl_->tcp->getPort();
+  impl_->address.prefix = "/worker/attempt_0";
+}
+
+AgentStore::~AgentStore() = default;
+
+std::int64_t AgentStore::port() const { return impl_->address.port; }
+
+std::map<std::int64_t, FailureRecord> AgentStore::failures(std::int64_t world_size) {
+  StoreAddress a = impl_->address;
+  a.world = world_size;
+  auto found = bounded<std::map<std::int64_t, FailureRecord>>(
+      [a] { return read_failures(*open_client(a, 2.0), a.world); }, kStoreReadS);
+  return found ? *found : std::map<std::int64_t, FailureRecord>{};
 }
 
 }  // namespace tessera::core

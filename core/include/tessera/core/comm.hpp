@@ -4,13 +4,17 @@
 /// handle, so communication overlaps compute; `tag` names the collective ("forward
 /// all-gather of blocks.3") for the timeout report.
 #include <cstdint>
+#include <functional>
+#include <map>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
 #include <ATen/core/Tensor.h>
 #include <c10/core/Device.h>
 
+#include "tessera/core/ledger.hpp"
 #include "tessera/sdk/types.hpp"
 
 namespace tessera::core {
@@ -69,10 +73,51 @@ using CommunicatorPtr = std::shared_ptr<Communicator>;
 /// `output` (low-precision values accumulate in fp32). Every Communicator reduces through
 /// it, so all of them sum in the same order.
 void reduce_rows(const at::Tensor& rows, at::Tensor output, sdk::ReduceOp op);
+/// The timeouts beside ClusterInfo::collective_timeout_s ([launch] keys); the host sets them
+/// before make_communicator.
+struct CommTimeouts {
+  double rendezvous_s = 300;   ///< joining the store and creating the process groups
+  double checkpoint_s = 1800;  ///< collectives while a checkpoint is saved or loaded (LedgerPhase)
+};
+void set_comm_timeouts(const CommTimeouts& timeouts);
 
 /// Rendezvous through a TCPStore at cluster.master_addr:master_port and create the world
-/// group: Gloo for CPU devices, NCCL for CUDA devices (when built with CUDA).
+/// group: Gloo for CPU devices, NCCL for CUDA devices (when built with CUDA). With
+/// TORCHELASTIC_USE_AGENT_STORE=True (torchrun's default, and tessera's own launcher) every
+/// rank joins the launcher's store as a client, under the prefix /worker/attempt_N;
+/// otherwise rank 0 hosts it. Each collective waits up to the collective timeout (the
+/// checkpoint timeout in a checkpoint phase); when one fails or times out, the error carries
+/// the hang report built from every rank's ledger (see ledger.hpp).
 CommunicatorPtr make_communicator(const sdk::ClusterInfo& cluster, const c10::Device& device);
+
+/// The diagnosis made by this process's last failed collective, if any.
+std::optional<Diagnosis> last_collective_failure();
+
+/// Records this rank's failure in the rendezvous store (if this process joined one) so that
+/// the launcher tells the root cause from its consequences, and returns the record: a
+/// failure that came from a broken or timed-out collective is a consequence of the rank its
+/// hang report blamed. Bounded: a store that does not answer is skipped.
+FailureRecord report_failure(const std::string& message);
+
+/// Called by the collective watchdog with its report just before it ends the process, in
+/// place of report_failure (the host's reporter calls it and writes torchrun's error file).
+void set_fatal_reporter(std::function<void(const std::string& message)> reporter);
+
+/// The rendezvous store a launcher hosts for its ranks, as torchrun's agent does; the ranks
+/// join it as clients (TORCHELASTIC_USE_AGENT_STORE=True, TORCHELASTIC_RESTART_COUNT=0).
+class AgentStore {
+ public:
+  /// Hosts the store on `port` (0: a free port) when `server`, else connects to it.
+  AgentStore(const std::string& host, std::int64_t port, bool server, double timeout_s);
+  ~AgentStore();
+  std::int64_t port() const;
+  /// The failure records of ranks 0..world_size-1 found in the store (bounded).
+  std::map<std::int64_t, FailureRecord> failures(std::int64_t world_size);
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
 
 /// A one-rank group with no process group at all (single device and unit tests).
 CommunicatorPtr make_local_communicator();

@@ -47,6 +47,8 @@ class PluginLoader {
   const std::vector<PluginInfo>& plugins();
   /// Libraries that were found but refused (no descriptor, ABI or fingerprint mismatch, ...).
   const std::vector<RejectedPlugin>& rejected();
+  /// Search directories that were skipped, and why (missing, not a directory, unreadable).
+  const std::vector<RejectedPlugin>& skipped_dirs();
 
   /// Creates plugin `name` of `kind` from `options`; throws sdk::Error with a paragraph
   /// naming what was looked for, where, and what was found instead.
@@ -74,6 +76,7 @@ class PluginLoader {
   bool scanned_ = false;
   std::vector<PluginInfo> plugins_;
   std::vector<RejectedPlugin> rejected_;
+  std::vector<RejectedPlugin> skipped_dirs_;
   std::vector<std::shared_ptr<Library>> libraries_;  // kept until the loader dies; objects hold their own ref
 };
 
