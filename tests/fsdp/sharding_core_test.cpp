@@ -16,6 +16,7 @@
 #include "tessera/core/comm.hpp"
 #include "tessera/core/fsdp.hpp"
 #include "tessera/core/fsdp/wrap.hpp"
+#include "tessera/sdk/error.hpp"
 #include "tessera/sdk/sharded.hpp"
 #include "tessera/sdk/unit.hpp"
 
@@ -146,6 +147,61 @@ INSTANTIATE_TEST_SUITE_P(Ranks, MultiArgUnits,
                            return std::to_string(std::get<0>(info.param)) + "ranks" +
                                   (std::get<1>(info.param) ? "Checkpointed" : "");
                          });
+
+class PerParameterLayout : public ::testing::TestWithParam<int> {};
+
+// FSDP2's layout: the optimizer steps on dim-0 slices that keep each parameter's name and
+// N-D shape (torch.chunk's split of 11 rows: 6+5 on 2 ranks, 4+4+3 on 3); explicit prefetch
+// lists replace the implicit order; training matches the unsharded run.
+TEST_P(PerParameterLayout, DimZeroShardsWithOriginalNamesMatchTheUnshardedRun) {
+  const int n = GetParam();
+  const auto expected = reference_after(kSteps);
+  run_ranks(n, std::chrono::seconds(120), [&](const sdk::ClusterInfo& cluster) {
+    torch::manual_seed(11);
+    GateNet net;
+    fsdp::FSDPOptions options;
+    options.layout = fsdp::ParamLayout::per_parameter;
+    options.unit_classes = {"GateBlock"};
+    options.rank0_only = false;
+    options.activation_checkpointing = {"GateBlock"};
+    auto group = world(cluster);
+    fsdp::ShardedModule sharded(net.ptr(), options, group, core::make_local_communicator());
+    sharded.set_modules_to_forward_prefetch("b1", {"b2"});
+    sharded.set_modules_to_backward_prefetch("b2", {"b1"});
+    const std::int64_t chunk = (kWidth + n - 1) / n;
+    const std::int64_t rows = std::max<std::int64_t>(0, std::min(chunk, kWidth - chunk * cluster.global_rank));
+    std::set<std::string> names;
+    for (const auto& p : sharded.optimizer_parameters()) {
+      names.insert(p.name);
+      if (p.name.rfind("head", 0) == 0) continue;  // 2 rows: the root unit's
+      std::vector<std::int64_t> shape = p.name.find("weight") != std::string::npos
+                                            ? std::vector<std::int64_t>{rows, kWidth}
+                                            : std::vector<std::int64_t>{rows};
+      EXPECT_EQ(p.tensor.sizes().vec(), shape) << p.name << " on rank " << cluster.global_rank;
+      EXPECT_EQ(p.tensor.grad().sizes(), p.tensor.sizes()) << p.name;
+    }
+    std::set<std::string> original;
+    for (const auto& item : net->named_parameters()) original.insert(item.key());
+    EXPECT_EQ(names, original);
+    torch::optim::SGD optimizer(tensors_of(sharded.optimizer_parameters()),
+                                torch::optim::SGDOptions(0.1).momentum(0.9));
+    const std::int64_t batch_rows = kBatch / cluster.world_size, first = batch_rows * cluster.global_rank;
+    for (int s = 0; s < kSteps; ++s) {
+      sharded.begin_forward(true);
+      at::Tensor loss = loss_of(net, s, first, batch_rows);
+      sharded.begin_backward(true);
+      loss.backward();
+      sharded.finish_backward();
+      optimizer.step();
+      sharded.after_optimizer_step();
+    }
+    expect_matches(sharded.full_state_dict(), expected, 1e-5);
+    EXPECT_THROW(sharded.set_modules_to_forward_prefetch("b1", {"head"}), sdk::Error);
+  });
+}
+
+INSTANTIATE_TEST_SUITE_P(Ranks, PerParameterLayout, ::testing::Values(1, 2, 3),
+                         [](const auto& info) { return std::to_string(info.param) + "ranks"; });
 
 // Without restoring the RNG the recomputation would draw new masks: checked directly.
 TEST(MultiArgUnits, RecomputationSeesTheForwardsRandomState) {

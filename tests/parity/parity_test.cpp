@@ -113,6 +113,19 @@ TEST(Parity, FSDPGradientClipping) {
 TEST(Parity, FSDPGradientClippingInfNorm) {
   check_parity("fsdp", "", "mlp", 1, {2, 3}, "--set trainer.gradient_clip_val=0.01 --set trainer.norm_type=inf");
 }
+// fsdp2: per-parameter dim-0 shards (uneven on 3 and 4 ranks: 36 rows, 3 * 36, 257, 101).
+TEST(Parity, FSDP2GPT) { check_parity("fsdp2", "", "gpt"); }
+TEST(Parity, FSDP2MLPWithClipping) {
+  check_parity("fsdp2", "", "mlp", 1, {2, 3}, "--set trainer.gradient_clip_val=0.05");
+}
+TEST(Parity, FSDP2ReshardAfterForwardFalseAndCheckpointing) {
+  check_parity("fsdp2", "--set strategy.reshard_after_forward=false --set strategy.activation_checkpointing=Block",
+               "gpt", 1, {4});
+}
+TEST(Parity, FSDP2HSDPReplicate2Shard2) {
+  check_parity("fsdp2", "--set strategy.data_parallel_replicate_size=2", "mlp", 1, {4});
+}
+TEST(Parity, FSDP2GradientAccumulationNoSync) { check_parity("fsdp2", "", "gpt", /*accumulate=*/3, {2, 3}); }
 TEST(Parity, DDPGradientClippingInfNorm) {
   check_parity("ddp", "", "mlp", 1, {2, 3}, "--set trainer.gradient_clip_val=0.01 --set trainer.norm_type=inf");
 }

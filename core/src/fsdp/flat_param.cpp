@@ -42,13 +42,13 @@ void FlatParamHandle::shard(at::Tensor flat) {
   torch::NoGradGuard no_grad;
   // A one-rank shard group (NO_SHARD, world 1) computing in fp32 where it keeps its shard
   // needs no second copy: the shard is the gathered buffer.
-  const bool aliased = config_.world == 1 && compute_dtype_ == master_dtype_ &&
+  const bool aliased = config_.world == 1 && shard_numel_ == padded_ && compute_dtype_ == master_dtype_ &&
                        config_.shard_options.device() == config_.device;
   if (aliased) {
     shard_ = flat;
   } else {
     shard_ = at::empty({shard_numel_}, config_.shard_options.dtype(master_dtype_));
-    shard_.copy_(flat.narrow(0, shard_offset_, shard_numel_));
+    shard_.copy_(owned_part(flat));
   }
   // keep_low_precision_grads: the optimizer sees gradients in reduce_dtype, as PyTorch's
   // FSDP leaves them (for optimizers that step in low precision); otherwise the master dtype.
@@ -65,8 +65,8 @@ void FlatParamHandle::shard(at::Tensor flat) {
   free_unsharded(/*recycle=*/false);  // what sharding frees is really freed
   for (std::size_t i = 0; i < params_.size(); ++i) {
     auto [start, length] = shard_slice(i);
-    at::Tensor view = shard_.narrow(0, start, length);
-    view.mutable_grad() = shard_grad_.narrow(0, start, length);
+    at::Tensor view = shard_.narrow(0, start, length).view(piece_shape(i, length));
+    view.mutable_grad() = shard_grad_.narrow(0, start, length).view(view.sizes());
     optimizer_views_.push_back(view);
   }
 }
@@ -92,7 +92,34 @@ void FlatParamHandle::point_params_at(const at::Tensor& unsharded) {
 
 std::pair<at::Tensor, at::Tensor> FlatParamHandle::all_gather_buffers(c10::Device device) {
   alloc_storage(full_);
-  return {full_, shard_.to(device, compute_dtype_, /*non_blocking=*/true)};
+  at::Tensor input = shard_.to(device, compute_dtype_, /*non_blocking=*/true);
+  if (gathers_in_place()) return {full_, input};
+  gathered_ = at::empty({config_.world * shard_numel_}, full_.options());
+  return {gathered_, input};
+}
+
+void FlatParamHandle::after_all_gather() {
+  if (!gathered_.defined()) return;
+  copy_out(gathered_, full_);
+  gathered_.reset();
+}
+
+void FlatParamHandle::copy_out(const at::Tensor& gathered, const at::Tensor& unsharded) const {
+  if (!gathered.is_same(unsharded)) unsharded.copy_(gathered.narrow(0, 0, unsharded.numel()));
+}
+
+at::Tensor FlatParamHandle::copy_in(const at::Tensor& unsharded, at::ScalarType dtype) const {
+  return unsharded.scalar_type() == dtype ? unsharded : unsharded.to(dtype);
+}
+
+at::Tensor FlatParamHandle::gather_unsharded(const at::Tensor& shard, Communicator& group,
+                                             const at::TensorOptions& options, const std::string& tag) const {
+  at::Tensor gathered = at::empty({config_.world * shard_numel_}, options);
+  group.all_gather(gathered, shard.to(options), tag)->wait();
+  if (gathers_in_place()) return gathered;
+  at::Tensor unsharded = at::empty({padded_}, options);
+  copy_out(gathered, unsharded);
+  return unsharded;
 }
 
 void FlatParamHandle::free_unsharded(bool recycle) {
@@ -107,9 +134,7 @@ void FlatParamHandle::attach_unsharded_grads() {
   for (std::size_t i = 0; i < params_.size(); ++i) params_[i].tensor.mutable_grad() = views[i];
 }
 
-at::Tensor FlatParamHandle::reduce_scatter_input(at::ScalarType dtype) {
-  return grad_full_.scalar_type() == dtype ? grad_full_ : grad_full_.to(dtype);
-}
+at::Tensor FlatParamHandle::reduce_scatter_input(at::ScalarType dtype) { return copy_in(grad_full_, dtype); }
 
 bool FlatParamHandle::accumulate_sharded_grad(const at::Tensor& reduced) {
   bool copy_in_flight = false;
@@ -137,7 +162,8 @@ void FlatParamHandle::zero_sharded_grads() {
   shard_grad_written_ = false;
   for (std::size_t i = 0; i < optimizer_views_.size(); ++i)
     if (!optimizer_views_[i].grad().defined())  // zero_grad(set_to_none) in LibTorch 2.x
-      optimizer_views_[i].mutable_grad() = shard_grad_.narrow(0, shard_slice(i).first, optimizer_views_[i].numel());
+      optimizer_views_[i].mutable_grad() =
+          shard_grad_.narrow(0, shard_slice(i).first, optimizer_views_[i].numel()).view(optimizer_views_[i].sizes());
 }
 
 OwnedRange FlatParamHandle::owned_range(std::size_t i) const {
@@ -149,9 +175,7 @@ OwnedRange FlatParamHandle::owned_range(std::size_t i) const {
 
 std::vector<at::Tensor> FlatParamHandle::gather_full_params(Communicator& shard_group, c10::Device device,
                                                             const std::string& tag) {
-  at::Tensor full = at::empty({padded_}, at::TensorOptions().dtype(master_dtype_).device(device));
-  shard_group.all_gather(full, shard_.to(device), tag)->wait();
-  return unflatten(full);
+  return unflatten(gather_unsharded(shard_, shard_group, at::TensorOptions().dtype(master_dtype_).device(device), tag));
 }
 
 std::vector<at::Tensor> FlatParamHandle::gather_full_state(const std::vector<at::Tensor>& pieces,
@@ -161,10 +185,9 @@ std::vector<at::Tensor> FlatParamHandle::gather_full_state(const std::vector<at:
   at::Tensor flat_shard = at::zeros({shard_numel_}, fp32);
   for (std::size_t i = 0; i < params_.size(); ++i)
     if (pieces[i].numel() > 0) flat_shard.narrow(0, shard_slice(i).first, pieces[i].numel()).copy_(pieces[i].reshape({-1}));
-  at::Tensor full = at::empty({padded_}, fp32);
-  shard_group.all_gather(full, flat_shard, tag)->wait();
   std::vector<at::Tensor> out;
-  for (const at::Tensor& view : unflatten(full.cpu())) out.push_back(view.clone());
+  for (const at::Tensor& view : unflatten(gather_unsharded(flat_shard, shard_group, fp32, tag).cpu()))
+    out.push_back(view.clone());
   return out;
 }
 
@@ -173,7 +196,7 @@ void FlatParamHandle::load_full_params(const std::vector<const at::Tensor*>& val
   at::Tensor flat = at::zeros({padded_}, at::TensorOptions().dtype(at::kFloat).device(config_.device));
   for (std::size_t i = 0; i < params_.size(); ++i)
     if (values[i] != nullptr) flat.narrow(0, offsets_[i], numels_[i]).copy_(values[i]->reshape({-1}));
-  shard_.copy_(flat.narrow(0, shard_offset_, shard_numel_));
+  shard_.copy_(owned_part(flat));
 }
 
 at::Tensor FlatParamHandle::owned_part(const at::Tensor& unsharded) const {

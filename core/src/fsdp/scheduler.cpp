@@ -33,6 +33,14 @@ bool any_requires_grad(const std::vector<at::Tensor>& tensors) {
   return false;
 }
 
+/// Floating tensors of `tensors` in `dtype` (differentiably); the others as they are.
+std::vector<at::Tensor> cast_floating(const std::vector<at::Tensor>& tensors, at::ScalarType dtype) {
+  std::vector<at::Tensor> out;
+  for (const auto& t : tensors)
+    out.push_back(t.defined() && t.is_floating_point() && t.scalar_type() != dtype ? t.to(dtype) : t);
+  return out;
+}
+
 }  // namespace
 
 Scheduler::Scheduler(std::vector<std::unique_ptr<FSDPUnit>>& units, std::vector<at::Tensor> replicated,
@@ -57,16 +65,22 @@ std::vector<at::Tensor> Scheduler::run_forward(FSDPUnit& unit, sdk::UnitFunction
                                                const std::vector<at::Tensor>& inputs) {
   record_forward(unit);
   unshard(unit, Phase::forward);
-  if (options_.forward_prefetch)
+  if (!unit.forward_prefetch.empty()) {
+    for (FSDPUnit* next : unit.forward_prefetch) unshard(*next, Phase::prefetch_forward);
+  } else if (options_.forward_prefetch) {
     if (FSDPUnit* next = next_unit(unit)) unshard(*next, Phase::prefetch_forward);
+  }
   const bool grad = at::GradMode::is_enabled();
   std::vector<at::Tensor> outputs;
-  if (grad && unit.checkpointed && any_requires_grad(inputs)) {
-    outputs = checkpointed_forward(*this, unit, std::move(forward), inputs);
+  const std::vector<at::Tensor> cast_inputs =
+      options_.cast_forward_inputs ? cast_floating(inputs, unit.layout->compute_dtype()) : inputs;
+  if (grad && unit.checkpointed && any_requires_grad(cast_inputs)) {
+    outputs = checkpointed_forward(*this, unit, std::move(forward), cast_inputs);
   } else {
-    outputs = forward(inputs);
+    outputs = forward(cast_inputs);
     if (grad) outputs = attach_pre_backward(*this, unit, outputs);
   }
+  if (options_.output_dtype) outputs = cast_floating(outputs, *options_.output_dtype);
   // FULL_SHARD frees after forward; SHARD_GRAD_OP keeps the parameters until backward.
   if (!grad || options_.sharding_strategy != ShardingStrategy::SHARD_GRAD_OP) reshard(unit);
   return outputs;
@@ -111,19 +125,19 @@ void Scheduler::unshard(FSDPUnit& u, Phase phase) {
   }
   // A prefetch is waited for by the unshard that needs it.
   if (phase == Phase::prefetch_forward || phase == Phase::prefetch_backward) return;
+  finish_gather(u);
+}
+
+void Scheduler::finish_gather(FSDPUnit& u) {
   u.gather_handle->wait();
   u.gather_handle.reset();
   u.gather_input.reset();
+  u.layout->after_all_gather();
   u.gathered = true;
 }
 
 void Scheduler::reshard(FSDPUnit& u) {
-  if (u.gather_handle) {  // a prefetch nobody used (the unit did not run): finish it, then drop it
-    u.gather_handle->wait();
-    u.gather_handle.reset();
-    u.gather_input.reset();
-    u.gathered = true;
-  }
+  if (u.gather_handle) finish_gather(u);  // a prefetch nobody used (the unit did not run): finish it, then drop it
   if (!u.gathered) return;
   u.layout->free_unsharded(/*recycle=*/true);
   u.gathered = false;
@@ -138,8 +152,11 @@ void Scheduler::attach_gradients(FSDPUnit& u) {
 void Scheduler::pre_backward(FSDPUnit& unit) {
   unshard(unit, Phase::backward);
   attach_gradients(unit);
-  if (options_.backward_prefetch == BackwardPrefetch::BACKWARD_PRE)
+  if (!unit.backward_prefetch.empty()) {
+    for (FSDPUnit* previous : unit.backward_prefetch) unshard(*previous, Phase::prefetch_backward);
+  } else if (options_.backward_prefetch == BackwardPrefetch::BACKWARD_PRE) {
     if (FSDPUnit* previous = previous_unit(unit)) unshard(*previous, Phase::prefetch_backward);
+  }
 }
 
 void Scheduler::begin_forward(bool training) {

@@ -7,6 +7,7 @@
 
 #include "tessera/core/clip_grad.hpp"
 #include "tessera/core/fsdp/flat_param.hpp"
+#include "tessera/core/fsdp/param_group.hpp"
 #include "tessera/core/fsdp/wrap.hpp"
 #include "tessera/sdk/error.hpp"
 #include "tessera/sdk/sharded.hpp"
@@ -98,7 +99,10 @@ void ShardedModule::build_units() {
     if (unit->module) sdk::set_unit_runner(*unit->module, nullptr);
     std::set<const void*> impls;
     for (const auto& p : planned.params) impls.insert(p.tensor.unsafeGetTensorImpl());
-    auto handle = std::make_unique<FlatParamHandle>(std::move(planned.params), config);
+    std::unique_ptr<FlatParamHandle> handle =
+        options_.layout == ParamLayout::per_parameter
+            ? std::make_unique<FSDPParamGroup>(std::move(planned.params), config)
+            : std::make_unique<FlatParamHandle>(std::move(planned.params), config);
     at::Tensor flat;
     if (options_.deferred_init) {
       // Initialised on the CPU, where an eager build draws its values, then moved: a GPU never
@@ -207,6 +211,24 @@ std::int64_t ShardedModule::sharded_bytes() const {
   std::int64_t bytes = 0;
   for (const auto& u : units_) bytes += u->layout->sharded_bytes();
   return bytes;
+}
+
+FSDPUnit& ShardedModule::unit_named(const std::string& name) {
+  for (auto& u : units_)
+    if (!u->is_root && u->name == name) return *u;
+  TESSERA_FAIL("'", name, "' is not an FSDP unit; the units are ", sdk::join(fsdp_modules(/*root_only=*/false)));
+}
+
+void ShardedModule::set_modules_to_forward_prefetch(const std::string& unit, const std::vector<std::string>& targets) {
+  std::vector<FSDPUnit*> units;
+  for (const auto& t : targets) units.push_back(&unit_named(t));
+  unit_named(unit).forward_prefetch = std::move(units);
+}
+
+void ShardedModule::set_modules_to_backward_prefetch(const std::string& unit, const std::vector<std::string>& targets) {
+  std::vector<FSDPUnit*> units;
+  for (const auto& t : targets) units.push_back(&unit_named(t));
+  unit_named(unit).backward_prefetch = std::move(units);
 }
 
 }  // namespace tessera::core::fsdp

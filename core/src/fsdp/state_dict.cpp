@@ -182,7 +182,11 @@ sdk::Checkpoint ShardedModule::shard_full_optim_state_dict(const sdk::Checkpoint
         TESSERA_CHECK(value.sizes() == params[i].tensor.sizes(), "optimizer state '", key, "' of parameter '", name,
                       "' has shape ", value.sizes(), " in the checkpoint but the parameter has shape ",
                       params[i].tensor.sizes());
-        mine.insert(key, value.reshape({-1}).narrow(0, owned.start, owned.length).to(tensors[i].device()).clone());
+        mine.insert(key, value.reshape({-1})
+                             .narrow(0, owned.start, owned.length)
+                             .view(tensors[i].sizes())
+                             .to(tensors[i].device())
+                             .clone());
       }
       state.insert(view, mine);
     }
@@ -242,7 +246,8 @@ sdk::StateDict ShardedModule::sharded_state_dict() const {
     const auto& params = u->layout->params();
     const auto& tensors = u->layout->optimizer_tensors();
     for (std::size_t i = 0; i < params.size(); ++i) {
-      at::Tensor piece = tensors[i].detach().to(at::kCPU).clone();
+      // Stored as a 1-D range of the flattened tensor under either layout (see shard_metadata).
+      at::Tensor piece = tensors[i].detach().reshape({-1}).to(at::kCPU).clone();
       for (const auto& name : params[i].names) state.insert(name, piece);
     }
   }
@@ -280,7 +285,7 @@ void ShardedModule::load_sharded_state_dict(const sdk::StateDict& state) {
     const auto& params = u->layout->params();
     const auto& tensors = u->layout->optimizer_tensors();
     for (std::size_t i = 0; i < params.size(); ++i)
-      tensors[i].detach().copy_(piece_for(params[i].names, tensors[i].numel()).reshape({-1}));
+      tensors[i].detach().copy_(piece_for(params[i].names, tensors[i].numel()).view(tensors[i].sizes()));
   }
   for (const auto& p : replicated_)
     p.tensor.detach().copy_(piece_for(p.names, p.tensor.numel()).view(p.tensor.sizes()));

@@ -95,6 +95,10 @@ class ShardedModule {
   void apply(const std::function<void(torch::nn::Module&)>& fn);
   /// The FSDP units' module paths in forward order, the root ("") last; `root_only`: the root.
   std::vector<std::string> fsdp_modules(bool root_only = false) const;
+  /// FSDP2's explicit prefetch: when unit `unit` (a module path from fsdp_modules()) runs
+  /// forward / backward, gather `targets` too, in place of the implicit next / previous unit.
+  void set_modules_to_forward_prefetch(const std::string& unit, const std::vector<std::string>& targets);
+  void set_modules_to_backward_prefetch(const std::string& unit, const std::vector<std::string>& targets);
 
   /// SHARDED state dict: every original name -> this rank's 1-D piece of it (a flat slice
   /// of the flattened parameter, possibly empty), with shard_metadata() saying where.
@@ -121,6 +125,7 @@ class ShardedModule {
 
  private:
   void build_units();
+  FSDPUnit& unit_named(const std::string& name);
   void cast_buffers();
   /// A buffer as state dicts hold it: in its dtype from before buffer_dtype cast it.
   at::Tensor buffer_for_state(const std::string& name, const at::Tensor& buffer) const;

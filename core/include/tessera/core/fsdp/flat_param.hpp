@@ -10,7 +10,7 @@
 
 namespace tessera::core::fsdp {
 
-class FlatParamHandle final : public UnitLayout {
+class FlatParamHandle : public UnitLayout {
  public:
   struct Config {
     std::int64_t rank = 0;        ///< in the shard group
@@ -28,7 +28,7 @@ class FlatParamHandle final : public UnitLayout {
   /// Takes `flat` (as flatten_params() returns it, possibly on another device) as the unit's
   /// values: keeps this rank's shard, points the parameters at the unsharded buffer, frees it.
   void shard(at::Tensor flat);
-  /// The padded flat buffer's element count and where parameter i starts in it.
+  /// The unsharded flat buffer's element count and where parameter i starts in it.
   std::int64_t padded_numel() const { return padded_; }
   std::int64_t offset(std::size_t i) const { return offsets_[i]; }
 
@@ -64,11 +64,28 @@ class FlatParamHandle final : public UnitLayout {
   void load_local_shard(const at::Tensor& value) override;
   std::int64_t sharded_bytes() const override;
 
- private:
-  /// Splits a padded flat buffer into each parameter's full-shape view.
-  std::vector<at::Tensor> unflatten(const at::Tensor& flat) const;
+  void after_all_gather() override;
+
+ protected:
+  // What a layout of another shape (FSDPParamGroup) redefines. The unsharded buffer holds the
+  // parameters one after the other; the gathered buffer is [world, shard_numel()], rank r's
+  // shard in row r. For flat parameters the two are the same buffer.
+  /// Whether the all-gather writes straight into the unsharded buffer.
+  virtual bool gathers_in_place() const { return true; }
+  /// unsharded := the gathered buffer's contents in the unsharded order.
+  virtual void copy_out(const at::Tensor& gathered, const at::Tensor& unsharded) const;
+  /// The gathered-order buffer of `unsharded` in `dtype` (the reduce-scatter's input).
+  virtual at::Tensor copy_in(const at::Tensor& unsharded, at::ScalarType dtype) const;
   /// Where parameter i's owned elements sit in the shard: [start, start + length).
-  std::pair<std::int64_t, std::int64_t> shard_slice(std::size_t i) const;
+  virtual std::pair<std::int64_t, std::int64_t> shard_slice(std::size_t i) const;
+  /// The shape the optimizer sees parameter i's piece of `length` elements in.
+  virtual std::vector<std::int64_t> piece_shape(std::size_t, std::int64_t length) const { return {length}; }
+
+  /// Splits an unsharded buffer into each parameter's full-shape view.
+  std::vector<at::Tensor> unflatten(const at::Tensor& flat) const;
+  /// all_gather of this rank's shard into a full unsharded buffer of `options` (collective).
+  at::Tensor gather_unsharded(const at::Tensor& shard, Communicator& group, const at::TensorOptions& options,
+                              const std::string& tag) const;
 
   std::vector<UnitParam> params_;
   Config config_;
@@ -77,6 +94,7 @@ class FlatParamHandle final : public UnitLayout {
   at::ScalarType compute_dtype_ = at::kFloat;
   at::ScalarType master_dtype_ = at::kFloat;  // of the shard: the parameters' own (bf16 under bf16-true)
   at::Tensor shard_, shard_grad_, full_, grad_full_;
+  at::Tensor gathered_;  // the all-gather's output while it is in flight (when not in place)
   std::vector<at::Tensor> optimizer_views_;
   bool shard_grad_written_ = false;  // since the last optimizer step (cpu_offload copies into it)
 };

@@ -43,6 +43,9 @@ class UnitLayout {
   /// Allocates the unsharded storage; returns {output, input} of the unit's one all-gather
   /// (input: this rank's shard in compute dtype on `device`).
   virtual std::pair<at::Tensor, at::Tensor> all_gather_buffers(c10::Device device) = 0;
+  /// After the all-gather completed: makes the gathered data the parameters' (per-parameter
+  /// layouts copy it out of the collective's buffer; the flat layout gathered in place).
+  virtual void after_all_gather() {}
   /// Frees the unsharded storage (the module's parameters keep their shapes, not their data).
   virtual void free_unsharded(bool recycle) = 0;
 

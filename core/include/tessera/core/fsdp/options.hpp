@@ -23,8 +23,13 @@ BackwardPrefetch parse_backward_prefetch(const std::string& name);
 /// CustomPolicy): the "custom" auto_wrap_policy.
 using WrapPolicyFn = std::function<bool(const std::string& path, const torch::nn::Module& module)>;
 
+/// How a unit's parameters are sharded: FSDP1's flat parameter (equal pieces of one flat
+/// buffer) or FSDP2's per-parameter dim-0 shards (see flat_param.hpp, param_group.hpp).
+enum class ParamLayout { flat, per_parameter };
+
 struct FSDPOptions {
   ShardingStrategy sharding_strategy = ShardingStrategy::FULL_SHARD;
+  ParamLayout layout = ParamLayout::flat;
   BackwardPrefetch backward_prefetch = BackwardPrefetch::BACKWARD_PRE;
   bool forward_prefetch = false;
   /// "transformer": modules whose class name() is in unit_classes; "size": those of them with
@@ -56,6 +61,10 @@ struct FSDPOptions {
   /// gradients with keep_low_precision_grads); buffer_dtype: floating buffers. BatchNorm
   /// modules stay out of it, as in PyTorch.
   sdk::MixedPrecisionPolicy mixed_precision;
+  /// FSDP2's MixedPrecisionPolicy beside it: each unit's floating inputs cast to the dtype
+  /// it computes in, and its floating outputs to output_dtype (when set).
+  bool cast_forward_inputs = false;
+  c10::optional<at::ScalarType> output_dtype;
 };
 
 }  // namespace tessera::core::fsdp

@@ -55,6 +55,7 @@ class Scheduler final : public UnitHooks {
   std::vector<at::Tensor> run_forward(FSDPUnit& unit, sdk::UnitFunction forward, const std::vector<at::Tensor>& inputs);
 
  private:
+  void finish_gather(FSDPUnit& unit);
   void attach_gradients(FSDPUnit& unit);
   void reduce_gradients(FSDPUnit& unit);
   void finish_reduction(FSDPUnit& unit);

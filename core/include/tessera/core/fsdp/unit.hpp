@@ -33,6 +33,9 @@ struct FSDPUnit {
   CommHandlePtr reduce_handle;
   at::Tensor reduce_input, reduce_output;
   std::int64_t order_position = -1;  ///< in the first forward's execution order; -1: never ran
+  /// Explicit prefetch (FSDP2's set_modules_to_forward_prefetch / _backward_prefetch): the
+  /// units gathered when this one runs, in place of the implicit next / previous unit.
+  std::vector<FSDPUnit*> forward_prefetch, backward_prefetch;
 
   // Gradient readiness (autograd_seam.cpp): hooks on the parameters' accumulators.
   std::vector<std::shared_ptr<torch::autograd::Node>> accumulators;

@@ -1,0 +1,44 @@
+#pragma once
+/// The per-parameter layout (PyTorch FSDP2's FSDPParamGroup of FSDPParams): every parameter
+/// is sharded on dim 0 over the shard group (torch.chunk's split: ceil(rows / world) rows per
+/// rank, the last ranks' pieces padded), so the optimizer steps on tensors that keep their
+/// own N-D shape (a dim-0 slice). A unit's pieces sit one after another in one shard buffer,
+/// so one all-gather and one reduce-scatter still move a whole unit; the gathered rows are
+/// copied out into the parameters, and the gradients copied in, around each collective.
+#include "tessera/core/fsdp/flat_param.hpp"
+
+namespace tessera::core::fsdp {
+
+class FSDPParamGroup final : public FlatParamHandle {
+ public:
+  FSDPParamGroup(std::vector<UnitParam> params, const Config& config);
+
+  OwnedRange owned_range(std::size_t i) const override;
+  at::Tensor owned_part(const at::Tensor& unsharded) const override;
+
+ protected:
+  bool gathers_in_place() const override { return false; }
+  void copy_out(const at::Tensor& gathered, const at::Tensor& unsharded) const override;
+  at::Tensor copy_in(const at::Tensor& unsharded, at::ScalarType dtype) const override;
+  std::pair<std::int64_t, std::int64_t> shard_slice(std::size_t i) const override;
+  std::vector<std::int64_t> piece_shape(std::size_t i, std::int64_t length) const override;
+
+ private:
+  /// Dim 0 of parameter i (1 for a scalar) and the elements of one row.
+  struct Rows {
+    std::int64_t rows = 0, row_numel = 0;
+    std::int64_t chunk = 0;         ///< rows per rank (the last ranks' padded)
+    std::int64_t shard_offset = 0;  ///< where its chunk starts in every rank's shard
+    std::int64_t owned = 0;         ///< rows this rank owns
+  };
+  /// Parameter i of `unsharded` as [rows, row_numel].
+  at::Tensor rows_of(const at::Tensor& unsharded, std::size_t i) const;
+  /// Parameter i's padded chunks in a gathered buffer, [world, chunk, row_numel].
+  at::Tensor chunks_of(const at::Tensor& gathered, std::size_t i) const;
+  /// Copies between a parameter's rows and its chunks (padding untouched).
+  void copy_rows(const at::Tensor& rows, const at::Tensor& chunks, std::size_t i, bool into_chunks) const;
+
+  std::vector<Rows> rows_;
+};
+
+}  // namespace tessera::core::fsdp

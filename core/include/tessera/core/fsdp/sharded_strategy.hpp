@@ -1,0 +1,71 @@
+#pragma once
+/// What the fsdp and fsdp2 strategies share (Lightning's FSDPStrategy and NeMo's
+/// FSDP2Strategy differ in how they build their groups and layouts, not in how they step or
+/// checkpoint): a StrategyBase over a ShardedModule, with the steps bracketed by the
+/// engine's forward/backward seams, the sharded gradient norm, and FULL / SHARDED / LOCAL
+/// state dicts and checkpoints. A subclass builds `engine_` in setup_module().
+#include <memory>
+#include <string>
+
+#include "tessera/core/fsdp.hpp"
+#include "tessera/core/strategy_base.hpp"
+
+namespace tessera::core::fsdp {
+
+class ShardedStrategy : public StrategyBase {
+ public:
+  /// Reads `deferred_init` and `state_dict_type` ("full" | "sharded" | "local", or
+  /// PyTorch's FULL_STATE_DICT / SHARDED_STATE_DICT / LOCAL_STATE_DICT).
+  explicit ShardedStrategy(const sdk::Options& options);
+
+  /// Under deferred_init the model is built on the meta device and materialised one unit
+  /// at a time when it is sharded (Lightning's init_module(empty_init=True)).
+  sdk::GuardPtr model_sharded_context() override;
+
+  /// The sharding engine (summon_full_params, apply, fsdp_modules, state dicts, ...).
+  ShardedModule& engine();
+
+  sdk::StepOutput training_step(const sdk::Batch& batch, std::int64_t batch_idx) override;
+  sdk::StepOutput validation_step(const sdk::Batch& batch, std::int64_t batch_idx) override;
+  sdk::StepOutput test_step(const sdk::Batch& batch, std::int64_t batch_idx) override;
+  at::Tensor predict_step(const sdk::Batch& batch, std::int64_t batch_idx) override;
+  void backward(const at::Tensor& loss, bool sync_gradients) override;
+  double clip_grad_norm(double max_norm, double norm_type) override;
+
+  /// FULL (default): the whole model with original names (rank 0 only unless rank0_only =
+  /// false); SHARDED: this rank's 1-D piece of every parameter; LOCAL: each unit's shard.
+  sdk::StateDict lightning_module_state_dict() override;
+  void load_model_state_dict(const sdk::StateDict& state, bool strict) override;
+  /// FULL: PyTorch's full_optim_state_dict (full shapes, original names); SHARDED/LOCAL:
+  /// this rank's optimizer state on its pieces, named after the original parameters.
+  sdk::Checkpoint optimizer_state() override;
+  void load_optimizer_state(const sdk::Checkpoint& state) override;
+  /// FULL: one file from rank 0. SHARDED/LOCAL: every rank writes its shard through the
+  /// CheckpointIO (the "distributed" one), rank 0 publishes it once all are written.
+  void save_checkpoint(const sdk::Checkpoint& checkpoint, const std::string& path) override;
+  /// A full checkpoint loads as usual; a SHARDED one from any world size and either layout
+  /// is re-cut to this rank's pieces (reading one shard file at a time); a LOCAL one needs
+  /// the same world size.
+  sdk::Checkpoint load_checkpoint(const std::string& path) override;
+  void teardown() override;
+
+ protected:
+  std::vector<sdk::NamedParameter> optimizer_parameters() override;
+  // The optimizer's gradients are views of the sharded gradients: zeroed in place.
+  void zero_grad() override;
+  /// The options every layout shares, from the model plugin and the precision: device,
+  /// deferred init, init function, mixed precision, wrap policy callbacks.
+  void fill_common_options(FSDPOptions& options) const;
+  /// Throws (naming `key`) when a unit class of `options` is not in the network.
+  void check_unit_classes(const FSDPOptions& options, const std::string& key) const;
+
+  bool deferred_init_;
+  std::string state_dict_type_;  // full | sharded | local
+  bool reduce_every_micro_batch_ = false;
+  std::unique_ptr<ShardedModule> engine_;
+
+ private:
+  std::string loaded_ = "full";  // the form of the state the last load_checkpoint returned
+};
+
+}  // namespace tessera::core::fsdp

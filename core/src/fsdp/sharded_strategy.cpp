@@ -1,0 +1,167 @@
+#include "tessera/core/fsdp/sharded_strategy.hpp"
+
+#include <algorithm>
+#include <filesystem>
+
+#include <ATen/ATen.h>
+
+#include "tessera/core/checkpoint.hpp"
+#include "tessera/core/fsdp/wrap.hpp"
+#include "tessera/sdk/error.hpp"
+
+namespace tessera::core::fsdp {
+
+namespace {
+std::string normalise_state_dict_type(const std::string& name) {
+  if (name == "FULL_STATE_DICT") return "full";
+  if (name == "SHARDED_STATE_DICT") return "sharded";
+  if (name == "LOCAL_STATE_DICT") return "local";
+  return name;
+}
+}  // namespace
+
+ShardedStrategy::ShardedStrategy(const sdk::Options& o)
+    : StrategyBase(o),
+      deferred_init_(o.get_bool("deferred_init", false)),
+      state_dict_type_(normalise_state_dict_type(
+          o.get_choice("state_dict_type", "full",
+                       {"full", "sharded", "local", "FULL_STATE_DICT", "SHARDED_STATE_DICT", "LOCAL_STATE_DICT"}))) {}
+
+sdk::GuardPtr ShardedStrategy::model_sharded_context() { return deferred_init_ ? deferred_init_guard() : nullptr; }
+
+ShardedModule& ShardedStrategy::engine() {
+  TESSERA_CHECK(engine_, "the sharded strategy is used before setup()");
+  return *engine_;
+}
+
+sdk::StepOutput ShardedStrategy::training_step(const sdk::Batch& batch, std::int64_t batch_idx) {
+  engine().begin_forward(/*training=*/true);
+  return StrategyBase::training_step(batch, batch_idx);
+}
+
+sdk::StepOutput ShardedStrategy::validation_step(const sdk::Batch& batch, std::int64_t batch_idx) {
+  engine().begin_forward(false);
+  sdk::StepOutput out = StrategyBase::validation_step(batch, batch_idx);
+  engine_->end_forward();
+  return out;
+}
+
+sdk::StepOutput ShardedStrategy::test_step(const sdk::Batch& batch, std::int64_t batch_idx) {
+  engine().begin_forward(false);
+  sdk::StepOutput out = StrategyBase::test_step(batch, batch_idx);
+  engine_->end_forward();
+  return out;
+}
+
+at::Tensor ShardedStrategy::predict_step(const sdk::Batch& batch, std::int64_t batch_idx) {
+  engine().begin_forward(false);
+  at::Tensor out = StrategyBase::predict_step(batch, batch_idx);
+  engine_->end_forward();
+  return out;
+}
+
+void ShardedStrategy::backward(const at::Tensor& loss, bool sync_gradients) {
+  engine().begin_backward(sync_gradients || reduce_every_micro_batch_);
+  StrategyBase::backward(loss, sync_gradients);
+  engine_->finish_backward();
+}
+
+double ShardedStrategy::clip_grad_norm(double max_norm, double norm_type) {
+  return engine().clip_grad_norm(max_norm, norm_type);
+}
+
+sdk::StateDict ShardedStrategy::lightning_module_state_dict() {
+  if (state_dict_type_ == "sharded") return engine().sharded_state_dict();
+  if (state_dict_type_ == "local") return engine().local_state_dict();
+  return engine().full_state_dict();
+}
+
+void ShardedStrategy::load_model_state_dict(const sdk::StateDict& state, bool strict) {
+  if (loaded_ == "sharded") return engine().load_sharded_state_dict(state);
+  if (loaded_ == "local") return engine().load_local_state_dict(state);
+  engine().load_full_state_dict(state, strict);
+}
+
+sdk::Checkpoint ShardedStrategy::optimizer_state() {
+  if (state_dict_type_ != "full") return optimizer_state_dict(optimizer(), engine().optimizer_parameter_names());
+  return engine().full_optim_state_dict(optimizer());
+}
+
+void ShardedStrategy::load_optimizer_state(const sdk::Checkpoint& state) {
+  if (loaded_ != "full") return load_optimizer_state_dict(optimizer(), state, engine().optimizer_parameter_names());
+  engine().load_full_optim_state_dict(optimizer(), state);
+}
+
+void ShardedStrategy::save_checkpoint(const sdk::Checkpoint& checkpoint, const std::string& path) {
+  if (state_dict_type_ == "full") return StrategyBase::save_checkpoint(checkpoint, path);
+  sdk::Checkpoint mine = checkpoint.copy();
+  if (state_dict_type_ == "sharded") mine.insert(kShardMetadataKey, engine().shard_metadata());
+  mine.insert("fsdp_state_dict_type", state_dict_type_);
+  sdk::ShardInfo shard{global_rank(), world_size(), true};
+  checkpoint_io().save_checkpoint(mine, path, shard);
+  barrier("sharded save_checkpoint");
+  if (is_global_zero()) checkpoint_io().finalize_checkpoint(path, shard);
+  barrier("sharded checkpoint published");
+}
+
+sdk::Checkpoint ShardedStrategy::load_checkpoint(const std::string& path) {
+  loaded_ = "full";
+  std::error_code ec;
+  if (!std::filesystem::is_directory(path, ec)) return StrategyBase::load_checkpoint(path);
+  sdk::CheckpointMetadata meta = checkpoint_io().read_metadata(path);
+  if (!meta.sharded) return StrategyBase::load_checkpoint(path);
+  if (state_dict_type_ == "local") {
+    TESSERA_CHECK(meta.world_size == world_size(), "LOCAL checkpoint ", path, " was written by ", meta.world_size,
+                  " ranks and loads only into as many (this job has ", world_size(),
+                  "); save with [strategy] state_dict_type = \"sharded\" to reshard");
+    loaded_ = "local";
+    return checkpoint_io().load_checkpoint(path, sdk::ShardInfo{global_rank(), world_size(), true});
+  }
+  // This rank's flat range of each tensor; the module's own tensors keep their full shapes.
+  std::map<std::string, std::vector<std::int64_t>> shapes;
+  for (const auto& item : network_->named_parameters()) shapes.emplace(item.key(), item.value().sizes().vec());
+  for (const auto& item : network_->named_buffers()) shapes.emplace(item.key(), item.value().sizes().vec());
+  std::map<std::string, TensorPiece> wanted;
+  for (const auto& [name, range] : engine().owned_ranges())
+    wanted.emplace(name, TensorPiece::flat_range(shapes.at(name), range.first, range.second));
+  sdk::Checkpoint out = read_resharded_checkpoint(checkpoint_io(), path, meta.world_size, wanted);
+  loaded_ = "sharded";
+  return out;
+}
+
+void ShardedStrategy::teardown() {
+  engine_.reset();
+  StrategyBase::teardown();
+}
+
+std::vector<sdk::NamedParameter> ShardedStrategy::optimizer_parameters() { return engine().optimizer_parameters(); }
+
+void ShardedStrategy::zero_grad() { engine().after_optimizer_step(); }
+
+void ShardedStrategy::fill_common_options(FSDPOptions& options) const {
+  options.deferred_init = deferred_init_;
+  options.device = device_;
+  options.param_init_fn = [module = module_](const std::string& path, torch::nn::Module& m) {
+    return module->init_parameters(path, m);
+  };
+  options.mixed_precision = precision_->mixed_precision_policy();
+  if (options.unit_classes.empty()) options.unit_classes = module_->fsdp_unit_classes();
+  options.custom_wrap_policy = [module = module_](const std::string& path, const torch::nn::Module& m) {
+    return module->fsdp_wrap_policy(path, m);
+  };
+}
+
+void ShardedStrategy::check_unit_classes(const FSDPOptions& options, const std::string& key) const {
+  if (options.auto_wrap_policy == "transformer" || options.auto_wrap_policy == "size") {
+    const std::string problem = unit_class_problem(*network_, options.unit_classes);
+    TESSERA_CHECK(problem.empty(), key, ": ", problem);
+  }
+  for (const auto& cls : options.activation_checkpointing)
+    TESSERA_CHECK(options.auto_wrap_policy == "custom" ||
+                      std::find(options.unit_classes.begin(), options.unit_classes.end(), cls) !=
+                          options.unit_classes.end(),
+                  "[strategy] activation_checkpointing names '", cls, "', which is not an FSDP unit class; valid: ",
+                  sdk::join(options.unit_classes));
+}
+
+}  // namespace tessera::core::fsdp

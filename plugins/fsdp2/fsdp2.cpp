@@ -1,0 +1,160 @@
+// The `fsdp2` strategy: NeMo's FSDP2Strategy over core::fsdp::ShardedModule with the
+// per-parameter layout (PyTorch's fully_shard): every parameter sharded on dim 0 over the
+// "shard" dimension of a (replicate, shard, tp) device mesh. TOML keys use NeMo's names.
+#include <ATen/ATen.h>
+#include <toml++/toml.h>
+
+#include "tessera/core/device_mesh.hpp"
+#include "tessera/core/fsdp/sharded_strategy.hpp"
+#include "tessera/sdk/error.hpp"
+#include "tessera/sdk/plugin.hpp"
+
+namespace tessera::plugins {
+
+namespace {
+
+namespace fsdp = core::fsdp;
+
+/// An integer key that may also be the string "auto" (or absent): -1 for auto.
+std::int64_t int_or_auto(const sdk::Options& o, const std::string& key) {
+  o.mark_used(key);
+  const toml::node* node = o.table().get(key);
+  if (node == nullptr) return -1;
+  if (node->is_string() && node->as_string()->get() == "auto") return -1;
+  TESSERA_CHECK(node->is_integer() && node->as_integer()->get() >= 1, o.locate(key),
+                " must be \"auto\" or a positive integer");
+  return node->as_integer()->get();
+}
+
+/// A sub-table such as [strategy.mp_policy], as Options of its own (empty if absent).
+sdk::Options sub_table(const sdk::Options& o, const std::string& key) {
+  o.mark_used(key);
+  const toml::node* node = o.table().get(key);
+  if (node == nullptr) return sdk::Options(o.section() + "." + key, o.source(), toml::table{});
+  TESSERA_CHECK(node->is_table(), o.locate(key), " must be a table, e.g. [", o.section(), ".", key, "]");
+  return sdk::Options(o.section() + "." + key, o.source(), *node->as_table());
+}
+
+c10::optional<at::ScalarType> dtype_key(const sdk::Options& o, const std::string& key) {
+  const std::string name = o.get_choice(key, "", {"", "float32", "bfloat16", "float16"});
+  if (name.empty()) return c10::nullopt;
+  return name == "bfloat16" ? at::kBFloat16 : name == "float16" ? at::kHalf : at::kFloat;
+}
+
+class FSDP2Strategy final : public fsdp::ShardedStrategy {
+ public:
+  explicit FSDP2Strategy(const sdk::Options& o)
+      : ShardedStrategy(o),
+        dp_size_(int_or_auto(o, "data_parallel_size")),
+        tp_size_(int_or_auto(o, "tensor_parallel_size")),
+        replicate_size_(o.get_int("data_parallel_replicate_size", 1, 1)),
+        sizes_key_(o.locate("data_parallel_size")),
+        unit_key_(o.locate("transformer_layer_cls")) {
+    options_.layout = fsdp::ParamLayout::per_parameter;
+    options_.unit_classes = o.get_string_list("transformer_layer_cls", {});
+    options_.auto_wrap_policy = o.get_choice("parallelize_fn", "transformer", {"transformer", "custom", "none"});
+    options_.activation_checkpointing = o.get_string_list("activation_checkpointing", {});
+    options_.rank0_only = o.get_bool("rank0_only", true);
+    options_.cpu_offload = o.get_choice("offload_policy", "none", {"none", "cpu"}) == "cpu";
+    // FSDP2 prefetches the next unit's all-gather in forward and the previous one in backward.
+    options_.forward_prefetch = o.get_bool("forward_prefetch", true);
+    options_.backward_prefetch = o.get_bool("backward_prefetch", true) ? fsdp::BackwardPrefetch::BACKWARD_PRE
+                                                                        : fsdp::BackwardPrefetch::NONE;
+    reshard_after_forward(o);
+    mixed_precision(sub_table(o, "mp_policy"));
+    prefetch_lists(sub_table(o, "modules_to_forward_prefetch"), forward_prefetch_);
+    prefetch_lists(sub_table(o, "modules_to_backward_prefetch"), backward_prefetch_);
+  }
+
+  /// Builds the (replicate, shard, tp) mesh; sizes that do not multiply to the world size
+  /// fail here, before the model exists.
+  void setup_environment(const sdk::ClusterInfo& cluster) override {
+    ShardedStrategy::setup_environment(cluster);
+    const std::int64_t world = world_size();
+    const std::int64_t tp = tp_size_ > 0 ? tp_size_ : 1;
+    TESSERA_CHECK(world % (tp * replicate_size_) == 0, sizes_key_, ": tensor_parallel_size ", tp,
+                  " x data_parallel_replicate_size ", replicate_size_, " does not divide the world size ", world);
+    const std::int64_t dp = dp_size_ > 0 ? dp_size_ : world / (tp * replicate_size_);
+    TESSERA_CHECK(replicate_size_ * dp * tp == world, sizes_key_, ": data_parallel_replicate_size ", replicate_size_,
+                  " x data_parallel_size ", dp, " x tensor_parallel_size ", tp, " = ", replicate_size_ * dp * tp,
+                  " ranks, but the job has ", world, "; valid: sizes whose product is ", world,
+                  " (\"auto\" derives one from the others)");
+    TESSERA_CHECK(tp == 1, sizes_key_, ": tensor_parallel_size = ", tp, " needs the model's tensor-parallel plan, which ",
+                  "this build does not have yet; use tensor_parallel_size = 1");
+    mesh_ = std::make_unique<core::DeviceMesh>(world_, std::vector<std::int64_t>{replicate_size_, dp, tp},
+                                               std::vector<std::string>{"replicate", "shard", "tp"});
+  }
+
+  /// NeMo's tensor_init_context: under deferred_init nothing is allocated until each unit is
+  /// sharded (and then only that unit, initialised by the model's init_parameters).
+  sdk::GuardPtr tensor_init_context() override { return model_sharded_context(); }
+
+  /// Sampling over the data-parallel ranks only: tp ranks of one (replicate, shard)
+  /// coordinate see the same batch.
+  sdk::DataLoaderSpec process_dataloader(sdk::DataLoaderSpec spec) override {
+    spec.num_replicas = mesh().size("replicate") * mesh().size("shard");
+    spec.rank = mesh().rank("replicate") * mesh().size("shard") + mesh().rank("shard");
+    return spec;
+  }
+
+  const core::DeviceMesh& mesh() const {
+    TESSERA_CHECK(mesh_, "the fsdp2 strategy is used before setup_environment()");
+    return *mesh_;
+  }
+
+ protected:
+  /// NeMo's parallelize(): applied once, in setup.
+  void setup_module() override {
+    fill_common_options(options_);
+    if (param_dtype_) options_.mixed_precision.param_dtype = param_dtype_;
+    if (reduce_dtype_) options_.mixed_precision.reduce_dtype = reduce_dtype_;
+    check_unit_classes(options_, unit_key_);
+    engine_ = std::make_unique<fsdp::ShardedModule>(network_, options_, mesh().group("shard"), mesh().group("replicate"));
+    for (const auto& [unit, targets] : forward_prefetch_) engine_->set_modules_to_forward_prefetch(unit, targets);
+    for (const auto& [unit, targets] : backward_prefetch_) engine_->set_modules_to_backward_prefetch(unit, targets);
+  }
+
+ private:
+  void reshard_after_forward(const sdk::Options& o) {
+    const std::string key = "reshard_after_forward";
+    o.mark_used(key);
+    const toml::node* node = o.table().get(key);
+    bool reshard = true;
+    if (node != nullptr) {
+      TESSERA_CHECK(node->is_boolean(), o.locate(key),
+                    " must be true (free the gathered parameters after forward) or false (keep them until backward)");
+      reshard = node->as_boolean()->get();
+    }
+    options_.sharding_strategy = reshard ? fsdp::ShardingStrategy::FULL_SHARD : fsdp::ShardingStrategy::SHARD_GRAD_OP;
+  }
+
+  /// mp_policy: param_dtype, reduce_dtype, output_dtype, cast_forward_inputs; the
+  /// precision plugin's policy where a key is absent.
+  void mixed_precision(const sdk::Options& mp) {
+    param_dtype_ = dtype_key(mp, "param_dtype");
+    reduce_dtype_ = dtype_key(mp, "reduce_dtype");
+    options_.output_dtype = dtype_key(mp, "output_dtype");
+    options_.cast_forward_inputs = mp.get_bool("cast_forward_inputs", true);
+    mp.check_all_used();
+  }
+
+  void prefetch_lists(const sdk::Options& table, std::map<std::string, std::vector<std::string>>& out) {
+    for (const auto& [key, node] : table.table()) out[std::string(key.str())] = table.get_string_list(std::string(key.str()), {});
+  }
+
+  fsdp::FSDPOptions options_;
+  std::int64_t dp_size_, tp_size_, replicate_size_;
+  std::string sizes_key_, unit_key_;
+  c10::optional<at::ScalarType> param_dtype_, reduce_dtype_;
+  std::map<std::string, std::vector<std::string>> forward_prefetch_, backward_prefetch_;
+  std::unique_ptr<core::DeviceMesh> mesh_;
+};
+
+}  // namespace
+
+}  // namespace tessera::plugins
+
+TESSERA_PLUGIN(strategy, TESSERA_VERSION,
+               tessera::sdk::plugin_entry<tessera::plugins::FSDP2Strategy>(
+                   "fsdp2", "fully_shard: per-parameter sharding on a (replicate, shard, tp) device mesh (NeMo's "
+                            "FSDP2Strategy)"));
