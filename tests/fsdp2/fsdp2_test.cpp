@@ -47,12 +47,16 @@ FitRun fit(const std::string& name, const std::string& strategy, int world, int 
   return FitRun{metric_series(run_dir(dir) + "/metrics.csv", "train", "train_loss"), run_dir(dir)};
 }
 
-void expect_same_tail(const FitRun& reference, const FitRun& resumed, const std::string& what) {
+/// Steps 4-6 after a resume from step 3 match the uninterrupted run (Adam: only with the
+/// right moments and step count); `weights`: the final full checkpoints match too (sharded
+/// runs write folders, checked through their losses).
+void expect_same_tail(const FitRun& reference, const FitRun& resumed, const std::string& what, bool weights) {
   for (std::int64_t step : {4, 5, 6}) {
     ASSERT_TRUE(resumed.losses.count(step)) << what << ": no loss at step " << step;
     EXPECT_NEAR(resumed.losses.at(step), reference.losses.at(step), 2e-5 * reference.losses.at(step))
         << what << " step " << step;
   }
+  if (!weights) return;
   auto a = checkpoint_state(reference.dir + "/checkpoints/last.ckpt");
   auto b = checkpoint_state(resumed.dir + "/checkpoints/last.ckpt");
   ASSERT_EQ(a.size(), b.size()) << what;
@@ -72,6 +76,7 @@ TEST(Checkpoints, MoveBetweenMeshesAndStrategies) {
   };
   const std::vector<Source> sources = {
       {"fsdp2-dp2-full", "fsdp2", 2, ""},
+      {"single-full", "single_device", 1, ""},
       {"fsdp2-dp2-sharded", "fsdp2", 2, "--set strategy.state_dict_type=sharded --set checkpoint_io.plugin=distributed"},
       {"fsdp-2-sharded", "fsdp", 2, "--set strategy.state_dict_type=sharded --set checkpoint_io.plugin=distributed"},
   };
@@ -88,7 +93,7 @@ TEST(Checkpoints, MoveBetweenMeshesAndStrategies) {
       if (sharded) target.sets += " --set strategy.state_dict_type=sharded --set checkpoint_io.plugin=distributed";
       SCOPED_TRACE(source.name + " -> " + target.name);
       FitRun resumed = fit(source.name + "-to-" + target.name, target.strategy, target.world, 6, ckpt, target.sets);
-      expect_same_tail(reference, resumed, source.name + " -> " + target.name);
+      expect_same_tail(reference, resumed, source.name + " -> " + target.name, !sharded);
     }
   }
 }

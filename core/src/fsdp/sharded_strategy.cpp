@@ -88,6 +88,7 @@ sdk::Checkpoint ShardedStrategy::optimizer_state() {
 }
 
 void ShardedStrategy::load_optimizer_state(const sdk::Checkpoint& state) {
+  if (loaded_ == "sharded") return load_optimizer_state_dict(optimizer(), shaped_pieces(state), engine().optimizer_parameter_names());
   if (loaded_ != "full") return load_optimizer_state_dict(optimizer(), state, engine().optimizer_parameter_names());
   engine().load_full_optim_state_dict(optimizer(), state);
 }
@@ -126,6 +127,28 @@ sdk::Checkpoint ShardedStrategy::load_checkpoint(const std::string& path) {
     wanted.emplace(name, TensorPiece::flat_range(shapes.at(name), range.first, range.second));
   sdk::Checkpoint out = read_resharded_checkpoint(checkpoint_io(), path, meta.world_size, wanted);
   loaded_ = "sharded";
+  return out;
+}
+
+// A sharded checkpoint holds every piece as a 1-D range; the per-parameter layout's pieces
+// are N-D dim-0 slices: each moment takes the shape of the piece it belongs to.
+sdk::Checkpoint ShardedStrategy::shaped_pieces(const sdk::Checkpoint& saved) {
+  std::map<std::string, at::Tensor> pieces;
+  for (const auto& p : engine().optimizer_parameters()) pieces.emplace(p.name, p.tensor);
+  sdk::Checkpoint out = saved.copy();
+  auto names = checkpoint_get(saved, "param_names").toListRef();
+  c10::impl::GenericDict state(c10::IntType::get(), c10::AnyType::get());
+  for (const auto& entry : checkpoint_get(saved, "state").toGenericDict()) {
+    const std::int64_t index = entry.key().toInt();
+    auto it = index < static_cast<std::int64_t>(names.size()) ? pieces.find(names[index].toStringRef()) : pieces.end();
+    sdk::Checkpoint moments = entry.value().toGenericDict().copy();
+    if (it != pieces.end())
+      for (const auto& m : entry.value().toGenericDict())
+        if (m.value().isTensor() && m.value().toTensor().dim() == 1 && m.value().toTensor().numel() == it->second.numel())
+          moments.insert_or_assign(m.key(), m.value().toTensor().view(it->second.sizes()));
+    state.insert(entry.key(), moments);
+  }
+  out.insert_or_assign("state", state);
   return out;
 }
 

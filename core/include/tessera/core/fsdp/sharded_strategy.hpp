@@ -65,6 +65,8 @@ class ShardedStrategy : public StrategyBase {
   std::unique_ptr<ShardedModule> engine_;
 
  private:
+  sdk::Checkpoint shaped_pieces(const sdk::Checkpoint& saved);
+
   std::string loaded_ = "full";  // the form of the state the last load_checkpoint returned
 };
 
