@@ -259,7 +259,7 @@ struct FitRun {
 std::string run_config(const std::string& dir, const std::string& extra) {
   std::ofstream(dir + "/run.toml") << "[trainer]\nmax_steps = 6\nlog_every_n_steps = 1\nseed = 11\n"
                                    << "default_root_dir = \"" << dir << "\"\nenable_progress_bar = false\n"
-                                   << "[optimizer]\nname = \"sgd\"\nlr = 0.05\nmomentum = 0.9\nschedule = \"constant\"\n"
+                                   << "[optimizer]\nname = \"sgd\"\nlr = 0.02\nmomentum = 0.9\nschedule = \"constant\"\n"
                                    << "[model]\nplugin = \"gpt\"\nn_layer = 2\nn_head = 3\nn_embd = 36\nblock_size = 16\n"
                                    << "[data]\nplugin = \"text\"\nblock_size = 16\nstride = 61\n"
                                    << extra;
