@@ -1,13 +1,20 @@
 // The `fsdp2` strategy: NeMo's FSDP2Strategy over core::fsdp::ShardedModule with the
 // per-parameter layout (PyTorch's fully_shard): every parameter sharded on dim 0 over the
 // "shard" dimension of a (replicate, shard, tp) device mesh. TOML keys use NeMo's names.
+#include <map>
+#include <set>
+
 #include <ATen/ATen.h>
 #include <toml++/toml.h>
 
+#include "tessera/core/checkpoint.hpp"
+#include "tessera/core/clip_grad.hpp"
 #include "tessera/core/device_mesh.hpp"
 #include "tessera/core/fsdp/sharded_strategy.hpp"
+#include "tessera/core/tp_group.hpp"
 #include "tessera/sdk/error.hpp"
 #include "tessera/sdk/plugin.hpp"
+#include "tessera/sdk/tensor_parallel.hpp"
 
 namespace tessera::plugins {
 
@@ -79,8 +86,11 @@ class FSDP2Strategy final : public fsdp::ShardedStrategy {
                   " x data_parallel_size ", dp, " x tensor_parallel_size ", tp, " = ", replicate_size_ * dp * tp,
                   " ranks, but the job has ", world, "; valid: sizes whose product is ", world,
                   " (\"auto\" derives one from the others)");
-    TESSERA_CHECK(tp == 1, sizes_key_, ": tensor_parallel_size = ", tp, " needs the model's tensor-parallel plan, which ",
-                  "this build does not have yet; use tensor_parallel_size = 1");
+    TESSERA_CHECK(tp == 1 || !deferred_init_, sizes_key_, ": tensor_parallel_size = ", tp,
+                  " with deferred_init = true: the tensor-parallel plan cuts the model's initial full weights, so ",
+                  "they must exist; set deferred_init = false");
+    TESSERA_CHECK(tp == 1 || state_dict_type_ == "full", sizes_key_, ": tensor_parallel_size = ", tp,
+                  " saves full checkpoints only; set state_dict_type = \"full\"");
     mesh_ = std::make_unique<core::DeviceMesh>(world_, std::vector<std::int64_t>{replicate_size_, dp, tp},
                                                std::vector<std::string>{"replicate", "shard", "tp"});
   }
@@ -103,8 +113,21 @@ class FSDP2Strategy final : public fsdp::ShardedStrategy {
   }
 
  protected:
-  /// NeMo's parallelize(): applied once, in setup.
+  /// NeMo's parallelize(): the model's tensor-parallel plan on the "tp" dimension, then
+  /// fully_shard of its units and the root on "shard" (and "replicate"). Applied once, in setup.
   void setup_module() override {
+    if (mesh().size("tp") > 1) {
+      tp_ = core::make_tensor_parallel_group(mesh().group("tp"));
+      sdk::ParallelContext context;
+      context.tp = tp_;
+      context.dp_rank = mesh().rank("replicate") * mesh().size("shard") + mesh().rank("shard");
+      context.dp_size = mesh().size("replicate") * mesh().size("shard");
+      module_->parallelize(context);
+      placements_ = sdk::tensor_parallel_placements(*network_);
+      // Full state dicts are gathered on every rank, then unsharded over tp (collective).
+      rank0_only_ = options_.rank0_only;
+      options_.rank0_only = false;
+    }
     fill_common_options(options_);
     if (param_dtype_) options_.mixed_precision.param_dtype = param_dtype_;
     if (reduce_dtype_) options_.mixed_precision.reduce_dtype = reduce_dtype_;
@@ -114,7 +137,55 @@ class FSDP2Strategy final : public fsdp::ShardedStrategy {
     for (const auto& [unit, targets] : backward_prefetch_) engine_->set_modules_to_backward_prefetch(unit, targets);
   }
 
+ public:
+  // With tensor parallelism the pieces of a TP-split parameter differ across tp ranks: full
+  // state dicts and optimizer state are unsharded over tp after the engine gathered them over
+  // dp, and cut again on load; gradient norms are summed over tp for those pieces only.
+  sdk::StateDict lightning_module_state_dict() override {
+    sdk::StateDict state = ShardedStrategy::lightning_module_state_dict();
+    if (!tp_) return state;
+    for (const auto& [name, placement] : placements_)
+      if (at::Tensor* t = state.find(name)) *t = sdk::tensor_parallel_unshard(*t, placement, *tp_);
+    return rank0_only_ && !is_global_zero() ? sdk::StateDict() : state;
+  }
+  void load_model_state_dict(const sdk::StateDict& state, bool strict) override {
+    if (!tp_) return ShardedStrategy::load_model_state_dict(state, strict);
+    sdk::StateDict local = state;
+    for (const auto& [name, placement] : placements_)
+      if (at::Tensor* t = local.find(name)) *t = sdk::tensor_parallel_shard(*t, placement, tp_->rank(), tp_->size());
+    ShardedStrategy::load_model_state_dict(local, strict);
+  }
+  sdk::Checkpoint optimizer_state() override {
+    sdk::Checkpoint state = ShardedStrategy::optimizer_state();
+    return tp_ ? map_tp_moments(state, /*unshard=*/true) : state;
+  }
+  void load_optimizer_state(const sdk::Checkpoint& state) override {
+    ShardedStrategy::load_optimizer_state(tp_ ? map_tp_moments(state, /*unshard=*/false) : state);
+  }
+  double clip_grad_norm(double max_norm, double norm_type) override {
+    if (!tp_) return ShardedStrategy::clip_grad_norm(max_norm, norm_type);
+    const std::vector<std::string> names = engine().replicated_parameter_names();
+    const std::set<std::string> replicated(names.begin(), names.end());
+    std::vector<at::Tensor> sharded, split, whole;
+    for (const auto& p : engine().optimizer_parameters())
+      (replicated.count(p.name) ? whole : placements_.count(p.name) ? split : sharded).push_back(p.tensor.grad());
+    core::Communicator& tp_group = *mesh().group("tp");
+    return core::clip_grad_norm(sharded, split, whole, max_norm, norm_type, mesh().group("shard").get(), &tp_group,
+                                device_);
+  }
+
  private:
+  /// The optimizer state's moments of TP-split parameters, unsharded over tp (collective, in
+  /// the same name order on every rank) or cut to this rank's piece.
+  sdk::Checkpoint map_tp_moments(const sdk::Checkpoint& saved, bool unshard) {
+    return core::map_optimizer_moments(saved, [&](const std::string& name, const at::Tensor& moment) {
+      auto it = placements_.find(name);
+      if (it == placements_.end() || moment.dim() == 0) return moment;
+      return unshard ? sdk::tensor_parallel_unshard(moment, it->second, *tp_)
+                     : sdk::tensor_parallel_shard(moment, it->second, tp_->rank(), tp_->size());
+    });
+  }
+
   void reshard_after_forward(const sdk::Options& o) {
     const std::string key = "reshard_after_forward";
     o.mark_used(key);
@@ -148,6 +219,9 @@ class FSDP2Strategy final : public fsdp::ShardedStrategy {
   c10::optional<at::ScalarType> param_dtype_, reduce_dtype_;
   std::map<std::string, std::vector<std::string>> forward_prefetch_, backward_prefetch_;
   std::unique_ptr<core::DeviceMesh> mesh_;
+  std::shared_ptr<sdk::TensorParallelGroup> tp_;  // null without tensor parallelism
+  std::map<std::string, sdk::TensorParallelPlacement> placements_;
+  bool rank0_only_ = true;
 };
 
 }  // namespace

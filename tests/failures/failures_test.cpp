@@ -187,7 +187,7 @@ INSTANTIATE_TEST_SUITE_P(
         BadInput{"data_dev_null", "", "--set data.path=/dev/null",
                  "[data] path = \"/dev/null\" is neither a regular file nor a directory", "fit", false},
         BadInput{"missing_ckpt", "", "--ckpt-path @DIR@/nothing.ckpt", "--ckpt-path @DIR@/nothing.ckpt"},
-        BadInput{"missing_last", "", "--ckpt-path last", "nothing to resume from 'last'"},
+        BadInput{"missing_last", "", "--ckpt-path last", "--ckpt-path last: no checkpoint in any run under"},
         BadInput{"validate_no_ckpt", "", "", "validate needs --ckpt-path", "validate"},
         BadInput{"test_no_ckpt", "", "", "test needs --ckpt-path", "test"},
         BadInput{"set_error_names_override", "", "--set trainer.max_steps=abc", "--set trainer.max_steps=abc"}),
@@ -285,7 +285,7 @@ TEST(Timeouts, ASlowSaveUnderAShortCollectiveTimeoutStillCommits) {
                            " --set launch.checkpoint_timeout_s=60",
                        "TESSERA_FAULT_INJECT=rank=0,step=2,kind=slow_save,seconds=5", 120);
   EXPECT_EQ(r.exit_code, 0) << r.output;
-  EXPECT_TRUE(fs::exists(dir + "/checkpoints/last.ckpt")) << r.output;
+  EXPECT_TRUE(fs::exists(tessera::testing::run_dir(dir) + "/checkpoints/last.ckpt")) << r.output;
   // The same save under a checkpoint timeout shorter than it fails, naming the slow rank.
   std::string dir2 = tessera::testing::fresh_dir("slow-save-short");
   auto short_timeout = run_tessera("fit --config " + write_config(dir2, 2) +
@@ -299,13 +299,15 @@ TEST(Timeouts, ASlowSaveUnderAShortCollectiveTimeoutStillCommits) {
 
 TEST(Blame, DiskFullDuringASaveNamesTheRankThatHitIt) {
   std::string dir = tessera::testing::fresh_dir("disk-full");
-  std::string mount_point = dir + "/checkpoints";
+  std::string mount_point = dir + "/version_0/checkpoints";  // the run folder, named by [logger] version
   fs::create_directories(mount_point);
   // A 32 KiB tmpfs: the checkpoint (~100 KB of GPT state) cannot fit.
   if (::mount("tmpfs", mount_point.c_str(), "tmpfs", 0, "size=32k") != 0)
     GTEST_SKIP() << "SKIPPED: cannot mount a small tmpfs here (" << std::strerror(errno)
                  << "); the disk-full report needs one";
-  auto r = run_tessera("fit --config " + write_config(dir, 2) + " --set launch.devices=2", "", 120);
+  auto r = run_tessera("fit --config " + write_config(dir, 2, "ddp", "[logger]\nversion = \"0\"\n") +
+                           " --set launch.devices=2",
+                       "", 120);
   ::umount2(mount_point.c_str(), MNT_DETACH);
   EXPECT_NE(r.exit_code, 0) << r.output;
   EXPECT_CONTAINS(r.output, "rank 0 (pid");
@@ -344,7 +346,7 @@ TEST_P(Torchrun, Trains) {
   auto r = torchrun(args, "fit --config " + write_config(dir, 2));
   EXPECT_EQ(r.exit_code, 0) << r.output;
   EXPECT_CONTAINS(r.output, "2 rank(s) [torchrun]");
-  EXPECT_TRUE(fs::exists(dir + "/checkpoints/last.ckpt")) << r.output;
+  EXPECT_TRUE(fs::exists(tessera::testing::run_dir(dir) + "/checkpoints/last.ckpt")) << r.output;
 }
 
 std::string launcher_name(const ::testing::TestParamInfo<std::string>& info) {

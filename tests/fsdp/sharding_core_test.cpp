@@ -109,6 +109,21 @@ void expect_matches(const sdk::StateDict& state, const std::map<std::string, at:
   }
 }
 
+/// kSteps of SGD with momentum on this rank's rows of each batch, as reference_after() does.
+void train(fsdp::ShardedModule& sharded, GateNet& net, const sdk::ClusterInfo& cluster) {
+  torch::optim::SGD optimizer(tensors_of(sharded.optimizer_parameters()), torch::optim::SGDOptions(0.1).momentum(0.9));
+  const std::int64_t rows = kBatch / cluster.world_size, first = rows * cluster.global_rank;
+  for (int s = 0; s < kSteps; ++s) {
+    sharded.begin_forward(true);
+    at::Tensor loss = loss_of(net, s, first, rows);
+    sharded.begin_backward(true);
+    loss.backward();
+    sharded.finish_backward();
+    optimizer.step();
+    sharded.after_optimizer_step();
+  }
+}
+
 class MultiArgUnits : public ::testing::TestWithParam<std::tuple<int, bool>> {};
 
 // Gradients reach both outputs of every unit and the tensor input of the second; with
@@ -125,18 +140,7 @@ TEST_P(MultiArgUnits, MatchTheUnshardedRunWithDropout) {
     if (checkpointed) options.activation_checkpointing = {"GateBlock"};
     auto group = world(cluster);
     fsdp::ShardedModule sharded(net.ptr(), options, group, core::make_local_communicator());
-    torch::optim::SGD optimizer(tensors_of(sharded.optimizer_parameters()),
-                                torch::optim::SGDOptions(0.1).momentum(0.9));
-    const std::int64_t rows = kBatch / cluster.world_size, first = rows * cluster.global_rank;
-    for (int s = 0; s < kSteps; ++s) {
-      sharded.begin_forward(true);
-      at::Tensor loss = loss_of(net, s, first, rows);
-      sharded.begin_backward(true);
-      loss.backward();
-      sharded.finish_backward();
-      optimizer.step();
-      sharded.after_optimizer_step();
-    }
+    train(sharded, net, cluster);
     expect_matches(sharded.full_state_dict(), expected, 1e-5);
   });
 }
@@ -183,18 +187,7 @@ TEST_P(PerParameterLayout, DimZeroShardsWithOriginalNamesMatchTheUnshardedRun) {
     std::set<std::string> original;
     for (const auto& item : net->named_parameters()) original.insert(item.key());
     EXPECT_EQ(names, original);
-    torch::optim::SGD optimizer(tensors_of(sharded.optimizer_parameters()),
-                                torch::optim::SGDOptions(0.1).momentum(0.9));
-    const std::int64_t batch_rows = kBatch / cluster.world_size, first = batch_rows * cluster.global_rank;
-    for (int s = 0; s < kSteps; ++s) {
-      sharded.begin_forward(true);
-      at::Tensor loss = loss_of(net, s, first, batch_rows);
-      sharded.begin_backward(true);
-      loss.backward();
-      sharded.finish_backward();
-      optimizer.step();
-      sharded.after_optimizer_step();
-    }
+    train(sharded, net, cluster);
     expect_matches(sharded.full_state_dict(), expected, 1e-5);
     EXPECT_THROW(sharded.set_modules_to_forward_prefetch("b1", {"head"}), sdk::Error);
   });

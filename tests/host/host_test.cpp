@@ -403,7 +403,7 @@ TEST(Callbacks, ModelCheckpointKeepsTheTopKByTheMonitoredMetric) {
   std::vector<std::pair<double, std::int64_t>> by_score;
   for (const auto& [step, loss] : val) by_score.emplace_back(-loss, step);
   std::sort(by_score.begin(), by_score.end());
-  std::vector<std::string> expected = {"last.ckpt"};
+  std::vector<std::string> expected = {"last", "last.ckpt"};  // "last": the newest-commit pointer
   for (int i = 0; i < 2; ++i) {
     char name[64];
     std::snprintf(name, sizeof(name), "step=%lld-val_loss=%.5f.ckpt", static_cast<long long>(by_score[i].second),

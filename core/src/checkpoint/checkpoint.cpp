@@ -588,4 +588,26 @@ sdk::Checkpoint optimizer_states_in_model_order(const sdk::Checkpoint& checkpoin
   return out;
 }
 
+sdk::Checkpoint map_optimizer_moments(const sdk::Checkpoint& saved,
+                                      const std::function<at::Tensor(const std::string&, const at::Tensor&)>& fn) {
+  if (!saved.contains("state")) return saved;
+  const std::vector<std::string> names = saved_param_names(saved);
+  const c10::impl::GenericDict saved_state = checkpoint_get(saved, "state").toGenericDict();
+  c10::impl::GenericDict state(saved_state.keyType(), saved_state.valueType());
+  for (const auto& entry : saved_state) {
+    std::string name;
+    if (entry.key().isString()) name = entry.key().toStringRef();
+    else if (entry.key().isInt() && entry.key().toInt() < static_cast<std::int64_t>(names.size()))
+      name = names[entry.key().toInt()];
+    sdk::Checkpoint moments = entry.value().toGenericDict().copy();
+    for (const auto& m : entry.value().toGenericDict())
+      if (!name.empty() && m.key().toStringRef() != "step" && m.value().isTensor())
+        moments.insert_or_assign(m.key(), fn(name, m.value().toTensor()));
+    state.insert(entry.key(), moments);
+  }
+  sdk::Checkpoint out = saved.copy();
+  out.insert_or_assign("state", state);
+  return out;
+}
+
 }  // namespace tessera::core

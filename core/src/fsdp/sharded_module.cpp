@@ -207,6 +207,12 @@ std::vector<std::string> ShardedModule::fsdp_modules(bool root_only) const {
   return out;
 }
 
+std::vector<std::string> ShardedModule::replicated_parameter_names() const {
+  std::vector<std::string> out;
+  for (const auto& p : replicated_) out.push_back(p.names[0]);
+  return out;
+}
+
 std::int64_t ShardedModule::sharded_bytes() const {
   std::int64_t bytes = 0;
   for (const auto& u : units_) bytes += u->layout->sharded_bytes();

@@ -135,21 +135,11 @@ sdk::Checkpoint ShardedStrategy::load_checkpoint(const std::string& path) {
 sdk::Checkpoint ShardedStrategy::shaped_pieces(const sdk::Checkpoint& saved) {
   std::map<std::string, at::Tensor> pieces;
   for (const auto& p : engine().optimizer_parameters()) pieces.emplace(p.name, p.tensor);
-  sdk::Checkpoint out = saved.copy();
-  auto names = checkpoint_get(saved, "param_names").toListRef();
-  c10::impl::GenericDict state(c10::IntType::get(), c10::AnyType::get());
-  for (const auto& entry : checkpoint_get(saved, "state").toGenericDict()) {
-    const std::int64_t index = entry.key().toInt();
-    auto it = index < static_cast<std::int64_t>(names.size()) ? pieces.find(names[index].toStringRef()) : pieces.end();
-    sdk::Checkpoint moments = entry.value().toGenericDict().copy();
-    if (it != pieces.end())
-      for (const auto& m : entry.value().toGenericDict())
-        if (m.value().isTensor() && m.value().toTensor().dim() == 1 && m.value().toTensor().numel() == it->second.numel())
-          moments.insert_or_assign(m.key(), m.value().toTensor().view(it->second.sizes()));
-    state.insert(entry.key(), moments);
-  }
-  out.insert_or_assign("state", state);
-  return out;
+  return map_optimizer_moments(saved, [&](const std::string& name, const at::Tensor& moment) {
+    auto it = pieces.find(name);
+    const bool flat_piece = it != pieces.end() && moment.dim() == 1 && moment.numel() == it->second.numel();
+    return flat_piece ? moment.view(it->second.sizes()) : moment;
+  });
 }
 
 void ShardedStrategy::teardown() {

@@ -11,6 +11,12 @@ namespace tessera::core {
 
 double clip_grad_norm(const std::vector<at::Tensor>& sharded, const std::vector<at::Tensor>& replicated,
                       double max_norm, double norm_type, Communicator* group, c10::Device device) {
+  return clip_grad_norm(sharded, {}, replicated, max_norm, norm_type, group, nullptr, device);
+}
+
+double clip_grad_norm(const std::vector<at::Tensor>& sharded, const std::vector<at::Tensor>& split,
+                      const std::vector<at::Tensor>& replicated, double max_norm, double norm_type,
+                      Communicator* group, Communicator* split_group, c10::Device device) {
   TESSERA_CHECK(norm_type > 0, "gradient clipping norm_type must be > 0 or inf, got ", norm_type);
   const bool inf_norm = std::isinf(norm_type);
   auto accumulate = [&](at::Tensor& total, const std::vector<at::Tensor>& gradients) {
@@ -21,16 +27,22 @@ double clip_grad_norm(const std::vector<at::Tensor>& sharded, const std::vector<
       total = inf_norm ? at::maximum(total, part) : total + part;
     }
   };
+  const sdk::ReduceOp op = inf_norm ? sdk::ReduceOp::max : sdk::ReduceOp::sum;
   at::Tensor total = at::zeros({1}, at::TensorOptions().dtype(at::kFloat).device(device));
+  if (!split.empty() && split_group != nullptr && split_group->size() > 1) {
+    accumulate(total, split);
+    split_group->all_reduce(total, op, "clip_grad_norm over tensor-parallel pieces")->wait();
+  } else {
+    accumulate(total, split);
+  }
   accumulate(total, sharded);
-  if (group != nullptr && group->size() > 1)
-    group->all_reduce(total, inf_norm ? sdk::ReduceOp::max : sdk::ReduceOp::sum, "clip_grad_norm")->wait();
+  if (group != nullptr && group->size() > 1) group->all_reduce(total, op, "clip_grad_norm")->wait();
   accumulate(total, replicated);  // after the reduction: the same on every rank, counted once
   const double norm = inf_norm ? total.item<double>() : std::pow(total.item<double>(), 1.0 / norm_type);
   const double coefficient = max_norm / (norm + 1e-6);
   if (coefficient < 1.0) {
     torch::NoGradGuard no_grad;
-    for (const auto* list : {&sharded, &replicated})
+    for (const auto* list : {&sharded, &split, &replicated})
       for (const at::Tensor& g : *list)
         if (g.defined()) g.detach().mul_(coefficient);
   }

@@ -41,6 +41,12 @@ sdk::Checkpoint optimizer_state_dict(const torch::optim::Optimizer& optimizer,
 void load_optimizer_state_dict(torch::optim::Optimizer& optimizer, const sdk::Checkpoint& state,
                                const std::vector<std::string>& param_names);
 
+/// `state` (an optimizer state dict) with each parameter's tensor moments (not "step")
+/// replaced by fn(parameter name, moment); entries keyed by index are named through
+/// "param_names". Used to re-cut moments between layouts (1-D pieces, tensor parallelism).
+sdk::Checkpoint map_optimizer_moments(const sdk::Checkpoint& state,
+                                      const std::function<at::Tensor(const std::string&, const at::Tensor&)>& fn);
+
 /// How an optimizer state dict's "state" and "param_groups"/"params" are keyed (PyTorch
 /// FSDP's OptimStateKeyType): by index in parameter order, or by parameter name.
 enum class OptimStateKeyType { PARAM_ID, PARAM_NAME };

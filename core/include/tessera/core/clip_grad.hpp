@@ -17,4 +17,10 @@ namespace tessera::core {
 double clip_grad_norm(const std::vector<at::Tensor>& sharded, const std::vector<at::Tensor>& replicated,
                       double max_norm, double norm_type, Communicator* group, c10::Device device);
 
+/// As above, with `split` gradients that are sharded over `group` and also split over
+/// `split_group` (tensor-parallel pieces): their norms are reduced over both.
+double clip_grad_norm(const std::vector<at::Tensor>& sharded, const std::vector<at::Tensor>& split,
+                      const std::vector<at::Tensor>& replicated, double max_norm, double norm_type,
+                      Communicator* group, Communicator* split_group, c10::Device device);
+
 }  // namespace tessera::core

@@ -95,6 +95,8 @@ class ShardedModule {
   void apply(const std::function<void(torch::nn::Module&)>& fn);
   /// The FSDP units' module paths in forward order, the root ("") last; `root_only`: the root.
   std::vector<std::string> fsdp_modules(bool root_only = false) const;
+  /// The parameters kept whole on every rank (ignored modules, exempt norm layers).
+  std::vector<std::string> replicated_parameter_names() const;
   /// FSDP2's explicit prefetch: when unit `unit` (a module path from fsdp_modules()) runs
   /// forward / backward, gather `targets` too, in place of the implicit next / previous unit.
   void set_modules_to_forward_prefetch(const std::string& unit, const std::vector<std::string>& targets);
