@@ -1,5 +1,6 @@
 // `gpt`: a byte-level decoder-only transformer (nanoGPT's architecture). Each Block is an
-// FSDP unit: the network runs it through sdk::invoke().
+// FSDP unit: the network runs it through sdk::invoke(); parallelize() splits its attention heads
+// and MLP over a tensor-parallel group (Megatron-style).
 #include <cmath>
 #include <limits>
 
@@ -7,6 +8,7 @@
 #include <torch/nn/functional/activation.h>
 #include <torch/nn/functional/loss.h>
 #include <torch/nn/init.h>
+#include <torch/nn/modules/container/any.h>
 #include <torch/nn/modules/container/modulelist.h>
 #include <torch/nn/modules/dropout.h>
 #include <torch/nn/modules/embedding.h>
@@ -15,6 +17,7 @@
 
 #include "models.hpp"
 #include "tessera/sdk/error.hpp"
+#include "tessera/sdk/tensor_parallel.hpp"
 #include "tessera/sdk/unit.hpp"
 
 namespace tessera::models {
@@ -39,27 +42,60 @@ class BlockImpl : public torch::nn::Module {
       : torch::nn::Module("Block"),
         n_head_(c.n_head),
         ln_1(register_module("ln_1", torch::nn::LayerNorm(torch::nn::LayerNormOptions({c.n_embd})))),
-        attn(register_module("attn", torch::nn::Linear(torch::nn::LinearOptions(c.n_embd, 3 * c.n_embd).bias(c.bias)))),
-        proj(register_module("proj", torch::nn::Linear(torch::nn::LinearOptions(c.n_embd, c.n_embd).bias(c.bias)))),
+        attn(linear("attn", c.n_embd, 3 * c.n_embd, c.bias)),
+        proj(linear("proj", c.n_embd, c.n_embd, c.bias)),
         ln_2(register_module("ln_2", torch::nn::LayerNorm(torch::nn::LayerNormOptions({c.n_embd})))),
-        fc(register_module("fc", torch::nn::Linear(torch::nn::LinearOptions(c.n_embd, 4 * c.n_embd).bias(c.bias)))),
-        fc_proj(register_module("fc_proj",
-                                torch::nn::Linear(torch::nn::LinearOptions(4 * c.n_embd, c.n_embd).bias(c.bias)))),
+        fc(linear("fc", c.n_embd, 4 * c.n_embd, c.bias)),
+        fc_proj(linear("fc_proj", 4 * c.n_embd, c.n_embd, c.bias)),
         dropout(register_module("dropout", torch::nn::Dropout(c.dropout))) {}
 
   at::Tensor forward(const at::Tensor& x) {
-    const std::int64_t B = x.size(0), T = x.size(1), C = x.size(2), H = n_head_;
-    auto qkv = attn(ln_1(x)).split(C, 2);
-    auto heads = [&](const at::Tensor& t) { return t.view({B, T, H, C / H}).transpose(1, 2); };
+    // Under tensor parallelism this rank computes n_head / tp of the heads; C is the full width.
+    const std::int64_t B = x.size(0), T = x.size(1), C = x.size(2), D = C / n_head_;
+    const std::int64_t H = n_head_ / tp_size(), local = H * D;
+    auto qkv = attn.forward<at::Tensor>(ln_1(x)).split(local, 2);
+    auto heads = [&](const at::Tensor& t) { return t.view({B, T, H, D}).transpose(1, 2); };
     at::Tensor q = heads(qkv[0]), k = heads(qkv[1]), v = heads(qkv[2]);
-    at::Tensor att = at::matmul(q, k.transpose(-2, -1)) * (1.0 / std::sqrt(static_cast<double>(C / H)));
-    att = dropout(at::softmax(att.masked_fill(causal_mask(T, x.device()), -std::numeric_limits<float>::infinity()), -1));
-    at::Tensor y = at::matmul(att, v).transpose(1, 2).contiguous().view({B, T, C});
-    at::Tensor h = x + dropout(proj(y));
-    return h + dropout(fc_proj(F::gelu(fc(ln_2(h)))));
+    at::Tensor att = at::matmul(q, k.transpose(-2, -1)) * (1.0 / std::sqrt(static_cast<double>(D)));
+    att = attention_dropout(
+        at::softmax(att.masked_fill(causal_mask(T, x.device()), -std::numeric_limits<float>::infinity()), -1));
+    at::Tensor y = at::matmul(att, v).transpose(1, 2).contiguous().view({B, T, local});
+    at::Tensor h = x + dropout(proj.forward<at::Tensor>(y));
+    return h + dropout(fc_proj.forward<at::Tensor>(F::gelu(fc.forward<at::Tensor>(ln_2(h)))));
+  }
+
+  /// Megatron's plan: q, k, v and fc column-parallel (q, k and v each split by head: the
+  /// fused weight is 3 parts), proj and fc_proj row-parallel; LayerNorms replicated.
+  void parallelize(const std::shared_ptr<sdk::TensorParallelGroup>& tp) {
+    tp_ = tp;
+    attn = replace("attn", sdk::ColumnParallelLinear(attn.get<torch::nn::LinearImpl>(), tp, /*stride=*/3));
+    proj = replace("proj", sdk::RowParallelLinear(proj.get<torch::nn::LinearImpl>(), tp));
+    fc = replace("fc", sdk::ColumnParallelLinear(fc.get<torch::nn::LinearImpl>(), tp));
+    fc_proj = replace("fc_proj", sdk::RowParallelLinear(fc_proj.get<torch::nn::LinearImpl>(), tp));
   }
 
  private:
+  torch::nn::AnyModule linear(const std::string& name, std::int64_t in, std::int64_t out, bool bias) {
+    return torch::nn::AnyModule(register_module(name, torch::nn::Linear(torch::nn::LinearOptions(in, out).bias(bias))));
+  }
+  template <typename Holder>
+  torch::nn::AnyModule replace(const std::string& name, Holder module) {
+    return torch::nn::AnyModule(replace_module(name, module));
+  }
+
+  std::int64_t tp_size() const { return tp_ ? tp_->size() : 1; }
+
+  // The attention probabilities of this rank's heads. Under tensor parallelism the mask is drawn
+  // for all heads and cut, as the single-device model draws it: the generator advances the same
+  // on every tp rank (replicated activations need identical masks) and a tp run with dropout
+  // equals the single-device run, at the cost of drawing tp times the local mask.
+  at::Tensor attention_dropout(const at::Tensor& att) {
+    if (tp_size() == 1 || !dropout->is_training() || dropout->options.p() == 0.0) return dropout(att);
+    at::Tensor full_shape_mask =
+        dropout(at::ones({att.size(0), n_head_, att.size(2), att.size(3)}, att.options()));
+    return att * full_shape_mask.narrow(1, tp_->rank() * att.size(1), att.size(1));
+  }
+
   // True above the diagonal (the future). Kept out of the module's buffers so that it is
   // neither checkpointed nor sharded; rebuilt when the device or the length changes.
   const at::Tensor& causal_mask(std::int64_t T, const at::Device& device) {
@@ -70,12 +106,13 @@ class BlockImpl : public torch::nn::Module {
 
   std::int64_t n_head_;
   at::Tensor causal_;
+  std::shared_ptr<sdk::TensorParallelGroup> tp_;
 
  public:
   torch::nn::LayerNorm ln_1;
-  torch::nn::Linear attn, proj;
+  torch::nn::AnyModule attn, proj;  // Linear, or its tensor-parallel counterpart after parallelize()
   torch::nn::LayerNorm ln_2;
-  torch::nn::Linear fc, fc_proj;
+  torch::nn::AnyModule fc, fc_proj;
   torch::nn::Dropout dropout;
 };
 TORCH_MODULE(Block);
@@ -121,6 +158,11 @@ class GPTNetImpl : public torch::nn::Module {
     return true;
   }
 
+  /// Tensor parallelism inside every block; embeddings, ln_f and lm_head stay replicated.
+  void parallelize(const std::shared_ptr<sdk::TensorParallelGroup>& tp) {
+    for (auto& block : units) block->parallelize(tp);
+  }
+
   GPTConfig config;
   torch::nn::Embedding wte{nullptr}, wpe{nullptr};
   torch::nn::Dropout drop{nullptr};
@@ -144,12 +186,16 @@ class GPT final : public sdk::Module {
                 o.get_bool("tie_embeddings", true)},
         max_new_tokens_(o.get_int("max_new_tokens", 200, 1, 65536)),
         temperature_(o.get_double("temperature", 0.8, 1e-6)),
-        top_k_(o.get_int("top_k", 40, 0, kVocab)) {
+        top_k_(o.get_int("top_k", 40, 0, kVocab)),
+        n_head_key_(o.locate("n_head")) {
     TESSERA_CHECK(config_.n_embd % config_.n_head == 0, o.locate("n_embd"), " = ", config_.n_embd,
                   " must be divisible by n_head = ", config_.n_head);
   }
 
-  void configure_model() override { net_ = GPTNet(config_); }
+  void configure_model() override {
+    net_ = GPTNet(config_);
+    tp_ = nullptr;
+  }
   std::shared_ptr<torch::nn::Module> network() override { return net_.ptr(); }
 
   StepOutput training_step(const Batch& batch, std::int64_t) override { return lm_loss(batch); }
@@ -176,6 +222,27 @@ class GPT final : public sdk::Module {
   }
 
   std::vector<std::string> fsdp_unit_classes() const override { return {"Block"}; }
+
+  /// Each tp rank takes n_head / tp heads (and 4 n_embd / tp of the MLP's hidden units).
+  void parallelize(const sdk::ParallelContext& context) override {
+    TESSERA_CHECK(context.tp != nullptr, "gpt: parallelize needs a tensor-parallel group (null)");
+    const std::int64_t tp = context.tp->size();
+    if (tp == 1 || context.tp == tp_) return;  // applied once
+    TESSERA_CHECK(net_, "gpt: parallelize before configure_model()");
+    TESSERA_CHECK(!tp_, "gpt: the network is already split over a tensor-parallel group of ", tp_ ? tp_->size() : 0,
+                  "; configure_model() again before parallelizing over another group");
+    if (config_.n_head % tp != 0 || (4 * config_.n_embd) % tp != 0) {
+      std::vector<std::string> valid;
+      for (std::int64_t d = 1; d <= config_.n_head; ++d)
+        if (config_.n_head % d == 0 && (4 * config_.n_embd) % d == 0) valid.push_back(std::to_string(d));
+      TESSERA_FAIL(n_head_key_, " = ", config_.n_head, " (with n_embd = ", config_.n_embd,
+                   ") does not split over tensor_parallel_size = ", tp,
+                   ": each tp rank takes n_head / tp heads and 4 n_embd / tp MLP units; valid tensor_parallel_size: ",
+                   sdk::join(valid), " (or change n_head)");
+    }
+    net_->parallelize(context.tp);
+    tp_ = context.tp;
+  }
 
   /// Deferred init: the same rules as an eager build (the same distribution; the draws come
   /// in unit order, so not the same values for a given seed).
@@ -213,7 +280,9 @@ class GPT final : public sdk::Module {
   std::int64_t max_new_tokens_;
   double temperature_;
   std::int64_t top_k_;
+  std::string n_head_key_;  // "file:line: [model] n_head", for the tensor-parallel size error
   GPTNet net_{nullptr};
+  std::shared_ptr<sdk::TensorParallelGroup> tp_;  // set once the network is split
 };
 
 }  // namespace

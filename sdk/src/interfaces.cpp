@@ -1,11 +1,13 @@
 // Out-of-line destructors and defaults: they anchor the interfaces' vtables and type info
 // in the SDK library, shared by the host and every plugin.
 #include "tessera/sdk/data.hpp"
+#include "tessera/sdk/error.hpp"
 #include "tessera/sdk/guard.hpp"
 #include "tessera/sdk/module.hpp"
 #include "tessera/sdk/precision.hpp"
 #include "tessera/sdk/checkpoint_io.hpp"
 #include "tessera/sdk/strategy.hpp"
+#include "tessera/sdk/tensor_parallel.hpp"
 
 namespace tessera::sdk {
 
@@ -26,6 +28,14 @@ std::unique_ptr<torch::optim::Optimizer> Module::configure_optimizers(const std:
 std::vector<std::string> Module::fsdp_unit_classes() const { return {}; }
 bool Module::fsdp_wrap_policy(const std::string&, const torch::nn::Module&) const { return false; }
 bool Module::init_parameters(const std::string&, torch::nn::Module&) { return false; }
+
+void Module::parallelize(const ParallelContext& context) {
+  if (!context.tp || context.tp->size() == 1) return;
+  auto net = network();
+  TESSERA_FAIL("model ", net ? net->name() : std::string("(not configured)"),
+               " has no tensor-parallel plan (sdk::Module::parallelize), so it cannot run with tensor_parallel_size = ",
+               context.tp->size(), "; use tensor_parallel_size = 1");
+}
 
 Checkpoint make_checkpoint() { return Checkpoint(c10::StringType::get(), c10::AnyType::get()); }
 

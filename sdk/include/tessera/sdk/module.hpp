@@ -12,6 +12,8 @@
 
 namespace tessera::sdk {
 
+struct ParallelContext;  // tensor_parallel.hpp
+
 class TESSERA_SDK_API Module : public PluginObject {
  public:
   ~Module() override;
@@ -55,6 +57,15 @@ class TESSERA_SDK_API Module : public PluginObject {
 
   /// Saved as "hyper_parameters" in checkpoints.
   virtual Checkpoint hyper_parameters() const = 0;
+
+  /// Tensor parallelism (NeMo's parallelize_fn): replace the network's layers by the
+  /// tensor-parallel layers of tensor_parallel.hpp, each holding this rank's piece of the
+  /// current (full, identical on every rank) parameters, so a run starts from the
+  /// single-device weights. Called by a DP x TP strategy once, after configure_model() and
+  /// before the strategy shards anything. Check sizes before changing anything (an sdk::Error
+  /// naming the config key and the valid tp sizes). Default: nothing when the tp group has
+  /// one rank, else an sdk::Error ("model X has no tensor-parallel plan").
+  virtual void parallelize(const ParallelContext& context);
 };
 
 }  // namespace tessera::sdk

@@ -27,7 +27,8 @@ namespace tessera::sdk {
 /// change to them bumps the major.
 /// The installed CMake package's version is this ABI: find_package(TesseraSDK 3).
 inline constexpr std::uint32_t kAbiMajor = 3;  // 3: multi-argument units, Module::fsdp_wrap_policy,
-                                               //    TOML++ in the fingerprint, descriptor sdk_version, callback plugins
+                                               //    TOML++ in the fingerprint, descriptor sdk_version, callback plugins,
+                                               //    Module::parallelize
 inline constexpr std::uint32_t kAbiMinor = 0;
 
 enum class PluginKind : std::uint32_t { strategy = 1, precision, checkpoint_io, model, data, callback };
