@@ -13,6 +13,7 @@
 #include <torch/optim/sgd.h>
 
 #include "multiprocess.hpp"
+#include "tessera/core/autocast.hpp"
 #include "tessera/core/comm.hpp"
 #include "tessera/core/fsdp.hpp"
 #include "tessera/core/fsdp/wrap.hpp"
@@ -222,6 +223,45 @@ TEST(MultiArgUnits, RecomputationSeesTheForwardsRandomState) {
     at::Tensor reference = plain->named_parameters()[p.name].grad().reshape({-1});
     EXPECT_TRUE(at::allclose(p.tensor.grad(), reference, 1e-6, 1e-6)) << p.name;
   }
+}
+
+/// Gradients of one step whose forward runs under CPU autocast (bf16) and whose backward runs
+/// after autocast was switched off, as a precision plugin does; checkpointed or not.
+std::map<std::string, at::Tensor> autocast_step_grads(bool autocast, bool checkpointed) {
+  torch::manual_seed(3);
+  GateNet net;
+  fsdp::FSDPOptions options;
+  options.unit_classes = {"GateBlock"};
+  if (checkpointed) options.activation_checkpointing = {"GateBlock"};
+  fsdp::ShardedModule sharded(net.ptr(), options, core::make_local_communicator(), core::make_local_communicator());
+  torch::manual_seed(5);
+  sharded.begin_forward(true);
+  core::set_autocast(/*cuda=*/false, autocast, at::kBFloat16);
+  at::Tensor loss = loss_of(net, 0, 0, kBatch);
+  core::set_autocast(/*cuda=*/false, false, at::kBFloat16);
+  sharded.begin_backward(true);
+  loss.backward();
+  sharded.finish_backward();
+  std::map<std::string, at::Tensor> out;
+  for (const auto& p : sharded.optimizer_parameters()) out[p.name] = p.tensor.grad().clone();
+  return out;
+}
+
+// The recomputation in backward runs under the autocast state of the forward, not the one
+// backward runs under: checkpointed gradients equal the plain ones under bf16 autocast, which
+// differ from fp32 ones by far more than the tolerance (so a recompute in fp32 would show).
+TEST(MultiArgUnits, RecomputationSeesTheForwardsAutocastState) {
+  const auto plain = autocast_step_grads(true, false);
+  const auto recomputed = autocast_step_grads(true, true);
+  const auto fp32 = autocast_step_grads(false, false);
+  ASSERT_EQ(plain.size(), recomputed.size());
+  double fp32_gap = 0;
+  for (const auto& [name, grad] : plain) {
+    EXPECT_TRUE(at::allclose(recomputed.at(name), grad, 1e-6, 1e-6))
+        << name << " differs by " << (recomputed.at(name) - grad).abs().max().item<double>();
+    fp32_gap = std::max(fp32_gap, (fp32.at(name) - grad).abs().max().item<double>());
+  }
+  EXPECT_GT(fp32_gap, 1e-4) << "bf16 autocast should change the gradients visibly";
 }
 
 /// b1 is small, b2 large: the size policy wraps b2 only; the custom one what the model says.

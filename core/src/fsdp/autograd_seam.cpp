@@ -3,6 +3,7 @@
 #include "tessera/core/autocast.hpp"
 
 #include <ATen/ATen.h>
+#include <ATen/autocast_mode.h>
 #include <ATen/core/ivalue.h>
 #include <torch/csrc/autograd/autograd.h>
 #include <torch/csrc/autograd/custom_function.h>
@@ -56,6 +57,22 @@ struct PreBackward : public torch::autograd::Function<PreBackward> {
 
 at::Generator default_generator(c10::Device device) { return at::globalContext().defaultGenerator(device); }
 
+/// Autocast's cast cache off for one scope. LibTorch (before PyTorch 2.10) caches the
+/// low-precision copy of a leaf parameter whatever the grad mode: the no-grad first run of a
+/// checkpointed unit would cache casts without history (the recomputation then reuses them and
+/// the parameter gets no gradient), and the recomputation's casts would outlive the optimizer
+/// step (stale weights in the next forward). Casting again costs little next to that.
+class AutocastCacheOff {
+ public:
+  AutocastCacheOff() : enabled_(at::autocast::is_autocast_cache_enabled()) {
+    at::autocast::set_autocast_cache_enabled(false);
+  }
+  ~AutocastCacheOff() { at::autocast::set_autocast_cache_enabled(enabled_); }
+
+ private:
+  bool enabled_;
+};
+
 /// Sets the generators and autocast to a recorded state for one scope, then restores them
 /// (PyTorch's checkpoint preserve_rng_state), so the recomputation draws the same dropout masks.
 class ReplayScope {
@@ -101,6 +118,7 @@ struct Recompute : public torch::autograd::Function<Recompute> {
     variable_list outputs;
     {
       at::AutoGradMode no_grad(false);
+      AutocastCacheOff no_cache;
       outputs = state->forward(inputs);
     }
     for (const auto& y : outputs)
@@ -118,6 +136,7 @@ struct Recompute : public torch::autograd::Function<Recompute> {
     variable_list outputs;
     {
       ReplayScope replay(*state);
+      AutocastCacheOff no_cache;
       at::AutoGradMode grad(true);
       outputs = state->forward(inputs);
     }
