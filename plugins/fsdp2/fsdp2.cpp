@@ -3,6 +3,7 @@
 // "shard" dimension of a (replicate, shard, tp) device mesh. TOML keys use NeMo's names.
 #include <map>
 #include <set>
+#include <tuple>
 
 #include <ATen/ATen.h>
 #include <toml++/toml.h>
@@ -58,6 +59,7 @@ class FSDP2Strategy final : public fsdp::ShardedStrategy {
         sizes_key_(o.locate("data_parallel_size")),
         unit_key_(o.locate("transformer_layer_cls")) {
     options_.layout = fsdp::ParamLayout::per_parameter;
+    defer_optimizer_restore_ = true;  // NeMo: the optimizer state is restored at the first step
     options_.unit_classes = o.get_string_list("transformer_layer_cls", {});
     options_.auto_wrap_policy = o.get_choice("parallelize_fn", "transformer", {"transformer", "custom", "none"});
     options_.activation_checkpointing = o.get_string_list("activation_checkpointing", {});
@@ -86,6 +88,7 @@ class FSDP2Strategy final : public fsdp::ShardedStrategy {
                   " x data_parallel_size ", dp, " x tensor_parallel_size ", tp, " = ", replicate_size_ * dp * tp,
                   " ranks, but the job has ", world, "; valid: sizes whose product is ", world,
                   " (\"auto\" derives one from the others)");
+    check_reshard_size(dp);
     TESSERA_CHECK(tp == 1 || !deferred_init_, sizes_key_, ": tensor_parallel_size = ", tp,
                   " with deferred_init = true: the tensor-parallel plan cuts the model's initial full weights, so ",
                   "they must exist; set deferred_init = false");
@@ -128,6 +131,7 @@ class FSDP2Strategy final : public fsdp::ShardedStrategy {
       rank0_only_ = options_.rank0_only;
       options_.rank0_only = false;
     }
+    if (reshard_size_ > 1 && reshard_size_ < mesh().size("shard")) options_.post_forward_group = post_forward_group();
     fill_common_options(options_);
     if (param_dtype_) options_.mixed_precision.param_dtype = param_dtype_;
     if (reduce_dtype_) options_.mixed_precision.reduce_dtype = reduce_dtype_;
@@ -186,17 +190,51 @@ class FSDP2Strategy final : public fsdp::ShardedStrategy {
     });
   }
 
+  /// true, false or an int k (checked against the mesh in setup_environment).
   void reshard_after_forward(const sdk::Options& o) {
     const std::string key = "reshard_after_forward";
     o.mark_used(key);
+    reshard_key_ = o.locate(key);
     const toml::node* node = o.table().get(key);
     bool reshard = true;
     if (node != nullptr) {
-      TESSERA_CHECK(node->is_boolean(), o.locate(key),
-                    " must be true (free the gathered parameters after forward) or false (keep them until backward)");
-      reshard = node->as_boolean()->get();
+      TESSERA_CHECK(node->is_boolean() || node->is_integer(), reshard_key_,
+                    " must be true (free the gathered parameters after forward), false (keep them until backward) ",
+                    "or an integer k (keep 1/k of them, gathered within k ranks in backward)");
+      if (node->is_integer()) reshard_size_ = node->as_integer()->get();
+      else reshard = node->as_boolean()->get();
     }
     options_.sharding_strategy = reshard ? fsdp::ShardingStrategy::FULL_SHARD : fsdp::ShardingStrategy::SHARD_GRAD_OP;
+  }
+
+  /// reshard_after_forward = k: k must divide the shard dimension; k = dp is `true` and
+  /// k = 1 is `false` (every rank keeps all of it); otherwise backward gathers within groups
+  /// of k consecutive shard ranks (PyTorch's post-forward mesh).
+  void check_reshard_size(std::int64_t dp) {
+    if (reshard_size_ == 0) return;
+    TESSERA_CHECK(reshard_size_ >= 1 && dp % reshard_size_ == 0, reshard_key_, " = ", reshard_size_,
+                  " must divide the data-parallel shard size ", dp, "; valid: ", divisors(dp),
+                  " (", dp, " is the same as true, 1 the same as false)");
+    if (reshard_size_ == 1) options_.sharding_strategy = fsdp::ShardingStrategy::SHARD_GRAD_OP;
+  }
+
+  static std::string divisors(std::int64_t n) {
+    std::string out;
+    for (std::int64_t d = 1; d <= n; ++d)
+      if (n % d == 0) out += (out.empty() ? "" : ", ") + std::to_string(d);
+    return out;
+  }
+
+  /// The groups of k consecutive shard ranks at each (replicate, tp) coordinate.
+  core::CommunicatorPtr post_forward_group() {
+    const std::int64_t k = reshard_size_;
+    std::map<std::tuple<std::int64_t, std::int64_t, std::int64_t>, std::vector<std::int64_t>> groups;
+    for (std::int64_t r = 0; r < mesh().size("replicate"); ++r)
+      for (std::int64_t s = 0; s < mesh().size("shard"); ++s)
+        for (std::int64_t t = 0; t < mesh().size("tp"); ++t) groups[{r, s / k, t}].push_back(mesh().world_rank_at({r, s, t}));
+    std::vector<std::vector<std::int64_t>> partition;
+    for (auto& [coordinate, ranks] : groups) partition.push_back(std::move(ranks));
+    return mesh().world()->split(partition);
   }
 
   /// mp_policy: param_dtype, reduce_dtype, output_dtype, cast_forward_inputs; the
@@ -215,7 +253,8 @@ class FSDP2Strategy final : public fsdp::ShardedStrategy {
 
   fsdp::FSDPOptions options_;
   std::int64_t dp_size_, tp_size_, replicate_size_;
-  std::string sizes_key_, unit_key_;
+  std::string sizes_key_, unit_key_, reshard_key_;
+  std::int64_t reshard_size_ = 0;  // reshard_after_forward = k; 0: a bool
   c10::optional<at::ScalarType> param_dtype_, reduce_dtype_;
   std::map<std::string, std::vector<std::string>> forward_prefetch_, backward_prefetch_;
   std::unique_ptr<core::DeviceMesh> mesh_;

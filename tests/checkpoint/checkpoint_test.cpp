@@ -166,6 +166,41 @@ TEST(OptimizerState, ShapeMismatchNamesTheParameterAndChangesNothing) {
   EXPECT_NE(message.find("no entry for parameter 'c'"), std::string::npos) << message;
 }
 
+// NeMo's deferred restore: staging checks everything and restores the hyper-parameters at
+// once (a bad shape throws then); the moments arrive only when the returned step runs, and
+// the next step then equals an uninterrupted one.
+TEST(OptimizerState, StagedRestoreChecksAtOnceAndInstallsLater) {
+  Params p;
+  torch::optim::AdamW optimizer({p.a, p.b}, torch::optim::AdamWOptions(0.01).betas({0.8, 0.9}));
+  p.fill_grads(0);
+  optimizer.step();
+  sdk::Checkpoint saved = core::optimizer_state_dict(optimizer, {"a", "b"});
+  Params q;
+  {
+    torch::NoGradGuard no_grad;
+    q.a.copy_(p.a);
+    q.b.copy_(p.b);
+  }
+  torch::optim::AdamW restored({q.a, q.b}, torch::optim::AdamWOptions(0.5));
+  std::function<void()> install = core::stage_optimizer_state_dict(restored, saved, {"a", "b"});
+  EXPECT_TRUE(restored.state().empty()) << "nothing installed before the step";
+  EXPECT_DOUBLE_EQ(restored.param_groups()[0].options().get_lr(), 0.01);
+  install();
+  EXPECT_TRUE(at::equal(state_tensor(restored, q.b, "exp_avg"), state_tensor(optimizer, p.b, "exp_avg")));
+  p.fill_grads(2);
+  q.fill_grads(2);
+  optimizer.step();
+  restored.step();
+  EXPECT_TRUE(at::equal(p.a, q.a));
+  EXPECT_TRUE(at::equal(p.b, q.b));
+
+  at::Tensor a = at::zeros({2, 3}).requires_grad_(), b = at::zeros({5}).requires_grad_();
+  torch::optim::AdamW other({a, b}, torch::optim::AdamWOptions(0.2));
+  std::string message = error_of([&] { core::stage_optimizer_state_dict(other, saved, {"a", "b"}); });
+  EXPECT_NE(message.find("parameter 'b' has shape [4] in the checkpoint"), std::string::npos) << message;
+  EXPECT_DOUBLE_EQ(other.param_groups()[0].options().get_lr(), 0.2) << "a refused state changes nothing";
+}
+
 TEST(OptimizerState, StateOfAnotherOptimizerIsRefused) {
   Params p;
   torch::optim::SGD sgd({p.a, p.b}, torch::optim::SGDOptions(0.1).momentum(0.9));

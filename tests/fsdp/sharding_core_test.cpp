@@ -29,7 +29,7 @@ namespace sdk = tessera::sdk;
 using tessera::testing::run_ranks;
 
 constexpr std::int64_t kWidth = 11;  // 11*11+11 = 132 per Linear: not divisible by 5 or 7
-constexpr std::int64_t kBatch = 6;   // divisible by 1, 2, 3
+constexpr std::int64_t kBatch = 12;  // divisible by 1, 2, 3, 4
 
 /// A block taking (x, mask, scale) and returning (y, aux). Its dropout acts on the weight
 /// (DropConnect), so the mask does not depend on how the batch is split across ranks and
@@ -196,6 +196,34 @@ TEST_P(PerParameterLayout, DimZeroShardsWithOriginalNamesMatchTheUnshardedRun) {
 
 INSTANTIATE_TEST_SUITE_P(Ranks, PerParameterLayout, ::testing::Values(1, 2, 3),
                          [](const auto& info) { return std::to_string(info.param) + "ranks"; });
+
+class ReshardAfterForwardToPairs : public ::testing::TestWithParam<bool> {};
+
+// FSDP2's reshard_after_forward = 2 on 4 ranks: after forward each rank keeps half of a unit
+// (not a quarter) and backward re-gathers it within its pair (ranks 0-1, 2-3), checkpointed
+// or not; training matches the unsharded run.
+TEST_P(ReshardAfterForwardToPairs, MatchesTheUnshardedRun) {
+  const bool checkpointed = GetParam();
+  const auto expected = reference_after(kSteps);
+  run_ranks(4, std::chrono::seconds(120), [&](const sdk::ClusterInfo& cluster) {
+    torch::manual_seed(11);
+    GateNet net;
+    fsdp::FSDPOptions options;
+    options.layout = fsdp::ParamLayout::per_parameter;
+    options.unit_classes = {"GateBlock"};
+    options.rank0_only = false;
+    if (checkpointed) options.activation_checkpointing = {"GateBlock"};
+    auto group = world(cluster);
+    options.post_forward_group = group->split({{0, 1}, {2, 3}});
+    fsdp::ShardedModule sharded(net.ptr(), options, group, core::make_local_communicator());
+    train(sharded, net, cluster);
+    expect_matches(sharded.full_state_dict(), expected, 1e-5);
+    EXPECT_GT(options.post_forward_group->stats().all_gather_bytes, 0) << "backward gathers within the pair";
+  });
+}
+
+INSTANTIATE_TEST_SUITE_P(Recompute, ReshardAfterForwardToPairs, ::testing::Bool(),
+                         [](const auto& info) { return info.param ? "Checkpointed" : "Plain"; });
 
 // Without restoring the RNG the recomputation would draw new masks: checked directly.
 TEST(MultiArgUnits, RecomputationSeesTheForwardsRandomState) {

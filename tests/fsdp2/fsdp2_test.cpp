@@ -142,6 +142,16 @@ TEST(Errors, MeshSizesThatDoNotMakeTheWorldFailBeforeWork) {
   EXPECT_NE(result.output.find("data_parallel_size"), std::string::npos) << result.output;
   EXPECT_NE(result.output.find("= 3 ranks, but the job has 4"), std::string::npos) << result.output;
   EXPECT_EQ(result.output.find("step 1"), std::string::npos) << "no training step may run: " << result.output;
+
+  // reshard_after_forward = k must divide the shard size; the valid sizes are listed.
+  auto bad_k = run_tessera("fit --config " + config(dir, 2) +
+                               " --set launch.devices=4 --set strategy.plugin=fsdp2 --set strategy.reshard_after_forward=3",
+                           "", 120);
+  EXPECT_NE(bad_k.exit_code, 0);
+  EXPECT_NE(bad_k.output.find("reshard_after_forward = 3 must divide the data-parallel shard size 4; valid: 1, 2, 4"),
+            std::string::npos)
+      << bad_k.output;
+  EXPECT_EQ(bad_k.output.find("step 1"), std::string::npos) << "no training step may run: " << bad_k.output;
 }
 
 }  // namespace

@@ -122,6 +122,11 @@ TEST(Parity, FSDP2ReshardAfterForwardFalseAndCheckpointing) {
   check_parity("fsdp2", "--set strategy.reshard_after_forward=false --set strategy.activation_checkpointing=Block",
                "gpt", 1, {4});
 }
+// reshard_after_forward = 2 on 4 ranks: backward gathers within pairs of shard ranks.
+TEST(Parity, FSDP2ReshardAfterForwardTwoAndCheckpointing) {
+  check_parity("fsdp2", "--set strategy.reshard_after_forward=2 --set strategy.activation_checkpointing=Block", "gpt",
+               1, {4});
+}
 TEST(Parity, FSDP2HSDPReplicate2Shard2) {
   check_parity("fsdp2", "--set strategy.data_parallel_replicate_size=2", "mlp", 1, {4});
 }

@@ -9,6 +9,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <map>
 #include <sstream>
 #include <type_traits>
@@ -254,6 +255,11 @@ void set_group_options(torch::optim::OptimizerOptions& options, const sdk::Check
 
 void load_optimizer_state_dict(torch::optim::Optimizer& optimizer, const sdk::Checkpoint& saved,
                                const std::vector<std::string>& param_names) {
+  stage_optimizer_state_dict(optimizer, saved, param_names)();
+}
+
+std::function<void()> stage_optimizer_state_dict(torch::optim::Optimizer& optimizer, const sdk::Checkpoint& saved,
+                                                 const std::vector<std::string>& param_names) {
   auto [state, saved_names] = state_by_index(saved);
   std::map<std::string, std::int64_t> saved_index;
   for (std::size_t i = 0; i < saved_names.size(); ++i) saved_index[saved_names[i]] = static_cast<std::int64_t>(i);
@@ -306,7 +312,6 @@ void load_optimizer_state_dict(torch::optim::Optimizer& optimizer, const sdk::Ch
   }
   auto groups = checkpoint_get(saved, "param_groups").toListRef();
   const bool same_groups = groups.size() == optimizer.param_groups().size();
-  for (const auto& [p, entry] : plan) optimizer.state()[state_key(p)] = make_param_state(optimizer, entry);
   if (same_groups) {
     for (std::size_t g = 0; g < groups.size(); ++g)
       set_group_options(optimizer.param_groups()[g].options(), checkpoint_dict(groups[g], "optimizer param group"));
@@ -314,6 +319,9 @@ void load_optimizer_state_dict(torch::optim::Optimizer& optimizer, const sdk::Ch
     // Regrouped optimizer (e.g. different no-decay split): keep its own settings but the saved lr.
     set_group_options(optimizer.param_groups()[0].options(), checkpoint_dict(groups[0], "optimizer param group"));
   }
+  return [&optimizer, plan = std::move(plan)] {
+    for (const auto& [p, entry] : plan) optimizer.state()[state_key(p)] = make_param_state(optimizer, entry);
+  };
 }
 
 sdk::Checkpoint rekey_optim_state_dict(const sdk::Checkpoint& saved, OptimStateKeyType key_type) {

@@ -98,6 +98,10 @@ std::pair<at::Tensor, at::Tensor> FlatParamHandle::all_gather_buffers(c10::Devic
   return {gathered_, input};
 }
 
+at::Tensor FlatParamHandle::gathered_rows(std::int64_t first, std::int64_t count) const {
+  return copy_in(full_, compute_dtype_).narrow(0, first * shard_numel_, count * shard_numel_).clone();
+}
+
 void FlatParamHandle::after_all_gather() {
   if (!gathered_.defined()) return;
   copy_out(gathered_, full_);

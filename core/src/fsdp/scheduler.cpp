@@ -2,6 +2,8 @@
 
 #include "tessera/sdk/build_config.hpp"  // TESSERA_WITH_CUDA, before the #if below
 
+#include <utility>
+
 #include <ATen/ATen.h>
 #if TESSERA_WITH_CUDA
 #include <c10/cuda/CUDAStream.h>
@@ -81,8 +83,12 @@ std::vector<at::Tensor> Scheduler::run_forward(FSDPUnit& unit, sdk::UnitFunction
     if (grad) outputs = attach_pre_backward(*this, unit, outputs);
   }
   if (options_.output_dtype) outputs = cast_floating(outputs, *options_.output_dtype);
-  // FULL_SHARD frees after forward; SHARD_GRAD_OP keeps the parameters until backward.
-  if (!grad || options_.sharding_strategy != ShardingStrategy::SHARD_GRAD_OP) reshard(unit);
+  // FULL_SHARD frees after forward (keeping 1/k of it with a post-forward group);
+  // SHARD_GRAD_OP keeps the parameters until backward.
+  if (!grad || options_.sharding_strategy != ShardingStrategy::SHARD_GRAD_OP) {
+    if (grad && options_.post_forward_group) keep_post_forward_shard(unit);
+    reshard(unit);
+  }
   return outputs;
 }
 
@@ -111,6 +117,13 @@ void Scheduler::freeze_order() {
   if (!order_.empty()) order_frozen_ = true;
 }
 
+void Scheduler::keep_post_forward_shard(FSDPUnit& u) {
+  if (!u.gathered || u.layout->unsharded_is_shard()) return;
+  const Communicator& group = *options_.post_forward_group;
+  const std::int64_t rows = shard_group_->size() / group.size();
+  u.post_forward_shard = u.layout->gathered_rows(group.rank() * rows, rows);
+}
+
 void Scheduler::unshard(FSDPUnit& u, Phase phase) {
   if (u.gathered) return;
   if (u.layout->unsharded_is_shard()) {
@@ -119,9 +132,16 @@ void Scheduler::unshard(FSDPUnit& u, Phase phase) {
   }
   if (!u.gather_handle) {
     auto [output, input] = u.layout->all_gather_buffers(device_);
-    u.gather_input = input;
     const bool backward = phase == Phase::backward || phase == Phase::prefetch_backward;
-    u.gather_handle = shard_group_->all_gather(output, input, backward ? u.backward_tag : u.forward_tag);
+    if (backward && u.post_forward_shard.defined()) {
+      // The k ranks of the post-forward group hold the gathered rows in order between them.
+      u.gather_input = std::exchange(u.post_forward_shard, at::Tensor());
+      u.gather_handle = options_.post_forward_group->all_gather(output, u.gather_input, u.backward_tag);
+    } else {
+      u.post_forward_shard.reset();
+      u.gather_input = input;
+      u.gather_handle = shard_group_->all_gather(output, input, backward ? u.backward_tag : u.forward_tag);
+    }
   }
   // A prefetch is waited for by the unshard that needs it.
   if (phase == Phase::prefetch_forward || phase == Phase::prefetch_backward) return;
@@ -170,7 +190,10 @@ void Scheduler::begin_forward(bool training) {
 
 void Scheduler::end_forward() {
   freeze_order();
-  for (auto& u : units_) reshard(*u);
+  for (auto& u : units_) {
+    reshard(*u);
+    u->post_forward_shard.reset();
+  }
 }
 
 void Scheduler::begin_backward(bool sync) {
@@ -244,7 +267,10 @@ void Scheduler::finish_backward() {
   if (offload_copies_pending_) c10::cuda::getCurrentCUDAStream(device_.index()).synchronize();
 #endif
   offload_copies_pending_ = false;
-  for (auto& u : units_) reshard(*u);
+  for (auto& u : units_) {
+    reshard(*u);
+    u->post_forward_shard.reset();  // a unit backward did not reach
+  }
 }
 
 void Scheduler::reduce_replicated_gradients() {

@@ -83,14 +83,31 @@ void ShardedStrategy::load_model_state_dict(const sdk::StateDict& state, bool st
 }
 
 sdk::Checkpoint ShardedStrategy::optimizer_state() {
+  restore_deferred_optimizer_state();  // a save before the first step keeps what was loaded
   if (state_dict_type_ != "full") return optimizer_state_dict(optimizer(), engine().optimizer_parameter_names());
   return engine().full_optim_state_dict(optimizer());
 }
 
 void ShardedStrategy::load_optimizer_state(const sdk::Checkpoint& state) {
-  if (loaded_ == "sharded") return load_optimizer_state_dict(optimizer(), shaped_pieces(state), engine().optimizer_parameter_names());
-  if (loaded_ != "full") return load_optimizer_state_dict(optimizer(), state, engine().optimizer_parameter_names());
-  engine().load_full_optim_state_dict(optimizer(), state);
+  const sdk::Checkpoint mine = loaded_ == "sharded" ? shaped_pieces(state)
+                               : loaded_ == "full"  ? engine().shard_full_optim_state_dict(state)
+                                                    : state;
+  // Checked now, before any step; installed now or at the first optimizer step.
+  deferred_optimizer_state_ = stage_optimizer_state_dict(optimizer(), mine, engine().optimizer_parameter_names());
+  if (!defer_optimizer_restore_) restore_deferred_optimizer_state();
+}
+
+bool ShardedStrategy::optimizer_restore_pending() const { return static_cast<bool>(deferred_optimizer_state_); }
+
+void ShardedStrategy::restore_deferred_optimizer_state() {
+  if (!deferred_optimizer_state_) return;
+  deferred_optimizer_state_();
+  deferred_optimizer_state_ = nullptr;
+}
+
+sdk::StepResult ShardedStrategy::optimizer_step(double gradient_clip_val, double norm_type) {
+  restore_deferred_optimizer_state();
+  return StrategyBase::optimizer_step(gradient_clip_val, norm_type);
 }
 
 void ShardedStrategy::save_checkpoint(const sdk::Checkpoint& checkpoint, const std::string& path) {

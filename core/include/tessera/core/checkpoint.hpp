@@ -40,6 +40,12 @@ sdk::Checkpoint optimizer_state_dict(const torch::optim::Optimizer& optimizer,
 /// does); each group's hyper-parameters are restored when the group counts match.
 void load_optimizer_state_dict(torch::optim::Optimizer& optimizer, const sdk::Checkpoint& state,
                                const std::vector<std::string>& param_names);
+/// load_optimizer_state_dict in two halves: checks every entry and shape and restores the
+/// groups' hyper-parameters now, and returns what installs the per-parameter state, to run
+/// later (NeMo's FSDP2Strategy restores it at the first optimizer step). The optimizer must
+/// outlive the returned function.
+std::function<void()> stage_optimizer_state_dict(torch::optim::Optimizer& optimizer, const sdk::Checkpoint& state,
+                                                 const std::vector<std::string>& param_names);
 
 /// `state` (an optimizer state dict) with each parameter's tensor moments (not "step")
 /// replaced by fn(parameter name, moment); entries keyed by index are named through

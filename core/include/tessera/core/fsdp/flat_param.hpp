@@ -38,6 +38,7 @@ class FlatParamHandle : public UnitLayout {
 
   bool unsharded_is_shard() const override { return full_.is_same(shard_); }
   std::pair<at::Tensor, at::Tensor> all_gather_buffers(c10::Device device) override;
+  at::Tensor gathered_rows(std::int64_t first, std::int64_t count) const override;
   void free_unsharded(bool recycle) override;
 
   void attach_unsharded_grads() override;

@@ -46,6 +46,10 @@ class UnitLayout {
   /// After the all-gather completed: makes the gathered data the parameters' (per-parameter
   /// layouts copy it out of the collective's buffer; the flat layout gathered in place).
   virtual void after_all_gather() {}
+  /// Rows [first, first + count) of the all-gather's output ([world, shard_numel()]) made from
+  /// the gathered parameters, as a new tensor: what a rank keeps after forward to re-gather
+  /// it in backward within a smaller group (reshard_after_forward = k).
+  virtual at::Tensor gathered_rows(std::int64_t first, std::int64_t count) const = 0;
   /// Frees the unsharded storage (the module's parameters keep their shapes, not their data).
   virtual void free_unsharded(bool recycle) = 0;
 

@@ -9,6 +9,7 @@
 #include <c10/util/Optional.h>
 #include <torch/nn/module.h>
 
+#include "tessera/core/comm.hpp"
 #include "tessera/sdk/precision.hpp"
 
 namespace tessera::core::fsdp {
@@ -65,6 +66,11 @@ struct FSDPOptions {
   /// it computes in, and its floating outputs to output_dtype (when set).
   bool cast_forward_inputs = false;
   c10::optional<at::ScalarType> output_dtype;
+  /// FSDP2's reshard_after_forward = k (under FULL_SHARD): after a training forward each rank
+  /// keeps 1/k of a unit's gathered data (not its 1/N shard), and backward re-gathers it
+  /// within this group: k consecutive ranks of the shard group (one node's, say), in order.
+  /// Null: backward gathers over the whole shard group.
+  CommunicatorPtr post_forward_group;
 };
 
 }  // namespace tessera::core::fsdp

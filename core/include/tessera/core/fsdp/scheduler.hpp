@@ -56,6 +56,7 @@ class Scheduler final : public UnitHooks {
 
  private:
   void finish_gather(FSDPUnit& unit);
+  void keep_post_forward_shard(FSDPUnit& unit);
   void attach_gradients(FSDPUnit& unit);
   void reduce_gradients(FSDPUnit& unit);
   void finish_reduction(FSDPUnit& unit);

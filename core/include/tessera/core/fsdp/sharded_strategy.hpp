@@ -4,6 +4,7 @@
 /// checkpoint): a StrategyBase over a ShardedModule, with the steps bracketed by the
 /// engine's forward/backward seams, the sharded gradient norm, and FULL / SHARDED / LOCAL
 /// state dicts and checkpoints. A subclass builds `engine_` in setup_module().
+#include <functional>
 #include <memory>
 #include <string>
 
@@ -39,7 +40,13 @@ class ShardedStrategy : public StrategyBase {
   /// FULL: PyTorch's full_optim_state_dict (full shapes, original names); SHARDED/LOCAL:
   /// this rank's optimizer state on its pieces, named after the original parameters.
   sdk::Checkpoint optimizer_state() override;
+  /// Checks the state at once; installs it at once, or under `defer_optimizer_restore_` at the
+  /// first optimizer step (NeMo's FSDP2Strategy) or the first optimizer_state(), whichever
+  /// comes first (the groups' hyper-parameters are restored at once either way).
   void load_optimizer_state(const sdk::Checkpoint& state) override;
+  sdk::StepResult optimizer_step(double gradient_clip_val, double norm_type) override;
+  /// Whether a loaded optimizer state waits for the first step.
+  bool optimizer_restore_pending() const;
   /// FULL: one file from rank 0. SHARDED/LOCAL: every rank writes its shard through the
   /// CheckpointIO (the "distributed" one), rank 0 publishes it once all are written.
   void save_checkpoint(const sdk::Checkpoint& checkpoint, const std::string& path) override;
@@ -62,10 +69,14 @@ class ShardedStrategy : public StrategyBase {
   bool deferred_init_;
   std::string state_dict_type_;  // full | sharded | local
   bool reduce_every_micro_batch_ = false;
+  bool defer_optimizer_restore_ = false;
   std::unique_ptr<ShardedModule> engine_;
 
  private:
   sdk::Checkpoint shaped_pieces(const sdk::Checkpoint& saved);
+  void restore_deferred_optimizer_state();
+
+  std::function<void()> deferred_optimizer_state_;  // set between a load and its restore
 
   std::string loaded_ = "full";  // the form of the state the last load_checkpoint returned
 };

@@ -28,6 +28,7 @@ struct FSDPUnit {
   bool gathered = false;
   CommHandlePtr gather_handle;  ///< an all-gather in flight (a prefetch, until waited for)
   at::Tensor gather_input;
+  at::Tensor post_forward_shard;  ///< what this rank keeps after forward with a post_forward_group
   bool grads_attached = false;  ///< unsharded gradients allocated and the parameters' .grad
   bool reduced = false;         ///< this backward's reduce-scatter launched
   CommHandlePtr reduce_handle;
