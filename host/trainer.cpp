@@ -406,7 +406,11 @@ void Trainer::fit(const std::string& ckpt_path) {
   spec.shuffle = config_.data.shuffle;
   spec.drop_last = true;
   spec.seed = t.seed;
-  core::DataLoader loader(data_->train_dataset(), strategy_->process_dataloader(spec));
+  const sdk::DataLoaderSpec sampled = strategy_->process_dataloader(spec);
+  core::DataLoader loader(data_->train_dataset(), sampled);
+  // Ranks that read distinct batches (tensor-parallel ranks share theirs): the global batch
+  // and the throughput count each sample once.
+  const std::int64_t data_ranks = std::max<std::int64_t>(1, sampled.num_replicas);
   const std::int64_t accumulate = t.accumulate_grad_batches;
   const std::int64_t steps_per_epoch = loader.num_batches() / accumulate;
   TESSERA_CHECK(steps_per_epoch > 0, "the training set gives this rank ", loader.num_batches(),
@@ -418,9 +422,10 @@ void Trainer::fit(const std::string& ckpt_path) {
     std::string change = schedule_->compare(*restored_schedule_, global_step_, restored_from_ + " [lr_schedulers][0]");
     if (!change.empty()) log_.info(change);
   }
-  log_.info("global batch = " + std::to_string(config_.data.batch_size) + " per rank x " +
-            std::to_string(cluster_.world_size) + " ranks x " + std::to_string(accumulate) + " accumulated = " +
-            std::to_string(config_.data.batch_size * cluster_.world_size * accumulate) + " samples; " +
+  log_.info("global batch = " + std::to_string(config_.data.batch_size) + " per rank x " + std::to_string(data_ranks) +
+            (data_ranks == cluster_.world_size ? " ranks" : " data-parallel rank(s) (tensor-parallel ranks share a batch)") + " x " +
+            std::to_string(accumulate) + " accumulated = " +
+            std::to_string(config_.data.batch_size * data_ranks * accumulate) + " samples; " +
             std::to_string(total_steps_) + " optimizer steps");
   std::string summary = model_summary(*model_, *strategy_, config_.optimizer);  // collective: every rank
   if (cluster_.global_rank == 0) log_.info(summary);
@@ -510,7 +515,8 @@ void Trainer::fit(const std::string& ckpt_path) {
           at::Tensor items = strategy_->reduce(at::full({}, static_cast<double>(window_items), at::kFloat).to(
                                                    strategy_->root_device()),
                                                sdk::ReduceOp::sum);
-          double rate = items.item<double>() / std::max(elapsed, 1e-9);
+          double rate = items.item<double>() * static_cast<double>(data_ranks) /
+                        static_cast<double>(cluster_.world_size) / std::max(elapsed, 1e-9);
           metrics[unit + "_per_s"] = rate;
           if (result.grad_norm >= 0) metrics["grad_norm"] = result.grad_norm;
           if (!result.stepped) metrics["skipped_step"] = 1;

@@ -71,17 +71,23 @@ int main(int argc, char** argv) {
   at::set_num_threads(1);
   Chain plain(units);
   double base = seconds_per_step(plain, nullptr, plain->parameters(), steps);
-  Chain net(units);
-  fsdp::FSDPOptions options;
-  options.unit_classes = {"Unit"};
-  auto comm = tessera::core::make_local_communicator();
-  fsdp::ShardedModule sharded(net.ptr(), options, comm, comm);
-  std::vector<at::Tensor> shards;
-  for (const auto& p : sharded.optimizer_parameters()) shards.push_back(p.tensor);
-  double with = seconds_per_step(net, &sharded, shards, steps);
-  const double per_unit = (with - base) / units * 1e6;
-  std::printf("fsdp engine overhead, %d units of 4 parameter tensors, one rank:\n", units);
-  std::printf("  plain step %.1f us, FSDP step %.1f us (%.2fx)\n", base * 1e6, with * 1e6, with / base);
-  std::printf("  %.2f us per unit per step, %.2f us per parameter tensor per step\n", per_unit, per_unit / 4);
+  std::printf("engine overhead, %d units of 4 parameter tensors, one rank; plain step %.1f us:\n", units, base * 1e6);
+  // fsdp's flat layout gathers in place; fsdp2's per-parameter one copies each unit out of
+  // the all-gather's buffer and its gradients into the reduce-scatter's (copy-out/copy-in).
+  for (auto layout : {fsdp::ParamLayout::flat, fsdp::ParamLayout::per_parameter}) {
+    Chain net(units);
+    fsdp::FSDPOptions options;
+    options.unit_classes = {"Unit"};
+    options.layout = layout;
+    auto comm = tessera::core::make_local_communicator();
+    fsdp::ShardedModule sharded(net.ptr(), options, comm, comm);
+    std::vector<at::Tensor> shards;
+    for (const auto& p : sharded.optimizer_parameters()) shards.push_back(p.tensor);
+    double with = seconds_per_step(net, &sharded, shards, steps);
+    const double per_unit = (with - base) / units * 1e6;
+    std::printf("  %-28s step %.1f us (%.2fx plain): %.2f us per unit, %.2f us per parameter tensor\n",
+                layout == fsdp::ParamLayout::flat ? "fsdp (flat parameters)" : "fsdp2 (per-parameter)", with * 1e6,
+                with / base, per_unit, per_unit / 4);
+  }
   return 0;
 }

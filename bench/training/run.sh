@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Throughput and memory of Tessera's strategies against each other and against PyTorch's own
 # DDP, all measured in this one run on this machine (ratios, never absolute pass/fail).
-#   bash bench/training/run.sh [steps]        (after .ci/setup; ~5 minutes on 2 cores)
+#   bash bench/training/run.sh [steps]        (after .ci/setup; ~10 minutes on 2 cores)
 # GPT of the issue: 6 layers, 384 wide, 6 heads, 128 tokens, batch 8 per rank, 2 ranks
 # (single device: batch 16, the same global batch).
 set -euo pipefail
@@ -51,9 +51,24 @@ run fsdp_shard_grad_op_2 --set launch.devices=2 --set strategy.plugin=fsdp \
   --set strategy.sharding_strategy=SHARD_GRAD_OP --set data.batch_size=8
 run fsdp_bf16_mixed_2 --set launch.devices=2 --set strategy.plugin=fsdp --set precision.plugin=fsdp-precision \
   --set precision.precision=bf16-mixed --set data.batch_size=8
-pytorch=$(/usr/bin/python3 bench/training/pytorch_ddp_gpt.py --ranks 2 --steps "$steps" --port $((20000 + RANDOM % 20000)))
-echo "$pytorch"
-echo "pytorch_ddp_2 $(sed -E 's/.*tokens_per_s=([0-9.]+).*/\1/' <<< "$pytorch") $(sed -E 's/.*peak_rss_mb=([0-9.]+).*/\1/' <<< "$pytorch")" >> "$out/results"
+run fsdp2_2 --set launch.devices=2 --set strategy.plugin=fsdp2 --set data.batch_size=8
+# Tensor parallelism: both ranks read the same 16 samples (the same global batch).
+run fsdp2_tp2 --set launch.devices=2 --set strategy.plugin=fsdp2 --set strategy.tensor_parallel_size=2 \
+  --set data.batch_size=16
+# 4 ranks on this machine's cores (oversubscribed on 2 cores: compare them with each other).
+run ddp_4 --set launch.devices=4 --set strategy.plugin=ddp --set data.batch_size=4
+run fsdp_4 --set launch.devices=4 --set strategy.plugin=fsdp --set data.batch_size=4
+run fsdp2_4 --set launch.devices=4 --set strategy.plugin=fsdp2 --set data.batch_size=4
+
+pytorch() {
+  local name="$1"; shift
+  local line
+  line=$(/usr/bin/python3 bench/training/pytorch_ddp_gpt.py --steps "$steps" --port $((20000 + RANDOM % 20000)) "$@")
+  echo "$line"
+  echo "$name $(sed -E 's/.*tokens_per_s=([0-9.]+).*/\1/' <<< "$line") $(sed -E 's/.*peak_rss_mb=([0-9.]+).*/\1/' <<< "$line")" >> "$out/results"
+}
+pytorch pytorch_ddp_2 --ranks 2
+pytorch pytorch_single --ranks 1 --batch-size 16
 
 echo
 echo "ratios (same run):"
@@ -67,4 +82,10 @@ awk '{tps[$1]=$2; rss[$1]=$3}
        printf "  tessera DDP (2 ranks) / single     %.2fx tokens/s\n", tps["ddp_2"]/tps["single_device"];
        printf "  FSDP bf16-mixed / FSDP 32-true     %.2fx tokens/s, %.2fx peak RSS\n", tps["fsdp_bf16_mixed_2"]/tps["fsdp_full_shard_2"], rss["fsdp_bf16_mixed_2"]/rss["fsdp_full_shard_2"];
        printf "  peak RSS FSDP / DDP                %.2fx\n", rss["fsdp_full_shard_2"]/rss["ddp_2"];
+       printf "  tessera single / PyTorch single    %.2fx tokens/s\n", tps["single_device"]/tps["pytorch_single"];
+       printf "  fsdp2 / fsdp (2 ranks)             %.2fx tokens/s, %.2fx peak RSS\n", tps["fsdp2_2"]/tps["fsdp_full_shard_2"], rss["fsdp2_2"]/rss["fsdp_full_shard_2"];
+       printf "  fsdp2 / tessera DDP (2 ranks)      %.2fx tokens/s, %.2fx peak RSS\n", tps["fsdp2_2"]/tps["ddp_2"], rss["fsdp2_2"]/rss["ddp_2"];
+       printf "  tp 2 / dp 2 (fsdp2, 2 ranks)       %.2fx tokens/s, %.2fx peak RSS\n", tps["fsdp2_tp2"]/tps["fsdp2_2"], rss["fsdp2_tp2"]/rss["fsdp2_2"];
+       printf "  4 ranks: fsdp / ddp                %.2fx tokens/s, %.2fx peak RSS\n", tps["fsdp_4"]/tps["ddp_4"], rss["fsdp_4"]/rss["ddp_4"];
+       printf "  4 ranks: fsdp2 / fsdp              %.2fx tokens/s, %.2fx peak RSS\n", tps["fsdp2_4"]/tps["fsdp_4"], rss["fsdp2_4"]/rss["fsdp_4"];
      }' "$out/results"
