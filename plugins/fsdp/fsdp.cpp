@@ -31,9 +31,9 @@ class FSDPStrategy : public fsdp::ShardedStrategy {
     options_.backward_prefetch = fsdp::parse_backward_prefetch(
         o.get_choice("backward_prefetch", "BACKWARD_PRE", {"BACKWARD_PRE", "BACKWARD_POST", "none"}));
     options_.forward_prefetch = o.get_bool("forward_prefetch", false);
-    // The engine never has more than the unit in use plus one prefetched unit gathered, so
-    // the limit of PyTorch's limit_all_gathers (two in flight) always holds; false changes nothing.
-    o.get_bool("limit_all_gathers", true);
+    // PyTorch's rate limiter: the running unit and one prefetched unit at most (counted by
+    // the scheduler; a prefetch beyond it waits until its unit runs).
+    options_.max_gathered_units = o.get_bool("limit_all_gathers", true) ? 2 : 0;
     options_.activation_checkpointing = o.get_string_list("activation_checkpointing", {});
     reduce_every_micro_batch_ = o.get_bool("reduce_every_micro_batch", false);
     options_.rank0_only = o.get_bool("rank0_only", true);

@@ -405,10 +405,14 @@ struct DeepNetImpl : torch::nn::Module {
 };
 TORCH_MODULE(DeepNet);
 
-// 4 ranks, 8 units: under deferred init no rank ever holds more than 80% of the model's
-// bytes (the model is never whole anywhere), the values equal a normal construction with
-// the same seed, the sharded state left is ~2/N of the model (+ one unit), and it trains.
-TEST(DeferredInit, BuildsUnitByUnitUnderAMemoryCap) {
+class DeferredInitUnderAMemoryCap : public ::testing::TestWithParam<fsdp::ParamLayout> {};
+
+// 4 ranks, 8 units: under deferred init (fsdp's model_sharded_context, fsdp2's
+// tensor_init_context) no rank ever holds more than 80% of the model's bytes (the model is
+// never whole anywhere), the values equal a normal construction with the same seed, the
+// sharded state left is ~2/N of the model (+ one unit), and it trains.
+TEST_P(DeferredInitUnderAMemoryCap, BuildsUnitByUnit) {
+  const fsdp::ParamLayout layout = GetParam();
   run_ranks(4, std::chrono::seconds(120), [&](const sdk::ClusterInfo& cluster) {
     auto comm = world(cluster);
     const std::int64_t model_bytes = (8 * (64 * 64 + 64) + 64 * 3 + 3) * 4;
@@ -424,13 +428,17 @@ TEST(DeferredInit, BuildsUnitByUnitUnderAMemoryCap) {
     EXPECT_TRUE(fsdp::has_deferred_tensors(*net));
     fsdp::FSDPOptions o = unit_options();
     o.deferred_init = true;
+    o.layout = layout;
     auto sharded = std::make_unique<fsdp::ShardedModule>(net.ptr(), o, comm, core::make_local_communicator());
     EXPECT_FALSE(fsdp::has_deferred_tensors(*net));
     const std::int64_t peak = peak_bytes.load() - base, after = live_bytes.load() - base;
     EXPECT_LE(peak, model_bytes * 8 / 10) << "rank " << cluster.global_rank << " peaked at " << peak << " of "
                                           << model_bytes << " model bytes";
     EXPECT_LE(after, 2 * model_bytes / 4 + (64 * 64 + 64) * 4 + 4096) << "rank " << cluster.global_rank;
-    EXPECT_EQ(sharded->sharded_bytes(), 2 * 4 * (8 * 4160 / 4 + 196 / 4));  // head: 195 padded to 196
+    // Master shard + gradient: a quarter of each block; the head (3 x 64 + 3) padded to 196
+    // elements (flat) or to one row of each of its tensors (per-parameter, 64 + 1).
+    const std::int64_t head = layout == fsdp::ParamLayout::flat ? 196 / 4 : 64 + 1;
+    EXPECT_EQ(sharded->sharded_bytes(), 2 * 4 * (8 * 4160 / 4 + head));
 
     torch::manual_seed(11);
     DeepNet eager;
@@ -447,6 +455,39 @@ TEST(DeferredInit, BuildsUnitByUnitUnderAMemoryCap) {
     optimizer.step();
     sharded->after_optimizer_step();
     EXPECT_FALSE(at::equal(*sharded->full_state_dict().find("b0.fc.weight"), *full.find("b0.fc.weight")));
+  });
+}
+
+INSTANTIATE_TEST_SUITE_P(Layouts, DeferredInitUnderAMemoryCap,
+                         ::testing::Values(fsdp::ParamLayout::flat, fsdp::ParamLayout::per_parameter),
+                         [](const auto& info) { return info.param == fsdp::ParamLayout::flat ? "Flat" : "PerParameter"; });
+
+// limit_all_gathers, counted: with b0 prefetching b1-b3 explicitly, four blocks are gathered
+// at once; under the limit two (the running unit and one ahead), and the step is the same.
+TEST(LimitAllGathers, BoundsTheUnitsGatheredAtOnce) {
+  run_ranks(2, std::chrono::seconds(120), [&](const sdk::ClusterInfo& cluster) {
+    auto comm = world(cluster);
+    std::map<std::int64_t, sdk::StateDict> after;
+    for (std::int64_t limit : {0, 2}) {
+      torch::manual_seed(11);
+      DeepNet net;
+      fsdp::FSDPOptions o = unit_options();
+      o.max_gathered_units = limit;
+      fsdp::ShardedModule sharded(net.ptr(), o, comm, core::make_local_communicator());
+      sharded.set_modules_to_forward_prefetch("b0", {"b1", "b2", "b3"});
+      torch::optim::SGD optimizer(tensors_of(sharded.optimizer_parameters()), torch::optim::SGDOptions(0.1));
+      sharded.begin_forward(true);
+      at::Tensor loss = net->forward(at::ones({2, 64})).pow(2).mean();
+      sharded.begin_backward(true);
+      loss.backward();
+      sharded.finish_backward();
+      optimizer.step();
+      sharded.after_optimizer_step();
+      EXPECT_EQ(sharded.peak_units_gathered(), limit == 0 ? 4 : 2) << "limit " << limit;
+      after[limit] = sharded.full_state_dict();
+    }
+    for (const auto& name : after[0].keys())
+      EXPECT_TRUE(at::equal(*after[0].find(name), *after[2].find(name))) << name;
   });
 }
 
@@ -506,20 +547,22 @@ TEST(ShardedCheckpoint, HybridAndNoShardSavesLoadIntoFullShard) {
 
 // Deferred init of the GPT goes through its init_parameters() (nanoGPT's N(0, 0.02), not
 // LibTorch's defaults): the first loss is the eager build's (~ln 256, the same distribution;
-// other draws), and it trains.
+// other draws), and it trains; under fsdp and fsdp2 (NeMo's tensor_init_context) alike.
 TEST(DeferredInit, GPTUsesTheModelsOwnInitialisation) {
-  std::map<std::int64_t, double> losses[2];
-  for (int deferred = 0; deferred < 2; ++deferred) {
-    std::string dir = tessera::testing::fresh_dir(deferred ? "gpt-deferred" : "gpt-eager");
-    auto r = run_tessera("fit --config " + write_config(dir) + " --set launch.devices=2 --set strategy.plugin=fsdp" +
-                         " --set strategy.accelerator=cpu --set data.batch_size=3 --set strategy.deferred_init=" +
-                         (deferred ? "true" : "false"));
-    ASSERT_EQ(r.exit_code, 0) << r.output;
-    losses[deferred] = metric_series(tessera::testing::run_dir(dir) + "/metrics.csv", "train", "train_loss");
-    ASSERT_EQ(losses[deferred].size(), 8u);
+  for (const std::string strategy : {"fsdp", "fsdp2"}) {
+    std::map<std::int64_t, double> losses[2];
+    for (int deferred = 0; deferred < 2; ++deferred) {
+      std::string dir = tessera::testing::fresh_dir(strategy + (deferred ? "-gpt-deferred" : "-gpt-eager"));
+      auto r = run_tessera("fit --config " + write_config(dir) + " --set launch.devices=2 --set strategy.plugin=" +
+                           strategy + " --set strategy.accelerator=cpu --set data.batch_size=3 " +
+                           "--set strategy.deferred_init=" + (deferred ? "true" : "false"));
+      ASSERT_EQ(r.exit_code, 0) << r.output;
+      losses[deferred] = metric_series(tessera::testing::run_dir(dir) + "/metrics.csv", "train", "train_loss");
+      ASSERT_EQ(losses[deferred].size(), 8u);
+    }
+    EXPECT_NEAR(losses[1].at(1), losses[0].at(1), 0.01 * losses[0].at(1)) << strategy;
+    EXPECT_LT(losses[1].at(8), losses[1].at(1)) << strategy;
   }
-  EXPECT_NEAR(losses[1].at(1), losses[0].at(1), 0.01 * losses[0].at(1));
-  EXPECT_LT(losses[1].at(8), losses[1].at(1));
 }
 
 // On a CUDA machine (NCCL; one GPU, so one rank): fsdp_cpu_offload computes the same run as

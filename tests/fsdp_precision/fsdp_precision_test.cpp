@@ -294,7 +294,7 @@ void expect_close(const FitRun& reference, const FitRun& run, const std::string&
 
 class Bf16Parity : public ::testing::TestWithParam<std::string> {};
 
-// bf16 FSDP on 2 and 3 ranks tracks the single-device run at the same precision (loose:
+// bf16 FSDP (fsdp and fsdp2) on 2 and 3 ranks tracks the single-device run at the same precision (loose:
 // gradients are reduced in bf16 under FSDP), and fp32 in loss: bf16-mixed within 0.5%;
 // bf16-true within 3%, since its model itself is rounded to bf16 (0.5% at step 0 already).
 TEST_P(Bf16Parity, FSDPTracksSingleDeviceAndFp32) {
@@ -303,11 +303,13 @@ TEST_P(Bf16Parity, FSDPTracksSingleDeviceAndFp32) {
   FitRun fp32 = fit("fp32-reference", 1, "single_device", "32-true");
   FitRun single = fit(precision + "-single", 1, "single_device", precision);
   expect_close(fp32, single, precision + " single device vs 32-true", fp32_tol, 0);
-  for (int world : {2, 3}) {
-    FitRun sharded = fit(precision + "-fsdp", world, "fsdp", precision);
-    expect_close(single, sharded, precision + " fsdp x" + std::to_string(world) + " vs single device", 0.002, 0.02);
-    expect_close(fp32, sharded, precision + " fsdp x" + std::to_string(world) + " vs 32-true", fp32_tol, 0);
-  }
+  for (const std::string strategy : {"fsdp", "fsdp2"})
+    for (int world : {2, 3}) {
+      const std::string what = precision + " " + strategy + " x" + std::to_string(world);
+      FitRun sharded = fit(precision + "-" + strategy, world, strategy, precision);
+      expect_close(single, sharded, what + " vs single device", 0.002, 0.02);
+      expect_close(fp32, sharded, what + " vs 32-true", fp32_tol, 0);
+    }
 }
 
 INSTANTIATE_TEST_SUITE_P(Precisions, Bf16Parity, ::testing::Values("bf16-mixed", "bf16-true"),

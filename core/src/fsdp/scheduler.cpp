@@ -2,6 +2,7 @@
 
 #include "tessera/sdk/build_config.hpp"  // TESSERA_WITH_CUDA, before the #if below
 
+#include <algorithm>
 #include <utility>
 
 #include <ATen/ATen.h>
@@ -124,12 +125,24 @@ void Scheduler::keep_post_forward_shard(FSDPUnit& u) {
   u.post_forward_shard = u.layout->gathered_rows(group.rank() * rows, rows);
 }
 
+std::int64_t Scheduler::units_gathered() const {
+  std::int64_t n = 0;
+  for (const auto& u : units_)
+    if (!u->is_root && (u->gathered || u->gather_handle)) ++n;
+  return n;
+}
+
 void Scheduler::unshard(FSDPUnit& u, Phase phase) {
   if (u.gathered) return;
   if (u.layout->unsharded_is_shard()) {
     u.gathered = true;
     return;
   }
+  const bool prefetch = phase == Phase::prefetch_forward || phase == Phase::prefetch_backward;
+  if (prefetch && !u.gather_handle && options_.max_gathered_units > 0 &&
+      options_.sharding_strategy != ShardingStrategy::SHARD_GRAD_OP &&
+      options_.sharding_strategy != ShardingStrategy::NO_SHARD && units_gathered() >= options_.max_gathered_units)
+    return;  // limit_all_gathers: the unit gathers when it runs
   if (!u.gather_handle) {
     auto [output, input] = u.layout->all_gather_buffers(device_);
     const bool backward = phase == Phase::backward || phase == Phase::prefetch_backward;
@@ -143,8 +156,9 @@ void Scheduler::unshard(FSDPUnit& u, Phase phase) {
       u.gather_handle = shard_group_->all_gather(output, input, backward ? u.backward_tag : u.forward_tag);
     }
   }
+  if (!u.is_root) peak_units_gathered_ = std::max(peak_units_gathered_, units_gathered());
   // A prefetch is waited for by the unshard that needs it.
-  if (phase == Phase::prefetch_forward || phase == Phase::prefetch_backward) return;
+  if (prefetch) return;
   finish_gather(u);
 }
 

@@ -59,6 +59,8 @@ class ShardedModule {
   void finish_backward() { scheduler_->finish_backward(); }
   /// After optimizer.step(): clears the sharded gradients.
   void after_optimizer_step() { scheduler_->zero_grad(); }
+  /// The most units (the root aside) gathered or gathering at once so far (limit_all_gathers).
+  std::int64_t peak_units_gathered() const { return scheduler_->peak_units_gathered(); }
 
   /// Total norm of the sharded gradients over all ranks; scales them to `max_norm`.
   double clip_grad_norm(double max_norm, double norm_type);

@@ -33,6 +33,10 @@ struct FSDPOptions {
   ParamLayout layout = ParamLayout::flat;
   BackwardPrefetch backward_prefetch = BackwardPrefetch::BACKWARD_PRE;
   bool forward_prefetch = false;
+  /// PyTorch's limit_all_gathers (when > 0): at most this many units (the root aside) are
+  /// gathered or gathering at once under a strategy that reshards after forward; a prefetch
+  /// beyond it is dropped (the unit gathers when it runs). 2 = the running unit + one ahead.
+  std::int64_t max_gathered_units = 0;
   /// "transformer": modules whose class name() is in unit_classes; "size": those of them with
   /// at least min_num_params parameters; "custom": modules for which custom_wrap_policy
   /// returns true; "none": the root is the only unit. Units are run through sdk::invoke.

@@ -46,6 +46,8 @@ class Scheduler final : public UnitHooks {
   bool training_step_active() const { return sync_ || accumulating_; }
   /// Whether a training step's forward ran and its synchronising backward has not finished.
   bool accumulating() const { return accumulating_; }
+  /// The most units (the root aside) gathered or gathering at once so far.
+  std::int64_t peak_units_gathered() const { return peak_units_gathered_; }
 
   // UnitHooks
   void pre_backward(FSDPUnit& unit) override;
@@ -57,6 +59,7 @@ class Scheduler final : public UnitHooks {
  private:
   void finish_gather(FSDPUnit& unit);
   void keep_post_forward_shard(FSDPUnit& unit);
+  std::int64_t units_gathered() const;
   void attach_gradients(FSDPUnit& unit);
   void reduce_gradients(FSDPUnit& unit);
   void finish_reduction(FSDPUnit& unit);
@@ -78,6 +81,7 @@ class Scheduler final : public UnitHooks {
   bool offload_copies_pending_ = false;  // cpu_offload gradient copies launched, not waited for
   bool sync_ = true;
   bool accumulating_ = false;
+  std::int64_t peak_units_gathered_ = 0;
 };
 
 }  // namespace tessera::core::fsdp
