@@ -153,6 +153,16 @@ INSTANTIATE_TEST_SUITE_P(Ranks, MultiArgUnits,
                                   (std::get<1>(info.param) ? "Checkpointed" : "");
                          });
 
+/// FSDP2's layout over the GateBlock units, full state dicts on every rank.
+fsdp::FSDPOptions per_parameter_options(bool checkpointed) {
+  fsdp::FSDPOptions options;
+  options.layout = fsdp::ParamLayout::per_parameter;
+  options.unit_classes = {"GateBlock"};
+  options.rank0_only = false;
+  if (checkpointed) options.activation_checkpointing = {"GateBlock"};
+  return options;
+}
+
 class PerParameterLayout : public ::testing::TestWithParam<int> {};
 
 // FSDP2's layout: the optimizer steps on dim-0 slices that keep each parameter's name and
@@ -164,11 +174,7 @@ TEST_P(PerParameterLayout, DimZeroShardsWithOriginalNamesMatchTheUnshardedRun) {
   run_ranks(n, std::chrono::seconds(120), [&](const sdk::ClusterInfo& cluster) {
     torch::manual_seed(11);
     GateNet net;
-    fsdp::FSDPOptions options;
-    options.layout = fsdp::ParamLayout::per_parameter;
-    options.unit_classes = {"GateBlock"};
-    options.rank0_only = false;
-    options.activation_checkpointing = {"GateBlock"};
+    fsdp::FSDPOptions options = per_parameter_options(/*checkpointed=*/true);
     auto group = world(cluster);
     fsdp::ShardedModule sharded(net.ptr(), options, group, core::make_local_communicator());
     sharded.set_modules_to_forward_prefetch("b1", {"b2"});
@@ -208,11 +214,7 @@ TEST_P(ReshardAfterForwardToPairs, MatchesTheUnshardedRun) {
   run_ranks(4, std::chrono::seconds(120), [&](const sdk::ClusterInfo& cluster) {
     torch::manual_seed(11);
     GateNet net;
-    fsdp::FSDPOptions options;
-    options.layout = fsdp::ParamLayout::per_parameter;
-    options.unit_classes = {"GateBlock"};
-    options.rank0_only = false;
-    if (checkpointed) options.activation_checkpointing = {"GateBlock"};
+    fsdp::FSDPOptions options = per_parameter_options(checkpointed);
     auto group = world(cluster);
     options.post_forward_group = group->split({{0, 1}, {2, 3}});
     fsdp::ShardedModule sharded(net.ptr(), options, group, core::make_local_communicator());

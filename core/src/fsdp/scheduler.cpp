@@ -204,9 +204,13 @@ void Scheduler::begin_forward(bool training) {
 
 void Scheduler::end_forward() {
   freeze_order();
+  reshard_all();
+}
+
+void Scheduler::reshard_all() {
   for (auto& u : units_) {
     reshard(*u);
-    u->post_forward_shard.reset();
+    u->post_forward_shard.reset();  // also of a unit backward did not reach
   }
 }
 
@@ -281,10 +285,7 @@ void Scheduler::finish_backward() {
   if (offload_copies_pending_) c10::cuda::getCurrentCUDAStream(device_.index()).synchronize();
 #endif
   offload_copies_pending_ = false;
-  for (auto& u : units_) {
-    reshard(*u);
-    u->post_forward_shard.reset();  // a unit backward did not reach
-  }
+  reshard_all();
 }
 
 void Scheduler::reduce_replicated_gradients() {

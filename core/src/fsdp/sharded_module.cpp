@@ -54,8 +54,7 @@ ShardedModule::ShardedModule(std::shared_ptr<torch::nn::Module> network, const F
   TESSERA_CHECK(!options_.deferred_init || options_.ignored_modules.empty(), "[strategy] ignored_modules cannot be combined ",
                 "with deferred_init = true: ignored parameters are not sharded, so they would be built whole anyway");
   if (const auto& group = options_.post_forward_group)
-    TESSERA_CHECK(options_.sharding_strategy == ShardingStrategy::FULL_SHARD && group->size() >= 1 &&
-                      shard_group_->size() % group->size() == 0,
+    TESSERA_CHECK(options_.sharding_strategy == ShardingStrategy::FULL_SHARD && shard_group_->size() % group->size() == 0,
                   "a post-forward group of ", group->size(), " ranks needs FULL_SHARD and a size dividing the shard ",
                   "group's ", shard_group_->size());
   build_units();

@@ -97,8 +97,6 @@ void ShardedStrategy::load_optimizer_state(const sdk::Checkpoint& state) {
   if (!defer_optimizer_restore_) restore_deferred_optimizer_state();
 }
 
-bool ShardedStrategy::optimizer_restore_pending() const { return static_cast<bool>(deferred_optimizer_state_); }
-
 void ShardedStrategy::restore_deferred_optimizer_state() {
   if (!deferred_optimizer_state_) return;
   deferred_optimizer_state_();

@@ -59,6 +59,8 @@ class Scheduler final : public UnitHooks {
  private:
   void finish_gather(FSDPUnit& unit);
   void keep_post_forward_shard(FSDPUnit& unit);
+  /// Frees every unit's gathered data and what it kept after forward.
+  void reshard_all();
   std::int64_t units_gathered() const;
   void attach_gradients(FSDPUnit& unit);
   void reduce_gradients(FSDPUnit& unit);

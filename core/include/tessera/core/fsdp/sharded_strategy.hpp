@@ -45,8 +45,6 @@ class ShardedStrategy : public StrategyBase {
   /// comes first (the groups' hyper-parameters are restored at once either way).
   void load_optimizer_state(const sdk::Checkpoint& state) override;
   sdk::StepResult optimizer_step(double gradient_clip_val, double norm_type) override;
-  /// Whether a loaded optimizer state waits for the first step.
-  bool optimizer_restore_pending() const;
   /// FULL: one file from rank 0. SHARDED/LOCAL: every rank writes its shard through the
   /// CheckpointIO (the "distributed" one), rank 0 publishes it once all are written.
   void save_checkpoint(const sdk::Checkpoint& checkpoint, const std::string& path) override;
