@@ -10,12 +10,14 @@
 #include <cmath>
 #include <cstdlib>
 #include <iomanip>
+#include <limits>
 #include <sstream>
 #include <thread>
 
 #include <ATen/ATen.h>
 #include <ATen/CPUGeneratorImpl.h>
 
+#include "anomaly.hpp"
 #include "loggers/run_directory.hpp"
 #include "model_summary.hpp"
 #include "profiler.hpp"
@@ -331,18 +333,42 @@ void Trainer::restore(const std::string& path, bool with_training_state) {
             " in " + format(std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count(), 3) + " s");
 }
 
-void Trainer::maybe_inject_fault(std::int64_t step, bool saving) const {
-  // Test-only: TESSERA_FAULT_INJECT="rank=1,step=3,kind=exit|kill|hang|sigint|error|slow_save[,seconds=N]".
-  const char* spec = std::getenv("TESSERA_FAULT_INJECT");
-  if (spec == nullptr) return;
+namespace {
+// Test-only: TESSERA_FAULT_INJECT="rank=1,step=3,kind=exit|kill|hang|sigint|error|slow_save|nan_grad
+// [,seconds=N][,param=NAME]"; empty when unset.
+std::map<std::string, std::string> fault_spec() {
   std::map<std::string, std::string> fields;
+  const char* spec = std::getenv("TESSERA_FAULT_INJECT");
+  if (spec == nullptr) return fields;
   std::stringstream in(spec);
   for (std::string item; std::getline(in, item, ',');) {
     auto eq = item.find('=');
     if (eq != std::string::npos) fields[item.substr(0, eq)] = item.substr(eq + 1);
   }
-  if (std::stoll(fields["rank"]) != cluster_.global_rank || std::stoll(fields["step"]) != step ||
-      (fields["kind"] == "slow_save") != saving)
+  return fields;
+}
+}  // namespace
+
+void Trainer::maybe_inject_gradient_fault() {
+  std::map<std::string, std::string> fields = fault_spec();
+  if (fields["kind"] != "nan_grad" || std::stoll(fields["rank"]) != cluster_.global_rank) return;
+  const std::int64_t step = std::stoll(fields["step"]);
+  const std::string name = fields["param"];
+  at::Tensor* param = model_->network()->named_parameters().find(name);
+  TESSERA_CHECK(param != nullptr, "fault injection: no parameter ", name);
+  // A NaN in this rank's gradient of `name` before it is reduced, during step `step`'s backward.
+  param->register_hook([this, step](const at::Tensor& grad) -> at::Tensor {
+    if (global_step_ + 1 != step) return at::Tensor();
+    at::Tensor poisoned = grad.clone();
+    poisoned.view(-1)[0] = std::numeric_limits<float>::quiet_NaN();
+    return poisoned;
+  });
+}
+
+void Trainer::maybe_inject_fault(std::int64_t step, bool saving) const {
+  std::map<std::string, std::string> fields = fault_spec();
+  if (fields.empty() || fields["kind"] == "nan_grad" || std::stoll(fields["rank"]) != cluster_.global_rank ||
+      std::stoll(fields["step"]) != step || (fields["kind"] == "slow_save") != saving)
     return;
   log_.info("fault injection: rank " + std::to_string(cluster_.global_rank) + " " + fields["kind"] + " at step " +
             std::to_string(step));
@@ -438,6 +464,7 @@ void Trainer::fit(const std::string& ckpt_path) {
   std::string status = "success";
   auto network = model_->network();
   network->train(true);
+  maybe_inject_gradient_fault();
   try {
     call("on_fit_start", [&](sdk::Callback& c) { c.on_fit_start(*this); });
     call("on_train_start", [&](sdk::Callback& c) { c.on_train_start(*this); });
@@ -479,6 +506,13 @@ void Trainer::fit(const std::string& ckpt_path) {
             last_batch = std::move(batch);
           }
         }
+        if (t.detect_anomaly) {
+          core::trace::Span span("hook", "[Trainer]detect_anomaly");
+          AnomalyReport anomaly =
+              check_finite_step(*strategy_, *model_, loss_sum, cluster_.global_rank, cluster_.world_size);
+          TESSERA_CHECK(anomaly.finite || anomaly.scaler_skips, "step ", global_step_ + 1,
+                        " ([trainer] detect_anomaly): ", anomaly.message);
+        }
         sdk::StepResult result;
         {
           core::trace::Span span("hook", "[Strategy]optimizer_step");
@@ -486,6 +520,14 @@ void Trainer::fit(const std::string& ckpt_path) {
         }
         next_batch_ += accumulate;
         ++global_step_;
+        if (!result.stepped) {  // the grad scaler saw inf/NaN: expected now and then, counted, not a failure
+          ++skipped_steps_;
+          const auto scale = precision_->state_dict();
+          log_.info("step " + std::to_string(global_step_) + ": the grad scaler skipped the optimizer step (inf/NaN " +
+                    "gradients); loss scale now " + (scale.contains("scale") ? format(scale.at("scale").toDouble(), 6)
+                                                                             : std::string("?")) +
+                    ", " + std::to_string(skipped_steps_) + " step(s) skipped so far");
+        }
         maybe_inject_fault(global_step_);
         const double local_loss = loss_sum.item<double>() / static_cast<double>(accumulate);
 
@@ -519,7 +561,7 @@ void Trainer::fit(const std::string& ckpt_path) {
                         static_cast<double>(cluster_.world_size) / std::max(elapsed, 1e-9);
           metrics[unit + "_per_s"] = rate;
           if (result.grad_norm >= 0) metrics["grad_norm"] = result.grad_norm;
-          if (!result.stepped) metrics["skipped_step"] = 1;
+          if (skipped_steps_ > 0) metrics["skipped_steps"] = static_cast<double>(skipped_steps_);
           std::string line = "epoch " + std::to_string(epoch_) + " step " + std::to_string(global_step_) + "/" +
                              std::to_string(total_steps_) + "  loss " + format(loss) + "  lr " + format(lr, 3) + "  " +
                              format(rate, 5) + " " + unit + "/s  ETA " + eta;

@@ -79,6 +79,7 @@ class Trainer final : public sdk::Trainer {
   template <typename Step>
   auto run_step(const char* name, Step&& step);
   void maybe_inject_fault(std::int64_t step, bool saving = false) const;
+  void maybe_inject_gradient_fault();
 
   Config config_;
   sdk::ClusterInfo cluster_;
@@ -102,6 +103,7 @@ class Trainer final : public sdk::Trainer {
   std::int64_t epoch_ = 0;
   std::int64_t next_batch_ = 0;
   std::int64_t total_steps_ = 0;
+  std::int64_t skipped_steps_ = 0;  ///< optimizer steps the grad scaler skipped in this run
   std::unique_ptr<LRSchedule> schedule_;
   std::optional<sdk::Checkpoint> restored_schedule_;  ///< from --ckpt-path, checked against the config
   std::optional<sdk::Checkpoint> restored_callbacks_;

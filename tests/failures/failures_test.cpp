@@ -321,6 +321,46 @@ TEST(Blame, DiskFullDuringASaveNamesTheRankThatHitIt) {
   EXPECT_CONTAINS(r.output, "rank 0 failed: writing");  // rank 1's report names rank 0's own error
 }
 
+// ---------------------------------------------------------------- NaN/Inf per unit (detect_anomaly)
+
+class Anomaly : public ::testing::TestWithParam<std::string> {};
+
+// A NaN in rank 1's gradient of one parameter, before the reduction: after it only the rank
+// owning that element holds a non-finite shard, yet every rank reports the same unit and parameter.
+TEST_P(Anomaly, ANaNInOneUnitsGradientOnOneRankIsNamedByUnitAndParameterOnEveryRank) {
+  const std::string strategy = GetParam();
+  std::string dir = tessera::testing::fresh_dir("anomaly-" + strategy);
+  auto r = run_tessera("fit --config " + write_config(dir, 5, strategy, "") +
+                           " --set launch.devices=2 --set trainer.detect_anomaly=true",
+                       "TESSERA_FAULT_INJECT=rank=1,step=3,kind=nan_grad,param=blocks.1.attn.weight", 120);
+  EXPECT_EQ(r.exit_code, 1) << r.output;
+  const std::string sharded_origin = "unit 'blocks.1', parameter 'blocks.1.attn.weight' (1 NaN, 0 Inf of 768";
+  const std::string origin = strategy == "ddp" ? "parameter 'blocks.1.attn.weight' (1 NaN, 0 Inf of 768" : sharded_origin;
+  for (int rank : {0, 1}) {
+    const std::string log = slurp(dir + "/logs/rank-" + std::to_string(rank) + ".log");
+    EXPECT_CONTAINS(log, "step 3 ([trainer] detect_anomaly)");
+    EXPECT_CONTAINS(log, "it appeared first in backward in " + origin);
+    EXPECT_CONTAINS(log, "1 parameter(s) have non-finite gradients");
+    EXPECT_EQ(log.find("step 3/5"), std::string::npos) << "the optimizer stepped on a NaN\n" << log;
+  }
+  EXPECT_FALSE(processes_left(dir));
+}
+
+INSTANTIATE_TEST_SUITE_P(Strategies, Anomaly, ::testing::Values("fsdp", "fsdp2", "ddp"));
+
+TEST(Anomaly, StepsTheGradScalerSkipsAreCountedAndReportedNotFailures) {
+  std::string dir = tessera::testing::fresh_dir("anomaly-scaler");
+  auto r = run_tessera("fit --config " + write_config(dir, 4, "fsdp", "[precision]\nprecision = \"bf16-mixed\"\n"
+                                                                      "scaler = true\n") +
+                           " --set launch.devices=2 --set trainer.detect_anomaly=true",
+                       "TESSERA_FAULT_INJECT=rank=1,step=3,kind=nan_grad,param=blocks.1.attn.weight", 300);
+  EXPECT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_CONTAINS(r.output, "step 3: the grad scaler skipped the optimizer step (inf/NaN gradients); loss scale now "
+                            "32768, 1 step(s) skipped so far");
+  EXPECT_CONTAINS(r.output, "step 4/4");
+  EXPECT_CONTAINS(slurp(tessera::testing::run_dir(dir) + "/metrics.csv"), "skipped_steps");
+}
+
 // ---------------------------------------------------------------- Debian's real torchrun
 
 bool have_torchrun() {
