@@ -49,12 +49,12 @@ for n in 1 2 4; do
       || { tail -20 "$dir.save.log"; exit 1; }
     # Load: resume and train no further step (max_steps = 1 is already reached).
     /usr/bin/time -f %M -o "$dir.load.rss" "$tessera" fit --config "$out/gpt.toml" "${sets[@]}" \
-      --set trainer.checkpoint_every_n_steps=0 --ckpt-path "$dir/checkpoints/last" > "$dir.load.log" 2>&1 \
+      --set trainer.checkpoint_every_n_steps=0 --ckpt-path "$dir/version_0/checkpoints/last" > "$dir.load.log" 2>&1 \
       || { tail -20 "$dir.load.log"; exit 1; }
     printf "%-8s %-8s %10s %14s %10s %14s %10s %10s\n" $n $format "$(seconds paused "$dir.save.log")" \
       "$(( $(tail -1 "$dir.save.rss") / 1024 ))" "$(seconds in "$dir.load.log")" "$(( $(tail -1 "$dir.load.rss") / 1024 ))" \
       "$(grep -o "load peak +[0-9]*" "$dir.load.log" | tail -1 | grep -o "[0-9]*$")" \
-      "$(du -sm "$(readlink -f "$dir/checkpoints/last")" | cut -f1)"
+      "$(du -sm "$(readlink -f "$dir/version_0/checkpoints/last")" | cut -f1)"
   done
 done
 
@@ -69,6 +69,6 @@ for mode in none sync async; do
   start=$(date +%s.%N)
   "$tessera" fit --config "$out/gpt.toml" "${sets[@]}" > "$dir.log" 2>&1 || { tail -20 "$dir.log"; exit 1; }
   end=$(date +%s.%N)
-  paused=$(grep -o "paused [0-9.]* s" "$dir.log" | awk '{s += $2; n++} END {if (n) printf "%.2f s over %d saves", s, n}')
+  paused=$({ grep -o "paused [0-9.]* s" "$dir.log" || true; } | awk '{s += $2; n++} END {if (n) printf "%.2f s over %d saves", s, n}')
   printf "%-6s wall %6.1f s   training paused by saves: %s\n" $mode "$(echo "$end - $start" | bc)" "${paused:-none}"
 done
