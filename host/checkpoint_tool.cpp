@@ -117,11 +117,22 @@ void export_to(const std::string& path, const std::string& to) {
     if (ckpt) {
       core::save_pickle(c, to);
     } else {
+      // Streamed from the mapped file: each tensor's pages are dropped once it is written.
       sdk::StateDict state = core::state_dict_from(core::checkpoint_get(c, "state_dict"), path + " [state_dict]");
-      std::vector<std::pair<std::string, at::Tensor>> tensors;
-      for (const auto& item : state) tensors.emplace_back(item.key(), item.value());
+      std::vector<core::TensorSpec> specs;
+      std::vector<at::Tensor> tensors;
+      for (const auto& item : state) {
+        specs.push_back({item.key(), item.value().scalar_type(), item.value().sizes().vec()});
+        tensors.push_back(item.value());
+      }
       core::atomic_write_file(to, [&](const std::string& temp) {
-        core::write_safetensors(temp, tensors, {{"format", "pt"}, {"source", path}});
+        core::write_safetensors(
+            temp, specs,
+            [&](std::size_t i) {
+              if (i > 0) core::release_loaded_pages(tensors[i - 1]);
+              return tensors[i];
+            },
+            {{"format", "pt"}, {"source", path}});
       });
     }
   }

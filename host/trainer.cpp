@@ -128,6 +128,23 @@ void explain_step_failure(const c10::Error& error, const std::string& step, cons
                "[precision] precision = \"bf16-true\" (the whole model in bf16)");
 }
 
+/// A field of /proc/self/status in kB ("VmRSS", "VmHWM"); 0 where it cannot be read.
+std::int64_t proc_status_kb(const std::string& field) {
+  std::ifstream in("/proc/self/status");
+  for (std::string line; std::getline(in, line);)
+    if (line.rfind(field + ":", 0) == 0) return std::strtoll(line.c_str() + field.size() + 1, nullptr, 10);
+  return 0;
+}
+
+/// Lowers the kernel's peak-RSS mark (VmHWM, getrusage's ru_maxrss) to the current RSS, so
+/// that the peak of one phase can be read; false where the kernel does not allow it.
+bool reset_peak_rss() {
+  std::ofstream out("/proc/self/clear_refs");
+  out << "5";
+  out.flush();
+  return out.good();
+}
+
 }  // namespace
 
 template <typename Step>
@@ -294,6 +311,11 @@ void Trainer::remove_checkpoint(const std::string& path) {
 
 void Trainer::restore(const std::string& path, bool with_training_state) {
   core::LedgerPhase phase("load_checkpoint");
+  // The memory a load costs (the busiest rank's peak above what it held before): about its
+  // shard under a sharding strategy, whatever the checkpoint's format.
+  earlier_peak_rss_kb_ = std::max(earlier_peak_rss_kb_, proc_status_kb("VmHWM"));
+  const bool peak_measured = reset_peak_rss();
+  const std::int64_t rss_before_kb = proc_status_kb("VmRSS");
   const auto start = std::chrono::steady_clock::now();
   sdk::Checkpoint checkpoint = strategy_->load_checkpoint(path);
   strategy_->load_model_state_dict(
@@ -329,8 +351,15 @@ void Trainer::restore(const std::string& path, bool with_training_state) {
     }
   }
   call("on_load_checkpoint", [&](sdk::Callback& c) { c.on_load_checkpoint(*this, checkpoint); });
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  checkpoint = sdk::make_checkpoint();  // what the load left mapped or allocated goes before the peak is read
+  const double load_peak_mb =
+      static_cast<double>(std::max<std::int64_t>(0, proc_status_kb("VmHWM") - rss_before_kb)) / 1024.0;
+  at::Tensor busiest = at::full({}, peak_measured ? load_peak_mb : -1.0, at::kFloat).to(strategy_->root_device());
+  const double busiest_mb = strategy_->reduce(busiest, sdk::ReduceOp::max).to(at::kCPU).item<double>();
   log_.info("restored " + path + (with_training_state ? " (resuming at step " + std::to_string(global_step_) + ")" : "") +
-            " in " + format(std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count(), 3) + " s");
+            " in " + format(seconds, 3) + " s" +
+            (busiest_mb >= 0 ? ", load peak +" + std::to_string(std::llround(busiest_mb)) + " MB RSS per rank" : ""));
 }
 
 namespace {
@@ -616,7 +645,7 @@ void Trainer::fit(const std::string& ckpt_path) {
   // Peak resident memory of the busiest rank: the figure FSDP is meant to lower.
   rusage usage{};
   ::getrusage(RUSAGE_SELF, &usage);
-  double peak_mb = max_over_ranks(static_cast<double>(usage.ru_maxrss) / 1024.0);
+  double peak_mb = max_over_ranks(static_cast<double>(std::max<std::int64_t>(usage.ru_maxrss, earlier_peak_rss_kb_)) / 1024.0);
   log_.info("peak RSS per rank (max over ranks): " + format(peak_mb, 5) + " MB");
   log_stage_metrics({{"peak_rss_mb", peak_mb}}, "train");
 #if TESSERA_WITH_CUDA

@@ -108,6 +108,7 @@ class Trainer final : public sdk::Trainer {
   std::optional<sdk::Checkpoint> restored_schedule_;  ///< from --ckpt-path, checked against the config
   std::optional<sdk::Checkpoint> restored_callbacks_;
   std::string restored_from_;
+  std::int64_t earlier_peak_rss_kb_ = 0;  ///< the peak RSS before a restore reset the kernel's mark
 };
 
 }  // namespace tessera::host

@@ -4,7 +4,8 @@
 # vs sharded (one safetensors file per rank), and the training time one checkpoint costs,
 # sync vs [checkpoint_io] async = true. Save time is what the trainer logs as "training
 # paused"; load time what it logs for "restored"; peak RSS is the largest of any process of
-# the run (GNU time's %M over the launcher and its ranks: the busiest rank).
+# the run (GNU time's %M over the launcher and its ranks: the busiest rank), and "load +MB" what
+# the load itself added to the busiest rank's RSS at its peak (the trainer's "load peak").
 #   bash bench/checkpoint/run.sh [build-dir]        (~15 minutes on 2 cores)
 set -euo pipefail
 cd "$(dirname "$0")/../.."
@@ -36,7 +37,8 @@ batch_size = 1
 TOML
 
 seconds() { grep -o "$1 [0-9.]* s" "$2" | tail -1 | awk '{print $(NF-1)}'; }
-printf "%-8s %-8s %10s %14s %10s %14s %10s\n" ranks format "save s" "save peak MB" "load s" "load peak MB" "MB on disk"
+printf "%-8s %-8s %10s %14s %10s %14s %10s %10s\n" ranks format "save s" "save peak MB" "load s" "load peak MB" "load +MB" \
+  "MB on disk"
 for n in 1 2 4; do
   for format in full sharded; do
     io=torch; [ "$format" = sharded ] && io=distributed
@@ -47,11 +49,12 @@ for n in 1 2 4; do
       || { tail -20 "$dir.save.log"; exit 1; }
     # Load: resume and train no further step (max_steps = 1 is already reached).
     /usr/bin/time -f %M -o "$dir.load.rss" "$tessera" fit --config "$out/gpt.toml" "${sets[@]}" \
-      --set trainer.checkpoint_every_n_steps=0 --ckpt-path "$dir/checkpoints/last" > "$dir.load.log" 2>&1 \
+      --set trainer.checkpoint_every_n_steps=0 --ckpt-path "$dir/version_0/checkpoints/last" > "$dir.load.log" 2>&1 \
       || { tail -20 "$dir.load.log"; exit 1; }
-    printf "%-8s %-8s %10s %14s %10s %14s %10s\n" $n $format "$(seconds paused "$dir.save.log")" \
+    printf "%-8s %-8s %10s %14s %10s %14s %10s %10s\n" $n $format "$(seconds paused "$dir.save.log")" \
       "$(( $(tail -1 "$dir.save.rss") / 1024 ))" "$(seconds in "$dir.load.log")" "$(( $(tail -1 "$dir.load.rss") / 1024 ))" \
-      "$(du -sm "$(readlink -f "$dir/checkpoints/last")" | cut -f1)"
+      "$(grep -o "load peak +[0-9]*" "$dir.load.log" | tail -1 | grep -o "[0-9]*$")" \
+      "$(du -sm "$(readlink -f "$dir/version_0/checkpoints/last")" | cut -f1)"
   done
 done
 
@@ -66,6 +69,6 @@ for mode in none sync async; do
   start=$(date +%s.%N)
   "$tessera" fit --config "$out/gpt.toml" "${sets[@]}" > "$dir.log" 2>&1 || { tail -20 "$dir.log"; exit 1; }
   end=$(date +%s.%N)
-  paused=$(grep -o "paused [0-9.]* s" "$dir.log" | awk '{s += $2; n++} END {if (n) printf "%.2f s over %d saves", s, n}')
+  paused=$({ grep -o "paused [0-9.]* s" "$dir.log" || true; } | awk '{s += $2; n++} END {if (n) printf "%.2f s over %d saves", s, n}')
   printf "%-6s wall %6.1f s   training paused by saves: %s\n" $mode "$(echo "$end - $start" | bc)" "${paused:-none}"
 done

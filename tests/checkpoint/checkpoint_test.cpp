@@ -201,6 +201,36 @@ TEST(OptimizerState, StagedRestoreChecksAtOnceAndInstallsLater) {
   EXPECT_DOUBLE_EQ(other.param_groups()[0].options().get_lr(), 0.2) << "a refused state changes nothing";
 }
 
+// Item 3 of the checkpoint issue: after a load every saved entry and moment went somewhere;
+// state for a parameter the optimizer lacks, or a moment it does not keep, is refused by name.
+TEST(OptimizerState, EverySavedEntryAndMomentMustBeConsumed) {
+  Params p;
+  torch::optim::AdamW optimizer({p.a, p.b}, torch::optim::AdamWOptions(0.01));
+  p.fill_grads(0);
+  optimizer.step();
+  sdk::Checkpoint saved = core::optimizer_state_dict(optimizer, {"a", "b"});
+  Params q;
+  torch::optim::AdamW only_a({q.a}, torch::optim::AdamWOptions(0.5));
+  std::string message = error_of([&] { core::load_optimizer_state_dict(only_a, saved, {"a"}); });
+  EXPECT_NE(message.find("entry for parameter 'b', which this optimizer does not step on"), std::string::npos)
+      << message;
+  EXPECT_TRUE(only_a.state().empty());
+  EXPECT_DOUBLE_EQ(only_a.param_groups()[0].options().get_lr(), 0.5) << "a refused state changes nothing";
+
+  sdk::Checkpoint extra = saved.copy();
+  sdk::Checkpoint entry = extra.at("state").toGenericDict().at(0).toGenericDict().copy();
+  entry.insert("ema", at::zeros({2, 3}));
+  auto state = extra.at("state").toGenericDict().copy();
+  state.insert_or_assign(0, entry);
+  extra.insert_or_assign("state", state);
+  torch::optim::AdamW both({q.a, q.b}, torch::optim::AdamWOptions(0.5));
+  message = error_of([&] { core::load_optimizer_state_dict(both, extra, {"a", "b"}); });
+  EXPECT_NE(message.find("optimizer state 'ema' of parameter 'a'"), std::string::npos) << message;
+  EXPECT_TRUE(both.state().empty());
+  core::load_optimizer_state_dict(both, saved, {"a", "b"});  // the untouched state loads
+  EXPECT_TRUE(at::equal(state_tensor(both, q.b, "exp_avg"), state_tensor(optimizer, p.b, "exp_avg")));
+}
+
 TEST(OptimizerState, StateOfAnotherOptimizerIsRefused) {
   Params p;
   torch::optim::SGD sgd({p.a, p.b}, torch::optim::SGDOptions(0.1).momentum(0.9));

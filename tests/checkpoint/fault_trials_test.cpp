@@ -1,6 +1,6 @@
 // Fault trials through the `tessera` binary: a 2-rank FSDP run saving at every step is killed
-// (kill -9 of a rank or of the launcher) at random moments, then resumed from `last`, several
-// times in one run folder, for each IO. `last` must always name a committed checkpoint that
+// (kill -9 of a rank or of the launcher) at random moments once it saved, then resumed from
+// `last`, 20 times in one run folder, for each IO. `last` must always name a committed checkpoint that
 // verifies, never an older one than before, and what interrupted saves left is swept.
 #include <gtest/gtest.h>
 
@@ -56,18 +56,20 @@ TEST_P(FaultTrials, KillsDuringSavesNeverLoseOrRewindLast) {
   std::mt19937 rng(static_cast<unsigned>(::getpid()));
   std::int64_t last_step = -1;
   int during_save = 0;
-  const int trials = 4;
+  const int trials = 20;  // for each IO (the count); a trial costs a start, a load and a few steps
   for (int trial = 0; trial < trials; ++trial) {
     const bool resume = fs::is_symlink(checkpoints / tessera::core::kLastPointer);
-    const double delay = std::uniform_real_distribution<double>(0.5, 5.0)(rng);
+    const double delay = std::uniform_real_distribution<double>(0.0, 1.5)(rng);
     const bool kill_rank = trial % 2 == 0;
-    // The launcher in the background; once a checkpoint exists, after `delay` s more, kill -9
-    // one rank (a child of the launcher) or the launcher itself (its ranks die with it).
+    // The launcher in the background; once this launch saved a checkpoint (so the kill falls
+    // among steps and saves, not in the start-up), after `delay` s more, kill -9 one rank (a
+    // random child of the launcher) or the launcher itself (its ranks die with it).
+    const std::string log_path = dir + "/trial.log";
     const std::string script = std::string(tessera::testing::tessera_binary()) + " fit --config " + dir + "/run.toml" +
-                               (resume ? " --ckpt-path last" : "") + " > " + dir + "/trial.log 2>&1 & L=$!; " +
-                               "for i in $(seq 1200); do [ -L " + (checkpoints / "last").string() +
-                               " ] && break; sleep 0.05; done; sleep " + std::to_string(delay) + "; C=$(pgrep -P $L); " +
-                               (kill_rank ? "set -- $C; kill -9 $1" : "kill -9 $L") +
+                               (resume ? " --ckpt-path last" : "") + " > " + log_path + " 2>&1 & L=$!; " +
+                               "for i in $(seq 1200); do grep -q \"checkpoint saved\" " + log_path +
+                               " && break; sleep 0.05; done; sleep " + std::to_string(delay) + "; C=$(pgrep -P $L); " +
+                               (kill_rank ? "set -- $C; shift $((RANDOM % $#)); kill -9 $1" : "kill -9 $L") +
                                // every process of the run gone (ranks die with the launcher, asynchronously)
                                "; for p in $L $C; do timeout 60 tail --pid=$p -f /dev/null; done";
     ASSERT_EQ(std::system(("bash -c '" + script + "'").c_str()), 0);

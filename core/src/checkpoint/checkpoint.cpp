@@ -1,6 +1,8 @@
 #include "tessera/core/checkpoint.hpp"
 
 #include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
 #include <unistd.h>
 #include <xxhash.h>
 
@@ -11,12 +13,16 @@
 #include <fstream>
 #include <functional>
 #include <map>
+#include <set>
 #include <sstream>
 #include <type_traits>
 
 #include <torch/optim/adam.h>
 #include <torch/optim/adamw.h>
 #include <torch/optim/sgd.h>
+#include <caffe2/serialize/inline_container.h>
+#include <caffe2/serialize/read_adapter_interface.h>
+#include <torch/csrc/jit/serialization/unpickler.h>
 #include <torch/serialize.h>
 
 #include "tessera/sdk/error.hpp"
@@ -275,6 +281,11 @@ std::function<void()> stage_optimizer_state_dict(torch::optim::Optimizer& optimi
 
   // Plan first, then apply: a mismatch must leave the optimizer untouched.
   std::vector<std::pair<at::Tensor, sdk::Checkpoint>> plan;
+  std::set<std::int64_t> consumed;  // saved entries that went to a parameter
+  const bool sgd = dynamic_cast<const torch::optim::SGD*>(&optimizer) != nullptr;
+  const std::set<std::string> kept = adam  ? std::set<std::string>{"step", "exp_avg", "exp_avg_sq", "max_exp_avg_sq"}
+                                     : sgd ? std::set<std::string>{"step", "momentum_buffer"}
+                                           : std::set<std::string>{};
   std::int64_t index = 0;
   for (const auto& group : optimizer.param_groups()) {
     for (const auto& p : group.params()) {
@@ -288,11 +299,17 @@ std::function<void()> stage_optimizer_state_dict(torch::optim::Optimizer& optimi
         source = it->second;
       }
       if (!state.contains(source)) continue;  // the parameter had no state yet (never stepped)
+      consumed.insert(source);
       sdk::Checkpoint entry = state.at(source).toGenericDict();
       if (adam)
         for (const char* key : {"exp_avg", "exp_avg_sq"})
           TESSERA_CHECK(entry.contains(key), "optimizer state of parameter '", name, "' has no '", key,
                         "': the checkpoint was written by a different optimizer than this Adam/AdamW");
+      for (const auto& item : entry)
+        TESSERA_CHECK(kept.empty() || kept.count(item.key().toStringRef()), "optimizer state '",
+                      item.key().toStringRef(), "' of parameter '", name,
+                      "' in the checkpoint is not one this optimizer keeps (it would be dropped): written by "
+                      "another optimizer?");
       sdk::Checkpoint moved = sdk::make_checkpoint();
       for (const auto& item : entry) {
         const std::string key = item.key().toStringRef();
@@ -310,6 +327,17 @@ std::function<void()> stage_optimizer_state_dict(torch::optim::Optimizer& optimi
       plan.emplace_back(p, moved);
     }
   }
+  // Every saved entry was consumed: state for a parameter this optimizer does not have would
+  // otherwise be dropped silently.
+  for (const auto& item : state)
+    if (!consumed.count(item.key().toInt())) {
+      const std::int64_t i = item.key().toInt();
+      const std::string name = i >= 0 && i < static_cast<std::int64_t>(saved_names.size())
+                                   ? saved_names[static_cast<std::size_t>(i)]
+                                   : std::to_string(i);
+      TESSERA_FAIL("optimizer state in the checkpoint has an entry for parameter '", name,
+                   "', which this optimizer does not step on: it would be dropped (a different model?)");
+    }
   auto groups = checkpoint_get(saved, "param_groups").toListRef();
   const bool same_groups = groups.size() == optimizer.param_groups().size();
   if (same_groups) {
@@ -412,33 +440,141 @@ void save_pickle(const IValue& value, const std::string& path) {
   atomic_write(path, [&](std::ostream& out) { out.write(bytes.data(), static_cast<std::streamsize>(bytes.size())); });
 }
 
+namespace {
+
+/// A checkpoint file mapped privately (copy-on-write): tensors loaded from it point into the
+/// mapping, so a rank that needs a piece of each tensor reads and keeps resident only the pages
+/// it touches (torch.load(mmap=True)). Unmapped when the last tensor pointing into it goes.
+struct MappedFile {
+  char* base = nullptr;
+  std::size_t size = 0;
+  MappedFile(char* b, std::size_t n) : base(b), size(n) {}
+  MappedFile(const MappedFile&) = delete;
+  MappedFile& operator=(const MappedFile&) = delete;
+  ~MappedFile() { ::munmap(base, size); }
+};
+
+void release_mapping(void* context) { delete static_cast<std::shared_ptr<MappedFile>*>(context); }
+
+bool points_into_mapping(const at::Tensor& t) {
+  return t.defined() && t.has_storage() && t.storage().data_ptr().get_deleter() == &release_mapping;
+}
+
+/// The zip reader's view of the mapping (the archive's directory and the pickle are copied out).
+class MappedAdapter final : public caffe2::serialize::ReadAdapterInterface {
+ public:
+  explicit MappedAdapter(std::shared_ptr<MappedFile> file) : file_(std::move(file)) {}
+  std::size_t size() const override { return file_->size; }
+  std::size_t read(std::uint64_t pos, void* buf, std::size_t n, const char*) const override {
+    if (pos >= file_->size) return 0;
+    n = std::min<std::size_t>(n, file_->size - pos);
+    std::memcpy(buf, file_->base + pos, n);
+    return n;
+  }
+
+ private:
+  std::shared_ptr<MappedFile> file_;
+};
+
+void for_each_tensor(const IValue& v, const std::string& path,
+                     const std::function<void(const std::string&, const at::Tensor&)>& fn);
+
+}  // namespace
+
 IValue load_pickle(const std::string& path) {
   std::error_code ec;
   TESSERA_CHECK(fs::exists(path, ec), "checkpoint ", path, " does not exist");
   TESSERA_CHECK(fs::is_regular_file(path, ec), "checkpoint ", path, " is not a regular file");
-  std::ifstream in(path, std::ios::binary);
-  TESSERA_CHECK(in.good(), "cannot open checkpoint ", path, ": ", std::strerror(errno));
-  std::vector<char> bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-  TESSERA_CHECK(!bytes.empty(), "checkpoint ", path, " is empty (an interrupted copy?)");
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  TESSERA_CHECK(fd >= 0, "cannot open checkpoint ", path, ": ", std::strerror(errno));
+  struct stat st {};
+  const bool stat_ok = ::fstat(fd, &st) == 0;
+  const int stat_errno = errno;
+  if (!stat_ok || st.st_size == 0) ::close(fd);
+  TESSERA_CHECK(stat_ok, "cannot stat checkpoint ", path, ": ", std::strerror(stat_errno));
+  TESSERA_CHECK(st.st_size > 0, "checkpoint ", path, " is empty (an interrupted copy?)");
+  const auto size = static_cast<std::size_t>(st.st_size);
+  void* base = ::mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_PRIVATE, fd, 0);
+  const int map_errno = errno;
+  ::close(fd);
+  TESSERA_CHECK(base != MAP_FAILED, "cannot map checkpoint ", path, ": ", std::strerror(map_errno));
+  auto file = std::make_shared<MappedFile>(static_cast<char*>(base), size);
   // torch.save's format is a zip archive: anything else is not a checkpoint at all.
-  TESSERA_CHECK(bytes.size() >= 4 && bytes[0] == 'P' && bytes[1] == 'K' && bytes[2] == 3 && bytes[3] == 4,
-                path, " is not a checkpoint: it is not in torch.save's zip format");
+  TESSERA_CHECK(size >= 4 && std::memcmp(file->base, "PK\x03\x04", 4) == 0, path,
+                " is not a checkpoint: it is not in torch.save's zip format");
+  IValue value;
   try {
-    return torch::pickle_load(bytes);
+    // pickle_load's reading (torch/csrc/jit/serialization/import_read.cpp), except that each
+    // storage points at its record in the mapped file instead of being copied out of it:
+    // torch.save and pickle_save store records uncompressed, 64-byte aligned.
+    caffe2::serialize::PyTorchStreamReader reader(std::make_shared<MappedAdapter>(file));
+    auto [pickle, pickle_size] = reader.getRecord("data.pkl");
+    std::size_t consumed = 0;
+    auto read = [&, data = static_cast<const char*>(pickle.get()), n = pickle_size](char* out, std::size_t len) {
+      len = std::min(len, n - std::min(consumed, n));
+      std::memcpy(out, data + consumed, len);
+      consumed += len;
+      return len;
+    };
+    auto read_record = [&](const std::string& key) {
+      const std::size_t offset = reader.getRecordOffset("data/" + key);
+      TESSERA_CHECK(offset <= size, path, ": tensor record ", key, " starts past the end of the file (truncated)");
+      return at::DataPtr(file->base + offset, new std::shared_ptr<MappedFile>(file), &release_mapping, at::kCPU);
+    };
+    torch::jit::Unpickler unpickler(read, nullptr, nullptr, read_record, c10::nullopt);
+    unpickler.set_version(reader.version());
+    value = unpickler.parse_ivalue();
+  } catch (const sdk::Error&) {
+    throw;
   } catch (const std::exception& e) {
     std::string reason = e.what();
-    TESSERA_FAIL(path, " is not a readable checkpoint (truncated or damaged; ", bytes.size(),
+    TESSERA_FAIL(path, " is not a readable checkpoint (truncated or damaged; ", size,
                  " bytes): ", reason.substr(0, reason.find('\n')));
   }
+  // Before any tensor is touched: every storage lies inside the file.
+  for_each_tensor(value, "", [&](const std::string& name, const at::Tensor& t) {
+    if (!points_into_mapping(t)) return;
+    const char* begin = static_cast<const char*>(t.storage().data());
+    TESSERA_CHECK(begin + t.storage().nbytes() <= file->base + file->size, path, ": tensor ", name,
+                  " extends past the end of the file (truncated or damaged)");
+  });
+  return value;
 }
 
 namespace {
 
-std::string xxh64_of(const at::Tensor& t) {
+/// Drops the resident pages that lie wholly inside `bytes` bytes at `data` of a mapping.
+void drop_pages(const char* data, std::size_t bytes) {
+  const auto page = static_cast<std::uintptr_t>(::sysconf(_SC_PAGESIZE));
+  const std::uintptr_t lo = (reinterpret_cast<std::uintptr_t>(data) + page - 1) / page * page;
+  const std::uintptr_t hi = reinterpret_cast<std::uintptr_t>(data + bytes) / page * page;
+  if (hi > lo) ::madvise(reinterpret_cast<void*>(lo), hi - lo, MADV_DONTNEED);
+}
+
+/// The xxh64 of a tensor's bytes. `release`: a tensor loaded by load_pickle and not modified
+/// since is hashed in blocks whose pages are dropped after (read again from the file if touched
+/// later), so checking a whole checkpoint keeps about one block resident, not the file.
+std::string xxh64_of(const at::Tensor& t, bool release = false) {
   const at::Tensor cpu = t.detach().to(at::kCPU).contiguous();
+  const char* data = static_cast<const char*>(cpu.data_ptr());
+  const std::size_t bytes = static_cast<std::size_t>(cpu.numel()) * cpu.element_size();
+  XXH64_hash_t digest = 0;
+  if (release && points_into_mapping(cpu)) {
+    constexpr std::size_t kBlock = std::size_t{8} << 20;
+    XXH64_state_t* state = XXH64_createState();
+    XXH64_reset(state, 0);
+    for (std::size_t done = 0; done < bytes; done += kBlock) {
+      const std::size_t n = std::min(kBlock, bytes - done);
+      XXH64_update(state, data + done, n);
+      drop_pages(data + done, n);  // whole pages only: one shared with another tensor stays
+    }
+    digest = XXH64_digest(state);
+    XXH64_freeState(state);
+  } else {
+    digest = XXH64(data, bytes, 0);
+  }
   char text[17];
-  std::snprintf(text, sizeof text, "%016llx",
-                static_cast<unsigned long long>(XXH64(cpu.data_ptr(), cpu.numel() * cpu.element_size(), 0)));
+  std::snprintf(text, sizeof text, "%016llx", static_cast<unsigned long long>(digest));
   return text;
 }
 
@@ -468,6 +604,11 @@ sdk::Checkpoint with_tensor_checksums(const sdk::Checkpoint& checkpoint) {
   return out;
 }
 
+void release_loaded_pages(const at::Tensor& t) {
+  if (!points_into_mapping(t) || !t.is_contiguous()) return;
+  drop_pages(static_cast<const char*>(t.data_ptr()), static_cast<std::size_t>(t.numel()) * t.element_size());
+}
+
 void check_tensor_checksums(const sdk::Checkpoint& checkpoint, const std::string& path) {
   if (!checkpoint.contains(kTensorChecksumsKey)) return;
   const IValue& sums = checkpoint.at(kTensorChecksumsKey);
@@ -479,7 +620,7 @@ void check_tensor_checksums(const sdk::Checkpoint& checkpoint, const std::string
     auto it = expected.find(name);
     if (it == expected.end()) return;
     ++seen;
-    TESSERA_CHECK(xxh64_of(t) == it->second, path, ": tensor ", name,
+    TESSERA_CHECK(xxh64_of(t, /*release=*/true) == it->second, path, ": tensor ", name,
                   " does not match its checksum: the file is damaged");
   });
   TESSERA_CHECK(seen == expected.size(), path, ": ", expected.size() - seen,

@@ -195,12 +195,17 @@ std::vector<at::Tensor> FlatParamHandle::gather_full_state(const std::vector<at:
   return out;
 }
 
+// Only the owned elements of each value are read (no unsharded buffer): a full checkpoint
+// mapped from its file (core::load_pickle) then costs each rank its shard, not the model.
 void FlatParamHandle::load_full_params(const std::vector<const at::Tensor*>& values) {
   torch::NoGradGuard no_grad;
-  at::Tensor flat = at::zeros({padded_}, at::TensorOptions().dtype(at::kFloat).device(config_.device));
-  for (std::size_t i = 0; i < params_.size(); ++i)
-    if (values[i] != nullptr) flat.narrow(0, offsets_[i], numels_[i]).copy_(values[i]->reshape({-1}));
-  shard_.copy_(owned_part(flat));
+  shard_.zero_();  // padding, and parameters without a value
+  for (std::size_t i = 0; i < params_.size(); ++i) {
+    const OwnedRange owned = owned_range(i);
+    if (values[i] == nullptr || owned.length == 0) continue;
+    shard_.narrow(0, shard_slice(i).first, owned.length)
+        .copy_(values[i]->reshape({-1}).narrow(0, owned.start, owned.length));
+  }
 }
 
 at::Tensor FlatParamHandle::owned_part(const at::Tensor& unsharded) const {

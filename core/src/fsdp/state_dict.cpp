@@ -197,6 +197,18 @@ sdk::Checkpoint ShardedModule::shard_full_optim_state_dict(const sdk::Checkpoint
     const std::int64_t index = entry_of(name);
     if (full_state.contains(index)) state.insert(view, full_state.at(index));
   }
+  // Nothing in the checkpoint is left behind: state for a parameter the model does not have
+  // would otherwise be dropped silently.
+  const std::set<std::string> taken(view_names.begin(), view_names.end());
+  for (const auto& item : full_state) {
+    const std::int64_t i = item.key().toInt();
+    TESSERA_CHECK(i >= 0 && i < static_cast<std::int64_t>(names.size()), "optimizer state in the checkpoint refers to ",
+                  "parameter index ", i, " but its 'param_names' has ", names.size(), " entries");
+    TESSERA_CHECK(taken.count(names[static_cast<std::size_t>(i)].toStringRef()),
+                  "optimizer state in the checkpoint has an entry for parameter '",
+                  names[static_cast<std::size_t>(i)].toStringRef(),
+                  "', which the model does not have: it would be dropped (a different model?)");
+  }
   sdk::Checkpoint local = sdk::make_checkpoint();
   local.insert("state", state);
   local.insert("param_groups", checkpoint_get(full, "param_groups"));

@@ -69,7 +69,14 @@ void atomic_write(const std::string& path, const std::function<void(std::ostream
 void save_pickle(const c10::IValue& value, const std::string& path);
 /// Loads a file written by save_pickle (or torch.save of plain containers and tensors);
 /// a missing, empty, foreign or truncated file throws sdk::Error naming the path and which.
+/// The file is mapped (private, copy-on-write) and its tensors point into the mapping: only
+/// the pages a reader touches are read and resident (a rank copying out its shard of each
+/// tensor holds about its shard). Writing into them is allowed and stays private.
 c10::IValue load_pickle(const std::string& path);
+/// Drops the resident pages of `t`, a tensor load_pickle returned that nobody modified since
+/// (touching it again reads the file again); nothing for any other tensor. For streaming
+/// readers that go through a whole checkpoint once (export).
+void release_loaded_pages(const at::Tensor& t);
 
 /// Reads a sharded checkpoint written by any world size and layout (`shards` files through `io`,
 /// each naming its tensors' pieces under kTensorPiecesKey or the legacy fsdp key) and returns
@@ -92,7 +99,8 @@ constexpr const char* kTensorChecksumsKey = "tessera_tensor_xxh64";
 /// `checkpoint` with kTensorChecksumsKey added (tensors shared, not copied).
 sdk::Checkpoint with_tensor_checksums(const sdk::Checkpoint& checkpoint);
 /// Recomputes every checksum kTensorChecksumsKey lists (none listed: nothing to check); a
-/// mismatch throws naming `path` and the tensor.
+/// mismatch throws naming `path` and the tensor. Tensors load_pickle returned are hashed a
+/// block at a time with their pages dropped behind (checking keeps no tensor resident).
 void check_tensor_checksums(const sdk::Checkpoint& checkpoint, const std::string& path);
 
 /// A deep copy of `checkpoint` whose tensors are all on the CPU (pinned when copied from
