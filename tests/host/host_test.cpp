@@ -562,6 +562,10 @@ TEST(Profiler, SummarySimpleTableAndChromeTracePerRank) {
                            " --set launch.devices=2 --set strategy.plugin=fsdp --set data.batch_size=2");
   ASSERT_EQ(trace.exit_code, 0) << trace.output;
   EXPECT_NE(trace.output.find("per rank (max over 2)"), std::string::npos) << trace.output;
+  // The FSDP unit plan: each unit in forward order with the parameters it gathers.
+  EXPECT_NE(trace.output.find("sharding units (3, forward order): blocks.0 12.7 K, blocks.1 12.7 K, <root>"),
+            std::string::npos) << trace.output;
+  EXPECT_EQ(simple.output.find("sharding units"), std::string::npos) << "single_device shards nothing";
   for (int rank = 0; rank < 2; ++rank) {
     std::string path = run_dir(dir) + "/trace-rank-" + std::to_string(rank) + ".json";
     ASSERT_TRUE(fs::exists(path)) << path;
