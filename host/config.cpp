@@ -57,17 +57,40 @@ double read_max_time(const sdk::Options& options) {
   return ((d * 24.0 + h) * 60.0 + m) * 60.0 + s;
 }
 
-void apply_override(toml::table& root, const std::string& assignment) {
+/// Where `node` came from, for messages: "file.toml:12", or the "--set section.key=value" that made it.
+std::string where_from(const toml::node& node, const std::string& path) {
+  const auto& src = node.source();
+  if (src.path && *src.path != path) return *src.path;
+  return path + (src.begin.line ? ":" + std::to_string(src.begin.line) : "");
+}
+
+/// Applies one --set (section.key=value, or section.table.key=value for a nested table such as
+/// [callbacks.NAME] or [strategy.mp_policy]); returns the section when the file has none of that name.
+std::string apply_override(toml::table& root, const std::string& assignment) {
   auto eq = assignment.find('=');
   auto dot = assignment.find('.');
   TESSERA_CHECK(eq != std::string::npos && dot != std::string::npos && dot < eq, "--set ", assignment,
                 ": expected section.key=value, e.g. --set trainer.max_steps=100");
-  std::string section = assignment.substr(0, dot), key = assignment.substr(dot + 1, eq - dot - 1);
-  std::string value = assignment.substr(eq + 1);
-  toml::table* table = root[section].as_table();
-  if (table == nullptr) {
-    root.insert_or_assign(section, toml::table{});
-    table = root[section].as_table();
+  std::vector<std::string> names;
+  for (std::size_t from = 0, to; from <= eq; from = to + 1) {
+    to = std::min(assignment.find('.', from), eq);
+    names.push_back(assignment.substr(from, to - from));
+    TESSERA_CHECK(!names.back().empty(), "--set ", assignment, ": empty name in ", assignment.substr(0, eq),
+                  "; expected section.key=value, e.g. --set trainer.max_steps=100");
+  }
+  const std::string section = names.front(), key = names.back();
+  const std::string value = assignment.substr(eq + 1);
+  const bool created = root.get(section) == nullptr;
+  toml::table* table = &root;
+  for (std::size_t i = 0; i + 1 < names.size(); ++i) {
+    if (table->get(names[i]) == nullptr) table->insert_or_assign(names[i], toml::table{});
+    toml::table* inner = table->get(names[i])->as_table();
+    std::string dotted = names[0];
+    for (std::size_t j = 1; j <= i; ++j) dotted += "." + names[j];
+    TESSERA_CHECK(inner != nullptr, "--set ", assignment, ": ", dotted, " is not a table in the config file (it is ",
+                  toml::impl::node_type_friendly_names[static_cast<int>(table->get(names[i])->type())],
+                  "), so it has no key ", names[i + 1]);
+    table = inner;
   }
   // The value node is moved, not copied, so it keeps its source ("--set ...") for messages.
   toml::table holder;
@@ -79,6 +102,7 @@ void apply_override(toml::table& root, const std::string& assignment) {
     holder = toml::parse("v = " + quoted.str(), "--set " + assignment);
   }
   table->insert_or_assign(key, std::move(*holder.get("v")));
+  return created ? section : "";
 }
 
 }  // namespace
@@ -99,7 +123,11 @@ Config Config::load(const std::string& path, const std::vector<std::string>& ove
   } catch (const toml::parse_error& e) {
     TESSERA_FAIL(path, ":", e.source().begin.line, ":", e.source().begin.column, ": invalid TOML: ", e.description());
   }
-  for (const auto& assignment : overrides) apply_override(root, assignment);
+  std::map<std::string, std::string> set_sections;  // a section that only --set names -> that --set
+  for (const auto& assignment : overrides) {
+    std::string created = apply_override(root, assignment);
+    if (!created.empty()) set_sections.emplace(created, "--set " + assignment);
+  }
   config.resolved = root;
 
   std::vector<std::string> sections = {"trainer", "optimizer", "lr_scheduler", "launch", "logger", "callbacks"};
@@ -108,7 +136,7 @@ Config Config::load(const std::string& path, const std::vector<std::string>& ove
     std::string name(key.str());
     if (name == "plugin_dirs") continue;
     bool known = std::find(sections.begin(), sections.end(), name) != sections.end();
-    std::string where = path + (node.source().begin.line ? ":" + std::to_string(node.source().begin.line) : "");
+    std::string where = set_sections.count(name) ? set_sections.at(name) : where_from(node, path);
     if (!known && !node.is_table()) {
       std::vector<std::string> candidates = sections;
       candidates.push_back("plugin_dirs");
@@ -126,10 +154,7 @@ Config Config::load(const std::string& path, const std::vector<std::string>& ove
     return sdk::Options(name, path, t ? std::move(*t) : toml::table{});
   };
   if (const toml::node* dirs = root.get("plugin_dirs")) {
-    auto where = [&](const toml::node& n) {
-      const auto& src = n.source();
-      return (src.path ? *src.path : path) + (src.begin.line ? ":" + std::to_string(src.begin.line) : "");
-    };
+    auto where = [&](const toml::node& n) { return where_from(n, path); };
     TESSERA_CHECK(dirs->is_array(), where(*dirs), ": plugin_dirs must be an array of directory names, e.g. "
                   "plugin_dirs = [\"build/plugins\"]");
     for (const toml::node& d : *dirs->as_array()) {
@@ -179,15 +204,17 @@ Config Config::load(const std::string& path, const std::vector<std::string>& ove
     config.logger.version = std::to_string(lg.get_int("version", 0, 0));
   else
     config.logger.version = lg.get_string("version", "");
-  for (const std::string* part : {&config.logger.name, &config.logger.version})
-    TESSERA_CHECK(part->find('/') == std::string::npos && *part != "." && *part != "..", lg.locate("name"),
-                  " / version must be a folder name, not a path: \"", *part, "\"");
+  for (const char* key : {"name", "version"}) {
+    const std::string& part = std::string(key) == "name" ? config.logger.name : config.logger.version;
+    TESSERA_CHECK(part.find('/') == std::string::npos && part != "." && part != "..", lg.locate(key),
+                  " must be a folder name, not a path: \"", part, "\"");
+  }
   lg.check_all_used();
 
   if (toml::table* callbacks = root["callbacks"].as_table()) {
     for (auto& [key, node] : *callbacks) {
       std::string name(key.str());
-      TESSERA_CHECK(node.is_table(), path, ":", node.source().begin.line, ": [callbacks] ", name,
+      TESSERA_CHECK(node.is_table(), where_from(node, path), ": [callbacks] ", name,
                     " must be a table: write [callbacks.", name, "] with its keys below it");
       config.callbacks.emplace_back(name, sdk::Options("callbacks." + name, path, std::move(*node.as_table())));
     }

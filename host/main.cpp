@@ -17,6 +17,7 @@
 #include "checkpoint_tool.hpp"
 #include "config.hpp"
 #include "launcher.hpp"
+#include "plugin_keys.hpp"
 #include "run_log.hpp"
 #include "tessera/core/comm.hpp"
 #include "tessera/core/plugin_loader.hpp"
@@ -81,6 +82,20 @@ Arguments parse(int argc, char** argv) {
   return args;
 }
 
+/// For a configuration error that names a [section] without naming the --set that changed it
+/// (a check across keys, e.g. n_embd % n_head, blames the file's key): the overrides of that section.
+std::string overrides_note(const std::string& message, const std::vector<std::string>& overrides) {
+  std::string note;
+  if (message.find("--set ") != std::string::npos) return "";
+  for (const std::string& assignment : overrides) {
+    const std::string section = assignment.substr(0, assignment.find_first_of(".="));
+    if (message.find("[" + section + "]") == std::string::npos && message.find("[" + section + ".") == std::string::npos)
+      continue;
+    note += (note.empty() ? "" : ", ") + std::string("--set ") + assignment;
+  }
+  return note.empty() ? "" : "\n  (the config as changed by " + note + ")";
+}
+
 int list_plugins(const std::vector<std::string>& config_dirs) {
   core::PluginLoader loader(core::PluginLoader::search_path(config_dirs));
   std::printf("%-14s %-20s %-9s %-5s %s\n", "KIND", "NAME", "VERSION", "ABI", "PATH");
@@ -99,11 +114,25 @@ void check_plugins(const host::Config& config) {
   core::PluginLoader loader(core::PluginLoader::search_path(config.plugin_dirs));
   const sdk::PluginKind kinds[] = {sdk::PluginKind::strategy, sdk::PluginKind::precision,
                                    sdk::PluginKind::checkpoint_io, sdk::PluginKind::model, sdk::PluginKind::data};
-  for (std::size_t i = 0; i < host::kPluginSections.size(); ++i) {
-    const std::string& section = host::kPluginSections[i];
-    const sdk::Options& options = config.plugins.at(section);
-    loader.create(kinds[i], config.plugin_names.at(section), options);
-    options.check_all_used({"plugin"});
+  std::vector<std::shared_ptr<sdk::PluginObject>> objects;
+  for (std::size_t i = 0; i < host::kPluginSections.size(); ++i)
+    objects.push_back(host::create_plugin(loader, kinds[i], host::kPluginSections[i], config));
+  // What the strategy can check about its precision and checkpoint IO (e.g. sharded state dicts
+  // need an IO that writes shards) it checks when they are connected.
+  auto strategy = std::dynamic_pointer_cast<sdk::Strategy>(objects[0]);
+  auto precision = std::dynamic_pointer_cast<sdk::Precision>(objects[1]);
+  auto checkpoint_io = std::dynamic_pointer_cast<sdk::CheckpointIO>(objects[2]);
+  TESSERA_CHECK(strategy && precision && checkpoint_io, "a plugin created an object of the wrong interface");
+  strategy->connect(precision, checkpoint_io);
+  // The data's sequence length against the model's context, when the config states it; each rank
+  // checks again on its first batch (check_data_against_model), whatever the data plugin's default.
+  const sdk::Options& data = config.plugins.at("data");
+  if (data.has("block_size") && data.table().get("block_size")->is_integer()) {
+    auto model = std::dynamic_pointer_cast<sdk::Module>(objects[3]);
+    TESSERA_CHECK(model, "a plugin created an object of the wrong interface");
+    const std::int64_t length = data.get_int("block_size", 0);
+    host::Trainer::check_sequence_length(config, model->hyper_parameters(), length,
+                                         data.locate("block_size") + " = " + std::to_string(length));
   }
   host::make_callbacks(config, loader);
 }
@@ -177,6 +206,7 @@ int main(int argc, char** argv) {
   }
 
   std::unique_ptr<host::RunLog> log;
+  bool configuring = true;  // until the configuration is checked: errors may come from a --set
   try {
     if (args.command == "plugins") {
       std::vector<std::string> dirs;
@@ -190,6 +220,7 @@ int main(int argc, char** argv) {
       host::Trainer::resolve_checkpoint(config, args.ckpt_path);  // a missing checkpoint stops us here
       check_plugins(config);
     }
+    configuring = false;
     core::set_comm_timeouts({static_cast<double>(config.launch.rendezvous_timeout_s),
                              static_cast<double>(config.launch.checkpoint_timeout_s)});
     core::set_fatal_reporter(report_failure);
@@ -206,6 +237,7 @@ int main(int argc, char** argv) {
     // LibTorch's errors carry a C++ stack trace that says nothing to a user: the message only.
     auto* torch_error = dynamic_cast<const c10::Error*>(&e);
     std::string message = torch_error ? torch_error->what_without_backtrace() : e.what();
+    if (configuring) message += overrides_note(message, args.overrides);
     // Under tessera's own launcher stderr already lands in this rank's log file.
     if (log && std::getenv("TESSERA_LAUNCHED") == nullptr) log->to_file("error: " + message);
     std::cerr << "tessera: error: " << message << "\n";

@@ -5,6 +5,8 @@
 
 #include <ATen/ATen.h>
 
+#include "tessera/sdk/sharded.hpp"
+
 namespace tessera::host {
 
 namespace {
@@ -70,6 +72,25 @@ std::string model_summary(sdk::Module& model, sdk::Strategy& strategy, const sdk
   out += "  " + count(static_cast<double>(trainable)) + " trainable params, " +
          count(static_cast<double>(total - trainable)) + " non-trainable, " + count(static_cast<double>(total)) +
          " total\n";
+  // The sharding plan: each unit with the parameters it gathers (those under its path that no
+  // deeper unit holds; the root unit holds the rest).
+  if (sdk::sharded_model(*network) != nullptr) {
+    const std::vector<std::string> units = sdk::fsdp_modules(*network);
+    std::vector<double> held(units.size(), 0);
+    for (const auto& p : network->named_parameters()) {
+      std::size_t owner = units.size(), depth = 0;
+      for (std::size_t u = 0; u < units.size(); ++u) {
+        const std::string& path = units[u];
+        bool under = path.empty() || p.key().rfind(path + ".", 0) == 0;
+        if (under && (owner == units.size() || path.size() + 1 > depth)) owner = u, depth = path.size() + 1;
+      }
+      if (owner < units.size()) held[owner] += static_cast<double>(p.value().numel());
+    }
+    out += "  sharding units (" + std::to_string(units.size()) + ", forward order):";
+    for (std::size_t u = 0; u < units.size(); ++u)
+      out += (u ? ", " : " ") + (units[u].empty() ? std::string("<root>") : units[u]) + " " + count(held[u]);
+    out += "\n";
+  }
   out += "  per rank (max over " + std::to_string(strategy.world_size()) + "): parameters " + bytes(param_bytes) +
          ", gradients " + bytes(param_bytes) + ", optimizer state " + bytes(moments * param_bytes) + " (" +
          optimizer.name + ")";

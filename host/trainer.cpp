@@ -20,6 +20,7 @@
 #include "anomaly.hpp"
 #include "loggers/run_directory.hpp"
 #include "model_summary.hpp"
+#include "plugin_keys.hpp"
 #include "profiler.hpp"
 #include "tessera/core/checkpoint.hpp"
 #include "tessera/core/checkpoint_folder.hpp"
@@ -177,10 +178,7 @@ void Trainer::setup(const std::string& stage) {
   using sdk::PluginKind;
   stage_ = stage;
   auto create = [&](const std::string& section, PluginKind kind) {
-    const sdk::Options& options = config_.plugins.at(section);
-    auto object = loader_.create(kind, config_.plugin_names.at(section), options);
-    options.check_all_used({"plugin"});
-    return object;
+    return create_plugin(loader_, kind, section, config_);
   };
   // Every plugin and callback is created (and its configuration checked) before any work starts.
   strategy_ = std::dynamic_pointer_cast<sdk::Strategy>(create("strategy", PluginKind::strategy));
@@ -206,11 +204,45 @@ void Trainer::setup(const std::string& stage) {
   for (const auto& p : model_->network()->parameters()) parameters += p.numel();
   strategy_->setup(model_, config_.optimizer);
   data_->setup(stage);
+  check_data_against_model(stage);
   log_.info("tessera " + stage + ": strategy " + config_.plugin_names.at("strategy") + ", precision " +
             precision_->precision() + ", model " + config_.plugin_names.at("model") + " (" +
             format(static_cast<double>(parameters) / 1e6, 4) + "M parameters), data " +
             config_.plugin_names.at("data") + ", " + std::to_string(cluster_.world_size) + " rank(s) [" +
             cluster_.environment + "] on " + strategy_->root_device().str());
+}
+
+std::string Trainer::check_sequence_length(const Config& config, const sdk::Checkpoint& model_hparams,
+                                           std::int64_t sequence, const std::string& source) {
+  if (!model_hparams.contains("block_size") || !model_hparams.at("block_size").isInt()) return "";
+  const std::int64_t context = model_hparams.at("block_size").toInt();
+  const sdk::Options& model = config.plugins.at("model");
+  const std::string model_key = model.has("block_size") ? model.locate("block_size")
+                                                        : "[model] block_size (the model's default)";
+  TESSERA_CHECK(sequence <= context, source, ": sequences of ", sequence, " tokens are longer than the model's context, ",
+                model_key, " = ", context, ": set [data] block_size to at most ", context, ", or [model] block_size to ",
+                "at least ", sequence);
+  if (sequence == context) return "";
+  return "note: " + source + ": sequences of " + std::to_string(sequence) + " tokens, shorter than the model's " +
+         "context (" + model_key + " = " + std::to_string(context) + "): positions " + std::to_string(sequence) +
+         ".." + std::to_string(context - 1) + " are never trained";
+}
+
+void Trainer::check_data_against_model(const std::string& stage) {
+  if (stage == "predict") return;  // a prompt of any length: generation crops it to the context
+  std::shared_ptr<sdk::Dataset> dataset = stage == "fit"        ? data_->train_dataset()
+                                          : stage == "validate" ? data_->val_dataset()
+                                                                : data_->test_dataset();
+  if (!dataset || dataset->size() == 0) return;
+  const sdk::Batch sample = dataset->get_batch({0});
+  // Token sequences only: [batch, time] integer ids.
+  if (!sample.input.defined() || sample.input.dim() != 2 || at::isFloatingType(sample.input.scalar_type())) return;
+  const sdk::Options& data = config_.plugins.at("data");
+  const std::string source = data.has("block_size") ? data.locate("block_size") + " = " +
+                                                          std::to_string(sample.input.size(1))
+                                                    : "the [data] plugin's " + stage + " batches";
+  std::string note = check_sequence_length(config_, model_->hyper_parameters(), sample.input.size(1), source);
+  if (!note.empty()) log_.info(note);
 }
 
 void Trainer::begin_run() {

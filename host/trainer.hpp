@@ -38,6 +38,13 @@ class Trainer final : public sdk::Trainer {
   /// value is a path that must exist.
   static std::string resolve_checkpoint(const Config& config, const std::string& ckpt_path);
 
+  /// A model whose hyper-parameters name a `block_size` (its context length, e.g. the gpt's
+  /// positional table) takes sequences of at most that many tokens: a longer `sequence` (from
+  /// `source`, e.g. "[data] block_size = 256") throws naming both keys; a shorter one returns
+  /// a note for the log (positions past it are never trained); otherwise "".
+  static std::string check_sequence_length(const Config& config, const sdk::Checkpoint& model_hparams,
+                                           std::int64_t sequence, const std::string& source);
+
   // sdk::Trainer, for callbacks.
   const std::string& stage() const override { return stage_; }
   std::int64_t global_step() const override { return global_step_; }
@@ -57,6 +64,8 @@ class Trainer final : public sdk::Trainer {
 
  private:
   void setup(const std::string& stage);
+  /// Before any step: the data's sequence length against the model's context (check_sequence_length).
+  void check_data_against_model(const std::string& stage);
   /// After setup (and restore): the run folder, then the callbacks' setup hook.
   void begin_run();
   /// Creates this run's folder (rank 0 picks version_N, the others learn it by broadcast)

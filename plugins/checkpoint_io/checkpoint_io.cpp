@@ -26,6 +26,7 @@
 #include "tessera/core/checkpoint_folder.hpp"
 #include "tessera/core/sharded_checkpoint.hpp"
 #include "tessera/sdk/checkpoint_io.hpp"
+#include "tessera/sdk/checkpoint_io_features.hpp"
 #include "tessera/sdk/error.hpp"
 #include "tessera/sdk/plugin.hpp"
 
@@ -111,10 +112,12 @@ class BackgroundWriter {
 };
 
 /// One file: the whole checkpoint.
-class TorchCheckpointIO : public tessera::sdk::CheckpointIO {
+class TorchCheckpointIO : public tessera::sdk::CheckpointIO, public tessera::sdk::CheckpointIOFeatures {
  public:
   explicit TorchCheckpointIO(const tessera::sdk::Options& options)
       : keep_last_k_(options.get_int("keep_last_k", 0, 0)), async_(options.get_bool("async", false)) {}
+
+  bool saves_sharded() const override { return false; }
 
   void save_checkpoint(const Checkpoint& checkpoint, const std::string& path, const ShardInfo& shard) override {
     TESSERA_CHECK(!shard.sharded, "checkpoint_io \"torch\" writes full checkpoints only; for sharded state use "
@@ -187,6 +190,8 @@ class DistributedCheckpointIO final : public TorchCheckpointIO {
  public:
   explicit DistributedCheckpointIO(const tessera::sdk::Options& options)
       : TorchCheckpointIO(options), commit_timeout_s_(options.get_int("commit_timeout_s", 600, 1)) {}
+
+  bool saves_sharded() const override { return true; }
 
   void save_checkpoint(const Checkpoint& checkpoint, const std::string& path, const ShardInfo& shard) override {
     if (!shard.sharded) return TorchCheckpointIO::save_checkpoint(checkpoint, path, ShardInfo{});

@@ -189,7 +189,8 @@ class GPT final : public sdk::Module {
         top_k_(o.get_int("top_k", 40, 0, kVocab)),
         n_head_key_(o.locate("n_head")) {
     TESSERA_CHECK(config_.n_embd % config_.n_head == 0, o.locate("n_embd"), " = ", config_.n_embd,
-                  " must be divisible by n_head = ", config_.n_head);
+                  " must be divisible by n_head = ", config_.n_head, " (",
+                  o.locate("n_head"), ")");
   }
 
   void configure_model() override {

@@ -191,7 +191,42 @@ INSTANTIATE_TEST_SUITE_P(
         BadInput{"missing_last", "", "--ckpt-path last", "--ckpt-path last: no checkpoint in any run under"},
         BadInput{"validate_no_ckpt", "", "", "validate needs --ckpt-path", "validate"},
         BadInput{"test_no_ckpt", "", "", "test needs --ckpt-path", "test"},
-        BadInput{"set_error_names_override", "", "--set trainer.max_steps=abc", "--set trainer.max_steps=abc"}),
+        BadInput{"set_error_names_override", "", "--set trainer.max_steps=abc", "--set trainer.max_steps=abc"},
+        // Issue 12 item 3: what used to fail late, or blame a line of the file for a --set.
+        BadInput{"sharded_state_dict_with_torch_io", "",
+                 "--set strategy.plugin=fsdp --set strategy.state_dict_type=sharded",
+                 "--set strategy.state_dict_type=sharded: [strategy] state_dict_type = \"sharded\" makes every rank "
+                 "save its own shard, but the [checkpoint_io] plugin writes full checkpoints only (one file): set "
+                 "[checkpoint_io] plugin = \"distributed\""},
+        BadInput{"local_state_dict_with_torch_io", "[checkpoint_io]\nplugin = \"torch\"\n",
+                 "--set strategy.plugin=fsdp2 --set strategy.state_dict_type=LOCAL_STATE_DICT",
+                 "[strategy] state_dict_type = \"local\" makes every rank save its own shard"},
+        BadInput{"data_longer_than_model_context", "", "--set data.block_size=32",
+                 "--set data.block_size=32: [data] block_size = 32: sequences of 32 tokens are longer than the "
+                 "model's context, @DIR@/run.toml:13: [model] block_size = 16: set [data] block_size to at most 16"},
+        BadInput{"model_context_shorter_than_data", "", "--set model.block_size=8",
+                 "@DIR@/run.toml:16: [data] block_size = 16: sequences of 16 tokens are longer than the model's "
+                 "context, --set model.block_size=8: [model] block_size = 8"},
+        BadInput{"set_unknown_key", "", "--set trainer.max_stepz=3",
+                 "--set trainer.max_stepz=3: [trainer] max_stepz is not a known key (did you mean 'max_steps'?)"},
+        BadInput{"set_unknown_section", "", "--set trainerr.max_steps=3",
+                 "--set trainerr.max_steps=3: unknown section [trainerr] (did you mean 'trainer'?)"},
+        BadInput{"set_float_for_int", "", "--set trainer.max_steps=1.5",
+                 "--set trainer.max_steps=1.5: [trainer] max_steps must be an integer, found floating-point"},
+        BadInput{"set_into_a_value", "", "--set trainer.max_steps.x=1",
+                 "--set trainer.max_steps.x=1: trainer.max_steps is not a table in the config file (it is integer)"},
+        BadInput{"set_nested_callback_key", "",
+                 "--set callbacks.early_stopping.monitor=val_loss --set callbacks.early_stopping.patiencee=3",
+                 "--set callbacks.early_stopping.patiencee=3: [callbacks.early_stopping] patiencee is not a known key "
+                 "(did you mean 'patience'?)"},
+        BadInput{"set_cross_key_check", "", "--set model.n_head=3",
+                 "[model] n_embd = 16 must be divisible by n_head = 3 (--set model.n_head=3: [model] n_head)"},
+        BadInput{"set_logger_version_path", "", "--set logger.version=a/b",
+                 "--set logger.version=a/b: [logger] version must be a folder name, not a path"},
+        // A check that cannot name the --set (the section came from it) says which --set changed it.
+        BadInput{"set_section_without_its_key", "", "--set callbacks.early_stopping.patience=3",
+                 "[callbacks.early_stopping] needs monitor = \"...\": the metric to watch, e.g. \"val_loss\"\n  "
+                 "(the config as changed by --set callbacks.early_stopping.patience=3)"}),
     [](const ::testing::TestParamInfo<BadInput>& info) { return info.param.name; });
 
 TEST(BadInputs, PluginsCommandDoesNotHangOnAFifo) {

@@ -221,6 +221,74 @@ TEST(BadInput, ConfigErrorsNameFileLineKeyAndChoices) {
   EXPECT_NE(r.output.find(config + ":"), std::string::npos) << r.output;
 }
 
+TEST(BadInput, SwitchingTheStrategyWithSetNamesThePluginsOfTheLeftoverKeys) {
+  // Issue 12 item 3: --set strategy.plugin=ddp on a config written for fsdp says whose keys
+  // are left and how to go on, before any work (no run folder).
+  std::string dir = tessera::testing::fresh_dir("switch-strategy");
+  std::string config = write_config(dir, "[strategy]\nplugin = \"fsdp\"\nsharding_strategy = \"FULL_SHARD\"\n"
+                                         "auto_wrap_policy = \"transformer\"\nbackward_prefetch = \"BACKWARD_PRE\"\n");
+  const std::string shipped = std::string(TESSERA_TEST_SOURCE_DIR) + "/../../configs/gpt-fortunes.toml";
+  struct Case {
+    std::string arguments;
+    std::vector<std::string> expected;
+  };
+  const std::vector<Case> cases = {
+      {"--config " + config + " --set strategy.plugin=ddp",
+       {"--set strategy.plugin=ddp: [strategy] plugin = \"ddp\", but [strategy] also holds keys of other strategy "
+        "plugins, which ddp does not read:",
+        "auto_wrap_policy (" + config + ":28): a key of fsdp, fsdp_cpu_offload\n",
+        "backward_prefetch (" + config + ":29): a key of fsdp, fsdp_cpu_offload, fsdp2\n",
+        "sharding_strategy (" + config + ":27): a key of fsdp, fsdp_cpu_offload\n",
+        "Remove them from [strategy] to use ddp, or go back to the plugin they were written for: [strategy] plugin = "
+        "\"fsdp\""}},
+      {"--config " + config + " --set strategy.plugin=single_device",
+       {"which single_device does not read:", "Remove them from [strategy] to use single_device"}},
+      // A key both plugins read with different types: the plugin's own error, and the --set behind it.
+      {"--config " + config + " --set strategy.plugin=fsdp2",
+       {config + ":29: [strategy] backward_prefetch must be true or false, found string",
+        "(the config as changed by --set strategy.plugin=fsdp2)"}},
+      // A typo that no plugin reads is named as such beside the other plugin's keys.
+      {"--config " + config + " --set strategy.plugin=ddp --set strategy.sharding_strategyy=FULL_SHARD",
+       {"(sharding_strategyy: not a key of any strategy plugin found)"}},
+      // As a user would: the shipped config.
+      {"--config " + shipped + " --set trainer.default_root_dir=" + dir + " --set strategy.plugin=ddp",
+       {"auto_wrap_policy (" + shipped + ":31): a key of fsdp, fsdp_cpu_offload", "[strategy] plugin = \"fsdp\""}},
+  };
+  for (const auto& c : cases) {
+    auto r = run_tessera("fit " + c.arguments);
+    EXPECT_NE(r.exit_code, 0) << c.arguments;
+    for (const auto& part : c.expected) EXPECT_NE(r.output.find(part), std::string::npos) << part << "\n" << r.output;
+    EXPECT_FALSE(fs::exists(dir + "/version_0")) << "work started: " << r.output;
+  }
+}
+
+TEST(BadInput, DataLongerThanTheModelsContextFailsBeforeTheFirstStep) {
+  // Issue 12 item 3: the gpt's block_size is its context; [data] block_size (explicit, checked
+  // before any rank starts, or the data plugin's default, checked on the first batch) may not be
+  // longer, and a shorter one is said in the log.
+  std::string dir = tessera::testing::fresh_dir("block-size");
+  std::string config = write_config(dir);
+  std::string text = file_bytes(config);
+  const std::string data_block = "[data]\nplugin = \"text\"\nblock_size = 32\n";
+  ASSERT_NE(text.find(data_block), std::string::npos);
+  text.replace(text.find(data_block), data_block.size(), "[data]\nplugin = \"text\"\n");  // the default, 128
+  std::ofstream(config) << text;
+  auto r = run_tessera("fit --config " + config + " --set launch.devices=2 --set strategy.plugin=ddp");
+  EXPECT_NE(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("the [data] plugin's fit batches: sequences of 128 tokens are longer than the model's "
+                          "context, " + config + ":17: [model] block_size = 32: set [data] block_size to at most 32"),
+            std::string::npos) << r.output;
+  EXPECT_TRUE(metric_series(run_dir(dir) + "/metrics.csv", "train", "train_loss").empty()) << "a step ran";
+
+  std::string shorter = tessera::testing::fresh_dir("block-size-shorter");
+  auto ok = run_tessera("fit --config " + write_config(shorter) + " --set data.block_size=16 --set trainer.max_steps=1");
+  ASSERT_EQ(ok.exit_code, 0) << ok.output;
+  EXPECT_NE(ok.output.find("note: --set data.block_size=16: [data] block_size = 16: sequences of 16 tokens, shorter "
+                           "than the model's context"),
+            std::string::npos) << ok.output;
+  EXPECT_NE(ok.output.find("positions 16..31 are never trained"), std::string::npos) << ok.output;
+}
+
 TEST(BadInput, MissingDataFileNamesTheKeyAndPackage) {
   std::string dir = tessera::testing::fresh_dir("nodata");
   auto r = run_tessera("fit --config " + write_config(dir) + " --set data.path=/nonexistent/corpus.txt");
@@ -494,6 +562,10 @@ TEST(Profiler, SummarySimpleTableAndChromeTracePerRank) {
                            " --set launch.devices=2 --set strategy.plugin=fsdp --set data.batch_size=2");
   ASSERT_EQ(trace.exit_code, 0) << trace.output;
   EXPECT_NE(trace.output.find("per rank (max over 2)"), std::string::npos) << trace.output;
+  // The FSDP unit plan: each unit in forward order with the parameters it gathers.
+  EXPECT_NE(trace.output.find("sharding units (3, forward order): blocks.0 12.7 K, blocks.1 12.7 K, <root>"),
+            std::string::npos) << trace.output;
+  EXPECT_EQ(simple.output.find("sharding units"), std::string::npos) << "single_device shards nothing";
   for (int rank = 0; rank < 2; ++rank) {
     std::string path = run_dir(dir) + "/trace-rank-" + std::to_string(rank) + ".json";
     ASSERT_TRUE(fs::exists(path)) << path;

@@ -7,6 +7,7 @@
 
 #include "tessera/core/checkpoint.hpp"
 #include "tessera/core/fsdp/wrap.hpp"
+#include "tessera/sdk/checkpoint_io_features.hpp"
 #include "tessera/sdk/error.hpp"
 
 namespace tessera::core::fsdp {
@@ -25,7 +26,18 @@ ShardedStrategy::ShardedStrategy(const sdk::Options& o)
       deferred_init_(o.get_bool("deferred_init", false)),
       state_dict_type_(normalise_state_dict_type(
           o.get_choice("state_dict_type", "full",
-                       {"full", "sharded", "local", "FULL_STATE_DICT", "SHARDED_STATE_DICT", "LOCAL_STATE_DICT"}))) {}
+                       {"full", "sharded", "local", "FULL_STATE_DICT", "SHARDED_STATE_DICT", "LOCAL_STATE_DICT"}))),
+      state_dict_type_key_(o.locate("state_dict_type")) {}
+
+void ShardedStrategy::connect(std::shared_ptr<sdk::Precision> precision,
+                              std::shared_ptr<sdk::CheckpointIO> checkpoint_io) {
+  const auto* features = dynamic_cast<const sdk::CheckpointIOFeatures*>(checkpoint_io.get());
+  TESSERA_CHECK(state_dict_type_ == "full" || features == nullptr || features->saves_sharded(), state_dict_type_key_,
+                " = \"", state_dict_type_, "\" makes every rank save its own shard, but the [checkpoint_io] plugin "
+                "writes full checkpoints only (one file): set [checkpoint_io] plugin = \"distributed\" (sharded "
+                "folders), or state_dict_type = \"full\"");
+  StrategyBase::connect(std::move(precision), std::move(checkpoint_io));
+}
 
 sdk::GuardPtr ShardedStrategy::model_sharded_context() { return deferred_init_ ? deferred_init_guard() : nullptr; }
 

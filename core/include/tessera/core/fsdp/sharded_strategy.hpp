@@ -19,6 +19,10 @@ class ShardedStrategy : public StrategyBase {
   /// PyTorch's FULL_STATE_DICT / SHARDED_STATE_DICT / LOCAL_STATE_DICT).
   explicit ShardedStrategy(const sdk::Options& options);
 
+  /// Refuses, before any work, a SHARDED/LOCAL state_dict_type with a checkpoint IO that says
+  /// (sdk::CheckpointIOFeatures) it writes full checkpoints only.
+  void connect(std::shared_ptr<sdk::Precision> precision, std::shared_ptr<sdk::CheckpointIO> checkpoint_io) override;
+
   /// Under deferred_init the model is built on the meta device and materialised one unit
   /// at a time when it is sharded (Lightning's init_module(empty_init=True)).
   sdk::GuardPtr model_sharded_context() override;
@@ -66,6 +70,7 @@ class ShardedStrategy : public StrategyBase {
 
   bool deferred_init_;
   std::string state_dict_type_;  // full | sharded | local
+  std::string state_dict_type_key_;  // "file:line: [strategy] state_dict_type", for messages
   bool reduce_every_micro_batch_ = false;
   bool defer_optimizer_restore_ = false;
   std::unique_ptr<ShardedModule> engine_;

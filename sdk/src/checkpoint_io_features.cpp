@@ -1,0 +1,9 @@
+// Anchors CheckpointIOFeatures' vtable and type info in the SDK library, so that a
+// dynamic_cast from any plugin's IO finds the one the host and strategies see.
+#include "tessera/sdk/checkpoint_io_features.hpp"
+
+namespace tessera::sdk {
+
+CheckpointIOFeatures::~CheckpointIOFeatures() = default;
+
+}  // namespace tessera::sdk
