@@ -99,12 +99,27 @@ void configure_threads(const LaunchSettings& settings, const sdk::ClusterInfo& c
     set(static_cast<int>(threads));
 }
 
+namespace {
+sdk::ClusterInfo environment_cluster(const LaunchSettings& settings, const core::Environment& env) {
+  core::ClusterDefaults defaults{settings.master_addr, settings.master_port, settings.collective_timeout_s};
+  return core::cluster_info(env, settings.cluster_environment, defaults);
+}
+}  // namespace
+
+sdk::ClusterInfo planned_cluster(const LaunchSettings& settings) {
+  sdk::ClusterInfo cluster = environment_cluster(settings, core::process_environment());
+  if (cluster.environment == "single" && settings.devices * settings.nodes > 1) {
+    cluster.environment = "local";
+    cluster.world_size = settings.devices * settings.nodes;
+  }
+  return cluster;
+}
+
 std::optional<int> launch_or_join(const LaunchSettings& settings, const std::string& log_dir, int argc, char** argv,
                                   sdk::ClusterInfo& cluster) {
   (void)argc;
   const core::Environment env = core::process_environment();
-  core::ClusterDefaults defaults{settings.master_addr, settings.master_port, settings.collective_timeout_s};
-  cluster = core::cluster_info(env, settings.cluster_environment, defaults);
+  cluster = environment_cluster(settings, env);
   if (cluster.environment != "single" || settings.devices * settings.nodes == 1) return std::nullopt;
 
   // We are the local launcher: start this node's `devices` ranks.

@@ -10,6 +10,10 @@
 
 namespace tessera::host {
 
+/// The job as far as it is known before any rank starts: under tessera's own launcher
+/// devices x nodes ranks ("local"), otherwise what the environment says (torchrun, Slurm, MPI).
+sdk::ClusterInfo planned_cluster(const LaunchSettings& settings);
+
 /// If this process must start local ranks ([launch] devices x nodes > 1 and no cluster
 /// environment detected), re-executes this binary once per rank with torchrun's variables
 /// (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, GROUP_RANK, MASTER_ADDR, MASTER_PORT),

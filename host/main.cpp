@@ -1,5 +1,6 @@
 // The `tessera` command line: fit | validate | test | predict | plugins.
 #include <fcntl.h>
+#include <malloc.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -22,6 +23,7 @@
 #include "tessera/core/comm.hpp"
 #include "tessera/core/plugin_loader.hpp"
 #include "tessera/sdk/error.hpp"
+#include "tessera/sdk/strategy_checks.hpp"
 #include "trainer.hpp"
 
 namespace {
@@ -124,6 +126,11 @@ void check_plugins(const host::Config& config) {
   auto checkpoint_io = std::dynamic_pointer_cast<sdk::CheckpointIO>(objects[2]);
   TESSERA_CHECK(strategy && precision && checkpoint_io, "a plugin created an object of the wrong interface");
   strategy->connect(precision, checkpoint_io);
+  // The world size the strategy will get (fsdp2's mesh sizes, single_device's one process).
+  if (auto* checks = dynamic_cast<sdk::StrategyChecks*>(strategy.get())) {
+    const sdk::ClusterInfo cluster = host::planned_cluster(config.launch);
+    checks->check_world_size(cluster.world_size, cluster.environment);
+  }
   // The data's sequence length against the model's context, when the config states it; each rank
   // checks again on its first batch (check_data_against_model), whatever the data plugin's default.
   const sdk::Options& data = config.plugins.at("data");
@@ -188,7 +195,17 @@ void report_failure(const std::string& message) {
 
 }  // namespace
 
+/// glibc raises its mmap threshold to the largest block freed so far (up to 32 MiB): after
+/// the first step, freed activations and collective buffers of a few MiB stay in the heap and
+/// a rank's RSS no longer falls as 1/N under FSDP. A fixed threshold returns every block of
+/// 4 MiB or more to the system when freed (FSDP's unit buffers are pooled, so they do not
+/// pay the page faults). MALLOC_MMAP_THRESHOLD_ in the environment still decides.
+void configure_allocator() {
+  if (std::getenv("MALLOC_MMAP_THRESHOLD_") == nullptr) ::mallopt(M_MMAP_THRESHOLD, 4 << 20);
+}
+
 int main(int argc, char** argv) {
+  configure_allocator();
   if (argc > 1 && std::string(argv[1]) == "checkpoint") return host::checkpoint_tool(argc - 1, argv + 1);
   Arguments args;
   try {

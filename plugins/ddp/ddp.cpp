@@ -69,24 +69,35 @@ class DDPStrategy final : public core::StrategyBase {
  protected:
   void setup_module() override {
     torch::NoGradGuard no_grad;
-    for (auto& p : network_->parameters()) broadcast(p, 0);
-    for (auto& b : network_->buffers()) broadcast(b, 0);
     // Buckets in reverse registration order: roughly the order gradients become ready.
     std::vector<at::Tensor> params;
-    for (auto& p : network_->parameters())
-      if (p.requires_grad()) params.push_back(p);
+    std::vector<std::string> names;
+    for (auto& item : network_->named_parameters())
+      if (item.value().requires_grad()) params.push_back(item.value()), names.push_back(item.key());
     std::reverse(params.begin(), params.end());
+    std::reverse(names.begin(), names.end());
+    std::vector<std::string> plan;  // one entry per bucket: its parameters, elements and dtype
     for (std::size_t i = 0; i < params.size(); ++i) {
       at::Tensor& p = params[i];
       std::int64_t bytes = p.numel() * static_cast<std::int64_t>(p.element_size());
       if (buckets_.empty() || buckets_.back().bytes + bytes > bucket_bytes_ ||
-          buckets_.back().flat_dtype != p.scalar_type())
+          buckets_.back().flat_dtype != p.scalar_type()) {
         buckets_.push_back(Bucket{{}, {}, 0, 0, {}, p.scalar_type()});
+        plan.emplace_back(std::string(c10::toString(p.scalar_type())) + ":");
+      }
       Bucket& bucket = buckets_.back();
       bucket.params.push_back(p);
       bucket.bytes += bytes;
       bucket_of_[i] = buckets_.size() - 1;
-      auto accumulator = torch::autograd::impl::grad_accumulator(p);
+      plan.back() += " " + names[i] + "[" + std::to_string(p.numel()) + "]";
+    }
+    // Ranks that bucket differently would all-reduce mismatched buffers: compare before the
+    // first collective that depends on the model (the broadcasts below).
+    core::check_plan_agreement(world(), plan, device_, "DDP", "gradient bucket");
+    for (auto& p : network_->parameters()) broadcast(p, 0);
+    for (auto& b : network_->buffers()) broadcast(b, 0);
+    for (std::size_t i = 0; i < params.size(); ++i) {
+      auto accumulator = torch::autograd::impl::grad_accumulator(params[i]);
       accumulator->add_post_hook(std::make_unique<GradReadyHook>(this, i));
       accumulators_.push_back(std::move(accumulator));  // the variable holds it only weakly
     }

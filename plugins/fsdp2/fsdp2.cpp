@@ -15,6 +15,7 @@
 #include "tessera/core/tp_group.hpp"
 #include "tessera/sdk/error.hpp"
 #include "tessera/sdk/plugin.hpp"
+#include "tessera/sdk/strategy_checks.hpp"
 #include "tessera/sdk/tensor_parallel.hpp"
 
 namespace tessera::plugins {
@@ -49,7 +50,7 @@ c10::optional<at::ScalarType> dtype_key(const sdk::Options& o, const std::string
   return name == "bfloat16" ? at::kBFloat16 : name == "float16" ? at::kHalf : at::kFloat;
 }
 
-class FSDP2Strategy final : public fsdp::ShardedStrategy {
+class FSDP2Strategy final : public fsdp::ShardedStrategy, public sdk::StrategyChecks {
  public:
   explicit FSDP2Strategy(const sdk::Options& o)
       : ShardedStrategy(o),
@@ -75,26 +76,17 @@ class FSDP2Strategy final : public fsdp::ShardedStrategy {
     prefetch_lists(sub_table(o, "modules_to_backward_prefetch"), backward_prefetch_);
   }
 
-  /// Builds the (replicate, shard, tp) mesh; sizes that do not multiply to the world size
-  /// fail here, before the model exists.
+  /// The mesh sizes must multiply to the world size (checked before any rank starts too).
+  void check_world_size(std::int64_t world_size, const std::string& /*environment*/) const override {
+    shard_size(world_size);
+  }
+
+  /// Builds the (replicate, shard, tp) mesh, before the model exists.
   void setup_environment(const sdk::ClusterInfo& cluster) override {
     ShardedStrategy::setup_environment(cluster);
-    const std::int64_t world = world_size();
-    const std::int64_t tp = tp_size_ > 0 ? tp_size_ : 1;
-    TESSERA_CHECK(world % (tp * replicate_size_) == 0, sizes_key_, ": tensor_parallel_size ", tp,
-                  " x data_parallel_replicate_size ", replicate_size_, " does not divide the world size ", world);
-    const std::int64_t dp = dp_size_ > 0 ? dp_size_ : world / (tp * replicate_size_);
-    TESSERA_CHECK(replicate_size_ * dp * tp == world, sizes_key_, ": data_parallel_replicate_size ", replicate_size_,
-                  " x data_parallel_size ", dp, " x tensor_parallel_size ", tp, " = ", replicate_size_ * dp * tp,
-                  " ranks, but the job has ", world, "; valid: sizes whose product is ", world,
-                  " (\"auto\" derives one from the others)");
-    check_reshard_size(dp);
-    TESSERA_CHECK(tp == 1 || !deferred_init_, sizes_key_, ": tensor_parallel_size = ", tp,
-                  " with deferred_init = true: the tensor-parallel plan cuts the model's initial full weights, so ",
-                  "they must exist; set deferred_init = false");
-    TESSERA_CHECK(tp == 1 || state_dict_type_ == "full", sizes_key_, ": tensor_parallel_size = ", tp,
-                  " saves full checkpoints only; set state_dict_type = \"full\"");
-    mesh_ = std::make_unique<core::DeviceMesh>(world_, std::vector<std::int64_t>{replicate_size_, dp, tp},
+    const std::int64_t dp = shard_size(world_size());
+    if (reshard_size_ == 1) options_.sharding_strategy = fsdp::ShardingStrategy::SHARD_GRAD_OP;
+    mesh_ = std::make_unique<core::DeviceMesh>(world_, std::vector<std::int64_t>{replicate_size_, dp, tp_size()},
                                                std::vector<std::string>{"replicate", "shard", "tp"});
   }
 
@@ -201,21 +193,42 @@ class FSDP2Strategy final : public fsdp::ShardedStrategy {
       TESSERA_CHECK(node->is_boolean() || node->is_integer(), reshard_key_,
                     " must be true (free the gathered parameters after forward), false (keep them until backward) ",
                     "or an integer k (keep 1/k of them, gathered within k ranks in backward)");
-      if (node->is_integer()) reshard_size_ = node->as_integer()->get();
-      else reshard = node->as_boolean()->get();
+      if (node->is_integer()) {
+        reshard_size_ = node->as_integer()->get();
+        TESSERA_CHECK(reshard_size_ >= 1, reshard_key_, " = ", reshard_size_, " must be a positive group size, ",
+                      "true or false");
+      } else {
+        reshard = node->as_boolean()->get();
+      }
     }
     options_.sharding_strategy = reshard ? fsdp::ShardingStrategy::FULL_SHARD : fsdp::ShardingStrategy::SHARD_GRAD_OP;
   }
 
-  /// reshard_after_forward = k: k must divide the shard dimension; k = dp is `true` and
-  /// k = 1 is `false` (every rank keeps all of it); otherwise backward gathers within groups
-  /// of k consecutive shard ranks (PyTorch's post-forward mesh).
-  void check_reshard_size(std::int64_t dp) {
-    if (reshard_size_ == 0) return;
-    TESSERA_CHECK(reshard_size_ >= 1 && dp % reshard_size_ == 0, reshard_key_, " = ", reshard_size_,
-                  " must divide the data-parallel shard size ", dp, "; valid: ", divisors(dp),
-                  " (", dp, " is the same as true, 1 the same as false)");
-    if (reshard_size_ == 1) options_.sharding_strategy = fsdp::ShardingStrategy::SHARD_GRAD_OP;
+  std::int64_t tp_size() const { return tp_size_ > 0 ? tp_size_ : 1; }
+
+  /// The data-parallel shard size on `world` ranks; throws, naming the keys and what would be
+  /// valid, when the sizes do not fit the world or each other. reshard_after_forward = k must
+  /// divide the shard size; k = dp is `true` and k = 1 is `false` (every rank keeps all of it);
+  /// otherwise backward gathers within groups of k consecutive shard ranks (PyTorch's
+  /// post-forward mesh).
+  std::int64_t shard_size(std::int64_t world) const {
+    const std::int64_t tp = tp_size();
+    TESSERA_CHECK(world % (tp * replicate_size_) == 0, sizes_key_, ": tensor_parallel_size ", tp,
+                  " x data_parallel_replicate_size ", replicate_size_, " does not divide the world size ", world);
+    const std::int64_t dp = dp_size_ > 0 ? dp_size_ : world / (tp * replicate_size_);
+    TESSERA_CHECK(replicate_size_ * dp * tp == world, sizes_key_, ": data_parallel_replicate_size ", replicate_size_,
+                  " x data_parallel_size ", dp, " x tensor_parallel_size ", tp, " = ", replicate_size_ * dp * tp,
+                  " ranks, but the job has ", world, "; valid: sizes whose product is ", world,
+                  " (\"auto\" derives one from the others)");
+    TESSERA_CHECK(reshard_size_ == 0 || dp % reshard_size_ == 0, reshard_key_, " = ", reshard_size_,
+                  " must divide the data-parallel shard size ", dp, "; valid: ", divisors(dp), " (", dp,
+                  " is the same as true, 1 the same as false)");
+    TESSERA_CHECK(tp == 1 || !deferred_init_, sizes_key_, ": tensor_parallel_size = ", tp,
+                  " with deferred_init = true: the tensor-parallel plan cuts the model's initial full weights, so ",
+                  "they must exist; set deferred_init = false");
+    TESSERA_CHECK(tp == 1 || state_dict_type_ == "full", sizes_key_, ": tensor_parallel_size = ", tp,
+                  " saves full checkpoints only; set state_dict_type = \"full\"");
+    return dp;
   }
 
   static std::string divisors(std::int64_t n) {

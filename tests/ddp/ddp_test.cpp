@@ -189,6 +189,28 @@ TEST_P(DDP, NoSyncAccumulatesLocallyThenAverages) {
 
 INSTANTIATE_TEST_SUITE_P(WorldSizes, DDP, ::testing::Values(1, 2, 3, 4));
 
+TEST(DDPPlan, RanksThatBucketDifferentlyFailBeforeTheFirstCollectiveNamingTheBucket) {
+  // Rank 0 buckets by 1 kB (three buckets), rank 1 by 25 MB (one): their all-reduces would not match.
+  tessera::testing::run_ranks(2, std::chrono::seconds(60), [](const sdk::ClusterInfo& cluster) {
+    tessera::core::PluginLoader loader({tessera::testing::plugin_dir()});
+    try {
+      make_ddp(loader, cluster, cluster.global_rank == 0 ? "0.001" : "25.0");
+      ADD_FAILURE() << "rank " << cluster.global_rank << ": no error";
+    } catch (const sdk::Error& e) {
+      const std::string text = e.what();
+      EXPECT_NE(text.find("DDP: the ranks planned different gradient buckets; the first difference is gradient "
+                          "bucket #0"),
+                std::string::npos)
+          << text;
+      // This rank's first bucket, by its parameters (gradient order: the last layer first).
+      EXPECT_NE(text.find(cluster.global_rank == 0 ? "'Float: 2.bias[3] 2.weight[210]'"
+                                                   : "'Float: 2.bias[3] 2.weight[210] 0.bias[70] 0.weight[350]'"),
+                std::string::npos)
+          << text;
+    }
+  });
+}
+
 TEST(DDPCheckpoint, OnlyRankZeroWrites) {
   // The ranks re-run this body in child processes: name the directory after the parent.
   const bool child = std::getenv("TESSERA_TEST_RANK") != nullptr;

@@ -226,7 +226,16 @@ INSTANTIATE_TEST_SUITE_P(
         // A check that cannot name the --set (the section came from it) says which --set changed it.
         BadInput{"set_section_without_its_key", "", "--set callbacks.early_stopping.patience=3",
                  "[callbacks.early_stopping] needs monitor = \"...\": the metric to watch, e.g. \"val_loss\"\n  "
-                 "(the config as changed by --set callbacks.early_stopping.patience=3)"}),
+                 "(the config as changed by --set callbacks.early_stopping.patience=3)"},
+        // What a strategy knows about the job's size (sdk::StrategyChecks), before any rank starts.
+        BadInput{"single_device_on_two_ranks", "", "--set strategy.plugin=single_device",
+                 "[strategy] plugin = \"single_device\" runs one process, but this job has 2 ranks (local)"},
+        BadInput{"fsdp2_mesh_larger_than_the_job", "",
+                 "--set strategy.plugin=fsdp2 --set strategy.data_parallel_size=3",
+                 "x tensor_parallel_size 1 = 3 ranks, but the job has 2; valid: sizes whose product is 2"},
+        BadInput{"fsdp2_reshard_group_not_dividing", "",
+                 "--set strategy.plugin=fsdp2 --set strategy.reshard_after_forward=3",
+                 "reshard_after_forward = 3 must divide the data-parallel shard size 2; valid: 1, 2"}),
     [](const ::testing::TestParamInfo<BadInput>& info) { return info.param.name; });
 
 TEST(BadInputs, PluginsCommandDoesNotHangOnAFifo) {

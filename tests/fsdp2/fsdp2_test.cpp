@@ -99,7 +99,8 @@ TEST(Checkpoints, MoveBetweenMeshesAndStrategies) {
     }
     if (source.strategy == "single_device") targets.push_back({"fsdp2-dp2-tp2", "fsdp2", 4, "", 2});
     if (source.tp > 1) {
-      targets = {{"fsdp2-dp4", "fsdp2", 4, ""}, {"fsdp2-dp3", "fsdp2", 3, ""}, {"single", "single_device", 1, ""}};
+      targets = {{"fsdp2-dp4", "fsdp2", 4, ""}, {"fsdp2-dp3", "fsdp2", 3, ""}, {"single", "single_device", 1, ""},
+                 {"fsdp-2", "fsdp", 2, ""}};
     }
     for (auto& target : targets) {
       if (sharded) target.sets += " --set strategy.state_dict_type=sharded --set checkpoint_io.plugin=distributed";

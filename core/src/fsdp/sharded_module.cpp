@@ -73,8 +73,8 @@ void ShardedModule::build_units() {
   // Ranks that planned different units would deadlock in mismatched collectives: compare
   // first. Shard groups x replicate groups cover the world, so equal in both = equal everywhere.
   const std::vector<std::string> entries = plan.entries();
-  check_plan_agreement(*shard_group_, entries, device_);
-  check_plan_agreement(*replicate_group_, entries, device_);
+  check_plan_agreement(*shard_group_, entries, device_, "FSDP", "unit");
+  check_plan_agreement(*replicate_group_, entries, device_, "FSDP", "unit");
   replicated_ = plan.replicated;
   norm_layers_ = plan.norm_layers;
 

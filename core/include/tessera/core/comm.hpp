@@ -73,6 +73,12 @@ using CommunicatorPtr = std::shared_ptr<Communicator>;
 /// `output` (low-precision values accumulate in fp32). Every Communicator reduces through
 /// it, so all of them sum in the same order.
 void reduce_rows(const at::Tensor& rows, at::Tensor output, sdk::ReduceOp op);
+/// Throws unless every rank of `group` passed the same `entries`, a plan of the collectives
+/// to come (FSDP's units, DDP's gradient buckets), naming the first `item` that differs:
+/// ranks with different plans would deadlock or exchange mismatched tensors. Collective over
+/// `group` (tensors through `device`); `owner` ("FSDP", "DDP") starts the message.
+void check_plan_agreement(Communicator& group, const std::vector<std::string>& entries, c10::Device device,
+                          const std::string& owner, const std::string& item);
 /// The timeouts beside ClusterInfo::collective_timeout_s ([launch] keys); the host sets them
 /// before make_communicator.
 struct CommTimeouts {

@@ -50,9 +50,4 @@ bool is_batch_norm(const torch::nn::Module& module);
 /// the classes the network does have and how LibTorch names a module class.
 std::string unit_class_problem(const torch::nn::Module& network, const std::vector<std::string>& unit_classes);
 
-/// Throws unless every rank of `group` passed the same `entries`, naming the first unit
-/// that differs (ranks that planned different units would deadlock in their collectives).
-/// Collective over `group`; tensors go through `device`.
-void check_plan_agreement(Communicator& group, const std::vector<std::string>& entries, c10::Device device);
-
 }  // namespace tessera::core::fsdp
