@@ -1,6 +1,5 @@
 // The `tessera` command line: fit | validate | test | predict | plugins.
 #include <fcntl.h>
-#include <malloc.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -195,17 +194,7 @@ void report_failure(const std::string& message) {
 
 }  // namespace
 
-/// glibc raises its mmap threshold to the largest block freed so far (up to 32 MiB): after
-/// the first step, freed activations and collective buffers of a few MiB stay in the heap and
-/// a rank's RSS no longer falls as 1/N under FSDP. A fixed threshold returns every block of
-/// 4 MiB or more to the system when freed (FSDP's unit buffers are pooled, so they do not
-/// pay the page faults). MALLOC_MMAP_THRESHOLD_ in the environment still decides.
-void configure_allocator() {
-  if (std::getenv("MALLOC_MMAP_THRESHOLD_") == nullptr) ::mallopt(M_MMAP_THRESHOLD, 4 << 20);
-}
-
 int main(int argc, char** argv) {
-  configure_allocator();
   if (argc > 1 && std::string(argv[1]) == "checkpoint") return host::checkpoint_tool(argc - 1, argv + 1);
   Arguments args;
   try {

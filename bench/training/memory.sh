@@ -4,11 +4,12 @@
 # deferred_init (the model never built whole). Model state (fp32 params + grads + Adam) is
 # ~0.9 GB unsharded; FSDP's share per rank should fall as 1/N above the process baseline
 # (a 1-layer, 48-wide model on one device, measured first).
-# Each configuration runs with glibc's default malloc and with a fixed mmap threshold
-# (MALLOC_MMAP_THRESHOLD_=4194304): by default glibc raises its threshold to the largest block
-# freed so far, after which freed activation and collective buffers stay resident, so RSS
-# overstates what is live; the fixed threshold returns them (at some throughput on CPU).
-#   bash bench/training/memory.sh [build-dir]        (~4 minutes on 2 cores)
+# The tessera binary links jemalloc as its malloc (host/CMakeLists.txt): with glibc's malloc,
+# whose mmap threshold grows to the largest block freed, freed activation and collective
+# buffers stayed resident and RSS overstated what is live (2 ranks: 987 MB above the baseline
+# instead of ~740); README has the figures of both.
+# The last rows show limit_all_gathers with forward prefetch on 4 ranks.
+#   bash bench/training/memory.sh [build-dir]        (~3 minutes on 2 cores)
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 tessera="${1:-build}/bin/tessera"
@@ -42,13 +43,12 @@ peak_rss() {
 }
 base=$(peak_rss "$out/baseline" --set data.batch_size=4 --set model.n_layer=1 --set model.n_embd=48)
 echo "process baseline (1-layer 48-wide model, one device): $base MB"
-printf "%-24s %28s %28s\n" "" "default malloc" "fixed mmap threshold"
+printf "%-28s %10s %12s\n" "" "peak RSS" "above base"
 run() {
   local name="$1"; shift
-  local a b
+  local a
   a=$(peak_rss "$out/$name" "$@")
-  b=$(MALLOC_MMAP_THRESHOLD_=4194304 peak_rss "$out/$name-fixed" "$@")
-  printf "%-24s %7s MB (model %5s MB) %7s MB (model %5s MB)\n" "$name" "$a" "$((a - base))" "$b" "$((b - base))"
+  printf "%-28s %7s MB %9s MB\n" "$name" "$a" "$((a - base))"
 }
 
 run single_device --set data.batch_size=4
@@ -57,4 +57,8 @@ for n in 1 2 4; do
   run "fsdp_full_shard_$n" --set launch.devices=$n --set strategy.plugin=fsdp --set data.batch_size=$((4 / n))
   run "fsdp_deferred_init_$n" --set launch.devices=$n --set strategy.plugin=fsdp --set strategy.deferred_init=true \
     --set data.batch_size=$((4 / n))
+done
+for limit in false true; do
+  run "fsdp_prefetch_4_limit_$limit" --set launch.devices=4 --set strategy.plugin=fsdp --set data.batch_size=1 \
+    --set strategy.forward_prefetch=true --set strategy.limit_all_gathers=$limit
 done
