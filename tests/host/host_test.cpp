@@ -322,6 +322,14 @@ TEST(Failures, AHungRankBecomesACollectiveTimeoutReport) {
   EXPECT_NE(std::system(("pgrep -f '" + dir + "/run[.]toml' >/dev/null").c_str()), 0) << "a rank outlived the job";
 }
 
+// The binary's malloc is jemalloc (memory on the 1/N line without environment variables):
+// jemalloc itself answers MALLOC_CONF, which glibc's malloc ignores.
+TEST(Cli, TheBinarysAllocatorIsJemalloc) {
+  auto r = run_tessera("--version", "MALLOC_CONF=stats_print:true");
+  EXPECT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("___ Begin jemalloc statistics ___"), std::string::npos) << r.output;
+}
+
 TEST(Cli, HelpUsageAndBadArguments) {
   auto help = run_tessera("--help");
   EXPECT_EQ(help.exit_code, 0);
