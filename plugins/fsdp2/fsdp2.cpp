@@ -1,6 +1,7 @@
 // The `fsdp2` strategy: NeMo's FSDP2Strategy over core::fsdp::ShardedModule with the
 // per-parameter layout (PyTorch's fully_shard): every parameter sharded on dim 0 over the
 // "shard" dimension of a (replicate, shard, tp) device mesh. TOML keys use NeMo's names.
+#include <algorithm>
 #include <map>
 #include <set>
 #include <tuple>
@@ -11,6 +12,7 @@
 #include "tessera/core/checkpoint.hpp"
 #include "tessera/core/clip_grad.hpp"
 #include "tessera/core/device_mesh.hpp"
+#include "tessera/core/tensor_piece.hpp"
 #include "tessera/core/fsdp/sharded_strategy.hpp"
 #include "tessera/core/tp_group.hpp"
 #include "tessera/sdk/error.hpp"
@@ -137,15 +139,17 @@ class FSDP2Strategy final : public fsdp::ShardedStrategy, public sdk::StrategyCh
   // With tensor parallelism the pieces of a TP-split parameter differ across tp ranks: full
   // state dicts and optimizer state are unsharded over tp after the engine gathered them over
   // dp, and cut again on load; gradient norms are summed over tp for those pieces only.
+  // A SHARDED state dict keeps each rank's pieces: owned_pieces() says where they sit in the
+  // full tensors.
   sdk::StateDict lightning_module_state_dict() override {
     sdk::StateDict state = ShardedStrategy::lightning_module_state_dict();
-    if (!tp_) return state;
+    if (!tp_ || state_dict_type_ != "full") return state;
     for (const auto& [name, placement] : placements_)
       if (at::Tensor* t = state.find(name)) *t = sdk::tensor_parallel_unshard(*t, placement, *tp_);
     return rank0_only_ && !is_global_zero() ? sdk::StateDict() : state;
   }
   void load_model_state_dict(const sdk::StateDict& state, bool strict) override {
-    if (!tp_) return ShardedStrategy::load_model_state_dict(state, strict);
+    if (!tp_ || loaded_sharded()) return ShardedStrategy::load_model_state_dict(state, strict);
     sdk::StateDict local = state;
     for (const auto& [name, placement] : placements_)
       if (at::Tensor* t = local.find(name)) *t = sdk::tensor_parallel_shard(*t, placement, tp_->rank(), tp_->size());
@@ -153,10 +157,20 @@ class FSDP2Strategy final : public fsdp::ShardedStrategy, public sdk::StrategyCh
   }
   sdk::Checkpoint optimizer_state() override {
     sdk::Checkpoint state = ShardedStrategy::optimizer_state();
-    return tp_ ? map_tp_moments(state, /*unshard=*/true) : state;
+    return tp_ && state_dict_type_ == "full" ? map_tp_moments(state, /*unshard=*/true) : state;
   }
   void load_optimizer_state(const sdk::Checkpoint& state) override {
-    ShardedStrategy::load_optimizer_state(tp_ ? map_tp_moments(state, /*unshard=*/false) : state);
+    ShardedStrategy::load_optimizer_state(tp_ && !loaded_sharded() ? map_tp_moments(state, /*unshard=*/false) : state);
+  }
+  /// Under tensor parallelism a rank's flat range of its piece of a split parameter is, in the
+  /// full parameter, one box per run of rows within one of the placement's `stride` parts (a
+  /// fused q/k/v weight: up to three), stacked along dim 0 as the range holds them.
+  std::map<std::string, core::StackedPieces> owned_pieces() override {
+    std::map<std::string, core::StackedPieces> pieces = ShardedStrategy::owned_pieces();
+    if (!tp_) return pieces;
+    for (auto& [name, stack] : pieces)
+      if (auto it = placements_.find(name); it != placements_.end()) stack = full_tensor_boxes(name, stack.at(0), it->second);
+    return pieces;
   }
   double clip_grad_norm(double max_norm, double norm_type) override {
     if (!tp_) return ShardedStrategy::clip_grad_norm(max_norm, norm_type);
@@ -180,6 +194,39 @@ class FSDP2Strategy final : public fsdp::ShardedStrategy, public sdk::StrategyCh
       return unshard ? sdk::tensor_parallel_unshard(moment, it->second, *tp_)
                      : sdk::tensor_parallel_shard(moment, it->second, tp_->rank(), tp_->size());
     });
+  }
+
+  /// `owned` (a flat range of whole dim-0 rows of this rank's tp piece, as fully_shard shards
+  /// it) as boxes of the full parameter.
+  core::StackedPieces full_tensor_boxes(const std::string& name, const core::TensorPiece& owned,
+                                        sdk::TensorParallelPlacement placement) const {
+    const std::vector<std::int64_t>& piece = owned.global_shape;  // this rank's tp piece
+    std::vector<std::int64_t> full = piece;
+    full.at(placement.dim) *= tp_->size();
+    std::int64_t row = 1;
+    for (std::size_t d = 1; d < piece.size(); ++d) row *= piece[d];
+    if (owned.numel() == 0 || row == 0) return {core::TensorPiece::flat_range(full, 0, 0)};
+    TESSERA_CHECK(owned.offsets[0] % row == 0 && owned.lengths[0] % row == 0, "parameter '", name,
+                  "': its shard is not whole rows of its tensor-parallel piece");
+    const std::int64_t a = owned.offsets[0] / row, b = a + owned.lengths[0] / row;
+    std::vector<std::int64_t> offsets(piece.size(), 0), lengths = piece;
+    if (placement.dim != 0) {
+      TESSERA_CHECK(placement.stride == 1, "parameter '", name, "': a strided tensor-parallel split on dim ",
+                    placement.dim, " cannot be saved sharded");
+      offsets[0] = a;
+      lengths[0] = b - a;
+      offsets[placement.dim] = tp_->rank() * piece[placement.dim];
+      return {core::TensorPiece::box(full, offsets, lengths)};
+    }
+    const std::int64_t part = piece[0] / placement.stride;  // rows of one stride part in the piece
+    core::StackedPieces boxes;
+    for (std::int64_t p = a / part; p * part < b; ++p) {
+      const std::int64_t lo = std::max(a, p * part), hi = std::min(b, (p + 1) * part);
+      offsets[0] = p * part * tp_->size() + tp_->rank() * part + (lo - p * part);
+      lengths[0] = hi - lo;
+      boxes.push_back(core::TensorPiece::box(full, offsets, lengths));
+    }
+    return boxes;
   }
 
   /// true, false or an int k (checked against the mesh in setup_environment).
@@ -226,8 +273,8 @@ class FSDP2Strategy final : public fsdp::ShardedStrategy, public sdk::StrategyCh
     TESSERA_CHECK(tp == 1 || !deferred_init_, sizes_key_, ": tensor_parallel_size = ", tp,
                   " with deferred_init = true: the tensor-parallel plan cuts the model's initial full weights, so ",
                   "they must exist; set deferred_init = false");
-    TESSERA_CHECK(tp == 1 || state_dict_type_ == "full", sizes_key_, ": tensor_parallel_size = ", tp,
-                  " saves full checkpoints only; set state_dict_type = \"full\"");
+    TESSERA_CHECK(tp == 1 || state_dict_type_ != "local", sizes_key_, ": tensor_parallel_size = ", tp,
+                  " saves full or sharded checkpoints; set state_dict_type = \"full\" or \"sharded\"");
     return dp;
   }
 

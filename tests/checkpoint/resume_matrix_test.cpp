@@ -50,13 +50,13 @@ std::map<std::string, at::Tensor> tensors_of(const std::string& path) {
   return out;
 }
 
-/// What a run saved at step 3 (a sharded folder is exported to one full file first).
-std::map<std::string, at::Tensor> saved_at_step_3(const std::string& run, const std::string& scratch) {
-  const std::string ckpt = run_dir(run) + "/checkpoints/step=3.ckpt";
+/// What a run saved as `checkpoint` (a sharded folder is exported to one full file first).
+std::map<std::string, at::Tensor> saved_in(const std::string& run, const std::string& checkpoint) {
+  const std::string ckpt = run_dir(run) + "/checkpoints/" + checkpoint;
   if (!core::is_sharded_checkpoint(ckpt)) return tensors_of(ckpt);
-  auto r = run_tessera("checkpoint export " + ckpt + " --to " + scratch + "/exported.ckpt");
+  auto r = run_tessera("checkpoint export " + ckpt + " --to " + run + "/exported.ckpt");
   EXPECT_EQ(r.exit_code, 0) << r.output;
-  return tensors_of(scratch + "/exported.ckpt");
+  return tensors_of(run + "/exported.ckpt");
 }
 
 struct Side {
@@ -70,6 +70,10 @@ const Side kFsdp3{"fsdp-3", "--set launch.devices=3 --set strategy.plugin=fsdp"}
 const Side kSingle{"single", "--set strategy.plugin=single_device"};
 const Side kDdp2{"ddp-2", "--set launch.devices=2 --set strategy.plugin=ddp"};
 const Side kFsdp2Ranks2{"fsdp2-2", "--set launch.devices=2 --set strategy.plugin=fsdp2"};
+// dp 2 x tp 2: each rank's dim-0 shard of its q/k/v piece is two boxes of the full weight.
+const Side kFsdp2Tp2Sharded{"fsdp2-dp2-tp2-sharded",
+                            "--set launch.devices=4 --set strategy.plugin=fsdp2 --set strategy.tensor_parallel_size=2 "
+                            "--set strategy.state_dict_type=sharded"};
 
 struct Case {
   Side source;
@@ -87,7 +91,7 @@ TEST_P(ResumeMatrix, EveryParameterAndMomentLoadsBitwise) {
   const std::string src = tessera::testing::fresh_dir("matrix-" + c.source.name);
   auto a = run_tessera("fit --config " + write_config(src) + " " + c.source.sets);
   ASSERT_EQ(a.exit_code, 0) << a.output;
-  const auto saved = saved_at_step_3(src, src);
+  const auto saved = saved_in(src, "step=3.ckpt");
   ASSERT_GT(saved.size(), 20u);  // parameters and both moments of each
   for (const auto& target : c.targets) {
     SCOPED_TRACE(c.source.name + " -> " + target.name);
@@ -96,7 +100,7 @@ TEST_P(ResumeMatrix, EveryParameterAndMomentLoadsBitwise) {
                          "/checkpoints/step=3.ckpt");
     ASSERT_EQ(r.exit_code, 0) << r.output;
     EXPECT_NE(r.output.find("resuming at step 3"), std::string::npos) << r.output;
-    const auto loaded = tensors_of(run_dir(dir) + "/checkpoints/last.ckpt");
+    const auto loaded = saved_in(dir, "last.ckpt");
     ASSERT_EQ(loaded.size(), saved.size());
     for (const auto& [name, tensor] : saved) {
       ASSERT_TRUE(loaded.count(name)) << name;
@@ -106,7 +110,9 @@ TEST_P(ResumeMatrix, EveryParameterAndMomentLoadsBitwise) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Sources, ResumeMatrix,
-                         ::testing::Values(Case{kFsdp2Sharded, {kFsdp3, kSingle, kDdp2}}, Case{kFsdp4Sharded, {kFsdp2}},
+                         ::testing::Values(Case{kFsdp2Sharded, {kFsdp3, kSingle, kDdp2, kFsdp2Tp2Sharded}},
+                                           Case{kFsdp4Sharded, {kFsdp2}},
+                                           Case{kFsdp2Tp2Sharded, {kFsdp3, kSingle, kFsdp2Tp2Sharded, kFsdp4Sharded}},
                                            Case{kSingle, {kFsdp2, kFsdp3, kFsdp2Ranks2}}, Case{kFsdp2, {kFsdp3, kDdp2}}),
                          [](const auto& info) {
                            std::string name = info.param.source.name;

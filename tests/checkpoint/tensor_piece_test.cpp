@@ -155,6 +155,26 @@ TEST(TensorPiece, ScalarsCastsStridedTargetsAndMismatches) {
             std::string::npos);
 }
 
+// A tensor-parallel piece of a fused [6, 2] weight (3 parts of 2 rows; tp rank 1 holds row 1 of
+// each part), sharded on dim 0: this rank's rows 1-2 of the piece are rows 3 and 5 of the full
+// weight, two boxes stacked along dim 0.
+TEST(TensorPiece, StackedPiecesRoundTripAndSplitTheLocalTensor) {
+  const core::StackedPieces stack{TensorPiece::box({6, 2}, {3, 0}, {1, 2}), TensorPiece::box({6, 2}, {5, 0}, {1, 2})};
+  std::map<std::string, core::StackedPieces> pieces{{"qkv", stack}, {"b", {TensorPiece::flat_range({4}, 0, 2)}}};
+  EXPECT_EQ(core::stacked_pieces_from_ivalue(core::pieces_to_ivalue(pieces), "test"), pieces);
+  EXPECT_EQ(core::numel(stack), 4);
+  const at::Tensor local = at::arange(4, at::kFloat);
+  auto parts = core::split_stacked(local, stack);
+  ASSERT_EQ(parts.size(), 2u);
+  EXPECT_TRUE(at::equal(parts[1], at::tensor({2.0f, 3.0f}).view({1, 2})));
+  at::Tensor full = at::zeros({6, 2});
+  for (std::size_t k = 0; k < stack.size(); ++k) core::copy_overlap(stack[k], parts[k], TensorPiece::whole({6, 2}), full);
+  EXPECT_TRUE(at::equal(full.select(0, 5), at::tensor({2.0f, 3.0f})));
+  // Readers of one piece per tensor refuse them by name.
+  EXPECT_NE(error_of([&] { core::pieces_from_ivalue(core::pieces_to_ivalue(pieces), "p"); }).find("p['qkv'] is 2 stacked"),
+            std::string::npos);
+}
+
 TEST(TensorPiece, CheckpointFormatRoundTripsAndReadsTheLegacyFsdpFormat) {
   std::map<std::string, TensorPiece> pieces{{"a", TensorPiece::flat_range({4, 6}, 12, 12)},
                                             {"b", TensorPiece::box({8, 3}, {4, 0}, {4, 3})},

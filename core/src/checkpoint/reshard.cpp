@@ -149,4 +149,17 @@ sdk::Checkpoint read_resharded_checkpoint(sdk::CheckpointIO& io, const std::stri
   return out;
 }
 
+sdk::Checkpoint read_resharded_checkpoint(sdk::CheckpointIO& io, const std::string& path, std::int64_t shards,
+                                          const std::map<std::string, StackedPieces>& wanted) {
+  if (is_sharded_checkpoint(path)) return load_sharded(path, wanted, 0);
+  std::map<std::string, TensorPiece> single;
+  for (const auto& [name, stack] : wanted) {
+    TESSERA_CHECK(stack.size() == 1, "sharded checkpoint ", path, " is in the per-rank pickle format, which cannot be ",
+                  "re-cut to the stacked pieces of '", name, "' (tensor parallelism): export it with `tessera ",
+                  "checkpoint export PATH --to FILE.ckpt` and load that");
+    single.emplace(name, stack[0]);
+  }
+  return read_resharded_checkpoint(io, path, shards, single);
+}
+
 }  // namespace tessera::core

@@ -187,11 +187,12 @@ void write_json(const fs::path& file, const json& j) {
 
 /// The pieces of global tensors this rank's checkpoint says it holds; none: its state_dict
 /// is rank-local (fsdp's LOCAL flat shards), loadable only by the same rank of the same layout.
-std::optional<std::map<std::string, TensorPiece>> pieces_of(const sdk::Checkpoint& checkpoint,
-                                                            const sdk::StateDict& state) {
-  if (checkpoint.contains(kTensorPiecesKey)) return pieces_from_ivalue(checkpoint.at(kTensorPiecesKey), kTensorPiecesKey);
+std::optional<std::map<std::string, StackedPieces>> pieces_of(const sdk::Checkpoint& checkpoint,
+                                                              const sdk::StateDict& state) {
+  if (checkpoint.contains(kTensorPiecesKey))
+    return stacked_pieces_from_ivalue(checkpoint.at(kTensorPiecesKey), kTensorPiecesKey);
   if (checkpoint.contains(kLegacyShardMetadataKey))
-    return pieces_from_ivalue(checkpoint.at(kLegacyShardMetadataKey), kLegacyShardMetadataKey, &state);
+    return stacked_pieces_from_ivalue(checkpoint.at(kLegacyShardMetadataKey), kLegacyShardMetadataKey, &state);
   return std::nullopt;
 }
 
@@ -238,7 +239,6 @@ void write_shard(const sdk::Checkpoint& checkpoint, const std::string& path, std
   // (RNG state, the optimizer's step, ...) are this rank's own, named by their path.
   TensorNamer name_of = [&](const std::vector<std::string>& p, const at::Tensor& t) {
     std::string name = sdk::join(p, "/");
-    const TensorPiece* piece = nullptr;
     std::string param;
     if (!pieces) {  // rank-local tensors: stored as they are
     } else if (p.size() == 2 && p[0] == "state_dict") {
@@ -251,19 +251,27 @@ void write_shard(const sdk::Checkpoint& checkpoint, const std::string& path, std
       param = param_names[index];
       name = "optimizer/" + param + "/" + p[4];
     }
-    if (!param.empty()) {
-      auto it = pieces->find(param);
-      TESSERA_CHECK(it != pieces->end(), "checkpoint tensor ", name, ": '", param, "' has no piece description");
-      piece = &it->second;
-      TESSERA_CHECK(t.numel() == piece->numel(), "checkpoint tensor ", name, " holds ", t.numel(),
-                    " elements but the piece of '", param, "' it stands for, ", piece->to_string(), ", has ",
-                    piece->numel());
-      json record = piece_json(*piece);
-      record["global_shape"] = piece->global_shape;
-      record["dtype"] = safetensors_dtype(t.scalar_type());
-      piece_records[name] = record;
+    if (param.empty()) {
+      tensors.emplace_back(name, t);
+      return name;
     }
-    tensors.emplace_back(name, t);
+    auto it = pieces->find(param);
+    TESSERA_CHECK(it != pieces->end(), "checkpoint tensor ", name, ": '", param, "' has no piece description");
+    const StackedPieces& stack = it->second;
+    TESSERA_CHECK(t.numel() == numel(stack), "checkpoint tensor ", name, " holds ", t.numel(),
+                  " elements but the piece of '", param, "' it stands for, ", stack[0].to_string(),
+                  stack.size() > 1 ? " and " + std::to_string(stack.size() - 1) + " more" : std::string(), ", has ",
+                  numel(stack));
+    const std::vector<at::Tensor> parts = stack.size() == 1 ? std::vector<at::Tensor>{t} : split_stacked(t, stack);
+    for (std::size_t k = 0; k < stack.size(); ++k) {
+      const std::string key = k == 0 ? name : name + "#" + std::to_string(k);
+      json record = piece_json(stack[k]);
+      record["global_shape"] = stack[k].global_shape;
+      record["dtype"] = safetensors_dtype(t.scalar_type());
+      if (k > 0) record["tensor"] = name;
+      piece_records[key] = record;
+      tensors.emplace_back(key, parts[k]);
+    }
     return name;
   };
   json tree = json::object();
@@ -323,7 +331,8 @@ void commit_shards(const std::string& path, std::int64_t world, const std::strin
       const std::string file = record.at("file").get<std::string>();
       files[file] = record.at("digest");
       if (r == 0) trainer_state = record.at("tree");
-      for (const auto& [name, piece] : record.at("pieces").items()) {
+      for (const auto& [key, piece] : record.at("pieces").items()) {
+        const std::string name = piece.value("tensor", key);  // a stacked piece's later parts: "<name>#k"
         json& entry = tensors[name];
         if (entry.is_null()) entry = {{"dtype", piece.at("dtype")}, {"global_shape", piece.at("global_shape")},
                                       {"pieces", json::array()}};
@@ -331,8 +340,10 @@ void commit_shards(const std::string& path, std::int64_t world, const std::strin
                       "sharded checkpoint ", path, ": rank ", r, " saved ", name, " as ", piece.at("dtype").dump(), " ",
                       piece.at("global_shape").dump(), " but rank 0 as ", entry.at("dtype").dump(), " ",
                       entry.at("global_shape").dump());
-        entry["pieces"].push_back({{"file", file}, {"kind", piece.at("kind")}, {"offsets", piece.at("offsets")},
-                                   {"lengths", piece.at("lengths")}});
+        json stored = {{"file", file}, {"kind", piece.at("kind")}, {"offsets", piece.at("offsets")},
+                       {"lengths", piece.at("lengths")}};
+        if (key != name) stored["key"] = key;
+        entry["pieces"].push_back(stored);
       }
     }
     for (const char* key : {"state_dict", "optimizer_states"}) trainer_state.erase(key);  // the tensors say those
@@ -387,7 +398,7 @@ Manifest read_manifest(const std::string& path) {
         const std::string piece_file = p.at("file").get<std::string>();
         TESSERA_CHECK(m.files.count(piece_file), file.string(), ": ", name, " has a piece in ", piece_file,
                       ", which is not among its files");
-        tensor.pieces.push_back({piece_file, piece_from_json(p, tensor.global_shape)});
+        tensor.pieces.push_back({piece_file, piece_from_json(p, tensor.global_shape), p.value("key", name)});
       }
       m.tensors.emplace(name, std::move(tensor));
     }
@@ -451,7 +462,7 @@ at::Tensor ShardedReader::read(const std::string& name, const TensorPiece& want)
   for (const ManifestPiece& p : t.pieces) {
     auto [extent, start] = needed_extent(p.piece, want);
     if (extent.numel() == 0) continue;
-    at::Tensor data = file(p.file).read_elements(name, start, extent.numel());
+    at::Tensor data = file(p.file).read_elements(p.key, start, extent.numel());
     if (copy_overlap(extent, data, want, out) > 0)
       copy_overlap(extent, at::ones(extent.local_shape(), at::kBool), want, covered);
   }
@@ -463,16 +474,33 @@ at::Tensor ShardedReader::read(const std::string& name, const TensorPiece& want)
 
 sdk::Checkpoint load_sharded(const std::string& path, const std::map<std::string, TensorPiece>& wanted,
                              std::int64_t rank) {
+  std::map<std::string, StackedPieces> stacks;
+  for (const auto& [name, piece] : wanted) stacks.emplace(name, StackedPieces{piece});
+  return load_sharded(path, stacks, rank);
+}
+
+sdk::Checkpoint load_sharded(const std::string& path, const std::map<std::string, StackedPieces>& wanted,
+                             std::int64_t rank) {
   const Manifest m = read_manifest(path);
   std::map<std::string, std::vector<std::int64_t>> saved;
   for (const auto& [name, t] : m.tensors)
     if (name.rfind("state_dict/", 0) == 0) saved.emplace(name.substr(11), t.global_shape);
   TESSERA_CHECK(!saved.empty() || wanted.empty(), "checkpoint ", path, " holds rank-local state (fsdp state_dict_type = ",
                 "\"local\"): it loads only into the same world size, strategy and model");
-  check_against_wanted(saved, wanted, "checkpoint " + path);
+  std::map<std::string, TensorPiece> first_pieces;  // for the names and global shapes
+  for (const auto& [name, stack] : wanted) {
+    TESSERA_CHECK(!stack.empty(), "no piece of '", name, "' is wanted");
+    first_pieces.emplace(name, stack[0]);
+  }
+  check_against_wanted(saved, first_pieces, "checkpoint " + path);
 
   ShardedReader files(m);
-  auto assemble = [&](const std::string& name, const TensorPiece& want) { return files.read(name, want); };
+  auto assemble = [&](const std::string& name, const StackedPieces& want) {
+    if (want.size() == 1) return files.read(name, want[0]);
+    std::vector<at::Tensor> parts;
+    for (const auto& piece : want) parts.push_back(files.read(name, piece));
+    return at::cat(parts, 0);
+  };
 
   // This rank's own entries where the checkpoint has a file for it, rank 0's otherwise.
   const std::string own = file_name(rank < m.world_size ? rank : 0, m.world_size);
@@ -563,8 +591,12 @@ sdk::Checkpoint load_shard(const std::string& path, std::int64_t rank) {
   std::map<std::string, TensorPiece> pieces;
   for (const auto& [name, t] : m.tensors)
     if (name.rfind("state_dict/", 0) == 0)
-      for (const ManifestPiece& p : t.pieces)
-        if (p.file == file) pieces.emplace(name.substr(11), p.piece);
+      for (const ManifestPiece& p : t.pieces) {
+        if (p.file != file) continue;
+        TESSERA_CHECK(p.key == name, "checkpoint ", path, " holds ", name, " as stacked pieces (tensor parallelism): ",
+                      "it loads re-cut (state_dict_type = \"sharded\"), not as a rank's own state");
+        pieces.emplace(name.substr(11), p.piece);
+      }
   if (!pieces.empty()) out.insert(kTensorPiecesKey, pieces_to_ivalue(pieces));
   return out;
 }

@@ -244,25 +244,76 @@ std::vector<std::int64_t> int_list(const c10::IValue& value, const std::string& 
   return value.toIntVector();
 }
 
+c10::IValue piece_to_ivalue(const TensorPiece& piece) {
+  c10::impl::GenericDict entry(c10::StringType::get(), c10::AnyType::get());
+  entry.insert("kind", piece.kind == TensorPiece::Kind::flat ? "flat" : "box");
+  entry.insert("global_shape", c10::List<std::int64_t>(piece.global_shape));
+  entry.insert("offsets", c10::List<std::int64_t>(piece.offsets));
+  entry.insert("lengths", c10::List<std::int64_t>(piece.lengths));
+  return entry;
+}
+
+TensorPiece piece_from_ivalue(const c10::IValue& value, const std::string& where) {
+  TESSERA_CHECK(value.isGenericDict(), where, " is neither a piece dictionary nor [start, ndim, dims...]");
+  sdk::Checkpoint entry = value.toGenericDict();
+  for (const char* key : {"kind", "global_shape", "offsets", "lengths"})
+    TESSERA_CHECK(entry.contains(key), where, " has no '", key, "'");
+  const c10::IValue& kind = entry.at("kind");
+  TESSERA_CHECK(kind.isString() && (kind.toStringRef() == "flat" || kind.toStringRef() == "box"), where,
+                "['kind'] must be \"flat\" or \"box\"");
+  auto shape = int_list(entry.at("global_shape"), where + "['global_shape']");
+  auto offsets = int_list(entry.at("offsets"), where + "['offsets']");
+  auto lengths = int_list(entry.at("lengths"), where + "['lengths']");
+  if (kind.toStringRef() == "box") return TensorPiece::box(shape, offsets, lengths);
+  TESSERA_CHECK(offsets.size() == 1 && lengths.size() == 1, where, " is flat: it needs one offset and one length");
+  return TensorPiece::flat_range(shape, offsets[0], lengths[0]);
+}
+
 }  // namespace
 
-c10::IValue pieces_to_ivalue(const std::map<std::string, TensorPiece>& pieces) {
+std::int64_t numel(const StackedPieces& pieces) {
+  std::int64_t n = 0;
+  for (const auto& p : pieces) n += p.numel();
+  return n;
+}
+
+std::vector<at::Tensor> split_stacked(const at::Tensor& local, const StackedPieces& pieces) {
+  TESSERA_CHECK(local.numel() == numel(pieces), "a local tensor of ", local.numel(), " elements cannot hold pieces of ",
+                numel(pieces));
+  const at::Tensor flat = local.reshape({-1});
+  std::vector<at::Tensor> parts;
+  std::int64_t start = 0;
+  for (const auto& p : pieces) {
+    parts.push_back(flat.narrow(0, start, p.numel()).view(p.local_shape()));
+    start += p.numel();
+  }
+  return parts;
+}
+
+c10::IValue pieces_to_ivalue(const std::map<std::string, StackedPieces>& pieces) {
   c10::impl::GenericDict out(c10::StringType::get(), c10::AnyType::get());
-  for (const auto& [name, piece] : pieces) {
-    c10::impl::GenericDict entry(c10::StringType::get(), c10::AnyType::get());
-    entry.insert("kind", piece.kind == TensorPiece::Kind::flat ? "flat" : "box");
-    entry.insert("global_shape", c10::List<std::int64_t>(piece.global_shape));
-    entry.insert("offsets", c10::List<std::int64_t>(piece.offsets));
-    entry.insert("lengths", c10::List<std::int64_t>(piece.lengths));
-    out.insert(name, entry);
+  for (const auto& [name, stack] : pieces) {
+    if (stack.size() == 1) {
+      out.insert(name, piece_to_ivalue(stack[0]));
+      continue;
+    }
+    c10::impl::GenericList list(c10::AnyType::get());
+    for (const auto& p : stack) list.push_back(piece_to_ivalue(p));
+    out.insert(name, list);
   }
   return out;
 }
 
-std::map<std::string, TensorPiece> pieces_from_ivalue(const c10::IValue& value, const std::string& what,
-                                                      const sdk::StateDict* stored) {
+c10::IValue pieces_to_ivalue(const std::map<std::string, TensorPiece>& pieces) {
+  std::map<std::string, StackedPieces> stacks;
+  for (const auto& [name, piece] : pieces) stacks.emplace(name, StackedPieces{piece});
+  return pieces_to_ivalue(stacks);
+}
+
+std::map<std::string, StackedPieces> stacked_pieces_from_ivalue(const c10::IValue& value, const std::string& what,
+                                                                const sdk::StateDict* stored) {
   TESSERA_CHECK(value.isGenericDict(), what, " is not a dictionary of tensor pieces");
-  std::map<std::string, TensorPiece> out;
+  std::map<std::string, StackedPieces> out;
   for (const auto& item : value.toGenericDict()) {
     TESSERA_CHECK(item.key().isString(), what, " has a non-string key");
     const std::string name = item.key().toStringRef();
@@ -275,31 +326,39 @@ std::map<std::string, TensorPiece> pieces_from_ivalue(const c10::IValue& value, 
         TESSERA_CHECK(stored != nullptr, where, " is in the legacy fsdp format, which needs the stored tensors");
         const at::Tensor* tensor = stored->find(name);
         TESSERA_CHECK(tensor != nullptr, where, " describes a tensor that is not stored beside it");
-        out.emplace(name, TensorPiece::flat_range(std::vector<std::int64_t>(m.begin() + 2, m.end()), m[0],
-                                                  tensor->numel()));
-        continue;
-      }
-      TESSERA_CHECK(item.value().isGenericDict(), where, " is neither a piece dictionary nor [start, ndim, dims...]");
-      sdk::Checkpoint entry = item.value().toGenericDict();
-      for (const char* key : {"kind", "global_shape", "offsets", "lengths"})
-        TESSERA_CHECK(entry.contains(key), where, " has no '", key, "'");
-      const c10::IValue& kind = entry.at("kind");
-      TESSERA_CHECK(kind.isString() && (kind.toStringRef() == "flat" || kind.toStringRef() == "box"), where,
-                    "['kind'] must be \"flat\" or \"box\"");
-      auto shape = int_list(entry.at("global_shape"), where + "['global_shape']");
-      auto offsets = int_list(entry.at("offsets"), where + "['offsets']");
-      auto lengths = int_list(entry.at("lengths"), where + "['lengths']");
-      if (kind.toStringRef() == "flat") {
-        TESSERA_CHECK(offsets.size() == 1 && lengths.size() == 1, where, " is flat: it needs one offset and one length");
-        out.emplace(name, TensorPiece::flat_range(shape, offsets[0], lengths[0]));
+        out[name].push_back(
+            TensorPiece::flat_range(std::vector<std::int64_t>(m.begin() + 2, m.end()), m[0], tensor->numel()));
+      } else if (item.value().isList()) {  // stacked pieces
+        const auto list = item.value().toListRef();
+        TESSERA_CHECK(!list.empty(), where, " is an empty list of pieces");
+        for (std::size_t i = 0; i < list.size(); ++i)
+          out[name].push_back(piece_from_ivalue(list[i], where + "[" + std::to_string(i) + "]"));
+        const auto& first = out[name].front();
+        for (const auto& p : out[name])
+          TESSERA_CHECK(p.kind == TensorPiece::Kind::box && p.global_shape == first.global_shape &&
+                            std::equal(p.lengths.begin() + 1, p.lengths.end(), first.lengths.begin() + 1),
+                        where, ": stacked pieces must be boxes of one tensor with the same lengths after dim 0; ",
+                        p.to_string(), " and ", first.to_string(), " are not");
       } else {
-        out.emplace(name, TensorPiece::box(shape, offsets, lengths));
+        out[name].push_back(piece_from_ivalue(item.value(), where));
       }
     } catch (const sdk::Error& e) {
       const std::string message = e.what();
       if (message.find(where) != std::string::npos) throw;
       TESSERA_FAIL(where, ": ", message);
     }
+  }
+  return out;
+}
+
+std::map<std::string, TensorPiece> pieces_from_ivalue(const c10::IValue& value, const std::string& what,
+                                                      const sdk::StateDict* stored) {
+  std::map<std::string, TensorPiece> out;
+  for (auto& [name, stack] : stacked_pieces_from_ivalue(value, what, stored)) {
+    TESSERA_CHECK(stack.size() == 1, what, "['", name, "'] is ", stack.size(),
+                  " stacked pieces, which this reader does not take (a tensor-parallel sharded checkpoint: ",
+                  "read it with the distributed checkpoint IO)");
+    out.emplace(name, std::move(stack[0]));
   }
   return out;
 }

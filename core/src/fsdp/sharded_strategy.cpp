@@ -123,7 +123,7 @@ sdk::StepResult ShardedStrategy::optimizer_step(double gradient_clip_val, double
 void ShardedStrategy::save_checkpoint(const sdk::Checkpoint& checkpoint, const std::string& path) {
   if (state_dict_type_ == "full") return StrategyBase::save_checkpoint(checkpoint, path);
   sdk::Checkpoint mine = checkpoint.copy();
-  if (state_dict_type_ == "sharded") mine.insert(kShardMetadataKey, engine().shard_metadata());
+  if (state_dict_type_ == "sharded") mine.insert(kTensorPiecesKey, pieces_to_ivalue(owned_pieces()));
   mine.insert("fsdp_state_dict_type", state_dict_type_);
   sdk::ShardInfo shard{global_rank(), world_size(), true};
   checkpoint_io().save_checkpoint(mine, path, shard);
@@ -145,16 +145,20 @@ sdk::Checkpoint ShardedStrategy::load_checkpoint(const std::string& path) {
     loaded_ = "local";
     return checkpoint_io().load_checkpoint(path, sdk::ShardInfo{global_rank(), world_size(), true});
   }
+  sdk::Checkpoint out = read_resharded_checkpoint(checkpoint_io(), path, meta.world_size, owned_pieces());
+  loaded_ = "sharded";
+  return out;
+}
+
+std::map<std::string, StackedPieces> ShardedStrategy::owned_pieces() {
   // This rank's flat range of each tensor; the module's own tensors keep their full shapes.
   std::map<std::string, std::vector<std::int64_t>> shapes;
   for (const auto& item : network_->named_parameters()) shapes.emplace(item.key(), item.value().sizes().vec());
   for (const auto& item : network_->named_buffers()) shapes.emplace(item.key(), item.value().sizes().vec());
-  std::map<std::string, TensorPiece> wanted;
+  std::map<std::string, StackedPieces> pieces;
   for (const auto& [name, range] : engine().owned_ranges())
-    wanted.emplace(name, TensorPiece::flat_range(shapes.at(name), range.first, range.second));
-  sdk::Checkpoint out = read_resharded_checkpoint(checkpoint_io(), path, meta.world_size, wanted);
-  loaded_ = "sharded";
-  return out;
+    pieces[name].push_back(TensorPiece::flat_range(shapes.at(name), range.first, range.second));
+  return pieces;
 }
 
 // A sharded checkpoint holds every piece as a 1-D range; the per-parameter layout's pieces

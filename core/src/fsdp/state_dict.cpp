@@ -17,12 +17,6 @@ namespace {
 
 const char* const kStateKeys[] = {"exp_avg", "exp_avg_sq", "max_exp_avg_sq", "momentum_buffer"};
 
-c10::List<std::int64_t> piece_metadata(std::int64_t start, at::IntArrayRef shape) {
-  c10::List<std::int64_t> out({start, static_cast<std::int64_t>(shape.size())});
-  for (auto d : shape) out.push_back(d);
-  return out;
-}
-
 std::string flat_param_key(const FSDPUnit& u) { return u.is_root ? "flat_param" : u.name + ".flat_param"; }
 
 at::Tensor cpu_copy(const at::Tensor& t) { return t.is_cpu() ? t.clone() : t.cpu(); }
@@ -268,20 +262,6 @@ sdk::StateDict ShardedModule::sharded_state_dict() const {
   for (const auto& item : network_->named_buffers())
     state.insert(item.key(), buffer_for_state(item.key(), item.value()).reshape({-1}).to(at::kCPU).clone());
   return state;
-}
-
-c10::IValue ShardedModule::shard_metadata() const {
-  c10::impl::GenericDict meta(c10::StringType::get(), c10::ListType::ofInts());
-  for (const auto& u : units_) {
-    const auto& params = u->layout->params();
-    for (std::size_t i = 0; i < params.size(); ++i)
-      for (const auto& name : params[i].names)
-        meta.insert(name, piece_metadata(u->layout->owned_range(i).start, params[i].tensor.sizes()));
-  }
-  for (const auto& p : replicated_)
-    for (const auto& name : p.names) meta.insert(name, piece_metadata(0, p.tensor.sizes()));
-  for (const auto& item : network_->named_buffers()) meta.insert(item.key(), piece_metadata(0, item.value().sizes()));
-  return meta;
 }
 
 void ShardedModule::load_sharded_state_dict(const sdk::StateDict& state) {

@@ -88,6 +88,9 @@ void release_loaded_pages(const at::Tensor& t);
 /// tessera's sharded format (core/sharded_checkpoint.hpp) is read by byte ranges instead.
 sdk::Checkpoint read_resharded_checkpoint(sdk::CheckpointIO& io, const std::string& path, std::int64_t shards,
                                           const std::map<std::string, TensorPiece>& wanted);
+/// The same with stacked pieces wanted (tensor-parallel pieces; tessera's sharded format only).
+sdk::Checkpoint read_resharded_checkpoint(sdk::CheckpointIO& io, const std::string& path, std::int64_t shards,
+                                          const std::map<std::string, StackedPieces>& wanted);
 
 /// Like atomic_write, for writers that open the file themselves: `write` fills the temporary
 /// path it is given (and fsyncs it); then it is renamed over `path` and the folder fsynced.

@@ -105,10 +105,8 @@ class ShardedModule {
   void set_modules_to_backward_prefetch(const std::string& unit, const std::vector<std::string>& targets);
 
   /// SHARDED state dict: every original name -> this rank's 1-D piece of it (a flat slice
-  /// of the flattened parameter, possibly empty), with shard_metadata() saying where.
+  /// of the flattened parameter, possibly empty), with owned_ranges() saying where.
   sdk::StateDict sharded_state_dict() const;
-  /// {name: [start, ndim, dims...]} for the tensors of sharded_state_dict().
-  c10::IValue shard_metadata() const;
   /// The flat range [start, start + length) of each original parameter this rank owns.
   std::map<std::string, std::pair<std::int64_t, std::int64_t>> owned_ranges() const;
   /// Loads pieces shaped like sharded_state_dict() for this rank's ranges (as produced by

@@ -39,7 +39,8 @@ std::string temporary_folder(const std::string& path, const std::string& save_id
 /// This rank's part of a sharded save: its tensors into <temporary folder>/rank-R-of-N.safetensors
 /// (fsynced), then its record (size, checksums, pieces). The pieces of the state_dict tensors
 /// come from checkpoint[kTensorPiecesKey] (or the legacy fsdp key); their optimizer moments
-/// (optimizer_states[0], matched by parameter name) are pieces of the same shape.
+/// (optimizer_states[0], matched by parameter name) are pieces of the same shape. A tensor of
+/// stacked pieces is stored as one file tensor per piece ("<name>", "<name>#1", ...).
 void write_shard(const sdk::Checkpoint& checkpoint, const std::string& path, std::int64_t rank, std::int64_t world,
                  const std::string& save_id);
 
@@ -53,6 +54,7 @@ void commit_shards(const std::string& path, std::int64_t world, const std::strin
 struct ManifestPiece {
   std::string file;
   TensorPiece piece;
+  std::string key;  ///< its name in the file: the tensor's, "<name>#k" for part k > 0 of stacked pieces
 };
 struct ManifestTensor {
   std::string dtype;
@@ -99,6 +101,10 @@ class ShardedReader {
 /// global shapes are compared with `wanted` before any tensor data is read; every wanted
 /// element of every parameter and moment must be covered, and every file must carry the save id.
 sdk::Checkpoint load_sharded(const std::string& path, const std::map<std::string, TensorPiece>& wanted,
+                             std::int64_t rank);
+/// The same with stacked pieces wanted (core/tensor_piece.hpp): each tensor is its pieces read
+/// one by one and concatenated along dim 0.
+sdk::Checkpoint load_sharded(const std::string& path, const std::map<std::string, StackedPieces>& wanted,
                              std::int64_t rank);
 
 /// Rank `rank`'s checkpoint as it was saved (its own pieces, named in kTensorPiecesKey when

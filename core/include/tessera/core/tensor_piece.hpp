@@ -58,11 +58,25 @@ constexpr const char* kTensorPiecesKey = "tensor_pieces";
 /// (flat pieces whose lengths are the stored tensors' element counts).
 constexpr const char* kLegacyShardMetadataKey = "fsdp_shard_metadata";
 
-/// {name: {"kind": "flat"|"box", "global_shape": [...], "offsets": [...], "lengths": [...]}}.
+/// A local tensor made of several boxes of its global tensor, stacked along dim 0 in this
+/// order (usually one piece). A tensor-parallel slice of a fused q/k/v weight is three boxes of
+/// the global tensor; its dim-0 shard spans up to three of them.
+using StackedPieces = std::vector<TensorPiece>;
+/// Elements in all of them.
+std::int64_t numel(const StackedPieces& pieces);
+/// The parts of `local` (laid out as `pieces` stack), each viewed as its piece's local shape.
+std::vector<at::Tensor> split_stacked(const at::Tensor& local, const StackedPieces& pieces);
+
+/// {name: {"kind": "flat"|"box", "global_shape": [...], "offsets": [...], "lengths": [...]}};
+/// stacked pieces as a list of such dictionaries.
 c10::IValue pieces_to_ivalue(const std::map<std::string, TensorPiece>& pieces);
+c10::IValue pieces_to_ivalue(const std::map<std::string, StackedPieces>& pieces);
 /// The inverse of pieces_to_ivalue; also reads the legacy fsdp format {name: [start, ndim, dims...]}
 /// as flat pieces, whose lengths come from `stored` (the tensors they describe; required for
 /// that format). Throws sdk::Error naming `what` and the entry on anything malformed.
+std::map<std::string, StackedPieces> stacked_pieces_from_ivalue(const c10::IValue& value, const std::string& what,
+                                                                const sdk::StateDict* stored = nullptr);
+/// The same for readers that take one piece per tensor: stacked pieces throw.
 std::map<std::string, TensorPiece> pieces_from_ivalue(const c10::IValue& value, const std::string& what,
                                                       const sdk::StateDict* stored = nullptr);
 

@@ -40,8 +40,8 @@ class UnitLayout {
   // --- all-gather (unshard) ---
   /// Gathering changes nothing: this rank's shard is the unsharded data (one-rank groups).
   virtual bool unsharded_is_shard() const = 0;
-  /// Allocates the unsharded storage; returns {output, input} of the unit's one all-gather
-  /// (input: this rank's shard in compute dtype on `device`).
+  /// Returns {output, input} of the unit's one all-gather (input: this rank's shard in compute
+  /// dtype on `device`); the unsharded storage exists once after_all_gather() returned.
   virtual std::pair<at::Tensor, at::Tensor> all_gather_buffers(c10::Device device) = 0;
   /// After the all-gather completed: makes the gathered data the parameters' (per-parameter
   /// layouts copy it out of the collective's buffer; the flat layout gathered in place).
@@ -56,7 +56,8 @@ class UnitLayout {
   // --- gradients (reduce-scatter) ---
   /// Allocates zeroed unsharded gradients and points the parameters' .grad at them.
   virtual void attach_unsharded_grads() = 0;
-  /// The unsharded gradients as the reduce-scatter's input, in `dtype`.
+  /// The unsharded gradients as the reduce-scatter's input, in `dtype`; when that is a copy,
+  /// the unsharded gradients are freed already (as free_unsharded_grads()).
   virtual at::Tensor reduce_scatter_input(at::ScalarType dtype) = 0;
   /// Elements of this rank's reduced gradient (the reduce-scatter's output).
   virtual std::int64_t shard_numel() const = 0;

@@ -10,6 +10,7 @@
 
 #include "tessera/core/fsdp.hpp"
 #include "tessera/core/strategy_base.hpp"
+#include "tessera/core/tensor_piece.hpp"
 
 namespace tessera::core::fsdp {
 
@@ -65,8 +66,15 @@ class ShardedStrategy : public StrategyBase {
   /// The options every layout shares, from the model plugin and the precision: device,
   /// deferred init, init function, mixed precision, wrap policy callbacks.
   void fill_common_options(FSDPOptions& options) const;
+  /// Where the tensors of this rank's SHARDED state dict sit in the global tensors (what a
+  /// sharded save describes and a sharded load reads): the flat range of each parameter this
+  /// rank owns, whole buffers. A strategy whose parameters are pieces themselves (tensor
+  /// parallelism) maps them to the global tensors.
+  virtual std::map<std::string, StackedPieces> owned_pieces();
   /// Throws (naming `key`) when a unit class of `options` is not in the network.
   void check_unit_classes(const FSDPOptions& options, const std::string& key) const;
+
+  bool loaded_sharded() const { return loaded_ == "sharded"; }
 
   bool deferred_init_;
   std::string state_dict_type_;  // full | sharded | local
