@@ -1,6 +1,8 @@
 #include "plan_job.hpp"
 
-#include <atomic>
+#include <algorithm>
+#include <mutex>
+#include <unordered_map>
 #include <cstdlib>
 #include <fstream>
 
@@ -35,48 +37,65 @@ class CountingAllocator final : public c10::Allocator {
 #else
   c10::DataPtr allocate(std::size_t n) const override { return counted(n); }
 #endif
-  c10::DeleterFnPtr raw_deleter() const override { return nullptr; }
+  c10::DeleterFnPtr raw_deleter() const override { return &release; }
 
   void start() {
+    std::lock_guard<std::mutex> lock(mutex_);
     live_ = 0;
     peak_ = 0;
     previous_ = c10::GetCPUAllocator();
     c10::SetCPUAllocator(this, /*priority=*/255);
   }
   void stop() { c10::SetCPUAllocator(previous_, /*priority=*/255); }
-  std::int64_t live() const { return live_; }
-  std::int64_t peak() const { return peak_; }
+  std::int64_t live() const {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return live_;
+  }
+  std::int64_t peak() const {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return peak_;
+  }
 
  private:
-  struct Block {
+  // LibTorch requires data == context of a CPU DataPtr (resize and storage sharing move it), so
+  // each block's size and the inner allocation are found again by address.
+  static void release(void* data) {
+    CountingAllocator& self = instance();
     c10::DataPtr inner;
-    std::int64_t bytes;
-    const CountingAllocator* owner;
-  };
-  static void release(void* context) {
-    auto* block = static_cast<Block*>(context);
-    block->owner->live_ -= block->bytes;
-    delete block;
+    {
+      std::lock_guard<std::mutex> lock(self.mutex_);
+      auto it = self.blocks_.find(data);
+      if (it == self.blocks_.end()) return;
+      self.live_ -= it->second.first;
+      inner = std::move(it->second.second);
+      self.blocks_.erase(it);
+    }
   }
   c10::DataPtr counted(std::size_t n) const {
     c10::DataPtr inner = previous_->allocate(n);
     void* data = inner.get();
     const c10::Device device = inner.device();
-    const std::int64_t now = live_ += static_cast<std::int64_t>(n);
-    std::int64_t seen = peak_;
-    while (now > seen && !peak_.compare_exchange_weak(seen, now)) {
-    }
-    return {data, new Block{std::move(inner), static_cast<std::int64_t>(n), this}, &release, device};
+    std::lock_guard<std::mutex> lock(mutex_);
+    live_ += static_cast<std::int64_t>(n);
+    peak_ = std::max(peak_, live_);
+    if (data != nullptr) blocks_.emplace(data, std::make_pair(static_cast<std::int64_t>(n), std::move(inner)));
+    return {data, data, &release, device};
   }
 
-  mutable std::atomic<std::int64_t> live_{0}, peak_{0};
+ public:
+  static CountingAllocator& instance() {
+    static auto* counter = new CountingAllocator();  // never destroyed: traced tensors may outlive main
+    return *counter;
+  }
+
+ private:
+  mutable std::mutex mutex_;
+  mutable std::unordered_map<void*, std::pair<std::int64_t, c10::DataPtr>> blocks_;
+  mutable std::int64_t live_ = 0, peak_ = 0;
   c10::Allocator* previous_ = nullptr;
 };
 
-CountingAllocator& counting_allocator() {
-  static auto* instance = new CountingAllocator();  // never destroyed: traced tensors may outlive main
-  return *instance;
-}
+CountingAllocator& counting_allocator() { return CountingAllocator::instance(); }
 
 double rss_bytes() {
   std::ifstream in("/proc/self/status");
