@@ -82,6 +82,7 @@ MemoryPlan make_plan(const PlanInputs& in) {
   if (l.unsharded_grad_bytes > 0) add("unsharded gradients", l.unsharded_grad_bytes, "in backward, before their reduce-scatter");
   if (l.collective_buffer_bytes > 0) add("collective buffers", l.collective_buffer_bytes, "all-gather / reduce-scatter buffers alive at once");
   add("activations", in.activation_bytes, activations_detail);
+  if (in.runtime_bytes > 0) add("trainer runtime", in.runtime_bytes, "trainer, loggers, c10d, allocator caches (measured)");
   double total = 0;
   for (const auto& row : plan.rows) total += row.bytes;
   plan.training_peak = in.baseline_bytes + total;

@@ -23,6 +23,7 @@ struct PlanInputs {
   double activation_bytes = 0;     ///< what autograd keeps from one forward (the trace)
   double forward_transient_bytes = 0;  ///< the trace's peak above that (temporaries)
   double baseline_bytes = 0;       ///< the process with LibTorch, the plugins and the data loaded
+  double runtime_bytes = 0;        ///< what a training process holds beyond that (see plan_job.cpp)
   std::string activation_method;   ///< how the activations were measured, for the report
 };
 

@@ -115,8 +115,12 @@ sdk::MemoryLayout plan_sharded_memory(const ShardedPlanInput& in) {
   if (s > 1) {
     const std::int64_t in_flight = std::min<std::int64_t>(2, static_cast<std::int64_t>(n_units));
     double reduction = bytes_of(big.gathered > 0 ? big.gathered : root.gathered, in.reduce_dtype);
-    if (in.reduce_dtype != in.compute_dtype) reduction *= 2;
+    // The input is a second buffer when cast to reduce_dtype, and always under the
+    // per-parameter layout (its shards' gathered order differs from the parameters').
+    if (in.reduce_dtype != in.compute_dtype || in.layout == ParamLayout::per_parameter) reduction *= 2;
     out.collective_buffer_bytes = static_cast<double>(in_flight) * reduction;
+    // Gloo's list all-gather stages its output in one flat tensor of the gathered size.
+    out.collective_buffer_bytes += bytes_of(big.gathered > 0 ? big.gathered : root.gathered, in.compute_dtype);
     if (in.layout == ParamLayout::per_parameter) out.collective_buffer_bytes += bytes_of(big.gathered, in.compute_dtype);
     if (in.compute_dtype != in.master_dtype) out.collective_buffer_bytes += bytes_of(at_once * big.shard, in.compute_dtype);
   }
