@@ -68,11 +68,10 @@ sdk::MemoryLayout plan_sharded_memory(const ShardedPlanInput& in) {
     if (shards[i].gathered > shards[largest].gathered) largest = i;
   UnitShard big = children > 0 ? shards[largest] : UnitShard{};
 
-  std::int64_t shard_total = 0, gathered_total = 0, child_gathered_total = 0, numel_total = 0;
+  std::int64_t shard_total = 0, gathered_total = 0, child_gathered_total = 0;
   for (std::size_t i = 0; i < n_units; ++i) {
     shard_total += shards[i].shard;
     gathered_total += shards[i].gathered;
-    numel_total += shards[i].numel;
     if (i < children) child_gathered_total += shards[i].gathered;
   }
   out.units = static_cast<std::int64_t>(n_units);
@@ -155,8 +154,8 @@ sdk::MemoryLayout plan_sharded_memory(const ShardedPlanInput& in) {
                     " unit(s) gathered at once besides the root" + (aliased ? " (one rank: shards are the parameters)" : "");
   if (in.tp_size > 1)
     out.notes = "tensor parallelism: every parameter of the units is counted as split tp ways (LayerNorms and "
-                "row-parallel biases are replicated in fact), and its activation all-reduces are not counted";
-  (void)numel_total;
+                "row-parallel biases are replicated in fact), its activation all-reduces are not counted, and "
+                "activations are traced unsplit (an upper bound)";
   return out;
 }
 
