@@ -17,6 +17,7 @@
 #include "checkpoint_tool.hpp"
 #include "config.hpp"
 #include "launcher.hpp"
+#include "plan_job.hpp"
 #include "plugin_keys.hpp"
 #include "run_log.hpp"
 #include "tessera/core/comm.hpp"
@@ -31,6 +32,7 @@ using namespace tessera;
 
 constexpr const char* kUsage = R"(usage:
   tessera fit|validate|test|predict --config FILE.toml [--set section.key=value ...] [--ckpt-path last|PATH]
+  tessera plan --config FILE.toml [--set section.key=value ...] [--json]
   tessera plugins [--config FILE.toml]
   tessera checkpoint inspect|verify|export PATH [--to FILE.safetensors|FILE.ckpt]
   tessera --help | --version
@@ -39,6 +41,8 @@ constexpr const char* kUsage = R"(usage:
   validate   run the validation loop (weights from --ckpt-path)
   test       run the test loop (weights from --ckpt-path)
   predict    run predict_step and print its output (e.g. text generated from [data] prompt)
+  plan       print each rank's memory budget and the bytes it sends per step, without training
+             (fit prints a warning before any work when the plan exceeds the machine's memory)
   plugins    list every plugin found: kind, name, version, ABI, path (and refused files)
 
   --set section.key=value overrides the config; values are TOML (numbers, true/false,
@@ -49,12 +53,13 @@ constexpr const char* kUsage = R"(usage:
 struct Arguments {
   std::string command, config, ckpt_path;
   std::vector<std::string> overrides;
+  bool json = false;
 };
 
 Arguments parse(int argc, char** argv) {
   Arguments args;
   std::vector<std::string> words(argv + 1, argv + argc);
-  const std::vector<std::string> commands = {"fit", "validate", "test", "predict", "plugins"};
+  const std::vector<std::string> commands = {"fit", "validate", "test", "predict", "plan", "plugins"};
   for (std::size_t i = 0; i < words.size(); ++i) {
     const std::string& w = words[i];
     auto value = [&](const std::string& flag) -> std::string {
@@ -66,17 +71,19 @@ Arguments parse(int argc, char** argv) {
     if (w == "--config" || w.rfind("--config=", 0) == 0) args.config = value("--config");
     else if (w == "--set" || w.rfind("--set=", 0) == 0) args.overrides.push_back(value("--set"));
     else if (w == "--ckpt-path" || w.rfind("--ckpt-path=", 0) == 0) args.ckpt_path = value("--ckpt-path");
+    else if (w == "--json") args.json = true;
     else if (args.command.empty() && w.rfind("-", 0) != 0) {
       TESSERA_CHECK(std::find(commands.begin(), commands.end(), w) != commands.end(), "unknown command '", w, "'",
                     sdk::did_you_mean(w, commands), "; valid: ", sdk::join(commands));
       args.command = w;
     } else {
       TESSERA_FAIL("unexpected argument '", w, "'",
-                   sdk::did_you_mean(w, {"--config", "--set", "--ckpt-path", "--help", "--version"}));
+                   sdk::did_you_mean(w, {"--config", "--set", "--ckpt-path", "--json", "--help", "--version"}));
     }
   }
   TESSERA_CHECK(!args.command.empty(), "no command given");
   TESSERA_CHECK(args.command == "plugins" || !args.config.empty(), args.command, " needs --config FILE.toml");
+  TESSERA_CHECK(!args.json || args.command == "plan", "--json applies to `tessera plan` only");
   TESSERA_CHECK((args.command != "validate" && args.command != "test") || !args.ckpt_path.empty(), args.command,
                 " needs --ckpt-path last|PATH: without a checkpoint it would evaluate the model's random initial "
                 "weights");
@@ -141,6 +148,25 @@ void check_plugins(const host::Config& config) {
                                          data.locate("block_size") + " = " + std::to_string(length));
   }
   host::make_callbacks(config, loader);
+}
+
+/// fit, before any work: a warning (never an error: the user may know better) when the memory
+/// plan of this machine's ranks exceeds what the kernel says is available. Under torchrun,
+/// Slurm or MPI only each node's local rank 0 plans.
+void warn_about_memory(const host::Config& config) {
+  if (host::planned_cluster(config.launch).local_rank != 0) return;
+  host::PlannedJob job;
+  try {
+    job = host::plan_job(config);
+  } catch (const std::exception& e) {
+    std::cerr << "tessera: note: no memory plan (" << e.what() << ")\n";
+    return;
+  }
+  double available = host::memory_available_bytes();
+  if (const char* forced = std::getenv("TESSERA_MEMORY_AVAILABLE_MB"))  // tests
+    available = std::strtod(forced, nullptr) * 1048576.0;
+  const std::string warning = host::memory_warning(job.plan, available, job.local_ranks);
+  if (!warning.empty()) std::cerr << "tessera: " << warning << "\n";
 }
 
 std::string json_string(const std::string& text) {
@@ -222,9 +248,17 @@ int main(int argc, char** argv) {
     host::Config config = host::Config::load(args.config, args.overrides);
     const std::string root = config.trainer.default_root_dir;
     sdk::ClusterInfo cluster;
+    if (args.command == "plan") {
+      check_plugins(config);
+      host::PlannedJob job = host::plan_job(config);
+      std::cout << (args.json ? host::plan_json(job.plan, job.world_size, job.local_ranks)
+                              : host::format_plan(job.plan, job.world_size, job.local_ranks));
+      return 0;
+    }
     if (std::getenv("TESSERA_LAUNCHED") == nullptr) {  // once per job, before any rank starts
       host::Trainer::resolve_checkpoint(config, args.ckpt_path);  // a missing checkpoint stops us here
       check_plugins(config);
+      if (args.command == "fit") warn_about_memory(config);
     }
     configuring = false;
     core::set_comm_timeouts({static_cast<double>(config.launch.rendezvous_timeout_s),

@@ -2,6 +2,7 @@
 // averaged in buckets whose all-reduce starts from gradient-accumulator hooks while the rest
 // of backward still runs (PyTorch DDP's overlap), and no reduction on non-final
 // micro-batches (no_sync). The baseline FSDP is measured against.
+#include <algorithm>
 #include <unordered_map>
 
 #include <ATen/ATen.h>
@@ -11,6 +12,7 @@
 
 #include "tessera/core/strategy_base.hpp"
 #include "tessera/sdk/error.hpp"
+#include "tessera/sdk/memory_layout.hpp"
 #include "tessera/sdk/plugin.hpp"
 
 namespace tessera::plugins {
@@ -31,7 +33,7 @@ class GradReadyHook final : public torch::autograd::FunctionPostHook {
   std::size_t index_;
 };
 
-class DDPStrategy final : public core::StrategyBase {
+class DDPStrategy final : public core::StrategyBase, public sdk::StrategyMemoryLayout {
  public:
   explicit DDPStrategy(const sdk::Options& options)
       : StrategyBase(options), bucket_bytes_(static_cast<std::int64_t>(options.get_double("bucket_cap_mb", 25.0, 0.001) *
@@ -58,6 +60,47 @@ class DDPStrategy final : public core::StrategyBase {
         offset += p.numel();
       }
     }
+  }
+
+  /// The whole model and its gradients on every rank, plus the gradient buckets (a second copy
+  /// of the gradients, allocated at setup); one ring all-reduce of every bucket per step.
+  sdk::MemoryLayout memory_layout(sdk::Module& module, const sdk::ClusterInfo& cluster) override {
+    sdk::MemoryLayout out;
+    std::vector<at::Tensor> params;
+    for (const auto& p : module.network()->parameters()) {
+      out.param_bytes += static_cast<double>(p.numel()) * static_cast<double>(p.element_size());
+      if (p.requires_grad()) params.push_back(p);
+    }
+    std::reverse(params.begin(), params.end());  // as setup_module buckets them
+    std::int64_t bucket_bytes = 0, bucket_numel = 0, largest = 0, low_precision_numel = 0;
+    c10::optional<at::ScalarType> dtype;
+    for (const auto& p : params) {
+      const std::int64_t bytes = p.numel() * static_cast<std::int64_t>(p.element_size());
+      if (out.units == 0 || bucket_bytes + bytes > bucket_bytes_ || dtype != p.scalar_type()) {
+        ++out.units;
+        bucket_bytes = 0;
+        bucket_numel = 0;
+        dtype = p.scalar_type();
+      }
+      bucket_bytes += bytes;
+      bucket_numel += p.numel();
+      largest = std::max(largest, bucket_numel);
+      out.grad_bytes += static_cast<double>(bytes);
+      out.optimizer_numel += p.numel();
+      out.optimizer_dtype = p.scalar_type();
+      if (p.scalar_type() == at::kBFloat16 || p.scalar_type() == at::kHalf) low_precision_numel += p.numel();
+    }
+    out.persistent_buffer_bytes = out.grad_bytes;
+    out.setup_bytes = out.param_bytes;
+    // Gloo all-reduces 16-bit buckets through fp32 copies, all of them in flight at the end of backward.
+    if (cluster.world_size > 1) out.collective_buffer_bytes = 4.0 * static_cast<double>(low_precision_numel);
+    out.largest_unit = "bucket of " + std::to_string(largest) + " elements";
+    if (cluster.world_size > 1)
+      out.collectives.push_back({"all_reduce", "gradient all-reduce of every bucket", out.grad_bytes, cluster.world_size});
+    out.description = "ddp: the whole model on each of " + std::to_string(cluster.world_size) + " rank(s), " +
+                      std::to_string(out.units) + " gradient bucket(s) of at most " +
+                      std::to_string(bucket_bytes_ / (1024 * 1024)) + " MiB";
+    return out;
   }
 
   void grad_ready(std::size_t param_index) {

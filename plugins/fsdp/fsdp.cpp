@@ -49,6 +49,28 @@ class FSDPStrategy : public fsdp::ShardedStrategy {
   }
 
  protected:
+  PlannedMesh planned_mesh(const sdk::ClusterInfo& cluster) const override {
+    const std::int64_t world = cluster.world_size;
+    PlannedMesh mesh;
+    if (sharding_strategy_ == "NO_SHARD") {
+      mesh.replicate = world;
+    } else if (sharding_strategy_ == "HYBRID_SHARD") {
+      mesh.shard = hybrid_group_size_ > 0 ? hybrid_group_size_ : cluster.local_world_size;
+      TESSERA_CHECK(mesh.shard >= 1 && world % mesh.shard == 0, "[strategy] hybrid_shard_group_size = ", mesh.shard,
+                    " does not divide the world size ", world, "; choose a divisor of ", world);
+      mesh.replicate = world / mesh.shard;
+    } else {
+      mesh.shard = world;
+    }
+    return mesh;
+  }
+  fsdp::FSDPOptions planned_options(const sdk::MixedPrecisionPolicy& policy) const override {
+    fsdp::FSDPOptions options = options_;
+    options.mixed_precision = policy;
+    return options;
+  }
+  std::string strategy_name() const override { return "fsdp"; }
+
   void setup_module() override {
     if (sync_module_states_) {
       torch::NoGradGuard no_grad;

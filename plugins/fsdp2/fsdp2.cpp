@@ -110,6 +110,24 @@ class FSDP2Strategy final : public fsdp::ShardedStrategy, public sdk::StrategyCh
   }
 
  protected:
+  PlannedMesh planned_mesh(const sdk::ClusterInfo& cluster) const override {
+    PlannedMesh mesh;
+    mesh.shard = shard_size(cluster.world_size);
+    mesh.replicate = replicate_size_;
+    mesh.tp = tp_size();
+    if (reshard_size_ > 1 && reshard_size_ < mesh.shard) mesh.reshard_group = reshard_size_;
+    return mesh;
+  }
+  fsdp::FSDPOptions planned_options(const sdk::MixedPrecisionPolicy& policy) const override {
+    fsdp::FSDPOptions options = options_;
+    options.mixed_precision = policy;
+    if (param_dtype_) options.mixed_precision.param_dtype = param_dtype_;
+    if (reduce_dtype_) options.mixed_precision.reduce_dtype = reduce_dtype_;
+    if (reshard_size_ == 1) options.sharding_strategy = fsdp::ShardingStrategy::SHARD_GRAD_OP;
+    return options;
+  }
+  std::string strategy_name() const override { return "fsdp2"; }
+
   /// NeMo's parallelize(): the model's tensor-parallel plan on the "tp" dimension, then
   /// fully_shard of its units and the root on "shard" (and "replicate"). Applied once, in setup.
   void setup_module() override {

@@ -6,6 +6,7 @@
 #include <ATen/ATen.h>
 
 #include "tessera/core/checkpoint.hpp"
+#include "tessera/core/fsdp/memory_plan.hpp"
 #include "tessera/core/fsdp/wrap.hpp"
 #include "tessera/sdk/checkpoint_io_features.hpp"
 #include "tessera/sdk/error.hpp"
@@ -196,8 +197,13 @@ void ShardedStrategy::fill_common_options(FSDPOptions& options) const {
 }
 
 void ShardedStrategy::check_unit_classes(const FSDPOptions& options, const std::string& key) const {
+  check_unit_classes(*network_, options, key);
+}
+
+void ShardedStrategy::check_unit_classes(const torch::nn::Module& network, const FSDPOptions& options,
+                                         const std::string& key) const {
   if (options.auto_wrap_policy == "transformer" || options.auto_wrap_policy == "size") {
-    const std::string problem = unit_class_problem(*network_, options.unit_classes);
+    const std::string problem = unit_class_problem(network, options.unit_classes);
     TESSERA_CHECK(problem.empty(), key, ": ", problem);
   }
   for (const auto& cls : options.activation_checkpointing)
@@ -206,6 +212,70 @@ void ShardedStrategy::check_unit_classes(const FSDPOptions& options, const std::
                           options.unit_classes.end(),
                   "[strategy] activation_checkpointing names '", cls, "', which is not an FSDP unit class; valid: ",
                   sdk::join(options.unit_classes));
+}
+
+sdk::MemoryLayout ShardedStrategy::memory_layout(sdk::Module& module, const sdk::ClusterInfo& cluster) {
+  const PlannedMesh mesh = planned_mesh(cluster);
+  FSDPOptions options = planned_options(precision().mixed_precision_policy());
+  if (options.unit_classes.empty()) options.unit_classes = module.fsdp_unit_classes();
+  options.custom_wrap_policy = [&module](const std::string& path, const torch::nn::Module& m) {
+    return module.fsdp_wrap_policy(path, m);
+  };
+  std::shared_ptr<torch::nn::Module> network = module.network();
+  TESSERA_CHECK(network != nullptr, "the model plugin built no network");
+  check_unit_classes(*network, options, "[strategy] transformer_layer_cls");
+  const UnitPlan plan = plan_units(*network, options);
+
+  ShardedPlanInput in;
+  in.strategy = strategy_name();
+  for (const auto& unit : plan.units) {
+    PlannedUnitSizes sizes{unit.name, {}};
+    for (const auto& p : unit.params) {
+      const std::int64_t rows = p.tensor.dim() == 0 ? 1 : p.tensor.size(0);
+      sizes.params.push_back({rows, rows == 0 ? 0 : p.tensor.numel() / rows});
+    }
+    in.units.push_back(std::move(sizes));
+  }
+  for (const auto& p : plan.replicated) in.replicated_numel += p.tensor.numel();
+  in.shard_size = mesh.shard;
+  in.replicate_size = mesh.replicate;
+  in.tp_size = mesh.tp;
+  in.reshard_group = mesh.reshard_group;
+  in.layout = options.layout;
+  in.sharding_strategy = options.sharding_strategy;
+  in.backward_prefetch = options.backward_prefetch;
+  in.forward_prefetch = options.forward_prefetch;
+  in.max_gathered_units = options.max_gathered_units;
+  // The dtypes the layouts pick (flat_param.cpp): the master shard keeps the parameters' own.
+  at::ScalarType master = at::kFloat;
+  for (const auto& unit : plan.units)
+    if (!unit.params.empty()) {
+      master = unit.params.front().tensor.scalar_type();
+      break;
+    }
+  const sdk::MixedPrecisionPolicy& policy = options.mixed_precision;
+  in.master_dtype = master;
+  in.compute_dtype = policy.param_dtype.value_or(master);
+  in.reduce_dtype = policy.reduce_dtype.value_or(in.compute_dtype);
+  in.grad_dtype = policy.keep_low_precision_grads ? in.reduce_dtype : master;
+  sdk::MemoryLayout layout = plan_sharded_memory(in);
+  // Setup: an eager build holds the whole model while each unit's flat copy is sharded; a
+  // deferred one about one unit (its parameters, flat copy and shard).
+  double whole = 0, largest = 0;
+  for (const auto& unit : plan.units) {
+    double bytes = 0;
+    for (const auto& p : unit.params) bytes += static_cast<double>(p.tensor.numel() * p.tensor.element_size());
+    whole += bytes;
+    largest = std::max(largest, bytes);
+  }
+  layout.setup_bytes = deferred_init_ ? 2 * largest : whole + largest;
+  if (options.cpu_offload)
+    layout.notes += std::string(layout.notes.empty() ? "" : "; ") +
+                    "cpu_offload: on a CUDA device the shards, gradients and optimizer state are host memory";
+  if (!options.activation_checkpointing.empty())
+    layout.notes += std::string(layout.notes.empty() ? "" : "; ") +
+                    "activation_checkpointing: activations are traced without recomputation (an upper bound)";
+  return layout;
 }
 
 }  // namespace tessera::core::fsdp

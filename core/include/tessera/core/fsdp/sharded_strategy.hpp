@@ -11,10 +11,11 @@
 #include "tessera/core/fsdp.hpp"
 #include "tessera/core/strategy_base.hpp"
 #include "tessera/core/tensor_piece.hpp"
+#include "tessera/sdk/memory_layout.hpp"
 
 namespace tessera::core::fsdp {
 
-class ShardedStrategy : public StrategyBase {
+class ShardedStrategy : public StrategyBase, public sdk::StrategyMemoryLayout {
  public:
   /// Reads `deferred_init` and `state_dict_type` ("full" | "sharded" | "local", or
   /// PyTorch's FULL_STATE_DICT / SHARDED_STATE_DICT / LOCAL_STATE_DICT).
@@ -59,7 +60,22 @@ class ShardedStrategy : public StrategyBase {
   sdk::Checkpoint load_checkpoint(const std::string& path) override;
   void teardown() override;
 
+  /// `tessera plan`: the units the wrap policy makes of `module`'s network and their shards
+  /// on the mesh a job of `cluster` gets (core/fsdp/memory_plan.hpp), without communicating.
+  sdk::MemoryLayout memory_layout(sdk::Module& module, const sdk::ClusterInfo& cluster) override;
+
  protected:
+  /// The mesh a job of `cluster` gets, as setup_environment/setup_module would build it.
+  struct PlannedMesh {
+    std::int64_t shard = 1, replicate = 1, tp = 1;
+    std::int64_t reshard_group = 0;  ///< fsdp2 reshard_after_forward = k; 0: the shard group
+  };
+  virtual PlannedMesh planned_mesh(const sdk::ClusterInfo& cluster) const = 0;
+  /// The options setup_module would pass the engine, with mixed precision from `policy` (the
+  /// precision plugin's) and the strategy's own overrides; wrap callbacks are filled by the caller.
+  virtual FSDPOptions planned_options(const sdk::MixedPrecisionPolicy& policy) const = 0;
+  virtual std::string strategy_name() const = 0;
+
   std::vector<sdk::NamedParameter> optimizer_parameters() override;
   // The optimizer's gradients are views of the sharded gradients: zeroed in place.
   void zero_grad() override;
@@ -73,6 +89,7 @@ class ShardedStrategy : public StrategyBase {
   virtual std::map<std::string, StackedPieces> owned_pieces();
   /// Throws (naming `key`) when a unit class of `options` is not in the network.
   void check_unit_classes(const FSDPOptions& options, const std::string& key) const;
+  void check_unit_classes(const torch::nn::Module& network, const FSDPOptions& options, const std::string& key) const;
 
   bool loaded_sharded() const { return loaded_ == "sharded"; }
 

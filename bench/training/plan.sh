@@ -1,0 +1,58 @@
+#!/usr/bin/env bash
+# `tessera plan`'s peak RSS per rank against what `tessera fit` measures (metrics.csv
+# peak_rss_mb, the busiest rank), on the GPT of memory.sh (8 layers, 768 wide, ~57M
+# parameters, AdamW, 3 steps) under each strategy, 1, 2 and 4 ranks, fp32 and bf16-mixed.
+#   bash bench/training/plan.sh [build-dir]        (~4 minutes on 2 cores)
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+tessera="${1:-build}/bin/tessera"
+out="$(mktemp -d)"; trap 'rm -rf "$out"' EXIT
+cat > "$out/gpt.toml" <<TOML
+[trainer]
+max_steps = 3
+log_every_n_steps = 1
+enable_progress_bar = false
+save_last = false
+[optimizer]
+name = "adamw"
+lr = 3e-4
+schedule = "constant"
+[model]
+plugin = "gpt"
+n_layer = 8
+n_head = 12
+n_embd = 768
+block_size = 64
+[data]
+plugin = "text"
+block_size = 64
+TOML
+
+printf "%-26s %10s %10s %8s   %s\n" "" "plan MB" "fit MB" "error" "sent per rank per step"
+run() {
+  local name="$1"; shift
+  local dir="$out/$name"
+  local json planned measured sent
+  json=$($tessera plan --json --config "$out/gpt.toml" "$@")
+  planned=$(python3 -c 'import json,sys; print(round(json.loads(sys.argv[1])["peak_rss_per_rank_bytes"]/1048576))' "$json")
+  sent=$(python3 -c 'import json,sys; print("%.0f MB" % (json.loads(sys.argv[1])["sent_per_step_bytes"]/1048576))' "$json")
+  $tessera fit --config "$out/gpt.toml" --set trainer.default_root_dir="$dir" "$@" > "$dir.log" 2>&1 \
+    || { echo "$name failed:" >&2; tail -20 "$dir.log" >&2; exit 1; }
+  measured=$(awk -F, '$4=="peak_rss_mb" {printf "%.0f", $5}' "$dir/version_0/metrics.csv")
+  printf "%-26s %10s %10s %+7.1f%%   %s\n" "$name" "$planned" "$measured" \
+    "$(python3 -c "print(100*($planned-$measured)/$measured)")" "$sent"
+}
+
+run single_device --set data.batch_size=4
+run ddp_2 --set launch.devices=2 --set strategy.plugin=ddp --set data.batch_size=2
+for n in 1 2 4; do
+  run "fsdp_full_shard_$n" --set launch.devices=$n --set strategy.plugin=fsdp --set data.batch_size=$((4 / n))
+done
+run fsdp_shard_grad_op_2 --set launch.devices=2 --set strategy.plugin=fsdp --set strategy.sharding_strategy=SHARD_GRAD_OP \
+  --set data.batch_size=2
+run fsdp_deferred_init_4 --set launch.devices=4 --set strategy.plugin=fsdp --set strategy.deferred_init=true \
+  --set data.batch_size=1
+run fsdp2_2 --set launch.devices=2 --set strategy.plugin=fsdp2 --set data.batch_size=2
+run fsdp2_4 --set launch.devices=4 --set strategy.plugin=fsdp2 --set data.batch_size=1
+run fsdp_bf16_mixed_2 --set launch.devices=2 --set strategy.plugin=fsdp --set precision.plugin=fsdp-precision \
+  --set precision.precision=bf16-mixed --set data.batch_size=2

@@ -1,0 +1,162 @@
+#include "tessera/core/fsdp/memory_plan.hpp"
+
+#include <algorithm>
+
+#include <c10/core/ScalarType.h>
+
+namespace tessera::core::fsdp {
+
+namespace {
+
+double bytes_of(std::int64_t numel, c10::ScalarType dtype) {
+  return static_cast<double>(numel) * static_cast<double>(c10::elementSize(dtype));
+}
+
+std::int64_t ceil_div(std::int64_t a, std::int64_t b) { return (a + b - 1) / b; }
+
+const char* name_of(ShardingStrategy s) {
+  switch (s) {
+    case ShardingStrategy::FULL_SHARD: return "FULL_SHARD";
+    case ShardingStrategy::SHARD_GRAD_OP: return "SHARD_GRAD_OP";
+    case ShardingStrategy::NO_SHARD: return "NO_SHARD";
+    case ShardingStrategy::HYBRID_SHARD: return "HYBRID_SHARD";
+  }
+  return "?";
+}
+
+std::string dtype_name(c10::ScalarType t) {
+  switch (t) {
+    case c10::ScalarType::Float: return "fp32";
+    case c10::ScalarType::BFloat16: return "bf16";
+    case c10::ScalarType::Half: return "fp16";
+    case c10::ScalarType::Double: return "fp64";
+    default: return c10::toString(t);
+  }
+}
+
+}  // namespace
+
+UnitShard shard_unit(const PlannedUnitSizes& unit, ParamLayout layout, std::int64_t shard_size, std::int64_t tp_size) {
+  UnitShard out;
+  const bool split = tp_size > 1 && unit.name != "<root>";
+  for (const PlannedParam& p : unit.params) {
+    const std::int64_t rows = split ? ceil_div(p.rows, tp_size) : p.rows;
+    out.numel += rows * p.row_numel;
+    if (layout == ParamLayout::per_parameter) out.shard += ceil_div(rows, shard_size) * p.row_numel;
+  }
+  if (layout == ParamLayout::flat) {
+    std::int64_t padded = ceil_div(out.numel, shard_size) * shard_size;
+    out.shard = (padded == 0 ? shard_size : padded) / shard_size;
+  } else if (out.shard == 0) {
+    out.shard = 1;
+  }
+  out.gathered = shard_size * out.shard;
+  return out;
+}
+
+sdk::MemoryLayout plan_sharded_memory(const ShardedPlanInput& in) {
+  sdk::MemoryLayout out;
+  const std::int64_t s = std::max<std::int64_t>(1, in.shard_size);
+  std::vector<UnitShard> shards;
+  for (const auto& u : in.units) shards.push_back(shard_unit(u, in.layout, s, in.tp_size));
+  const std::size_t n_units = in.units.size();
+  const bool has_root = n_units > 0 && in.units.back().name == "<root>";
+  const std::size_t children = has_root ? n_units - 1 : n_units;
+  UnitShard root = has_root ? shards.back() : UnitShard{};
+  std::size_t largest = 0;
+  for (std::size_t i = 0; i < children; ++i)
+    if (shards[i].gathered > shards[largest].gathered) largest = i;
+  UnitShard big = children > 0 ? shards[largest] : UnitShard{};
+
+  std::int64_t shard_total = 0, gathered_total = 0, child_gathered_total = 0;
+  for (std::size_t i = 0; i < n_units; ++i) {
+    shard_total += shards[i].shard;
+    gathered_total += shards[i].gathered;
+    if (i < children) child_gathered_total += shards[i].gathered;
+  }
+  out.units = static_cast<std::int64_t>(n_units);
+  out.largest_unit = children > 0 ? in.units[largest].name + " (" + std::to_string(big.numel) + " elements)"
+                                  : "<root> (" + std::to_string(root.numel) + " elements)";
+
+  // Persistent: master shards, their gradients, the optimizer's moments on the shards.
+  out.param_bytes = bytes_of(shard_total, in.master_dtype) + bytes_of(in.replicated_numel, in.master_dtype);
+  out.grad_bytes = bytes_of(shard_total, in.grad_dtype) + bytes_of(in.replicated_numel, in.master_dtype);
+  out.optimizer_numel = shard_total + in.replicated_numel;
+  out.optimizer_dtype = in.master_dtype;
+
+  // Gathered units. A one-rank shard group computing in the master dtype aliases its shard
+  // (nothing gathered); a one-rank group in another dtype keeps every unit's copy.
+  const bool aliased = s == 1 && in.compute_dtype == in.master_dtype;
+  const bool reshards = s > 1 && (in.sharding_strategy == ShardingStrategy::FULL_SHARD ||
+                                  in.sharding_strategy == ShardingStrategy::HYBRID_SHARD);
+  std::int64_t at_once = 1;
+  if (reshards) {
+    // The running unit and one prefetched (backward_prefetch in backward, forward_prefetch in
+    // forward), capped by limit_all_gathers; the root stays gathered from forward to backward.
+    if (in.backward_prefetch != BackwardPrefetch::NONE || in.forward_prefetch) at_once = 2;
+    if (in.max_gathered_units > 0) at_once = std::min(at_once, in.max_gathered_units);
+    at_once = std::min<std::int64_t>(at_once, static_cast<std::int64_t>(children));
+    out.gathered_bytes = bytes_of(root.gathered + at_once * big.gathered, in.compute_dtype);
+    if (in.reshard_group > 1 && in.reshard_group < s)  // 1/k of every unit kept from forward to backward
+      out.gathered_bytes += bytes_of(child_gathered_total / in.reshard_group, in.compute_dtype);
+  } else if (!aliased) {
+    out.gathered_bytes = bytes_of(gathered_total, in.compute_dtype);  // SHARD_GRAD_OP, NO_SHARD, one rank
+  }
+
+  // Backward: the root's unsharded gradient for the whole of it, the unit computing its
+  // gradient and the two older units whose reductions are in flight.
+  const std::int64_t grads_at_once = std::min<std::int64_t>(3, static_cast<std::int64_t>(children));
+  out.unsharded_grad_bytes = bytes_of(root.gathered + grads_at_once * big.gathered, in.compute_dtype);
+
+  // Collective buffers at once: per reduction in flight the all-to-all's receive buffer
+  // (the input's size) and, when reduce_dtype differs, the cast input; the per-parameter
+  // layout's all-gather output beside the unsharded parameters, and the cast all-gather input.
+  if (s > 1) {
+    const std::int64_t in_flight = std::min<std::int64_t>(2, static_cast<std::int64_t>(n_units));
+    double reduction = bytes_of(big.gathered > 0 ? big.gathered : root.gathered, in.reduce_dtype);
+    // The input is a second buffer when cast to reduce_dtype, and always under the
+    // per-parameter layout (its shards' gathered order differs from the parameters').
+    if (in.reduce_dtype != in.compute_dtype || in.layout == ParamLayout::per_parameter) reduction *= 2;
+    out.collective_buffer_bytes = static_cast<double>(in_flight) * reduction;
+    // Gloo's list all-gather stages its output in one flat tensor of the gathered size.
+    out.collective_buffer_bytes += bytes_of(big.gathered > 0 ? big.gathered : root.gathered, in.compute_dtype);
+    if (in.layout == ParamLayout::per_parameter) out.collective_buffer_bytes += bytes_of(big.gathered, in.compute_dtype);
+    if (in.compute_dtype != in.master_dtype) out.collective_buffer_bytes += bytes_of(at_once * big.shard, in.compute_dtype);
+  }
+
+  // Collectives per optimizer step (one micro-batch).
+  const std::string c = dtype_name(in.compute_dtype), r = dtype_name(in.reduce_dtype);
+  if (s > 1) {
+    out.collectives.push_back({"all_gather", "forward all-gather of every unit (" + c + ")",
+                               bytes_of(gathered_total, in.compute_dtype), s});
+    if (reshards && children > 0) {
+      const std::int64_t group = in.reshard_group > 1 && in.reshard_group < s ? in.reshard_group : s;
+      out.collectives.push_back({"all_gather", "backward re-gather of the units (" + c + ")",
+                                 bytes_of(child_gathered_total, in.compute_dtype), group});
+    }
+    out.collectives.push_back({"reduce_scatter", "gradient reduce-scatter of every unit (" + r + ")",
+                               bytes_of(gathered_total, in.reduce_dtype), s});
+  }
+  if (in.replicate_size > 1)
+    out.collectives.push_back({"all_reduce", "gradient all-reduce of the shards over replicas (" + r + ")",
+                               bytes_of(shard_total, in.reduce_dtype), in.replicate_size});
+  if (in.replicated_numel > 0 && s * in.replicate_size > 1)
+    out.collectives.push_back({"all_reduce", "gradient all-reduce of the ignored (replicated) parameters (fp32)",
+                               bytes_of(in.replicated_numel, c10::ScalarType::Float), s * in.replicate_size});
+
+  out.description = in.strategy + " " + name_of(in.sharding_strategy) + ": " + std::to_string(children) +
+                    " unit(s) + root, " + (in.layout == ParamLayout::flat ? "flat padded" : "per-parameter dim-0") +
+                    " shards over " + std::to_string(s) + " rank(s)" +
+                    (in.replicate_size > 1 ? " x " + std::to_string(in.replicate_size) + " replicas" : "") +
+                    (in.tp_size > 1 ? " x tp " + std::to_string(in.tp_size) : "") + "; master " +
+                    dtype_name(in.master_dtype) + ", gathered " + c + ", reduced " + r + ", optimizer grads " +
+                    dtype_name(in.grad_dtype) + "; " + std::to_string(reshards ? at_once : 0) +
+                    " unit(s) gathered at once besides the root" + (aliased ? " (one rank: shards are the parameters)" : "");
+  if (in.tp_size > 1)
+    out.notes = "tensor parallelism: every parameter of the units is counted as split tp ways (LayerNorms and "
+                "row-parallel biases are replicated in fact), its activation all-reduces are not counted, and "
+                "activations are traced unsplit (an upper bound)";
+  return out;
+}
+
+}  // namespace tessera::core::fsdp

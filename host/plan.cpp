@@ -1,0 +1,203 @@
+#include "plan.hpp"
+
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <fstream>
+#include <string>
+
+#include <c10/core/ScalarType.h>
+
+namespace tessera::host {
+
+namespace {
+
+std::string mb(double bytes) {
+  char out[32];
+  std::snprintf(out, sizeof(out), "%.0f MB", bytes / 1048576.0);
+  return out;
+}
+
+std::string json_escape(const std::string& text) {
+  std::string out;
+  for (char c : text) {
+    if (c == '"' || c == '\\') out += '\\';
+    if (c == '\n') { out += "\\n"; continue; }
+    out += c;
+  }
+  return out;
+}
+
+std::string number(double value) {
+  char out[40];
+  std::snprintf(out, sizeof(out), "%.0f", value);
+  return out;
+}
+
+}  // namespace
+
+double ring_bytes_sent(const std::string& kind, double bytes, std::int64_t group) {
+  if (group <= 1) return 0;
+  const double share = static_cast<double>(group - 1) / static_cast<double>(group);
+  return (kind == "all_reduce" ? 2.0 : 1.0) * share * bytes;
+}
+
+int optimizer_moments(const std::string& optimizer, double momentum) {
+  if (optimizer == "sgd") return momentum > 0 ? 1 : 0;
+  return 2;  // adam, adamw: exp_avg and exp_avg_sq
+}
+
+MemoryPlan make_plan(const PlanInputs& in) {
+  MemoryPlan plan;
+  plan.known = in.layout.has_value();
+  const std::string activations_detail = in.activation_method;
+  if (!plan.known) {
+    plan.description = "strategy '" + in.strategy + "' does not describe its layout";
+    plan.rows.push_back({"activations", in.activation_bytes, activations_detail});
+    plan.notes.push_back("the strategy plugin '" + in.strategy + "' does not implement sdk::StrategyMemoryLayout: "
+                         "parameters, gradients, optimizer state, gathered units and traffic are unknown, and the "
+                         "peak below counts the baseline and the activations only (a lower bound)");
+    plan.training_peak = in.baseline_bytes + in.activation_bytes;
+    plan.setup_peak = in.baseline_bytes;
+    plan.peak = plan.training_peak;
+    plan.job_bytes = plan.peak * static_cast<double>(in.local_ranks);
+    return plan;
+  }
+  const sdk::MemoryLayout& l = *in.layout;
+  plan.description = l.description;
+  const int moments = optimizer_moments(in.optimizer, in.momentum);
+  const double optimizer_bytes = static_cast<double>(moments) * static_cast<double>(l.optimizer_numel) *
+                                 static_cast<double>(c10::elementSize(l.optimizer_dtype));
+  auto add = [&](const std::string& name, double bytes, const std::string& detail) {
+    plan.rows.push_back({name, bytes, detail});
+  };
+  add("parameters", l.param_bytes, "what the optimizer steps on (this rank's shards under FSDP)");
+  add("gradients", l.grad_bytes, "their gradients");
+  add("optimizer state", optimizer_bytes,
+      in.optimizer + ": " + std::to_string(moments) + " moment(s) x " + std::to_string(l.optimizer_numel) +
+          " elements");
+  if (l.persistent_buffer_bytes > 0) add("gradient buckets", l.persistent_buffer_bytes, "DDP's flat all-reduce buffers");
+  if (l.gathered_bytes > 0 || l.units > 0)
+    add("gathered units", l.gathered_bytes, "unsharded parameters alive at once; largest unit " + l.largest_unit);
+  if (l.unsharded_grad_bytes > 0) add("unsharded gradients", l.unsharded_grad_bytes, "in backward, before their reduce-scatter");
+  if (l.collective_buffer_bytes > 0) add("collective buffers", l.collective_buffer_bytes, "all-gather / reduce-scatter buffers alive at once");
+  add("activations", in.activation_bytes, activations_detail);
+  if (in.runtime_bytes > 0) add("trainer runtime", in.runtime_bytes, "trainer, loggers, c10d, allocator caches (measured)");
+  double total = 0;
+  for (const auto& row : plan.rows) total += row.bytes;
+  plan.training_peak = in.baseline_bytes + total;
+  plan.setup_peak = in.baseline_bytes + l.setup_bytes;
+  plan.peak = std::max(plan.training_peak, plan.setup_peak);
+  plan.job_bytes = plan.peak * static_cast<double>(in.local_ranks);
+
+  for (const auto& c : l.collectives) {
+    PlanTraffic t;
+    t.kind = c.kind;
+    t.what = c.what;
+    t.group_size = c.group_size;
+    // All-gathers run every micro-batch; gradients are reduced once per optimizer step.
+    t.data_bytes = c.bytes * (c.kind == "all_gather" ? static_cast<double>(in.accumulate_grad_batches) : 1.0);
+    t.sent_bytes = ring_bytes_sent(c.kind, t.data_bytes, c.group_size);
+    plan.sent_per_step += t.sent_bytes;
+    plan.traffic.push_back(t);
+  }
+  if (!l.notes.empty()) plan.notes.push_back(l.notes);
+  if (in.accumulate_grad_batches > 1)
+    plan.notes.push_back("accumulate_grad_batches = " + std::to_string(in.accumulate_grad_batches) +
+                         ": the gradients a strategy keeps unreduced between micro-batches are not counted");
+  return plan;
+}
+
+std::string format_plan(const MemoryPlan& plan, std::int64_t world_size, std::int64_t local_ranks) {
+  std::string out = "memory plan: " + plan.description + "\n";
+  out += "  " + std::to_string(world_size) + " rank(s), " + std::to_string(local_ranks) +
+         " on this machine; every rank alike (the largest shard where they differ by padding)\n\n";
+  char line[512];
+  std::snprintf(line, sizeof(line), "  %-22s %12s  %s\n", "", "per rank", "");
+  out += line;
+  auto row = [&](const std::string& name, double bytes, const std::string& detail) {
+    std::snprintf(line, sizeof(line), "  %-22s %12s  %s\n", name.c_str(), mb(bytes).c_str(), detail.c_str());
+    out += line;
+  };
+  for (const auto& r : plan.rows) row(r.name, r.bytes, r.detail);
+  row("runtime baseline", plan.training_peak - [&] {
+        double s = 0;
+        for (const auto& r : plan.rows) s += r.bytes;
+        return s;
+      }(), "this process with LibTorch, the plugins and the data loaded");
+  out += "  " + std::string(22 + 1 + 12, '-') + "\n";
+  row("training peak", plan.training_peak, "");
+  row("setup peak", plan.setup_peak, "building and sharding the model");
+  row("peak RSS per rank", plan.peak, plan.known ? "" : "(a lower bound: the layout is unknown)");
+  row("this machine", plan.job_bytes, "peak x " + std::to_string(local_ranks) + " local rank(s)");
+  if (plan.known) {
+    out += "\n  sent per rank per optimizer step (ring algorithm: all-gather and reduce-scatter send (g-1)/g of the data,"
+           " all-reduce 2(g-1)/g):\n";
+    if (plan.traffic.empty()) out += "    nothing\n";
+    for (const auto& t : plan.traffic) {
+      std::snprintf(line, sizeof(line), "    %-15s %10s of %10s over %3lld rank(s)  %s\n", t.kind.c_str(),
+                    mb(t.sent_bytes).c_str(), mb(t.data_bytes).c_str(), static_cast<long long>(t.group_size),
+                    t.what.c_str());
+      out += line;
+    }
+    std::snprintf(line, sizeof(line), "    %-15s %10s\n", "total", mb(plan.sent_per_step).c_str());
+    out += line;
+  }
+  for (const auto& note : plan.notes) out += "  note: " + note + "\n";
+  return out;
+}
+
+std::string plan_json(const MemoryPlan& plan, std::int64_t world_size, std::int64_t local_ranks) {
+  std::string out = "{\"known\": " + std::string(plan.known ? "true" : "false") + ", \"description\": \"" +
+                    json_escape(plan.description) + "\", \"world_size\": " + std::to_string(world_size) +
+                    ", \"local_ranks\": " + std::to_string(local_ranks) + ", \"per_rank_bytes\": {";
+  double rows = 0;
+  for (std::size_t i = 0; i < plan.rows.size(); ++i) {
+    out += (i ? ", \"" : "\"") + json_escape(plan.rows[i].name) + "\": " + number(plan.rows[i].bytes);
+    rows += plan.rows[i].bytes;
+  }
+  out += ", \"runtime baseline\": " + number(plan.training_peak - rows) + "}, \"training_peak_bytes\": " +
+         number(plan.training_peak) + ", \"setup_peak_bytes\": " + number(plan.setup_peak) +
+         ", \"peak_rss_per_rank_bytes\": " + number(plan.peak) + ", \"machine_bytes\": " + number(plan.job_bytes) +
+         ", \"sent_per_step_bytes\": " + number(plan.sent_per_step) + ", \"traffic\": [";
+  for (std::size_t i = 0; i < plan.traffic.size(); ++i) {
+    const auto& t = plan.traffic[i];
+    out += std::string(i ? ", " : "") + "{\"kind\": \"" + t.kind + "\", \"what\": \"" + json_escape(t.what) +
+           "\", \"group_size\": " + std::to_string(t.group_size) + ", \"data_bytes\": " + number(t.data_bytes) +
+           ", \"sent_bytes\": " + number(t.sent_bytes) + "}";
+  }
+  out += "], \"notes\": [";
+  for (std::size_t i = 0; i < plan.notes.size(); ++i)
+    out += std::string(i ? ", " : "") + "\"" + json_escape(plan.notes[i]) + "\"";
+  return out + "]}\n";
+}
+
+double memory_available_bytes() {
+  std::ifstream in("/proc/meminfo");
+  for (std::string line; std::getline(in, line);)
+    if (line.rfind("MemAvailable:", 0) == 0) return 1024.0 * std::strtod(line.c_str() + 13, nullptr);
+  return -1;
+}
+
+std::string memory_warning(const MemoryPlan& plan, double available, std::int64_t local_ranks) {
+  if (available < 0 || plan.job_bytes <= available) return "";
+  std::string out = "warning: the memory plan needs " + mb(plan.job_bytes) + " on this machine (" + mb(plan.peak) +
+                    " peak RSS per rank x " + std::to_string(local_ranks) + " local rank(s): ";
+  bool first = true;
+  for (const auto& r : plan.rows) {
+    if (r.bytes <= 0) continue;
+    out += (first ? "" : ", ") + r.name + " " + mb(r.bytes);
+    first = false;
+  }
+  out += ", baseline " + mb(plan.training_peak - [&] {
+           double s = 0;
+           for (const auto& r : plan.rows) s += r.bytes;
+           return s;
+         }()) +
+         ") but only " + mb(available) + " is available (MemAvailable); the job may be killed for memory. "
+         "Shard more (fsdp FULL_SHARD, more ranks), lower [data] batch_size, or see `tessera plan`";
+  if (plan.job_bytes > 2 * available) out += " (the plan is more than twice what is available)";
+  return out;
+}
+
+}  // namespace tessera::host

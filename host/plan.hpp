@@ -1,0 +1,75 @@
+#pragma once
+// `tessera plan`: each rank's memory budget and traffic for a configured job, predicted
+// without running a step. This file is the arithmetic and the report (unit-tested in
+// tests/config); plan_job.cpp gathers its inputs: the strategy's layout
+// (sdk::StrategyMemoryLayout), a trace of one forward, and the process's own baseline.
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "tessera/sdk/memory_layout.hpp"
+
+namespace tessera::host {
+
+struct PlanInputs {
+  std::string strategy;                      ///< the [strategy] plugin's name
+  std::optional<sdk::MemoryLayout> layout;   ///< absent: the strategy does not describe its layout
+  std::string optimizer = "adamw";           ///< [optimizer] name
+  double momentum = 0;                       ///< [optimizer] momentum (sgd)
+  std::int64_t world_size = 1;
+  std::int64_t local_ranks = 1;              ///< ranks on this machine
+  std::int64_t accumulate_grad_batches = 1;
+  double activation_bytes = 0;     ///< what autograd keeps from one forward (the trace)
+  double forward_transient_bytes = 0;  ///< the trace's peak above that (temporaries)
+  double baseline_bytes = 0;       ///< the process with LibTorch, the plugins and the data loaded
+  double runtime_bytes = 0;        ///< what a training process holds beyond that (see plan_job.cpp)
+  std::string activation_method;   ///< how the activations were measured, for the report
+};
+
+/// One line of the budget.
+struct PlanRow {
+  std::string name;
+  double bytes = 0;
+  std::string detail;
+};
+
+/// One collective with the bytes a rank sends for it per optimizer step.
+struct PlanTraffic {
+  std::string kind, what;
+  std::int64_t group_size = 1;
+  double data_bytes = 0;  ///< full size of the data, summed over the step's calls
+  double sent_bytes = 0;  ///< ring algorithm: (g-1)/g of it for all-gather and reduce-scatter, 2(g-1)/g all-reduce
+};
+
+struct MemoryPlan {
+  bool known = false;        ///< false: the strategy gave no layout (only the baseline is known)
+  std::string description;
+  std::vector<PlanRow> rows;     ///< the training budget, largest rank
+  double training_peak = 0;      ///< baseline + every row
+  double setup_peak = 0;         ///< baseline + building/sharding the model
+  double peak = 0;               ///< peak RSS per rank: the larger of the two
+  double job_bytes = 0;          ///< peak x local ranks: what this machine must hold
+  std::vector<PlanTraffic> traffic;
+  double sent_per_step = 0;      ///< bytes each rank sends per optimizer step
+  std::vector<std::string> notes;
+};
+
+/// Bytes a rank sends for a collective over `group` ranks on data of `bytes` (ring algorithm).
+double ring_bytes_sent(const std::string& kind, double bytes, std::int64_t group);
+/// Moments the optimizer keeps per parameter element: adam/adamw 2, sgd with momentum 1, else 0.
+int optimizer_moments(const std::string& optimizer, double momentum);
+
+MemoryPlan make_plan(const PlanInputs& inputs);
+
+/// The report: one column for the largest rank (ranks differ only by padding here), in MB.
+std::string format_plan(const MemoryPlan& plan, std::int64_t world_size, std::int64_t local_ranks);
+/// The same as JSON (bytes).
+std::string plan_json(const MemoryPlan& plan, std::int64_t world_size, std::int64_t local_ranks);
+
+/// MemAvailable of /proc/meminfo in bytes, or -1.
+double memory_available_bytes();
+/// A warning when `plan.job_bytes` exceeds `available` bytes (fit prints it before any work); "" otherwise.
+std::string memory_warning(const MemoryPlan& plan, double available, std::int64_t local_ranks);
+
+}  // namespace tessera::host

@@ -1,0 +1,206 @@
+#include "plan_job.hpp"
+
+#include <algorithm>
+#include <mutex>
+#include <unordered_map>
+#include <cstdlib>
+#include <fstream>
+
+#include <ATen/ATen.h>
+#include <c10/core/CPUAllocator.h>
+#include <c10/util/Exception.h>
+#include <torch/csrc/autograd/grad_mode.h>
+#include <torch/version.h>
+
+#include "launcher.hpp"
+#include "plugin_keys.hpp"
+#include "tessera/core/deferred_init.hpp"
+#include "tessera/core/plugin_loader.hpp"
+#include "tessera/sdk/data.hpp"
+#include "tessera/sdk/error.hpp"
+#include "tessera/sdk/memory_layout.hpp"
+#include "tessera/sdk/module.hpp"
+#include "tessera/sdk/strategy.hpp"
+#include "tessera/sdk/strategy_checks.hpp"
+
+namespace tessera::host {
+
+namespace {
+
+/// Counts the CPU bytes allocated through it that are still alive, and their peak: what one
+/// forward leaves for backward (every tensor autograd saved, the outputs) and its temporaries.
+class CountingAllocator final : public c10::Allocator {
+ public:
+#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 3)  // non-const, copy_data
+  c10::DataPtr allocate(std::size_t n) override { return counted(n); }
+  void copy_data(void* dest, const void* src, std::size_t count) const override { default_copy_data(dest, src, count); }
+#else
+  c10::DataPtr allocate(std::size_t n) const override { return counted(n); }
+#endif
+  c10::DeleterFnPtr raw_deleter() const override { return &release; }
+
+  void start() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    live_ = 0;
+    peak_ = 0;
+    previous_ = c10::GetCPUAllocator();
+    c10::SetCPUAllocator(this, /*priority=*/255);
+  }
+  void stop() { c10::SetCPUAllocator(previous_, /*priority=*/255); }
+  std::int64_t live() const {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return live_;
+  }
+  std::int64_t peak() const {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return peak_;
+  }
+
+ private:
+  // LibTorch requires data == context of a CPU DataPtr (resize and storage sharing move it), so
+  // each block's size and the inner allocation are found again by address.
+  static void release(void* data) {
+    CountingAllocator& self = instance();
+    c10::DataPtr inner;
+    {
+      std::lock_guard<std::mutex> lock(self.mutex_);
+      auto it = self.blocks_.find(data);
+      if (it == self.blocks_.end()) return;
+      self.live_ -= it->second.first;
+      inner = std::move(it->second.second);
+      self.blocks_.erase(it);
+    }
+  }
+  c10::DataPtr counted(std::size_t n) const {
+    c10::DataPtr inner = previous_->allocate(n);
+    void* data = inner.get();
+    const c10::Device device = inner.device();
+    std::lock_guard<std::mutex> lock(mutex_);
+    live_ += static_cast<std::int64_t>(n);
+    peak_ = std::max(peak_, live_);
+    if (data != nullptr) blocks_.emplace(data, std::make_pair(static_cast<std::int64_t>(n), std::move(inner)));
+    return {data, data, &release, device};
+  }
+
+ public:
+  static CountingAllocator& instance() {
+    static auto* counter = new CountingAllocator();  // never destroyed: traced tensors may outlive main
+    return *counter;
+  }
+
+ private:
+  mutable std::mutex mutex_;
+  mutable std::unordered_map<void*, std::pair<std::int64_t, c10::DataPtr>> blocks_;
+  mutable std::int64_t live_ = 0, peak_ = 0;
+  c10::Allocator* previous_ = nullptr;
+};
+
+CountingAllocator& counting_allocator() { return CountingAllocator::instance(); }
+
+double rss_bytes() {
+  std::ifstream in("/proc/self/status");
+  for (std::string line; std::getline(in, line);)
+    if (line.rfind("VmRSS:", 0) == 0) return 1024.0 * std::strtod(line.c_str() + 6, nullptr);
+  return 0;
+}
+
+struct Trace {
+  double saved = 0, transient = 0;
+  std::string method;
+};
+
+/// One training forward on the configured batch (real shapes, the parameters' values garbage
+/// from deferred init), under the precision's forward context, counting what it allocates.
+Trace trace_forward(sdk::Module& model, sdk::Precision& precision, sdk::DataModule& data, std::int64_t batch_size) {
+  Trace trace;
+  std::shared_ptr<sdk::Dataset> dataset = data.train_dataset();
+  TESSERA_CHECK(dataset && dataset->size() > 0, "the data plugin has no training data to trace a forward with");
+  const std::int64_t n = std::min<std::int64_t>(batch_size, dataset->size());
+  std::vector<std::int64_t> indices;
+  for (std::int64_t i = 0; i < n; ++i) indices.push_back(i);
+  sdk::Batch batch = dataset->get_batch(indices);
+  if (batch.input.defined() && batch.input.is_floating_point()) batch.input = precision.convert_input(batch.input);
+  if (batch.target.defined() && batch.target.is_floating_point()) batch.target = precision.convert_input(batch.target);
+  torch::AutoGradMode grad(true);
+  CountingAllocator& counter = counting_allocator();
+  counter.start();
+  try {
+    {
+      sdk::GuardPtr guard = precision.forward_context();
+      sdk::StepOutput out = model.training_step(batch, 0);
+      trace.saved = static_cast<double>(counter.live());
+    }
+    trace.transient = static_cast<double>(counter.peak()) - trace.saved;
+  } catch (...) {
+    counter.stop();
+    throw;
+  }
+  counter.stop();
+  trace.method = "autograd's saved tensors after one traced forward of " + std::to_string(n) + " sample(s)" +
+                 (n < batch_size ? " (the whole training set)" : "");
+  return trace;
+}
+
+}  // namespace
+
+PlannedJob plan_job(const Config& config) {
+  PlannedJob job;
+  const sdk::ClusterInfo planned = planned_cluster(config.launch);
+  sdk::ClusterInfo cluster = planned;
+  job.world_size = cluster.world_size;
+  job.local_ranks = cluster.environment == "single" || cluster.environment == "local" ? config.launch.devices
+                                                                                     : cluster.local_world_size;
+  cluster.local_world_size = job.local_ranks;
+
+  core::PluginLoader loader(core::PluginLoader::search_path(config.plugin_dirs));
+  auto strategy = std::dynamic_pointer_cast<sdk::Strategy>(create_plugin(loader, sdk::PluginKind::strategy, "strategy", config));
+  auto precision = std::dynamic_pointer_cast<sdk::Precision>(create_plugin(loader, sdk::PluginKind::precision, "precision", config));
+  auto checkpoint_io =
+      std::dynamic_pointer_cast<sdk::CheckpointIO>(create_plugin(loader, sdk::PluginKind::checkpoint_io, "checkpoint_io", config));
+  auto model = std::dynamic_pointer_cast<sdk::Module>(create_plugin(loader, sdk::PluginKind::model, "model", config));
+  auto data = std::dynamic_pointer_cast<sdk::DataModule>(create_plugin(loader, sdk::PluginKind::data, "data", config));
+  TESSERA_CHECK(strategy && precision && checkpoint_io && model && data, "a plugin created an object of the wrong interface");
+  strategy->connect(precision, checkpoint_io);
+  if (auto* checks = dynamic_cast<sdk::StrategyChecks*>(strategy.get()))
+    checks->check_world_size(cluster.world_size, cluster.environment);
+  data->setup("fit");
+  PlanInputs in;
+  in.baseline_bytes = rss_bytes();
+  // A training rank holds ~40 MB more than this process does here, whatever the model and
+  // strategy: the trainer's loop, loggers and data loader, c10d's store and process groups,
+  // jemalloc's caches. Measured on the 2-core CI machine (bench/training/plan.sh: single
+  // device and DDP on the 57M GPT were 37-39 MB above a plan without it).
+  in.runtime_bytes = 40.0 * 1048576.0;
+  in.strategy = config.plugin_names.at("strategy");
+  in.optimizer = config.optimizer.name;
+  in.momentum = config.optimizer.momentum;
+  in.world_size = job.world_size;
+  in.local_ranks = job.local_ranks;
+  in.accumulate_grad_batches = config.trainer.accumulate_grad_batches;
+  {
+    sdk::GuardPtr deferred = core::deferred_init_guard();
+    sdk::GuardPtr dtype = precision->module_init_context();
+    model->configure_model();
+  }
+  std::string trace_problem;
+  try {
+    if (auto* layout = dynamic_cast<sdk::StrategyMemoryLayout*>(strategy.get()))
+      in.layout = layout->memory_layout(*model, cluster);
+    Trace trace = trace_forward(*model, *precision, *data, config.data.batch_size);
+    in.activation_bytes = trace.saved;
+    in.forward_transient_bytes = trace.transient;
+    in.activation_method = trace.method;
+  } catch (const c10::Error& e) {  // e.g. fp16 compute, which the CPU has not
+    trace_problem = e.what_without_backtrace();
+    trace_problem = trace_problem.substr(0, trace_problem.find('\n'));
+  }
+  model.reset();
+  core::release_deferred_init_memory();
+  job.plan = make_plan(in);
+  if (!trace_problem.empty())
+    job.plan.notes.push_back("activations not traced (one forward on this machine's CPU failed: " + trace_problem +
+                             "): counted as 0");
+  return job;
+}
+
+}  // namespace tessera::host

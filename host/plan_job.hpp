@@ -1,0 +1,22 @@
+#pragma once
+// Gathers a memory plan's inputs for a configured job (see plan.hpp): the plugins created and
+// checked as `fit` creates them, the model built under deferred init (about one tensor of
+// memory, never the whole model), the strategy's layout, a trace of one forward and the
+// process's own baseline.
+#include <string>
+
+#include "config.hpp"
+#include "plan.hpp"
+
+namespace tessera::host {
+
+struct PlannedJob {
+  MemoryPlan plan;
+  std::int64_t world_size = 1;
+  std::int64_t local_ranks = 1;
+};
+
+/// Throws sdk::Error for a configuration that cannot run (the same checks as fit's).
+PlannedJob plan_job(const Config& config);
+
+}  // namespace tessera::host

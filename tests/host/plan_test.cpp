@@ -1,0 +1,236 @@
+// `tessera plan`: the arithmetic of the memory plan and its traffic (unit tests), the plan
+// against the peak RSS that `tessera fit` measures on 1, 2 and 4 ranks (within 10%), bad input
+// handled as fit handles it, and fit's warning when the plan exceeds the machine's memory.
+#include <gtest/gtest.h>
+
+#include <fstream>
+
+#include <nlohmann/json.hpp>
+
+#include "multiprocess.hpp"
+#include "plan.hpp"
+#include "tessera/core/fsdp/memory_plan.hpp"
+
+namespace {
+
+using tessera::testing::metric_series;
+using tessera::testing::run_dir;
+using tessera::testing::run_tessera;
+namespace fsdp = tessera::core::fsdp;
+namespace host = tessera::host;
+
+fsdp::PlannedUnitSizes unit(const std::string& name, std::int64_t rows, std::int64_t row_numel) {
+  return {name, {{rows, row_numel}}};
+}
+
+/// Two 1,000-element units (10 rows of 100) and a 24-element root, fp32.
+fsdp::ShardedPlanInput two_units(std::int64_t shard, fsdp::ShardingStrategy strategy) {
+  fsdp::ShardedPlanInput in;
+  in.units = {unit("blocks.0", 10, 100), unit("blocks.1", 10, 100), unit("<root>", 2, 12)};
+  in.shard_size = shard;
+  in.sharding_strategy = strategy;
+  return in;
+}
+
+double sent(const tessera::sdk::MemoryLayout& layout) {
+  double total = 0;
+  for (const auto& c : layout.collectives) total += host::ring_bytes_sent(c.kind, c.bytes, c.group_size);
+  return total;
+}
+
+TEST(PlanArithmetic, RingBytes) {
+  EXPECT_DOUBLE_EQ(host::ring_bytes_sent("all_gather", 400, 4), 300);
+  EXPECT_DOUBLE_EQ(host::ring_bytes_sent("reduce_scatter", 400, 4), 300);
+  EXPECT_DOUBLE_EQ(host::ring_bytes_sent("all_reduce", 400, 4), 600);
+  EXPECT_DOUBLE_EQ(host::ring_bytes_sent("all_reduce", 400, 1), 0);
+  EXPECT_EQ(host::optimizer_moments("adamw", 0), 2);
+  EXPECT_EQ(host::optimizer_moments("sgd", 0.9), 1);
+  EXPECT_EQ(host::optimizer_moments("sgd", 0), 0);
+}
+
+TEST(PlanArithmetic, FullShardSendsTwoAllGathersAndOneReduceScatterOfTheModel) {
+  auto layout = fsdp::plan_sharded_memory(two_units(4, fsdp::ShardingStrategy::FULL_SHARD));
+  // Flat padded shards: 1000/4 = 250 per unit, the root's 24 -> 6.
+  EXPECT_DOUBLE_EQ(layout.param_bytes, (250 + 250 + 6) * 4.0);
+  EXPECT_DOUBLE_EQ(layout.grad_bytes, (250 + 250 + 6) * 4.0);
+  EXPECT_EQ(layout.optimizer_numel, 506);
+  // Forward all-gather of everything, backward re-gather of the units (the root stays
+  // gathered), one reduce-scatter of everything: 3/4 of each on a ring of 4.
+  ASSERT_EQ(layout.collectives.size(), 3u);
+  EXPECT_DOUBLE_EQ(sent(layout), 0.75 * (2024 + 2000 + 2024) * 4.0);
+  // The root and two units (running + prefetched) gathered at once.
+  EXPECT_DOUBLE_EQ(layout.gathered_bytes, (24 + 2 * 1000) * 4.0);
+  auto no_prefetch = two_units(4, fsdp::ShardingStrategy::FULL_SHARD);
+  no_prefetch.backward_prefetch = fsdp::BackwardPrefetch::NONE;
+  EXPECT_DOUBLE_EQ(fsdp::plan_sharded_memory(no_prefetch).gathered_bytes, (24 + 1000) * 4.0);
+}
+
+TEST(PlanArithmetic, ShardGradOpKeepsEveryUnitAndGathersOnce) {
+  auto layout = fsdp::plan_sharded_memory(two_units(4, fsdp::ShardingStrategy::SHARD_GRAD_OP));
+  EXPECT_DOUBLE_EQ(layout.gathered_bytes, 2024 * 4.0);
+  EXPECT_DOUBLE_EQ(sent(layout), 0.75 * (2024 + 2024) * 4.0);
+}
+
+TEST(PlanArithmetic, NoShardAndHybridAllReduce) {
+  auto no_shard = two_units(1, fsdp::ShardingStrategy::NO_SHARD);
+  no_shard.replicate_size = 4;
+  auto layout = fsdp::plan_sharded_memory(no_shard);
+  EXPECT_DOUBLE_EQ(layout.param_bytes, 2024 * 4.0);
+  EXPECT_DOUBLE_EQ(layout.gathered_bytes, 0);  // one-rank shard groups alias their shards
+  EXPECT_DOUBLE_EQ(sent(layout), 2 * 0.75 * 2024 * 4.0);
+  auto hybrid = two_units(2, fsdp::ShardingStrategy::HYBRID_SHARD);
+  hybrid.replicate_size = 2;
+  layout = fsdp::plan_sharded_memory(hybrid);
+  EXPECT_DOUBLE_EQ(layout.param_bytes, (500 + 500 + 12) * 4.0);
+  // Within the pair: 2 all-gathers + reduce-scatter; across pairs: all-reduce of the shards.
+  EXPECT_DOUBLE_EQ(sent(layout), 0.5 * (2024 + 2000 + 2024) * 4.0 + 2 * 0.5 * 1012 * 4.0);
+}
+
+TEST(PlanArithmetic, UnevenShardsTakeTheLargestRank) {
+  auto in = two_units(3, fsdp::ShardingStrategy::FULL_SHARD);
+  EXPECT_EQ(fsdp::shard_unit(in.units[0], fsdp::ParamLayout::flat, 3, 1).shard, 334);  // 1000 padded to 1002
+  EXPECT_EQ(fsdp::shard_unit(in.units[0], fsdp::ParamLayout::per_parameter, 3, 1).shard, 400);  // 4 of 10 rows
+  EXPECT_EQ(fsdp::shard_unit(in.units[0], fsdp::ParamLayout::per_parameter, 3, 1).gathered, 1200);
+}
+
+TEST(PlanArithmetic, MixedPrecisionGathersAndReducesInHalfKeepsFp32Master) {
+  auto in = two_units(2, fsdp::ShardingStrategy::FULL_SHARD);
+  in.compute_dtype = in.reduce_dtype = c10::ScalarType::BFloat16;
+  auto layout = fsdp::plan_sharded_memory(in);
+  EXPECT_DOUBLE_EQ(layout.param_bytes, 1012 * 4.0);
+  EXPECT_DOUBLE_EQ(layout.gathered_bytes, (24 + 2 * 1000) * 2.0);
+  EXPECT_DOUBLE_EQ(sent(layout), 0.5 * (2024 + 2000 + 2024) * 2.0);
+}
+
+TEST(PlanArithmetic, PlanSumsRowsAndWarnsAboveAvailableMemory) {
+  host::PlanInputs in;
+  in.strategy = "fsdp";
+  in.layout = fsdp::plan_sharded_memory(two_units(4, fsdp::ShardingStrategy::FULL_SHARD));
+  in.local_ranks = 4;
+  in.world_size = 4;
+  in.baseline_bytes = 1000;
+  in.activation_bytes = 500;
+  host::MemoryPlan plan = host::make_plan(in);
+  ASSERT_TRUE(plan.known);
+  double rows = 0;
+  for (const auto& r : plan.rows) rows += r.bytes;
+  EXPECT_DOUBLE_EQ(plan.training_peak, 1000 + rows);
+  EXPECT_DOUBLE_EQ(plan.job_bytes, 4 * plan.peak);
+  // AdamW: two moments per element the optimizer steps on.
+  for (const auto& r : plan.rows)
+    if (r.name == "optimizer state") EXPECT_DOUBLE_EQ(r.bytes, 2 * 506 * 4.0);
+  EXPECT_EQ(host::memory_warning(plan, plan.job_bytes + 1, 4), "");
+  EXPECT_NE(host::memory_warning(plan, plan.job_bytes / 2, 4).find("warning: the memory plan needs"), std::string::npos);
+  // A strategy that does not describe its layout: said so, no made-up figures.
+  in.layout.reset();
+  plan = host::make_plan(in);
+  EXPECT_FALSE(plan.known);
+  ASSERT_FALSE(plan.notes.empty());
+  EXPECT_NE(plan.notes[0].find("does not implement sdk::StrategyMemoryLayout"), std::string::npos);
+}
+
+// --- against the binary ---
+
+/// A 6-layer, 768-wide GPT (~43M parameters, ~680 MB of fp32 AdamW state unsharded): large
+/// enough that model state dominates the process baseline, small enough for 3 steps on 2 cores.
+std::string write_config(const std::string& dir) {
+  std::ofstream(dir + "/plan.toml") << "[trainer]\nmax_steps = 3\nlog_every_n_steps = 1\nenable_progress_bar = false\n"
+                                    << "save_last = false\ndefault_root_dir = \"" << dir << "\"\n"
+                                    << "[optimizer]\nname = \"adamw\"\nlr = 3e-4\nschedule = \"constant\"\n"
+                                    << "[model]\nplugin = \"gpt\"\nn_layer = 6\nn_head = 12\nn_embd = 768\n"
+                                    << "block_size = 64\n[data]\nplugin = \"text\"\nblock_size = 64\nbatch_size = 4\n";
+  return dir + "/plan.toml";
+}
+
+struct Case {
+  const char* name;
+  const char* sets;
+};
+
+class PlanVsMeasured : public ::testing::TestWithParam<Case> {};
+
+TEST_P(PlanVsMeasured, PeakRssWithinTenPercent) {
+  const Case& c = GetParam();
+  const std::string dir = tessera::testing::fresh_dir(std::string("plan-") + c.name);
+  const std::string config = write_config(dir);
+  auto plan = run_tessera("plan --json --config " + config + " " + c.sets);
+  ASSERT_EQ(plan.exit_code, 0) << plan.output;
+  const auto json = nlohmann::json::parse(plan.output.substr(plan.output.find('{')));
+  ASSERT_TRUE(json.at("known").get<bool>()) << plan.output;
+  const double planned_mb = json.at("peak_rss_per_rank_bytes").get<double>() / 1048576.0;
+  auto fit = run_tessera("fit --config " + config + " " + c.sets, "", 600);
+  ASSERT_EQ(fit.exit_code, 0) << fit.output;
+  auto peaks = metric_series(run_dir(dir) + "/metrics.csv", "train", "peak_rss_mb");
+  ASSERT_FALSE(peaks.empty()) << fit.output;
+  const double measured_mb = peaks.rbegin()->second;
+  std::printf("[ plan ] %-22s planned %6.0f MB, measured %6.0f MB (%+.1f%%)\n", c.name, planned_mb, measured_mb,
+              100.0 * (planned_mb - measured_mb) / measured_mb);
+  EXPECT_NEAR(planned_mb, measured_mb, 0.10 * measured_mb) << plan.output;
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Configurations, PlanVsMeasured,
+    ::testing::Values(Case{"single_device", "--set strategy.plugin=single_device"},
+                      Case{"ddp_2", "--set strategy.plugin=ddp --set launch.devices=2 --set data.batch_size=2"},
+                      Case{"fsdp_1", "--set strategy.plugin=fsdp"},
+                      Case{"fsdp_2", "--set strategy.plugin=fsdp --set launch.devices=2 --set data.batch_size=2"},
+                      Case{"fsdp_4", "--set strategy.plugin=fsdp --set launch.devices=4 --set data.batch_size=1"},
+                      Case{"fsdp2_2", "--set strategy.plugin=fsdp2 --set launch.devices=2 --set data.batch_size=2"},
+                      Case{"fsdp_bf16_mixed_2", "--set strategy.plugin=fsdp --set launch.devices=2 "
+                                                "--set data.batch_size=2 --set precision.plugin=fsdp-precision "
+                                                "--set precision.precision=bf16-mixed"}),
+    [](const ::testing::TestParamInfo<Case>& info) { return std::string(info.param.name); });
+
+/// The error line of a run: what follows "tessera: error: ".
+std::string error_of(const std::string& output) {
+  const auto at = output.find("error: ");
+  return at == std::string::npos ? output : output.substr(at);
+}
+
+TEST(PlanBadInput, BehavesAsFit) {
+  auto none = run_tessera("plan");
+  EXPECT_EQ(none.exit_code, 2);
+  EXPECT_NE(none.output.find("plan needs --config FILE.toml"), std::string::npos) << none.output;
+  const std::string dir = tessera::testing::fresh_dir("plan-bad-input");
+  const std::string config = write_config(dir);
+  for (const std::string sets : {"--set strategy.plugin=fsdpp", "--set strategy.plugin=single_device --set launch.devices=2",
+                                 "--set strategy.plugin=fsdp --set strategy.sharding_strategy=FULL", "--set trainer.max_stepz=3",
+                                 "--set data.block_size=128"}) {
+    auto plan = run_tessera("plan --config " + config + " " + sets);
+    auto fit = run_tessera("fit --config " + config + " " + sets);
+    EXPECT_EQ(plan.exit_code, 1) << sets << "\n" << plan.output;
+    EXPECT_EQ(fit.exit_code, 1) << sets << "\n" << fit.output;
+    EXPECT_EQ(error_of(plan.output), error_of(fit.output)) << sets;
+  }
+  auto json = run_tessera("fit --json --config " + config);
+  EXPECT_EQ(json.exit_code, 2);
+  EXPECT_NE(json.output.find("--json applies to `tessera plan` only"), std::string::npos) << json.output;
+}
+
+TEST(PlanInFit, WarnsBeforeAnyWorkWhenThePlanExceedsTheMachine) {
+  const std::string dir = tessera::testing::fresh_dir("plan-warning");
+  std::ofstream(dir + "/small.toml") << "[trainer]\nmax_steps = 1\nenable_progress_bar = false\nsave_last = false\n"
+                                     << "default_root_dir = \"" << dir << "\"\n"
+                                     << "[model]\nplugin = \"gpt\"\nn_layer = 1\nn_head = 2\nn_embd = 32\nblock_size = 32\n"
+                                     << "[data]\nplugin = \"text\"\nblock_size = 32\nbatch_size = 2\n";
+  auto fit = run_tessera("fit --config " + dir + "/small.toml", "TESSERA_MEMORY_AVAILABLE_MB=1");
+  EXPECT_EQ(fit.exit_code, 0) << fit.output;  // a warning, not an error
+  EXPECT_NE(fit.output.find("warning: the memory plan needs"), std::string::npos) << fit.output;
+  EXPECT_NE(fit.output.find("only 1 MB is available"), std::string::npos) << fit.output;
+  auto quiet = run_tessera("fit --config " + dir + "/small.toml --set trainer.default_root_dir=" + dir + "/b");
+  EXPECT_EQ(quiet.exit_code, 0) << quiet.output;
+  EXPECT_EQ(quiet.output.find("warning: the memory plan"), std::string::npos) << quiet.output;
+}
+
+TEST(PlanOutput, TableNamesEveryRowAndTheTraffic) {
+  const std::string dir = tessera::testing::fresh_dir("plan-table");
+  auto plan = run_tessera("plan --config " + write_config(dir) +
+                          " --set strategy.plugin=fsdp --set launch.devices=4 --set data.batch_size=1");
+  ASSERT_EQ(plan.exit_code, 0) << plan.output;
+  for (const char* row : {"parameters", "gradients", "optimizer state", "gathered units", "unsharded gradients",
+                          "collective buffers", "activations", "runtime baseline", "peak RSS per rank", "all_gather",
+                          "reduce_scatter", "FULL_SHARD"})
+    EXPECT_NE(plan.output.find(row), std::string::npos) << row << "\n" << plan.output;
+}
+
+}  // namespace
