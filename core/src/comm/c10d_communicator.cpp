@@ -385,6 +385,10 @@ class C10dCommunicator final : public Communicator {
     TESSERA_CHECK(output.is_contiguous() && output.numel() == input.numel() * size_, "all_gather (", tag,
                   "): output must be contiguous with ", input.numel() * size_, " elements, has ", output.numel());
     count(stats_.all_gather_bytes, bytes_of(input) * (size_ - 1));
+    if (!is_gloo_) {  // NCCL: one flat all-gather straight into the output
+      at::Tensor flat_in = input.contiguous().view({-1});
+      return handle(backend_->_allgather_base(output, flat_in), [flat_in] {}, tag);
+    }
     at::Tensor in = wire_view(input.contiguous()).view({-1});
     at::Tensor out = wire_view(output).view({-1});
     std::vector<std::vector<at::Tensor>> outputs(1);
@@ -398,7 +402,16 @@ class C10dCommunicator final : public Communicator {
     TESSERA_CHECK(input.numel() == output.numel() * size_, "reduce_scatter (", tag, "): input has ", input.numel(),
                   " elements, expected ", output.numel() * size_, " (world ", size_, " x output)");
     count(stats_.reduce_scatter_bytes, bytes_of(output) * (size_ - 1));
-    // all_to_all + local sum: each rank receives every rank's copy of its own chunk, the same
+    if (!is_gloo_) {  // NCCL's own reduce-scatter, in the tensors' dtype (bf16 summed as bf16, as PyTorch's)
+      at::Tensor flat_in = input.contiguous().view({-1});
+      c10d::ReduceScatterOptions options;
+      options.reduceOp = to_c10d(op);
+      const double n = static_cast<double>(size_);
+      return handle(backend_->_reduce_scatter_base(output, flat_in, options), [flat_in, output, op, n]() mutable {
+        if (op == sdk::ReduceOp::mean) output.div_(n);
+      }, tag);
+    }
+    // Gloo: all_to_all + local sum: each rank receives every rank's copy of its own chunk, the same
     // bytes on the wire as a ring reduce-scatter (the 1.13 Gloo backend has no reduce_scatter).
     at::Tensor in = input.contiguous().view({-1});
     at::Tensor received = at::empty_like(in);
