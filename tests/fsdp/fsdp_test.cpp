@@ -500,7 +500,7 @@ TORCH_MODULE(TPDeepNet);
 // draws its full weights one layer at a time and keeps this rank's pieces. No rank ever holds
 // more than 80% of the model's bytes, and every piece equals the eager model's weight (built
 // with the same seed, LibTorch's Linear init with the full fan-in) cut by the plan.
-TEST(DeferredInitUnderAMemoryCap, TensorParallelPiecesAreTheEagerModelsCut) {
+TEST(DeferredInitTensorParallel, PeakUnderACapAndPiecesAreTheEagerModelsCut) {
   run_ranks(4, std::chrono::seconds(120), [&](const sdk::ClusterInfo& cluster) {
     core::DeviceMesh mesh(world(cluster), {1, 2, 2}, {"replicate", "shard", "tp"});
     std::shared_ptr<sdk::TensorParallelGroup> tp = core::make_tensor_parallel_group(mesh.group("tp"));
