@@ -4,6 +4,7 @@
 #include <cmath>
 #include <map>
 #include <mutex>
+#include <tuple>
 #include <vector>
 
 #include <ATen/ATen.h>
@@ -192,10 +193,10 @@ void initialize_modules(torch::nn::Module& network, const std::set<const void*>&
     keep_pieces(widened, tp_rank, tp_size, item.key());
     if (initialised) continue;
     TESSERA_FAIL("deferred init: module '", item.key(), "' of class '", m.name(),
-                  "' has parameters but no known initialiser (tessera re-initialises LibTorch's Linear, Embedding, ",
-                  "LayerNorm, Conv1d-3d, BatchNorm1d-3d and the SDK's ColumnParallelLinear and RowParallelLinear); ",
-                  "initialise it in the model's init_parameters(), give its ",
-                  "parameters to such modules or set [strategy] deferred_init = false");
+                 "' has parameters but no known initialiser (tessera re-initialises LibTorch's Linear, Embedding, ",
+                 "LayerNorm, Conv1d-3d, BatchNorm1d-3d and the SDK's ColumnParallelLinear and RowParallelLinear); ",
+                 "initialise it in the model's init_parameters(), give its parameters to such modules or set ",
+                 "[strategy] deferred_init = false");
   }
 }
 
