@@ -11,6 +11,7 @@
 
 #include "tessera/core/checkpoint.hpp"
 #include "tessera/core/clip_grad.hpp"
+#include "tessera/core/deferred_init.hpp"
 #include "tessera/core/device_mesh.hpp"
 #include "tessera/core/tensor_piece.hpp"
 #include "tessera/core/fsdp/sharded_strategy.hpp"
@@ -137,7 +138,14 @@ class FSDP2Strategy final : public fsdp::ShardedStrategy, public sdk::StrategyCh
       context.tp = tp_;
       context.dp_rank = mesh().rank("replicate") * mesh().size("shard") + mesh().rank("shard");
       context.dp_size = mesh().size("replicate") * mesh().size("shard");
-      module_->parallelize(context);
+      {
+        // Under deferred init the plan cuts deferred full weights: its pieces stay deferred
+        // (no rank holds the model), and each unit draws its full values when it is sharded.
+        sdk::GuardPtr deferred = core::has_deferred_tensors(*network_) ? core::resume_deferred_init_guard() : nullptr;
+        module_->parallelize(context);
+      }
+      options_.tp_rank = tp_->rank();
+      options_.tp_size = tp_->size();
       placements_ = sdk::tensor_parallel_placements(*network_);
       // Full state dicts are gathered on every rank, then unsharded over tp (collective).
       rank0_only_ = options_.rank0_only;
@@ -288,9 +296,6 @@ class FSDP2Strategy final : public fsdp::ShardedStrategy, public sdk::StrategyCh
     TESSERA_CHECK(reshard_size_ == 0 || dp % reshard_size_ == 0, reshard_key_, " = ", reshard_size_,
                   " must divide the data-parallel shard size ", dp, "; valid: ", divisors(dp), " (", dp,
                   " is the same as true, 1 the same as false)");
-    TESSERA_CHECK(tp == 1 || !deferred_init_, sizes_key_, ": tensor_parallel_size = ", tp,
-                  " with deferred_init = true: the tensor-parallel plan cuts the model's initial full weights, so ",
-                  "they must exist; set deferred_init = false");
     TESSERA_CHECK(tp == 1 || state_dict_type_ != "local", sizes_key_, ": tensor_parallel_size = ", tp,
                   " saves full or sharded checkpoints; set state_dict_type = \"full\" or \"sharded\"");
     return dp;

@@ -16,6 +16,7 @@
 #include <ATen/ATen.h>
 #include <c10/core/CPUAllocator.h>
 #include <torch/version.h>
+#include <torch/nn/modules/container/any.h>
 #include <torch/nn/modules/linear.h>
 #include <torch/optim/adamw.h>
 #include <torch/optim/sgd.h>
@@ -23,8 +24,11 @@
 #include "multiprocess.hpp"
 #include "tessera/core/checkpoint.hpp"
 #include "tessera/core/comm.hpp"
+#include "tessera/core/device_mesh.hpp"
 #include "tessera/core/fsdp.hpp"
+#include "tessera/core/tp_group.hpp"
 #include "tessera/sdk/error.hpp"
+#include "tessera/sdk/tensor_parallel.hpp"
 #include "tessera/sdk/unit.hpp"
 
 namespace {
@@ -461,6 +465,100 @@ TEST_P(DeferredInitUnderAMemoryCap, BuildsUnitByUnit) {
 INSTANTIATE_TEST_SUITE_P(Layouts, DeferredInitUnderAMemoryCap,
                          ::testing::Values(fsdp::ParamLayout::flat, fsdp::ParamLayout::per_parameter),
                          [](const auto& info) { return info.param == fsdp::ParamLayout::flat ? "Flat" : "PerParameter"; });
+
+// A tensor-parallel MLP block (fc column-parallel, proj row-parallel after parallelize()).
+struct TPBlockImpl : torch::nn::Module {
+  TPBlockImpl() : torch::nn::Module("TPBlock") {
+    fc = torch::nn::AnyModule(register_module("fc", torch::nn::Linear(64, 128)));
+    proj = torch::nn::AnyModule(register_module("proj", torch::nn::Linear(128, 64)));
+  }
+  at::Tensor forward(const at::Tensor& x) { return x + proj.forward<at::Tensor>(at::tanh(fc.forward<at::Tensor>(x))); }
+  void parallelize(const std::shared_ptr<sdk::TensorParallelGroup>& tp) {
+    fc = torch::nn::AnyModule(replace_module("fc", sdk::ColumnParallelLinear(fc.get<torch::nn::LinearImpl>(), tp)));
+    proj = torch::nn::AnyModule(replace_module("proj", sdk::RowParallelLinear(proj.get<torch::nn::LinearImpl>(), tp)));
+  }
+  torch::nn::AnyModule fc, proj;
+};
+TORCH_MODULE(TPBlock);
+
+struct TPDeepNetImpl : torch::nn::Module {
+  TPDeepNetImpl() : torch::nn::Module("TPDeepNet") {
+    for (int i = 0; i < 8; ++i) blocks.push_back(register_module("b" + std::to_string(i), TPBlock()));
+    head = register_module("head", torch::nn::Linear(64, 3));
+  }
+  at::Tensor forward(at::Tensor x) {
+    for (auto& b : blocks) x = sdk::invoke(b, x);
+    return head(x);
+  }
+  std::vector<TPBlock> blocks;
+  torch::nn::Linear head{nullptr};
+};
+TORCH_MODULE(TPDeepNet);
+
+// dp 2 x tp 2 on 4 ranks, as fsdp2 runs it under deferred init: the model is built deferred,
+// the tensor-parallel plan cuts its deferred weights (the pieces stay deferred), and each unit
+// draws its full weights one layer at a time and keeps this rank's pieces. No rank ever holds
+// more than 80% of the model's bytes, and every piece equals the eager model's weight (built
+// with the same seed, LibTorch's Linear init with the full fan-in) cut by the plan.
+TEST(DeferredInitTensorParallel, PeakUnderACapAndPiecesAreTheEagerModelsCut) {
+  run_ranks(4, std::chrono::seconds(120), [&](const sdk::ClusterInfo& cluster) {
+    core::DeviceMesh mesh(world(cluster), {1, 2, 2}, {"replicate", "shard", "tp"});
+    std::shared_ptr<sdk::TensorParallelGroup> tp = core::make_tensor_parallel_group(mesh.group("tp"));
+    const std::int64_t model_bytes = (8 * (64 * 128 + 128 + 128 * 64 + 64) + 64 * 3 + 3) * 4;
+    c10::SetCPUAllocator(&tracking, /*priority=*/100);
+    const std::int64_t base = live_bytes.load();
+    peak_bytes = base;
+    TPDeepNet net{nullptr};
+    torch::manual_seed(11);
+    {
+      sdk::GuardPtr deferred = fsdp::deferred_init_guard();
+      net = TPDeepNet();
+    }
+    {
+      sdk::GuardPtr deferred = core::resume_deferred_init_guard();
+      for (auto& b : net->blocks) b->parallelize(tp);
+    }
+    for (const auto& item : net->named_parameters())
+      EXPECT_TRUE(core::is_deferred(item.value())) << item.key() << ": a piece cut from deferred weights got memory";
+    fsdp::FSDPOptions o = unit_options();
+    o.unit_classes = {"TPBlock"};
+    o.deferred_init = true;
+    o.layout = fsdp::ParamLayout::per_parameter;
+    o.tp_rank = tp->rank();
+    o.tp_size = tp->size();
+    auto sharded = std::make_unique<fsdp::ShardedModule>(net.ptr(), o, mesh.group("shard"), mesh.group("replicate"));
+    EXPECT_FALSE(fsdp::has_deferred_tensors(*net));
+    const std::int64_t peak = peak_bytes.load() - base, after = live_bytes.load() - base;
+    EXPECT_LE(peak, model_bytes * 8 / 10) << "rank " << cluster.global_rank << " peaked at " << peak << " of "
+                                          << model_bytes << " model bytes";
+    EXPECT_LE(after, 2 * model_bytes / 4 + (64 * 128 + 128 + 128 * 64 + 64) * 4 + 4096) << "rank " << cluster.global_rank;
+
+    torch::manual_seed(11);
+    TPDeepNet eager;
+    const auto placements = sdk::tensor_parallel_placements(*net);
+    EXPECT_EQ(placements.size(), 8u * 3u);  // fc.weight, fc.bias, proj.weight
+    sdk::StateDict pieces = sharded->full_state_dict();
+    for (const auto& item : eager->named_parameters()) {
+      auto it = placements.find(item.key());
+      const at::Tensor expected = it == placements.end()
+                                      ? item.value()
+                                      : sdk::tensor_parallel_shard(item.value(), it->second, tp->rank(), tp->size());
+      ASSERT_NE(pieces.find(item.key()), nullptr) << item.key();
+      EXPECT_TRUE(at::equal(*pieces.find(item.key()), expected)) << item.key() << " on rank " << cluster.global_rank;
+    }
+
+    // It trains: the tp ranks of a shard see the same rows.
+    torch::optim::AdamW optimizer(tensors_of(sharded->optimizer_parameters()), adamw());
+    sharded->begin_forward(true);
+    at::Tensor loss = net->forward(at::ones({2, 64}) * (1 + mesh.rank("shard"))).pow(2).mean();
+    sharded->begin_backward(true);
+    loss.backward();
+    sharded->finish_backward();
+    optimizer.step();
+    sharded->after_optimizer_step();
+    EXPECT_FALSE(at::equal(*sharded->full_state_dict().find("b0.fc.weight"), *pieces.find("b0.fc.weight")));
+  });
+}
 
 // limit_all_gathers, counted: with b0 prefetching b1-b3 explicitly, four blocks are gathered
 // at once; under the limit two (the running unit and one ahead), and the step is the same.

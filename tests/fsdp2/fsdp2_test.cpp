@@ -159,6 +159,43 @@ TEST(TensorParallel, DpTimesTpMatchesSingleDevice) {
   }
 }
 
+// NeMo's tensor_init_context with tensor parallelism (deferred_init = true, tp 2): no rank
+// holds the model; each unit draws its full weights one layer at a time (the gpt's
+// init_parameters at full shape) and keeps its pieces. The gpt's deferred values are other
+// draws than its eager build's (units come in another order than construction), so the
+// reference is the deferred run without tp: with lr = 0 the final checkpoints (the initial
+// weights, unsharded over tp) are bitwise the same at dp 1 x tp 2 and dp 2 x tp 2, and the
+// runs that train track it as the eager tp runs track single_device.
+TEST(TensorParallel, DeferredInitStartsFromTheUnsplitDeferredModel) {
+  const std::string deferred = "--set strategy.deferred_init=true";
+  const std::string frozen = deferred + " --set optimizer.lr=0";
+  FitRun initial = fit("tp-deferred-initial", "fsdp2", 2, 1, "", frozen, 1, /*sgd=*/true);
+  auto initial_state = checkpoint_state(initial.dir + "/checkpoints/last.ckpt");
+  ASSERT_FALSE(initial_state.empty());
+  const std::string clip = deferred + " --set trainer.gradient_clip_val=0.05";
+  FitRun reference = fit("tp-deferred-reference", "fsdp2", 2, 6, "", clip, 1, /*sgd=*/true);
+  for (int world : {2, 4}) {
+    const std::string what = "deferred dp " + std::to_string(world / 2) + " x tp 2";
+    SCOPED_TRACE(what);
+    FitRun start = fit("tp-deferred-initial-" + std::to_string(world), "fsdp2", world, 1, "", frozen, 2, /*sgd=*/true);
+    auto state = checkpoint_state(start.dir + "/checkpoints/last.ckpt");
+    ASSERT_EQ(state.size(), initial_state.size());
+    for (const auto& [name, tensor] : initial_state) {
+      ASSERT_TRUE(state.count(name)) << name;
+      EXPECT_TRUE(state.at(name).sizes() == tensor.sizes() && at::equal(state.at(name), tensor))
+          << name << ": the initial weights differ from the unsplit deferred model's";
+    }
+    FitRun run = fit("tp-deferred-" + std::to_string(world), "fsdp2", world, 6, "", clip, 2, /*sgd=*/true);
+    ASSERT_EQ(run.losses.size(), reference.losses.size());
+    for (const auto& [step, loss] : reference.losses)
+      EXPECT_NEAR(run.losses.at(step), loss, 2e-5 * loss) << "step " << step;
+    auto a = checkpoint_state(reference.dir + "/checkpoints/last.ckpt");
+    auto b = checkpoint_state(run.dir + "/checkpoints/last.ckpt");
+    ASSERT_EQ(a.size(), b.size());
+    for (const auto& [name, tensor] : a) EXPECT_TRUE(at::allclose(b.at(name), tensor, 2e-5, 2e-5)) << name;
+  }
+}
+
 TEST(Errors, MeshSizesThatDoNotMakeTheWorldFailBeforeWork) {
   std::string dir = tessera::testing::fresh_dir("bad-sizes");
   auto result = run_tessera("fit --config " + config(dir, 2) +

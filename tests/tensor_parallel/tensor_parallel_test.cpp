@@ -7,12 +7,14 @@
 #include <cmath>
 #include <map>
 #include <memory>
+#include <set>
 #include <string>
 #include <vector>
 
 #include <ATen/ATen.h>
 #include <ATen/autocast_mode.h>
 #include <torch/csrc/autograd/grad_mode.h>
+#include <torch/nn/init.h>
 #include <torch/nn/modules/container/sequential.h>
 #include <torch/nn/modules/linear.h>
 
@@ -20,6 +22,7 @@
 #include "multiprocess.hpp"
 #include "tessera/core/autocast.hpp"
 #include "tessera/core/comm.hpp"
+#include "tessera/core/deferred_init.hpp"
 #include "tessera/core/plugin_loader.hpp"
 #include "tessera/core/tp_group.hpp"
 #include "tessera/sdk/error.hpp"
@@ -364,6 +367,170 @@ TEST(TensorParallelGpt, ModelsWithoutAPlanRefuseTensorParallelism) {
   } catch (const sdk::Error& e) {
     EXPECT_NE(std::string(e.what()).find("has no tensor-parallel plan"), std::string::npos) << e.what();
     EXPECT_NE(std::string(e.what()).find("tensor_parallel_size = 2"), std::string::npos) << e.what();
+  }
+}
+
+// --- deferred init -------------------------------------------------------------------------
+
+namespace core = tessera::core;
+
+/// Gives every deferred parameter of `net` real (zeroed) memory and initialises it as a
+/// sharding strategy does under deferred init: the generator replayed, modules in order.
+void materialise(torch::nn::Module& net, std::int64_t rank, std::int64_t size, const core::ParamInitFn& init) {
+  core::replay_deferred_init_rng();
+  std::set<const void*> impls;
+  {
+    torch::NoGradGuard no_grad;
+    for (auto& item : net.named_parameters()) {
+      EXPECT_TRUE(core::is_deferred(item.value())) << item.key() << " got memory before its unit";
+      item.value().set_data(at::zeros(item.value().sizes(), item.value().options()));
+      impls.insert(item.value().unsafeGetTensorImpl());
+    }
+  }
+  core::initialize_modules(net, impls, c10::kCPU, init, rank, size);
+  core::release_deferred_init_memory();
+}
+
+/// Plain Linear layers, and the plan that cuts them (as a model's parallelize does).
+struct PlainImpl : torch::nn::Module {
+  PlainImpl()
+      : qkv(register_module("qkv", torch::nn::Linear(8, 24))),
+        out(register_module("out", torch::nn::Linear(8, 8))),
+        head(register_module("head", torch::nn::Linear(8, 5))),
+        nobias(register_module("nobias", torch::nn::Linear(torch::nn::LinearOptions(8, 4).bias(false)))) {}
+  void parallelize(const GroupPtr& g) {
+    replace_module("qkv", sdk::ColumnParallelLinear(*qkv, g, /*stride=*/3));
+    replace_module("out", sdk::RowParallelLinear(*out, g));
+    replace_module("nobias", sdk::ColumnParallelLinear(*nobias, g));
+  }
+  torch::nn::Linear qkv, out, head, nobias;
+};
+TORCH_MODULE(Plain);
+
+std::map<std::string, at::Tensor> values_of(const torch::nn::Module& net) {
+  std::map<std::string, at::Tensor> out;
+  for (const auto& item : net.named_parameters()) out[item.key()] = item.value().detach().clone();
+  return out;
+}
+
+/// `full` (an unsplit network's values) cut as `net`'s placements say for `rank` of `size`.
+std::map<std::string, at::Tensor> cut(const std::map<std::string, at::Tensor>& full, const torch::nn::Module& net,
+                                      std::int64_t rank, std::int64_t size) {
+  const auto placements = sdk::tensor_parallel_placements(net);
+  std::map<std::string, at::Tensor> out;
+  for (const auto& [name, value] : full) {
+    auto it = placements.find(name);
+    out[name] = it == placements.end() ? value : sdk::tensor_parallel_shard(value, it->second, rank, size);
+  }
+  return out;
+}
+
+void expect_equal(const std::map<std::string, at::Tensor>& actual, const std::map<std::string, at::Tensor>& expected,
+                  const std::string& what) {
+  ASSERT_EQ(actual.size(), expected.size()) << what;
+  for (const auto& [name, value] : expected) {
+    ASSERT_TRUE(actual.count(name)) << what << ": no " << name;
+    EXPECT_TRUE(actual.at(name).sizes() == value.sizes() && at::equal(actual.at(name), value)) << what << ": " << name;
+  }
+}
+
+// The SDK's layers have no model initialiser: under deferred init (a strategy's
+// model_sharded_context) each rank's pieces get the values the eager layer holds, i.e.
+// torch::nn::Linear's of the full size (kaiming with the full fan-in, one draw cut), whether
+// built from options or cut by a plan from deferred Linear layers; the cut pieces stay deferred.
+TEST(TensorParallelDeferredInit, LayersWithoutAModelInitialiserGetTheEagerValues) {
+  for (std::int64_t rank : {0, 1}) {
+    auto group = std::make_shared<PlaceOnlyGroup>(rank, 2);
+    at::manual_seed(7);
+    Mixed eager_layers(group);
+    at::manual_seed(7);
+    Mixed deferred_layers{nullptr};
+    {
+      sdk::GuardPtr deferred = core::deferred_init_guard();
+      deferred_layers = Mixed(group);
+    }
+    materialise(*deferred_layers, rank, 2, nullptr);
+    expect_equal(values_of(*deferred_layers), values_of(*eager_layers), "from options, rank " + std::to_string(rank));
+
+    at::manual_seed(7);
+    Plain eager_plan;
+    eager_plan->parallelize(group);
+    at::manual_seed(7);
+    Plain deferred_plan{nullptr};
+    {
+      sdk::GuardPtr deferred = core::deferred_init_guard();
+      deferred_plan = Plain();
+    }
+    {
+      sdk::GuardPtr deferred = core::resume_deferred_init_guard();
+      deferred_plan->parallelize(group);
+    }
+    materialise(*deferred_plan, rank, 2, nullptr);
+    expect_equal(values_of(*deferred_plan), values_of(*eager_plan), "cut by the plan, rank " + std::to_string(rank));
+  }
+}
+
+// A model's initialiser (sdk::Module::init_parameters) sees each split parameter at full
+// shape (fan-in based scales, one draw for all ranks): the pieces are the tp = 1 values cut.
+TEST(TensorParallelDeferredInit, ModelInitialiserSeesTheFullShapes) {
+  const core::ParamInitFn init = [](const std::string&, torch::nn::Module& m) {
+    for (auto& p : m.parameters(/*recurse=*/false)) {
+      if (p.dim() == 2) torch::nn::init::normal_(p, 0.0, 1.0 / std::sqrt(static_cast<double>(p.size(1))));
+      else p.fill_(static_cast<double>(p.size(0)));
+    }
+    return true;
+  };
+  at::manual_seed(9);
+  Plain whole{nullptr};
+  {
+    sdk::GuardPtr deferred = core::deferred_init_guard();
+    whole = Plain();
+  }
+  materialise(*whole, 0, 1, init);
+  const auto full = values_of(*whole);
+  for (std::int64_t rank : {0, 1}) {
+    auto group = std::make_shared<PlaceOnlyGroup>(rank, 2);
+    at::manual_seed(9);
+    Plain split{nullptr};
+    {
+      sdk::GuardPtr deferred = core::deferred_init_guard();
+      split = Plain();
+    }
+    {
+      sdk::GuardPtr deferred = core::resume_deferred_init_guard();
+      split->parallelize(group);
+    }
+    materialise(*split, rank, 2, init);
+    expect_equal(values_of(*split), cut(full, *split, rank, 2), "rank " + std::to_string(rank));
+  }
+}
+
+// The gpt's own init_parameters (N(0, 0.02), residual projections scaled) under deferred init
+// with its tensor-parallel plan: every rank's pieces are the deferred tp = 1 model's values cut.
+TEST(TensorParallelDeferredInit, GptPiecesAreTheUnsplitDeferredModelCut) {
+  const std::string config = "n_layer = 2\nn_head = 4\nn_embd = 16\nblock_size = 8\ntie_embeddings = false\n";
+  auto build = [&](std::int64_t rank, std::int64_t size) {
+    sdk::Options options("model", "test.toml", toml::parse(config));
+    auto model = loader().create_as<sdk::Module>(sdk::PluginKind::model, "gpt", options);
+    at::manual_seed(13);
+    {
+      sdk::GuardPtr deferred = core::deferred_init_guard();
+      model->configure_model();
+    }
+    if (size > 1) {
+      sdk::GuardPtr deferred = core::resume_deferred_init_guard();
+      model->parallelize(sdk::ParallelContext{std::make_shared<PlaceOnlyGroup>(rank, size)});
+    }
+    materialise(*model->network(), rank, size,
+                [&](const std::string& path, torch::nn::Module& m) { return model->init_parameters(path, m); });
+    return model;
+  };
+  auto whole = build(0, 1);
+  const auto full = values_of(*whole->network());
+  for (std::int64_t rank : {0, 1}) {
+    auto split = build(rank, 2);
+    EXPECT_EQ(sdk::tensor_parallel_placements(*split->network()).size(), 2u * 6u);  // attn, proj.w, fc, fc_proj.w
+    expect_equal(values_of(*split->network()), cut(full, *split->network(), rank, 2), "rank " + std::to_string(rank));
   }
 }
 

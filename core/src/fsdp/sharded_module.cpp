@@ -114,7 +114,7 @@ void ShardedModule::build_units() {
       torch::NoGradGuard no_grad;
       flat = at::zeros({handle->padded_numel()}, handle->master_dtype());
       handle->point_params_at(flat);
-      initialize_modules(*network_, impls, device_, options_.param_init_fn);
+      initialize_modules(*network_, impls, device_, options_.param_init_fn, options_.tp_rank, options_.tp_size);
       flat = flat.to(device_);
     } else {
       flat = handle->flatten_params();

@@ -1,12 +1,16 @@
 #include "tessera/core/deferred_init.hpp"
 
 #include <algorithm>
+#include <cmath>
+#include <map>
 #include <mutex>
+#include <tuple>
 #include <vector>
 
 #include <ATen/ATen.h>
 #include <ATen/CPUGeneratorImpl.h>
 #include <c10/core/CPUAllocator.h>
+#include <torch/nn/init.h>
 #include <torch/nn/modules/batchnorm.h>
 #include <torch/nn/modules/conv.h>
 #include <torch/nn/modules/embedding.h>
@@ -15,6 +19,7 @@
 #include <torch/version.h>
 
 #include "tessera/sdk/error.hpp"
+#include "tessera/sdk/tensor_parallel.hpp"
 
 namespace tessera::core {
 
@@ -44,9 +49,9 @@ class ArenaAllocator final : public c10::Allocator {
     return {data, data, &arena_noop, c10::Device(c10::kCPU)};
   }
   c10::DeleterFnPtr raw_deleter() const override { return nullptr; }
-  void start() {
+  void start(bool resume) {
     std::lock_guard<std::mutex> lock(mutex_);
-    rng_state_ = at::detail::getDefaultCPUGenerator().get_state();
+    if (!resume) rng_state_ = at::detail::getDefaultCPUGenerator().get_state();
     previous_ = c10::GetCPUAllocator();
     c10::SetCPUAllocator(this, /*priority=*/255);
   }
@@ -76,13 +81,14 @@ ArenaAllocator& arena() {
 
 class DeferredInitGuard final : public sdk::Guard {
  public:
-  DeferredInitGuard() { arena().start(); }
+  explicit DeferredInitGuard(bool resume) { arena().start(resume); }
   ~DeferredInitGuard() override { arena().stop(); }
 };
 
 }  // namespace
 
-sdk::GuardPtr deferred_init_guard() { return std::make_unique<DeferredInitGuard>(); }
+sdk::GuardPtr deferred_init_guard() { return std::make_unique<DeferredInitGuard>(/*resume=*/false); }
+sdk::GuardPtr resume_deferred_init_guard() { return std::make_unique<DeferredInitGuard>(/*resume=*/true); }
 
 bool is_deferred(const at::Tensor& t) {
   return t.defined() && t.has_storage() && t.device().is_cpu() && t.storage().data_ptr().get_deleter() == &arena_noop;
@@ -99,7 +105,23 @@ bool has_deferred_tensors(const torch::nn::Module& network) {
 void replay_deferred_init_rng() { arena().restore_rng(); }
 void release_deferred_init_memory() { arena().release(); }
 
+namespace {
+
+// LibTorch's LinearImpl::reset_parameters() on tensors of any shape (the fan-in is the
+// weight's second dimension: the full layer's when the SDK's TP layers hold full shapes).
+void reset_linear(at::Tensor& weight, at::Tensor& bias) {
+  torch::nn::init::kaiming_uniform_(weight, std::sqrt(5));
+  if (!bias.defined()) return;
+  const std::int64_t fan_in = std::get<0>(torch::nn::init::_calculate_fan_in_and_fan_out(weight));
+  const double bound = 1 / std::sqrt(static_cast<double>(fan_in));
+  torch::nn::init::uniform_(bias, -bound, bound);
+}
+
+}  // namespace
+
 bool reset_known_module(torch::nn::Module& m) {
+  if (auto* x = dynamic_cast<sdk::ColumnParallelLinearImpl*>(&m)) return reset_linear(x->weight, x->bias), true;
+  if (auto* x = dynamic_cast<sdk::RowParallelLinearImpl*>(&m)) return reset_linear(x->weight, x->bias), true;
   if (auto* x = dynamic_cast<torch::nn::LinearImpl*>(&m)) return x->reset_parameters(), true;
   if (auto* x = dynamic_cast<torch::nn::EmbeddingImpl*>(&m)) return x->reset_parameters(), true;
   if (auto* x = dynamic_cast<torch::nn::LayerNormImpl*>(&m)) return x->reset_parameters(), true;
@@ -112,8 +134,51 @@ bool reset_known_module(torch::nn::Module& m) {
   return false;
 }
 
+namespace {
+
+// A split parameter pointed at a transient full-size tensor while its module is initialised.
+struct FullShapeParameter {
+  at::Tensor parameter, local;  // local: the memory the engine gave the piece
+  sdk::TensorParallelPlacement placement;
+};
+
+// Points `m`'s own split parameters at zeroed full-size tensors (CPU, where an eager build
+// draws), so that initialisers see the full layer's shapes and fan-in and draw its values.
+std::vector<FullShapeParameter> widen_to_full_shapes(torch::nn::Module& m, std::int64_t tp_size) {
+  std::vector<FullShapeParameter> widened;
+  const auto* tp = dynamic_cast<const sdk::TensorParallelModule*>(&m);
+  if (tp == nullptr || tp_size == 1) return widened;
+  const std::map<std::string, sdk::TensorParallelPlacement> placements = tp->tensor_parallel_placements();
+  for (auto& item : m.named_parameters(/*recurse=*/false)) {
+    auto it = placements.find(item.key());
+    if (it == placements.end() || it->second.dim < 0) continue;
+    at::Tensor& p = item.value();
+    std::vector<std::int64_t> full_shape = p.sizes().vec();
+    full_shape.at(it->second.dim) *= tp_size;
+    widened.push_back({p, p.data(), it->second});
+    p.set_data(at::zeros(full_shape, p.options()));
+  }
+  return widened;
+}
+
+// Copies this rank's piece of each full value drawn into the engine's memory, which the
+// parameter points at again; the full tensors are freed.
+void keep_pieces(std::vector<FullShapeParameter>& widened, std::int64_t tp_rank, std::int64_t tp_size,
+                 const std::string& path) {
+  for (auto& w : widened) {
+    at::Tensor full = w.parameter.data();
+    TESSERA_CHECK(full.dim() == w.local.dim() && full.size(w.placement.dim) == w.local.size(w.placement.dim) * tp_size,
+                  "deferred init: the initialiser of module '", path, "' changed the shape of a tensor-parallel ",
+                  "parameter (", w.local.sizes(), " on this rank, initialised at full shape) to ", full.sizes());
+    w.parameter.set_data(w.local);
+    w.local.copy_(sdk::tensor_parallel_shard(full, w.placement, tp_rank, tp_size));
+  }
+}
+
+}  // namespace
+
 void initialize_modules(torch::nn::Module& network, const std::set<const void*>& params, c10::Device device,
-                        const ParamInitFn& init) {
+                        const ParamInitFn& init, std::int64_t tp_rank, std::int64_t tp_size) {
   torch::NoGradGuard no_grad;
   for (const auto& item : network.named_modules()) {
     torch::nn::Module& m = *item.value();
@@ -123,11 +188,15 @@ void initialize_modules(torch::nn::Module& network, const std::set<const void*>&
     TESSERA_CHECK(!elsewhere, "deferred init: the parameters of module '", item.key(), "' (", m.name(),
                   ") sit in different FSDP units (a tied weight?); build this model with [strategy] deferred_init = false");
     for (auto& b : m.buffers(/*recurse=*/false)) b.set_data(at::zeros(b.sizes(), b.options().device(device)));
-    if (init && init(item.key(), m)) continue;
-    TESSERA_CHECK(reset_known_module(m), "deferred init: module '", item.key(), "' of class '", m.name(),
-                  "' has parameters but no known initialiser (tessera re-initialises LibTorch's Linear, Embedding, ",
-                  "LayerNorm, Conv1d-3d and BatchNorm1d-3d); initialise it in the model's init_parameters(), give its ",
-                  "parameters to such modules or set [strategy] deferred_init = false");
+    std::vector<FullShapeParameter> widened = widen_to_full_shapes(m, tp_size);
+    const bool initialised = (init && init(item.key(), m)) || reset_known_module(m);
+    keep_pieces(widened, tp_rank, tp_size, item.key());
+    if (initialised) continue;
+    TESSERA_FAIL("deferred init: module '", item.key(), "' of class '", m.name(),
+                 "' has parameters but no known initialiser (tessera re-initialises LibTorch's Linear, Embedding, ",
+                 "LayerNorm, Conv1d-3d, BatchNorm1d-3d and the SDK's ColumnParallelLinear and RowParallelLinear); ",
+                 "initialise it in the model's init_parameters(), give its parameters to such modules or set ",
+                 "[strategy] deferred_init = false");
   }
 }
 

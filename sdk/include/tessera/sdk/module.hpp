@@ -51,8 +51,11 @@ class TESSERA_SDK_API Module : public PluginObject {
   /// buffers that `module` (at `path` in the network) owns directly, as configure_model()
   /// does. FSDP strategies call it unit by unit under [strategy] deferred_init, after giving
   /// the module real memory. Return false to let the module's own reset_parameters() do it
-  /// (LibTorch's Linear, Embedding, LayerNorm, Conv, BatchNorm). Default: false everywhere,
-  /// right for models that keep LibTorch's default initialisation.
+  /// (LibTorch's Linear, Embedding, LayerNorm, Conv, BatchNorm; the SDK's tensor-parallel
+  /// Linear layers as a Linear of the full size). Under tensor parallelism a module holding
+  /// tensor-parallel pieces comes with its split parameters at their full shape (the same
+  /// values on every tp rank), and the strategy keeps this rank's piece after. Default: false
+  /// everywhere, right for models that keep LibTorch's default initialisation.
   virtual bool init_parameters(const std::string& path, torch::nn::Module& module);
 
   /// Saved as "hyper_parameters" in checkpoints.
@@ -64,7 +67,9 @@ class TESSERA_SDK_API Module : public PluginObject {
   /// single-device weights. Called by a DP x TP strategy once, after configure_model() and
   /// before the strategy shards anything. Check sizes before changing anything (an sdk::Error
   /// naming the config key and the valid tp sizes). Default: nothing when the tp group has
-  /// one rank, else an sdk::Error ("model X has no tensor-parallel plan").
+  /// one rank, else an sdk::Error ("model X has no tensor-parallel plan"). Under deferred
+  /// init the parameters are deferred (no memory): cut them, never compute with their values;
+  /// the pieces stay deferred and are initialised through init_parameters().
   virtual void parallelize(const ParallelContext& context);
 };
 

@@ -55,6 +55,10 @@ struct FSDPOptions {
   /// Under deferred init: initialises one module's own tensors in place (sdk::Module::
   /// init_parameters); returning false (or unset) falls back to its reset_parameters().
   std::function<bool(const std::string& path, torch::nn::Module& module)> param_init_fn;
+  /// Under deferred init with tensor parallelism: this rank's place in the tensor-parallel
+  /// group, so that modules holding tensor-parallel pieces are initialised at full shape and
+  /// cut as the eager plan cuts them (initialize_modules).
+  std::int64_t tp_rank = 0, tp_size = 1;
   /// Where the network runs. Default: where its parameters are; under deferred init they are
   /// nowhere yet (the strategy sets it, and each unit is materialised there).
   c10::optional<c10::Device> device;
