@@ -252,7 +252,7 @@ TEST(BadInput, SwitchingTheStrategyWithSetNamesThePluginsOfTheLeftoverKeys) {
        {"(sharding_strategyy: not a key of any strategy plugin found)"}},
       // As a user would: the shipped config.
       {"--config " + shipped + " --set trainer.default_root_dir=" + dir + " --set strategy.plugin=ddp",
-       {"auto_wrap_policy (" + shipped + ":31): a key of fsdp, fsdp_cpu_offload", "[strategy] plugin = \"fsdp\""}},
+       {"parallelize_fn (" + shipped + ":31): a key of fsdp2", "[strategy] plugin = \"fsdp2\""}},
   };
   for (const auto& c : cases) {
     auto r = run_tessera("fit " + c.arguments);
