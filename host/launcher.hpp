@@ -30,6 +30,9 @@ std::optional<int> launch_or_join(const LaunchSettings& settings, const std::str
 /// at::set_num_threads and OpenBLAS's own pool (openblas_set_num_threads when the loaded
 /// BLAS has it), which at::set_num_threads does not touch.
 void configure_threads(const LaunchSettings& settings, const sdk::ClusterInfo& cluster);
+/// jemalloc's settings for this process's job (see launcher.cpp: a one-process job keeps the
+/// pages it frees); nothing under another malloc or when MALLOC_CONF sets a decay.
+void configure_allocator(const sdk::ClusterInfo& cluster);
 
 /// Whether `port` can be bound on `address` right now (a TCPStore could listen there).
 bool port_is_free(const std::string& address, std::int64_t port);
