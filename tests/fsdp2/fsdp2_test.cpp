@@ -137,6 +137,20 @@ TEST(Checkpoints, ShardedTensorParallelPiecesMoveBetweenMeshes) {
   }
 }
 
+/// Every step's loss within 2e-5 of the reference run's, and the final full checkpoints' tensors
+/// (full shapes: tp pieces unsharded) within 2e-5.
+void expect_tracks(const FitRun& reference, const FitRun& run) {
+  ASSERT_EQ(run.losses.size(), reference.losses.size());
+  for (const auto& [step, loss] : reference.losses) EXPECT_NEAR(run.losses.at(step), loss, 2e-5 * loss) << "step " << step;
+  auto a = checkpoint_state(reference.dir + "/checkpoints/last.ckpt");
+  auto b = checkpoint_state(run.dir + "/checkpoints/last.ckpt");
+  ASSERT_EQ(a.size(), b.size());
+  for (const auto& [name, tensor] : a) {
+    ASSERT_EQ(b.at(name).sizes(), tensor.sizes()) << name << ": full shapes in the checkpoint";
+    EXPECT_TRUE(at::allclose(b.at(name), tensor, 2e-5, 2e-5)) << name;
+  }
+}
+
 // Tensor parallelism composed with fully_shard: dp x tp = 1 x 2 and 2 x 2 (q, k, v split by
 // head, MLP split; tp ranks see the same batch) track the single-device run, with clipping
 // (the norm sums the tp pieces over tp, the replicated parameters once).
@@ -145,17 +159,7 @@ TEST(TensorParallel, DpTimesTpMatchesSingleDevice) {
   FitRun reference = fit("tp-reference", "single_device", 1, 6, "", clip, 1, /*sgd=*/true);
   for (int world : {2, 4}) {
     SCOPED_TRACE("dp " + std::to_string(world / 2) + " x tp 2");
-    FitRun run = fit("tp-" + std::to_string(world), "fsdp2", world, 6, "", clip, 2, /*sgd=*/true);
-    ASSERT_EQ(run.losses.size(), reference.losses.size());
-    for (const auto& [step, loss] : reference.losses)
-      EXPECT_NEAR(run.losses.at(step), loss, 2e-5 * loss) << "step " << step;
-    auto a = checkpoint_state(reference.dir + "/checkpoints/last.ckpt");
-    auto b = checkpoint_state(run.dir + "/checkpoints/last.ckpt");
-    ASSERT_EQ(a.size(), b.size());
-    for (const auto& [name, tensor] : a) {
-      ASSERT_EQ(b.at(name).sizes(), tensor.sizes()) << name << ": full shapes in the checkpoint";
-      EXPECT_TRUE(at::allclose(b.at(name), tensor, 2e-5, 2e-5)) << name;
-    }
+    expect_tracks(reference, fit("tp-" + std::to_string(world), "fsdp2", world, 6, "", clip, 2, /*sgd=*/true));
   }
 }
 
@@ -185,14 +189,7 @@ TEST(TensorParallel, DeferredInitStartsFromTheUnsplitDeferredModel) {
       EXPECT_TRUE(state.at(name).sizes() == tensor.sizes() && at::equal(state.at(name), tensor))
           << name << ": the initial weights differ from the unsplit deferred model's";
     }
-    FitRun run = fit("tp-deferred-" + std::to_string(world), "fsdp2", world, 6, "", clip, 2, /*sgd=*/true);
-    ASSERT_EQ(run.losses.size(), reference.losses.size());
-    for (const auto& [step, loss] : reference.losses)
-      EXPECT_NEAR(run.losses.at(step), loss, 2e-5 * loss) << "step " << step;
-    auto a = checkpoint_state(reference.dir + "/checkpoints/last.ckpt");
-    auto b = checkpoint_state(run.dir + "/checkpoints/last.ckpt");
-    ASSERT_EQ(a.size(), b.size());
-    for (const auto& [name, tensor] : a) EXPECT_TRUE(at::allclose(b.at(name), tensor, 2e-5, 2e-5)) << name;
+    expect_tracks(reference, fit("tp-deferred-" + std::to_string(world), "fsdp2", world, 6, "", clip, 2, /*sgd=*/true));
   }
 }
 
