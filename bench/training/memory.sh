@@ -14,30 +14,11 @@ set -euo pipefail
 cd "$(dirname "$0")/../.."
 tessera="${1:-build}/bin/tessera"
 out="$(mktemp -d)"; trap 'rm -rf "$out"' EXIT
-cat > "$out/gpt.toml" <<TOML
-[trainer]
-max_steps = 3
-log_every_n_steps = 1
-enable_progress_bar = false
-save_last = false
-[optimizer]
-name = "adamw"
-lr = 3e-4
-schedule = "constant"
-[model]
-plugin = "gpt"
-n_layer = 8
-n_head = 12
-n_embd = 768
-block_size = 64
-[data]
-plugin = "text"
-block_size = 64
-TOML
+config=bench/training/gpt-57m.toml
 
 peak_rss() {
   local dir="$1"; shift
-  $tessera fit --config "$out/gpt.toml" --set trainer.default_root_dir="$dir" "$@" > "$dir.log" 2>&1 \
+  $tessera fit --config "$config" --set trainer.default_root_dir="$dir" "$@" > "$dir.log" 2>&1 \
     || { echo "$dir failed:" >&2; tail -20 "$dir.log" >&2; exit 1; }
   awk -F, '$4=="peak_rss_mb" {printf "%.0f", $5}' "$dir/version_0/metrics.csv"
 }

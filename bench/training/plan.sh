@@ -7,36 +7,17 @@ set -euo pipefail
 cd "$(dirname "$0")/../.."
 tessera="${1:-build}/bin/tessera"
 out="$(mktemp -d)"; trap 'rm -rf "$out"' EXIT
-cat > "$out/gpt.toml" <<TOML
-[trainer]
-max_steps = 3
-log_every_n_steps = 1
-enable_progress_bar = false
-save_last = false
-[optimizer]
-name = "adamw"
-lr = 3e-4
-schedule = "constant"
-[model]
-plugin = "gpt"
-n_layer = 8
-n_head = 12
-n_embd = 768
-block_size = 64
-[data]
-plugin = "text"
-block_size = 64
-TOML
+config=bench/training/gpt-57m.toml
 
 printf "%-26s %10s %10s %8s   %s\n" "" "plan MB" "fit MB" "error" "sent per rank per step"
 run() {
   local name="$1"; shift
   local dir="$out/$name"
   local json planned measured sent
-  json=$($tessera plan --json --config "$out/gpt.toml" "$@")
+  json=$($tessera plan --json --config "$config" "$@")
   planned=$(python3 -c 'import json,sys; print(round(json.loads(sys.argv[1])["peak_rss_per_rank_bytes"]/1048576))' "$json")
   sent=$(python3 -c 'import json,sys; print("%.0f MB" % (json.loads(sys.argv[1])["sent_per_step_bytes"]/1048576))' "$json")
-  $tessera fit --config "$out/gpt.toml" --set trainer.default_root_dir="$dir" "$@" > "$dir.log" 2>&1 \
+  $tessera fit --config "$config" --set trainer.default_root_dir="$dir" "$@" > "$dir.log" 2>&1 \
     || { echo "$name failed:" >&2; tail -20 "$dir.log" >&2; exit 1; }
   measured=$(awk -F, '$4=="peak_rss_mb" {printf "%.0f", $5}' "$dir/version_0/metrics.csv")
   printf "%-26s %10s %10s %+7.1f%%   %s\n" "$name" "$planned" "$measured" \
