@@ -241,6 +241,7 @@ int main(int argc, char** argv) {
     return 2;
   }
 
+  if (args.command != "plan" && args.command != "plugins") host::settle_openmp_workers(argv);
   std::unique_ptr<host::RunLog> log;
   bool configuring = true;  // until the configuration is checked: errors may come from a --set
   try {
@@ -270,7 +271,7 @@ int main(int argc, char** argv) {
     core::set_fatal_reporter(report_failure);
     if (auto code = host::launch_or_join(config.launch, root + "/logs", argc, argv, cluster)) return *code;
     host::configure_threads(config.launch, cluster);
-    host::configure_allocator(cluster);
+    host::configure_allocator();
     log = std::make_unique<host::RunLog>(root, cluster.global_rank, config.trainer.enable_progress_bar);
     host::Trainer trainer(std::move(config), cluster, *log);
     if (args.command == "fit") trainer.fit(args.ckpt_path);

@@ -2,6 +2,7 @@
 """PyTorch's own DDP (Gloo, CPU) or FSDP on the same byte-level GPT Tessera trains: the reference
 Tessera's throughput is compared against in bench/training/run.sh. Prints one line:
   pytorch <strategy> ranks=N tokens_per_s=X peak_rss_mb=Y
+Each rank gets the threads Tessera gives it: cores / ranks, LibTorch's pool and OpenBLAS's.
 Run with Debian's python3-torch: /usr/bin/python3 pytorch_ddp_gpt.py --ranks 2 --steps 20
 """
 import argparse
@@ -10,8 +11,26 @@ import os
 import resource
 import time
 
-# One BLAS thread per rank (torchrun sets OMP_NUM_THREADS=1 likewise); must precede import torch.
-os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+
+def arguments():
+    p = argparse.ArgumentParser()
+    p.add_argument("--strategy", choices=["ddp", "fsdp"], default="ddp")
+    p.add_argument("--ranks", type=int, default=2)
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--n-layer", type=int, default=6)
+    p.add_argument("--n-head", type=int, default=6)
+    p.add_argument("--n-embd", type=int, default=384)
+    p.add_argument("--block-size", type=int, default=128)
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--port", type=int, default=29512)
+    return p.parse_args()
+
+
+ARGS = arguments()
+# The threads Tessera gives each rank: cores / ranks, for LibTorch's pool (worker() below) and
+# OpenBLAS's own, which reads this when it loads (so before import torch).
+os.environ.setdefault("OPENBLAS_NUM_THREADS", str(max(1, os.cpu_count() // ARGS.ranks)))
 
 import torch
 import torch.distributed as dist
@@ -92,16 +111,4 @@ def worker(rank, args):
 
 
 if __name__ == "__main__":
-    p = argparse.ArgumentParser()
-    p.add_argument("--strategy", choices=["ddp", "fsdp"], default="ddp")
-    p.add_argument("--ranks", type=int, default=2)
-    p.add_argument("--steps", type=int, default=20)
-    p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--n-layer", type=int, default=6)
-    p.add_argument("--n-head", type=int, default=6)
-    p.add_argument("--n-embd", type=int, default=384)
-    p.add_argument("--block-size", type=int, default=128)
-    p.add_argument("--batch-size", type=int, default=8)
-    p.add_argument("--port", type=int, default=29512)
-    a = p.parse_args()
-    mp.spawn(worker, args=(a,), nprocs=a.ranks)
+    mp.spawn(worker, args=(ARGS,), nprocs=ARGS.ranks)

@@ -65,15 +65,18 @@ run ddp_4 --set launch.devices=4 --set strategy.plugin=ddp --set data.batch_size
 run fsdp_4 --set launch.devices=4 --set strategy.plugin=fsdp --set data.batch_size=4
 run fsdp2_4 --set launch.devices=4 --set strategy.plugin=fsdp2 --set data.batch_size=4
 
+PYTORCH_ENV=""
 pytorch() {
   local name="$1"; shift
   local line
-  line=$(/usr/bin/python3 bench/training/pytorch_ddp_gpt.py --steps "$steps" --port $((20000 + RANDOM % 20000)) "$@")
+  line=$(env $PYTORCH_ENV /usr/bin/python3 bench/training/pytorch_ddp_gpt.py --steps "$steps" --port $((20000 + RANDOM % 20000)) "$@")
   echo "$line"
   echo "$name $(sed -E 's/.*tokens_per_s=([0-9.]+).*/\1/' <<< "$line") $(sed -E 's/.*peak_rss_mb=([0-9.]+).*/\1/' <<< "$line")" >> "$out/results"
 }
 pytorch pytorch_ddp_2 --ranks 2
 pytorch pytorch_single --ranks 1 --batch-size 16
+# PyTorch given the OpenMP setting tessera runs with (host/launcher.cpp settle_openmp_workers).
+PYTORCH_ENV=GOMP_SPINCOUNT=10000 pytorch pytorch_single_spin10k --ranks 1 --batch-size 16
 
 echo
 echo "ratios (same run):"
@@ -88,7 +91,7 @@ awk '{tps[$1]=$2; rss[$1]=$3}
        if ("fsdp_bf16_mixed_2" in tps)
          printf "  FSDP bf16-mixed / FSDP 32-true     %.2fx tokens/s, %.2fx peak RSS\n", tps["fsdp_bf16_mixed_2"]/tps["fsdp_full_shard_2"], rss["fsdp_bf16_mixed_2"]/rss["fsdp_full_shard_2"];
        printf "  peak RSS FSDP / DDP                %.2fx\n", rss["fsdp_full_shard_2"]/rss["ddp_2"];
-       printf "  tessera single / PyTorch single    %.2fx tokens/s\n", tps["single_device"]/tps["pytorch_single"];
+       printf "  tessera single / PyTorch single    %.2fx tokens/s (%.2fx PyTorch with GOMP_SPINCOUNT=10000)\n", tps["single_device"]/tps["pytorch_single"], tps["single_device"]/tps["pytorch_single_spin10k"];
        printf "  fsdp2 / fsdp (2 ranks)             %.2fx tokens/s, %.2fx peak RSS\n", tps["fsdp2_2"]/tps["fsdp_full_shard_2"], rss["fsdp2_2"]/rss["fsdp_full_shard_2"];
        printf "  fsdp2 / tessera DDP (2 ranks)      %.2fx tokens/s, %.2fx peak RSS\n", tps["fsdp2_2"]/tps["ddp_2"], rss["fsdp2_2"]/rss["ddp_2"];
        printf "  tp 2 / dp 2 (fsdp2, 2 ranks)       %.2fx tokens/s, %.2fx peak RSS\n", tps["fsdp2_tp2"]/tps["fsdp2_2"], rss["fsdp2_tp2"]/rss["fsdp2_2"];

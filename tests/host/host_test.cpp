@@ -330,25 +330,80 @@ TEST(Cli, TheBinarysAllocatorIsJemalloc) {
   EXPECT_NE(r.output.find("___ Begin jemalloc statistics ___"), std::string::npos) << r.output;
 }
 
-// A one-process job turns jemalloc's decay off (freed pages stay for the next step: single
-// device was ~25% slower re-faulting them); a job of several ranks keeps it (FSDP's 1/N
-// memory). jemalloc's statistics, printed at exit, say which each process runs with.
-TEST(Cli, OneProcessJobsKeepFreedPagesShardedJobsReturnThem) {
+// Every training process keeps the pages it frees for the next step (jemalloc's decay off:
+// each step faulted its activations in again), except in the arena of blocks above the
+// oversize threshold, which purges at once (kept, they serve no smaller request: FSDP's
+// 1/N memory). jemalloc's statistics, printed at exit, say what each process runs with.
+namespace {
+// The decay time of arena `index`, as jemalloc's statistics print it ("   dirty:   N/A ..."
+// for none, "   dirty:     0 ..." for an immediate purge); "" when the arena is not listed.
+std::string arena_decay(const std::string& stats, const std::string& index) {
+  auto at = stats.find("arenas[" + index + "]:");
+  if (at == std::string::npos) return "";
+  at = stats.find("   dirty:", at);
+  std::istringstream line(stats.substr(at + 9, 40));
+  std::string decay;
+  line >> decay;
+  return decay;
+}
+std::string opt_narenas(const std::string& stats) {
+  auto at = stats.find("opt.narenas: ");
+  return at == std::string::npos ? "" : stats.substr(at + 13, stats.find('\n', at) - at - 13);
+}
+}  // namespace
+
+TEST(Cli, TrainingKeepsFreedPagesButReturnsOversizeBlocks) {
   const std::string dir = tessera::testing::fresh_dir("allocator-decay");
   auto one = run_tessera("fit --config " + write_config(dir) + " --set trainer.max_steps=1", "MALLOC_CONF=stats_print:true");
   EXPECT_EQ(one.exit_code, 0) << one.output;
   EXPECT_NE(one.output.find("(arenas.dirty_decay_ms: -1)"), std::string::npos) << one.output;
+  EXPECT_EQ(arena_decay(one.output, "0"), "N/A") << one.output;
+  const std::string oversize_arena = opt_narenas(one.output);  // it follows the ordinary ones
+  ASSERT_FALSE(oversize_arena.empty()) << one.output;
+  EXPECT_EQ(arena_decay(one.output, oversize_arena), "0") << one.output;
   const std::string dir2 = tessera::testing::fresh_dir("allocator-decay-2");
   auto two = run_tessera("fit --config " + write_config(dir2) + " --set trainer.max_steps=1 --set launch.devices=2 "
-                         "--set strategy.plugin=ddp", "MALLOC_CONF=stats_print:true");
+                         "--set strategy.plugin=fsdp", "MALLOC_CONF=stats_print:true");
   EXPECT_EQ(two.exit_code, 0) << two.output;
   std::ifstream log(dir2 + "/logs/rank-1.log");
   const std::string rank1((std::istreambuf_iterator<char>(log)), std::istreambuf_iterator<char>());
-  EXPECT_NE(rank1.find("(arenas.dirty_decay_ms: 10000)"), std::string::npos) << rank1;
+  EXPECT_NE(rank1.find("(arenas.dirty_decay_ms: -1)"), std::string::npos) << rank1;
+  EXPECT_EQ(arena_decay(rank1, oversize_arena), "0") << rank1;
   // A decay the user sets wins.
   auto chosen = run_tessera("fit --config " + write_config(dir) + " --set trainer.max_steps=1",
                             "MALLOC_CONF=stats_print:true,dirty_decay_ms:500");
   EXPECT_NE(chosen.output.find("(arenas.dirty_decay_ms: 500)"), std::string::npos) << chosen.output;
+}
+
+// libgomp's workers spin 300,000 times after a parallel region by default, on the cores
+// OpenBLAS's threads need: a training process runs with GOMP_SPINCOUNT=10000, set before
+// libgomp loads by re-executing itself once; ranks inherit it (no second re-execution), and a
+// choice of the user's stands. libgomp itself prints its settings under OMP_DISPLAY_ENV.
+TEST(Cli, TrainingProcessesKeepOpenMPWorkersFromSpinning) {
+  auto count = [](const std::string& text, const std::string& what) {
+    std::size_t n = 0;
+    for (auto at = text.find(what); at != std::string::npos; at = text.find(what, at + 1)) ++n;
+    return n;
+  };
+  const std::string clean_env = "env -u GOMP_SPINCOUNT -u OMP_WAIT_POLICY OMP_DISPLAY_ENV=VERBOSE";
+  const std::string dir = tessera::testing::fresh_dir("openmp-spin");
+  auto one = run_tessera("fit --config " + write_config(dir) + " --set trainer.max_steps=1", clean_env);
+  EXPECT_EQ(one.exit_code, 0) << one.output;
+  EXPECT_EQ(count(one.output, "GOMP_SPINCOUNT = '300000'"), 1u) << one.output;  // before the re-execution
+  EXPECT_EQ(count(one.output, "GOMP_SPINCOUNT = '10000'"), 1u) << one.output;
+  const std::string dir2 = tessera::testing::fresh_dir("openmp-spin-2");
+  auto two = run_tessera("fit --config " + write_config(dir2) + " --set trainer.max_steps=1 --set launch.devices=2 "
+                         "--set strategy.plugin=ddp", clean_env);
+  EXPECT_EQ(two.exit_code, 0) << two.output;
+  std::ifstream log(dir2 + "/logs/rank-1.log");
+  const std::string rank1((std::istreambuf_iterator<char>(log)), std::istreambuf_iterator<char>());
+  EXPECT_EQ(count(rank1, "GOMP_SPINCOUNT ="), 1u) << rank1;
+  EXPECT_EQ(count(rank1, "GOMP_SPINCOUNT = '10000'"), 1u) << rank1;
+  auto chosen = run_tessera("fit --config " + write_config(dir) + " --set trainer.max_steps=1",
+                            clean_env + " OMP_WAIT_POLICY=ACTIVE");
+  EXPECT_EQ(chosen.exit_code, 0) << chosen.output;
+  EXPECT_EQ(count(chosen.output, "OMP_WAIT_POLICY = 'ACTIVE'"), 1u) << chosen.output;
+  EXPECT_EQ(count(chosen.output, "GOMP_SPINCOUNT = '10000'"), 0u) << chosen.output;
 }
 
 TEST(Cli, HelpUsageAndBadArguments) {
