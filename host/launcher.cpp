@@ -111,35 +111,6 @@ void configure_threads(const LaunchSettings& settings, const sdk::ClusterInfo& c
     set(static_cast<int>(threads));
 }
 
-void configure_allocator() {
-  // Freed pages stay for the next step. jemalloc otherwise hands them back to the kernel as
-  // they age (its 10 s decay) and every step faults its activations in again: 1.8 million
-  // page faults in 20 steps of DDP on 2 ranks on the bench GPT instead of 0.37 million, ~8%
-  // of the step, and a single device lost ~25%. Blocks above jemalloc's oversize threshold
-  // (8 MiB: whole parameters, flat units, buckets) live in their own arena, which purges them
-  // at once: kept, they could serve no smaller request, and FSDP's 57M GPT held 155 MB more
-  // per rank on 2 ranks. So that arena is made first, while the default decay gives it its
-  // immediate purge, and only the ordinary arenas keep their pages. A MALLOC_CONF that sets
-  // a decay wins; under glibc's malloc there is no mallctl.
-  const char* conf = std::getenv("MALLOC_CONF");
-  if (conf != nullptr && std::strstr(conf, "decay") != nullptr) return;
-  using Mallctl = int (*)(const char*, void*, std::size_t*, void*, std::size_t);
-  auto mallctl = reinterpret_cast<Mallctl>(::dlsym(RTLD_DEFAULT, "mallctl"));
-  if (mallctl == nullptr) return;
-  std::size_t oversize = 0, length = sizeof oversize;
-  if (mallctl("opt.oversize_threshold", &oversize, &length, nullptr, 0) == 0 && oversize > 0) {
-    void* volatile block = std::malloc(oversize + 1);  // creates the oversize arena (decay 0) if it is not there
-    std::free(block);                                   // (volatile: a malloc/free pair may be elided)
-  }
-  ssize_t never = -1;
-  mallctl("arenas.dirty_decay_ms", nullptr, nullptr, &never, sizeof never);  // arenas made from now on
-  unsigned automatic = 0;  // the ordinary arenas are 0 .. opt.narenas - 1; the oversize one follows
-  length = sizeof automatic;
-  if (mallctl("opt.narenas", &automatic, &length, nullptr, 0) != 0) return;
-  for (unsigned i = 0; i < automatic; ++i)  // those in use (the others refuse, and take the default above)
-    mallctl(("arena." + std::to_string(i) + ".dirty_decay_ms").c_str(), nullptr, nullptr, &never, sizeof never);
-}
-
 namespace {
 sdk::ClusterInfo environment_cluster(const LaunchSettings& settings, const core::Environment& env) {
   core::ClusterDefaults defaults{settings.master_addr, settings.master_port, settings.collective_timeout_s};

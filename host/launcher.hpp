@@ -38,10 +38,6 @@ void settle_openmp_workers(char** argv);
 /// at::set_num_threads and OpenBLAS's own pool (openblas_set_num_threads when the loaded
 /// BLAS has it), which at::set_num_threads does not touch.
 void configure_threads(const LaunchSettings& settings, const sdk::ClusterInfo& cluster);
-/// jemalloc's settings for a training process (see launcher.cpp: freed pages stay for the next
-/// step, blocks above the oversize threshold go back at once); nothing under another malloc or
-/// when MALLOC_CONF sets a decay.
-void configure_allocator();
 
 /// Whether `port` can be bound on `address` right now (a TCPStore could listen there).
 bool port_is_free(const std::string& address, std::int64_t port);

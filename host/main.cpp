@@ -15,6 +15,7 @@
 #include <c10/util/Exception.h>
 #include <torch/cuda.h>
 
+#include "allocator.hpp"
 #include "checkpoint_tool.hpp"
 #include "config.hpp"
 #include "launcher.hpp"
@@ -271,7 +272,7 @@ int main(int argc, char** argv) {
     core::set_fatal_reporter(report_failure);
     if (auto code = host::launch_or_join(config.launch, root + "/logs", argc, argv, cluster)) return *code;
     host::configure_threads(config.launch, cluster);
-    host::configure_allocator();
+    host::keep_freed_pages(/*oversize_blocks_too=*/cluster.world_size == 1);
     log = std::make_unique<host::RunLog>(root, cluster.global_rank, config.trainer.enable_progress_bar);
     host::Trainer trainer(std::move(config), cluster, *log);
     if (args.command == "fit") trainer.fit(args.ckpt_path);

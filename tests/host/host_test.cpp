@@ -331,9 +331,9 @@ TEST(Cli, TheBinarysAllocatorIsJemalloc) {
 }
 
 // Every training process keeps the pages it frees for the next step (jemalloc's decay off:
-// each step faulted its activations in again), except in the arena of blocks above the
-// oversize threshold, which purges at once (kept, they serve no smaller request: FSDP's
-// 1/N memory). jemalloc's statistics, printed at exit, say what each process runs with.
+// each step faulted its activations in again). In a job of several ranks the arena of blocks
+// above the oversize threshold still purges at once (kept, they serve few later requests:
+// FSDP's 1/N memory). jemalloc's statistics, printed at exit, say what each process runs with.
 namespace {
 // The decay time of arena `index`, as jemalloc's statistics print it ("   dirty:   N/A ..."
 // for none, "   dirty:     0 ..." for an immediate purge); "" when the arena is not listed.
@@ -352,7 +352,7 @@ std::string opt_narenas(const std::string& stats) {
 }
 }  // namespace
 
-TEST(Cli, TrainingKeepsFreedPagesButReturnsOversizeBlocks) {
+TEST(Cli, TrainingKeepsFreedPagesShardedJobsReturnOversizeBlocks) {
   const std::string dir = tessera::testing::fresh_dir("allocator-decay");
   auto one = run_tessera("fit --config " + write_config(dir) + " --set trainer.max_steps=1", "MALLOC_CONF=stats_print:true");
   EXPECT_EQ(one.exit_code, 0) << one.output;
@@ -360,7 +360,7 @@ TEST(Cli, TrainingKeepsFreedPagesButReturnsOversizeBlocks) {
   EXPECT_EQ(arena_decay(one.output, "0"), "N/A") << one.output;
   const std::string oversize_arena = opt_narenas(one.output);  // it follows the ordinary ones
   ASSERT_FALSE(oversize_arena.empty()) << one.output;
-  EXPECT_EQ(arena_decay(one.output, oversize_arena), "0") << one.output;
+  EXPECT_NE(arena_decay(one.output, oversize_arena), "0") << one.output;  // "N/A", or "" if never made
   const std::string dir2 = tessera::testing::fresh_dir("allocator-decay-2");
   auto two = run_tessera("fit --config " + write_config(dir2) + " --set trainer.max_steps=1 --set launch.devices=2 "
                          "--set strategy.plugin=fsdp", "MALLOC_CONF=stats_print:true");
