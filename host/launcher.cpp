@@ -89,17 +89,6 @@ bool port_is_free(const std::string& address, std::int64_t port) {
   return free;
 }
 
-void settle_openmp_workers(char** argv) {
-  // 10,000 spins (tens of microseconds) keep the workers hot between the short elementwise
-  // kernels of a step and leave the cores to OpenBLAS during matmuls: bench GPT, single device,
-  // 2 cores: 2,700 tokens/s against 1,200 at 300,000 and 1,900 at 100,000 (0 gave 2,650).
-  constexpr const char* kSpinCount = "10000";
-  if (std::getenv("GOMP_SPINCOUNT") != nullptr || std::getenv("OMP_WAIT_POLICY") != nullptr) return;
-  if (::dlsym(RTLD_DEFAULT, "GOMP_parallel") == nullptr) return;  // not libgomp: nothing to settle
-  ::setenv("GOMP_SPINCOUNT", kSpinCount, 1);
-  ::execv("/proc/self/exe", argv);  // returns only on failure: run on with libgomp's default
-}
-
 void configure_threads(const LaunchSettings& settings, const sdk::ClusterInfo& cluster) {
   std::int64_t cores = std::max(1u, std::thread::hardware_concurrency());
   std::int64_t threads = settings.num_threads > 0

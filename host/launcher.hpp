@@ -26,14 +26,6 @@ sdk::ClusterInfo planned_cluster(const LaunchSettings& settings);
 std::optional<int> launch_or_join(const LaunchSettings& settings, const std::string& log_dir, int argc, char** argv,
                                   sdk::ClusterInfo& cluster);
 
-/// LibTorch's OpenMP workers, once a parallel region ends, spin 300,000 times (libgomp's
-/// default) before they sleep: on the cores OpenBLAS's own threads need for the next matmul.
-/// With 2 threads on 2 cores that halved a single-device step. libgomp reads its settings when
-/// it is loaded, before main(), so unless the user chose GOMP_SPINCOUNT or OMP_WAIT_POLICY
-/// this sets GOMP_SPINCOUNT and re-executes the binary in place (same pid, same arguments;
-/// ranks inherit the setting). Returns when nothing had to change or the exec failed.
-void settle_openmp_workers(char** argv);
-
 /// Compute threads for this rank: [launch] num_threads, or cores / local ranks. Sets
 /// at::set_num_threads and OpenBLAS's own pool (openblas_set_num_threads when the loaded
 /// BLAS has it), which at::set_num_threads does not touch.

@@ -17,6 +17,7 @@
 
 #include "allocator.hpp"
 #include "checkpoint_tool.hpp"
+#include "compute_libraries.hpp"
 #include "config.hpp"
 #include "launcher.hpp"
 #include "plan_job.hpp"
@@ -242,7 +243,7 @@ int main(int argc, char** argv) {
     return 2;
   }
 
-  if (args.command != "plan" && args.command != "plugins") host::settle_openmp_workers(argv);
+  if (args.command != "plan" && args.command != "plugins") host::settle_compute_libraries(argv);
   std::unique_ptr<host::RunLog> log;
   bool configuring = true;  // until the configuration is checked: errors may come from a --set
   try {
