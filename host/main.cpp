@@ -243,7 +243,7 @@ int main(int argc, char** argv) {
     return 2;
   }
 
-  if (args.command != "plan" && args.command != "plugins") host::settle_compute_libraries(argv);
+  if (args.command != "plan" && args.command != "plugins") host::settle_openmp_workers(argv);
   std::unique_ptr<host::RunLog> log;
   bool configuring = true;  // until the configuration is checked: errors may come from a --set
   try {

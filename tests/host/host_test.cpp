@@ -406,38 +406,6 @@ TEST(Cli, TrainingProcessesKeepOpenMPWorkersFromSpinning) {
   EXPECT_EQ(count(chosen.output, "GOMP_SPINCOUNT = '10000'"), 0u) << chosen.output;
 }
 
-// Debian's OpenBLAS 0.3.21 runs AVX2 (Haswell) kernels on AVX-512 CPUs it does not know
-// (AMD Zen 4/5); a training process then asks for its AVX-512 kernels, unless the user set
-// OPENBLAS_CORETYPE (this workplace's machines do: Haswell, which must stand). OpenBLAS
-// prints the kernels it loads under OPENBLAS_VERBOSE=2 ("Core: ...").
-TEST(Cli, TrainingProcessesGetTheAVX512KernelsOpenBLASMissed) {
-  auto cores = [](const std::string& text) {
-    std::vector<std::string> found;
-    for (auto at = text.find("Core: "); at != std::string::npos; at = text.find("Core: ", at + 1))
-      found.push_back(text.substr(at + 6, text.find('\n', at) - at - 6));
-    return found;
-  };
-  const std::string dir = tessera::testing::fresh_dir("openblas-core");
-  auto chosen = run_tessera("fit --config " + write_config(dir) + " --set trainer.max_steps=1",
-                            "OPENBLAS_VERBOSE=2 OPENBLAS_CORETYPE=Haswell");
-  EXPECT_EQ(chosen.exit_code, 0) << chosen.output;
-  for (const auto& core : cores(chosen.output)) EXPECT_EQ(core, "Haswell") << chosen.output;
-  auto automatic = run_tessera("fit --config " + write_config(dir) + " --set trainer.max_steps=1",
-                               "env -u OPENBLAS_CORETYPE OPENBLAS_VERBOSE=2");
-  EXPECT_EQ(automatic.exit_code, 0) << automatic.output;
-  const auto loaded = cores(automatic.output);
-  ASSERT_FALSE(loaded.empty()) << "OpenBLAS printed no core under OPENBLAS_VERBOSE=2\n" << automatic.output;
-  __builtin_cpu_init();
-  const bool avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512cd") &&
-                      __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512dq") &&
-                      __builtin_cpu_supports("avx512vl");
-  const std::string detected = loaded.front(), used = loaded.back();
-  if (avx512 && (detected == "Haswell" || detected == "Zen"))
-    EXPECT_EQ(used, __builtin_cpu_supports("avx512bf16") ? "Cooperlake" : "SkylakeX") << automatic.output;
-  else
-    EXPECT_EQ(used, detected) << "OpenBLAS's own choice stands on this CPU\n" << automatic.output;
-}
-
 TEST(Cli, HelpUsageAndBadArguments) {
   auto help = run_tessera("--help");
   EXPECT_EQ(help.exit_code, 0);
