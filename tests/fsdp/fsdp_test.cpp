@@ -589,6 +589,36 @@ TEST(LimitAllGathers, BoundsTheUnitsGatheredAtOnce) {
   });
 }
 
+// The unit that ran last in forward stays gathered into backward, which starts with it (as
+// torchtitan leaves its last block): once the forward order is known (from the second step),
+// a step makes exactly one all-gather fewer, of that unit's bytes, and trains the same.
+TEST(Scheduler, TheLastUnitOfForwardIsNotGatheredAgainForBackward) {
+  run_ranks(2, std::chrono::seconds(120), [&](const sdk::ClusterInfo& cluster) {
+    auto comm = world(cluster);
+    torch::manual_seed(11);
+    DeepNet net;
+    fsdp::ShardedModule sharded(net.ptr(), unit_options(), comm, core::make_local_communicator());
+    torch::optim::SGD optimizer(tensors_of(sharded.optimizer_parameters()), torch::optim::SGDOptions(0.1));
+    std::vector<core::CommStats> per_step;
+    for (int step = 0; step < 3; ++step) {
+      const core::CommStats before = comm->stats();
+      sharded.begin_forward(true);
+      at::Tensor loss = net->forward(at::ones({2, 64})).pow(2).mean();
+      sharded.begin_backward(true);
+      loss.backward();
+      sharded.finish_backward();
+      optimizer.step();
+      sharded.after_optimizer_step();
+      const core::CommStats after = comm->stats();
+      per_step.push_back({after.all_gather_bytes - before.all_gather_bytes, 0, 0, 0, 0, after.calls - before.calls});
+    }
+    EXPECT_EQ(per_step[0].calls - per_step[1].calls, 1) << "one all-gather fewer once the order is known";
+    EXPECT_GT(per_step[0].all_gather_bytes, per_step[1].all_gather_bytes);
+    EXPECT_EQ(per_step[1].all_gather_bytes, per_step[2].all_gather_bytes);
+    EXPECT_EQ(per_step[1].calls, per_step[2].calls);
+  });
+}
+
 // --- through the binary -------------------------------------------------------------------
 
 std::string write_config(const std::string& dir) {

@@ -85,8 +85,10 @@ std::vector<at::Tensor> Scheduler::run_forward(FSDPUnit& unit, sdk::UnitFunction
   }
   if (options_.output_dtype) outputs = cast_floating(outputs, *options_.output_dtype);
   // FULL_SHARD frees after forward (keeping 1/k of it with a post-forward group);
-  // SHARD_GRAD_OP keeps the parameters until backward.
-  if (!grad || options_.sharding_strategy != ShardingStrategy::SHARD_GRAD_OP) {
+  // SHARD_GRAD_OP keeps the parameters until backward. The unit that ran last stays gathered
+  // (as torchtitan leaves its last block): backward starts with it and would gather it again.
+  const bool backward_runs_it_next = grad && order_frozen_ && !order_.empty() && order_.back() == &unit;
+  if (!backward_runs_it_next && (!grad || options_.sharding_strategy != ShardingStrategy::SHARD_GRAD_OP)) {
     if (grad && options_.post_forward_group) keep_post_forward_shard(unit);
     reshard(unit);
   }
