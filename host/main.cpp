@@ -17,9 +17,9 @@
 
 #include "allocator.hpp"
 #include "checkpoint_tool.hpp"
-#include "compute_libraries.hpp"
 #include "config.hpp"
 #include "launcher.hpp"
+#include "openmp_workers.hpp"
 #include "plan_job.hpp"
 #include "plugin_keys.hpp"
 #include "run_log.hpp"

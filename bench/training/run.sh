@@ -75,7 +75,7 @@ pytorch() {
 }
 pytorch pytorch_ddp_2 --ranks 2
 pytorch pytorch_single --ranks 1 --batch-size 16
-# PyTorch given the OpenMP setting tessera runs with (host/launcher.cpp settle_openmp_workers).
+# PyTorch given the OpenMP setting tessera runs with (host/openmp_workers.cpp).
 PYTORCH_ENV=GOMP_SPINCOUNT=10000 pytorch pytorch_single_spin10k --ranks 1 --batch-size 16
 
 echo

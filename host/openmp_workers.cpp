@@ -1,4 +1,4 @@
-#include "compute_libraries.hpp"
+#include "openmp_workers.hpp"
 
 #include <dlfcn.h>
 #include <unistd.h>

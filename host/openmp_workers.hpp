@@ -1,6 +1,6 @@
 #pragma once
-// Settings of the libraries a step's compute runs in that they read only when they load,
-// before main(): set here and applied by re-executing the binary in place.
+// libgomp's waiting policy, which it reads only when it loads (before main()): set here and
+// applied by re-executing the binary in place.
 
 namespace tessera::host {
 
