@@ -560,6 +560,17 @@ TEST(DeferredInitTensorParallel, PeakUnderACapAndPiecesAreTheEagerModelsCut) {
   });
 }
 
+/// One training step of the DeepNet on a batch of ones.
+void deep_net_step(fsdp::ShardedModule& sharded, DeepNet& net, torch::optim::Optimizer& optimizer) {
+  sharded.begin_forward(true);
+  at::Tensor loss = net->forward(at::ones({2, 64})).pow(2).mean();
+  sharded.begin_backward(true);
+  loss.backward();
+  sharded.finish_backward();
+  optimizer.step();
+  sharded.after_optimizer_step();
+}
+
 // limit_all_gathers, counted: with b0 prefetching b1-b3 explicitly, four blocks are gathered
 // at once; under the limit two (the running unit and one ahead), and the step is the same.
 TEST(LimitAllGathers, BoundsTheUnitsGatheredAtOnce) {
@@ -574,13 +585,7 @@ TEST(LimitAllGathers, BoundsTheUnitsGatheredAtOnce) {
       fsdp::ShardedModule sharded(net.ptr(), o, comm, core::make_local_communicator());
       sharded.set_modules_to_forward_prefetch("b0", {"b1", "b2", "b3"});
       torch::optim::SGD optimizer(tensors_of(sharded.optimizer_parameters()), torch::optim::SGDOptions(0.1));
-      sharded.begin_forward(true);
-      at::Tensor loss = net->forward(at::ones({2, 64})).pow(2).mean();
-      sharded.begin_backward(true);
-      loss.backward();
-      sharded.finish_backward();
-      optimizer.step();
-      sharded.after_optimizer_step();
+      deep_net_step(sharded, net, optimizer);
       EXPECT_EQ(sharded.peak_units_gathered(), limit == 0 ? 4 : 2) << "limit " << limit;
       after[limit] = sharded.full_state_dict();
     }
@@ -591,7 +596,8 @@ TEST(LimitAllGathers, BoundsTheUnitsGatheredAtOnce) {
 
 // The unit that ran last in forward stays gathered into backward, which starts with it (as
 // torchtitan leaves its last block): once the forward order is known (from the second step),
-// a step makes exactly one all-gather fewer, of that unit's bytes, and trains the same.
+// a step makes exactly one all-gather fewer, of that unit's bytes (the parity tests show it
+// trains the same).
 TEST(Scheduler, TheLastUnitOfForwardIsNotGatheredAgainForBackward) {
   run_ranks(2, std::chrono::seconds(120), [&](const sdk::ClusterInfo& cluster) {
     auto comm = world(cluster);
@@ -602,13 +608,7 @@ TEST(Scheduler, TheLastUnitOfForwardIsNotGatheredAgainForBackward) {
     std::vector<core::CommStats> per_step;
     for (int step = 0; step < 3; ++step) {
       const core::CommStats before = comm->stats();
-      sharded.begin_forward(true);
-      at::Tensor loss = net->forward(at::ones({2, 64})).pow(2).mean();
-      sharded.begin_backward(true);
-      loss.backward();
-      sharded.finish_backward();
-      optimizer.step();
-      sharded.after_optimizer_step();
+      deep_net_step(sharded, net, optimizer);
       const core::CommStats after = comm->stats();
       per_step.push_back({after.all_gather_bytes - before.all_gather_bytes, 0, 0, 0, 0, after.calls - before.calls});
     }

@@ -365,8 +365,7 @@ TEST(Cli, TrainingKeepsFreedPagesShardedJobsReturnOversizeBlocks) {
   auto two = run_tessera("fit --config " + write_config(dir2) + " --set trainer.max_steps=1 --set launch.devices=2 "
                          "--set strategy.plugin=fsdp", "MALLOC_CONF=stats_print:true");
   EXPECT_EQ(two.exit_code, 0) << two.output;
-  std::ifstream log(dir2 + "/logs/rank-1.log");
-  const std::string rank1((std::istreambuf_iterator<char>(log)), std::istreambuf_iterator<char>());
+  const std::string rank1 = file_bytes(dir2 + "/logs/rank-1.log");
   EXPECT_NE(rank1.find("(arenas.dirty_decay_ms: -1)"), std::string::npos) << rank1;
   EXPECT_EQ(arena_decay(rank1, oversize_arena), "0") << rank1;
   // A decay the user sets wins.
@@ -395,8 +394,7 @@ TEST(Cli, TrainingProcessesKeepOpenMPWorkersFromSpinning) {
   auto two = run_tessera("fit --config " + write_config(dir2) + " --set trainer.max_steps=1 --set launch.devices=2 "
                          "--set strategy.plugin=ddp", clean_env);
   EXPECT_EQ(two.exit_code, 0) << two.output;
-  std::ifstream log(dir2 + "/logs/rank-1.log");
-  const std::string rank1((std::istreambuf_iterator<char>(log)), std::istreambuf_iterator<char>());
+  const std::string rank1 = file_bytes(dir2 + "/logs/rank-1.log");
   EXPECT_EQ(count(rank1, "GOMP_SPINCOUNT ="), 1u) << rank1;
   EXPECT_EQ(count(rank1, "GOMP_SPINCOUNT = '10000'"), 1u) << rank1;
   auto chosen = run_tessera("fit --config " + write_config(dir) + " --set trainer.max_steps=1",
