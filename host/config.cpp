@@ -260,6 +260,7 @@ Config Config::load(const std::string& path, const std::vector<std::string>& ove
   la.collective_timeout_s = l.get_int("collective_timeout_s", 60, 1, kMaxTimeoutS);
   la.rendezvous_timeout_s = l.get_int("rendezvous_timeout_s", 600, 1, kMaxTimeoutS);
   la.checkpoint_timeout_s = l.get_int("checkpoint_timeout_s", 1800, 1, kMaxTimeoutS);
+  la.shared_memory_collectives = l.get_bool("shared_memory_collectives", true);
   l.check_all_used();
 
   for (const auto& name : kPluginSections) {

@@ -65,6 +65,7 @@ struct LaunchSettings {
   std::int64_t collective_timeout_s = 60;    ///< each collective while training
   std::int64_t rendezvous_timeout_s = 600;   ///< joining the store and creating the process groups
   std::int64_t checkpoint_timeout_s = 1800;  ///< collectives while a checkpoint is saved or loaded
+  bool shared_memory_collectives = true;     ///< CPU ranks of one host reduce and gather through shared memory
 };
 
 struct DataSettings {

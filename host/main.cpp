@@ -268,8 +268,9 @@ int main(int argc, char** argv) {
       if (args.command == "fit") warn_about_memory(config);
     }
     configuring = false;
-    core::set_comm_timeouts({static_cast<double>(config.launch.rendezvous_timeout_s),
-                             static_cast<double>(config.launch.checkpoint_timeout_s)});
+    core::set_comm_settings({static_cast<double>(config.launch.rendezvous_timeout_s),
+                             static_cast<double>(config.launch.checkpoint_timeout_s),
+                             config.launch.shared_memory_collectives});
     core::set_fatal_reporter(report_failure);
     if (auto code = host::launch_or_join(config.launch, root + "/logs", argc, argv, cluster)) return *code;
     host::configure_threads(config.launch, cluster);

@@ -28,7 +28,10 @@ std::string simple_profile(const std::vector<core::trace::Event>& events) {
   for (const auto& e : events) {
     first = std::min(first, e.begin);
     last = std::max(last, e.end);
-    Row& row = rows[e.category == "collective" ? "[Collectives] in flight (all)" : e.name];
+    Row& row = rows[e.category == "collective"         ? "[Collectives] in flight (all)"
+                    : e.category == "collective-wait"  ? "[Collectives] waited on (all)"
+                    : e.category == "collective-local" ? "[Collectives] local sum/copy (all)"
+                                                       : e.name];
     row.total_us += micros(e.end - e.begin);
     ++row.calls;
   }

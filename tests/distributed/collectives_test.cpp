@@ -1,4 +1,5 @@
-// Collectives over real Gloo process groups against a serial computation of the same result.
+// Collectives over real Gloo process groups, with and without the shared-memory channel beside
+// them (comm/shared_memory_channel.hpp), against a serial computation of the same result.
 #include <gtest/gtest.h>
 
 #include <thread>
@@ -19,12 +20,24 @@ at::Tensor input_of(std::int64_t rank, std::int64_t n, at::ScalarType dtype) {
   return (at::arange(n, at::kFloat) * 0.25 + static_cast<double>(rank) * 10 - 3).to(dtype);
 }
 
-class Collectives : public ::testing::TestWithParam<int> {};
+/// (world size, shared memory): every test runs over Gloo alone and with the shared-memory channel.
+class Collectives : public ::testing::TestWithParam<std::tuple<int, bool>> {
+ protected:
+  /// The world group of this test's transport.
+  static tessera::core::CommunicatorPtr world_group(const tessera::sdk::ClusterInfo& cluster) {
+    tessera::core::CommSettings settings;
+    settings.shared_memory = std::get<1>(GetParam());
+    tessera::core::set_comm_settings(settings);
+    return make_communicator(cluster, c10::kCPU);
+  }
+  /// Whether the channel must have carried the reductions and gathers.
+  static bool expects_shared_memory() { return std::get<1>(GetParam()) && std::get<0>(GetParam()) > 1; }
+};
 
 TEST_P(Collectives, MatchSerialComputation) {
-  const int world = GetParam();
+  const int world = std::get<0>(GetParam());
   tessera::testing::run_ranks(world, std::chrono::seconds(60), [&](const tessera::sdk::ClusterInfo& cluster) {
-    auto comm = make_communicator(cluster, c10::kCPU);
+    auto comm = world_group(cluster);
     const std::int64_t rank = comm->rank();
     ASSERT_EQ(comm->size(), world);
     for (at::ScalarType dtype : {at::kFloat, at::kBFloat16}) {
@@ -75,6 +88,8 @@ TEST_P(Collectives, MatchSerialComputation) {
     EXPECT_EQ(a[0].item<float>(), world);
     EXPECT_EQ(c[999].item<float>(), 2.0 * world);
     EXPECT_EQ(comm->stats().all_gather_bytes, (world - 1) * (7 * 4 + 7 * 2));  // one fp32 and one bf16 gather
+    // 2 gathers, 6 reduce-scatters, 2 + 2 all-reduces; broadcasts stay on Gloo.
+    EXPECT_EQ(comm->stats().shared_memory_calls, expects_shared_memory() ? 12 : 0);
 
     // split into {even ranks} and {odd ranks}
     std::vector<std::vector<std::int64_t>> groups(2);
@@ -93,9 +108,9 @@ TEST_P(Collectives, MatchSerialComputation) {
 /// Flat buffers whose true size does not divide by the world size: callers pad to a
 /// multiple (as FSDP's flat parameters do), and the padding must not leak into the result.
 TEST_P(Collectives, PaddedFlatBuffersAllToAllAndReductions) {
-  const int world = GetParam();
+  const int world = std::get<0>(GetParam());
   tessera::testing::run_ranks(world, std::chrono::seconds(60), [&](const tessera::sdk::ClusterInfo& cluster) {
-    auto comm = make_communicator(cluster, c10::kCPU);
+    auto comm = world_group(cluster);
     const std::int64_t rank = comm->rank();
     std::int64_t expected_rs_bytes = 0;
     for (at::ScalarType dtype : {at::kFloat, at::kBFloat16}) {
@@ -149,9 +164,9 @@ TEST_P(Collectives, PaddedFlatBuffersAllToAllAndReductions) {
 /// Several collectives of different kinds in flight at once, waited in reverse order, with
 /// compute in between; and a 2-D split (rows and columns, as a DP x TP mesh needs).
 TEST_P(Collectives, AsyncOverlapAndTwoDimensionalSplit) {
-  const int world = GetParam();
+  const int world = std::get<0>(GetParam());
   tessera::testing::run_ranks(world, std::chrono::seconds(60), [&](const tessera::sdk::ClusterInfo& cluster) {
-    auto comm = make_communicator(cluster, c10::kCPU);
+    auto comm = world_group(cluster);
     const std::int64_t rank = comm->rank();
     const std::int64_t n = 1 << 16;
     at::Tensor gathered = at::empty({world * n});
@@ -194,7 +209,72 @@ TEST_P(Collectives, AsyncOverlapAndTwoDimensionalSplit) {
   });
 }
 
-INSTANTIATE_TEST_SUITE_P(WorldSizes, Collectives, ::testing::Values(1, 2, 3, 4));
+/// Messages larger than a shared-memory slot (several rounds, sizes that divide nothing),
+/// collectives in place (the input is the output's own chunk, as FSDP gathers and reduces its
+/// flat buffers), every dtype the reductions take, and all-reduce results identical in every bit
+/// on every rank (DDP's replicas must not drift apart).
+TEST_P(Collectives, LargeMessagesInPlaceEveryDtypeSameBitsOnEveryRank) {
+  const int world = std::get<0>(GetParam());
+  tessera::testing::run_ranks(world, std::chrono::seconds(90), [&](const tessera::sdk::ClusterInfo& cluster) {
+    auto comm = world_group(cluster);
+    const std::int64_t rank = comm->rank();
+    // Bounded values (a wrong sum is off by far more than the tolerance), different per rank.
+    auto wave = [](std::int64_t r, std::int64_t numel, at::ScalarType dtype) {
+      return (at::sin(at::arange(numel, at::kDouble) * (r + 1)) * 100).to(dtype);
+    };
+    for (at::ScalarType dtype : {at::kFloat, at::kBFloat16}) {
+      const double tol = dtype == at::kFloat ? 1e-3 : 2.0;
+      const std::int64_t n = 600001;  // 2.4 MB of fp32 per rank: past one 2 MiB slot
+      // In-place all-gather: this rank's shard already sits in its chunk of the output.
+      at::Tensor gathered = at::zeros({world * n}, dtype);
+      gathered.narrow(0, rank * n, n).copy_(wave(rank, n, dtype));
+      comm->all_gather(gathered, gathered.narrow(0, rank * n, n), "in-place all_gather")->wait();
+      for (int r = 0; r < world; ++r)
+        EXPECT_TRUE(at::equal(gathered.narrow(0, r * n, n), wave(r, n, dtype))) << "chunk " << r << " " << dtype;
+
+      // In-place reduce-scatter: the output is this rank's chunk of the input.
+      at::Tensor grads = wave(rank, world * n, dtype);
+      at::Tensor shard = grads.narrow(0, rank * n, n);
+      comm->reduce_scatter(shard, grads, ReduceOp::sum, "in-place reduce_scatter")->wait();
+      at::Tensor sum = at::zeros({n}, at::kFloat);
+      for (int r = 0; r < world; ++r) sum += wave(r, world * n, dtype).to(at::kFloat).narrow(0, rank * n, n);
+      EXPECT_TRUE(at::allclose(shard.to(at::kFloat), sum, tol, tol)) << "reduce_scatter " << dtype;
+    }
+
+    struct Case {
+      at::ScalarType dtype;
+      ReduceOp op;
+      std::int64_t numel;
+    };
+    for (const Case& c : {Case{at::kDouble, ReduceOp::sum, 700001}, Case{at::kFloat, ReduceOp::mean, 1100003},
+                          Case{at::kHalf, ReduceOp::mean, 5003}, Case{at::kLong, ReduceOp::max, 300007},
+                          Case{at::kInt, ReduceOp::min, 9}, Case{at::kBFloat16, ReduceOp::sum, 1048577}}) {
+      at::Tensor t = (wave(rank, c.numel, at::kDouble) * 10).to(c.dtype);
+      comm->all_reduce(t, c.op, "all_reduce")->wait();
+      at::Tensor rows = at::stack([&] {
+        std::vector<at::Tensor> v;
+        for (int r = 0; r < world; ++r) v.push_back((wave(r, c.numel, at::kDouble) * 10).to(c.dtype).to(at::kDouble));
+        return v;
+      }());
+      at::Tensor expected = c.op == ReduceOp::max   ? std::get<0>(rows.max(0))
+                            : c.op == ReduceOp::min ? std::get<0>(rows.min(0))
+                                                    : rows.sum(0) / (c.op == ReduceOp::mean ? world : 1);
+      const double tol = c.dtype == at::kHalf || c.dtype == at::kBFloat16 ? 8.0 : 1e-3;
+      EXPECT_TRUE(at::allclose(t.to(at::kDouble), expected, tol, tol)) << "all_reduce " << c.dtype;
+      at::Tensor everyone = at::empty({world * c.numel}, c.dtype);
+      comm->all_gather(everyone, t, "compare results")->wait();
+      for (int r = 0; r < world; ++r)
+        EXPECT_TRUE(at::equal(everyone.narrow(0, r * c.numel, c.numel), t)) << "rank " << r << "'s " << c.dtype << " result differs";
+    }
+    comm->barrier("end");
+  });
+}
+
+INSTANTIATE_TEST_SUITE_P(WorldSizes, Collectives, ::testing::Combine(::testing::Values(1, 2, 3, 4), ::testing::Bool()),
+                         [](const auto& info) {
+                           return std::to_string(std::get<0>(info.param)) +
+                                  (std::get<1>(info.param) ? "_shared_memory" : "_gloo");
+                         });
 
 TEST(Collectives, LocalCommunicatorIsTheIdentity) {
   auto comm = tessera::core::make_local_communicator();
@@ -227,5 +307,39 @@ TEST(Collectives, HungRankBecomesATimeoutNamingTheCollective) {
     EXPECT_LT(waited, 5.5);
   });
 }
+
+/// A rank that exits while its peer waits in a collective: the peer fails at once, not after the
+/// collective timeout, over Gloo (the socket closes) and over shared memory (the pid is gone).
+class PeerExit : public ::testing::TestWithParam<bool> {};
+
+TEST_P(PeerExit, FailsTheWaitingRankWithinSecondsNotAtTheTimeout) {
+  tessera::testing::run_ranks(2, std::chrono::seconds(90), [&](const tessera::sdk::ClusterInfo& cluster) {
+    tessera::sdk::ClusterInfo c = cluster;
+    c.collective_timeout_s = 40;
+    tessera::core::CommSettings settings;
+    settings.shared_memory = GetParam();
+    tessera::core::set_comm_settings(settings);
+    auto comm = make_communicator(c, c10::kCPU);
+    at::Tensor t = at::ones({1 << 20});
+    comm->all_reduce(t, ReduceOp::sum, "before")->wait();
+    EXPECT_EQ(comm->stats().shared_memory_calls, GetParam() ? 1 : 0);
+    comm->barrier("both here");
+    if (comm->rank() == 1) std::_Exit(0);  // gone without a word, as a crashed process
+    auto start = std::chrono::steady_clock::now();
+    try {
+      comm->all_reduce(t, ReduceOp::sum, "gradient all-reduce of bucket 0")->wait();
+      ADD_FAILURE() << "the collective should have failed";
+    } catch (const tessera::sdk::Error& e) {
+      std::string message = e.what();
+      EXPECT_NE(message.find("rank 0: gradient all-reduce of bucket 0 failed"), std::string::npos) << message;
+      if (GetParam()) EXPECT_NE(message.find("rank 1 (pid "), std::string::npos) << message;
+    }
+    double waited = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    EXPECT_LT(waited, 10.0);
+  });
+}
+
+INSTANTIATE_TEST_SUITE_P(Transports, PeerExit, ::testing::Bool(),
+                         [](const auto& info) { return info.param ? "shared_memory" : "gloo"; });
 
 }  // namespace

@@ -22,6 +22,7 @@
 #include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
 #endif
 
+#include "shared_memory_channel.hpp"
 #include "tessera/core/comm.hpp"
 #include "tessera/core/trace.hpp"
 #include "tessera/sdk/error.hpp"
@@ -72,7 +73,7 @@ struct StoreAddress {
 struct Shared {
   std::mutex mutex;
   std::optional<StoreAddress> store;
-  CommTimeouts timeouts;
+  CommSettings settings;
   std::optional<Diagnosis> last_failure;
   std::function<void(const std::string&)> fatal_reporter;
   std::atomic<bool> poisoned{false};  ///< a collective timed out: its Gloo thread may still be inside it
@@ -286,7 +287,7 @@ class C10dHandle final : public CommHandle {
     checkpoint_ = is_checkpoint_phase(ledger_phase());
     if (checkpoint_) {
       std::lock_guard<std::mutex> lock(shared().mutex);
-      timeout_s_ = shared().timeouts.checkpoint_s;
+      timeout_s_ = shared().settings.checkpoint_s;
     } else {
       timeout_s_ = collective_timeout_s;
     }
@@ -303,16 +304,22 @@ class C10dHandle final : public CommHandle {
     if (done_) return;
     if (work_) {
       detail::ledger_wait(seq_, tag_);
+      const Clock::time_point waiting = Clock::now();
       try {
         work_->wait(std::chrono::milliseconds(std::max<std::int64_t>(1, static_cast<std::int64_t>(timeout_s_ * 1000))));
       } catch (const std::exception& e) {
         fail(e.what());
       }
       detail::ledger_done();
+      trace::record(tag_, "collective-wait", waiting, Clock::now());  // the caller blocked: exposed communication
     }
     done_ = true;
     if (monitor_ && work_) monitor_->remove(id_);
-    if (finish_) finish_();
+    if (finish_) {
+      const Clock::time_point local = Clock::now();
+      finish_();
+      trace::record(tag_, "collective-local", local, Clock::now());  // the caller's own half (sum, copy-out)
+    }
     trace::record(tag_, "collective", start_, Clock::now(), /*overlapping=*/true);  // issue to completion
   }
 
@@ -392,10 +399,12 @@ class C10dCommunicator final : public Communicator {
  public:
   C10dCommunicator(c10::intrusive_ptr<c10d::Store> store, c10::intrusive_ptr<Backend> backend, std::int64_t rank,
                    std::int64_t size, std::int64_t global_rank, double timeout_s, double backend_timeout_s,
-                   bool is_gloo, std::string name, std::shared_ptr<Monitor> monitor)
+                   bool is_gloo, std::string name, std::shared_ptr<Monitor> monitor, bool shared_memory)
       : store_(std::move(store)), backend_(std::move(backend)), rank_(rank), size_(size), global_rank_(global_rank),
         timeout_s_(timeout_s), backend_timeout_s_(backend_timeout_s), is_gloo_(is_gloo), name_(std::move(name)),
-        monitor_(std::move(monitor)) {}
+        monitor_(std::move(monitor)) {
+    if (is_gloo_ && shared_memory) shm_ = detail::SharedMemoryChannel::open(*store_, rank_, size_, backend_timeout_s_);
+  }
   ~C10dCommunicator() override {
     // After a timeout the backend's worker thread may still sit in the collective, and the
     // backend's destructor would join it: leave it to the process's exit.
@@ -410,6 +419,10 @@ class C10dCommunicator final : public Communicator {
     TESSERA_CHECK(output.is_contiguous() && output.numel() == input.numel() * size_, "all_gather (", tag,
                   "): output must be contiguous with ", input.numel() * size_, " elements, has ", output.numel());
     count(stats_.all_gather_bytes, bytes_of(input) * (size_ - 1));
+    if (shm_) {
+      ++stats_.shared_memory_calls;
+      return handle(shm_->all_gather(output, input.contiguous()), nullptr, tag);
+    }
     if (!is_gloo_) {  // NCCL: one flat all-gather straight into the output
       at::Tensor flat_in = input.contiguous().view({-1});
       return handle(backend_->_allgather_base(output, flat_in), [flat_in] {}, tag);
@@ -436,9 +449,14 @@ class C10dCommunicator final : public Communicator {
         if (op == sdk::ReduceOp::mean) output.div_(n);
       }, tag);
     }
+    at::Tensor in = input.contiguous().view({-1});
+    if (shm_ && output.is_contiguous() && output.scalar_type() == in.scalar_type() &&
+        detail::SharedMemoryChannel::reduces(in.scalar_type())) {
+      ++stats_.shared_memory_calls;
+      return handle(shm_->reduce_scatter(output, in, op), nullptr, tag);
+    }
     // Gloo: all_to_all + local sum: each rank receives every rank's copy of its own chunk, the same
     // bytes on the wire as a ring reduce-scatter (the 1.13 Gloo backend has no reduce_scatter).
-    at::Tensor in = input.contiguous().view({-1});
     at::Tensor received = receive_pool_->take(in);
     std::vector<std::int64_t> splits;
     at::Tensor wire_out = wire_view(received), wire_in = wire_view(in);
@@ -452,6 +470,10 @@ class C10dCommunicator final : public Communicator {
 
   CommHandlePtr all_reduce(at::Tensor tensor, sdk::ReduceOp op, const std::string& tag) override {
     count(stats_.all_reduce_bytes, bytes_of(tensor));
+    if (shm_ && tensor.is_contiguous() && detail::SharedMemoryChannel::reduces(tensor.scalar_type())) {
+      ++stats_.shared_memory_calls;
+      return handle(shm_->all_reduce(tensor, op), nullptr, tag);
+    }
     bool low_precision = is_gloo_ && (tensor.scalar_type() == at::kBFloat16 || tensor.scalar_type() == at::kHalf);
     at::Tensor wire = low_precision || !tensor.is_contiguous() ? tensor.to(at::kFloat).contiguous() : tensor;
     std::vector<at::Tensor> tensors{wire};
@@ -502,7 +524,8 @@ class C10dCommunicator final : public Communicator {
       std::int64_t group_size = static_cast<std::int64_t>(members.size());
       return std::make_shared<C10dCommunicator<Backend>>(store, make_backend(store, group_rank, group_size),
                                                          group_rank, group_size, global_rank_, timeout_s_,
-                                                         backend_timeout_s_, is_gloo_, prefix, monitor_);
+                                                         backend_timeout_s_, is_gloo_, prefix, monitor_,
+                                                         shm_ != nullptr);
     }
     TESSERA_FAIL("split(): rank ", rank_, " is in none of the ", groups.size(), " groups");
   }
@@ -534,6 +557,7 @@ class C10dCommunicator final : public Communicator {
   std::shared_ptr<Monitor> monitor_;
   CommStats stats_;
   std::shared_ptr<ReceiveBufferPool> receive_pool_ = std::make_shared<ReceiveBufferPool>();
+  std::unique_ptr<detail::SharedMemoryChannel> shm_;  ///< null: Gloo carries every collective
 };
 
 c10::intrusive_ptr<c10d::ProcessGroupGloo> make_gloo(const c10::intrusive_ptr<c10d::Store>& store, std::int64_t rank,
@@ -629,13 +653,13 @@ CommunicatorPtr make_communicator(const sdk::ClusterInfo& cluster, const c10::De
   TESSERA_CHECK(cluster.master_port > 0 && cluster.master_port < 65536, "MASTER_PORT ", cluster.master_port,
                 " is not a valid port");
   const double timeout_s = static_cast<double>(cluster.collective_timeout_s);
-  CommTimeouts timeouts;
+  CommSettings settings;
   {
     std::lock_guard<std::mutex> lock(shared().mutex);
-    timeouts = shared().timeouts;
+    settings = shared().settings;
   }
   // The backend's own timeout only backs ours up: each wait() has the collective's timeout.
-  const double backend_timeout_s = std::max(timeout_s, timeouts.checkpoint_s) + kGlooBackstopS;
+  const double backend_timeout_s = std::max(timeout_s, settings.checkpoint_s) + kGlooBackstopS;
   const char* agent = std::getenv("TORCHELASTIC_USE_AGENT_STORE");
   const bool agent_store = agent != nullptr && std::string(agent) == "True";
   StoreAddress address;
@@ -655,7 +679,7 @@ CommunicatorPtr make_communicator(const sdk::ClusterInfo& cluster, const c10::De
   options.isServer = !agent_store && cluster.global_rank == 0;
   options.numWorkers = static_cast<std::size_t>(cluster.world_size);
   options.waitWorkers = true;
-  options.timeout = std::chrono::milliseconds(static_cast<std::int64_t>(timeouts.rendezvous_s * 1000));
+  options.timeout = std::chrono::milliseconds(static_cast<std::int64_t>(settings.rendezvous_s * 1000));
   c10::intrusive_ptr<c10d::Store> store;
   try {
     store = c10::make_intrusive<c10d::TCPStore>(cluster.master_addr, options);
@@ -672,7 +696,7 @@ CommunicatorPtr make_communicator(const sdk::ClusterInfo& cluster, const c10::De
       advice = ": is the port already in use? MASTER_PORT comes from the " + cluster.environment +
                " environment: choose another there.";
     TESSERA_FAIL("rank ", cluster.global_rank, ": rendezvous at ", cluster.master_addr, ":", cluster.master_port,
-                 " failed within [launch] rendezvous_timeout_s = ", timeouts.rendezvous_s, " s (",
+                 " failed within [launch] rendezvous_timeout_s = ", settings.rendezvous_s, " s (",
                  reason.substr(0, reason.find('\n')), ")", advice);
   }
   if (agent_store) store = c10::make_intrusive<c10d::PrefixStore>(address.prefix, store);
@@ -685,7 +709,7 @@ CommunicatorPtr make_communicator(const sdk::ClusterInfo& cluster, const c10::De
     return std::make_shared<C10dCommunicator<c10d::ProcessGroupNCCL>>(
         store, make_nccl(store, cluster.global_rank, cluster.world_size, backend_timeout_s), cluster.global_rank,
         cluster.world_size, cluster.global_rank, timeout_s, backend_timeout_s, false, "world",
-        std::make_shared<Monitor>(cluster.global_rank, 0.0, address));
+        std::make_shared<Monitor>(cluster.global_rank, 0.0, address), false);
 #else
     TESSERA_FAIL("CUDA tensors need NCCL, but this tessera was built without CUDA");
 #endif
@@ -693,12 +717,12 @@ CommunicatorPtr make_communicator(const sdk::ClusterInfo& cluster, const c10::De
   return std::make_shared<C10dCommunicator<c10d::ProcessGroupGloo>>(
       store, make_gloo(store, cluster.global_rank, cluster.world_size, backend_timeout_s, cluster.master_addr),
       cluster.global_rank, cluster.world_size, cluster.global_rank, timeout_s, backend_timeout_s, true, "world",
-      std::make_shared<Monitor>(cluster.global_rank, kGlooBackstopS, address));
+      std::make_shared<Monitor>(cluster.global_rank, kGlooBackstopS, address), settings.shared_memory);
 }
 
-void set_comm_timeouts(const CommTimeouts& timeouts) {
+void set_comm_settings(const CommSettings& settings) {
   std::lock_guard<std::mutex> lock(shared().mutex);
-  shared().timeouts = timeouts;
+  shared().settings = settings;
 }
 
 std::optional<Diagnosis> last_collective_failure() {

@@ -36,6 +36,7 @@ struct CommStats {
   std::int64_t broadcast_bytes = 0;
   std::int64_t all_to_all_bytes = 0;
   std::int64_t calls = 0;
+  std::int64_t shared_memory_calls = 0;  ///< of `calls`, those carried by shared memory (ranks of one host)
 };
 
 class Communicator {
@@ -79,16 +80,20 @@ void reduce_rows(const at::Tensor& rows, at::Tensor output, sdk::ReduceOp op);
 /// `group` (tensors through `device`); `owner` ("FSDP", "DDP") starts the message.
 void check_plan_agreement(Communicator& group, const std::vector<std::string>& entries, c10::Device device,
                           const std::string& owner, const std::string& item);
-/// The timeouts beside ClusterInfo::collective_timeout_s ([launch] keys); the host sets them
+/// The settings beside ClusterInfo::collective_timeout_s ([launch] keys); the host sets them
 /// before make_communicator.
-struct CommTimeouts {
+struct CommSettings {
   double rendezvous_s = 300;   ///< joining the store and creating the process groups
   double checkpoint_s = 1800;  ///< collectives while a checkpoint is saved or loaded (LedgerPhase)
+  /// CPU groups whose ranks share a host move all-gathers, reduce-scatters and all-reduces
+  /// through shared memory (comm/shared_memory_channel.hpp); Gloo carries the rest.
+  bool shared_memory = true;
 };
-void set_comm_timeouts(const CommTimeouts& timeouts);
+void set_comm_settings(const CommSettings& settings);
 
 /// Rendezvous through a TCPStore at cluster.master_addr:master_port and create the world
-/// group: Gloo for CPU devices, NCCL for CUDA devices (when built with CUDA). With
+/// group: Gloo for CPU devices (with shared memory beside it when every rank is on this host,
+/// see CommSettings), NCCL for CUDA devices (when built with CUDA). With
 /// TORCHELASTIC_USE_AGENT_STORE=True (torchrun's default, and tessera's own launcher) every
 /// rank joins the launcher's store as a client, under the prefix /worker/attempt_N;
 /// otherwise rank 0 hosts it. Each collective waits up to the collective timeout (the

@@ -1,0 +1,456 @@
+#include "shared_memory_channel.hpp"
+
+#include <fcntl.h>
+#include <linux/futex.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <cerrno>
+#include <chrono>
+#include <climits>
+#include <cmath>
+#include <condition_variable>
+#include <cstring>
+#include <deque>
+#include <fstream>
+#include <functional>
+#include <mutex>
+#include <random>
+#include <stdexcept>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+
+#include "tessera/sdk/error.hpp"
+
+namespace tessera::core::detail {
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+constexpr std::uint64_t kMagic = 0x31617265737365'74;  // "tessera1"
+constexpr int kSpins = 1000;                             // before sleeping on the futex
+constexpr auto kSleep = std::chrono::milliseconds(50);   // futex wait, then check stop/peers
+constexpr double kLivenessIntervalS = 0.1;
+
+/// One rank's progress: the last round it wrote its slot for, and the last it finished reading.
+struct alignas(64) Counter {
+  std::atomic<std::uint32_t> value{0};
+};
+struct RankCounters {
+  Counter written;
+  Counter read;
+};
+struct alignas(64) Header {
+  std::uint64_t magic;
+  std::int64_t world;
+  std::int64_t slot_bytes;
+};
+
+std::size_t round_up(std::size_t n, std::size_t to) { return (n + to - 1) / to * to; }
+
+std::size_t layout_counters() { return round_up(sizeof(Header), 4096); }
+std::size_t layout_slots(std::int64_t world) {
+  return round_up(layout_counters() + sizeof(RankCounters) * static_cast<std::size_t>(world), 4096);
+}
+std::size_t layout_bytes(std::int64_t world) {
+  return layout_slots(world) + static_cast<std::size_t>(world * SharedMemoryChannel::kBuffers) *
+                                   static_cast<std::size_t>(SharedMemoryChannel::kSlotBytes);
+}
+
+std::string read_link(const char* path) {
+  char buffer[256];
+  ssize_t n = ::readlink(path, buffer, sizeof(buffer) - 1);
+  return n > 0 ? std::string(buffer, static_cast<std::size_t>(n)) : std::string("?");
+}
+
+/// Ranks that can share a segment: same kernel boot, same mounts (/dev/shm), same pids.
+std::string host_identity() {
+  std::ifstream boot("/proc/sys/kernel/random/boot_id");
+  std::string boot_id;
+  std::getline(boot, boot_id);
+  return boot_id + " " + read_link("/proc/self/ns/mnt") + " " + read_link("/proc/self/ns/pid");
+}
+
+/// False once `pid` is gone or a zombie (its launcher has not reaped it yet).
+bool alive(pid_t pid) {
+  std::ifstream stat("/proc/" + std::to_string(pid) + "/stat");
+  std::string text;
+  if (!std::getline(stat, text)) return false;
+  std::size_t paren = text.rfind(')');
+  if (paren == std::string::npos || paren + 2 >= text.size()) return true;
+  char state = text[paren + 2];
+  return state != 'Z' && state != 'X';
+}
+
+void wake(std::atomic<std::uint32_t>& word) {
+  ::syscall(SYS_futex, reinterpret_cast<std::uint32_t*>(&word), FUTEX_WAKE, INT_MAX, nullptr, nullptr, 0);
+}
+
+bool reached(std::uint32_t value, std::uint32_t target) {
+  return static_cast<std::int32_t>(value - target) >= 0;  // wrap-safe
+}
+
+class ShmWork final : public c10d::Work {
+ public:
+  void complete(std::exception_ptr error = nullptr) { finish(std::move(error)); }
+};
+
+std::vector<std::uint8_t> bytes_of(const std::string& s) { return {s.begin(), s.end()}; }
+std::string string_of(const std::vector<std::uint8_t>& v) { return {v.begin(), v.end()}; }
+
+/// dst[i] := op over sources (in rank order) of src[i], accumulating in Acc; mean divides by
+/// the number of sources at the end (as the Gloo path's sum, then divide).
+template <typename T, typename Acc>
+void reduce_typed(const std::vector<const std::byte*>& sources, std::byte* dst_bytes, std::int64_t n,
+                  sdk::ReduceOp op, std::vector<float>& scratch) {
+  T* dst = reinterpret_cast<T*>(dst_bytes);
+  const T* first = reinterpret_cast<const T*>(sources[0]);
+  const bool sum = op == sdk::ReduceOp::sum || op == sdk::ReduceOp::mean;
+  const bool max = op == sdk::ReduceOp::max;
+  Acc* acc;
+  if constexpr (std::is_same_v<T, Acc>) {
+    acc = dst;
+    if (static_cast<const void*>(first) != static_cast<void*>(dst)) std::memmove(dst, first, sizeof(T) * n);
+  } else {
+    scratch.resize(static_cast<std::size_t>(n));
+    acc = scratch.data();
+    for (std::int64_t i = 0; i < n; ++i) acc[i] = static_cast<Acc>(first[i]);
+  }
+  for (std::size_t s = 1; s < sources.size(); ++s) {
+    const T* __restrict src = reinterpret_cast<const T*>(sources[s]);
+    Acc* __restrict a = acc;
+    if (sum) {
+      for (std::int64_t i = 0; i < n; ++i) a[i] += static_cast<Acc>(src[i]);
+    } else {
+      for (std::int64_t i = 0; i < n; ++i) {
+        Acc v = static_cast<Acc>(src[i]);
+        if constexpr (std::is_floating_point_v<Acc>)
+          if (std::isnan(a[i])) continue;  // NaN wins, as at::max/min
+        if constexpr (std::is_floating_point_v<Acc>)
+          if (std::isnan(v)) {
+            a[i] = v;
+            continue;
+          }
+        if (max ? v > a[i] : v < a[i]) a[i] = v;
+      }
+    }
+  }
+  if (op == sdk::ReduceOp::mean) {
+    const Acc count = static_cast<Acc>(sources.size());
+    for (std::int64_t i = 0; i < n; ++i) acc[i] /= count;
+  }
+  if constexpr (!std::is_same_v<T, Acc>)
+    for (std::int64_t i = 0; i < n; ++i) dst[i] = static_cast<T>(acc[i]);
+}
+
+void reduce(at::ScalarType dtype, const std::vector<const std::byte*>& sources, std::byte* dst, std::int64_t n,
+            sdk::ReduceOp op, std::vector<float>& scratch) {
+  switch (dtype) {
+    case at::kFloat: return reduce_typed<float, float>(sources, dst, n, op, scratch);
+    case at::kDouble: return reduce_typed<double, double>(sources, dst, n, op, scratch);
+    case at::kBFloat16: return reduce_typed<c10::BFloat16, float>(sources, dst, n, op, scratch);
+    case at::kHalf: return reduce_typed<c10::Half, float>(sources, dst, n, op, scratch);
+    case at::kInt: return reduce_typed<std::int32_t, std::int32_t>(sources, dst, n, op, scratch);
+    case at::kLong: return reduce_typed<std::int64_t, std::int64_t>(sources, dst, n, op, scratch);
+    default: TESSERA_FAIL("shared-memory reduction of ", dtype, " is not implemented");
+  }
+}
+
+std::byte* bytes(const at::Tensor& t) { return static_cast<std::byte*>(t.data_ptr()); }
+
+}  // namespace
+
+struct SharedMemoryChannel::Impl {
+  std::int64_t rank = 0;
+  std::int64_t world = 1;
+  double timeout_s = 0;
+  std::vector<pid_t> pids;
+  void* base = MAP_FAILED;
+  std::size_t length = 0;
+
+  // Worker thread state.
+  std::uint64_t rounds = 0;
+  std::string broken;  ///< why the channel stopped: every later collective fails with it
+  Clock::time_point deadline;
+  Clock::time_point next_liveness_check;
+  std::vector<float> scratch;
+
+  std::mutex mutex;
+  std::condition_variable ready;
+  std::deque<std::pair<std::function<void()>, c10::intrusive_ptr<ShmWork>>> queue;
+  std::atomic<bool> stop{false};
+  std::thread worker;
+
+  ~Impl() {
+    if (worker.joinable()) {
+      stop = true;
+      ready.notify_all();
+      worker.join();
+    }
+    if (base != MAP_FAILED) ::munmap(base, length);
+  }
+
+  RankCounters& counters(std::int64_t r) const {
+    return reinterpret_cast<RankCounters*>(static_cast<std::byte*>(base) + layout_counters())[r];
+  }
+  std::byte* slot(std::int64_t r, std::uint64_t round) const {
+    return static_cast<std::byte*>(base) + layout_slots(world) +
+           static_cast<std::size_t>(r * kBuffers + static_cast<std::int64_t>(round % kBuffers)) *
+               static_cast<std::size_t>(kSlotBytes);
+  }
+
+  /// Waits until rank `peer`'s `word` reaches `target`: spins briefly, then sleeps on the
+  /// futex; throws when the channel stops, the peer is gone, or the deadline passes.
+  void await(std::atomic<std::uint32_t>& word, std::uint32_t target, std::int64_t peer) {
+    for (int i = 0; i < kSpins; ++i) {
+      if (reached(word.load(std::memory_order_acquire), target)) return;
+#if defined(__x86_64__)
+      __builtin_ia32_pause();
+#endif
+    }
+    for (;;) {
+      std::uint32_t seen = word.load(std::memory_order_acquire);
+      if (reached(seen, target)) return;
+      timespec sleep{0, std::chrono::duration_cast<std::chrono::nanoseconds>(kSleep).count()};
+      ::syscall(SYS_futex, reinterpret_cast<std::uint32_t*>(&word), FUTEX_WAIT, seen, &sleep, nullptr, 0);
+      if (reached(word.load(std::memory_order_acquire), target)) return;
+      if (stop) throw std::runtime_error("the shared-memory channel was closed");
+      const Clock::time_point now = Clock::now();
+      if (now >= next_liveness_check) {
+        next_liveness_check = now + std::chrono::duration_cast<Clock::duration>(
+                                        std::chrono::duration<double>(kLivenessIntervalS));
+        for (std::int64_t q = 0; q < world; ++q)
+          if (q != rank && !alive(pids[q]))
+            throw std::runtime_error("rank " + std::to_string(q) + " (pid " + std::to_string(pids[q]) +
+                                     ") exited; its shared-memory peers cannot go on");
+      }
+      if (now >= deadline)
+        throw std::runtime_error("timed out after " + std::to_string(static_cast<std::int64_t>(timeout_s)) +
+                                 " s waiting for rank " + std::to_string(peer) + " in shared memory");
+    }
+  }
+
+  /// A round: every rank writes at most kSlotBytes into its slot (`write`), then reads the
+  /// others' (`read`). A slot's buffer is reused kBuffers rounds later, once every rank has
+  /// finished reading it.
+  void round(const std::function<void(std::byte* mine)>& write, const std::function<void()>& read) {
+    const std::uint64_t k = ++rounds;
+    const auto k32 = static_cast<std::uint32_t>(k);
+    if (k > static_cast<std::uint64_t>(kBuffers))
+      for (std::int64_t q = 0; q < world; ++q)
+        if (q != rank) await(counters(q).read.value, k32 - kBuffers, q);
+    write(slot(rank, k));
+    counters(rank).written.value.store(k32, std::memory_order_release);
+    wake(counters(rank).written.value);
+    for (std::int64_t q = 0; q < world; ++q)
+      if (q != rank) await(counters(q).written.value, k32, q);
+    read();
+    counters(rank).read.value.store(k32, std::memory_order_release);
+    wake(counters(rank).read.value);
+  }
+
+  c10::intrusive_ptr<c10d::Work> submit(std::function<void()> run) {
+    auto work = c10::make_intrusive<ShmWork>();
+    {
+      std::lock_guard<std::mutex> lock(mutex);
+      queue.emplace_back(std::move(run), work);
+    }
+    ready.notify_one();
+    return work;
+  }
+
+  void serve() {
+    for (;;) {
+      std::pair<std::function<void()>, c10::intrusive_ptr<ShmWork>> op;
+      {
+        std::unique_lock<std::mutex> lock(mutex);
+        ready.wait(lock, [this] { return stop || !queue.empty(); });
+        if (queue.empty()) return;
+        op = std::move(queue.front());
+        queue.pop_front();
+      }
+      if (stop && broken.empty()) broken = "the shared-memory channel was closed";
+      if (!broken.empty()) {
+        op.second->complete(std::make_exception_ptr(std::runtime_error(broken)));
+        continue;
+      }
+      try {
+        deadline = Clock::now() + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(timeout_s));
+        op.first();
+        op.second->complete();
+      } catch (const std::exception& e) {
+        broken = e.what();  // the ranks' rounds no longer line up: nothing after this can run
+        op.second->complete(std::current_exception());
+      }
+    }
+  }
+};
+
+SharedMemoryChannel::SharedMemoryChannel(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {
+  Impl* self = impl_.get();
+  impl_->worker = std::thread([self] { self->serve(); });
+}
+
+SharedMemoryChannel::~SharedMemoryChannel() = default;
+
+std::unique_ptr<SharedMemoryChannel> SharedMemoryChannel::open(c10d::Store& store, std::int64_t rank,
+                                                               std::int64_t size, double timeout_s) {
+  if (size < 2) return nullptr;
+  auto impl = std::make_unique<Impl>();
+  impl->rank = rank;
+  impl->world = size;
+  impl->timeout_s = timeout_s;
+  impl->length = layout_bytes(size);
+
+  // 1. Are we all on one host? Every rank reads every rank's identity, so all decide alike.
+  const std::string me = host_identity();
+  store.set("tessera/shm/host/" + std::to_string(rank), bytes_of(me + "\n" + std::to_string(::getpid())));
+  bool one_host = true;
+  for (std::int64_t r = 0; r < size; ++r) {
+    std::string entry = string_of(store.get("tessera/shm/host/" + std::to_string(r)));
+    std::size_t nl = entry.find('\n');
+    one_host = one_host && entry.substr(0, nl) == me;
+    impl->pids.push_back(static_cast<pid_t>(std::stol(entry.substr(nl + 1))));
+  }
+  if (!one_host) return nullptr;
+
+  // 2. Rank 0 makes the segment (space reserved up front: a full /dev/shm fails here, not
+  // with SIGBUS mid-collective); the others map it; it is unlinked once all have it open.
+  std::string name;
+  if (rank == 0) {
+    std::random_device random;
+    name = "/tessera-" + std::to_string(::getpid()) + "-" + std::to_string(random());
+    int fd = ::shm_open(name.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
+    bool made = fd >= 0 && ::posix_fallocate(fd, 0, static_cast<off_t>(impl->length)) == 0;
+    if (made) impl->base = ::mmap(nullptr, impl->length, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    if (fd >= 0) ::close(fd);
+    if (impl->base != MAP_FAILED) {
+      auto* header = static_cast<Header*>(impl->base);
+      header->world = size;
+      header->slot_bytes = kSlotBytes;
+      header->magic = kMagic;
+    } else {
+      if (fd >= 0) ::shm_unlink(name.c_str());
+      name.clear();
+    }
+    store.set("tessera/shm/segment", bytes_of(name));
+  } else {
+    name = string_of(store.get("tessera/shm/segment"));
+    if (!name.empty()) {
+      int fd = ::shm_open(name.c_str(), O_RDWR, 0);
+      if (fd >= 0) {
+        struct stat st {};
+        if (::fstat(fd, &st) == 0 && static_cast<std::size_t>(st.st_size) == impl->length)
+          impl->base = ::mmap(nullptr, impl->length, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+        ::close(fd);
+      }
+      if (impl->base != MAP_FAILED) {
+        const auto* header = static_cast<const Header*>(impl->base);
+        if (header->magic != kMagic || header->world != size || header->slot_bytes != kSlotBytes) {
+          ::munmap(impl->base, impl->length);
+          impl->base = MAP_FAILED;
+        }
+      }
+    }
+  }
+  store.set("tessera/shm/opened/" + std::to_string(rank), bytes_of(impl->base != MAP_FAILED ? "1" : "0"));
+  bool everyone = true;
+  for (std::int64_t r = 0; r < size; ++r)
+    everyone = string_of(store.get("tessera/shm/opened/" + std::to_string(r))) == "1" && everyone;
+  if (rank == 0 && !name.empty()) ::shm_unlink(name.c_str());  // nothing left in /dev/shm, even after a crash
+  if (!everyone) return nullptr;
+  return std::unique_ptr<SharedMemoryChannel>(new SharedMemoryChannel(std::move(impl)));
+}
+
+bool SharedMemoryChannel::reduces(at::ScalarType dtype) {
+  switch (dtype) {
+    case at::kFloat:
+    case at::kDouble:
+    case at::kBFloat16:
+    case at::kHalf:
+    case at::kInt:
+    case at::kLong: return true;
+    default: return false;
+  }
+}
+
+std::int64_t SharedMemoryChannel::segment_bytes() const { return static_cast<std::int64_t>(impl_->length); }
+
+c10::intrusive_ptr<c10d::Work> SharedMemoryChannel::all_gather(at::Tensor output, at::Tensor input) {
+  Impl* self = impl_.get();
+  return self->submit([self, output, input] {
+    const auto n = static_cast<std::int64_t>(input.nbytes());
+    std::byte* out = bytes(output);
+    const std::byte* in = bytes(input);
+    if (out + self->rank * n != in) std::memmove(out + self->rank * n, in, static_cast<std::size_t>(n));
+    for (std::int64_t offset = 0; offset < n; offset += kSlotBytes) {
+      const auto len = static_cast<std::size_t>(std::min(kSlotBytes, n - offset));
+      const std::uint64_t k = self->rounds + 1;
+      self->round([&](std::byte* mine) { std::memcpy(mine, in + offset, len); },
+                  [&] {
+                    for (std::int64_t q = 0; q < self->world; ++q)
+                      if (q != self->rank) std::memcpy(out + q * n + offset, self->slot(q, k), len);
+                  });
+    }
+  });
+}
+
+c10::intrusive_ptr<c10d::Work> SharedMemoryChannel::reduce_scatter(at::Tensor output, at::Tensor input,
+                                                                    sdk::ReduceOp op) {
+  Impl* self = impl_.get();
+  return self->submit([self, output, input, op] {
+    const std::int64_t n = output.numel(), es = static_cast<std::int64_t>(output.element_size());
+    const std::int64_t per_round = std::max<std::int64_t>(1, kSlotBytes / (self->world * es));
+    const std::byte* in = bytes(input);
+    std::byte* out = bytes(output);
+    // An output inside the input (reduced in place) is overwritten while it is still a source:
+    // then this rank's own piece is read from its slot too.
+    const bool in_place = out < in + input.nbytes() && in < out + output.nbytes();
+    std::vector<const std::byte*> sources(static_cast<std::size_t>(self->world));
+    for (std::int64_t offset = 0; offset < n; offset += per_round) {
+      const std::int64_t len = std::min(per_round, n - offset);
+      const std::uint64_t k = self->rounds + 1;
+      self->round(
+          [&](std::byte* mine) {  // piece q of this rank's input goes to rank q
+            for (std::int64_t q = 0; q < self->world; ++q)
+              if (q != self->rank || in_place)
+                std::memcpy(mine + q * len * es, in + (q * n + offset) * es, static_cast<std::size_t>(len * es));
+          },
+          [&] {
+            for (std::int64_t p = 0; p < self->world; ++p)
+              sources[p] = p == self->rank && !in_place ? in + (self->rank * n + offset) * es
+                                                        : self->slot(p, k) + self->rank * len * es;
+            reduce(output.scalar_type(), sources, out + offset * es, len, op, self->scratch);
+          });
+    }
+  });
+}
+
+c10::intrusive_ptr<c10d::Work> SharedMemoryChannel::all_reduce(at::Tensor tensor, sdk::ReduceOp op) {
+  Impl* self = impl_.get();
+  return self->submit([self, tensor, op] {
+    const std::int64_t n = tensor.numel(), es = static_cast<std::int64_t>(tensor.element_size());
+    const std::int64_t per_round = kSlotBytes / es;
+    std::byte* data = bytes(tensor);
+    std::vector<const std::byte*> sources(static_cast<std::size_t>(self->world));
+    for (std::int64_t offset = 0; offset < n; offset += per_round) {
+      const std::int64_t len = std::min(per_round, n - offset);
+      const std::uint64_t k = self->rounds + 1;
+      self->round([&](std::byte* mine) { std::memcpy(mine, data + offset * es, static_cast<std::size_t>(len * es)); },
+                  [&] {  // every rank reduces the same slots in the same order: the same bits everywhere
+                    for (std::int64_t p = 0; p < self->world; ++p) sources[p] = self->slot(p, k);
+                    reduce(tensor.scalar_type(), sources, data + offset * es, len, op, self->scratch);
+                  });
+    }
+  });
+}
+
+}  // namespace tessera::core::detail

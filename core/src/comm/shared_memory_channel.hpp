@@ -1,0 +1,53 @@
+#pragma once
+/// All-gather, reduce-scatter and all-reduce among the ranks of one host through a POSIX
+/// shared-memory segment, beside the group's Gloo process group. Gloo on loopback moves every
+/// byte through the kernel's TCP stack (about 1 GB/s on 2 cores, with its threads competing
+/// for the cores the ranks compute on); here a rank copies its part into its slot once and
+/// each peer reads it once, as NCCL's and DeepSpeed's shared-memory transports do.
+///
+/// One worker thread per group runs the collectives in issue order (every rank issues them in
+/// the same order, as c10d requires), so they overlap the caller's compute like Gloo's. Ranks
+/// step through rounds of at most one slot per rank; a rank waits for its peers on futexes in
+/// the segment and notices a peer that exited (its pid is gone) within a fraction of a second.
+/// Sums run in rank order, in fp32 for 16-bit types, so every rank gets the same bits.
+#include <cstdint>
+#include <memory>
+
+#include <ATen/core/Tensor.h>
+#include <torch/csrc/distributed/c10d/Store.hpp>
+#include <torch/csrc/distributed/c10d/Work.hpp>
+
+#include "tessera/sdk/types.hpp"
+
+namespace tessera::core::detail {
+
+class SharedMemoryChannel {
+ public:
+  /// Collective over the group behind `store`: the channel, or nullptr (every rank alike)
+  /// when the ranks are not all on this host (same boot, mount and pid namespaces) or the
+  /// segment cannot be made (/dev/shm full or missing): then Gloo carries everything.
+  static std::unique_ptr<SharedMemoryChannel> open(c10d::Store& store, std::int64_t rank, std::int64_t size,
+                                                   double timeout_s);
+  ~SharedMemoryChannel();
+
+  /// The dtypes the reductions handle; all_gather moves any dtype.
+  static bool reduces(at::ScalarType dtype);
+
+  /// Same contracts as Communicator's (contiguous tensors; `input` may be `output`'s own chunk).
+  c10::intrusive_ptr<c10d::Work> all_gather(at::Tensor output, at::Tensor input);
+  c10::intrusive_ptr<c10d::Work> reduce_scatter(at::Tensor output, at::Tensor input, sdk::ReduceOp op);
+  c10::intrusive_ptr<c10d::Work> all_reduce(at::Tensor tensor, sdk::ReduceOp op);
+
+  /// Bytes of the shared segment (every rank maps all of it).
+  std::int64_t segment_bytes() const;
+  /// Bytes each rank's slot holds per round, and rounds in flight (for `tessera plan`).
+  static constexpr std::int64_t kSlotBytes = std::int64_t{2} << 20;
+  static constexpr int kBuffers = 2;
+
+ private:
+  struct Impl;
+  explicit SharedMemoryChannel(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace tessera::core::detail
