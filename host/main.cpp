@@ -255,6 +255,9 @@ int main(int argc, char** argv) {
     host::Config config = host::Config::load(args.config, args.overrides);
     const std::string root = config.trainer.default_root_dir;
     sdk::ClusterInfo cluster;
+    core::set_comm_settings({static_cast<double>(config.launch.rendezvous_timeout_s),
+                             static_cast<double>(config.launch.checkpoint_timeout_s),
+                             config.launch.shared_memory_collectives});
     if (args.command == "plan") {
       check_plugins(config);
       host::PlannedJob job = host::plan_job(config);
@@ -268,9 +271,6 @@ int main(int argc, char** argv) {
       if (args.command == "fit") warn_about_memory(config);
     }
     configuring = false;
-    core::set_comm_settings({static_cast<double>(config.launch.rendezvous_timeout_s),
-                             static_cast<double>(config.launch.checkpoint_timeout_s),
-                             config.launch.shared_memory_collectives});
     core::set_fatal_reporter(report_failure);
     if (auto code = host::launch_or_join(config.launch, root + "/logs", argc, argv, cluster)) return *code;
     host::configure_threads(config.launch, cluster);

@@ -24,6 +24,7 @@
 #include "profiler.hpp"
 #include "tessera/core/checkpoint.hpp"
 #include "tessera/core/checkpoint_folder.hpp"
+#include "tessera/core/comm.hpp"
 #include "tessera/core/data_loader.hpp"
 #include "tessera/core/ledger.hpp"
 #include "tessera/core/trace.hpp"
@@ -209,7 +210,8 @@ void Trainer::setup(const std::string& stage) {
             precision_->precision() + ", model " + config_.plugin_names.at("model") + " (" +
             format(static_cast<double>(parameters) / 1e6, 4) + "M parameters), data " +
             config_.plugin_names.at("data") + ", " + std::to_string(cluster_.world_size) + " rank(s) [" +
-            cluster_.environment + "] on " + strategy_->root_device().str());
+            cluster_.environment + "] on " + strategy_->root_device().str() +
+            (core::world_transport().empty() ? "" : "; collectives: " + core::world_transport()));
 }
 
 std::string Trainer::check_sequence_length(const Config& config, const sdk::Checkpoint& model_hparams,

@@ -1,11 +1,11 @@
-// Collective bandwidth over loopback Gloo against message size, N ranks (default 2):
-// all_gather into one flat tensor, reduce_scatter (tessera's all_to_all + local sum),
-// all_reduce, and the all_reduce-based reduce-scatter newer PyTorch falls back to on Gloo,
-// all measured in the same run so the ratios mean something.
+// Collective bandwidth between local ranks against message size, N ranks (default 2): Gloo on
+// loopback and tessera's shared-memory channel (comm/shared_memory_channel.hpp) side by side,
+// all measured in the same run so the ratios mean something. all_gather into one flat tensor,
+// reduce_scatter (Gloo: all_to_all + local sum), all_reduce.
 //   collectives_bench [--world-size N] [--max-mb M] [--seconds S] [--bf16]
 // Bus bandwidth follows nccl-tests: all_gather / reduce_scatter move (n-1)/n of the full
-// buffer per rank, all_reduce 2(n-1)/n. rs/ag: reduce_scatter bandwidth over all_gather's
-// for the same bytes (issue 13 asks >= 0.9x).
+// buffer per rank, all_reduce 2(n-1)/n. rs/ag: Gloo's reduce_scatter bandwidth over its
+// all_gather's for the same bytes (issue 13 asks >= 0.9x); shm/gloo: the channel over Gloo.
 #include <netinet/in.h>
 #include <spawn.h>
 #include <sys/socket.h>
@@ -91,16 +91,26 @@ int run_rank(const Settings& s) {
   cluster.master_port = std::atoi(std::getenv("MASTER_PORT"));
   cluster.collective_timeout_s = 120;
   at::set_num_threads(1);
-  auto comm = tessera::core::make_communicator(cluster, c10::kCPU);
-  const std::int64_t n = comm->size();
+  // The world group over Gloo alone; a split of all ranks gets the shared-memory channel.
+  tessera::core::CommSettings settings;
+  settings.shared_memory = false;
+  tessera::core::set_comm_settings(settings);
+  auto gloo = tessera::core::make_communicator(cluster, c10::kCPU);
+  settings.shared_memory = true;
+  tessera::core::set_comm_settings(settings);
+  std::vector<std::int64_t> everyone;
+  for (std::int64_t r = 0; r < s.world_size; ++r) everyone.push_back(r);
+  auto shm = gloo->split({everyone});
+  const std::int64_t n = gloo->size();
   const at::ScalarType dtype = s.bf16 ? at::kBFloat16 : at::kFloat;
   const double element = s.bf16 ? 2.0 : 4.0;
   const double bus_gather = static_cast<double>(n - 1) / static_cast<double>(n);
-  if (comm->rank() == 0) {
-    std::printf("tessera collectives over Gloo on loopback: %lld ranks, %s; bandwidths in GB/s (bus, nccl-tests)\n",
+  if (gloo->rank() == 0) {
+    std::printf("tessera collectives between local ranks: %lld ranks, %s; bus bandwidths in GB/s (nccl-tests)\n",
                 static_cast<long long>(n), s.bf16 ? "bf16" : "fp32");
-    std::printf("%10s %12s %12s %12s %14s %10s %10s\n", "bytes", "all_gather", "reduce_scat", "all_reduce",
-                "rs_via_allred", "rs/rs_ar", "rs/ag");
+    std::printf("%10s | %27s | %27s | %23s | %6s\n", "", "Gloo on loopback", "shared memory", "shm / gloo", "gloo");
+    std::printf("%10s | %8s %8s %9s | %8s %8s %9s | %7s %7s %7s | %6s\n", "bytes", "all_gath", "red_scat",
+                "all_reduce", "all_gath", "red_scat", "all_reduce", "ag", "rs", "ar", "rs/ag");
   }
   for (double bytes = 4096; bytes <= s.max_mb * 1024 * 1024 + 1; bytes *= 4) {
     // The full (unsharded) buffer has `bytes`; rounded to a multiple of the world size.
@@ -109,29 +119,35 @@ int run_rank(const Settings& s) {
     at::Tensor shard = at::empty({numel / n}, dtype);
     at::Tensor gathered = at::empty({numel}, dtype);
     at::Tensor reduced = full.clone();
-    double t_gather = time_per_call(*comm, s.seconds, [&] { comm->all_gather(gathered, shard, "bench all_gather")->wait(); });
-    double t_scatter = time_per_call(*comm, s.seconds, [&] {
-      comm->reduce_scatter(shard, full, tessera::sdk::ReduceOp::sum, "bench reduce_scatter")->wait();
-    });
-    double t_reduce = time_per_call(*comm, s.seconds, [&] {
-      comm->all_reduce(reduced, tessera::sdk::ReduceOp::sum, "bench all_reduce")->wait();
-    });
-    // PyTorch >= 2.x Gloo reduce_scatter_tensor: all-reduce the whole buffer, keep a chunk.
-    double t_fallback = time_per_call(*comm, s.seconds, [&] {
-      reduced.copy_(full);
-      comm->all_reduce(reduced, tessera::sdk::ReduceOp::sum, "bench reduce_scatter via all_reduce")->wait();
-      shard.copy_(reduced.narrow(0, comm->rank() * (numel / n), numel / n));
-    });
-    if (comm->rank() == 0) {
+    struct Times {
+      double gather, scatter, reduce;
+    };
+    auto measure = [&](Communicator& comm) {
+      return Times{
+          time_per_call(comm, s.seconds, [&] { comm.all_gather(gathered, shard, "bench all_gather")->wait(); }),
+          time_per_call(comm, s.seconds, [&] {
+            comm.reduce_scatter(shard, full, tessera::sdk::ReduceOp::sum, "bench reduce_scatter")->wait();
+          }),
+          time_per_call(comm, s.seconds, [&] {
+            comm.all_reduce(reduced, tessera::sdk::ReduceOp::sum, "bench all_reduce")->wait();
+          })};
+    };
+    const Times g = measure(*gloo), m = measure(*shm);
+    if (gloo->rank() == 0) {
       double b = static_cast<double>(numel) * element;
       auto bw = [&](double t, double factor) { return b * factor / t / 1e9; };
-      std::printf("%10.0f %12.3f %12.3f %12.3f %14.3f %9.2fx %9.2fx\n", b, bw(t_gather, bus_gather),
-                  bw(t_scatter, bus_gather), bw(t_reduce, 2 * bus_gather), bw(t_fallback, bus_gather),
-                  t_fallback / t_scatter, t_gather / t_scatter);
+      std::printf("%10.0f | %8.3f %8.3f %9.3f | %8.3f %8.3f %9.3f | %6.1fx %6.1fx %6.1fx | %5.2fx\n", b,
+                  bw(g.gather, bus_gather), bw(g.scatter, bus_gather), bw(g.reduce, 2 * bus_gather),
+                  bw(m.gather, bus_gather), bw(m.scatter, bus_gather), bw(m.reduce, 2 * bus_gather),
+                  g.gather / m.gather, g.scatter / m.scatter, g.reduce / m.reduce, g.gather / g.scatter);
       std::fflush(stdout);
     }
   }
-  comm->barrier("bench end");
+  if (shm->stats().shared_memory_calls == 0) {
+    std::fprintf(stderr, "the split group did not get the shared-memory channel\n");
+    return 1;
+  }
+  gloo->barrier("bench end");
   return 0;
 }
 

@@ -65,10 +65,14 @@ TEST_P(FaultTrials, KillsDuringSavesNeverLoseOrRewindLast) {
     // among steps and saves, not in the start-up), after `delay` s more, kill -9 one rank (a
     // random child of the launcher) or the launcher itself (its ranks die with it).
     const std::string log_path = dir + "/trial.log";
-    const std::string script = std::string(tessera::testing::tessera_binary()) + " fit --config " + dir + "/run.toml" +
-                               (resume ? " --ckpt-path last" : "") + " > " + log_path + " 2>&1 & L=$!; " +
-                               "for i in $(seq 1200); do grep -q \"checkpoint saved\" " + log_path +
-                               " && break; sleep 0.05; done; sleep " + std::to_string(delay) + "; C=$(pgrep -P $L); " +
+    // The previous trial's log goes first: the background job truncates it only once it runs,
+    // and the loop below must not find the old "checkpoint saved" (then the launcher may have no
+    // ranks yet to kill). A launcher without ranks is killed, so a failed trial leaves nothing.
+    const std::string script = "rm -f " + log_path + "; " + std::string(tessera::testing::tessera_binary()) +
+                               " fit --config " + dir + "/run.toml" + (resume ? " --ckpt-path last" : "") + " > " +
+                               log_path + " 2>&1 & L=$!; " + "for i in $(seq 1200); do grep -qs \"checkpoint saved\" " +
+                               log_path + " && break; sleep 0.05; done; sleep " + std::to_string(delay) +
+                               "; C=$(pgrep -P $L); [ -n \"$C\" ] || { kill -9 $L; echo no ranks to kill; exit 1; }; " +
                                (kill_rank ? "set -- $C; shift $((RANDOM % $#)); kill -9 $1" : "kill -9 $L") +
                                // every process of the run gone (ranks die with the launcher, asynchronously)
                                "; for p in $L $C; do timeout 60 tail --pid=$p -f /dev/null; done";

@@ -374,6 +374,27 @@ TEST(Cli, TrainingKeepsFreedPagesShardedJobsReturnOversizeBlocks) {
   EXPECT_NE(chosen.output.find("(arenas.dirty_decay_ms: 500)"), std::string::npos) << chosen.output;
 }
 
+// Ranks of one host move their all-gathers, reduce-scatters and all-reduces through shared
+// memory (Gloo on loopback carried ~1 GB/s); [launch] shared_memory_collectives = false leaves
+// every collective to Gloo. Each rank's log says which carried them, and the training matches.
+TEST(Cli, RanksOfOneHostCollectThroughSharedMemoryUnlessTurnedOff) {
+  std::map<bool, double> final_loss;
+  for (bool shared : {true, false}) {
+    const std::string dir = tessera::testing::fresh_dir(shared ? "shm-on" : "shm-off");
+    auto run = run_tessera("fit --config " + write_config(dir) + " --set trainer.max_steps=3 --set launch.devices=2 "
+                           "--set strategy.plugin=fsdp --set launch.shared_memory_collectives=" +
+                           (shared ? "true" : "false"));
+    ASSERT_EQ(run.exit_code, 0) << run.output;
+    const std::string rank1 = file_bytes(dir + "/logs/rank-1.log");
+    const std::string expected = shared ? "collectives: shared memory among the 2 ranks of this host" : "collectives: Gloo\n";
+    EXPECT_NE(rank1.find(expected), std::string::npos) << rank1;
+    auto loss = tessera::testing::metric_series(tessera::testing::run_dir(dir) + "/metrics.csv", "train", "train_loss");
+    ASSERT_FALSE(loss.empty());
+    final_loss[shared] = loss.rbegin()->second;
+  }
+  EXPECT_NEAR(final_loss[true], final_loss[false], 1e-4);
+}
+
 // libgomp's workers spin 300,000 times after a parallel region by default, on the cores
 // OpenBLAS's threads need: a training process runs with GOMP_SPINCOUNT=10000, set before
 // libgomp loads by re-executing itself once; ranks inherit it (no second re-execution), and a

@@ -77,11 +77,17 @@ struct Shared {
   std::optional<Diagnosis> last_failure;
   std::function<void(const std::string&)> fatal_reporter;
   std::atomic<bool> poisoned{false};  ///< a collective timed out: its Gloo thread may still be inside it
+  std::string world_transport;        ///< what carries the world group's collectives (for the log)
 };
 
 Shared& shared() {
   static Shared* s = new Shared;  // never destroyed: detached report threads may outlive main
   return *s;
+}
+
+CommSettings current_settings() {
+  std::lock_guard<std::mutex> lock(shared().mutex);
+  return shared().settings;
 }
 
 std::optional<StoreAddress> store_address() {
@@ -414,6 +420,11 @@ class C10dCommunicator final : public Communicator {
   std::int64_t rank() const override { return rank_; }
   std::int64_t size() const override { return size_; }
   const CommStats& stats() const override { return stats_; }
+  std::string transport() const {
+    if (!is_gloo_) return "NCCL";
+    if (!shm_) return "Gloo";
+    return "shared memory among the " + std::to_string(size_) + " ranks of this host (Gloo for broadcasts and barriers)";
+  }
 
   CommHandlePtr all_gather(at::Tensor output, const at::Tensor& input, const std::string& tag) override {
     TESSERA_CHECK(output.is_contiguous() && output.numel() == input.numel() * size_, "all_gather (", tag,
@@ -525,7 +536,7 @@ class C10dCommunicator final : public Communicator {
       return std::make_shared<C10dCommunicator<Backend>>(store, make_backend(store, group_rank, group_size),
                                                          group_rank, group_size, global_rank_, timeout_s_,
                                                          backend_timeout_s_, is_gloo_, prefix, monitor_,
-                                                         shm_ != nullptr);
+                                                         current_settings().shared_memory);
     }
     TESSERA_FAIL("split(): rank ", rank_, " is in none of the ", groups.size(), " groups");
   }
@@ -653,11 +664,7 @@ CommunicatorPtr make_communicator(const sdk::ClusterInfo& cluster, const c10::De
   TESSERA_CHECK(cluster.master_port > 0 && cluster.master_port < 65536, "MASTER_PORT ", cluster.master_port,
                 " is not a valid port");
   const double timeout_s = static_cast<double>(cluster.collective_timeout_s);
-  CommSettings settings;
-  {
-    std::lock_guard<std::mutex> lock(shared().mutex);
-    settings = shared().settings;
-  }
+  const CommSettings settings = current_settings();
   // The backend's own timeout only backs ours up: each wait() has the collective's timeout.
   const double backend_timeout_s = std::max(timeout_s, settings.checkpoint_s) + kGlooBackstopS;
   const char* agent = std::getenv("TORCHELASTIC_USE_AGENT_STORE");
@@ -704,20 +711,40 @@ CommunicatorPtr make_communicator(const sdk::ClusterInfo& cluster, const c10::De
     std::lock_guard<std::mutex> lock(shared().mutex);
     shared().store = address;
   }
+  auto remember = [](const auto& world) {
+    std::lock_guard<std::mutex> lock(shared().mutex);
+    shared().world_transport = world->transport();
+    return world;
+  };
   if (device.is_cuda()) {
 #if TESSERA_WITH_CUDA
-    return std::make_shared<C10dCommunicator<c10d::ProcessGroupNCCL>>(
+    return remember(std::make_shared<C10dCommunicator<c10d::ProcessGroupNCCL>>(
         store, make_nccl(store, cluster.global_rank, cluster.world_size, backend_timeout_s), cluster.global_rank,
         cluster.world_size, cluster.global_rank, timeout_s, backend_timeout_s, false, "world",
-        std::make_shared<Monitor>(cluster.global_rank, 0.0, address), false);
+        std::make_shared<Monitor>(cluster.global_rank, 0.0, address), false));
 #else
     TESSERA_FAIL("CUDA tensors need NCCL, but this tessera was built without CUDA");
 #endif
   }
-  return std::make_shared<C10dCommunicator<c10d::ProcessGroupGloo>>(
+  return remember(std::make_shared<C10dCommunicator<c10d::ProcessGroupGloo>>(
       store, make_gloo(store, cluster.global_rank, cluster.world_size, backend_timeout_s, cluster.master_addr),
       cluster.global_rank, cluster.world_size, cluster.global_rank, timeout_s, backend_timeout_s, true, "world",
-      std::make_shared<Monitor>(cluster.global_rank, kGlooBackstopS, address), settings.shared_memory);
+      std::make_shared<Monitor>(cluster.global_rank, kGlooBackstopS, address), settings.shared_memory));
+}
+
+std::string world_transport() {
+  std::lock_guard<std::mutex> lock(shared().mutex);
+  return shared().world_transport;
+}
+
+bool shared_memory_collectives(const sdk::ClusterInfo& cluster) {
+  return current_settings().shared_memory && cluster.world_size > 1 && cluster.local_world_size == cluster.world_size;
+}
+
+double shared_memory_segment_bytes(std::int64_t ranks) {
+  return ranks < 2 ? 0.0
+                   : static_cast<double>(ranks * detail::SharedMemoryChannel::kBuffers *
+                                         detail::SharedMemoryChannel::kSlotBytes);
 }
 
 void set_comm_settings(const CommSettings& settings) {

@@ -1,5 +1,7 @@
 #include "tessera/core/fsdp/memory_plan.hpp"
 
+#include "tessera/core/comm.hpp"
+
 #include <algorithm>
 
 #include <c10/core/ScalarType.h>
@@ -108,18 +110,25 @@ sdk::MemoryLayout plan_sharded_memory(const ShardedPlanInput& in) {
   const std::int64_t grads_at_once = std::min<std::int64_t>(3, static_cast<std::int64_t>(children));
   out.unsharded_grad_bytes = bytes_of(root.gathered + grads_at_once * big.gathered, in.compute_dtype);
 
-  // Collective buffers at once: per reduction in flight the all-to-all's receive buffer
-  // (the input's size) and, when reduce_dtype differs, the cast input; the per-parameter
-  // layout's all-gather output beside the unsharded parameters, and the cast all-gather input.
+  // Collective buffers at once: per reduction in flight, over Gloo the all-to-all's receive
+  // buffer (the input's size), and the input itself when it is a second buffer; the
+  // per-parameter layout's all-gather output beside the unsharded parameters, and the cast
+  // all-gather input. Shared memory reduces from the peers' slots: its segments instead.
+  if (in.shared_memory)  // the shard group's segment and the replicas' (their all-reduce)
+    out.collective_buffer_bytes = core::shared_memory_segment_bytes(s) + core::shared_memory_segment_bytes(in.replicate_size);
   if (s > 1) {
     const std::int64_t in_flight = std::min<std::int64_t>(2, static_cast<std::int64_t>(n_units));
-    double reduction = bytes_of(big.gathered > 0 ? big.gathered : root.gathered, in.reduce_dtype);
+    const double unit_reduction = bytes_of(big.gathered > 0 ? big.gathered : root.gathered, in.reduce_dtype);
     // The input is a second buffer when cast to reduce_dtype, and always under the
     // per-parameter layout (its shards' gathered order differs from the parameters').
-    if (in.reduce_dtype != in.compute_dtype || in.layout == ParamLayout::per_parameter) reduction *= 2;
-    out.collective_buffer_bytes = static_cast<double>(in_flight) * reduction;
-    // Gloo's list all-gather stages its output in one flat tensor of the gathered size.
-    out.collective_buffer_bytes += bytes_of(big.gathered > 0 ? big.gathered : root.gathered, in.compute_dtype);
+    const bool second_input = in.reduce_dtype != in.compute_dtype || in.layout == ParamLayout::per_parameter;
+    if (in.shared_memory) {
+      if (second_input) out.collective_buffer_bytes += static_cast<double>(in_flight) * unit_reduction;
+    } else {
+      out.collective_buffer_bytes += static_cast<double>(in_flight) * unit_reduction * (second_input ? 2 : 1);
+      // Gloo's list all-gather stages its output in one flat tensor of the gathered size.
+      out.collective_buffer_bytes += bytes_of(big.gathered > 0 ? big.gathered : root.gathered, in.compute_dtype);
+    }
     if (in.layout == ParamLayout::per_parameter) out.collective_buffer_bytes += bytes_of(big.gathered, in.compute_dtype);
     if (in.compute_dtype != in.master_dtype) out.collective_buffer_bytes += bytes_of(at_once * big.shard, in.compute_dtype);
   }

@@ -246,6 +246,7 @@ sdk::MemoryLayout ShardedStrategy::memory_layout(sdk::Module& module, const sdk:
   in.backward_prefetch = options.backward_prefetch;
   in.forward_prefetch = options.forward_prefetch;
   in.max_gathered_units = options.max_gathered_units;
+  in.shared_memory = core::shared_memory_collectives(cluster);
   // The dtypes the layouts pick (flat_param.cpp): the master shard keeps the parameters' own.
   at::ScalarType master = at::kFloat;
   for (const auto& unit : plan.units)

@@ -61,7 +61,8 @@ class Communicator {
   virtual void barrier(const std::string& tag) = 0;
 
   /// Splits the group: every rank calls with the same partition `groups` (lists of ranks of
-  /// this group) and gets the communicator of the group it belongs to.
+  /// this group) and gets the communicator of the group it belongs to (with shared memory
+  /// when CommSettings allow it now and that group's ranks share a host).
   virtual std::shared_ptr<Communicator> split(const std::vector<std::vector<std::int64_t>>& groups) = 0;
 
   virtual const CommStats& stats() const = 0;
@@ -91,6 +92,13 @@ struct CommSettings {
 };
 void set_comm_settings(const CommSettings& settings);
 
+/// Whether make_communicator gives this job's CPU groups the shared-memory channel, as far as
+/// the cluster tells before any rank starts: more than one rank, all of them on this host, and
+/// CommSettings::shared_memory (for `tessera plan`).
+bool shared_memory_collectives(const sdk::ClusterInfo& cluster);
+/// Bytes of the shared-memory segment a group of `ranks` maps (each rank touches all of it).
+double shared_memory_segment_bytes(std::int64_t ranks);
+
 /// Rendezvous through a TCPStore at cluster.master_addr:master_port and create the world
 /// group: Gloo for CPU devices (with shared memory beside it when every rank is on this host,
 /// see CommSettings), NCCL for CUDA devices (when built with CUDA). With
@@ -100,6 +108,10 @@ void set_comm_settings(const CommSettings& settings);
 /// checkpoint timeout in a checkpoint phase); when one fails or times out, the error carries
 /// the hang report built from every rank's ledger (see ledger.hpp).
 CommunicatorPtr make_communicator(const sdk::ClusterInfo& cluster, const c10::Device& device);
+
+/// What carries the collectives of the world group make_communicator made ("Gloo", "NCCL",
+/// "shared memory among the 2 ranks of this host ..."); empty before it (and on one device).
+std::string world_transport();
 
 /// The diagnosis made by this process's last failed collective, if any.
 std::optional<Diagnosis> last_collective_failure();

@@ -40,6 +40,7 @@ struct ShardedPlanInput {
   BackwardPrefetch backward_prefetch = BackwardPrefetch::BACKWARD_PRE;
   bool forward_prefetch = false;
   std::int64_t max_gathered_units = 0;  ///< limit_all_gathers (0: none)
+  bool shared_memory = false;           ///< collectives through shared memory (core::shared_memory_collectives)
   c10::ScalarType master_dtype = c10::ScalarType::Float;
   c10::ScalarType compute_dtype = c10::ScalarType::Float;
   c10::ScalarType reduce_dtype = c10::ScalarType::Float;
