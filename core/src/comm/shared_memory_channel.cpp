@@ -382,8 +382,6 @@ bool SharedMemoryChannel::reduces(at::ScalarType dtype) {
   }
 }
 
-std::int64_t SharedMemoryChannel::segment_bytes() const { return static_cast<std::int64_t>(impl_->length); }
-
 c10::intrusive_ptr<c10d::Work> SharedMemoryChannel::all_gather(at::Tensor output, at::Tensor input) {
   Impl* self = impl_.get();
   return self->submit([self, output, input] {

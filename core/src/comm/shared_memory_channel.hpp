@@ -38,9 +38,8 @@ class SharedMemoryChannel {
   c10::intrusive_ptr<c10d::Work> reduce_scatter(at::Tensor output, at::Tensor input, sdk::ReduceOp op);
   c10::intrusive_ptr<c10d::Work> all_reduce(at::Tensor tensor, sdk::ReduceOp op);
 
-  /// Bytes of the shared segment (every rank maps all of it).
-  std::int64_t segment_bytes() const;
-  /// Bytes each rank's slot holds per round, and rounds in flight (for `tessera plan`).
+  /// Bytes each rank's slot holds per round, and rounds in flight (the segment's size, which
+  /// `tessera plan` counts).
   static constexpr std::int64_t kSlotBytes = std::int64_t{2} << 20;
   static constexpr int kBuffers = 2;
 
