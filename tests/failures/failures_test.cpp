@@ -405,6 +405,27 @@ TEST(Anomaly, StepsTheGradScalerSkipsAreCountedAndReportedNotFailures) {
   EXPECT_CONTAINS(slurp(tessera::testing::run_dir(dir) + "/metrics.csv"), "skipped_steps");
 }
 
+// ---------------------------------------------------------------- Open MPI's real mpirun
+
+/// Open MPI's mpirun (Debian's openmpi-bin) starts the ranks; tessera reads OMPI_COMM_WORLD_*,
+/// rank 0 hosts the store, and the two ranks of this host collect through shared memory.
+TEST(Mpirun, TrainsWithRankZeroHostingTheStore) {
+  if (std::system("command -v mpirun >/dev/null 2>&1") != 0)
+    GTEST_SKIP() << "SKIPPED: Open MPI's mpirun (openmpi-bin) is not installed";
+  std::string dir = tessera::testing::fresh_dir("mpirun");
+  const std::string config = write_config(dir, 2, "fsdp");
+  // mpirun refuses root unless told (CI containers run as root); the ranks need no MPI transport.
+  auto r = tessera::testing::run_command(
+      "OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 timeout -k 5 150 mpirun -np 2 --oversubscribe -x "
+      "MASTER_PORT=" + std::to_string(tessera::testing::free_port()) + " " + tessera::testing::tessera_binary() +
+      " fit --config " + config + " 2>&1");
+  EXPECT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_CONTAINS(r.output, "2 rank(s) [mpi]");
+  EXPECT_CONTAINS(r.output, "collectives: shared memory among the 2 ranks of this host");
+  EXPECT_TRUE(fs::exists(tessera::testing::run_dir(dir) + "/checkpoints/last.ckpt")) << r.output;
+  EXPECT_FALSE(processes_left(dir));
+}
+
 // ---------------------------------------------------------------- Debian's real torchrun
 
 bool have_torchrun() {
