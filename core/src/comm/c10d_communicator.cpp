@@ -23,6 +23,7 @@
 #endif
 
 #include "shared_memory_channel.hpp"
+#include "store_text.hpp"
 #include "tessera/core/comm.hpp"
 #include "tessera/core/trace.hpp"
 #include "tessera/sdk/error.hpp"
@@ -109,8 +110,8 @@ c10::intrusive_ptr<c10d::Store> open_client(const StoreAddress& a, double timeou
 std::string ledger_key(std::int64_t rank) { return "tessera/ledger/" + std::to_string(rank); }
 std::string failure_key(std::int64_t rank) { return "tessera/failure/" + std::to_string(rank); }
 
-std::string to_string(const std::vector<std::uint8_t>& bytes) { return std::string(bytes.begin(), bytes.end()); }
-std::vector<std::uint8_t> to_bytes(const std::string& s) { return std::vector<std::uint8_t>(s.begin(), s.end()); }
+using detail::to_bytes;
+using detail::to_string;
 
 /// Runs `fn` on its own thread and gives up after `seconds` (a store whose host is stopped
 /// never answers); nullopt when it did not finish or threw.

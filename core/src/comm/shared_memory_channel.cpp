@@ -27,6 +27,7 @@
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 
+#include "store_text.hpp"
 #include "tessera/sdk/error.hpp"
 
 namespace tessera::core::detail {
@@ -103,9 +104,6 @@ class ShmWork final : public c10d::Work {
   void complete(std::exception_ptr error = nullptr) { finish(std::move(error)); }
 };
 
-std::vector<std::uint8_t> bytes_of(const std::string& s) { return {s.begin(), s.end()}; }
-std::string string_of(const std::vector<std::uint8_t>& v) { return {v.begin(), v.end()}; }
-
 /// dst[i] := op over sources (in rank order) of src[i], accumulating in Acc; mean divides by
 /// the number of sources at the end (as the Gloo path's sum, then divide).
 template <typename T, typename Acc>
@@ -132,13 +130,13 @@ void reduce_typed(const std::vector<const std::byte*>& sources, std::byte* dst_b
     } else {
       for (std::int64_t i = 0; i < n; ++i) {
         Acc v = static_cast<Acc>(src[i]);
-        if constexpr (std::is_floating_point_v<Acc>)
-          if (std::isnan(a[i])) continue;  // NaN wins, as at::max/min
-        if constexpr (std::is_floating_point_v<Acc>)
+        if constexpr (std::is_floating_point_v<Acc>) {  // NaN wins, as at::max/min
+          if (std::isnan(a[i])) continue;
           if (std::isnan(v)) {
             a[i] = v;
             continue;
           }
+        }
         if (max ? v > a[i] : v < a[i]) a[i] = v;
       }
     }
@@ -239,9 +237,9 @@ struct SharedMemoryChannel::Impl {
   }
 
   /// A round: every rank writes at most kSlotBytes into its slot (`write`), then reads the
-  /// others' (`read`). A slot's buffer is reused kBuffers rounds later, once every rank has
-  /// finished reading it.
-  void round(const std::function<void(std::byte* mine)>& write, const std::function<void()>& read) {
+  /// others' slots of this round `k` (`read`). A slot's buffer is reused kBuffers rounds
+  /// later, once every rank has finished reading it.
+  void round(const std::function<void(std::byte* mine)>& write, const std::function<void(std::uint64_t k)>& read) {
     const std::uint64_t k = ++rounds;
     const auto k32 = static_cast<std::uint32_t>(k);
     if (k > static_cast<std::uint64_t>(kBuffers))
@@ -252,7 +250,7 @@ struct SharedMemoryChannel::Impl {
     wake(counters(rank).written.value);
     for (std::int64_t q = 0; q < world; ++q)
       if (q != rank) await(counters(q).written.value, k32, q);
-    read();
+    read(k);
     counters(rank).read.value.store(k32, std::memory_order_release);
     wake(counters(rank).read.value);
   }
@@ -312,10 +310,10 @@ std::unique_ptr<SharedMemoryChannel> SharedMemoryChannel::open(c10d::Store& stor
 
   // 1. Are we all on one host? Every rank reads every rank's identity, so all decide alike.
   const std::string me = host_identity();
-  store.set("tessera/shm/host/" + std::to_string(rank), bytes_of(me + "\n" + std::to_string(::getpid())));
+  store.set("tessera/shm/host/" + std::to_string(rank), to_bytes(me + "\n" + std::to_string(::getpid())));
   bool one_host = true;
   for (std::int64_t r = 0; r < size; ++r) {
-    std::string entry = string_of(store.get("tessera/shm/host/" + std::to_string(r)));
+    std::string entry = to_string(store.get("tessera/shm/host/" + std::to_string(r)));
     std::size_t nl = entry.find('\n');
     one_host = one_host && entry.substr(0, nl) == me;
     impl->pids.push_back(static_cast<pid_t>(std::stol(entry.substr(nl + 1))));
@@ -341,9 +339,9 @@ std::unique_ptr<SharedMemoryChannel> SharedMemoryChannel::open(c10d::Store& stor
       if (fd >= 0) ::shm_unlink(name.c_str());
       name.clear();
     }
-    store.set("tessera/shm/segment", bytes_of(name));
+    store.set("tessera/shm/segment", to_bytes(name));
   } else {
-    name = string_of(store.get("tessera/shm/segment"));
+    name = to_string(store.get("tessera/shm/segment"));
     if (!name.empty()) {
       int fd = ::shm_open(name.c_str(), O_RDWR, 0);
       if (fd >= 0) {
@@ -361,10 +359,10 @@ std::unique_ptr<SharedMemoryChannel> SharedMemoryChannel::open(c10d::Store& stor
       }
     }
   }
-  store.set("tessera/shm/opened/" + std::to_string(rank), bytes_of(impl->base != MAP_FAILED ? "1" : "0"));
+  store.set("tessera/shm/opened/" + std::to_string(rank), to_bytes(impl->base != MAP_FAILED ? "1" : "0"));
   bool everyone = true;
   for (std::int64_t r = 0; r < size; ++r)
-    everyone = string_of(store.get("tessera/shm/opened/" + std::to_string(r))) == "1" && everyone;
+    everyone = to_string(store.get("tessera/shm/opened/" + std::to_string(r))) == "1" && everyone;
   if (rank == 0 && !name.empty()) ::shm_unlink(name.c_str());  // nothing left in /dev/shm, even after a crash
   if (!everyone) return nullptr;
   return std::unique_ptr<SharedMemoryChannel>(new SharedMemoryChannel(std::move(impl)));
@@ -391,9 +389,8 @@ c10::intrusive_ptr<c10d::Work> SharedMemoryChannel::all_gather(at::Tensor output
     if (out + self->rank * n != in) std::memmove(out + self->rank * n, in, static_cast<std::size_t>(n));
     for (std::int64_t offset = 0; offset < n; offset += kSlotBytes) {
       const auto len = static_cast<std::size_t>(std::min(kSlotBytes, n - offset));
-      const std::uint64_t k = self->rounds + 1;
       self->round([&](std::byte* mine) { std::memcpy(mine, in + offset, len); },
-                  [&] {
+                  [&](std::uint64_t k) {
                     for (std::int64_t q = 0; q < self->world; ++q)
                       if (q != self->rank) std::memcpy(out + q * n + offset, self->slot(q, k), len);
                   });
@@ -415,14 +412,13 @@ c10::intrusive_ptr<c10d::Work> SharedMemoryChannel::reduce_scatter(at::Tensor ou
     std::vector<const std::byte*> sources(static_cast<std::size_t>(self->world));
     for (std::int64_t offset = 0; offset < n; offset += per_round) {
       const std::int64_t len = std::min(per_round, n - offset);
-      const std::uint64_t k = self->rounds + 1;
       self->round(
           [&](std::byte* mine) {  // piece q of this rank's input goes to rank q
             for (std::int64_t q = 0; q < self->world; ++q)
               if (q != self->rank || in_place)
                 std::memcpy(mine + q * len * es, in + (q * n + offset) * es, static_cast<std::size_t>(len * es));
           },
-          [&] {
+          [&](std::uint64_t k) {
             for (std::int64_t p = 0; p < self->world; ++p)
               sources[p] = p == self->rank && !in_place ? in + (self->rank * n + offset) * es
                                                         : self->slot(p, k) + self->rank * len * es;
@@ -441,9 +437,8 @@ c10::intrusive_ptr<c10d::Work> SharedMemoryChannel::all_reduce(at::Tensor tensor
     std::vector<const std::byte*> sources(static_cast<std::size_t>(self->world));
     for (std::int64_t offset = 0; offset < n; offset += per_round) {
       const std::int64_t len = std::min(per_round, n - offset);
-      const std::uint64_t k = self->rounds + 1;
       self->round([&](std::byte* mine) { std::memcpy(mine, data + offset * es, static_cast<std::size_t>(len * es)); },
-                  [&] {  // every rank reduces the same slots in the same order: the same bits everywhere
+                  [&](std::uint64_t k) {  // every rank reduces the same slots in the same order: the same bits everywhere
                     for (std::int64_t p = 0; p < self->world; ++p) sources[p] = self->slot(p, k);
                     reduce(tensor.scalar_type(), sources, data + offset * es, len, op, self->scratch);
                   });

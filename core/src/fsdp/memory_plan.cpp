@@ -1,10 +1,10 @@
 #include "tessera/core/fsdp/memory_plan.hpp"
 
-#include "tessera/core/comm.hpp"
-
 #include <algorithm>
 
 #include <c10/core/ScalarType.h>
+
+#include "tessera/core/comm.hpp"
 
 namespace tessera::core::fsdp {
 
@@ -118,7 +118,8 @@ sdk::MemoryLayout plan_sharded_memory(const ShardedPlanInput& in) {
     out.collective_buffer_bytes = core::shared_memory_segment_bytes(s) + core::shared_memory_segment_bytes(in.replicate_size);
   if (s > 1) {
     const std::int64_t in_flight = std::min<std::int64_t>(2, static_cast<std::int64_t>(n_units));
-    const double unit_reduction = bytes_of(big.gathered > 0 ? big.gathered : root.gathered, in.reduce_dtype);
+    const std::int64_t unit_gathered = big.gathered > 0 ? big.gathered : root.gathered;  // the largest unit
+    const double unit_reduction = bytes_of(unit_gathered, in.reduce_dtype);
     // The input is a second buffer when cast to reduce_dtype, and always under the
     // per-parameter layout (its shards' gathered order differs from the parameters').
     const bool second_input = in.reduce_dtype != in.compute_dtype || in.layout == ParamLayout::per_parameter;
@@ -127,7 +128,7 @@ sdk::MemoryLayout plan_sharded_memory(const ShardedPlanInput& in) {
     } else {
       out.collective_buffer_bytes += static_cast<double>(in_flight) * unit_reduction * (second_input ? 2 : 1);
       // Gloo's list all-gather stages its output in one flat tensor of the gathered size.
-      out.collective_buffer_bytes += bytes_of(big.gathered > 0 ? big.gathered : root.gathered, in.compute_dtype);
+      out.collective_buffer_bytes += bytes_of(unit_gathered, in.compute_dtype);
     }
     if (in.layout == ParamLayout::per_parameter) out.collective_buffer_bytes += bytes_of(big.gathered, in.compute_dtype);
     if (in.compute_dtype != in.master_dtype) out.collective_buffer_bytes += bytes_of(at_once * big.shard, in.compute_dtype);
