@@ -1,30 +1,103 @@
 #!/usr/bin/env bash
-# On the lent GPU machine, after `bash .gpu-deps/build.sh` (see shared/gpu/README.md):
-# Tessera's CUDA/NCCL path (world size 1: NCCL cannot put two ranks on one GPU) against
-# PyTorch's own FSDP2 on the same GPT, in one run. Writes $OUT/gpu-bench.txt.
+# On the lent GPU machine, after bench/gpu/build.sh: Tessera's CUDA/NCCL path against PyTorch's
+# own FSDP2 (`fully_shard`, eager) on the same GPT and batch, all in this one run; prints the
+# ratios. World size 1: NCCL cannot put two ranks on one GPU. Writes $OUT/gpu-bench.txt.
+#   bash bench/gpu/run.sh [steps]
+# Shapes (issue 13 item 5): "small" 6 x 384, batch 8 x 128 tokens (where per-op host overhead
+# dominates); "1.3B" 26 x 2048, 16 heads, batch 4 x 512 tokens (1.31B parameters; the GPU
+# dominates). ACCELERATOR=cpu SHAPES=small rehearses the tessera command lines on a CPU build.
 set -uo pipefail
+cd "$(dirname "$0")/../.."
 out="${OUT:-/tmp/out}"; mkdir -p "$out"
-tessera=build-gpu/bin/tessera
-steps="${1:-50}"
-{
-for run in fsdp:32-true fsdp:bf16-mixed fsdp:16-mixed fsdp:16-true fsdp_cpu_offload:32-true; do
-  strategy=${run%%:*}; precision=${run#*:}
-  dir=/tmp/gpu-$strategy-$precision
-  rm -rf "$dir"
-  $tessera fit --config configs/gpt-fortunes.toml --set launch.devices=1 --set strategy.accelerator=cuda \
-    --set strategy.plugin=$strategy --set precision.precision=$precision --set trainer.max_steps=$steps \
-    --set trainer.log_every_n_steps=5 --set trainer.val_check_interval=0 --set trainer.checkpoint_every_n_steps=0 \
-    --set trainer.predict_after_fit=false --set trainer.default_root_dir=$dir --set model.n_layer=6 \
-    --set model.n_embd=384 --set model.n_head=6 --set data.batch_size=8 --set optimizer.warmup_steps=0 \
-    ${FORTUNES:+--set data.path=$FORTUNES} $([ "$precision" = 16-true ] && echo --set optimizer.eps=1e-4) > "$dir.log" 2>&1
-  rc=$?
-  tps=$(awk -F, '$4=="tokens_per_s" {n++; if (n > 2) {s+=$5; c++}} END {if (c) printf "%.0f", s/c}' "$dir/version_0/metrics.csv" 2>/dev/null)
-  loss=$(awk -F, '$4=="train_loss" {l=$5} END {print l}' "$dir/version_0/metrics.csv" 2>/dev/null)
-  mem=$(awk -F, '$4=="peak_cuda_mb" {printf "%.0f", $5}' "$dir/version_0/metrics.csv" 2>/dev/null)
-  echo "tessera $strategy $precision rc=$rc tokens_per_s=$tps final_loss=$loss peak_cuda_mb=$mem"
+tessera="${TESSERA:-build-gpu/bin/tessera}"
+steps="${1:-40}"
+accelerator="${ACCELERATOR:-cuda}"
+work="$(mktemp -d)"; trap '[ -n "${KEEP:-}" ] || rm -rf "$work"' EXIT
+declare -A shape_args=(
+  [small]="--n-layer 6 --n-embd 384 --n-head 6 --block-size 128 --batch-size 8"
+  [1.3B]="--n-layer 26 --n-embd 2048 --n-head 16 --block-size 512 --batch-size 4"
+)
+
+# One tessera run: shape, strategy, precision, extra --set arguments. Prints tokens/s (mean of
+# the logged windows after the first two) and the peak CUDA tensor memory.
+tessera_row() {
+  local shape="$1" strategy="$2" precision="$3"; shift 3
+  local name="tessera $strategy $precision" dir="$work/$shape-$strategy-$precision"
+  set -- $(echo "${shape_args[$shape]}" | awk '{for (i = 1; i < NF; i += 2) printf "%s=%s ", $i, $(i + 1)}') "$@"
+  local layers embd heads block batch; for kv in "$@"; do case "$kv" in
+    --n-layer=*) layers=${kv#*=};; --n-embd=*) embd=${kv#*=};; --n-head=*) heads=${kv#*=};;
+    --block-size=*) block=${kv#*=};; --batch-size=*) batch=${kv#*=};; esac; done
+  shift 5
+  cat > "$dir.toml" <<TOML
+[trainer]
+max_steps = $steps
+log_every_n_steps = 5
+enable_progress_bar = false
+save_last = false
+default_root_dir = "$dir"
+[launch]
+devices = 1
+[strategy]
+plugin = "$strategy"
+accelerator = "$accelerator"
+[precision]
+plugin = "fsdp-precision"
+precision = "$precision"
+[optimizer]
+lr = 3e-4
+schedule = "constant"
+[model]
+plugin = "gpt"
+n_layer = $layers
+n_head = $heads
+n_embd = $embd
+block_size = $block
+[data]
+plugin = "text"
+block_size = $block
+batch_size = $batch
+${FORTUNES:+path = \"$FORTUNES\"}
+TOML
+  "$tessera" fit --config "$dir.toml" "$@" > "$dir.log" 2>&1
+  local rc=$? csv="$dir/version_0/metrics.csv"
+  local tps loss mem
+  tps=$(awk -F, '$4=="tokens_per_s" {n++; if (n > 2) {s+=$5; c++}} END {if (c) printf "%.0f", s/c}' "$csv" 2>/dev/null)
+  loss=$(awk -F, '$4=="train_loss" {l=$5} END {printf "%.3f", l}' "$csv" 2>/dev/null)
+  mem=$(awk -F, '$4=="peak_cuda_mb" {printf "%.0f", $5}' "$csv" 2>/dev/null)
+  echo "$shape | $name | rc=$rc tokens_per_s=${tps:-?} peak_cuda_mb=${mem:-?} loss=${loss:-?}"
   [ $rc -eq 0 ] || tail -5 "$dir.log"
+}
+
+pytorch_row() {
+  local shape="$1" precision="$2"
+  echo "$shape | pytorch fsdp2 $precision | $(PYTHONUNBUFFERED=1 python3 bench/gpu/pytorch_fsdp2_gpt.py --steps "$steps" \
+    --precision "$precision" ${shape_args[$shape]} 2>&1 | tail -1)"
+}
+
+# tessera / pytorch for one shape and precision: tokens/s and peak CUDA memory.
+ratios() {
+  awk -F' [|] ' -v shape="$1" -v precision="$2" '
+    function field(s, k) { return match(s, k "=[0-9.]+") ? substr(s, RSTART + length(k) + 1, RLENGTH - length(k) - 1) : "" }
+    $1 == shape && $2 == "pytorch fsdp2 " precision { ptps = field($3, "tokens_per_s"); pmem = field($3, "peak_cuda_mb") }
+    $1 == shape && $2 ~ "^tessera .* " precision "$" { name[++n] = $2; tps[n] = field($3, "tokens_per_s"); mem[n] = field($3, "peak_cuda_mb") }
+    END { for (i = 1; i <= n; i++) if (ptps > 0 && tps[i] > 0)
+            printf "%s | %s / pytorch fsdp2: %.2fx tokens/s, %.2fx peak CUDA memory\n", shape, name[i], tps[i] / ptps, mem[i] / pmem }' "$out/gpu-bench.txt"
+}
+
+: > "$out/gpu-bench.txt"
+for shape in ${SHAPES:-small 1.3B}; do
+  if [ "$shape" = small ]; then
+    runs="fsdp:32-true fsdp:bf16-mixed fsdp:16-mixed fsdp:16-true fsdp_cpu_offload:32-true fsdp2:32-true fsdp2:bf16-mixed"
+  else
+    runs="fsdp:bf16-mixed fsdp2:bf16-mixed"
+  fi
+  for run in $runs; do
+    strategy=${run%%:*}; precision=${run#*:}
+    tessera_row "$shape" "$strategy" "$precision" $([ "$precision" = 16-true ] && echo --set optimizer.eps=1e-4)
+  done | tee -a "$out/gpu-bench.txt"
+  if [ "$accelerator" = cuda ]; then
+    for precision in $([ "$shape" = small ] && echo 32-true) bf16-mixed; do pytorch_row "$shape" "$precision"; done \
+      | tee -a "$out/gpu-bench.txt"
+  fi
 done
-for precision in 32-true bf16-mixed; do
-  python3 bench/gpu/pytorch_fsdp2_gpt.py --steps "$steps" --precision $precision 2>&1 | tail -1
-done
-} | tee "$out/gpu-bench.txt"
+for shape in ${SHAPES:-small 1.3B}; do ratios "$shape" bf16-mixed; ratios "$shape" 32-true; done | tee -a "$out/gpu-bench.txt"
