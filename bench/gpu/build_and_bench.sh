@@ -13,7 +13,7 @@ export LD_LIBRARY_PATH="/tmp/deps/usr/lib/x86_64-linux-gnu${LD_LIBRARY_PATH:+:$L
 export FORTUNES=/tmp/deps/usr/share/games/fortunes
 [ -e /usr/share/games/fortunes ] || { mkdir -p /usr/share/games && ln -s "$FORTUNES" /usr/share/games/fortunes; }
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
-(cd build-gpu && timeout 240 ctest -j 8 -R "CUDA|Cuda|PluginLoader|Options|Collectives|Precision|Policy" --output-on-failure) \
+(cd build-gpu && timeout 240 ctest -j 8 -R "CUDA|Cuda|OneDevice|PluginLoader|Options|Collectives|Precision|Policy" --output-on-failure) \
   > "$out/ctest.log" 2>&1
 grep -E "tests passed|tests failed|Failed|\(Failed\)|\(Timeout\)" "$out/ctest.log" | head -20
 timeout 300 bash bench/gpu/run.sh "${STEPS:-40}"
