@@ -114,8 +114,14 @@ sdk::MemoryLayout plan_sharded_memory(const ShardedPlanInput& in) {
   // buffer (the input's size), and the input itself when it is a second buffer; the
   // per-parameter layout's all-gather output beside the unsharded parameters, and the cast
   // all-gather input. Shared memory reduces from the peers' slots: its segments instead.
-  if (in.shared_memory)  // the shard group's segment and the replicas' (their all-reduce)
-    out.collective_buffer_bytes = core::shared_memory_segment_bytes(s) + core::shared_memory_segment_bytes(in.replicate_size);
+  // Shared memory: a segment per group of more than one rank that carries data: the shard
+  // group's, the replicas' (their all-reduce), the tensor-parallel group's (the model's own
+  // all-reduces) and the post-forward reshard group's.
+  if (in.shared_memory)
+    out.collective_buffer_bytes =
+        core::shared_memory_segment_bytes(s) + core::shared_memory_segment_bytes(in.replicate_size) +
+        core::shared_memory_segment_bytes(in.tp_size) +
+        (in.reshard_group > 1 && in.reshard_group < s ? core::shared_memory_segment_bytes(in.reshard_group) : 0.0);
   if (s > 1) {
     const std::int64_t in_flight = std::min<std::int64_t>(2, static_cast<std::int64_t>(n_units));
     const std::int64_t unit_gathered = big.gathered > 0 ? big.gathered : root.gathered;  // the largest unit
