@@ -35,5 +35,9 @@ run fsdp_deferred_init_4 --set launch.devices=4 --set strategy.plugin=fsdp --set
   --set data.batch_size=1
 run fsdp2_2 --set launch.devices=2 --set strategy.plugin=fsdp2 --set data.batch_size=2
 run fsdp2_4 --set launch.devices=4 --set strategy.plugin=fsdp2 --set data.batch_size=1
+run fsdp2_tp2_2 --set launch.devices=2 --set strategy.plugin=fsdp2 --set strategy.tensor_parallel_size=2 \
+  --set data.batch_size=4
+run fsdp2_dp2_tp2_4 --set launch.devices=4 --set strategy.plugin=fsdp2 --set strategy.tensor_parallel_size=2 \
+  --set data.batch_size=2
 run fsdp_bf16_mixed_2 --set launch.devices=2 --set strategy.plugin=fsdp --set precision.plugin=fsdp-precision \
   --set precision.precision=bf16-mixed --set data.batch_size=2
