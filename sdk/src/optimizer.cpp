@@ -1,12 +1,104 @@
 #include "tessera/sdk/optimizer.hpp"
 
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/ops/_fused_adam.h>
 #include <torch/optim/adam.h>
 #include <torch/optim/adamw.h>
 #include <torch/optim/sgd.h>
 
+#include <map>
+#include <tuple>
+
 #include "tessera/sdk/error.hpp"
 
 namespace tessera::sdk {
+
+bool has_fused_adam(const c10::Device& device) {
+  static const auto op = c10::Dispatcher::singleton().findSchema({"aten::_fused_adam_", ""});
+  if (!op || !(device.is_cuda() || device.is_cpu())) return false;
+  return op->hasKernelForDispatchKey(device.is_cuda() ? c10::DispatchKey::CUDA : c10::DispatchKey::CPU);
+}
+
+namespace {
+
+/// LibTorch's Adam or AdamW (the same options, state and checkpoints: code that casts to
+/// torch::optim::AdamW still sees one) whose step runs LibTorch's fused kernel where it has
+/// one for the parameters' device: one pass reading parameter, gradient and both moments and
+/// writing three, where LibTorch's C++ loop makes nine elementwise passes with temporaries (~23
+/// reads and writes of the model per step: at 1.3B parameters on an H100 ~40 ms against ~12).
+/// Anything the kernel does not take (amsgrad, a gradient of another dtype or layout than its
+/// parameter, a device without the kernel) steps through LibTorch's loop, as before.
+template <class Base, class Options, class State, bool Decoupled>
+class FusedAdam final : public Base {
+ public:
+  using Base::Base;
+
+  at::Tensor step(torch::optim::Optimizer::LossClosure closure = nullptr) override {
+    if (!fusable()) return Base::step(std::move(closure));
+    at::NoGradGuard no_grad;
+    at::Tensor loss;
+    if (closure) {
+      at::AutoGradMode enable_grad(true);
+      loss = closure();
+    }
+    for (auto& group : this->param_groups()) {
+      auto& o = static_cast<Options&>(group.options());
+      // The kernel takes lists of one device and dtype; the step count is a tensor it reads.
+      struct Lists {
+        std::vector<at::Tensor> params, grads, exp_avgs, exp_avg_sqs;
+      };
+      std::map<std::tuple<c10::DeviceType, c10::DeviceIndex, at::ScalarType, std::int64_t>, Lists> buckets;
+      for (auto& p : group.params()) {
+        if (!p.grad().defined()) continue;
+        auto& slot = this->state()[optimizer_state_key(p)];
+        if (!slot) {
+          auto fresh = std::make_unique<State>();
+          fresh->step(0);
+          fresh->exp_avg(at::zeros_like(p, at::MemoryFormat::Preserve));
+          fresh->exp_avg_sq(at::zeros_like(p, at::MemoryFormat::Preserve));
+          slot = std::move(fresh);
+        }
+        auto& state = static_cast<State&>(*slot);
+        state.step(state.step() + 1);
+        if (Decoupled && o.weight_decay() != 0) p.mul_(1 - o.lr() * o.weight_decay());
+        Lists& lists = buckets[{p.device().type(), p.device().index(), p.scalar_type(), state.step()}];
+        lists.params.push_back(p);
+        lists.grads.push_back(p.grad());
+        lists.exp_avgs.push_back(state.exp_avg());
+        lists.exp_avg_sqs.push_back(state.exp_avg_sq());
+      }
+      for (auto& [key, lists] : buckets) {
+        const at::Tensor step =
+            at::full({}, static_cast<double>(std::get<3>(key)), lists.params.front().options().dtype(at::kFloat));
+        const std::vector<at::Tensor> steps(lists.params.size(), step);
+        at::_fused_adam_(lists.params, lists.grads, lists.exp_avgs, lists.exp_avg_sqs, at::TensorList(), steps, o.lr(),
+                         std::get<0>(o.betas()), std::get<1>(o.betas()), Decoupled ? 0.0 : o.weight_decay(), o.eps(),
+                         /*amsgrad=*/false, /*maximize=*/false);
+      }
+    }
+    return loss;
+  }
+
+ private:
+  bool fusable() {
+    for (auto& group : this->param_groups()) {
+      if (static_cast<Options&>(group.options()).amsgrad()) return false;
+      for (auto& p : group.params()) {
+        const at::Tensor& g = p.grad();
+        if (!g.defined()) continue;
+        if (g.is_sparse() || g.scalar_type() != p.scalar_type() || g.device() != p.device() ||
+            g.strides() != p.strides() || !p.is_non_overlapping_and_dense() || !has_fused_adam(p.device()))
+          return false;
+      }
+    }
+    return true;
+  }
+};
+
+using FusedAdamW = FusedAdam<torch::optim::AdamW, torch::optim::AdamWOptions, torch::optim::AdamWParamState, true>;
+using FusedAdamL2 = FusedAdam<torch::optim::Adam, torch::optim::AdamOptions, torch::optim::AdamParamState, false>;
+
+}  // namespace
 
 std::unique_ptr<torch::optim::Optimizer> make_optimizer(const std::vector<NamedParameter>& params,
                                                         const OptimizerSettings& s) {
@@ -14,10 +106,10 @@ std::unique_ptr<torch::optim::Optimizer> make_optimizer(const std::vector<NamedP
   tensors.reserve(params.size());
   for (const auto& p : params) tensors.push_back(p.tensor);
   if (s.name == "adamw")
-    return std::make_unique<torch::optim::AdamW>(
+    return std::make_unique<FusedAdamW>(
         tensors, torch::optim::AdamWOptions(s.lr).betas({s.beta1, s.beta2}).eps(s.eps).weight_decay(s.weight_decay));
   if (s.name == "adam")
-    return std::make_unique<torch::optim::Adam>(
+    return std::make_unique<FusedAdamL2>(
         tensors, torch::optim::AdamOptions(s.lr).betas({s.beta1, s.beta2}).eps(s.eps).weight_decay(s.weight_decay));
   if (s.name == "sgd")
     return std::make_unique<torch::optim::SGD>(

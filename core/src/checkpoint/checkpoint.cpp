@@ -26,6 +26,7 @@
 #include <torch/serialize.h>
 
 #include "tessera/sdk/error.hpp"
+#include "tessera/sdk/optimizer.hpp"
 
 namespace tessera::core {
 
@@ -65,22 +66,7 @@ sdk::Checkpoint checkpoint_dict(const IValue& value, const std::string& what) {
 
 namespace {
 
-// The C++ optimizers key their state by the parameter's TensorImpl: as its printed address
-// in LibTorch 1.x, as the pointer itself in 2.x.
-using StateKey = std::decay_t<decltype(std::declval<const torch::optim::Optimizer&>().state())>::key_type;
-
-template <typename Key>
-Key key_of(const at::Tensor& p) {
-  if constexpr (std::is_same_v<Key, std::string>) {
-    std::ostringstream address;
-    address << p.unsafeGetTensorImpl();
-    return address.str();
-  } else {
-    return p.unsafeGetTensorImpl();
-  }
-}
-
-StateKey state_key(const at::Tensor& p) { return key_of<StateKey>(p); }
+using sdk::optimizer_state_key;
 
 /// Per-parameter state as a dict of tensors (Python's format: "step" is a tensor).
 sdk::Checkpoint param_state_dict(const torch::optim::OptimizerParamState& state) {
@@ -163,7 +149,7 @@ std::unique_ptr<torch::optim::OptimizerParamState> make_param_state(const torch:
 
 const torch::optim::OptimizerParamState* optimizer_param_state(const torch::optim::Optimizer& optimizer,
                                                               const at::Tensor& param) {
-  auto it = optimizer.state().find(state_key(param));
+  auto it = optimizer.state().find(optimizer_state_key(param));
   return it == optimizer.state().end() ? nullptr : it->second.get();
 }
 
@@ -176,7 +162,7 @@ sdk::Checkpoint optimizer_state_dict(const torch::optim::Optimizer& optimizer,
     sdk::Checkpoint saved_group = group_options(group.options());
     c10::List<std::int64_t> indices;
     for (const auto& p : group.params()) {
-      auto it = optimizer.state().find(state_key(p));
+      auto it = optimizer.state().find(optimizer_state_key(p));
       if (it != optimizer.state().end()) state.insert(index, param_state_dict(*it->second));
       indices.push_back(index++);
     }
@@ -348,7 +334,7 @@ std::function<void()> stage_optimizer_state_dict(torch::optim::Optimizer& optimi
     set_group_options(optimizer.param_groups()[0].options(), checkpoint_dict(groups[0], "optimizer param group"));
   }
   return [&optimizer, plan = std::move(plan)] {
-    for (const auto& [p, entry] : plan) optimizer.state()[state_key(p)] = make_param_state(optimizer, entry);
+    for (const auto& [p, entry] : plan) optimizer.state()[optimizer_state_key(p)] = make_param_state(optimizer, entry);
   };
 }
 

@@ -1,7 +1,9 @@
 #pragma once
 /// The [optimizer] section, and the default optimizer a Module builds from it.
 #include <memory>
+#include <sstream>
 #include <string>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -28,8 +30,26 @@ struct NamedParameter {
   at::Tensor tensor;
 };
 
-/// AdamW/Adam/SGD over `params` (one param group), from `settings`.
+/// AdamW/Adam/SGD over `params` (one param group), from `settings`. Adam and AdamW step
+/// through LibTorch's fused kernel (aten::_fused_adam_) where it has one for the parameters'
+/// device (CUDA; the CPU from LibTorch 2.4), otherwise through LibTorch's own loop.
 TESSERA_SDK_API std::unique_ptr<torch::optim::Optimizer> make_optimizer(const std::vector<NamedParameter>& params,
                                                                         const OptimizerSettings& settings);
+
+/// Whether this LibTorch has a fused Adam kernel for `device`'s backend.
+TESSERA_SDK_API bool has_fused_adam(const c10::Device& device);
+
+/// The key of `p`'s per-parameter state in a C++ optimizer's state(): its TensorImpl's
+/// printed address in LibTorch 1.x, the pointer itself in 2.x.
+template <class Key = std::decay_t<decltype(std::declval<const torch::optim::Optimizer&>().state())>::key_type>
+Key optimizer_state_key(const at::Tensor& p) {
+  if constexpr (std::is_same_v<Key, std::string>) {
+    std::ostringstream address;
+    address << p.unsafeGetTensorImpl();
+    return address.str();
+  } else {
+    return p.unsafeGetTensorImpl();
+  }
+}
 
 }  // namespace tessera::sdk
