@@ -23,6 +23,7 @@ def main():
     p.add_argument("--n-head", type=int, default=6)
     p.add_argument("--block-size", type=int, default=128)
     p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--fused-adamw", action="store_true", help="AdamW(fused=True) instead of the default (foreach)")
     a = p.parse_args()
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="29533", RANK="0", WORLD_SIZE="1")
     dist.init_process_group("nccl")
@@ -36,7 +37,7 @@ def main():
     for block in model.blocks:
         fully_shard(block, mp_policy=mp)
     fully_shard(model, mp_policy=mp)
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-4)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-4, fused=True if a.fused_adamw else None)
     data = torch.randint(0, 256, (a.steps + 5, a.batch_size, a.block_size + 1), device="cuda")
     for step in range(a.steps + 5):
         if step == 5:
@@ -49,7 +50,7 @@ def main():
         opt.step()
     torch.cuda.synchronize()
     elapsed = time.perf_counter() - start
-    print(f"pytorch fsdp2 {a.precision} tokens_per_s={a.steps * a.batch_size * a.block_size / elapsed:.0f} "
+    print(f"pytorch fsdp2 {a.precision}{' fused-adamw' if a.fused_adamw else ''} tokens_per_s={a.steps * a.batch_size * a.block_size / elapsed:.0f} "
           f"peak_cuda_mb={torch.cuda.max_memory_allocated() / 2**20:.0f} loss={loss.item():.3f}", flush=True)
     dist.destroy_process_group()
 

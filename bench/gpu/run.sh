@@ -69,19 +69,20 @@ TOML
 }
 
 pytorch_row() {
-  local shape="$1" precision="$2"
-  echo "$shape | pytorch fsdp2 $precision | $(PYTHONUNBUFFERED=1 python3 bench/gpu/pytorch_fsdp2_gpt.py --steps "$steps" \
-    --precision "$precision" ${shape_args[$shape]} 2>&1 | tail -1)"
+  local shape="$1" precision="$2"; shift 2
+  echo "$shape | pytorch fsdp2 $precision$([ $# -gt 0 ] && echo " fused-adamw") | $(PYTHONUNBUFFERED=1 python3 \
+    bench/gpu/pytorch_fsdp2_gpt.py --steps "$steps" --precision "$precision" ${shape_args[$shape]} "$@" 2>&1 | tail -1)"
 }
 
-# tessera / pytorch for one shape and precision: tokens/s and peak CUDA memory.
+# tessera / pytorch for one shape and precision: tokens/s and peak CUDA memory, against
+# PyTorch's default AdamW (foreach) and, where run, its fused one.
 ratios() {
   awk -F' [|] ' -v shape="$1" -v precision="$2" '
     function field(s, k) { return match(s, k "=[0-9.]+") ? substr(s, RSTART + length(k) + 1, RLENGTH - length(k) - 1) : "" }
-    $1 == shape && $2 == "pytorch fsdp2 " precision { ptps = field($3, "tokens_per_s"); pmem = field($3, "peak_cuda_mb") }
+    $1 == shape && index($2, "pytorch fsdp2 " precision) == 1 { ref[++m] = $2; rtps[m] = field($3, "tokens_per_s"); rmem[m] = field($3, "peak_cuda_mb") }
     $1 == shape && $2 ~ "^tessera .* " precision "$" { name[++n] = $2; tps[n] = field($3, "tokens_per_s"); mem[n] = field($3, "peak_cuda_mb") }
-    END { for (i = 1; i <= n; i++) if (ptps > 0 && tps[i] > 0)
-            printf "%s | %s / pytorch fsdp2: %.2fx tokens/s, %.2fx peak CUDA memory\n", shape, name[i], tps[i] / ptps, mem[i] / pmem }' "$out/gpu-bench.txt"
+    END { for (j = 1; j <= m; j++) for (i = 1; i <= n; i++) if (rtps[j] > 0 && tps[i] > 0)
+            printf "%s | %s / %s: %.2fx tokens/s, %.2fx peak CUDA memory\n", shape, name[i], ref[j], tps[i] / rtps[j], mem[i] / rmem[j] }' "$out/gpu-bench.txt"
 }
 
 : > "$out/gpu-bench.txt"
@@ -96,8 +97,8 @@ for shape in ${SHAPES:-small 1.3B}; do
     tessera_row "$shape" "$strategy" "$precision" $([ "$precision" = 16-true ] && echo --set optimizer.eps=1e-4)
   done | tee -a "$out/gpu-bench.txt"
   if [ "$accelerator" = cuda ]; then
-    for precision in $([ "$shape" = small ] && echo 32-true) bf16-mixed; do pytorch_row "$shape" "$precision"; done \
-      | tee -a "$out/gpu-bench.txt"
+    { for precision in $([ "$shape" = small ] && echo 32-true) bf16-mixed; do pytorch_row "$shape" "$precision"; done
+      pytorch_row "$shape" bf16-mixed --fused-adamw; } | tee -a "$out/gpu-bench.txt"
   fi
 done
 for shape in ${SHAPES:-small 1.3B}; do ratios "$shape" bf16-mixed; ratios "$shape" 32-true; done | tee -a "$out/gpu-bench.txt"

@@ -27,10 +27,11 @@ def arguments():
     return p.parse_args()
 
 
-ARGS = arguments()
-# The threads Tessera gives each rank: cores / ranks, for LibTorch's pool (worker() below) and
-# OpenBLAS's own, which reads this when it loads (so before import torch).
-os.environ.setdefault("OPENBLAS_NUM_THREADS", str(max(1, os.cpu_count() // ARGS.ranks)))
+if __name__ == "__main__":  # imported (bench/gpu reuses GPT), the importer's arguments are not ours
+    ARGS = arguments()
+    # The threads Tessera gives each rank: cores / ranks, for LibTorch's pool (worker() below)
+    # and OpenBLAS's own, which reads this when it loads (so before import torch).
+    os.environ.setdefault("OPENBLAS_NUM_THREADS", str(max(1, os.cpu_count() // ARGS.ranks)))
 
 import torch
 import torch.distributed as dist
