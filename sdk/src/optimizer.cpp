@@ -7,16 +7,50 @@
 #include <torch/optim/sgd.h>
 
 #include <map>
+#include <optional>
 #include <tuple>
 
 #include "tessera/sdk/error.hpp"
 
 namespace tessera::sdk {
 
+namespace {
+
+std::optional<c10::DispatchKey> backend_of(const c10::Device& device) {
+  if (device.is_cuda()) return c10::DispatchKey::CUDA;
+  if (device.is_cpu()) return c10::DispatchKey::CPU;
+  return std::nullopt;
+}
+
+// aten::_fused_adam_'s and aten::_fused_adamw_'s C++ signature.
+using FusedAdamKernel = void(at::TensorList, at::TensorList, at::TensorList, at::TensorList, at::TensorList,
+                             at::TensorList, double, double, double, double, double, bool, bool,
+                             const c10::optional<at::Tensor>&, const c10::optional<at::Tensor>&);
+
+/// aten::_fused_adamw_ (LibTorch 2.0 on: the decoupled weight decay inside the kernel, one
+/// pass fewer), found by name since older headers do not declare it; none where this LibTorch
+/// has no such kernel for `device`.
+std::optional<c10::TypedOperatorHandle<FusedAdamKernel>> fused_adamw(const c10::Device& device) {
+  static const auto op = []() -> std::optional<c10::TypedOperatorHandle<FusedAdamKernel>> {
+    const auto handle = c10::Dispatcher::singleton().findSchema({"aten::_fused_adamw_", ""});
+    if (!handle) return std::nullopt;
+    try {
+      return handle->typed<FusedAdamKernel>();
+    } catch (const c10::Error&) {  // another signature than this one's
+      return std::nullopt;
+    }
+  }();
+  const auto key = backend_of(device);
+  if (!op || !key || !op->hasKernelForDispatchKey(*key)) return std::nullopt;
+  return op;
+}
+
+}  // namespace
+
 bool has_fused_adam(const c10::Device& device) {
   static const auto op = c10::Dispatcher::singleton().findSchema({"aten::_fused_adam_", ""});
-  if (!op || !(device.is_cuda() || device.is_cpu())) return false;
-  return op->hasKernelForDispatchKey(device.is_cuda() ? c10::DispatchKey::CUDA : c10::DispatchKey::CPU);
+  const auto key = backend_of(device);
+  return op && key && op->hasKernelForDispatchKey(*key);
 }
 
 namespace {
@@ -60,7 +94,7 @@ class FusedAdam final : public Base {
         }
         auto& state = static_cast<State&>(*slot);
         state.step(state.step() + 1);
-        if (Decoupled && o.weight_decay() != 0) p.mul_(1 - o.lr() * o.weight_decay());
+        if (Decoupled && o.weight_decay() != 0 && !fused_adamw(p.device())) p.mul_(1 - o.lr() * o.weight_decay());
         Lists& lists = buckets[{p.device().type(), p.device().index(), p.scalar_type(), state.step()}];
         lists.params.push_back(p);
         lists.grads.push_back(p.grad());
@@ -71,9 +105,15 @@ class FusedAdam final : public Base {
         const at::Tensor step =
             at::full({}, static_cast<double>(std::get<3>(key)), lists.params.front().options().dtype(at::kFloat));
         const std::vector<at::Tensor> steps(lists.params.size(), step);
-        at::_fused_adam_(lists.params, lists.grads, lists.exp_avgs, lists.exp_avg_sqs, at::TensorList(), steps, o.lr(),
-                         std::get<0>(o.betas()), std::get<1>(o.betas()), Decoupled ? 0.0 : o.weight_decay(), o.eps(),
-                         /*amsgrad=*/false, /*maximize=*/false);
+        const double beta1 = std::get<0>(o.betas()), beta2 = std::get<1>(o.betas());
+        const auto adamw = Decoupled ? fused_adamw(lists.params.front().device()) : std::nullopt;
+        if (adamw)
+          adamw->call(lists.params, lists.grads, lists.exp_avgs, lists.exp_avg_sqs, at::TensorList(), steps, o.lr(), beta1,
+                      beta2, o.weight_decay(), o.eps(), /*amsgrad=*/false, /*maximize=*/false, c10::nullopt, c10::nullopt);
+        else  // Adam's L2 decay is the kernel's; AdamW's was applied above
+          at::_fused_adam_(lists.params, lists.grads, lists.exp_avgs, lists.exp_avg_sqs, at::TensorList(), steps, o.lr(),
+                           beta1, beta2, Decoupled ? 0.0 : o.weight_decay(), o.eps(), /*amsgrad=*/false,
+                           /*maximize=*/false);
       }
     }
     return loss;

@@ -15,21 +15,28 @@
 
 namespace {
 
-int reference_kernel_calls = 0;
+int reference_kernel_calls = 0, reference_adamw_calls = 0;
 
 #if TORCH_VERSION_MAJOR < 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR < 4)
 #define TESSERA_REFERENCE_KERNEL 1
-// aten::_fused_adam_'s math (ATen's fused_adam_utils: L2 decay into the gradient, moments,
-// bias corrections from the step tensor, then the update), one tensor at a time.
+// aten::_fused_adam_'s and _fused_adamw_'s math (ATen's fused_adam_utils: the weight decay,
+// as L2 into the gradient or decoupled from the parameter, the moments, bias corrections from
+// the step tensor, then the update), one tensor at a time.
+template <bool Decoupled>
 void reference_fused_adam(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
                           at::TensorList exp_avg_sqs, at::TensorList max_exp_avg_sqs, at::TensorList steps, double lr,
                           double beta1, double beta2, double weight_decay, double eps, bool amsgrad, bool maximize,
                           const c10::optional<at::Tensor>& grad_scale, const c10::optional<at::Tensor>& found_inf) {
   ++reference_kernel_calls;
+  if (Decoupled) ++reference_adamw_calls;
   TORCH_CHECK(max_exp_avg_sqs.empty() && !amsgrad && !maximize && !grad_scale && !found_inf, "not used by Tessera");
   for (std::size_t i = 0; i < params.size(); ++i) {
     const double step = steps[i].item<double>();
-    at::Tensor g = weight_decay != 0 ? grads[i].add(params[i], weight_decay) : grads[i];
+    at::Tensor g = grads[i];
+    if (weight_decay != 0) {
+      if (Decoupled) params[i].mul_(1 - lr * weight_decay);
+      else g = g.add(params[i], weight_decay);
+    }
     exp_avgs[i].mul_(beta1).add_(g, 1 - beta1);
     exp_avg_sqs[i].mul_(beta2).addcmul_(g, g, 1 - beta2);
     const double bias1 = 1 - std::pow(beta1, step), bias2 = 1 - std::pow(beta2, step);
@@ -37,7 +44,18 @@ void reference_fused_adam(at::TensorList params, at::TensorList grads, at::Tenso
   }
 }
 
-TORCH_LIBRARY_IMPL(aten, CPU, m) { m.impl("_fused_adam_", reference_fused_adam); }
+#if TORCH_VERSION_MAJOR < 2  // no _fused_adamw_ yet: declared here with LibTorch 2's schema
+TORCH_LIBRARY_FRAGMENT(aten, m) {
+  m.def("_fused_adamw_(Tensor(a!)[] self, Tensor(b!)[] grads, Tensor(c!)[] exp_avgs, Tensor(d!)[] exp_avg_sqs, "
+        "Tensor(e!)[] max_exp_avg_sqs, Tensor[] state_steps, *, float lr, float beta1, float beta2, float weight_decay, "
+        "float eps, bool amsgrad, bool maximize, Tensor? grad_scale=None, Tensor? found_inf=None) -> ()");
+}
+#endif
+
+TORCH_LIBRARY_IMPL(aten, CPU, m) {
+  m.impl("_fused_adam_", reference_fused_adam<false>);
+  m.impl("_fused_adamw_", reference_fused_adam<true>);
+}
 #endif
 
 std::vector<at::Tensor> parameters(std::uint64_t seed) {
@@ -75,13 +93,14 @@ void expect_same_run(const std::string& name, const Options& options) {
   for (std::size_t i = 0; i < fused.size(); ++i) named.push_back({"p" + std::to_string(i), fused[i]});
   auto optimizer = tessera::sdk::make_optimizer(named, settings);
   ASSERT_NE(dynamic_cast<Loop*>(optimizer.get()), nullptr) << "checkpoints and callbacks see LibTorch's class";
-  const int calls_before = reference_kernel_calls;
+  const int calls_before = reference_kernel_calls, adamw_before = reference_adamw_calls;
   train(loop, looped, 5);
   train(*optimizer, fused, 5);
 #if TESSERA_REFERENCE_KERNEL
   // Steps 1, 3, 4, 5: one bucket; step 2: the parameters without the vector. The vector's
   // step counts then trail by one: a bucket of its own from step 3 on.
   EXPECT_EQ(reference_kernel_calls - calls_before, 1 + 1 + 2 * 3) << name;
+  EXPECT_EQ(reference_adamw_calls - adamw_before, name == "adamw" ? 1 + 1 + 2 * 3 : 0) << name;
 #endif
   for (std::size_t i = 0; i < fused.size(); ++i) {
     EXPECT_TRUE(torch::allclose(fused[i], looped[i], 1e-5, 1e-6)) << name << " parameter " << i;
