@@ -2,6 +2,7 @@
 // world sizes), checkpoint contents, predict, bad input, and failing ranks.
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <filesystem>
 #include <fstream>
 #include <sstream>
@@ -393,6 +394,26 @@ TEST(Cli, RanksOfOneHostCollectThroughSharedMemoryUnlessTurnedOff) {
     final_loss[shared] = loss.rbegin()->second;
   }
   EXPECT_NEAR(final_loss[true], final_loss[false], 1e-4);
+}
+
+// A /dev/shm without room for the segment (here a 1 MiB tmpfs in a mount namespace of the
+// job's own) leaves every collective to Gloo: rank 0's reservation fails up front, every rank
+// learns it through the store, the job trains and says so; no rank hits SIGBUS later.
+TEST(Cli, AFullDevShmLeavesTheCollectivesToGloo) {
+  if (tessera::testing::run_command("unshare -m true 2>&1").exit_code != 0)
+    GTEST_SKIP() << "SKIPPED: this machine lets no process make a mount namespace (unshare -m)";
+  const std::string dir = tessera::testing::fresh_dir("shm-full");
+  auto run = run_tessera("fit --config " + write_config(dir) + " --set trainer.max_steps=3 --set launch.devices=2 "
+                         "--set strategy.plugin=fsdp",
+                         "unshare -m sh -c 'mount -t tmpfs -o size=1m tmpfs /dev/shm && exec \"$@\"' sh");
+  ASSERT_EQ(run.exit_code, 0) << run.output;
+  for (const char* rank : {"0", "1"}) {
+    const std::string log = file_bytes(dir + "/logs/rank-" + rank + ".log");
+    EXPECT_NE(log.find("collectives: Gloo\n"), std::string::npos) << "rank " << rank << "\n" << log;
+  }
+  auto loss = tessera::testing::metric_series(tessera::testing::run_dir(dir) + "/metrics.csv", "train", "train_loss");
+  ASSERT_EQ(loss.size(), 3u) << run.output;
+  EXPECT_TRUE(std::isfinite(loss.rbegin()->second));
 }
 
 // libgomp's workers spin 300,000 times after a parallel region by default, on the cores
