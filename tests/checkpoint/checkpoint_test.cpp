@@ -16,6 +16,7 @@
 #include "tessera/core/plugin_loader.hpp"
 #include "tessera/sdk/checkpoint_io.hpp"
 #include "tessera/sdk/error.hpp"
+#include "errors.hpp"
 
 namespace {
 
@@ -23,15 +24,7 @@ namespace fs = std::filesystem;
 namespace core = tessera::core;
 namespace sdk = tessera::sdk;
 
-template <typename F>
-std::string error_of(F&& f) {
-  try {
-    f();
-  } catch (const sdk::Error& e) {
-    return e.what();
-  }
-  return "<no sdk::Error thrown>";
-}
+using tessera::testing::error_of;
 
 std::string read_file(const fs::path& path) {
   std::ifstream in(path, std::ios::binary);

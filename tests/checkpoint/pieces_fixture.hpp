@@ -10,6 +10,7 @@
 
 #include "tessera/core/checkpoint.hpp"
 #include "tessera/sdk/error.hpp"
+#include "errors.hpp"
 
 namespace tessera::testing {
 
@@ -17,15 +18,7 @@ namespace core = tessera::core;
 namespace sdk = tessera::sdk;
 using core::TensorPiece;
 
-template <typename F>
-inline std::string error_of(F&& f) {
-  try {
-    f();
-  } catch (const sdk::Error& e) {
-    return e.what();
-  }
-  return "<no sdk::Error thrown>";
-}
+using tessera::testing::error_of;
 
 /// The model's full tensors and AdamW-like moments (distinct values everywhere).
 struct Model {

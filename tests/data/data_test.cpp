@@ -19,6 +19,7 @@
 #include "tessera/core/plugin_loader.hpp"
 #include "tessera/sdk/data.hpp"
 #include "tessera/sdk/error.hpp"
+#include "errors.hpp"
 
 namespace {
 
@@ -61,14 +62,7 @@ void write_file(const fs::path& path, const std::string& content) {
   out << content;
 }
 
-std::string error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const sdk::Error& e) {
-    return e.what();
-  }
-  return "(no error)";
-}
+using tessera::testing::error_of;
 
 #define EXPECT_MENTIONS(text, part) EXPECT_NE((text).find(part), std::string::npos) << "missing '" << (part) << "' in: " << (text)
 

@@ -7,6 +7,7 @@
 #include "multiprocess.hpp"
 #include "tessera/core/device_mesh.hpp"
 #include "tessera/sdk/error.hpp"
+#include "errors.hpp"
 
 namespace {
 
@@ -109,14 +110,7 @@ INSTANTIATE_TEST_SUITE_P(
         MeshCase{{5}, {"dp"}, "DeviceMesh([0, 1, 2, 3, 4], mesh_dim_names=(dp))"}),
     [](const ::testing::TestParamInfo<MeshCase>& info) { return label(info.param); });
 
-std::string error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const tessera::sdk::Error& e) {
-    return e.what();
-  }
-  return "";
-}
+using tessera::testing::error_of;
 
 TEST(DeviceMesh, BadShapesAndNamesAreRefused) {
   run_fake_ranks(4, [](CommunicatorPtr world) {

@@ -8,6 +8,7 @@
 #include "multiprocess.hpp"
 #include "tessera/core/comm.hpp"
 #include "tessera/sdk/error.hpp"
+#include "errors.hpp"
 
 namespace {
 
@@ -92,14 +93,7 @@ TEST_P(FakeCommunicator, SameResultsAsGloo) {
 
 INSTANTIATE_TEST_SUITE_P(WorldSizes, FakeCommunicator, ::testing::Values(2, 3));
 
-std::string error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const tessera::sdk::Error& e) {
-    return e.what();
-  }
-  return "";
-}
+using tessera::testing::error_of;
 
 TEST(FakeCommunicatorErrors, MismatchedCollectivesNameBothSides) {
   std::string message = error_of([] {

@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 
 #include "tessera/core/plugin_loader.hpp"
+#include "errors.hpp"
 
 namespace {
 
@@ -15,16 +16,7 @@ namespace fs = std::filesystem;
 fs::path toy_dir(const std::string& mode) { return fs::path(TOY_DIR) / mode; }
 fs::path toy_file(const std::string& mode) { return toy_dir(mode) / ("libtoy_" + mode + ".so"); }
 
-/// The error message of `body`, or "" if it did not throw sdk::Error.
-template <typename F>
-std::string error_of(F&& body) {
-  try {
-    body();
-  } catch (const tessera::sdk::Error& e) {
-    return e.what();
-  }
-  return "";
-}
+using tessera::testing::error_of;
 
 bool is_loaded(const fs::path& file) {
   void* handle = dlopen(file.c_str(), RTLD_NOW | RTLD_NOLOAD);

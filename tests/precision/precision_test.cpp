@@ -18,21 +18,14 @@
 #include "tessera/core/precision_base.hpp"
 #include "tessera/core/strategy_base.hpp"
 #include "tessera/sdk/error.hpp"
+#include "errors.hpp"
 
 namespace {
 
 namespace core = tessera::core;
 namespace sdk = tessera::sdk;
 
-template <typename F>
-std::string error_of(F&& f) {
-  try {
-    f();
-  } catch (const sdk::Error& e) {
-    return e.what();
-  }
-  return "<no sdk::Error thrown>";
-}
+using tessera::testing::error_of;
 
 sdk::Options options(const std::string& toml_text) {
   toml::table table = toml::parse(toml_text);

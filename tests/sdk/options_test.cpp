@@ -2,6 +2,7 @@
 
 #include "tessera/sdk/error.hpp"
 #include "tessera/sdk/options.hpp"
+#include "errors.hpp"
 
 namespace {
 
@@ -9,15 +10,7 @@ using tessera::sdk::Options;
 
 Options parse(const std::string& text) { return Options("strategy", "run.toml", toml::parse(text)); }
 
-template <typename F>
-std::string error_of(F&& body) {
-  try {
-    body();
-  } catch (const tessera::sdk::Error& e) {
-    return e.what();
-  }
-  return "";
-}
+using tessera::testing::error_of;
 
 TEST(Options, TypedGettersReadValuesAndDefaults) {
   Options o = parse("n = 3\nx = 2\ny = 0.5\nflag = true\nname = 'a'\nlist = ['p', 'q']\n");
