@@ -93,7 +93,7 @@ void expect_same_run(const std::string& name, const Options& options) {
   for (std::size_t i = 0; i < fused.size(); ++i) named.push_back({"p" + std::to_string(i), fused[i]});
   auto optimizer = tessera::sdk::make_optimizer(named, settings);
   ASSERT_NE(dynamic_cast<Loop*>(optimizer.get()), nullptr) << "checkpoints and callbacks see LibTorch's class";
-  const int calls_before = reference_kernel_calls, adamw_before = reference_adamw_calls;
+  [[maybe_unused]] const int calls_before = reference_kernel_calls, adamw_before = reference_adamw_calls;
   train(loop, looped, 5);
   train(*optimizer, fused, 5);
 #if TESSERA_REFERENCE_KERNEL
