@@ -594,6 +594,36 @@ TEST(LimitAllGathers, BoundsTheUnitsGatheredAtOnce) {
   });
 }
 
+// At world size 1 a bf16 param_dtype gathers cast copies of the fp32 shards. FULL_SHARD frees
+// them as it frees gathered units (as PyTorch's FSDP2 reshards at world size 1); they used to
+// stay for the whole step: the whole model a second time, in bf16. fp32 units are their own
+// shards: nothing to free. Both layouts.
+TEST(OneRank, CastCopiesAreFreedAsGatheredUnitsAre) {
+  run_ranks(1, std::chrono::seconds(120), [&](const sdk::ClusterInfo& cluster) {
+    auto comm = world(cluster);
+    for (fsdp::ParamLayout layout : {fsdp::ParamLayout::flat, fsdp::ParamLayout::per_parameter})
+      for (bool bf16 : {false, true}) {
+        const std::string what = std::string(layout == fsdp::ParamLayout::flat ? "flat" : "per-parameter") +
+                                 (bf16 ? " bf16" : " fp32");
+        torch::manual_seed(11);
+        DeepNet net;
+        fsdp::FSDPOptions o = unit_options();
+        o.layout = layout;
+        if (bf16) o.mixed_precision.param_dtype = at::kBFloat16;
+        o.cast_forward_inputs = true;
+        fsdp::ShardedModule sharded(net.ptr(), o, comm, core::make_local_communicator());
+        torch::optim::SGD optimizer(tensors_of(sharded.optimizer_parameters()), torch::optim::SGDOptions(0.1));
+        for (int step = 0; step < 2; ++step) deep_net_step(sharded, net, optimizer);
+        EXPECT_LE(sharded.peak_units_gathered(), 2) << what;
+        for (auto& block : net->blocks)
+          for (const auto& p : block->parameters()) {
+            if (bf16) EXPECT_EQ(p.storage().nbytes(), 0u) << what << ": a block's cast copy outlived its step";
+            else EXPECT_GT(p.storage().nbytes(), 0u) << what << ": an fp32 block is its shard";
+          }
+      }
+  });
+}
+
 // The unit that ran last in forward stays gathered into backward, which starts with it (as
 // torchtitan leaves its last block): once the forward order is known (from the second step),
 // a step makes exactly one all-gather fewer, of that unit's bytes (the parity tests show it

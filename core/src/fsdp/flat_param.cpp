@@ -132,8 +132,10 @@ at::Tensor FlatParamHandle::gather_unsharded(const at::Tensor& shard, Communicat
 }
 
 void FlatParamHandle::free_unsharded(bool recycle) {
-  // One-rank shard groups keep the storage; the next unshard refreshes it from the shard.
-  if (config_.world > 1) free_storage(full_, recycle);
+  // Only a shard that is itself the unsharded buffer stays. A one-rank group's cast copy
+  // (bf16 of fp32 shards) is freed too, as PyTorch's FSDP2 reshards at world size 1: kept,
+  // it held the whole model in the compute dtype for the whole step.
+  if (!unsharded_is_shard()) free_storage(full_, recycle);
 }
 
 void FlatParamHandle::attach_unsharded_grads() {

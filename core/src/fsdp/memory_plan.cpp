@@ -87,10 +87,10 @@ sdk::MemoryLayout plan_sharded_memory(const ShardedPlanInput& in) {
   out.optimizer_dtype = in.master_dtype;
 
   // Gathered units. A one-rank shard group computing in the master dtype aliases its shard
-  // (nothing gathered); a one-rank group in another dtype keeps every unit's copy.
+  // (nothing gathered); in another dtype its cast copies are gathered and freed as shards are.
   const bool aliased = s == 1 && in.compute_dtype == in.master_dtype;
-  const bool reshards = s > 1 && (in.sharding_strategy == ShardingStrategy::FULL_SHARD ||
-                                  in.sharding_strategy == ShardingStrategy::HYBRID_SHARD);
+  const bool reshards = !aliased && (in.sharding_strategy == ShardingStrategy::FULL_SHARD ||
+                                     in.sharding_strategy == ShardingStrategy::HYBRID_SHARD);
   std::int64_t at_once = 1;
   if (reshards) {
     // The running unit and one prefetched (backward_prefetch in backward, forward_prefetch in
@@ -102,7 +102,7 @@ sdk::MemoryLayout plan_sharded_memory(const ShardedPlanInput& in) {
     if (in.reshard_group > 1 && in.reshard_group < s)  // 1/k of every unit kept from forward to backward
       out.gathered_bytes += bytes_of(child_gathered_total / in.reshard_group, in.compute_dtype);
   } else if (!aliased) {
-    out.gathered_bytes = bytes_of(gathered_total, in.compute_dtype);  // SHARD_GRAD_OP, NO_SHARD, one rank
+    out.gathered_bytes = bytes_of(gathered_total, in.compute_dtype);  // SHARD_GRAD_OP, NO_SHARD
   }
 
   // Backward: the root's unsharded gradient for the whole of it, the unit computing its
