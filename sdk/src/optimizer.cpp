@@ -126,12 +126,21 @@ class FusedAdam final : public Base {
       for (auto& p : group.params()) {
         const at::Tensor& g = p.grad();
         if (!g.defined()) continue;
-        if (g.is_sparse() || g.scalar_type() != p.scalar_type() || g.device() != p.device() ||
-            g.strides() != p.strides() || !p.is_non_overlapping_and_dense() || !has_fused_adam(p.device()))
-          return false;
+        if (!like(g, p) || !p.is_non_overlapping_and_dense() || !has_fused_adam(p.device())) return false;
+        const auto it = this->state().find(optimizer_state_key(p));  // moments loaded from a checkpoint too
+        if (it != this->state().end()) {
+          const auto& state = static_cast<const State&>(*it->second);
+          if (!like(state.exp_avg(), p) || !like(state.exp_avg_sq(), p)) return false;
+        }
       }
     }
     return true;
+  }
+
+  /// The kernel takes tensors laid out as their parameter: dense, same dtype, device and strides.
+  static bool like(const at::Tensor& t, const at::Tensor& p) {
+    return t.defined() && !t.is_sparse() && t.scalar_type() == p.scalar_type() && t.device() == p.device() &&
+           t.strides() == p.strides();
   }
 };
 

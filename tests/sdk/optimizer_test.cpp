@@ -124,8 +124,8 @@ TEST(FusedAdam, AdamStepsAsLibTorchsLoopWithL2WeightDecay) {
       "adam", torch::optim::AdamOptions(3e-2).betas({0.8, 0.99}).eps(1e-6).weight_decay(0.01));
 }
 
-// What the kernel does not take steps through LibTorch's loop: amsgrad, and a gradient laid
-// out otherwise than its parameter.
+// What the kernel does not take steps through LibTorch's loop: amsgrad, a gradient laid out
+// otherwise than its parameter, moments laid out otherwise.
 TEST(FusedAdam, AmsgradAndMismatchedGradientLayoutsTakeTheLoop) {
   auto params = parameters(2);
   std::vector<tessera::sdk::NamedParameter> named;
@@ -147,6 +147,17 @@ TEST(FusedAdam, AmsgradAndMismatchedGradientLayoutsTakeTheLoop) {
   matrix.mutable_grad() = torch::randn({4, 3}).t();  // same shape, transposed strides
   optimizer->step();
   EXPECT_EQ(reference_kernel_calls, before);
+
+  // Moments laid out otherwise than the parameter (as a checkpoint could load them).
+  matrix.mutable_grad() = torch::randn({3, 4});
+  auto& moments = static_cast<torch::optim::AdamWParamState&>(
+      *optimizer->state().at(tessera::sdk::optimizer_state_key(matrix)));
+  moments.exp_avg(moments.exp_avg().t().contiguous().t());  // column-major
+  optimizer->step();
+  EXPECT_EQ(reference_kernel_calls, before);
+  moments.exp_avg(moments.exp_avg().contiguous());
+  optimizer->step();
+  EXPECT_EQ(reference_kernel_calls, before + 1) << "laid out as the parameter again: the kernel";
 }
 
 }  // namespace
