@@ -13,21 +13,15 @@ tessera="${TESSERA:-build-gpu/bin/tessera}"
 steps="${1:-40}"
 accelerator="${ACCELERATOR:-cuda}"
 work="$(mktemp -d)"; trap '[ -n "${KEEP:-}" ] || rm -rf "$work"' EXIT
-declare -A shape_args=(
-  [small]="--n-layer 6 --n-embd 384 --n-head 6 --block-size 128 --batch-size 8"
-  [1.3B]="--n-layer 26 --n-embd 2048 --n-head 16 --block-size 512 --batch-size 4"
-)
+# layers, width, heads, tokens per sequence, sequences per step
+declare -A dims=([small]="6 384 6 128 8" [1.3B]="26 2048 16 512 4")
 
 # One tessera run: shape, strategy, precision, extra --set arguments. Prints tokens/s (mean of
 # the logged windows after the first two) and the peak CUDA tensor memory.
 tessera_row() {
-  local shape="$1" strategy="$2" precision="$3"; shift 3
-  local name="tessera $strategy $precision" dir="$work/$shape-$strategy-$precision"
-  set -- $(echo "${shape_args[$shape]}" | awk '{for (i = 1; i < NF; i += 2) printf "%s=%s ", $i, $(i + 1)}') "$@"
-  local layers embd heads block batch; for kv in "$@"; do case "$kv" in
-    --n-layer=*) layers=${kv#*=};; --n-embd=*) embd=${kv#*=};; --n-head=*) heads=${kv#*=};;
-    --block-size=*) block=${kv#*=};; --batch-size=*) batch=${kv#*=};; esac; done
-  shift 5
+  local name="tessera $2 $3" dir="$work/$1-$2-$3" strategy="$2" precision="$3" layers embd heads block batch
+  read -r layers embd heads block batch <<< "${dims[$1]}"
+  local shape_name="$1"; shift 3
   cat > "$dir.toml" <<TOML
 [trainer]
 max_steps = $steps
@@ -64,14 +58,16 @@ TOML
   tps=$(awk -F, '$4=="tokens_per_s" {n++; if (n > 2) {s+=$5; c++}} END {if (c) printf "%.0f", s/c}' "$csv" 2>/dev/null)
   loss=$(awk -F, '$4=="train_loss" {l=$5} END {printf "%.3f", l}' "$csv" 2>/dev/null)
   mem=$(awk -F, '$4=="peak_cuda_mb" {printf "%.0f", $5}' "$csv" 2>/dev/null)
-  echo "$shape | $name | rc=$rc tokens_per_s=${tps:-?} peak_cuda_mb=${mem:-?} loss=${loss:-?}"
+  echo "$shape_name | $name | rc=$rc tokens_per_s=${tps:-?} peak_cuda_mb=${mem:-?} loss=${loss:-?}"
   [ $rc -eq 0 ] || tail -5 "$dir.log"
 }
 
 pytorch_row() {
-  local shape="$1" precision="$2"; shift 2
-  echo "$shape | pytorch fsdp2 $precision$([ $# -gt 0 ] && echo " fused-adamw") | $(PYTHONUNBUFFERED=1 python3 \
-    bench/gpu/pytorch_fsdp2_gpt.py --steps "$steps" --precision "$precision" ${shape_args[$shape]} "$@" 2>&1 | tail -1)"
+  local name="$1" precision="$2" layers embd heads block batch; shift 2
+  read -r layers embd heads block batch <<< "${dims[$name]}"
+  echo "$name | pytorch fsdp2 $precision$([ $# -gt 0 ] && echo " fused-adamw") | $(PYTHONUNBUFFERED=1 python3 \
+    bench/gpu/pytorch_fsdp2_gpt.py --steps "$steps" --precision "$precision" --n-layer "$layers" --n-embd "$embd" \
+    --n-head "$heads" --block-size "$block" --batch-size "$batch" "$@" 2>&1 | tail -1)"
 }
 
 # tessera / pytorch for one shape and precision: tokens/s and peak CUDA memory, against

@@ -1,6 +1,7 @@
 #include "tessera/sdk/optimizer.hpp"
 
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/ops/_foreach_mul.h>
 #include <ATen/ops/_fused_adam.h>
 #include <torch/optim/adam.h>
 #include <torch/optim/adamw.h>
@@ -94,7 +95,6 @@ class FusedAdam final : public Base {
         }
         auto& state = static_cast<State&>(*slot);
         state.step(state.step() + 1);
-        if (Decoupled && o.weight_decay() != 0 && !fused_adamw(p.device())) p.mul_(1 - o.lr() * o.weight_decay());
         Lists& lists = buckets[{p.device().type(), p.device().index(), p.scalar_type(), state.step()}];
         lists.params.push_back(p);
         lists.grads.push_back(p.grad());
@@ -107,13 +107,16 @@ class FusedAdam final : public Base {
         const std::vector<at::Tensor> steps(lists.params.size(), step);
         const double beta1 = std::get<0>(o.betas()), beta2 = std::get<1>(o.betas());
         const auto adamw = Decoupled ? fused_adamw(lists.params.front().device()) : std::nullopt;
-        if (adamw)
+        if (adamw) {
           adamw->call(lists.params, lists.grads, lists.exp_avgs, lists.exp_avg_sqs, at::TensorList(), steps, o.lr(), beta1,
                       beta2, o.weight_decay(), o.eps(), /*amsgrad=*/false, /*maximize=*/false, c10::nullopt, c10::nullopt);
-        else  // Adam's L2 decay is the kernel's; AdamW's was applied above
-          at::_fused_adam_(lists.params, lists.grads, lists.exp_avgs, lists.exp_avg_sqs, at::TensorList(), steps, o.lr(),
-                           beta1, beta2, Decoupled ? 0.0 : o.weight_decay(), o.eps(), /*amsgrad=*/false,
-                           /*maximize=*/false);
+          continue;
+        }
+        // Adam's L2 decay is the kernel's; AdamW's decoupled one comes first, as in LibTorch's loop.
+        if (Decoupled && o.weight_decay() != 0) at::_foreach_mul_(lists.params, 1 - o.lr() * o.weight_decay());
+        at::_fused_adam_(lists.params, lists.grads, lists.exp_avgs, lists.exp_avg_sqs, at::TensorList(), steps, o.lr(),
+                         beta1, beta2, Decoupled ? 0.0 : o.weight_decay(), o.eps(), /*amsgrad=*/false,
+                         /*maximize=*/false);
       }
     }
     return loss;
