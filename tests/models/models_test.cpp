@@ -14,6 +14,7 @@
 #include <ATen/autocast_mode.h>
 #include <torch/nn/module.h>
 
+#include "tessera/core/autocast.hpp"
 #include "tessera/core/plugin_loader.hpp"
 #include "tessera/sdk/error.hpp"
 #include "tessera/sdk/module.hpp"
@@ -135,12 +136,11 @@ std::vector<std::shared_ptr<torch::nn::Module>> install(sdk::Module& model,
 class AutocastBF16 {
  public:
   AutocastBF16() {
-    at::autocast::set_cpu_enabled(true);
-    at::autocast::set_autocast_cpu_dtype(at::kBFloat16);
+    tessera::core::set_autocast(/*cuda=*/false, true, at::kBFloat16);
   }
   ~AutocastBF16() {
     at::autocast::clear_cache();
-    at::autocast::set_cpu_enabled(false);
+    tessera::core::set_autocast(/*cuda=*/false, false, at::kBFloat16);
   }
 };
 

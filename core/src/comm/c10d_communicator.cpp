@@ -96,13 +96,36 @@ std::optional<StoreAddress> store_address() {
   return shared().store;
 }
 
+// LibTorch 2.4 made libuv the store server's default backend, but builds without libuv
+// (Debian's) then refuse to host a store. As torch.distributed: USE_LIBUV=0 asks for the
+// classic backend; without it, libuv where this LibTorch has it, else the classic one.
+// (LibTorch before 2.2 has no choice: the first overload does not exist there.)
+template <typename Options>
+auto use_libuv(Options& options, bool on, int) -> decltype(options.useLibUV = on, bool()) {
+  options.useLibUV = on;
+  return true;
+}
+template <typename Options>
+bool use_libuv(Options&, bool, long) { return false; }
+
+c10::intrusive_ptr<c10d::TCPStore> tcp_store(const std::string& host, c10d::TCPStoreOptions options) {
+  const char* env = std::getenv("USE_LIBUV");
+  if (env && std::string(env) == "0") use_libuv(options, false, 0);
+  try {
+    return c10::make_intrusive<c10d::TCPStore>(host, options);
+  } catch (const std::exception& e) {
+    if (std::string(e.what()).find("without libuv") == std::string::npos || !use_libuv(options, false, 0)) throw;
+    return c10::make_intrusive<c10d::TCPStore>(host, options);
+  }
+}
+
 c10::intrusive_ptr<c10d::Store> open_client(const StoreAddress& a, double timeout_s) {
   c10d::TCPStoreOptions options;
   options.port = static_cast<std::uint16_t>(a.port);
   options.isServer = false;
   options.waitWorkers = false;  // not a rank: the server must not count it
   options.timeout = std::chrono::milliseconds(static_cast<std::int64_t>(timeout_s * 1000));
-  c10::intrusive_ptr<c10d::Store> tcp = c10::make_intrusive<c10d::TCPStore>(a.host, options);
+  c10::intrusive_ptr<c10d::Store> tcp = tcp_store(a.host, options);
   if (a.prefix.empty()) return tcp;
   return c10::make_intrusive<c10d::PrefixStore>(a.prefix, tcp);
 }
@@ -690,7 +713,7 @@ CommunicatorPtr make_communicator(const sdk::ClusterInfo& cluster, const c10::De
   options.timeout = std::chrono::milliseconds(static_cast<std::int64_t>(settings.rendezvous_s * 1000));
   c10::intrusive_ptr<c10d::Store> store;
   try {
-    store = c10::make_intrusive<c10d::TCPStore>(cluster.master_addr, options);
+    store = tcp_store(cluster.master_addr, options);
   } catch (const std::exception& e) {
     std::string reason = e.what();
     std::string advice;
@@ -797,7 +820,7 @@ AgentStore::AgentStore(const std::string& host, std::int64_t port, bool server, 
   options.waitWorkers = false;
   options.timeout = std::chrono::milliseconds(static_cast<std::int64_t>(timeout_s * 1000));
   try {
-    impl_->tcp = c10::make_intrusive<c10d::TCPStore>(host, options);
+    impl_->tcp = tcp_store(host, options);
   } catch (const std::exception& e) {
     std::string reason = e.what();
     TESSERA_FAIL("cannot ", (server ? "host" : "reach"), " the rendezvous store at ", host, ":", port, " (",
