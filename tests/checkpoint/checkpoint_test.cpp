@@ -344,7 +344,9 @@ TEST_F(Files, PythonTorchLoadReadsWhatWeWrite) {
   core::save_pickle(sample(2), path);
   const std::string script = (dir_ / "check.py").string();
   std::ofstream(script) << "import sys, torch\n"
-                           "c = torch.load(sys.argv[1])\n"
+                           "sys.path.insert(0, '" TESSERA_TEST_SUPPORT_DIR "')\n"
+                           "from safe_torch_load import load\n"
+                           "c = load(sys.argv[1])\n"
                            "sd = c['state_dict']\n"
                            "assert list(sd.keys()) == ['w', 'h'], list(sd.keys())\n"
                            "assert torch.equal(sd['w'], torch.full((3, 2), 2.0))\n"
@@ -445,13 +447,15 @@ TEST_F(CheckpointIO, PythonAdamWLoadsTheFullOptimizerStateOntoTheRightParameters
   core::save_pickle(expected, (dir_ / "expected.pt").string());
   const std::string script = (dir_ / "adamw.py").string();
   std::ofstream(script) << "import sys, torch\n"
-                           "c = torch.load(sys.argv[1] + '/opt.ckpt')\n"
+                           "sys.path.insert(0, '" TESSERA_TEST_SUPPORT_DIR "')\n"
+                           "from safe_torch_load import load\n"
+                           "c = load(sys.argv[1] + '/opt.ckpt')\n"
                            "sd = c['state_dict']\n"
                            "a, b = torch.nn.Parameter(sd['a'].clone()), torch.nn.Parameter(sd['b'].clone())\n"
                            "opt = torch.optim.AdamW([a, b], lr=0.01)\n"
                            "opt.load_state_dict(c['optimizer_states'][0])\n"
                            "assert c['optimizer_states'][0]['param_names'] == ['a', 'b']\n"
-                           "e = torch.load(sys.argv[1] + '/expected.pt')\n"
+                           "e = load(sys.argv[1] + '/expected.pt')\n"
                            "assert torch.equal(opt.state[a]['exp_avg_sq'], e['a_sq'])\n"
                            "assert torch.equal(opt.state[b]['exp_avg'], e['b_avg'])\n"
                            "assert opt.state[a]['exp_avg'].shape == (2, 3) and float(opt.state[b]['step']) == 2\n"

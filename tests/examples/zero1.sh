@@ -72,8 +72,10 @@ fit zero1-2 2 zero1 3
 fit zero1-3 3 zero1 6
 fit resumed-3 3 zero1 6 --ckpt-path "$work/zero1-2/version_0/checkpoints/step=3.ckpt"
 
-/usr/bin/python3 - "$work" <<'PY'
+/usr/bin/python3 - "$work" "$source_dir/tests/support" <<'PY'
 import csv, sys, torch
+sys.path.insert(0, sys.argv[2])
+from safe_torch_load import load
 work = sys.argv[1]
 def losses(run):
     with open(f"{work}/{run}/version_0/metrics.csv") as f:
@@ -87,8 +89,8 @@ def compare(run, ckpt, ref_ckpt, steps):
     for step in steps:
         if abs(ref[step] - got[step]) > 2e-5 * max(1.0, abs(ref[step])):
             sys.exit(f"{run}: loss at step {step} is {got[step]}, single device {ref[step]}")
-    a = torch.load(f"{work}/reference/version_0/checkpoints/{ref_ckpt}")
-    b = torch.load(f"{work}/{run}/version_0/checkpoints/{ckpt}")
+    a = load(f"{work}/reference/version_0/checkpoints/{ref_ckpt}")
+    b = load(f"{work}/{run}/version_0/checkpoints/{ckpt}")
     assert a["state_dict"].keys() == b["state_dict"].keys(), (a["state_dict"].keys(), b["state_dict"].keys())
     for name, tensor in a["state_dict"].items():
         close(b["state_dict"][name], tensor, f"{run}: parameter {name}")

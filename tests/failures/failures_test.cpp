@@ -433,10 +433,11 @@ bool have_torchrun() {
          std::system("/usr/bin/python3 -c 'import torch.distributed.run' >/dev/null 2>&1") == 0;
 }
 
-/// Runs Debian's torchrun 1.13 (Python 3.11 needs --redirects/--tee set: its defaults crash).
+/// Runs Debian's torchrun (1.13 with Python 3.11 needs --redirects/--tee set: its defaults
+/// crash; trixie's 2.6 has no libuv and needs USE_LIBUV=0 to host its store, which 1.13 ignores).
 tessera::testing::CommandResult torchrun(const std::string& launcher_args, const std::string& tessera_args,
                                          const std::string& env = "") {
-  std::string command = env + " timeout -k 5 150 /usr/bin/python3 -m torch.distributed.run --nproc_per_node=2 "
+  std::string command = env + " USE_LIBUV=0 timeout -k 5 150 /usr/bin/python3 -m torch.distributed.run --nproc_per_node=2 "
                               "--redirects 2 --tee 2 --monitor_interval 1 " +
                         launcher_args + " --no_python " + tessera::testing::tessera_binary() + " " + tessera_args +
                         " 2>&1";

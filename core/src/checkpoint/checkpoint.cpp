@@ -6,6 +6,7 @@
 #include <unistd.h>
 #include <xxhash.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cmath>
 #include <cstring>
@@ -22,6 +23,8 @@
 #include <torch/optim/sgd.h>
 #include <caffe2/serialize/inline_container.h>
 #include <caffe2/serialize/read_adapter_interface.h>
+#include <torch/csrc/jit/serialization/export.h>
+#include <torch/csrc/jit/serialization/pickler.h>
 #include <torch/csrc/jit/serialization/unpickler.h>
 #include <torch/serialize.h>
 
@@ -421,8 +424,87 @@ void atomic_write(const std::string& path, const std::function<void(std::ostream
   });
 }
 
+namespace {
+
+// PyTorch 2.6 made torch.load weights-only by default, and its safe unpickler refuses the
+// type tags and typed-list constructors LibTorch's pickle_save writes (torch.jit._pickle's
+// restore_type_tag, build_intlist...). So Tessera pickles plain containers, as Python's
+// torch.save does, and gives lists their element type back on load.
+
+/// `v` with every list (typed or not) a generic one, recursively; tensors shared.
+IValue plain_containers(const IValue& v) {
+  if (v.isGenericDict()) {
+    c10::impl::GenericDict out(v.toGenericDict().keyType(), c10::AnyType::get());
+    for (const auto& item : v.toGenericDict()) out.insert(item.key(), plain_containers(item.value()));
+    return out;
+  }
+  if (v.isList()) {
+    c10::impl::GenericList out(c10::AnyType::get());
+    for (const IValue& item : v.toListRef()) out.push_back(plain_containers(item));
+    return out;
+  }
+  if (v.isTuple()) {
+    std::vector<IValue> items;
+    for (const IValue& item : v.toTupleRef().elements()) items.push_back(plain_containers(item));
+    return c10::ivalue::Tuple::create(std::move(items));
+  }
+  return v;
+}
+
+/// A list of ints, floats, bools, strings or tensors (all one kind) as LibTorch's typed list;
+/// other lists and every dict and tuple likewise inside. Loaded pickles carry no types.
+IValue typed_containers(const IValue& v) {
+  if (v.isGenericDict()) {
+    c10::impl::GenericDict out(v.toGenericDict().keyType(), v.toGenericDict().valueType());
+    for (const auto& item : v.toGenericDict()) out.insert(item.key(), typed_containers(item.value()));
+    return out;
+  }
+  if (v.isTuple()) {
+    std::vector<IValue> items;
+    for (const IValue& item : v.toTupleRef().elements()) items.push_back(typed_containers(item));
+    return c10::ivalue::Tuple::create(std::move(items));
+  }
+  if (!v.isList()) return v;
+  std::vector<IValue> items;
+  for (const IValue& item : v.toListRef()) items.push_back(typed_containers(item));
+  auto all = [&](bool (IValue::*is)() const) {
+    return !items.empty() && std::all_of(items.begin(), items.end(), [&](const IValue& x) { return (x.*is)(); });
+  };
+  auto typed = [&](auto element, auto get) {
+    c10::List<decltype(element)> out;
+    for (const IValue& x : items) out.push_back(get(x));
+    return IValue(out);
+  };
+  if (all(&IValue::isInt)) return typed(std::int64_t{}, [](const IValue& x) { return x.toInt(); });
+  if (all(&IValue::isDouble)) return typed(double{}, [](const IValue& x) { return x.toDouble(); });
+  if (all(&IValue::isBool)) return typed(bool{}, [](const IValue& x) { return x.toBool(); });
+  if (all(&IValue::isString)) return typed(std::string{}, [](const IValue& x) { return x.toStringRef(); });
+  if (all(&IValue::isTensor)) return typed(at::Tensor{}, [](const IValue& x) { return x.toTensor(); });
+  c10::impl::GenericList out(c10::AnyType::get());
+  for (IValue& x : items) out.push_back(std::move(x));
+  return out;
+}
+
+}  // namespace
+
 void save_pickle(const IValue& value, const std::string& path) {
-  std::vector<char> bytes = torch::pickle_save(value);
+  std::vector<char> pickle;
+  torch::jit::Pickler pickler([&](const char* data, std::size_t n) { pickle.insert(pickle.end(), data, data + n); },
+                              /*tensor_table=*/nullptr, /*type_renamer=*/nullptr, /*memoized_class_types=*/nullptr,
+                              /*get_tensor_id=*/nullptr, /*tag_aggregates=*/false);
+  pickler.protocol();
+  pickler.pushIValue(plain_containers(value));
+  pickler.stop();
+  // torch.save's container: data.pkl, then each storage as data/<index> (pickle_save's own).
+  std::vector<char> bytes;
+  {
+    caffe2::serialize::PyTorchStreamWriter writer([&](const void* data, std::size_t n) {
+      bytes.insert(bytes.end(), static_cast<const char*>(data), static_cast<const char*>(data) + n);
+      return n;
+    });
+    torch::jit::writeArchiveAndTensors("data", pickle.data(), pickle.size(), pickler.tensorData(), writer);
+    writer.writeEndOfFile();
+  }
   atomic_write(path, [&](std::ostream& out) { out.write(bytes.data(), static_cast<std::streamsize>(bytes.size())); });
 }
 
@@ -517,6 +599,7 @@ IValue load_pickle(const std::string& path) {
     TESSERA_FAIL(path, " is not a readable checkpoint (truncated or damaged; ", size,
                  " bytes): ", reason.substr(0, reason.find('\n')));
   }
+  value = typed_containers(value);
   // Before any tensor is touched: every storage lies inside the file.
   for_each_tensor(value, "", [&](const std::string& name, const at::Tensor& t) {
     if (!points_into_mapping(t)) return;
