@@ -428,16 +428,23 @@ TEST(Mpirun, TrainsWithRankZeroHostingTheStore) {
 
 // ---------------------------------------------------------------- Debian's real torchrun
 
-bool have_torchrun() {
-  return fs::exists("/usr/bin/python3") &&
-         std::system("/usr/bin/python3 -c 'import torch.distributed.run' >/dev/null 2>&1") == 0;
+/// Why Debian's torchrun cannot run here, or "" when it can: python3-torch must be installed,
+/// and its TCPStore able to host the rendezvous as torchrun creates it (trixie's 2.6 cannot: it
+/// asks for libuv, which Debian's LibTorch lacks, whatever USE_LIBUV says).
+std::string torchrun_unavailable() {
+  if (!fs::exists("/usr/bin/python3") ||
+      std::system("/usr/bin/python3 -c 'import torch.distributed.run' >/dev/null 2>&1") != 0)
+    return "Debian's python3-torch (torchrun) is not installed";
+  if (std::system("/usr/bin/python3 -c 'from torch.distributed import TCPStore; "
+                  "TCPStore(\"127.0.0.1\", 0, 1, True, multi_tenant=True)' >/dev/null 2>&1") != 0)
+    return "this python3-torch's torchrun cannot host its own TCPStore (built without libuv, which it requests)";
+  return "";
 }
 
-/// Runs Debian's torchrun (1.13 with Python 3.11 needs --redirects/--tee set: its defaults
-/// crash; trixie's 2.6 has no libuv and needs USE_LIBUV=0 to host its store, which 1.13 ignores).
+/// Runs Debian's torchrun (1.13 with Python 3.11 needs --redirects/--tee set: its defaults crash).
 tessera::testing::CommandResult torchrun(const std::string& launcher_args, const std::string& tessera_args,
                                          const std::string& env = "") {
-  std::string command = env + " USE_LIBUV=0 timeout -k 5 150 /usr/bin/python3 -m torch.distributed.run --nproc_per_node=2 "
+  std::string command = env + " timeout -k 5 150 /usr/bin/python3 -m torch.distributed.run --nproc_per_node=2 "
                               "--redirects 2 --tee 2 --monitor_interval 1 " +
                         launcher_args + " --no_python " + tessera::testing::tessera_binary() + " " + tessera_args +
                         " 2>&1";
@@ -447,7 +454,7 @@ tessera::testing::CommandResult torchrun(const std::string& launcher_args, const
 class Torchrun : public ::testing::TestWithParam<std::string> {};
 
 TEST_P(Torchrun, Trains) {
-  if (!have_torchrun()) GTEST_SKIP() << "SKIPPED: Debian's python3-torch (torchrun) is not installed";
+  if (const std::string why = torchrun_unavailable(); !why.empty()) GTEST_SKIP() << "SKIPPED: " << why;
   std::string dir = tessera::testing::fresh_dir("torchrun");
   std::string args = GetParam();
   for (std::string::size_type at; (at = args.find("@PORT@")) != std::string::npos;)
@@ -470,7 +477,7 @@ INSTANTIATE_TEST_SUITE_P(Launchers, Torchrun,
                          launcher_name);
 
 TEST(TorchrunBlame, AFailingRankIsTheRootCauseInTorchrunsOwnReport) {
-  if (!have_torchrun()) GTEST_SKIP() << "SKIPPED: Debian's python3-torch (torchrun) is not installed";
+  if (const std::string why = torchrun_unavailable(); !why.empty()) GTEST_SKIP() << "SKIPPED: " << why;
   std::string dir = tessera::testing::fresh_dir("torchrun-fail");
   auto r = torchrun("--master_port=" + std::to_string(tessera::testing::free_port()),
                     "fit --config " + write_config(dir, 6), "TESSERA_FAULT_INJECT=rank=1,step=2,kind=error");
