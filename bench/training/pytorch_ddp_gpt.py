@@ -1,6 +1,5 @@
 #!/usr/bin/env python3
-"""PyTorch's own DDP (Gloo, CPU), FSDP or FSDP2 (fully_shard per block, PyTorch >= 2.6) on the
-same byte-level GPT Tessera trains: the reference
+"""PyTorch's own DDP (Gloo, CPU) or FSDP on the same byte-level GPT Tessera trains: the reference
 Tessera's throughput is compared against in bench/training/run.sh. Prints one line:
   pytorch <strategy> ranks=N tokens_per_s=X peak_rss_mb=Y
 Each rank gets the threads Tessera gives it: cores / ranks, LibTorch's pool and OpenBLAS's.
@@ -15,7 +14,7 @@ import time
 
 def arguments():
     p = argparse.ArgumentParser()
-    p.add_argument("--strategy", choices=["ddp", "fsdp", "fsdp2"], default="ddp")
+    p.add_argument("--strategy", choices=["ddp", "fsdp"], default="ddp")
     p.add_argument("--ranks", type=int, default=2)
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--warmup", type=int, default=3)
@@ -87,16 +86,9 @@ def worker(rank, args):
     model = GPT(args.n_layer, args.n_head, args.n_embd, args.block_size)
     if args.strategy == "ddp":
         model = nn.parallel.DistributedDataParallel(model)
-    elif args.strategy == "fsdp":
+    else:
         from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
         model = FSDP(model)
-    else:  # each block a unit, then the root (embeddings, ln_f): Tessera's fsdp2 units
-        from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import fully_shard
-        mesh = init_device_mesh("cpu", (args.ranks,))
-        for block in model.blocks:
-            fully_shard(block, mesh=mesh)
-        fully_shard(model, mesh=mesh)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-4)
     data = torch.randint(0, 256, (args.steps + args.warmup, args.batch_size, args.block_size + 1))
     for step in range(args.steps + args.warmup):

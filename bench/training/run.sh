@@ -74,12 +74,6 @@ pytorch() {
   echo "$name $(sed -E 's/.*tokens_per_s=([0-9.]+).*/\1/' <<< "$line") $(sed -E 's/.*peak_rss_mb=([0-9.]+).*/\1/' <<< "$line")" >> "$out/results"
 }
 pytorch pytorch_ddp_2 --ranks 2
-# PyTorch's FSDP2 (fully_shard) where this python3-torch has it (2.6+: .ci/libtorch2's trixie).
-if /usr/bin/python3 -c 'from torch.distributed.fsdp import fully_shard' 2>/dev/null; then
-  pytorch pytorch_fsdp2_2 --ranks 2 --strategy fsdp2
-else
-  echo "pytorch_fsdp2_2: not run (this python3-torch has no torch.distributed.fsdp.fully_shard; 2.6 has)"
-fi
 pytorch pytorch_single --ranks 1 --batch-size 16
 # PyTorch given the OpenMP setting tessera runs with (host/openmp_workers.cpp).
 PYTORCH_ENV=GOMP_SPINCOUNT=10000 pytorch pytorch_single_spin10k --ranks 1 --batch-size 16
@@ -100,8 +94,6 @@ awk '{tps[$1]=$2; rss[$1]=$3}
        printf "  tessera single / PyTorch single    %.2fx tokens/s (%.2fx PyTorch with GOMP_SPINCOUNT=10000)\n", tps["single_device"]/tps["pytorch_single"], tps["single_device"]/tps["pytorch_single_spin10k"];
        printf "  fsdp2 / fsdp (2 ranks)             %.2fx tokens/s, %.2fx peak RSS\n", tps["fsdp2_2"]/tps["fsdp_full_shard_2"], rss["fsdp2_2"]/rss["fsdp_full_shard_2"];
        printf "  fsdp2 / tessera DDP (2 ranks)      %.2fx tokens/s, %.2fx peak RSS\n", tps["fsdp2_2"]/tps["ddp_2"], rss["fsdp2_2"]/rss["ddp_2"];
-       if ("pytorch_fsdp2_2" in tps)
-         printf "  fsdp2 / PyTorch FSDP2 (2 ranks)    %.2fx tokens/s, %.2fx peak RSS\n", tps["fsdp2_2"]/tps["pytorch_fsdp2_2"], rss["fsdp2_2"]/rss["pytorch_fsdp2_2"];
        printf "  tp 2 / dp 2 (fsdp2, 2 ranks)       %.2fx tokens/s, %.2fx peak RSS\n", tps["fsdp2_tp2"]/tps["fsdp2_2"], rss["fsdp2_tp2"]/rss["fsdp2_2"];
        printf "  4 ranks: fsdp / ddp                %.2fx tokens/s, %.2fx peak RSS\n", tps["fsdp_4"]/tps["ddp_4"], rss["fsdp_4"]/rss["ddp_4"];
        printf "  4 ranks: fsdp2 / fsdp              %.2fx tokens/s, %.2fx peak RSS\n", tps["fsdp2_4"]/tps["fsdp_4"], rss["fsdp2_4"]/rss["fsdp_4"];
