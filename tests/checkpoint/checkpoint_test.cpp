@@ -359,6 +359,41 @@ TEST_F(Files, PythonTorchLoadReadsWhatWeWrite) {
   EXPECT_EQ(read_file(out), "ok\n");
 }
 
+TEST_F(Files, LoadsWhatPythonsTorchSaveWrites) {
+  // Python's pickler adds a lone item with APPEND or SETITEM (which LibTorch 1.13 cannot
+  // read), a batch of up to 1000 with APPENDS or SETITEMS: lists and dicts of 1, 1001 (a
+  // batch, then a lone item), nested ones.
+  if (std::system("/usr/bin/python3 -c 'import torch' >/dev/null 2>&1") != 0)
+    GTEST_SKIP() << "SKIPPED: /usr/bin/python3 with torch (python3-torch) is not installed";
+  const std::string path = (dir_ / "python.pt").string();
+  const std::string command =
+      "/usr/bin/python3 -c \"import sys, torch; torch.save({'one': [7], 'many': list(range(1001)), "
+      "'nested': [[[2.5]], ('t', [None])], 'tensors': [torch.arange(3.0)], 'empty': [], "
+      "'groups': [{'params': [0], 'lr': 0.1}], 'lone': {'k': {'v': 1}}, "
+      "'wide': {str(i): i for i in range(1001)}}, sys.argv[1])\" " + path;
+  ASSERT_EQ(std::system(command.c_str()), 0) << command;
+  sdk::Checkpoint c = core::checkpoint_dict(core::load_pickle(path), path);
+  EXPECT_EQ(c.at("one").toIntVector(), std::vector<std::int64_t>{7});
+  std::vector<std::int64_t> many = c.at("many").toIntVector();
+  ASSERT_EQ(many.size(), 1001u);
+  EXPECT_EQ(many.front(), 0);
+  EXPECT_EQ(many.back(), 1000);
+  auto nested = c.at("nested").toListRef();
+  ASSERT_EQ(nested.size(), 2u);
+  EXPECT_EQ(nested[0].toListRef()[0].toDoubleVector(), std::vector<double>{2.5});
+  EXPECT_EQ(nested[1].toTupleRef().elements()[0].toStringRef(), "t");
+  EXPECT_TRUE(nested[1].toTupleRef().elements()[1].toListRef()[0].isNone());
+  EXPECT_TRUE(torch::equal(c.at("tensors").toListRef()[0].toTensor(), torch::arange(3.0)));
+  EXPECT_TRUE(c.at("empty").toListRef().empty());
+  auto group = core::checkpoint_dict(c.at("groups").toListRef()[0], "group");
+  EXPECT_EQ(group.at("params").toIntVector(), std::vector<std::int64_t>{0});
+  EXPECT_DOUBLE_EQ(group.at("lr").toDouble(), 0.1);
+  EXPECT_EQ(core::checkpoint_dict(core::checkpoint_dict(c.at("lone"), "lone").at("k"), "k").at("v").toInt(), 1);
+  auto wide = core::checkpoint_dict(c.at("wide"), "wide");
+  ASSERT_EQ(wide.size(), 1001u);
+  EXPECT_EQ(wide.at("1000").toInt(), 1000);
+}
+
 class CheckpointIO : public Files {
  protected:
   std::shared_ptr<sdk::CheckpointIO> io(const std::string& name) {

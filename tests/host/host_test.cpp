@@ -5,6 +5,7 @@
 #include <cmath>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <sstream>
 
 #include <nlohmann/json.hpp>
@@ -63,8 +64,10 @@ void expect_losses_equal(const std::map<std::int64_t, double>& a, const std::map
 
 /// An uninterrupted run, and the same run killed at step 6 and resumed from its step-4
 /// checkpoint with --ckpt-path (possibly under another strategy / world size with the same
-/// global batch). The resumed losses (steps 5-8) must equal the uninterrupted ones.
-void check_resume(const std::string& name, const std::string& first_sets, const std::string& resume_sets, double tol) {
+/// global batch; `through` may hand over another file made from it). The resumed losses
+/// (steps 5-8) must equal the uninterrupted ones.
+void check_resume(const std::string& name, const std::string& first_sets, const std::string& resume_sets, double tol,
+                  const std::function<std::string(const std::string&)>& through = nullptr) {
   std::string full = tessera::testing::fresh_dir(name + "-full");
   auto a = run_tessera("fit --config " + write_config(full) + " " + first_sets);
   ASSERT_EQ(a.exit_code, 0) << a.output;
@@ -74,8 +77,10 @@ void check_resume(const std::string& name, const std::string& first_sets, const 
   // save_last writes last.ckpt beside each checkpoint (as Lightning): the killed run's is step 4's.
   auto last = tessera::core::checkpoint_dict(tessera::core::load_pickle(run_dir(part) + "/checkpoints/last.ckpt"), "last");
   ASSERT_EQ(last.at("global_step").toInt(), 4);
-  auto c = run_tessera("fit --config " + part + "/run.toml --ckpt-path " + run_dir(part) + "/checkpoints/step=4.ckpt " +
-                       resume_sets);
+  std::string from = run_dir(part) + "/checkpoints/step=4.ckpt";
+  if (through) from = through(from);
+  if (from.empty()) return;  // `through` failed (and said so)
+  auto c = run_tessera("fit --config " + part + "/run.toml --ckpt-path " + from + " " + resume_sets);
   ASSERT_EQ(c.exit_code, 0) << c.output;
   EXPECT_NE(c.output.find("resuming at step 4"), std::string::npos) << c.output;
   expect_losses_equal(metric_series(run_dir(full) + "/metrics.csv", "train", "train_loss"),
@@ -166,6 +171,21 @@ TEST(Checkpoint, PythonTorchLoadReadsIt) {
                         "/checkpoints/last.ckpt'); assert c['global_step'] == 2; "
                         "assert tuple(c['state_dict']['wte.weight'].shape) == (256, 32); print('ok')\"";
   EXPECT_EQ(std::system(command.c_str()), 0);
+}
+
+TEST(Checkpoint, ResavedByPythonResumesExactly) {
+  // A user loads a checkpoint in Python (PyTorch's safe unpickler) and saves it again with
+  // torch.save: Tessera reads Python's pickle (untyped lists, Python's own records) and resumes.
+  if (!fs::exists("/usr/bin/python3") || std::system("/usr/bin/python3 -c 'import torch' 2>/dev/null") != 0)
+    GTEST_SKIP() << "Debian's python3-torch is not installed: no Python to re-save with";
+  check_resume("python-resaved", "", "", 1e-6, [](const std::string& path) {
+    const std::string resaved = path + ".resaved.pt";
+    const std::string command = "/usr/bin/python3 -c \"import sys, torch; sys.path.insert(0, '" TESSERA_TEST_SUPPORT_DIR
+                                "'); from safe_torch_load import load; torch.save(load(sys.argv[1]), sys.argv[2])\" " +
+                                path + " " + resaved;
+    EXPECT_EQ(std::system(command.c_str()), 0) << command;
+    return fs::exists(resaved) ? resaved : std::string();
+  });
 }
 
 TEST(Predict, PrintsGeneratedTextFromThePrompt) {

@@ -28,6 +28,7 @@
 #include <torch/csrc/jit/serialization/unpickler.h>
 #include <torch/serialize.h>
 
+#include "python_pickle.hpp"
 #include "tessera/sdk/error.hpp"
 #include "tessera/sdk/optimizer.hpp"
 
@@ -576,11 +577,13 @@ IValue load_pickle(const std::string& path) {
     // storage points at its record in the mapped file instead of being copied out of it:
     // torch.save and pickle_save store records uncompressed, 64-byte aligned.
     caffe2::serialize::PyTorchStreamReader reader(std::make_shared<MappedAdapter>(file));
-    auto [pickle, pickle_size] = reader.getRecord("data.pkl");
+    auto [record, record_size] = reader.getRecord("data.pkl");
+    const std::string pickle =
+        detail::batched_items_only(std::string_view(static_cast<const char*>(record.get()), record_size));
     std::size_t consumed = 0;
-    auto read = [&, data = static_cast<const char*>(pickle.get()), n = pickle_size](char* out, std::size_t len) {
+    auto read = [&, n = pickle.size()](char* out, std::size_t len) {
       len = std::min(len, n - std::min(consumed, n));
-      std::memcpy(out, data + consumed, len);
+      std::memcpy(out, pickle.data() + consumed, len);
       consumed += len;
       return len;
     };
