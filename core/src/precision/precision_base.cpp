@@ -5,7 +5,6 @@
 #include <c10/core/DefaultDtype.h>
 #include <torch/optim/adam.h>
 #include <torch/optim/adamw.h>
-#include <torch/version.h>
 
 #include <cmath>
 #include <map>
@@ -118,12 +117,13 @@ std::string PrecisionBase::precision() const { return precision_; }
 void PrecisionBase::check_device(const c10::Device& device) const {
   cuda_ = device.is_cuda();
   if (!device.is_cpu()) return;
+  // fp16 is CUDA's half precision; on CPUs it is bf16 (LibTorch 1.13 has no CPU fp16 matmul at
+  // all; later ones have one, but not the fp16 grad scaler's path that Tessera tests).
   TESSERA_CHECK(half_dtype() != at::kHalf, "precision \"", precision_, "\" needs a CUDA device, but this run's device is ",
-                device.str(), ": fp16 compute (addmm for Half) is not implemented on CPU in LibTorch ",
-                TORCH_VERSION, ". On CPU use \"bf16-mixed\", \"bf16-true\" or \"32-true\".");
+                device.str(), ": Tessera runs fp16 on CUDA only. On CPU use \"bf16-mixed\", \"bf16-true\" or \"32-true\".");
   TESSERA_CHECK(policy_.param_dtype != at::kHalf, "[precision] param_dtype = \"float16\" needs a CUDA device, but this ",
-                "run's device is ", device.str(), ": fp16 compute is not implemented on CPU in LibTorch ", TORCH_VERSION,
-                ". On CPU use param_dtype = \"bfloat16\" or \"float32\".");
+                "run's device is ", device.str(), ": Tessera runs fp16 on CUDA only. On CPU use param_dtype = ",
+                "\"bfloat16\" or \"float32\".");
 }
 
 sdk::MixedPrecisionPolicy PrecisionBase::mixed_precision_policy() const { return policy_; }
