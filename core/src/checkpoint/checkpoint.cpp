@@ -26,7 +26,6 @@
 #include <torch/csrc/jit/serialization/export.h>
 #include <torch/csrc/jit/serialization/pickler.h>
 #include <torch/csrc/jit/serialization/unpickler.h>
-#include <torch/serialize.h>
 
 #include "python_pickle.hpp"
 #include "tessera/sdk/error.hpp"
@@ -496,17 +495,17 @@ void save_pickle(const IValue& value, const std::string& path) {
   pickler.protocol();
   pickler.pushIValue(plain_containers(value));
   pickler.stop();
-  // torch.save's container: data.pkl, then each storage as data/<index> (pickle_save's own).
-  std::vector<char> bytes;
-  {
+  // torch.save's container: data.pkl, then each storage as data/<index> (pickle_save's own),
+  // streamed into the file: pickle_save built the whole file in memory first (a second copy
+  // of the checkpoint, tens of GB for a large model's full state on rank 0).
+  atomic_write(path, [&](std::ostream& out) {
     caffe2::serialize::PyTorchStreamWriter writer([&](const void* data, std::size_t n) {
-      bytes.insert(bytes.end(), static_cast<const char*>(data), static_cast<const char*>(data) + n);
+      out.write(static_cast<const char*>(data), static_cast<std::streamsize>(n));
       return n;
     });
     torch::jit::writeArchiveAndTensors("data", pickle.data(), pickle.size(), pickler.tensorData(), writer);
     writer.writeEndOfFile();
-  }
-  atomic_write(path, [&](std::ostream& out) { out.write(bytes.data(), static_cast<std::streamsize>(bytes.size())); });
+  });
 }
 
 namespace {
