@@ -22,6 +22,7 @@
 #include "tessera/sdk/module.hpp"
 #include "tessera/sdk/strategy.hpp"
 #include "tessera/sdk/strategy_checks.hpp"
+#include "tessera/sdk/tensor_parallel.hpp"
 
 namespace tessera::host {
 
@@ -107,6 +108,7 @@ double rss_bytes() {
 struct Trace {
   double saved = 0, transient = 0;
   std::string method;
+  sdk::TensorParallelTraffic tensor_parallel;  ///< the traced graph's activation all-reduces
 };
 
 /// One training forward on the configured batch (real shapes, the parameters' values garbage
@@ -129,6 +131,7 @@ Trace trace_forward(sdk::Module& model, sdk::Precision& precision, sdk::DataModu
       sdk::GuardPtr guard = precision.forward_context();
       sdk::StepOutput out = model.training_step(batch, 0);
       trace.saved = static_cast<double>(counter.live());
+      trace.tensor_parallel = sdk::tensor_parallel_traffic(out.loss);
     }
     trace.transient = static_cast<double>(counter.peak()) - trace.saved;
   } catch (...) {
@@ -190,6 +193,15 @@ PlannedJob plan_job(const Config& config) {
     in.activation_bytes = trace.saved;
     in.forward_transient_bytes = trace.transient;
     in.activation_method = trace.method;
+    const sdk::TensorParallelTraffic& tp = trace.tensor_parallel;
+    if (in.layout && tp.group_size > 1) {
+      in.layout->collectives.push_back({"all_reduce", "tensor-parallel forward all-reduces of activations (" +
+                                                         std::to_string(tp.forward_all_reduces) + ")",
+                                        tp.forward_all_reduce_bytes, tp.group_size});
+      in.layout->collectives.push_back({"all_reduce", "tensor-parallel backward all-reduces of activation gradients (" +
+                                                         std::to_string(tp.backward_all_reduces) + ")",
+                                        tp.backward_all_reduce_bytes, tp.group_size});
+    }
   } catch (const c10::Error& e) {  // e.g. fp16 compute, which the CPU has not
     trace_problem = e.what_without_backtrace();
     trace_problem = trace_problem.substr(0, trace_problem.find('\n'));

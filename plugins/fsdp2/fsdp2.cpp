@@ -110,6 +110,22 @@ class FSDP2Strategy final : public fsdp::ShardedStrategy, public sdk::StrategyCh
     return *mesh_;
   }
 
+  /// What one tp rank holds: the model's tensor-parallel plan applied over a group that
+  /// communicates nothing, so that the plan lays out, and traces, a rank's pieces.
+  sdk::MemoryLayout memory_layout(sdk::Module& module, const sdk::ClusterInfo& cluster) override {
+    const PlannedMesh mesh = planned_mesh(cluster);
+    if (mesh.tp == 1) return ShardedStrategy::memory_layout(module, cluster);
+    // An eager build holds the whole unsplit model before the plan cuts it.
+    std::shared_ptr<torch::nn::Module> network = module.network();
+    double unsplit = 0;
+    if (network && !core::has_deferred_tensors(*network))
+      for (const auto& p : network->parameters()) unsplit += static_cast<double>(p.numel() * p.element_size());
+    parallelize(module, core::make_planning_tensor_parallel_group(mesh.tp), 0, mesh.replicate * mesh.shard);
+    sdk::MemoryLayout layout = ShardedStrategy::memory_layout(module, cluster);
+    layout.setup_bytes = std::max(layout.setup_bytes, unsplit);
+    return layout;
+  }
+
  protected:
   PlannedMesh planned_mesh(const sdk::ClusterInfo& cluster) const override {
     PlannedMesh mesh;
@@ -134,16 +150,8 @@ class FSDP2Strategy final : public fsdp::ShardedStrategy, public sdk::StrategyCh
   void setup_module() override {
     if (mesh().size("tp") > 1) {
       tp_ = core::make_tensor_parallel_group(mesh().group("tp"));
-      sdk::ParallelContext context;
-      context.tp = tp_;
-      context.dp_rank = mesh().rank("replicate") * mesh().size("shard") + mesh().rank("shard");
-      context.dp_size = mesh().size("replicate") * mesh().size("shard");
-      {
-        // Under deferred init the plan cuts deferred full weights: its pieces stay deferred
-        // (no rank holds the model), and each unit draws its full values when it is sharded.
-        sdk::GuardPtr deferred = core::has_deferred_tensors(*network_) ? core::resume_deferred_init_guard() : nullptr;
-        module_->parallelize(context);
-      }
+      parallelize(*module_, tp_, mesh().rank("replicate") * mesh().size("shard") + mesh().rank("shard"),
+                  mesh().size("replicate") * mesh().size("shard"));
       options_.tp_rank = tp_->rank();
       options_.tp_size = tp_->size();
       placements_ = sdk::tensor_parallel_placements(*network_);
@@ -211,6 +219,21 @@ class FSDP2Strategy final : public fsdp::ShardedStrategy, public sdk::StrategyCh
   }
 
  private:
+  /// The model's tensor-parallel plan over `tp` (NeMo's parallelize_fn, its first half).
+  static void parallelize(sdk::Module& module, std::shared_ptr<sdk::TensorParallelGroup> tp, std::int64_t dp_rank,
+                          std::int64_t dp_size) {
+    sdk::ParallelContext context;
+    context.tp = std::move(tp);
+    context.dp_rank = dp_rank;
+    context.dp_size = dp_size;
+    // Under deferred init the plan cuts deferred full weights: its pieces stay deferred (no
+    // rank holds the model), and each unit draws its full values when it is sharded.
+    std::shared_ptr<torch::nn::Module> network = module.network();
+    sdk::GuardPtr deferred =
+        network && core::has_deferred_tensors(*network) ? core::resume_deferred_init_guard() : nullptr;
+    module.parallelize(context);
+  }
+
   /// The optimizer state's moments of TP-split parameters, unsharded over tp (collective, in
   /// the same name order on every rank) or cut to this rank's piece.
   sdk::Checkpoint map_tp_moments(const sdk::Checkpoint& saved, bool unshard) {

@@ -1,6 +1,7 @@
 #include "tessera/sdk/tensor_parallel.hpp"
 
 #include <ostream>
+#include <unordered_set>
 #include <utility>
 #include <vector>
 
@@ -82,8 +83,14 @@ at::Tensor all_reduced(const at::Tensor& t, TensorParallelGroup& group) {
   return out;
 }
 
+/// Each region's node records the bytes its all-reduce moves, for tensor_parallel_traffic().
+void note_bytes(AutogradContext* ctx, const at::Tensor& x) {
+  ctx->saved_data["bytes"] = static_cast<std::int64_t>(x.numel()) * static_cast<std::int64_t>(x.element_size());
+}
+
 struct CopyToRegion : public torch::autograd::Function<CopyToRegion> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, c10::intrusive_ptr<GroupRef> ref) {
+    note_bytes(ctx, x);
     ctx->saved_data["group"] = c10::IValue::make_capsule(std::move(ref));
     return x;
   }
@@ -94,7 +101,9 @@ struct CopyToRegion : public torch::autograd::Function<CopyToRegion> {
 };
 
 struct ReduceFromRegion : public torch::autograd::Function<ReduceFromRegion> {
-  static at::Tensor forward(AutogradContext*, const at::Tensor& x, c10::intrusive_ptr<GroupRef> ref) {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, c10::intrusive_ptr<GroupRef> ref) {
+    note_bytes(ctx, x);
+    ctx->saved_data["group_size"] = ref->group->size();
     return all_reduced(x, *ref->group);
   }
   static variable_list backward(AutogradContext*, variable_list grads) { return {grads[0], at::Tensor()}; }
@@ -116,6 +125,29 @@ at::Tensor reduce_from_tensor_parallel_region(const at::Tensor& x, std::shared_p
   check_group(group, "reduce_from_tensor_parallel_region");
   if (group->size() == 1) return x;
   return ReduceFromRegion::apply(x, c10::make_intrusive<GroupRef>(std::move(group)));
+}
+
+TensorParallelTraffic tensor_parallel_traffic(const at::Tensor& output) {
+  TensorParallelTraffic traffic;
+  std::unordered_set<const torch::autograd::Node*> seen;
+  std::vector<torch::autograd::Node*> pending;
+  if (output.defined() && output.grad_fn()) pending.push_back(output.grad_fn().get());
+  while (!pending.empty()) {
+    torch::autograd::Node* node = pending.back();
+    pending.pop_back();
+    if (node == nullptr || !seen.insert(node).second) continue;
+    if (auto* copy = dynamic_cast<torch::autograd::CppNode<CopyToRegion>*>(node)) {
+      traffic.group_size = group_of(&copy->ctx_).size();
+      traffic.backward_all_reduce_bytes += static_cast<double>(copy->ctx_.saved_data["bytes"].toInt());
+      ++traffic.backward_all_reduces;
+    } else if (auto* reduce = dynamic_cast<torch::autograd::CppNode<ReduceFromRegion>*>(node)) {
+      traffic.group_size = reduce->ctx_.saved_data["group_size"].toInt();
+      traffic.forward_all_reduce_bytes += static_cast<double>(reduce->ctx_.saved_data["bytes"].toInt());
+      ++traffic.forward_all_reduces;
+    }
+    for (const auto& edge : node->next_edges()) pending.push_back(edge.function.get());
+  }
+  return traffic;
 }
 
 std::map<std::string, TensorParallelPlacement> tensor_parallel_placements(const torch::nn::Module& module) {

@@ -88,9 +88,9 @@ TEST(PlanArithmetic, NoShardAndHybridAllReduce) {
 
 TEST(PlanArithmetic, UnevenShardsTakeTheLargestRank) {
   auto in = two_units(3, fsdp::ShardingStrategy::FULL_SHARD);
-  EXPECT_EQ(fsdp::shard_unit(in.units[0], fsdp::ParamLayout::flat, 3, 1).shard, 334);  // 1000 padded to 1002
-  EXPECT_EQ(fsdp::shard_unit(in.units[0], fsdp::ParamLayout::per_parameter, 3, 1).shard, 400);  // 4 of 10 rows
-  EXPECT_EQ(fsdp::shard_unit(in.units[0], fsdp::ParamLayout::per_parameter, 3, 1).gathered, 1200);
+  EXPECT_EQ(fsdp::shard_unit(in.units[0], fsdp::ParamLayout::flat, 3).shard, 334);  // 1000 padded to 1002
+  EXPECT_EQ(fsdp::shard_unit(in.units[0], fsdp::ParamLayout::per_parameter, 3).shard, 400);  // 4 of 10 rows
+  EXPECT_EQ(fsdp::shard_unit(in.units[0], fsdp::ParamLayout::per_parameter, 3).gathered, 1200);
 }
 
 TEST(PlanArithmetic, MixedPrecisionGathersAndReducesInHalfKeepsFp32Master) {
@@ -176,10 +176,40 @@ INSTANTIATE_TEST_SUITE_P(
                       Case{"fsdp_2", "--set strategy.plugin=fsdp --set launch.devices=2 --set data.batch_size=2"},
                       Case{"fsdp_4", "--set strategy.plugin=fsdp --set launch.devices=4 --set data.batch_size=1"},
                       Case{"fsdp2_2", "--set strategy.plugin=fsdp2 --set launch.devices=2 --set data.batch_size=2"},
+                      Case{"fsdp2_tp_2", "--set strategy.plugin=fsdp2 --set launch.devices=2 "
+                                         "--set strategy.tensor_parallel_size=2 --set data.batch_size=4"},
                       Case{"fsdp_bf16_mixed_2", "--set strategy.plugin=fsdp --set launch.devices=2 "
                                                 "--set data.batch_size=2 --set precision.plugin=fsdp-precision "
                                                 "--set precision.precision=bf16-mixed"}),
     [](const ::testing::TestParamInfo<Case>& info) { return std::string(info.param.name); });
+
+/// Tensor parallelism: the plan holds one tp rank's real pieces (the attention and MLP weights
+/// halved, LayerNorms, row-parallel biases and the embeddings whole) and sends the activation
+/// all-reduces the traced forward and its backward make: per layer, the attention's and the
+/// MLP's output in forward and their inputs' gradients in backward, one (4, 64, 768) fp32 each.
+TEST(PlanTensorParallel, HoldsOneRanksPiecesAndSendsTheActivationAllReduces) {
+  const std::string dir = tessera::testing::fresh_dir("plan-tp");
+  auto plan = run_tessera("plan --json --config " + write_config(dir) +
+                          " --set strategy.plugin=fsdp2 --set launch.devices=2 --set strategy.tensor_parallel_size=2");
+  ASSERT_EQ(plan.exit_code, 0) << plan.output;
+  const auto json = nlohmann::json::parse(plan.output.substr(plan.output.find('{')));
+  const std::int64_t C = 768, layers = 6, vocab = 256, block = 64;
+  const std::int64_t root = vocab * C + block * C + 2 * C;  // tied wte / lm_head, wpe, ln_f
+  const std::int64_t layer = 2 * C + (3 * C * C + 3 * C) / 2 + C * C / 2 + C + 2 * C + (4 * C * C + 4 * C) / 2 +
+                             4 * C * C / 2 + C;  // ln_1, attn / 2, proj / 2 + bias, ln_2, fc / 2, fc_proj / 2 + bias
+  EXPECT_EQ(json.at("per_rank_bytes").at("parameters").get<double>(), 4.0 * (root + layers * layer));
+  double forward = 0, backward = 0;
+  for (const auto& t : json.at("traffic")) {
+    const std::string what = t.at("what");
+    if (what.find("tensor-parallel") == std::string::npos) continue;
+    EXPECT_EQ(t.at("kind"), "all_reduce");
+    EXPECT_EQ(t.at("group_size"), 2);
+    (what.find("forward") != std::string::npos ? forward : backward) += t.at("data_bytes").get<double>();
+  }
+  EXPECT_EQ(forward, 2.0 * layers * 4 * block * C * 4) << plan.output;
+  EXPECT_EQ(backward, forward) << plan.output;
+  EXPECT_EQ(json.at("sent_per_step_bytes").get<double>(), forward + backward) << plan.output;  // 2 (g-1)/g = 1
+}
 
 /// The error line of a run: what follows "tessera: error: ".
 std::string error_of(const std::string& output) {

@@ -337,6 +337,51 @@ TEST(TensorParallelGpt, Bf16AutocastStaysCloseToTheUnparallelizedModel) {
   });
 }
 
+/// What `tessera plan` reads off one traced forward (sdk::tensor_parallel_traffic) is what the
+/// real group all-reduces in that forward and its backward, in fp32 and under bf16 autocast;
+/// the planning group (no communication) yields the same graph as a real rank 0.
+TEST(TensorParallelTraffic, TheGraphPredictsWhatTheGroupAllReduces) {
+  const char* config = "n_layer = 3\nn_head = 4\nn_embd = 16\nblock_size = 8\n";
+  tessera::testing::run_ranks(2, std::chrono::seconds(120), [&](const sdk::ClusterInfo& cluster) {
+    auto comm = tessera::core::make_communicator(cluster, c10::kCPU);
+    auto parallel = make_model("gpt", config, 11);
+    parallel->parallelize(sdk::ParallelContext{tessera::core::make_tensor_parallel_group(comm)});
+    auto planned = make_model("gpt", config, 11);
+    planned->parallelize(sdk::ParallelContext{tessera::core::make_planning_tensor_parallel_group(2)});
+    sdk::Batch batch{at::randint(256, {3, 8}, at::kLong), at::randint(256, {3, 8}, at::kLong)};
+    for (const bool bf16 : {false, true}) {
+      SCOPED_TRACE(bf16 ? "bf16 autocast" : "fp32");
+      tessera::core::set_autocast(/*cuda=*/false, bf16, at::kBFloat16);
+      const std::int64_t before = comm->stats().all_reduce_bytes;
+      at::Tensor loss = parallel->training_step(batch, 0).loss;
+      const std::int64_t forward = comm->stats().all_reduce_bytes - before;
+      const sdk::TensorParallelTraffic traffic = sdk::tensor_parallel_traffic(loss);
+      const sdk::TensorParallelTraffic plan = sdk::tensor_parallel_traffic(planned->training_step(batch, 0).loss);
+      tessera::core::set_autocast(/*cuda=*/false, false, at::kBFloat16);
+      at::autocast::clear_cache();
+      loss.backward();
+      const std::int64_t backward = comm->stats().all_reduce_bytes - before - forward;
+      EXPECT_EQ(traffic.group_size, 2);
+      EXPECT_EQ(traffic.forward_all_reduces, 2 * 3);  // attention and MLP output per layer
+      EXPECT_EQ(traffic.backward_all_reduces, 2 * 3);  // attention and MLP input gradients
+      // One (3, 8, 16) activation each, in the dtype it was computed in.
+      EXPECT_EQ(traffic.forward_all_reduce_bytes, 6.0 * 3 * 8 * 16 * (bf16 ? 2 : 4));
+      EXPECT_EQ(traffic.forward_all_reduce_bytes, static_cast<double>(forward));
+      EXPECT_GT(backward, 0);
+      EXPECT_EQ(traffic.backward_all_reduce_bytes, static_cast<double>(backward));
+      EXPECT_EQ(plan.group_size, traffic.group_size);
+      EXPECT_EQ(plan.forward_all_reduces, traffic.forward_all_reduces);
+      EXPECT_EQ(plan.backward_all_reduce_bytes, traffic.backward_all_reduce_bytes);
+      EXPECT_EQ(plan.forward_all_reduce_bytes, traffic.forward_all_reduce_bytes);
+    }
+    // Without tensor parallelism there is nothing to read.
+    const sdk::TensorParallelTraffic none = sdk::tensor_parallel_traffic(make_model("gpt", config, 11)->training_step(batch, 0).loss);
+    EXPECT_EQ(none.group_size, 1);
+    EXPECT_EQ(none.forward_all_reduces + none.backward_all_reduces, 0);
+    EXPECT_EQ(sdk::tensor_parallel_traffic(at::Tensor()).forward_all_reduce_bytes, 0);
+  });
+}
+
 TEST(TensorParallelGpt, TpNotDividingTheHeadsIsRefusedBeforeAnyChange) {
   auto model = make_model("gpt", "n_layer = 1\nn_head = 4\nn_embd = 16\nblock_size = 8\n", 1);
   const auto before = model->network()->named_parameters();

@@ -42,7 +42,26 @@ class CommunicatorTensorParallelGroup final : public sdk::TensorParallelGroup {
   CommunicatorPtr comm_;
 };
 
+class PlanningTensorParallelGroup final : public sdk::TensorParallelGroup {
+ public:
+  explicit PlanningTensorParallelGroup(std::int64_t size) : size_(size) {}
+  std::int64_t rank() const override { return 0; }
+  std::int64_t size() const override { return size_; }
+  void all_reduce_sum(at::Tensor&) override {}
+  at::Tensor all_gather(const at::Tensor& tensor, std::int64_t dim) override {
+    return at::cat(std::vector<at::Tensor>(static_cast<std::size_t>(size_), tensor), dim);
+  }
+
+ private:
+  std::int64_t size_;
+};
+
 }  // namespace
+
+std::shared_ptr<sdk::TensorParallelGroup> make_planning_tensor_parallel_group(std::int64_t size) {
+  TESSERA_CHECK(size >= 1, "make_planning_tensor_parallel_group: size ", size, " < 1");
+  return std::make_shared<PlanningTensorParallelGroup>(size);
+}
 
 std::shared_ptr<sdk::TensorParallelGroup> make_tensor_parallel_group(CommunicatorPtr tp) {
   TESSERA_CHECK(tp != nullptr, "make_tensor_parallel_group: no communicator (null)");

@@ -38,13 +38,11 @@ std::string dtype_name(c10::ScalarType t) {
 
 }  // namespace
 
-UnitShard shard_unit(const PlannedUnitSizes& unit, ParamLayout layout, std::int64_t shard_size, std::int64_t tp_size) {
+UnitShard shard_unit(const PlannedUnitSizes& unit, ParamLayout layout, std::int64_t shard_size) {
   UnitShard out;
-  const bool split = tp_size > 1 && unit.name != "<root>";
   for (const PlannedParam& p : unit.params) {
-    const std::int64_t rows = split ? ceil_div(p.rows, tp_size) : p.rows;
-    out.numel += rows * p.row_numel;
-    if (layout == ParamLayout::per_parameter) out.shard += ceil_div(rows, shard_size) * p.row_numel;
+    out.numel += p.rows * p.row_numel;
+    if (layout == ParamLayout::per_parameter) out.shard += ceil_div(p.rows, shard_size) * p.row_numel;
   }
   if (layout == ParamLayout::flat) {
     std::int64_t padded = ceil_div(out.numel, shard_size) * shard_size;
@@ -60,7 +58,7 @@ sdk::MemoryLayout plan_sharded_memory(const ShardedPlanInput& in) {
   sdk::MemoryLayout out;
   const std::int64_t s = std::max<std::int64_t>(1, in.shard_size);
   std::vector<UnitShard> shards;
-  for (const auto& u : in.units) shards.push_back(shard_unit(u, in.layout, s, in.tp_size));
+  for (const auto& u : in.units) shards.push_back(shard_unit(u, in.layout, s));
   const std::size_t n_units = in.units.size();
   const bool has_root = n_units > 0 && in.units.back().name == "<root>";
   const std::size_t children = has_root ? n_units - 1 : n_units;
@@ -168,10 +166,6 @@ sdk::MemoryLayout plan_sharded_memory(const ShardedPlanInput& in) {
                     dtype_name(in.master_dtype) + ", gathered " + c + ", reduced " + r + ", optimizer grads " +
                     dtype_name(in.grad_dtype) + "; " + std::to_string(reshards ? at_once : 0) +
                     " unit(s) gathered at once besides the root" + (aliased ? " (one rank: shards are the parameters)" : "");
-  if (in.tp_size > 1)
-    out.notes = "tensor parallelism: every parameter of the units is counted as split tp ways (LayerNorms and "
-                "row-parallel biases are replicated in fact), its activation all-reduces are not counted, and "
-                "activations are traced unsplit (an upper bound)";
   return out;
 }
 

@@ -275,7 +275,8 @@ sdk::MemoryLayout ShardedStrategy::memory_layout(sdk::Module& module, const sdk:
                     "cpu_offload: on a CUDA device the shards, gradients and optimizer state are host memory";
   if (!options.activation_checkpointing.empty())
     layout.notes += std::string(layout.notes.empty() ? "" : "; ") +
-                    "activation_checkpointing: activations are traced without recomputation (an upper bound)";
+                    "activation_checkpointing: activations are traced without recomputation (an upper bound)" +
+                    (mesh.tp > 1 ? ", and its recomputed forward's tensor-parallel all-reduces are not counted" : "");
   return layout;
 }
 

@@ -14,6 +14,11 @@ namespace tessera::core {
 /// Blocking sum and gather over `tp` (tagged "tensor-parallel ..." in the collective ledger).
 std::shared_ptr<sdk::TensorParallelGroup> make_tensor_parallel_group(CommunicatorPtr tp);
 
+/// Rank 0 of `size` ranks, communicating nothing: for `tessera plan`, which parallelizes a
+/// model over it to lay out and trace one real rank's pieces. Sums leave the tensor as it is and
+/// gathers repeat it: the shapes and the autograd graph are a rank's, the values meaningless.
+std::shared_ptr<sdk::TensorParallelGroup> make_planning_tensor_parallel_group(std::int64_t size);
+
 /// Where rank `rank`'s `local` piece of a parameter placed by `placement` over `size` ranks sits
 /// in the full tensor, for state dicts and sharded checkpoints: one box per stride part, each
 /// with the view of `local` that holds it (one whole box when replicated).

@@ -60,6 +60,17 @@ TESSERA_SDK_API at::Tensor copy_to_tensor_parallel_region(const at::Tensor& x, s
 TESSERA_SDK_API at::Tensor reduce_from_tensor_parallel_region(const at::Tensor& x,
                                                               std::shared_ptr<TensorParallelGroup> group);
 
+/// The activation traffic of the tensor-parallel regions an output was computed through, read
+/// from its autograd graph: what the forward that made it all-reduced (reduce_from regions) and
+/// what its backward will all-reduce (copy_to regions' gradients, each its input's size).
+/// Bytes are the tensors' own, as the group receives them; all zero without tensor parallelism.
+struct TensorParallelTraffic {
+  std::int64_t group_size = 1;
+  std::int64_t forward_all_reduces = 0, backward_all_reduces = 0;
+  double forward_all_reduce_bytes = 0, backward_all_reduce_bytes = 0;
+};
+TESSERA_SDK_API TensorParallelTraffic tensor_parallel_traffic(const at::Tensor& output);
+
 /// Implemented by modules that hold tensor-parallel pieces of parameters: the placements of
 /// the parameters the module registers itself (names as named_parameters(false) gives them).
 /// Parameters not listed are replicated.

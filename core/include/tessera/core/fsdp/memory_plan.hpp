@@ -33,7 +33,7 @@ struct ShardedPlanInput {
   std::int64_t replicated_numel = 0;    ///< ignored modules' (and exempt norms') parameters, whole on every rank
   std::int64_t shard_size = 1;          ///< ranks a unit is sharded over
   std::int64_t replicate_size = 1;      ///< copies of each shard (HSDP replicas; NO_SHARD: the world)
-  std::int64_t tp_size = 1;             ///< tensor parallelism: units' parameters counted as split tp ways
+  std::int64_t tp_size = 1;             ///< tensor-parallel ranks (units hold one tp rank's pieces already)
   std::int64_t reshard_group = 0;       ///< fsdp2 reshard_after_forward = k (0: the whole shard group)
   ParamLayout layout = ParamLayout::flat;
   ShardingStrategy sharding_strategy = ShardingStrategy::FULL_SHARD;
@@ -54,7 +54,7 @@ struct UnitShard {
   std::int64_t shard = 0;     ///< per rank
   std::int64_t gathered = 0;  ///< the all-gather's output: shard_size x shard
 };
-UnitShard shard_unit(const PlannedUnitSizes& unit, ParamLayout layout, std::int64_t shard_size, std::int64_t tp_size);
+UnitShard shard_unit(const PlannedUnitSizes& unit, ParamLayout layout, std::int64_t shard_size);
 
 /// The layout's memory (largest rank) and its collectives per optimizer step.
 sdk::MemoryLayout plan_sharded_memory(const ShardedPlanInput& input);
