@@ -537,7 +537,7 @@ void Trainer::fit(const std::string& ckpt_path) {
       while (next_batch_ + accumulate <= loader.num_batches() && global_step_ < total_steps_ && !should_stop_) {
         const double lr = schedule_->lr(global_step_);
         for (auto& group : strategy_->optimizer().param_groups()) group.options().set_lr(lr);
-        at::Tensor loss_sum = at::zeros({}, at::kFloat);
+        at::Tensor loss_sum;  // on the loss's device: read once, by the step's one all-reduce
         sdk::StepOutput last_out;
         sdk::Batch last_batch;
         for (std::int64_t m = 0; m < accumulate; ++m) {
@@ -560,7 +560,8 @@ void Trainer::fit(const std::string& ckpt_path) {
               strategy_->backward(out.loss / static_cast<double>(accumulate), /*sync_gradients=*/m == accumulate - 1);
             });
           }
-          loss_sum += out.loss.detach().to(at::kCPU).to(at::kFloat);
+          const at::Tensor loss = out.loss.detach().to(at::kFloat);
+          loss_sum = loss_sum.defined() ? loss_sum + loss : loss;
           window_items += out.items;
           if (m < accumulate - 1) {
             call("on_train_batch_end", [&](sdk::Callback& c) { c.on_train_batch_end(*this, out, batch, batch_idx); });
@@ -592,16 +593,18 @@ void Trainer::fit(const std::string& ckpt_path) {
                     ", " + std::to_string(skipped_steps_) + " step(s) skipped so far");
         }
         maybe_inject_fault(global_step_);
-        const double local_loss = loss_sum.item<double>() / static_cast<double>(accumulate);
 
-        // One all-reduce per step: the global loss (the bar shows what the log shows) and
-        // whether any rank must stop (a signal, max_time, a callback).
+        // One all-reduce per step and the step's one wait for the device: the global loss (the
+        // bar shows what the log shows), whether any rank must stop (a signal, max_time, a
+        // callback) and the items since the last log line. Built on the device by kernels
+        // only: a host-to-device copy would wait for the step as well.
         const double elapsed_total = std::chrono::duration<double>(Clock::now() - run_start).count();
-        at::Tensor sync = at::tensor(std::vector<double>{local_loss, g_signal != 0 ? 1.0 : 0.0,
-                                                         t.max_time_s > 0 && elapsed_total >= t.max_time_s ? 1.0 : 0.0,
-                                                         should_stop_ ? 1.0 : 0.0},
-                                     at::kDouble).to(at::kFloat);
-        sync = strategy_->reduce(sync.to(strategy_->root_device()), sdk::ReduceOp::sum).to(at::kCPU);
+        const auto on_root = at::TensorOptions().dtype(at::kFloat).device(strategy_->root_device());
+        std::vector<at::Tensor> parts{(loss_sum.to(on_root) / static_cast<double>(accumulate)).reshape({})};
+        for (const bool flag : {g_signal != 0, t.max_time_s > 0 && elapsed_total >= t.max_time_s, should_stop_})
+          parts.push_back(at::full({}, flag ? 1.0 : 0.0, on_root));
+        parts.push_back(at::full({}, static_cast<double>(window_items), on_root));
+        at::Tensor sync = strategy_->reduce(at::stack(parts), sdk::ReduceOp::sum).to(at::kCPU);
         const double loss = sync[0].item<double>() / static_cast<double>(cluster_.world_size);
         callback_metrics_["train_loss"] = loss;
 
@@ -617,10 +620,7 @@ void Trainer::fit(const std::string& ckpt_path) {
         if (log_now) {
           std::map<std::string, double> metrics = {{"train_loss", loss}};
           // Throughput of the whole job: every rank's items since the last log line.
-          at::Tensor items = strategy_->reduce(at::full({}, static_cast<double>(window_items), at::kFloat).to(
-                                                   strategy_->root_device()),
-                                               sdk::ReduceOp::sum);
-          double rate = items.item<double>() * static_cast<double>(data_ranks) /
+          double rate = sync[4].item<double>() * static_cast<double>(data_ranks) /
                         static_cast<double>(cluster_.world_size) / std::max(elapsed, 1e-9);
           metrics[unit + "_per_s"] = rate;
           if (result.grad_norm >= 0) metrics["grad_norm"] = result.grad_norm;
