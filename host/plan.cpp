@@ -1,12 +1,14 @@
 #include "plan.hpp"
 
 #include <algorithm>
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
 #include <string>
 
 #include <c10/core/ScalarType.h>
+#include <nlohmann/json.hpp>
 
 namespace tessera::host {
 
@@ -18,21 +20,8 @@ std::string mb(double bytes) {
   return out;
 }
 
-std::string json_escape(const std::string& text) {
-  std::string out;
-  for (char c : text) {
-    if (c == '"' || c == '\\') out += '\\';
-    if (c == '\n') { out += "\\n"; continue; }
-    out += c;
-  }
-  return out;
-}
-
-std::string number(double value) {
-  char out[40];
-  std::snprintf(out, sizeof(out), "%.0f", value);
-  return out;
-}
+/// Bytes as a whole number: the plan's figures are estimates, not fractions of a byte.
+std::int64_t whole(double bytes) { return std::llround(bytes); }
 
 }  // namespace
 
@@ -148,28 +137,33 @@ std::string format_plan(const MemoryPlan& plan, std::int64_t world_size, std::in
 }
 
 std::string plan_json(const MemoryPlan& plan, std::int64_t world_size, std::int64_t local_ranks) {
-  std::string out = "{\"known\": " + std::string(plan.known ? "true" : "false") + ", \"description\": \"" +
-                    json_escape(plan.description) + "\", \"world_size\": " + std::to_string(world_size) +
-                    ", \"local_ranks\": " + std::to_string(local_ranks) + ", \"per_rank_bytes\": {";
-  double rows = 0;
-  for (std::size_t i = 0; i < plan.rows.size(); ++i) {
-    out += (i ? ", \"" : "\"") + json_escape(plan.rows[i].name) + "\": " + number(plan.rows[i].bytes);
-    rows += plan.rows[i].bytes;
+  nlohmann::ordered_json rows = nlohmann::ordered_json::object();
+  double listed = 0;
+  for (const auto& row : plan.rows) {
+    rows[row.name] = whole(row.bytes);
+    listed += row.bytes;
   }
-  out += ", \"runtime baseline\": " + number(plan.training_peak - rows) + "}, \"training_peak_bytes\": " +
-         number(plan.training_peak) + ", \"setup_peak_bytes\": " + number(plan.setup_peak) +
-         ", \"peak_rss_per_rank_bytes\": " + number(plan.peak) + ", \"machine_bytes\": " + number(plan.job_bytes) +
-         ", \"sent_per_step_bytes\": " + number(plan.sent_per_step) + ", \"traffic\": [";
-  for (std::size_t i = 0; i < plan.traffic.size(); ++i) {
-    const auto& t = plan.traffic[i];
-    out += std::string(i ? ", " : "") + "{\"kind\": \"" + t.kind + "\", \"what\": \"" + json_escape(t.what) +
-           "\", \"group_size\": " + std::to_string(t.group_size) + ", \"data_bytes\": " + number(t.data_bytes) +
-           ", \"sent_bytes\": " + number(t.sent_bytes) + "}";
-  }
-  out += "], \"notes\": [";
-  for (std::size_t i = 0; i < plan.notes.size(); ++i)
-    out += std::string(i ? ", " : "") + "\"" + json_escape(plan.notes[i]) + "\"";
-  return out + "]}\n";
+  rows["runtime baseline"] = whole(plan.training_peak - listed);
+  nlohmann::ordered_json traffic = nlohmann::ordered_json::array();
+  for (const auto& t : plan.traffic)
+    traffic.push_back({{"kind", t.kind},
+                       {"what", t.what},
+                       {"group_size", t.group_size},
+                       {"data_bytes", whole(t.data_bytes)},
+                       {"sent_bytes", whole(t.sent_bytes)}});
+  const nlohmann::ordered_json out = {{"known", plan.known},
+                                      {"description", plan.description},
+                                      {"world_size", world_size},
+                                      {"local_ranks", local_ranks},
+                                      {"per_rank_bytes", rows},
+                                      {"training_peak_bytes", whole(plan.training_peak)},
+                                      {"setup_peak_bytes", whole(plan.setup_peak)},
+                                      {"peak_rss_per_rank_bytes", whole(plan.peak)},
+                                      {"machine_bytes", whole(plan.job_bytes)},
+                                      {"sent_per_step_bytes", whole(plan.sent_per_step)},
+                                      {"traffic", traffic},
+                                      {"notes", plan.notes}};
+  return out.dump() + "\n";
 }
 
 double memory_available_bytes() {
