@@ -5,6 +5,7 @@
 // through the SDK (what model plugins and callbacks call), with and without gradients.
 #include <gtest/gtest.h>
 
+#include <map>
 #include <set>
 #include <tuple>
 
@@ -226,6 +227,81 @@ TEST_P(ReshardAfterForwardToPairs, MatchesTheUnshardedRun) {
 
 INSTANTIATE_TEST_SUITE_P(Recompute, ReshardAfterForwardToPairs, ::testing::Bool(),
                          [](const auto& info) { return info.param ? "Checkpointed" : "Plain"; });
+
+/// GateNet's forward without b2 at step `skip`: that step b2's unit reduces no gradient.
+at::Tensor loss_skipping(GateNet& net, int step, std::int64_t first, std::int64_t rows, int skip) {
+  at::Tensor x = batch(step, kWidth, 1).narrow(0, first, rows), mask = mask_for(step).narrow(0, first, rows);
+  auto [h, aux] = sdk::invoke(net->b1, x, mask, 0.5);
+  if (step != skip) {
+    auto [h2, a2] = sdk::invoke(net->b2, h, mask, 0.25);
+    h = h2;
+    aux = aux + a2;
+  }
+  return (net->head(h) + aux.unsqueeze(1) - batch(step, 2, 2).narrow(0, first, rows)).pow(2).mean();
+}
+
+struct FreedCase {
+  const char* name;
+  fsdp::ParamLayout layout;
+  int ranks, accumulate;
+  bool reduce_every_micro_batch;
+};
+
+class FreedShardedGrads : public ::testing::TestWithParam<FreedCase> {};
+
+// free_sharded_grads (CUDA's default), forced on the CPU: between an optimizer step and the
+// next reduction the sharded gradients hold no storage, after backward they do (zeros for a
+// unit unused that step), and training is bitwise the run that keeps them, with gradient
+// accumulation reduced every micro-batch or once.
+TEST_P(FreedShardedGrads, ForwardRunsWithoutThemAndTrainingIsUnchanged) {
+  const FreedCase c = GetParam();
+  run_ranks(c.ranks, std::chrono::seconds(120), [&](const sdk::ClusterInfo& cluster) {
+    std::map<bool, sdk::StateDict> trained;
+    auto group = world(cluster);  // one rendezvous for both runs
+    for (const bool release : {false, true}) {
+      torch::manual_seed(11);
+      GateNet net;
+      fsdp::FSDPOptions options = per_parameter_options(/*checkpointed=*/false);
+      options.layout = c.layout;
+      options.free_sharded_grads = release;
+      options.reduce_every_micro_batch = c.reduce_every_micro_batch;
+      fsdp::ShardedModule sharded(net.ptr(), options, group, core::make_local_communicator());
+      const auto params = sharded.optimizer_parameters();
+      torch::optim::SGD optimizer(tensors_of(params), torch::optim::SGDOptions(0.1).momentum(0.9));
+      const std::int64_t rows = kBatch / cluster.world_size / c.accumulate;
+      auto storage_bytes = [&](const sdk::NamedParameter& p) { return p.tensor.grad().storage().nbytes(); };
+      for (int s = 0; s < kSteps; ++s) {
+        for (int m = 0; m < c.accumulate; ++m) {
+          sharded.begin_forward(true);
+          const std::int64_t first = (cluster.global_rank * c.accumulate + m) * rows;
+          at::Tensor loss = loss_skipping(net, s, first, rows, /*skip=*/1) / static_cast<double>(c.accumulate);
+          sharded.begin_backward(/*sync=*/m == c.accumulate - 1);
+          loss.backward();
+          sharded.finish_backward();
+        }
+        for (const auto& p : params) EXPECT_GT(storage_bytes(p), 0u) << p.name << " at step " << s;
+        optimizer.step();
+        sharded.after_optimizer_step();
+        for (const auto& p : params)
+          EXPECT_EQ(storage_bytes(p) == 0, release) << p.name << " after step " << s << " (release " << release << ")";
+      }
+      trained[release] = sharded.full_state_dict();
+    }
+    for (const auto& item : trained[false]) {
+      const at::Tensor* freed = trained[true].find(item.key());
+      ASSERT_NE(freed, nullptr) << item.key();
+      EXPECT_TRUE(at::equal(*freed, item.value())) << item.key();
+    }
+  });
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Layouts, FreedShardedGrads,
+    ::testing::Values(FreedCase{"flat_2ranks", fsdp::ParamLayout::flat, 2, 1, false},
+                      FreedCase{"per_parameter_3ranks", fsdp::ParamLayout::per_parameter, 3, 1, false},
+                      FreedCase{"flat_2ranks_accumulated_reduced_every_micro_batch", fsdp::ParamLayout::flat, 2, 2, true},
+                      FreedCase{"per_parameter_2ranks_accumulated", fsdp::ParamLayout::per_parameter, 2, 2, false}),
+    [](const auto& info) { return std::string(info.param.name); });
 
 // Without restoring the RNG the recomputation would draw new masks: checked directly.
 TEST(MultiArgUnits, RecomputationSeesTheForwardsRandomState) {

@@ -155,7 +155,11 @@ at::Tensor FlatParamHandle::reduce_scatter_input(at::ScalarType dtype) {
 
 bool FlatParamHandle::accumulate_sharded_grad(const at::Tensor& reduced) {
   bool copy_in_flight = false;
-  if (shard_grad_.device() == reduced.device()) {
+  if (shard_grad_released_) {  // the first gradient since the step: the same storage, allocated again
+    alloc_storage(shard_grad_);
+    shard_grad_released_ = false;
+    shard_grad_.copy_(reduced);
+  } else if (shard_grad_.device() == reduced.device()) {
     shard_grad_.add_(reduced);
   } else if (!shard_grad_written_ && shard_grad_.scalar_type() == reduced.scalar_type()) {
     // cpu_offload: the first gradient since the step goes to pinned memory without blocking
@@ -174,13 +178,28 @@ void FlatParamHandle::free_unsharded_grads() {
   free_storage(grad_full_);
 }
 
-void FlatParamHandle::zero_sharded_grads() {
-  shard_grad_.zero_();
+void FlatParamHandle::zero_sharded_grads(bool release) {
+  // The optimizer's gradients are views of shard_grad_'s storage: freeing its bytes (not the
+  // storage) keeps them valid for when the next reduction allocates them again. Offloaded
+  // gradients (pinned host memory) stay: pinning again each step would cost more than it saves.
+  if (release && shard_grad_.device() == config_.device && !shard_grad_released_) {
+    free_storage(shard_grad_, /*recycle=*/false);
+    shard_grad_released_ = true;
+  } else if (!shard_grad_released_) {
+    shard_grad_.zero_();
+  }
   shard_grad_written_ = false;
   for (std::size_t i = 0; i < optimizer_views_.size(); ++i)
     if (!optimizer_views_[i].grad().defined())  // zero_grad(set_to_none) in LibTorch 2.x
       optimizer_views_[i].mutable_grad() =
           shard_grad_.narrow(0, shard_slice(i).first, optimizer_views_[i].numel()).view(optimizer_views_[i].sizes());
+}
+
+void FlatParamHandle::materialize_sharded_grads() {
+  if (!shard_grad_released_) return;
+  alloc_storage(shard_grad_);
+  shard_grad_.zero_();
+  shard_grad_released_ = false;
 }
 
 OwnedRange FlatParamHandle::owned_range(std::size_t i) const {

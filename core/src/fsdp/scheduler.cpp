@@ -281,6 +281,7 @@ void Scheduler::finish_backward() {
       finish_reduction(*oldest);
     }
     reduce_replicated_gradients();
+    for (auto& u : units_) u->layout->materialize_sharded_grads();
     accumulating_ = false;
   }
 #if TESSERA_WITH_CUDA
@@ -313,7 +314,8 @@ void Scheduler::reduce_replicated_gradients() {
 void Scheduler::zero_grad() {
   for (auto& p : replicated_)
     if (p.grad().defined()) p.mutable_grad().zero_();
-  for (auto& u : units_) u->layout->zero_sharded_grads();
+  const bool release = options_.free_sharded_grads.value_or(device_.is_cuda());
+  for (auto& u : units_) u->layout->zero_sharded_grads(release);
 }
 
 }  // namespace tessera::core::fsdp

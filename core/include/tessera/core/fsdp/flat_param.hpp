@@ -49,7 +49,8 @@ class FlatParamHandle : public UnitLayout {
 
   const std::vector<at::Tensor>& optimizer_tensors() const override { return optimizer_views_; }
   std::vector<at::Tensor> sharded_grads() const override { return {shard_grad_}; }
-  void zero_sharded_grads() override;
+  void zero_sharded_grads(bool release) override;
+  void materialize_sharded_grads() override;
 
   OwnedRange owned_range(std::size_t i) const override;
   std::vector<at::Tensor> gather_full_params(Communicator& shard_group, c10::Device device,
@@ -97,7 +98,8 @@ class FlatParamHandle : public UnitLayout {
   at::Tensor shard_, shard_grad_, full_, grad_full_;
   at::Tensor gathered_;  // the all-gather's output while it is in flight (when not in place)
   std::vector<at::Tensor> optimizer_views_;
-  bool shard_grad_written_ = false;  // since the last optimizer step (cpu_offload copies into it)
+  bool shard_grad_written_ = false;   // since the last optimizer step (cpu_offload copies into it)
+  bool shard_grad_released_ = false;  // its storage freed by zero_sharded_grads(release)
 };
 
 }  // namespace tessera::core::fsdp

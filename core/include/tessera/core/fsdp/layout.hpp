@@ -72,9 +72,13 @@ class UnitLayout {
   virtual const std::vector<at::Tensor>& optimizer_tensors() const = 0;
   /// The sharded gradients, as disjoint tensors (for the norm and zeroing).
   virtual std::vector<at::Tensor> sharded_grads() const = 0;
-  /// After an optimizer step: zeroes the sharded gradients (and re-attaches any the
-  /// optimizer set to none).
-  virtual void zero_sharded_grads() = 0;
+  /// After an optimizer step: zeroes the sharded gradients, or with `release` frees their
+  /// storage until the next reduction writes them (torch's zero_grad(set_to_none=True):
+  /// forward runs without them); re-attaches any the optimizer set to none.
+  virtual void zero_sharded_grads(bool release) = 0;
+  /// Before an optimizer step: zeroed storage for released gradients no reduction wrote (a
+  /// unit unused this step), so that the optimizer reads zeros, as without release.
+  virtual void materialize_sharded_grads() = 0;
 
   // --- pieces of the original tensors (state dicts, optimizer state, summon) ---
   /// Which elements of parameter `i` this rank owns.

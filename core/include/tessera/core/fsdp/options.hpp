@@ -66,6 +66,11 @@ struct FSDPOptions {
   /// memory; units are copied to the device to be gathered and gradients copied back after
   /// their reduce-scatter. Nothing changes for CPU networks.
   bool cpu_offload = false;
+  /// Free the sharded gradients after each optimizer step; the next step's first reduction
+  /// allocates them again (torch's zero_grad(set_to_none=True)), so that forward, where
+  /// activations peak, runs without them. Default (unset): on CUDA, whose caching allocator
+  /// makes it free; on the CPU every step would page-fault its gradients in again.
+  c10::optional<bool> free_sharded_grads;
   /// param_dtype: gather and compute; reduce_dtype: gradient reduction (and the optimizer's
   /// gradients with keep_low_precision_grads); buffer_dtype: floating buffers. BatchNorm
   /// modules stay out of it, as in PyTorch.
