@@ -182,7 +182,8 @@ class DDPStrategy final : public core::StrategyBase, public sdk::StrategyMemoryL
   bool sync_ = false;
   std::vector<Bucket> buckets_;
   std::unordered_map<std::size_t, std::size_t> bucket_of_;
-  std::vector<std::shared_ptr<torch::autograd::Node>> accumulators_;
+  // grad_accumulator()'s pointer: shared_ptr before LibTorch 2.14, intrusive_ptr since.
+  std::vector<decltype(torch::autograd::impl::grad_accumulator(at::Tensor()))> accumulators_;
 };
 
 torch::autograd::variable_list GradReadyHook::operator()(const torch::autograd::variable_list& outputs,

@@ -7,6 +7,7 @@
 #include <vector>
 
 #include <torch/csrc/autograd/function.h>
+#include <torch/csrc/autograd/variable.h>
 #include <torch/nn/module.h>
 
 #include "tessera/core/comm.hpp"
@@ -39,7 +40,8 @@ struct FSDPUnit {
   std::vector<FSDPUnit*> forward_prefetch, backward_prefetch;
 
   // Gradient readiness (autograd_seam.cpp): hooks on the parameters' accumulators.
-  std::vector<std::shared_ptr<torch::autograd::Node>> accumulators;
+  // grad_accumulator()'s pointer: shared_ptr before LibTorch 2.14, intrusive_ptr since.
+  std::vector<decltype(torch::autograd::impl::grad_accumulator(at::Tensor()))> accumulators;
   std::int64_t expected_grads = 0, pending_grads = 0;
 };
 
