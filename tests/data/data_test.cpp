@@ -290,7 +290,10 @@ TEST(FashionMNIST, TruncatedGzipStreamIsNamed) {
   auto data = make_data("fashion_mnist", "root = \"" + dir.str() + "\"\nval_size = 2\n");
   const std::string e = error_of([&] { data->setup("fit"); });
   EXPECT_MENTIONS(e, "train-labels-idx1-ubyte.gz");
-  EXPECT_MENTIONS(e, "not a complete gzip file");
+  // zlib reports the cut stream ("not a complete gzip file"); zlib 1.3.2 (Debian sid) reads it
+  // to its end silently, and the IDX header's sizes catch it instead.
+  EXPECT_TRUE(e.find("not a complete gzip file") != std::string::npos || e.find("is truncated") != std::string::npos)
+      << e;
 }
 
 TEST(FashionMNIST, InconsistentFilesAreNamed) {

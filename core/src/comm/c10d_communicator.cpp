@@ -395,9 +395,10 @@ class ReadyHandle final : public CommHandle {
   std::function<void()> finish_;
 };
 
-/// Gloo in 1.13 moves no bf16 (nor int16): gathers and all-to-alls move its bits as fp16,
-/// a 16-bit type it does move; the bits are never interpreted on the way.
-at::Tensor wire_view(const at::Tensor& t) { return t.scalar_type() == at::kBFloat16 ? t.view(at::kHalf) : t; }
+/// Gather, all-to-all and broadcast move 16-bit tensors as bytes, the one type every Gloo build
+/// moves: 1.13's has no bf16, Debian sid's 2.14 no 16-bit type at all ("Invalid scalar type").
+/// The bits are never interpreted on the way; reductions convert to fp32 instead.
+at::Tensor wire_view(const at::Tensor& t) { return t.element_size() == 2 ? t.view(at::kByte) : t; }
 
 /// Receive buffers of Gloo's reduce_scatter (all_to_all + sum), reused across calls: FSDP
 /// reduces the same unit sizes every step, and a fresh buffer of tens of MB is page-faulted
