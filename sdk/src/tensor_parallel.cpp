@@ -83,14 +83,15 @@ at::Tensor all_reduced(const at::Tensor& t, TensorParallelGroup& group) {
   return out;
 }
 
-/// Each region's node records the bytes its all-reduce moves, for tensor_parallel_traffic().
-void note_bytes(AutogradContext* ctx, const at::Tensor& x) {
+/// Each region's node records what its all-reduce moves, for tensor_parallel_traffic().
+void note_traffic(AutogradContext* ctx, const at::Tensor& x, const GroupRef& ref) {
   ctx->saved_data["bytes"] = static_cast<std::int64_t>(x.numel()) * static_cast<std::int64_t>(x.element_size());
+  ctx->saved_data["group_size"] = ref.group->size();
 }
 
 struct CopyToRegion : public torch::autograd::Function<CopyToRegion> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, c10::intrusive_ptr<GroupRef> ref) {
-    note_bytes(ctx, x);
+    note_traffic(ctx, x, *ref);
     ctx->saved_data["group"] = c10::IValue::make_capsule(std::move(ref));
     return x;
   }
@@ -102,8 +103,7 @@ struct CopyToRegion : public torch::autograd::Function<CopyToRegion> {
 
 struct ReduceFromRegion : public torch::autograd::Function<ReduceFromRegion> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, c10::intrusive_ptr<GroupRef> ref) {
-    note_bytes(ctx, x);
-    ctx->saved_data["group_size"] = ref->group->size();
+    note_traffic(ctx, x, *ref);
     return all_reduced(x, *ref->group);
   }
   static variable_list backward(AutogradContext*, variable_list grads) { return {grads[0], at::Tensor()}; }
@@ -136,15 +136,15 @@ TensorParallelTraffic tensor_parallel_traffic(const at::Tensor& output) {
     torch::autograd::Node* node = pending.back();
     pending.pop_back();
     if (node == nullptr || !seen.insert(node).second) continue;
-    if (auto* copy = dynamic_cast<torch::autograd::CppNode<CopyToRegion>*>(node)) {
-      traffic.group_size = group_of(&copy->ctx_).size();
-      traffic.backward_all_reduce_bytes += static_cast<double>(copy->ctx_.saved_data["bytes"].toInt());
-      ++traffic.backward_all_reduces;
-    } else if (auto* reduce = dynamic_cast<torch::autograd::CppNode<ReduceFromRegion>*>(node)) {
-      traffic.group_size = reduce->ctx_.saved_data["group_size"].toInt();
-      traffic.forward_all_reduce_bytes += static_cast<double>(reduce->ctx_.saved_data["bytes"].toInt());
-      ++traffic.forward_all_reduces;
-    }
+    auto add = [&](AutogradContext& ctx, double& bytes, std::int64_t& calls) {
+      traffic.group_size = ctx.saved_data["group_size"].toInt();
+      bytes += static_cast<double>(ctx.saved_data["bytes"].toInt());
+      ++calls;
+    };
+    if (auto* copy = dynamic_cast<torch::autograd::CppNode<CopyToRegion>*>(node))
+      add(copy->ctx_, traffic.backward_all_reduce_bytes, traffic.backward_all_reduces);
+    else if (auto* reduce = dynamic_cast<torch::autograd::CppNode<ReduceFromRegion>*>(node))
+      add(reduce->ctx_, traffic.forward_all_reduce_bytes, traffic.forward_all_reduces);
     for (const auto& edge : node->next_edges()) pending.push_back(edge.function.get());
   }
   return traffic;
