@@ -120,18 +120,17 @@ std::optional<Rewrite> scan(std::string_view p) {
         if (stack.empty()) return std::nullopt;
         push(op_at);
         break;
-      case 's':                                                                   // SETITEM
-        if (stack.size() < 3 || !(start = pop(2))) return std::nullopt;
+      case 's': case 'a': {                                                       // SETITEM, APPEND
+        // Key and value, or one item, above their container: a MARK before them and the
+        // batched opcode (SETITEMS, APPENDS) in this one's place.
+        const std::size_t items = op == 's' ? 2 : 1;
+        if (stack.size() < items + 1 || !(start = pop(items))) return std::nullopt;
         rewrite.marks_at.push_back(*start);
-        rewrite.opcodes_at.emplace_back(op_at, 'u');
+        rewrite.opcodes_at.emplace_back(op_at, op == 's' ? 'u' : 'e');
         break;
+      }
       case 'u': case 'e': case '1':                                               // SETITEMS, APPENDS, POP_MARK
         if (!pop_to_mark()) return std::nullopt;
-        break;
-      case 'a':                                                                   // APPEND
-        if (stack.size() < 2 || !(start = pop(1))) return std::nullopt;
-        rewrite.marks_at.push_back(*start);
-        rewrite.opcodes_at.emplace_back(op_at, 'e');
         break;
       default: return std::nullopt;
     }
