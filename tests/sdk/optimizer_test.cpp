@@ -1,15 +1,15 @@
 // sdk::make_optimizer's Adam and AdamW step through LibTorch's fused kernel where it has one
-// and compute what LibTorch's own loop computes. LibTorch gained a CPU kernel in 2.4 (which
-// these tests then run); below that (Debian's bookworm 1.13) this binary registers a CPU
-// reference of the kernel's documented math, so the optimizer's side (state, step counts,
-// buckets, decoupled weight decay, the fallbacks) is tested on every machine; on CUDA the real
-// kernel runs in the OneDevice tests. Kernel calls are counted by the dispatcher's
-// RecordFunction observer, so the counts hold for the real kernels and the reference alike.
+// and compute what LibTorch's own loop computes. LibTorch gained a CPU kernel in 2.4; below that
+// (Debian's bookworm 1.13) the SDK registers its own (sdk/src/fused_adam_cpu.cpp), which these
+// tests then run: the kernel and the optimizer's side (state, step counts, buckets, decoupled
+// weight decay, the fallbacks) are tested on every machine; on CUDA the real kernel runs in the
+// OneDevice tests. Kernel calls are counted by the dispatcher's RecordFunction observer.
 #include <gtest/gtest.h>
 #include <ATen/record_function.h>
-#include <torch/library.h>
 #include <torch/optim/adam.h>
 #include <torch/optim/adamw.h>
+#include <ATen/Parallel.h>
+#include <ATen/ops/_fused_adam.h>
 #include <torch/version.h>
 
 #include <cmath>
@@ -39,44 +39,6 @@ class KernelCalls {
   at::CallbackHandle handle_;
 };
 
-#if TORCH_VERSION_MAJOR < 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR < 4)
-// aten::_fused_adam_'s and _fused_adamw_'s math (ATen's fused_adam_utils: the weight decay,
-// as L2 into the gradient or decoupled from the parameter, the moments, bias corrections from
-// the step tensor, then the update), one tensor at a time.
-template <bool Decoupled>
-void reference_fused_adam(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
-                          at::TensorList exp_avg_sqs, at::TensorList max_exp_avg_sqs, at::TensorList steps, double lr,
-                          double beta1, double beta2, double weight_decay, double eps, bool amsgrad, bool maximize,
-                          const c10::optional<at::Tensor>& grad_scale, const c10::optional<at::Tensor>& found_inf) {
-  TORCH_CHECK(max_exp_avg_sqs.empty() && !amsgrad && !maximize && !grad_scale && !found_inf, "not used by Tessera");
-  for (std::size_t i = 0; i < params.size(); ++i) {
-    const double step = steps[i].item<double>();
-    at::Tensor g = grads[i];
-    if (weight_decay != 0) {
-      if (Decoupled) params[i].mul_(1 - lr * weight_decay);
-      else g = g.add(params[i], weight_decay);
-    }
-    exp_avgs[i].mul_(beta1).add_(g, 1 - beta1);
-    exp_avg_sqs[i].mul_(beta2).addcmul_(g, g, 1 - beta2);
-    const double bias1 = 1 - std::pow(beta1, step), bias2 = 1 - std::pow(beta2, step);
-    params[i].addcdiv_(exp_avgs[i], (exp_avg_sqs[i].sqrt() / std::sqrt(bias2)).add_(eps), -lr / bias1);
-  }
-}
-
-#if TORCH_VERSION_MAJOR < 2  // no _fused_adamw_ yet: declared here with LibTorch 2's schema
-TORCH_LIBRARY_FRAGMENT(aten, m) {
-  m.def("_fused_adamw_(Tensor(a!)[] self, Tensor(b!)[] grads, Tensor(c!)[] exp_avgs, Tensor(d!)[] exp_avg_sqs, "
-        "Tensor(e!)[] max_exp_avg_sqs, Tensor[] state_steps, *, float lr, float beta1, float beta2, float weight_decay, "
-        "float eps, bool amsgrad, bool maximize, Tensor? grad_scale=None, Tensor? found_inf=None) -> ()");
-}
-#endif
-
-TORCH_LIBRARY_IMPL(aten, CPU, m) {
-  m.impl("_fused_adam_", reference_fused_adam<false>);
-  m.impl("_fused_adamw_", reference_fused_adam<true>);
-}
-#endif
-
 std::vector<at::Tensor> parameters(std::uint64_t seed) {
   torch::manual_seed(static_cast<std::int64_t>(seed));
   // A matrix, a vector, a strided (transposed) one that still is dense, a scalar.
@@ -91,7 +53,7 @@ void train(torch::optim::Optimizer& optimizer, std::vector<at::Tensor>& params, 
     torch::manual_seed(100 + step);
     for (auto& p : params) {
       at::Tensor g = torch::randn(p.sizes());
-      p.mutable_grad() = (step == 2 && p.dim() == 1) ? at::Tensor() : at::empty_strided(p.sizes(), p.strides()).copy_(g);
+      p.mutable_grad() = (step == 2 && p.dim() == 1) ? at::Tensor() : at::empty_strided(p.sizes(), p.strides(), p.options()).copy_(g);
     }
     optimizer.step();
   }
@@ -176,5 +138,61 @@ TEST(FusedAdam, AmsgradAndMismatchedGradientLayoutsTakeTheLoop) {
   optimizer->step();
   EXPECT_EQ(calls.total(), 1) << "laid out as the parameter again: the kernel";
 }
+
+// A tensor the kernel splits over threads, and half-precision parameters (computed in fp32):
+// the same as LibTorch's loop, and bitwise the same on one thread as on several.
+TEST(FusedAdam, LargeAndBFloat16ParametersStepAsTheLoopOnAnyNumberOfThreads) {
+  const int threads = at::get_num_threads();
+  for (const auto dtype : {at::kFloat, at::kBFloat16}) {
+    auto make = [&] {
+      torch::manual_seed(3);
+      return std::vector<at::Tensor>{torch::randn({3001, 100}).to(dtype).requires_grad_(),
+                                     torch::randn({129, 7}).to(dtype).requires_grad_()};
+    };
+    auto looped = make(), one_thread = make(), threaded = make();
+    const auto options = torch::optim::AdamWOptions(1e-2).betas({0.9, 0.95}).weight_decay(0.1);
+    torch::optim::AdamW loop(looped, options);
+    tessera::sdk::OptimizerSettings settings;
+    settings.lr = 1e-2;
+    settings.beta2 = 0.95;
+    settings.weight_decay = 0.1;
+    std::vector<tessera::sdk::NamedParameter> a{{"v", one_thread[0]}, {"m", one_thread[1]}},
+        b{{"v", threaded[0]}, {"m", threaded[1]}};
+    auto single = tessera::sdk::make_optimizer(a, settings), several = tessera::sdk::make_optimizer(b, settings);
+    KernelCalls calls;
+    at::set_num_threads(1);
+    train(loop, looped, 3);
+    train(*single, one_thread, 3);
+    at::set_num_threads(4);
+    train(*several, threaded, 3);
+    at::set_num_threads(threads);
+    EXPECT_EQ(calls.adamw, 2 * 3) << dtype;
+    for (std::size_t i = 0; i < looped.size(); ++i) {
+      EXPECT_TRUE(torch::equal(one_thread[i], threaded[i])) << dtype << " parameter " << i;
+      // bf16: within an ulp (at most 2^-7 relative) per step and one more. The loop rounds each
+      // pass to bf16, so its decay by 1 - lr x weight_decay, under half an ulp, rounds away; the
+      // kernel, as LibTorch 2.4's, computes in fp32 and rounds once.
+      const double rtol = dtype == at::kFloat ? 1e-5 : (3 + 1) / 128.0, atol = dtype == at::kFloat ? 1e-6 : 1e-3;
+      const at::Tensor fused = one_thread[i].to(at::kFloat), reference = looped[i].to(at::kFloat);
+      EXPECT_TRUE(torch::allclose(fused, reference, rtol, atol))
+          << dtype << " parameter " << i << ": largest difference " << (fused - reference).abs().max().item<float>();
+    }
+  }
+}
+
+#if TORCH_VERSION_MAJOR < 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR < 4)
+// Tessera's own CPU kernel refuses what it does not implement, saying so, rather than ignore it.
+TEST(FusedAdam, TesserasCpuKernelRefusesAmsgrad) {
+  auto p = torch::randn({4}), g = torch::randn({4}), m = torch::zeros({4}), v = torch::zeros({4});
+  const auto step = torch::ones({});
+  try {
+    at::_fused_adam_({p}, {g}, {m}, {v}, {torch::zeros({4})}, {step}, 1e-3, 0.9, 0.999, 0, 1e-8, /*amsgrad=*/true,
+                     /*maximize=*/false);
+    FAIL() << "amsgrad accepted";
+  } catch (const c10::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("takes no amsgrad"), std::string::npos) << e.what();
+  }
+}
+#endif
 
 }  // namespace

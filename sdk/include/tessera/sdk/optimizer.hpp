@@ -31,8 +31,9 @@ struct NamedParameter {
 };
 
 /// AdamW/Adam/SGD over `params` (one param group), from `settings`. Adam and AdamW step
-/// through LibTorch's fused kernels (aten::_fused_adam_, _fused_adamw_) where it has them for
-/// the parameters' device (CUDA; the CPU from LibTorch 2.4), otherwise through its own loop.
+/// through the fused kernels aten::_fused_adam_ and _fused_adamw_ where the parameters' device
+/// has them (CUDA; the CPU: LibTorch's from 2.4, the SDK's own below), otherwise through
+/// LibTorch's loop.
 TESSERA_SDK_API std::unique_ptr<torch::optim::Optimizer> make_optimizer(const std::vector<NamedParameter>& params,
                                                                         const OptimizerSettings& settings);
 
