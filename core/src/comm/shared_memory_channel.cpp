@@ -205,6 +205,10 @@ struct SharedMemoryChannel::Impl {
                static_cast<std::size_t>(kSlotBytes);
   }
 
+  /// Where rank q's piece of a chunk of `len` elements split over the group begins (rank
+  /// `world`'s: the chunk's end).
+  std::int64_t piece_begin(std::int64_t q, std::int64_t len) const { return len * q / world; }
+
   /// Waits until rank `peer`'s `word` reaches `target`: spins briefly, then sleeps on the
   /// futex; throws when the channel stops, the peer is gone, or the deadline passes.
   void await(std::atomic<std::uint32_t>& word, std::uint32_t target, std::int64_t peer) {
@@ -433,14 +437,28 @@ c10::intrusive_ptr<c10d::Work> SharedMemoryChannel::all_reduce(at::Tensor tensor
   return self->submit([self, tensor, op] {
     const std::int64_t n = tensor.numel(), es = static_cast<std::int64_t>(tensor.element_size());
     const std::int64_t per_round = kSlotBytes / es;
-    std::byte* data = bytes(tensor);
     std::vector<const std::byte*> sources(static_cast<std::size_t>(self->world));
     for (std::int64_t offset = 0; offset < n; offset += per_round) {
       const std::int64_t len = std::min(per_round, n - offset);
-      self->round([&](std::byte* mine) { std::memcpy(mine, data + offset * es, static_cast<std::size_t>(len * es)); },
-                  [&](std::uint64_t k) {  // every rank reduces the same slots in the same order: the same bits everywhere
-                    for (std::int64_t p = 0; p < self->world; ++p) sources[p] = self->slot(p, k);
-                    reduce(tensor.scalar_type(), sources, data + offset * es, len, op, self->scratch);
+      std::byte* chunk = bytes(tensor) + offset * es;
+      // Whole: every rank reduces the whole chunk. Split: rank q reduces piece q, then the
+      // pieces are gathered. Either way in rank order, so every rank gets the same bits.
+      const bool split = len * es >= kSplitAllReduceBytes;
+      const std::int64_t begin = split ? self->piece_begin(self->rank, len) : 0;
+      const std::int64_t count = split ? self->piece_begin(self->rank + 1, len) - begin : len;
+      self->round([&](std::byte* mine) { std::memcpy(mine, chunk, static_cast<std::size_t>(len * es)); },
+                  [&](std::uint64_t k) {
+                    for (std::int64_t p = 0; p < self->world; ++p) sources[p] = self->slot(p, k) + begin * es;
+                    reduce(tensor.scalar_type(), sources, chunk + begin * es, count, op, self->scratch);
+                  });
+      if (!split) continue;
+      self->round([&](std::byte* mine) { std::memcpy(mine, chunk + begin * es, static_cast<std::size_t>(count * es)); },
+                  [&](std::uint64_t k) {
+                    for (std::int64_t q = 0; q < self->world; ++q) {
+                      if (q == self->rank) continue;
+                      const std::int64_t at = self->piece_begin(q, len), size = self->piece_begin(q + 1, len) - at;
+                      std::memcpy(chunk + at * es, self->slot(q, k), static_cast<std::size_t>(size * es));
+                    }
                   });
     }
   });

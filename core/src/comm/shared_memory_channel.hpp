@@ -42,6 +42,11 @@ class SharedMemoryChannel {
   /// `tessera plan` counts).
   static constexpr std::int64_t kSlotBytes = std::int64_t{2} << 20;
   static constexpr int kBuffers = 2;
+  /// All-reduce chunks from this size on are reduced piece by piece (rank q sums piece q of
+  /// every rank's chunk, then the pieces are gathered: a reduce-scatter and an all-gather), so
+  /// that a rank reads about twice the chunk instead of world times it; smaller ones, where the
+  /// second round's wait costs more than the reads save, are reduced whole by every rank.
+  static constexpr std::int64_t kSplitAllReduceBytes = std::int64_t{256} << 10;
 
  private:
   struct Impl;
