@@ -212,6 +212,15 @@ PlannedJob plan_job(const Config& config) {
   if (!trace_problem.empty())
     job.plan.notes.push_back("activations not traced (one forward on this machine's CPU failed: " + trace_problem +
                              "): counted as 0");
+  // The strategy's own rule (core/strategy_base.cpp): "auto" is CUDA where this LibTorch sees a GPU.
+  const std::string accelerator = config.resolved["strategy"]["accelerator"].value_or(std::string("auto"));
+  if (accelerator == "cuda" || (accelerator == "auto" && at::hasCUDA()))
+    job.plan.notes.push_back(
+        "[strategy] accelerator = \"" + accelerator +
+        "\" trains on CUDA, while this plan is of host memory: the parameters, gradients, optimizer state, gathered units, "
+        "unsharded gradients and activations above are sizes that a CUDA job holds in device memory (activations "
+        "traced on the CPU), while the peak RSS and this machine's total count them as host memory; device memory "
+        "itself is not planned");
   return job;
 }
 

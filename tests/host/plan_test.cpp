@@ -261,6 +261,18 @@ TEST(PlanOutput, TableNamesEveryRowAndTheTraffic) {
                           "collective buffers", "activations", "runtime baseline", "peak RSS per rank", "all_gather",
                           "reduce_scatter", "FULL_SHARD"})
     EXPECT_NE(plan.output.find(row), std::string::npos) << row << "\n" << plan.output;
+  EXPECT_EQ(plan.output.find("device memory"), std::string::npos) << "a CPU job's plan is of the memory it uses";
+}
+
+// A CUDA job's plan says that its figures are host memory, which a CUDA job mostly does not use
+// (planned here without a GPU: the plan sets up no device).
+TEST(PlanOutput, ACudaJobsPlanSaysItIsOfHostMemory) {
+  const std::string dir = tessera::testing::fresh_dir("plan-cuda");
+  auto plan = run_tessera("plan --config " + write_config(dir) +
+                          " --set strategy.plugin=fsdp --set strategy.accelerator='\"cuda\"' --set data.batch_size=1");
+  ASSERT_EQ(plan.exit_code, 0) << plan.output;
+  EXPECT_NE(plan.output.find("accelerator = \"cuda\" trains on CUDA, while this plan is of host memory"), std::string::npos)
+      << plan.output;
 }
 
 }  // namespace
