@@ -2,7 +2,7 @@
 // its own CPU kernels then (ATen/native/cpu/FusedAdamKernel.cpp): one pass over each
 // parameter reading it, its gradient and both moments and writing three, where LibTorch's
 // C++ loop makes nine elementwise passes with two temporaries. On the bench GPT (10.8M
-// parameters, one thread) the step falls from ~64 ms to ~15 ms: ~5% of a training step.
+// parameters) a DDP rank's optimizer step fell from 43 to 23 ms, 7% to 4% of its step.
 // sdk::make_optimizer dispatches to these as to LibTorch's own kernels (optimizer.cpp).
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
