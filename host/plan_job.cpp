@@ -219,7 +219,7 @@ PlannedJob plan_job(const Config& config) {
         "[strategy] accelerator = \"" + accelerator +
         "\" trains on CUDA, while this plan is of host memory: the parameters, gradients, optimizer state, gathered units, "
         "unsharded gradients and activations above are sizes that a CUDA job holds in device memory (activations "
-        "traced on the CPU), while the peak RSS and this machine's total count them as host memory; device memory "
+        "traced on the CPU), but the peak RSS and this machine's total count them as host memory; device memory "
         "itself is not planned");
   return job;
 }
