@@ -36,20 +36,29 @@ int optimizer_moments(const std::string& optimizer, double momentum) {
   return 2;  // adam, adamw: exp_avg and exp_avg_sq
 }
 
+/// The host's and the device's peaks from the rows: a CUDA job's device rows are not RSS.
+void sum_rows(MemoryPlan& plan, double baseline_bytes, double setup_bytes, std::int64_t local_ranks) {
+  double host = 0;
+  for (const auto& row : plan.rows) (row.on_device ? plan.device_peak : host) += row.bytes;
+  plan.baseline = baseline_bytes;
+  plan.training_peak = baseline_bytes + host;
+  plan.setup_peak = baseline_bytes + setup_bytes;
+  plan.peak = std::max(plan.training_peak, plan.setup_peak);
+  plan.job_bytes = plan.peak * static_cast<double>(local_ranks);
+}
+
 MemoryPlan make_plan(const PlanInputs& in) {
   MemoryPlan plan;
   plan.known = in.layout.has_value();
+  plan.cuda = in.cuda;
   const std::string activations_detail = in.activation_method;
   if (!plan.known) {
     plan.description = "strategy '" + in.strategy + "' does not describe its layout";
-    plan.rows.push_back({"activations", in.activation_bytes, activations_detail});
+    plan.rows.push_back({"activations", in.activation_bytes, activations_detail, in.cuda});
     plan.notes.push_back("the strategy plugin '" + in.strategy + "' does not implement sdk::StrategyMemoryLayout: "
                          "parameters, gradients, optimizer state, gathered units and traffic are unknown, and the "
                          "peak below counts the baseline and the activations only (a lower bound)");
-    plan.training_peak = in.baseline_bytes + in.activation_bytes;
-    plan.setup_peak = in.baseline_bytes;
-    plan.peak = plan.training_peak;
-    plan.job_bytes = plan.peak * static_cast<double>(in.local_ranks);
+    sum_rows(plan, in.baseline_bytes, 0, in.local_ranks);
     return plan;
   }
   const sdk::MemoryLayout& l = *in.layout;
@@ -57,27 +66,29 @@ MemoryPlan make_plan(const PlanInputs& in) {
   const int moments = optimizer_moments(in.optimizer, in.momentum);
   const double optimizer_bytes = static_cast<double>(moments) * static_cast<double>(l.optimizer_numel) *
                                  static_cast<double>(c10::elementSize(l.optimizer_dtype));
-  auto add = [&](const std::string& name, double bytes, const std::string& detail) {
-    plan.rows.push_back({name, bytes, detail});
+  auto add = [&](const std::string& name, double bytes, const std::string& detail, bool on_device) {
+    plan.rows.push_back({name, bytes, detail, on_device});
   };
-  add("parameters", l.param_bytes, "what the optimizer steps on (this rank's shards under FSDP)");
-  add("gradients", l.grad_bytes, "their gradients");
+  const bool state_on_device = in.cuda && !in.cpu_offload;
+  add("parameters", l.param_bytes, "what the optimizer steps on (this rank's shards under FSDP)", state_on_device);
+  add("gradients", l.grad_bytes, "their gradients", state_on_device);
   add("optimizer state", optimizer_bytes,
       in.optimizer + ": " + std::to_string(moments) + " moment(s) x " + std::to_string(l.optimizer_numel) +
-          " elements");
-  if (l.persistent_buffer_bytes > 0) add("gradient buckets", l.persistent_buffer_bytes, "DDP's flat all-reduce buffers");
+          " elements",
+      state_on_device);
+  if (l.persistent_buffer_bytes > 0)
+    add("gradient buckets", l.persistent_buffer_bytes, "DDP's flat all-reduce buffers", in.cuda);
   if (l.gathered_bytes > 0 || l.units > 0)
-    add("gathered units", l.gathered_bytes, "unsharded parameters alive at once; largest unit " + l.largest_unit);
-  if (l.unsharded_grad_bytes > 0) add("unsharded gradients", l.unsharded_grad_bytes, "in backward, before their reduce-scatter");
-  if (l.collective_buffer_bytes > 0) add("collective buffers", l.collective_buffer_bytes, "all-gather / reduce-scatter buffers alive at once");
-  add("activations", in.activation_bytes, activations_detail);
-  if (in.runtime_bytes > 0) add("trainer runtime", in.runtime_bytes, "trainer, loggers, c10d, allocator caches (measured)");
-  double total = 0;
-  for (const auto& row : plan.rows) total += row.bytes;
-  plan.training_peak = in.baseline_bytes + total;
-  plan.setup_peak = in.baseline_bytes + l.setup_bytes;
-  plan.peak = std::max(plan.training_peak, plan.setup_peak);
-  plan.job_bytes = plan.peak * static_cast<double>(in.local_ranks);
+    add("gathered units", l.gathered_bytes, "unsharded parameters alive at once; largest unit " + l.largest_unit, in.cuda);
+  if (l.unsharded_grad_bytes > 0)
+    add("unsharded gradients", l.unsharded_grad_bytes, "in backward, before their reduce-scatter", in.cuda);
+  if (l.collective_buffer_bytes > 0)
+    add("collective buffers", l.collective_buffer_bytes, "all-gather / reduce-scatter buffers alive at once", in.cuda);
+  add("activations", in.activation_bytes, activations_detail, in.cuda);
+  if (in.runtime_bytes > 0)
+    add("trainer runtime", in.runtime_bytes, "trainer, loggers, c10d, allocator caches (measured)", false);
+  // Setup builds the model in host memory (eagerly, or a unit at a time under deferred init).
+  sum_rows(plan, in.baseline_bytes, l.setup_bytes, in.local_ranks);
 
   for (const auto& c : l.collectives) {
     PlanTraffic t;
@@ -102,23 +113,24 @@ std::string format_plan(const MemoryPlan& plan, std::int64_t world_size, std::in
   out += "  " + std::to_string(world_size) + " rank(s), " + std::to_string(local_ranks) +
          " on this machine; every rank alike (the largest shard where they differ by padding)\n\n";
   char line[512];
-  std::snprintf(line, sizeof(line), "  %-22s %12s  %s\n", "", "per rank", "");
-  out += line;
-  auto row = [&](const std::string& name, double bytes, const std::string& detail) {
-    std::snprintf(line, sizeof(line), "  %-22s %12s  %s\n", name.c_str(), mb(bytes).c_str(), detail.c_str());
-    out += line;
+  // A CUDA job's rows say where they live: its device rows add up to a peak of their own.
+  auto row = [&](const std::string& name, const std::string& bytes, bool on_device, const std::string& detail) {
+    const char* where = !plan.cuda ? "" : on_device ? "device  " : "host    ";
+    std::snprintf(line, sizeof(line), "  %-22s %12s  %s%s", name.c_str(), bytes.c_str(), where, detail.c_str());
+    out += std::string(line, std::string(line).find_last_not_of(' ') + 1) + "\n";
   };
-  for (const auto& r : plan.rows) row(r.name, r.bytes, r.detail);
-  row("runtime baseline", plan.training_peak - [&] {
-        double s = 0;
-        for (const auto& r : plan.rows) s += r.bytes;
-        return s;
-      }(), "this process with LibTorch, the plugins and the data loaded");
+  std::snprintf(line, sizeof(line), "  %-22s %12s  %s\n", "", "per rank", plan.cuda ? "in" : "");
+  out += line;
+  for (const auto& r : plan.rows) row(r.name, mb(r.bytes), r.on_device, r.detail);
+  row("runtime baseline", mb(plan.baseline), false, "this process with LibTorch, the plugins and the data loaded");
   out += "  " + std::string(22 + 1 + 12, '-') + "\n";
-  row("training peak", plan.training_peak, "");
-  row("setup peak", plan.setup_peak, "building and sharding the model");
-  row("peak RSS per rank", plan.peak, plan.known ? "" : "(a lower bound: the layout is unknown)");
-  row("this machine", plan.job_bytes, "peak x " + std::to_string(local_ranks) + " local rank(s)");
+  row("training peak", mb(plan.training_peak), false, "");
+  row("setup peak", mb(plan.setup_peak), false, "building and sharding the model");
+  row("peak RSS per rank", mb(plan.peak), false, plan.known ? "" : "(a lower bound: the layout is unknown)");
+  row("this machine", mb(plan.job_bytes), false, "peak x " + std::to_string(local_ranks) + " local rank(s)");
+  if (plan.cuda)
+    row("peak CUDA per rank", mb(plan.device_peak), true,
+        "tensors at the peak of a step, as the trainer's peak_cuda_mb metric counts them");
   if (plan.known) {
     out += "\n  sent per rank per optimizer step (ring algorithm: all-gather and reduce-scatter send (g-1)/g of the data,"
            " all-reduce 2(g-1)/g):\n";
@@ -137,13 +149,12 @@ std::string format_plan(const MemoryPlan& plan, std::int64_t world_size, std::in
 }
 
 std::string plan_json(const MemoryPlan& plan, std::int64_t world_size, std::int64_t local_ranks) {
-  nlohmann::ordered_json rows = nlohmann::ordered_json::object();
-  double listed = 0;
+  nlohmann::ordered_json rows = nlohmann::ordered_json::object(), on_device = nlohmann::ordered_json::array();
   for (const auto& row : plan.rows) {
     rows[row.name] = whole(row.bytes);
-    listed += row.bytes;
+    if (row.on_device) on_device.push_back(row.name);
   }
-  rows["runtime baseline"] = whole(plan.training_peak - listed);
+  rows["runtime baseline"] = whole(plan.baseline);
   nlohmann::ordered_json traffic = nlohmann::ordered_json::array();
   for (const auto& t : plan.traffic)
     traffic.push_back({{"kind", t.kind},
@@ -160,6 +171,9 @@ std::string plan_json(const MemoryPlan& plan, std::int64_t world_size, std::int6
                                       {"setup_peak_bytes", whole(plan.setup_peak)},
                                       {"peak_rss_per_rank_bytes", whole(plan.peak)},
                                       {"machine_bytes", whole(plan.job_bytes)},
+                                      {"cuda", plan.cuda},
+                                      {"on_device", on_device},
+                                      {"peak_cuda_per_rank_bytes", whole(plan.device_peak)},
                                       {"sent_per_step_bytes", whole(plan.sent_per_step)},
                                       {"traffic", traffic},
                                       {"notes", plan.notes}};
@@ -179,16 +193,11 @@ std::string memory_warning(const MemoryPlan& plan, double available, std::int64_
                     " peak RSS per rank x " + std::to_string(local_ranks) + " local rank(s): ";
   bool first = true;
   for (const auto& r : plan.rows) {
-    if (r.bytes <= 0) continue;
+    if (r.bytes <= 0 || r.on_device) continue;
     out += (first ? "" : ", ") + r.name + " " + mb(r.bytes);
     first = false;
   }
-  out += ", baseline " + mb(plan.training_peak - [&] {
-           double s = 0;
-           for (const auto& r : plan.rows) s += r.bytes;
-           return s;
-         }()) +
-         ") but only " + mb(available) + " is available (MemAvailable); the job may be killed for memory. "
+  out += ", baseline " + mb(plan.baseline) + ") but only " + mb(available) + " is available (MemAvailable); the job may be killed for memory. "
          "Shard more (fsdp FULL_SHARD, more ranks), lower [data] batch_size, or see `tessera plan`";
   if (plan.job_bytes > 2 * available) out += " (the plan is more than twice what is available)";
   return out;

@@ -25,6 +25,10 @@ struct PlanInputs {
   double baseline_bytes = 0;       ///< the process with LibTorch, the plugins and the data loaded
   double runtime_bytes = 0;        ///< what a training process holds beyond that (see plan_job.cpp)
   std::string activation_method;   ///< how the activations were measured, for the report
+  /// The job trains on CUDA: every row but the trainer's runtime is device memory, except the
+  /// parameters, gradients and optimizer state under cpu_offload, which stay in host memory.
+  bool cuda = false;
+  bool cpu_offload = false;
 };
 
 /// One line of the budget.
@@ -32,6 +36,7 @@ struct PlanRow {
   std::string name;
   double bytes = 0;
   std::string detail;
+  bool on_device = false;  ///< in CUDA memory (a CUDA job's), else host memory
 };
 
 /// One collective with the bytes a rank sends for it per optimizer step.
@@ -46,7 +51,10 @@ struct MemoryPlan {
   bool known = false;        ///< false: the strategy gave no layout (only the baseline is known)
   std::string description;
   std::vector<PlanRow> rows;     ///< the training budget, largest rank
-  double training_peak = 0;      ///< baseline + every row
+  bool cuda = false;             ///< rows on the device, planned apart from the host's
+  double device_peak = 0;        ///< CUDA jobs: the device rows, tensor memory at the peak of a step
+  double baseline = 0;           ///< the process with LibTorch, the plugins and the data loaded
+  double training_peak = 0;      ///< baseline + every host row
   double setup_peak = 0;         ///< baseline + building/sharding the model
   double peak = 0;               ///< peak RSS per rank: the larger of the two
   double job_bytes = 0;          ///< peak x local ranks: what this machine must hold
@@ -69,7 +77,7 @@ std::string plan_json(const MemoryPlan& plan, std::int64_t world_size, std::int6
 
 /// MemAvailable of /proc/meminfo in bytes, or -1.
 double memory_available_bytes();
-/// A warning when `plan.job_bytes` exceeds `available` bytes (fit prints it before any work); "" otherwise.
+/// A warning when `plan.job_bytes` (host memory) exceeds `available` bytes (fit prints it before any work); "" otherwise.
 std::string memory_warning(const MemoryPlan& plan, double available, std::int64_t local_ranks);
 
 }  // namespace tessera::host

@@ -15,6 +15,7 @@
 #include "launcher.hpp"
 #include "plugin_keys.hpp"
 #include "tessera/core/deferred_init.hpp"
+#include "tessera/core/fsdp/sharded_strategy.hpp"
 #include "tessera/core/plugin_loader.hpp"
 #include "tessera/sdk/data.hpp"
 #include "tessera/sdk/error.hpp"
@@ -180,6 +181,12 @@ PlannedJob plan_job(const Config& config) {
   in.world_size = job.world_size;
   in.local_ranks = job.local_ranks;
   in.accumulate_grad_batches = config.trainer.accumulate_grad_batches;
+  // The strategy's own rule (StrategyBase::trains_on_cuda): "auto" is CUDA where this LibTorch
+  // sees a GPU. Only the sharded strategies offload (another keeps its state on the device).
+  const std::string accelerator = config.resolved["strategy"]["accelerator"].value_or(std::string("auto"));
+  in.cuda = accelerator == "cuda" || (accelerator == "auto" && at::hasCUDA());
+  if (auto* sharded = dynamic_cast<core::fsdp::ShardedStrategy*>(strategy.get()))
+    in.cpu_offload = in.cuda && sharded->offloads_state_to_cpu();
   {
     sdk::GuardPtr deferred = core::deferred_init_guard();
     sdk::GuardPtr dtype = precision->module_init_context();
@@ -212,15 +219,11 @@ PlannedJob plan_job(const Config& config) {
   if (!trace_problem.empty())
     job.plan.notes.push_back("activations not traced (one forward on this machine's CPU failed: " + trace_problem +
                              "): counted as 0");
-  // The strategy's own rule (core/strategy_base.cpp): "auto" is CUDA where this LibTorch sees a GPU.
-  const std::string accelerator = config.resolved["strategy"]["accelerator"].value_or(std::string("auto"));
-  if (accelerator == "cuda" || (accelerator == "auto" && at::hasCUDA()))
+  if (in.cuda)
     job.plan.notes.push_back(
         "[strategy] accelerator = \"" + accelerator +
-        "\" trains on CUDA, while this plan is of host memory: the parameters, gradients, optimizer state, gathered units, "
-        "unsharded gradients and activations above are sizes that a CUDA job holds in device memory (activations "
-        "traced on the CPU), but the peak RSS and this machine's total count them as host memory; device memory "
-        "itself is not planned");
+        "\": the device rows are CUDA tensors (activations traced on the CPU, with the same shapes); the CUDA context, "
+        "cuBLAS workspaces and the caching allocator's reserve are not counted, so nvidia-smi shows more");
   return job;
 }
 

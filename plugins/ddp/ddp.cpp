@@ -94,8 +94,9 @@ class DDPStrategy final : public core::StrategyBase, public sdk::StrategyMemoryL
     out.persistent_buffer_bytes = out.grad_bytes;
     out.setup_bytes = out.param_bytes;
     // Gloo all-reduces 16-bit buckets through fp32 copies, all of them in flight at the end of
-    // backward; shared memory reduces them where they are, through its segment.
-    if (core::shared_memory_collectives(cluster)) out.collective_buffer_bytes = core::shared_memory_segment_bytes(cluster.world_size);
+    // backward; shared memory reduces them where they are, through its segment, and NCCL in place.
+    if (trains_on_cuda()) out.collective_buffer_bytes = 0;
+    else if (core::shared_memory_collectives(cluster)) out.collective_buffer_bytes = core::shared_memory_segment_bytes(cluster.world_size);
     else if (cluster.world_size > 1) out.collective_buffer_bytes = 4.0 * static_cast<double>(low_precision_numel);
     out.largest_unit = "bucket of " + std::to_string(largest) + " elements";
     if (cluster.world_size > 1)

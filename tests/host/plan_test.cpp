@@ -9,6 +9,7 @@
 
 #include "multiprocess.hpp"
 #include "plan.hpp"
+#include "tessera/core/comm.hpp"
 #include "tessera/core/fsdp/memory_plan.hpp"
 
 namespace {
@@ -100,6 +101,67 @@ TEST(PlanArithmetic, MixedPrecisionGathersAndReducesInHalfKeepsFp32Master) {
   EXPECT_DOUBLE_EQ(layout.param_bytes, 1012 * 4.0);
   EXPECT_DOUBLE_EQ(layout.gathered_bytes, (24 + 2 * 1000) * 2.0);
   EXPECT_DOUBLE_EQ(sent(layout), 0.5 * (2024 + 2000 + 2024) * 2.0);
+}
+
+// Over Gloo a reduce-scatter receives every rank's copy of its chunk (an all-to-all) and a list
+// all-gather is staged; NCCL reduces from the input and gathers into the unit itself.
+TEST(PlanArithmetic, NcclNeedsNoReceiveNorStagingBuffers) {
+  auto in = two_units(2, fsdp::ShardingStrategy::FULL_SHARD);
+  in.transport = fsdp::PlannedTransport::gloo;
+  // Two reductions of the largest unit (1,000 fp32) in flight, and one staged all-gather.
+  EXPECT_DOUBLE_EQ(fsdp::plan_sharded_memory(in).collective_buffer_bytes, (2 * 1000 + 1000) * 4.0);
+  in.transport = fsdp::PlannedTransport::nccl;
+  EXPECT_DOUBLE_EQ(fsdp::plan_sharded_memory(in).collective_buffer_bytes, 0);
+  // Reduced in fp32 from bf16 gradients: the cast input is a buffer of its own, whatever the
+  // transport; and so are the bf16 copies of the shards that the all-gathers send.
+  in.compute_dtype = c10::ScalarType::BFloat16;
+  EXPECT_DOUBLE_EQ(fsdp::plan_sharded_memory(in).collective_buffer_bytes, 2 * 1000 * 4.0 + 2 * 500 * 2.0);
+  // Shared memory: the same, plus the shard group's segment; NCCL has none.
+  in.transport = fsdp::PlannedTransport::shared_memory;
+  EXPECT_DOUBLE_EQ(fsdp::plan_sharded_memory(in).collective_buffer_bytes,
+                   2 * 1000 * 4.0 + 2 * 500 * 2.0 + tessera::core::shared_memory_segment_bytes(2));
+}
+
+// A CUDA job: the model state, gathered units, collective buffers and activations are device
+// rows with a peak of their own; the host holds the baseline and the trainer. cpu_offload
+// keeps the shards, their gradients and the optimizer state on the host.
+TEST(PlanArithmetic, CudaJobsPlanDeviceAndHostApart) {
+  host::PlanInputs in;
+  in.strategy = "fsdp";
+  in.layout = fsdp::plan_sharded_memory(two_units(2, fsdp::ShardingStrategy::FULL_SHARD));
+  in.baseline_bytes = 1000;
+  in.runtime_bytes = 300;
+  in.activation_bytes = 500;
+  in.cuda = true;
+  host::MemoryPlan plan = host::make_plan(in);
+  double device = 0, host_rows = 0;
+  for (const auto& r : plan.rows) {
+    (r.on_device ? device : host_rows) += r.bytes;
+    EXPECT_EQ(r.on_device, r.name != "trainer runtime") << r.name;
+  }
+  EXPECT_TRUE(plan.cuda);
+  EXPECT_DOUBLE_EQ(plan.device_peak, device);
+  EXPECT_DOUBLE_EQ(host_rows, 300);
+  EXPECT_DOUBLE_EQ(plan.training_peak, 1000 + 300);
+  EXPECT_DOUBLE_EQ(plan.baseline, 1000);
+  // The host's warning counts host rows only.
+  EXPECT_EQ(host::memory_warning(plan, plan.job_bytes + 1, 1), "");
+  EXPECT_EQ(host::memory_warning(plan, plan.job_bytes / 2, 1).find("activations"), std::string::npos);
+
+  in.cpu_offload = true;
+  host::MemoryPlan offloaded = host::make_plan(in);
+  double state = 0;
+  for (const auto& r : offloaded.rows) {
+    const bool is_state = r.name == "parameters" || r.name == "gradients" || r.name == "optimizer state";
+    EXPECT_EQ(r.on_device, !is_state && r.name != "trainer runtime") << r.name;
+    if (is_state) state += r.bytes;
+  }
+  EXPECT_GT(state, 0);
+  EXPECT_DOUBLE_EQ(offloaded.device_peak, plan.device_peak - state);
+  EXPECT_DOUBLE_EQ(offloaded.training_peak, plan.training_peak + state);
+  // A CPU job has no device rows.
+  in.cuda = in.cpu_offload = false;
+  EXPECT_DOUBLE_EQ(host::make_plan(in).device_peak, 0);
 }
 
 TEST(PlanArithmetic, PlanSumsRowsAndWarnsAboveAvailableMemory) {
@@ -264,15 +326,54 @@ TEST(PlanOutput, TableNamesEveryRowAndTheTraffic) {
   EXPECT_EQ(plan.output.find("device memory"), std::string::npos) << "a CPU job's plan is of the memory it uses";
 }
 
-// A CUDA job's plan says that its figures are host memory, which a CUDA job mostly does not use
-// (planned here without a GPU: the plan sets up no device).
-TEST(PlanOutput, ACudaJobsPlanSaysItIsOfHostMemory) {
+// A CUDA job's plan (planned here without a GPU: the plan sets up no device) puts the model
+// state, gathered units and activations on the device with a peak of their own, as the JSON
+// says too; NCCL moves the tensors themselves (no Gloo receive buffers); cpu_offload keeps the
+// state on the host. For each strategy that plans a layout.
+TEST(PlanOutput, ACudaJobsPlanHasADevicePeak) {
   const std::string dir = tessera::testing::fresh_dir("plan-cuda");
-  auto plan = run_tessera("plan --config " + write_config(dir) +
-                          " --set strategy.plugin=fsdp --set strategy.accelerator='\"cuda\"' --set data.batch_size=1");
-  ASSERT_EQ(plan.exit_code, 0) << plan.output;
-  EXPECT_NE(plan.output.find("accelerator = \"cuda\" trains on CUDA, while this plan is of host memory"), std::string::npos)
-      << plan.output;
+  const std::string config = write_config(dir);
+  const std::string cuda = " --set strategy.accelerator='\"cuda\"' --set data.batch_size=1";
+  auto table = run_tessera("plan --config " + config + " --set strategy.plugin=fsdp" + cuda);
+  ASSERT_EQ(table.exit_code, 0) << table.output;
+  for (const char* text : {"peak CUDA per rank", "device  ", "accelerator = \"cuda\": the device rows are CUDA tensors"})
+    EXPECT_NE(table.output.find(text), std::string::npos) << text << "\n" << table.output;
+
+  auto json_of = [&](const std::string& sets) {
+    auto run = run_tessera("plan --json --config " + config + " " + sets);
+    EXPECT_EQ(run.exit_code, 0) << sets << "\n" << run.output;
+    return nlohmann::json::parse(run.output.substr(run.output.find('{')));
+  };
+  auto device_sum = [](const nlohmann::json& plan) {
+    double sum = 0;
+    for (const auto& name : plan["on_device"]) sum += plan["per_rank_bytes"][name.get<std::string>()].get<double>();
+    return sum;
+  };
+  for (const char* strategy : {"fsdp", "fsdp2", "ddp", "single_device"}) {
+    const std::string devices = std::string(strategy) == "single_device" ? "1" : "2";
+    const std::string sets = std::string("--set strategy.plugin=") + strategy + " --set launch.devices=" + devices;
+    nlohmann::json cpu = json_of(sets + " --set data.batch_size=1"), gpu = json_of(sets + cuda);
+    EXPECT_FALSE(cpu["cuda"].get<bool>());
+    EXPECT_EQ(cpu["peak_cuda_per_rank_bytes"].get<double>(), 0) << strategy;
+    ASSERT_TRUE(gpu["cuda"].get<bool>()) << strategy;
+    EXPECT_GT(gpu["peak_cuda_per_rank_bytes"].get<double>(), gpu["per_rank_bytes"]["optimizer state"].get<double>());
+    EXPECT_NEAR(gpu["peak_cuda_per_rank_bytes"].get<double>(), device_sum(gpu), 8) << strategy;  // whole bytes
+    EXPECT_EQ(gpu["on_device"].size(), gpu["per_rank_bytes"].size() - 2) << strategy << ": all but runtime and baseline";
+    // The host keeps what a training process holds besides the tensors.
+    EXPECT_LT(gpu["training_peak_bytes"].get<double>(), cpu["training_peak_bytes"].get<double>()) << strategy;
+    const double gloo = cpu["per_rank_bytes"].value("collective buffers", 0.0),
+                 nccl = gpu["per_rank_bytes"].value("collective buffers", 0.0);
+    if (std::string(strategy) != "single_device") EXPECT_LT(nccl, gloo) << strategy << ": shared memory's segment, Gloo's copies";
+  }
+  // Offloaded by each strategy's own key (fsdp_cpu_offload is fsdp with the key on).
+  for (const char* offload : {"--set strategy.plugin=fsdp --set strategy.cpu_offload=true",
+                              "--set strategy.plugin=fsdp_cpu_offload", "--set strategy.plugin=fsdp2 --set strategy.offload_policy=cpu"}) {
+    nlohmann::json offloaded = json_of(std::string(offload) + " --set launch.devices=2" + cuda);
+    EXPECT_EQ(offloaded["on_device"].size(), offloaded["per_rank_bytes"].size() - 5) << offload;
+    for (const auto& name : offloaded["on_device"])
+      EXPECT_TRUE(name != "parameters" && name != "gradients" && name != "optimizer state") << offload << ": " << name;
+    EXPECT_NEAR(offloaded["peak_cuda_per_rank_bytes"].get<double>(), device_sum(offloaded), 8) << offload;
+  }
 }
 
 }  // namespace

@@ -111,11 +111,12 @@ sdk::MemoryLayout plan_sharded_memory(const ShardedPlanInput& in) {
   // Collective buffers at once: per reduction in flight, over Gloo the all-to-all's receive
   // buffer (the input's size), and the input itself when it is a second buffer; the
   // per-parameter layout's all-gather output beside the unsharded parameters, and the cast
-  // all-gather input. Shared memory reduces from the peers' slots: its segments instead.
-  // Shared memory: a segment per group of more than one rank that carries data: the shard
-  // group's, the replicas' (their all-reduce), the tensor-parallel group's (the model's own
-  // all-reduces) and the post-forward reshard group's.
-  if (in.shared_memory)
+  // all-gather input. Shared memory reduces from the peers' slots and NCCL from the input
+  // itself: no receive buffer. Shared memory: a segment per group of more than one rank that
+  // carries data: the shard group's, the replicas' (their all-reduce), the tensor-parallel
+  // group's (the model's own all-reduces) and the post-forward reshard group's.
+  const bool gloo = in.transport == PlannedTransport::gloo;
+  if (in.transport == PlannedTransport::shared_memory)
     out.collective_buffer_bytes =
         core::shared_memory_segment_bytes(s) + core::shared_memory_segment_bytes(in.replicate_size) +
         core::shared_memory_segment_bytes(in.tp_size) +
@@ -127,7 +128,7 @@ sdk::MemoryLayout plan_sharded_memory(const ShardedPlanInput& in) {
     // The input is a second buffer when cast to reduce_dtype, and always under the
     // per-parameter layout (its shards' gathered order differs from the parameters').
     const bool second_input = in.reduce_dtype != in.compute_dtype || in.layout == ParamLayout::per_parameter;
-    if (in.shared_memory) {
+    if (!gloo) {
       if (second_input) out.collective_buffer_bytes += static_cast<double>(in_flight) * unit_reduction;
     } else {
       out.collective_buffer_bytes += static_cast<double>(in_flight) * unit_reduction * (second_input ? 2 : 1);

@@ -214,6 +214,8 @@ void ShardedStrategy::check_unit_classes(const torch::nn::Module& network, const
                   sdk::join(options.unit_classes));
 }
 
+bool ShardedStrategy::offloads_state_to_cpu() const { return planned_options(sdk::MixedPrecisionPolicy{}).cpu_offload; }
+
 sdk::MemoryLayout ShardedStrategy::memory_layout(sdk::Module& module, const sdk::ClusterInfo& cluster) {
   const PlannedMesh mesh = planned_mesh(cluster);
   FSDPOptions options = planned_options(precision().mixed_precision_policy());
@@ -246,7 +248,9 @@ sdk::MemoryLayout ShardedStrategy::memory_layout(sdk::Module& module, const sdk:
   in.backward_prefetch = options.backward_prefetch;
   in.forward_prefetch = options.forward_prefetch;
   in.max_gathered_units = options.max_gathered_units;
-  in.shared_memory = core::shared_memory_collectives(cluster);
+  in.transport = trains_on_cuda()                            ? PlannedTransport::nccl
+                 : core::shared_memory_collectives(cluster) ? PlannedTransport::shared_memory
+                                                            : PlannedTransport::gloo;
   // The dtypes the layouts pick (flat_param.cpp): the master shard keeps the parameters' own.
   at::ScalarType master = at::kFloat;
   for (const auto& unit : plan.units)

@@ -39,9 +39,11 @@ sdk::CheckpointIO& StrategyBase::checkpoint_io() {
   return *checkpoint_io_;
 }
 
+bool StrategyBase::trains_on_cuda() const { return accelerator_ == "cuda" || (accelerator_ == "auto" && at::hasCUDA()); }
+
 void StrategyBase::setup_environment(const sdk::ClusterInfo& cluster) {
   cluster_ = cluster;
-  bool cuda = accelerator_ == "cuda" || (accelerator_ == "auto" && at::hasCUDA());
+  const bool cuda = trains_on_cuda();
   TESSERA_CHECK(!cuda || at::hasCUDA(), "[strategy] accelerator = \"cuda\" but this tessera ",
                 (TESSERA_WITH_CUDA ? "sees no CUDA device" : "was built without CUDA"), "; valid here: \"cpu\", \"auto\"");
   // device_id (PyTorch FSDP's name) is local rank 0's GPU; the others follow it, so two jobs

@@ -75,6 +75,9 @@ class StrategyBase : public sdk::Strategy {
   virtual void zero_grad();
   /// What the optimizer steps on, named after the original parameters.
   virtual std::vector<sdk::NamedParameter> optimizer_parameters();
+  /// Whether `accelerator` is CUDA: "cuda", or "auto" where this LibTorch sees a GPU. The
+  /// memory layouts read it too: on CUDA the collectives are NCCL's and the tensors on the GPU.
+  bool trains_on_cuda() const;
   /// `batch` on `device_`, floating inputs converted by the precision.
   sdk::Batch prepare_batch(const sdk::Batch& batch);
   /// The communicator's ranks must agree: throws if setup_environment has not run.

@@ -4,7 +4,8 @@
 /// It follows what the engine allocates: the flat layout's padded shards (flat_param.cpp),
 /// the per-parameter layout's dim-0 chunks and its separate all-gather buffer (param_group.cpp),
 /// the scheduler's units gathered at once and its two reductions in flight (scheduler.cpp),
-/// and the communicator's reduce-scatter as all-to-all into a receive buffer of the input's size.
+/// and the communicator's collectives: over Gloo a reduce-scatter is an all-to-all into a
+/// receive buffer of the input's size; shared memory and NCCL move the tensors themselves.
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -27,6 +28,13 @@ struct PlannedUnitSizes {
   std::vector<PlannedParam> params;
 };
 
+/// How the communicator moves a collective's data (c10d_communicator.cpp).
+enum class PlannedTransport {
+  gloo,           ///< reduce-scatter: all-to-all into a receive buffer + local sum; list all-gather staged in one tensor
+  shared_memory,  ///< Gloo's ranks on one host: through a segment per group (core::shared_memory_collectives)
+  nccl,           ///< CUDA: NCCL's own reduce-scatter and all-gather, straight from and into the tensors
+};
+
 struct ShardedPlanInput {
   std::string strategy = "fsdp";  ///< for the description
   std::vector<PlannedUnitSizes> units;  ///< forward order, the root last
@@ -40,7 +48,7 @@ struct ShardedPlanInput {
   BackwardPrefetch backward_prefetch = BackwardPrefetch::BACKWARD_PRE;
   bool forward_prefetch = false;
   std::int64_t max_gathered_units = 0;  ///< limit_all_gathers (0: none)
-  bool shared_memory = false;           ///< collectives through shared memory (core::shared_memory_collectives)
+  PlannedTransport transport = PlannedTransport::gloo;
   c10::ScalarType master_dtype = c10::ScalarType::Float;
   c10::ScalarType compute_dtype = c10::ScalarType::Float;
   c10::ScalarType reduce_dtype = c10::ScalarType::Float;
