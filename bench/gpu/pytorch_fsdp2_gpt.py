@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """PyTorch's own FSDP2 (fully_shard) on the same GPT as Tessera's bench, one GPU, NCCL world
 size 1: the reference for Tessera's CUDA path. Prints tokens/s and peak CUDA memory.
---device cpu (Gloo) rehearses it where there is no GPU, with a LibTorch 2.x python3-torch (.ci/libtorch2's
-chroot): fully_shard's API is checked before device time is spent on it."""
+--device cpu (Gloo) rehearses it where there is no GPU, with a python3-torch whose fully_shard runs on
+the CPU (Debian sid's 2.14; not trixie's 2.6): its API is checked before device time is spent on it."""
 import argparse
 import os
 import sys

@@ -6,7 +6,8 @@
 # Shapes (issue 13 item 5): "small" 6 x 384, batch 8 x 128 tokens (where per-op host overhead
 # dominates); "1.3B" 26 x 2048, 16 heads, batch 4 x 512 tokens (1.31B parameters; the GPU
 # dominates). ACCELERATOR=cpu SHAPES=small rehearses the whole run on a CPU build, PyTorch's rows
-# on Gloo where python3-torch has fully_shard (2.6 in .ci/libtorch2's chroot).
+# on Gloo where python3-torch has fully_shard (Debian sid's 2.14 runs it on the CPU; 2.6's records
+# events on a CPU stream and fails).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 out="${OUT:-/tmp/out}"; mkdir -p "$out"
