@@ -215,12 +215,14 @@ TEST_P(PlanVsMeasured, PeakRssWithinTenPercent) {
   const Case& c = GetParam();
   const std::string dir = tessera::testing::fresh_dir(std::string("plan-") + c.name);
   const std::string config = write_config(dir);
-  auto plan = run_tessera("plan --json --config " + config + " " + c.sets);
+  // Host memory on the CPU, on a GPU machine as well (there "auto" would train on CUDA).
+  const std::string sets = std::string(c.sets) + " --set strategy.accelerator='\"cpu\"'";
+  auto plan = run_tessera("plan --json --config " + config + " " + sets);
   ASSERT_EQ(plan.exit_code, 0) << plan.output;
   const auto json = nlohmann::json::parse(plan.output.substr(plan.output.find('{')));
   ASSERT_TRUE(json.at("known").get<bool>()) << plan.output;
   const double planned_mb = json.at("peak_rss_per_rank_bytes").get<double>() / 1048576.0;
-  auto fit = run_tessera("fit --config " + config + " " + c.sets, "", 600);
+  auto fit = run_tessera("fit --config " + config + " " + sets, "", 600);
   ASSERT_EQ(fit.exit_code, 0) << fit.output;
   auto peaks = metric_series(run_dir(dir) + "/metrics.csv", "train", "peak_rss_mb");
   ASSERT_FALSE(peaks.empty()) << fit.output;
@@ -352,7 +354,8 @@ TEST(PlanOutput, ACudaJobsPlanHasADevicePeak) {
   for (const char* strategy : {"fsdp", "fsdp2", "ddp", "single_device"}) {
     const std::string devices = std::string(strategy) == "single_device" ? "1" : "2";
     const std::string sets = std::string("--set strategy.plugin=") + strategy + " --set launch.devices=" + devices;
-    nlohmann::json cpu = json_of(sets + " --set data.batch_size=1"), gpu = json_of(sets + cuda);
+    nlohmann::json cpu = json_of(sets + " --set strategy.accelerator='\"cpu\"' --set data.batch_size=1"),
+                   gpu = json_of(sets + cuda);
     EXPECT_FALSE(cpu["cuda"].get<bool>());
     EXPECT_EQ(cpu["peak_cuda_per_rank_bytes"].get<double>(), 0) << strategy;
     ASSERT_TRUE(gpu["cuda"].get<bool>()) << strategy;
