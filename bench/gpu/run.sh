@@ -91,7 +91,7 @@ ratios() {
     $1 == shape && $2 ~ "^tessera .* " precision "$" { name[++n] = $2; tps[n] = field($3, "tokens_per_s"); mem[n] = field($3, "peak_cuda_mb") }
     END { for (j = 1; j <= m; j++) for (i = 1; i <= n; i++) if (rtps[j] > 0 && tps[i] > 0)
             printf "%s | %s / %s: %.2fx tokens/s%s\n", shape, name[i], ref[j], tps[i] / rtps[j],
-                   rmem[j] > 0 && mem[i] > 0 ? sprintf(", %.2fx peak CUDA memory", mem[i] / rmem[j]) : "" }' "$out/gpu-bench.txt"
+                   (rmem[j] > 0 && mem[i] > 0 ? sprintf(", %.2fx peak CUDA memory", mem[i] / rmem[j]) : "") }' "$out/gpu-bench.txt"
 }
 
 : > "$out/gpu-bench.txt"
