@@ -70,6 +70,17 @@ class GPT(nn.Module):
         self.wpe = nn.Embedding(block_size, n_embd)
         self.blocks = nn.ModuleList(Block(n_embd, n_head) for _ in range(n_layer))
         self.ln_f = nn.LayerNorm(n_embd)
+        # Tessera's gpt plugin's initialisation (nanoGPT's): LayerNorms 1 and 0, other vectors 0,
+        # matrices N(0, 0.02), the residual projections N(0, 0.02 / sqrt(2 n_layer)); PyTorch's
+        # defaults (N(0, 1) embeddings, tied to the head) would start at a loss of ~30, not ln 256.
+        with torch.no_grad():
+            for name, p in self.named_parameters():
+                if "ln_" in name:
+                    continue
+                if p.dim() == 1:
+                    p.zero_()
+                else:
+                    p.normal_(0.0, 0.02 / math.sqrt(2 * n_layer) if "proj.weight" in name else 0.02)
 
     def forward(self, idx):
         x = self.wte(idx) + self.wpe(torch.arange(idx.size(1), device=idx.device))
