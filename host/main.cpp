@@ -13,7 +13,6 @@
 #include <vector>
 
 #include <c10/util/Exception.h>
-#include <torch/cuda.h>
 
 #include "allocator.hpp"
 #include "checkpoint_tool.hpp"
@@ -158,9 +157,9 @@ void check_plugins(const host::Config& config) {
 /// Slurm or MPI only each node's local rank 0 plans.
 void warn_about_memory(const host::Config& config) {
   if (host::planned_cluster(config.launch).local_rank != 0) return;
-  // The plan is of host memory, traced on the CPU: a CUDA machine's jobs are bounded by device
-  // memory instead, and tracing a GPU-sized model's forward on the CPU would delay the start.
-  if (torch::cuda::is_available()) return;
+  // A CUDA job is bounded by device memory, and tracing a GPU-sized model's forward on the CPU
+  // would delay its start: `tessera plan` plans it. A CPU job is planned on a GPU machine too.
+  if (host::trains_on_cuda(config)) return;
   host::PlannedJob job;
   try {
     job = host::plan_job(config);

@@ -147,6 +147,11 @@ Trace trace_forward(sdk::Module& model, sdk::Precision& precision, sdk::DataModu
 
 }  // namespace
 
+bool trains_on_cuda(const Config& config) {
+  const std::string accelerator = config.resolved["strategy"]["accelerator"].value_or(std::string("auto"));
+  return accelerator == "cuda" || (accelerator == "auto" && at::hasCUDA());
+}
+
 PlannedJob plan_job(const Config& config) {
   PlannedJob job;
   const sdk::ClusterInfo planned = planned_cluster(config.launch);
@@ -181,10 +186,8 @@ PlannedJob plan_job(const Config& config) {
   in.world_size = job.world_size;
   in.local_ranks = job.local_ranks;
   in.accumulate_grad_batches = config.trainer.accumulate_grad_batches;
-  // The strategy's own rule (StrategyBase::trains_on_cuda): "auto" is CUDA where this LibTorch
-  // sees a GPU. Only the sharded strategies offload (another keeps its state on the device).
-  const std::string accelerator = config.resolved["strategy"]["accelerator"].value_or(std::string("auto"));
-  in.cuda = accelerator == "cuda" || (accelerator == "auto" && at::hasCUDA());
+  // Only the sharded strategies offload (another keeps its state on the device).
+  in.cuda = trains_on_cuda(config);
   if (auto* sharded = dynamic_cast<core::fsdp::ShardedStrategy*>(strategy.get()))
     in.cpu_offload = in.cuda && sharded->offloads_state_to_cpu();
   {
@@ -221,7 +224,7 @@ PlannedJob plan_job(const Config& config) {
                              "): counted as 0");
   if (in.cuda)
     job.plan.notes.push_back(
-        "[strategy] accelerator = \"" + accelerator +
+        "[strategy] accelerator = \"" + config.resolved["strategy"]["accelerator"].value_or(std::string("auto")) +
         "\": the device rows are CUDA tensors (activations traced on the CPU, with the same shapes); the CUDA context, "
         "cuBLAS workspaces and the caching allocator's reserve are not counted, so nvidia-smi shows more");
   return job;

@@ -316,6 +316,21 @@ TEST(PlanInFit, WarnsBeforeAnyWorkWhenThePlanExceedsTheMachine) {
   EXPECT_EQ(quiet.output.find("warning: the memory plan"), std::string::npos) << quiet.output;
 }
 
+// fit plans the host memory of a job that trains on the CPU, on any machine; a CUDA job's
+// bound is its device memory, planned by `tessera plan` (fit would trace the forward on the
+// CPU first). Keyed on the job's accelerator, not on whether this machine has a GPU.
+TEST(PlanInFit, ACudaJobIsNotPlannedAsHostMemory) {
+  const std::string dir = tessera::testing::fresh_dir("plan-warning-cuda");
+  std::ofstream(dir + "/small.toml") << "[trainer]\nmax_steps = 1\nenable_progress_bar = false\nsave_last = false\n"
+                                     << "default_root_dir = \"" << dir << "\"\n[strategy]\naccelerator = \"cuda\"\n"
+                                     << "[model]\nplugin = \"gpt\"\nn_layer = 1\nn_head = 2\nn_embd = 32\nblock_size = 32\n"
+                                     << "[data]\nplugin = \"text\"\nblock_size = 32\nbatch_size = 2\n";
+  auto fit = run_tessera("fit --config " + dir + "/small.toml", "TESSERA_MEMORY_AVAILABLE_MB=1");
+  EXPECT_EQ(fit.output.find("warning: the memory plan"), std::string::npos) << fit.output;
+  if (fit.exit_code != 0)  // this machine has no GPU (or this build no CUDA): refused, and said why
+    EXPECT_NE(fit.output.find("accelerator = \"cuda\""), std::string::npos) << fit.output;
+}
+
 TEST(PlanOutput, TableNamesEveryRowAndTheTraffic) {
   const std::string dir = tessera::testing::fresh_dir("plan-table");
   auto plan = run_tessera("plan --config " + write_config(dir) +
