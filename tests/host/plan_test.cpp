@@ -72,6 +72,15 @@ TEST(PlanArithmetic, ShardGradOpKeepsEveryUnitAndGathersOnce) {
   EXPECT_DOUBLE_EQ(sent(layout), 0.75 * (2024 + 2024) * 4.0);
 }
 
+// One rank keeping its shards in host memory (cpu_offload on CUDA) does not alias them: it
+// copies each unit to the device as a sharded rank gathers it.
+TEST(PlanArithmetic, OneOffloadedRankCopiesItsUnitsToTheDevice) {
+  auto in = two_units(1, fsdp::ShardingStrategy::FULL_SHARD);
+  EXPECT_DOUBLE_EQ(fsdp::plan_sharded_memory(in).gathered_bytes, 0);
+  in.offloaded = true;
+  EXPECT_DOUBLE_EQ(fsdp::plan_sharded_memory(in).gathered_bytes, (24 + 2 * 1000) * 4.0);
+}
+
 TEST(PlanArithmetic, NoShardAndHybridAllReduce) {
   auto no_shard = two_units(1, fsdp::ShardingStrategy::NO_SHARD);
   no_shard.replicate_size = 4;

@@ -84,9 +84,10 @@ sdk::MemoryLayout plan_sharded_memory(const ShardedPlanInput& in) {
   out.optimizer_numel = shard_total + in.replicated_numel;
   out.optimizer_dtype = in.master_dtype;
 
-  // Gathered units. A one-rank shard group computing in the master dtype aliases its shard
-  // (nothing gathered); in another dtype its cast copies are gathered and freed as shards are.
-  const bool aliased = s == 1 && in.compute_dtype == in.master_dtype;
+  // Gathered units. A one-rank shard group computing in the master dtype where it keeps its
+  // shard aliases the shard (nothing gathered: flat_param.cpp); in another dtype, or from host
+  // memory (cpu_offload), its device copies are gathered and freed as shards are.
+  const bool aliased = s == 1 && in.compute_dtype == in.master_dtype && !in.offloaded;
   const bool reshards = !aliased && (in.sharding_strategy == ShardingStrategy::FULL_SHARD ||
                                      in.sharding_strategy == ShardingStrategy::HYBRID_SHARD);
   std::int64_t at_once = 1;

@@ -248,6 +248,7 @@ sdk::MemoryLayout ShardedStrategy::memory_layout(sdk::Module& module, const sdk:
   in.backward_prefetch = options.backward_prefetch;
   in.forward_prefetch = options.forward_prefetch;
   in.max_gathered_units = options.max_gathered_units;
+  in.offloaded = options.cpu_offload && trains_on_cuda();  // on the CPU there is nowhere to offload to
   in.transport = trains_on_cuda()                            ? PlannedTransport::nccl
                  : core::shared_memory_collectives(cluster) ? PlannedTransport::shared_memory
                                                             : PlannedTransport::gloo;

@@ -49,6 +49,7 @@ struct ShardedPlanInput {
   bool forward_prefetch = false;
   std::int64_t max_gathered_units = 0;  ///< limit_all_gathers (0: none)
   PlannedTransport transport = PlannedTransport::gloo;
+  bool offloaded = false;  ///< cpu_offload on a CUDA job: shards in host memory, so one rank too copies its units over
   c10::ScalarType master_dtype = c10::ScalarType::Float;
   c10::ScalarType compute_dtype = c10::ScalarType::Float;
   c10::ScalarType reduce_dtype = c10::ScalarType::Float;
