@@ -189,7 +189,7 @@ PlannedJob plan_job(const Config& config) {
   // Only the sharded strategies offload (another keeps its state on the device).
   in.cuda = trains_on_cuda(config);
   if (auto* sharded = dynamic_cast<core::fsdp::ShardedStrategy*>(strategy.get()))
-    in.cpu_offload = in.cuda && sharded->offloads_state_to_cpu();
+    in.cpu_offload = sharded->offloads_state_to_cpu();
   {
     sdk::GuardPtr deferred = core::deferred_init_guard();
     sdk::GuardPtr dtype = precision->module_init_context();

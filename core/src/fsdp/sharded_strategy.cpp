@@ -214,7 +214,9 @@ void ShardedStrategy::check_unit_classes(const torch::nn::Module& network, const
                   sdk::join(options.unit_classes));
 }
 
-bool ShardedStrategy::offloads_state_to_cpu() const { return planned_options(sdk::MixedPrecisionPolicy{}).cpu_offload; }
+bool ShardedStrategy::offloads_state_to_cpu() const {
+  return trains_on_cuda() && planned_options(sdk::MixedPrecisionPolicy{}).cpu_offload;
+}
 
 sdk::MemoryLayout ShardedStrategy::memory_layout(sdk::Module& module, const sdk::ClusterInfo& cluster) {
   const PlannedMesh mesh = planned_mesh(cluster);
@@ -248,7 +250,7 @@ sdk::MemoryLayout ShardedStrategy::memory_layout(sdk::Module& module, const sdk:
   in.backward_prefetch = options.backward_prefetch;
   in.forward_prefetch = options.forward_prefetch;
   in.max_gathered_units = options.max_gathered_units;
-  in.offloaded = options.cpu_offload && trains_on_cuda();  // on the CPU there is nowhere to offload to
+  in.offloaded = offloads_state_to_cpu();
   in.transport = trains_on_cuda()                            ? PlannedTransport::nccl
                  : core::shared_memory_collectives(cluster) ? PlannedTransport::shared_memory
                                                             : PlannedTransport::gloo;

@@ -63,8 +63,9 @@ class ShardedStrategy : public StrategyBase, public sdk::StrategyMemoryLayout {
   /// `tessera plan`: the units the wrap policy makes of `module`'s network and their shards
   /// on the mesh a job of `cluster` gets (core/fsdp/memory_plan.hpp), without communicating.
   sdk::MemoryLayout memory_layout(sdk::Module& module, const sdk::ClusterInfo& cluster) override;
-  /// Whether the shards, their gradients and the optimizer state live in host memory on a
-  /// CUDA job (fsdp's cpu_offload, fsdp2's offload_policy = "cpu"): where `tessera plan` puts them.
+  /// Whether this job keeps the shards, their gradients and the optimizer state in host memory
+  /// while it computes on CUDA (fsdp's cpu_offload, fsdp2's offload_policy = "cpu"; on the CPU
+  /// there is nowhere to offload to): where `tessera plan` puts them.
   bool offloads_state_to_cpu() const;
 
  protected:
