@@ -43,6 +43,52 @@ BatchLimit read_limit(const sdk::Options& options, const std::string& key, Batch
                toml::impl::node_type_friendly_names[static_cast<int>(node->type())]);
 }
 
+/// val_check_interval: an integer is a number of steps over the whole run (0: at each epoch's
+/// end), a float a fraction of each epoch; check_val_every_n_epoch picks the epochs.
+void read_validation_schedule(const sdk::Options& t, TrainerSettings& tr) {
+  const toml::node* interval = t.table().get("val_check_interval");
+  if (interval != nullptr && interval->is_floating_point()) {
+    tr.val_check_fraction = t.get_double("val_check_interval", 1.0, 0.0, 1.0);
+    TESSERA_CHECK(tr.val_check_fraction > 0.0, t.locate("val_check_interval"), " = 0.0 is no fraction of an epoch: ",
+                  "give a fraction in (0.0, 1.0] (0.25: four validations per epoch) or a number of steps");
+  } else {
+    tr.val_check_interval = t.get_int("val_check_interval", 0, 0);
+  }
+  tr.check_val_every_n_epoch = t.get_int("check_val_every_n_epoch", 1, 1);
+  TESSERA_CHECK(tr.val_check_interval == 0 || !t.has("check_val_every_n_epoch"), t.locate("val_check_interval"), " = ",
+                tr.val_check_interval, " counts steps over the whole run, across epochs, so ",
+                t.locate("check_val_every_n_epoch"), " cannot apply: remove one of them, or give val_check_interval ",
+                "as a fraction of an epoch (e.g. 0.5)");
+}
+
+/// Lightning's fast_dev_run: true (one batch) or a number of batches; false or 0 is off.
+std::int64_t read_fast_dev_run(const sdk::Options& t) {
+  const toml::node* node = t.table().get("fast_dev_run");
+  if (node != nullptr && node->is_boolean()) return t.get_bool("fast_dev_run", false) ? 1 : 0;
+  TESSERA_CHECK(node == nullptr || node->is_integer(), t.locate("fast_dev_run"),
+                " must be true, false or a number of batches (e.g. 5)");
+  return t.get_int("fast_dev_run", 0, 0);
+}
+
+/// fast_dev_run = n: n steps of one epoch, n batches of every evaluation, no sanity check, no
+/// loggers, no checkpoints (Lightning's debugging run: does every loop run at all?).
+void apply_fast_dev_run(TrainerSettings& tr, LoggerSettings& logger) {
+  const std::int64_t n = tr.fast_dev_run;
+  if (n == 0) return;
+  tr.max_steps = n;
+  tr.max_epochs = 1;
+  tr.min_steps = tr.min_epochs = 0;
+  tr.limit_train_batches = {false, static_cast<double>(n * tr.accumulate_grad_batches)};  // the epoch ends after n steps
+  tr.limit_val_batches = tr.limit_test_batches = tr.limit_predict_batches = {false, static_cast<double>(n)};
+  tr.val_check_interval = 0;  // one validation, at the epoch's end
+  tr.val_check_fraction = 1.0;
+  tr.check_val_every_n_epoch = 1;
+  tr.num_sanity_val_steps = 0;
+  tr.checkpoint_every_n_steps = 0;
+  tr.save_last = false;
+  logger.loggers.clear();
+}
+
 /// Lightning's max_time: "DD:HH:MM:SS", or a number of seconds.
 double read_max_time(const sdk::Options& options) {
   const toml::node* node = options.table().get("max_time");
@@ -175,7 +221,19 @@ Config Config::load(const std::string& path, const std::vector<std::string>& ove
   tr.gradient_clip_val = t.get_double("gradient_clip_val", 0.0, 0.0, kMaxFloat);
   t.get_choice("gradient_clip_algorithm", "norm", {"norm"});
   tr.norm_type = t.get_double("norm_type", 2.0, 1e-6, INFINITY);
-  tr.val_check_interval = t.get_int("val_check_interval", 0, 0);
+  tr.min_steps = t.get_int("min_steps", 0, 0);
+  tr.min_epochs = t.get_int("min_epochs", 0, 0);
+  TESSERA_CHECK(tr.max_steps <= 0 || tr.min_steps <= tr.max_steps, t.locate("min_steps"), " = ", tr.min_steps,
+                " is more than ", t.locate("max_steps"), " = ", tr.max_steps, ": lower min_steps or raise max_steps");
+  TESSERA_CHECK(tr.min_epochs <= tr.max_epochs, t.locate("min_epochs"), " = ", tr.min_epochs, " is more than ",
+                t.has("max_epochs") ? t.locate("max_epochs") : "[trainer] max_epochs (default)", " = ", tr.max_epochs,
+                ": lower min_epochs or raise max_epochs");
+  tr.limit_train_batches = read_limit(t, "limit_train_batches", tr.limit_train_batches);
+  TESSERA_CHECK(tr.limit_train_batches.of(1) > 0, t.locate("limit_train_batches"),
+                " leaves no batch to train on: give a number of batches >= 1 or a fraction in (0.0, 1.0]");
+  read_validation_schedule(t, tr);
+  tr.num_sanity_val_steps = t.get_int("num_sanity_val_steps", tr.num_sanity_val_steps, -1);
+  tr.fast_dev_run = read_fast_dev_run(t);
   tr.limit_val_batches = read_limit(t, "limit_val_batches", tr.limit_val_batches);
   tr.limit_test_batches = read_limit(t, "limit_test_batches", tr.limit_test_batches);
   tr.limit_predict_batches = read_limit(t, "limit_predict_batches", tr.limit_predict_batches);
@@ -210,6 +268,7 @@ Config Config::load(const std::string& path, const std::vector<std::string>& ove
                   " must be a folder name, not a path: \"", part, "\"");
   }
   lg.check_all_used();
+  apply_fast_dev_run(config.trainer, config.logger);
 
   if (toml::table* callbacks = root["callbacks"].as_table()) {
     for (auto& [key, node] : *callbacks) {

@@ -25,7 +25,14 @@ struct TrainerSettings {
   std::int64_t accumulate_grad_batches = 1;
   double gradient_clip_val = 0.0;
   double norm_type = 2.0;
-  std::int64_t val_check_interval = 0;  ///< steps between validations; 0 = end of each epoch
+  std::int64_t min_steps = 0;   ///< a callback's stop request (early stopping) waits until then
+  std::int64_t min_epochs = 0;  ///< ... and until this many epochs are complete
+  BatchLimit limit_train_batches;  ///< all: batches of each training epoch
+  std::int64_t val_check_interval = 0;  ///< steps between validations over the run; 0 = see val_check_fraction
+  double val_check_fraction = 1.0;      ///< validate every this fraction of an epoch (1.0: at its end)
+  std::int64_t check_val_every_n_epoch = 1;  ///< epoch-end and fractional validations run in every n-th epoch
+  std::int64_t num_sanity_val_steps = 2;     ///< validation batches run before the first step; -1 all
+  std::int64_t fast_dev_run = 0;  ///< > 0: that many batches of each loop, no loggers, no checkpoints
   BatchLimit limit_val_batches;                    ///< all
   BatchLimit limit_test_batches;                   ///< all
   BatchLimit limit_predict_batches{false, 1.0};   ///< one batch: a sample, not the whole set

@@ -301,6 +301,20 @@ void Trainer::log_stage_metrics(const std::map<std::string, double>& metrics, co
 }
 
 void Trainer::request_stop(const std::string& reason) {
+  // Lightning's min_steps / min_epochs: a callback (early stopping) cannot end training before
+  // them. The step and epoch are the same on every rank, so every rank decides alike.
+  const TrainerSettings& t = config_.trainer;
+  if (global_step_ < t.min_steps || epoch_ < t.min_epochs) {
+    log_.info("a stop was requested at step " + std::to_string(global_step_) + " (" + reason + "), but " +
+              (global_step_ < t.min_steps ? "[trainer] min_steps = " + std::to_string(t.min_steps)
+                                          : "[trainer] min_epochs = " + std::to_string(t.min_epochs)) +
+              " is not reached: training continues");
+    return;
+  }
+  stop(reason);
+}
+
+void Trainer::stop(const std::string& reason) {
   if (!should_stop_) stop_reason_ = reason;
   should_stop_ = true;
 }
@@ -443,7 +457,7 @@ void Trainer::maybe_inject_fault(std::int64_t step, bool saving) const {
   std::_Exit(3);
 }
 
-std::map<std::string, double> Trainer::evaluate(const std::string& stage, const BatchLimit& limit) {
+Trainer::Evaluation Trainer::evaluate(const std::string& stage, const BatchLimit& limit, std::int64_t cap) {
   core::trace::Span span("hook", "[Trainer]" + std::string(stage == "test" ? "test" : "validation") + "_loop");
   std::shared_ptr<sdk::Dataset> dataset = stage == "test" ? data_->test_dataset() : data_->val_dataset();
   if (!dataset || dataset->size() == 0) return {};
@@ -451,7 +465,7 @@ std::map<std::string, double> Trainer::evaluate(const std::string& stage, const 
   spec.batch_size = config_.data.batch_size;
   spec.seed = config_.trainer.seed;
   core::DataLoader loader(dataset, strategy_->process_dataloader(spec));
-  const std::int64_t batches = limit.of(loader.num_batches());
+  const std::int64_t batches = std::min(limit.of(loader.num_batches()), cap);
   if (batches == 0) return {};
   auto network = model_->network();
   network->train(false);
@@ -469,14 +483,25 @@ std::map<std::string, double> Trainer::evaluate(const std::string& stage, const 
   }
   network->train(true);
   for (auto& [name, value] : sums) value /= static_cast<double>(std::max<std::int64_t>(1, batches));
-  return reduce_mean(*strategy_, sums);
+  return {reduce_mean(*strategy_, sums), batches};
+}
+
+void Trainer::sanity_check() {
+  const TrainerSettings& t = config_.trainer;
+  if (t.num_sanity_val_steps == 0) return;
+  const std::int64_t cap = t.num_sanity_val_steps < 0 ? std::numeric_limits<std::int64_t>::max() : t.num_sanity_val_steps;
+  Evaluation sanity = evaluate("val", t.limit_val_batches, cap);
+  if (sanity.batches == 0) return;  // no validation set, or limit_val_batches = 0
+  log_.info(metrics_line("sanity check passed: validation_step ran on " + std::to_string(sanity.batches) +
+                             " batch(es) ([trainer] num_sanity_val_steps; not logged):",
+                         sanity.metrics));
 }
 
 void Trainer::validate_during_fit(const std::string& when) {
   if (config_.trainer.limit_val_batches.of(1) == 0 || !data_->val_dataset() || data_->val_dataset()->size() == 0)
     return;
   call("on_validation_start", [&](sdk::Callback& c) { c.on_validation_start(*this); });
-  auto val = evaluate("val", config_.trainer.limit_val_batches);
+  auto val = evaluate("val", config_.trainer.limit_val_batches).metrics;
   if (!val.empty()) {
     log_.info(metrics_line("validation " + when + ":", val));
     log_stage_metrics(val, "val");
@@ -501,10 +526,18 @@ void Trainer::fit(const std::string& ckpt_path) {
   // and the throughput count each sample once.
   const std::int64_t data_ranks = std::max<std::int64_t>(1, sampled.num_replicas);
   const std::int64_t accumulate = t.accumulate_grad_batches;
-  const std::int64_t steps_per_epoch = loader.num_batches() / accumulate;
-  TESSERA_CHECK(steps_per_epoch > 0, "the training set gives this rank ", loader.num_batches(),
-                " batches per epoch, fewer than [trainer] accumulate_grad_batches = ", accumulate,
+  const std::int64_t epoch_batches = t.limit_train_batches.of(loader.num_batches());
+  const std::int64_t steps_per_epoch = epoch_batches / accumulate;
+  TESSERA_CHECK(steps_per_epoch > 0, "the training set gives this rank ", epoch_batches, " batches per epoch",
+                (epoch_batches < loader.num_batches() ? " ([trainer] limit_train_batches)" : ""),
+                ", fewer than [trainer] accumulate_grad_batches = ", accumulate,
                 ": lower [data] batch_size or accumulate_grad_batches");
+  // val_check_interval as a fraction of an epoch: validate every this many steps of it.
+  const std::int64_t fraction_steps =
+      t.val_check_fraction < 1.0
+          ? std::max<std::int64_t>(1, static_cast<std::int64_t>(t.val_check_fraction * static_cast<double>(steps_per_epoch)))
+          : 0;
+  auto validates_in = [&](std::int64_t epoch) { return (epoch + 1) % t.check_val_every_n_epoch == 0; };
   total_steps_ = t.max_steps > 0 ? t.max_steps : t.max_epochs * steps_per_epoch;
   schedule_ = std::make_unique<LRSchedule>(config_.schedule, config_.optimizer.lr, total_steps_);
   if (restored_schedule_) {
@@ -518,6 +551,9 @@ void Trainer::fit(const std::string& ckpt_path) {
             std::to_string(total_steps_) + " optimizer steps");
   std::string summary = model_summary(*model_, *strategy_, config_.optimizer);  // collective: every rank
   if (cluster_.global_rank == 0) log_.info(summary);
+  if (t.fast_dev_run > 0)
+    log_.info("fast_dev_run = " + std::to_string(t.fast_dev_run) + ": " + std::to_string(t.fast_dev_run) +
+              " training step(s) and validation batch(es), no loggers, no checkpoints");
 
   StopSignals signals;
   const std::string unit = data_->item_unit();
@@ -530,11 +566,12 @@ void Trainer::fit(const std::string& ckpt_path) {
   maybe_inject_gradient_fault();
   try {
     call("on_fit_start", [&](sdk::Callback& c) { c.on_fit_start(*this); });
+    sanity_check();
     call("on_train_start", [&](sdk::Callback& c) { c.on_train_start(*this); });
     while (epoch_ < t.max_epochs && global_step_ < total_steps_ && !should_stop_) {
       loader.set_epoch(epoch_);
       if (next_batch_ == 0) call("on_train_epoch_start", [&](sdk::Callback& c) { c.on_train_epoch_start(*this); });
-      while (next_batch_ + accumulate <= loader.num_batches() && global_step_ < total_steps_ && !should_stop_) {
+      while (next_batch_ + accumulate <= epoch_batches && global_step_ < total_steps_ && !should_stop_) {
         const double lr = schedule_->lr(global_step_);
         for (auto& group : strategy_->optimizer().param_groups()) group.options().set_lr(lr);
         at::Tensor loss_sum;  // on the loss's device: read once, by the step's one all-reduce
@@ -635,7 +672,10 @@ void Trainer::fit(const std::string& ckpt_path) {
         } else {
           log_.progress(bar, "", false);
         }
-        if (t.val_check_interval > 0 && global_step_ % t.val_check_interval == 0)
+        const std::int64_t epoch_step = next_batch_ / accumulate;  // steps done in this epoch
+        if (t.val_check_interval > 0 ? global_step_ % t.val_check_interval == 0
+                                     : fraction_steps > 0 && epoch_step % fraction_steps == 0 &&
+                                           epoch_step < steps_per_epoch && validates_in(epoch_))
           validate_during_fit("at step " + std::to_string(global_step_));
         const std::int64_t last_idx = next_batch_ - 1;
         call("on_train_batch_end",
@@ -655,15 +695,15 @@ void Trainer::fit(const std::string& ckpt_path) {
           finish(status);
           return;
         }
-        if (sync[2].item<double>() > 0 && !should_stop_)
-          request_stop("max_time " + format(t.max_time_s, 6) + " s reached");
-        if (sync[3].item<double>() > 0 && !should_stop_) request_stop("a callback on another rank asked to stop");
+        if (sync[2].item<double>() > 0 && !should_stop_) stop("max_time " + format(t.max_time_s, 6) + " s reached");
+        if (sync[3].item<double>() > 0 && !should_stop_) stop("a callback on another rank asked to stop");
         if (should_stop_) log_.info("stopping at step " + std::to_string(global_step_) + ": " + stop_reason_);
       }
-      if (next_batch_ + accumulate > loader.num_batches()) {  // the epoch is complete
+      if (next_batch_ + accumulate > epoch_batches) {  // the epoch is complete
+        const bool validate = t.val_check_interval == 0 && validates_in(epoch_);
         ++epoch_;
         next_batch_ = 0;
-        if (t.val_check_interval == 0) validate_during_fit("after epoch " + std::to_string(epoch_ - 1));
+        if (validate) validate_during_fit("after epoch " + std::to_string(epoch_ - 1));
         call("on_train_epoch_end", [&](sdk::Callback& c) { c.on_train_epoch_end(*this); });
       }
     }
@@ -728,7 +768,7 @@ void Trainer::validate(const std::string& ckpt_path) {
   restore(checkpoint, false);
   begin_run();
   call("on_validation_start", [&](sdk::Callback& c) { c.on_validation_start(*this); });
-  auto metrics = evaluate("val", config_.trainer.limit_val_batches);
+  auto metrics = evaluate("val", config_.trainer.limit_val_batches).metrics;
   log_.info(metrics_line("validate:", metrics, 6));
   log_stage_metrics(metrics, "validate");
   call("on_validation_end", [&](sdk::Callback& c) { c.on_validation_end(*this); });
@@ -743,7 +783,7 @@ void Trainer::test(const std::string& ckpt_path) {
   restore(checkpoint, false);
   begin_run();
   call("on_test_start", [&](sdk::Callback& c) { c.on_test_start(*this); });
-  auto metrics = evaluate("test", config_.trainer.limit_test_batches);
+  auto metrics = evaluate("test", config_.trainer.limit_test_batches).metrics;
   log_.info(metrics_line("test:", metrics, 6));
   log_stage_metrics(metrics, "test");
   call("on_test_end", [&](sdk::Callback& c) { c.on_test_end(*this); });

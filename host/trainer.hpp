@@ -1,6 +1,7 @@
 #pragma once
 // The trainer: creates the plugins and callbacks, wires them like Lightning's Trainer, and
 // runs fit, validate, test or predict on this rank, with a run folder per fit/validate/test.
+#include <limits>
 #include <memory>
 #include <optional>
 #include <string>
@@ -72,9 +73,19 @@ class Trainer final : public sdk::Trainer {
   /// and writes config.toml and the hyper-parameters into it.
   void open_run_directory();
   void restore(const std::string& path, bool with_training_state);
-  /// Runs the loop of `stage` ("val" or "test") over `limit` of its batches; returns the
-  /// metrics averaged over batches and ranks.
-  std::map<std::string, double> evaluate(const std::string& stage, const BatchLimit& limit);
+  struct Evaluation {
+    std::map<std::string, double> metrics;  ///< averaged over batches and ranks
+    std::int64_t batches = 0;               ///< run on each rank
+  };
+  /// Runs the loop of `stage` ("val" or "test") over `limit` of its batches, at most `cap`.
+  Evaluation evaluate(const std::string& stage, const BatchLimit& limit,
+                      std::int64_t cap = std::numeric_limits<std::int64_t>::max());
+  /// Lightning's sanity check: num_sanity_val_steps validation batches before the first step,
+  /// so that a broken validation_step fails in seconds, not after an epoch. Nothing is logged
+  /// and no callback hook runs.
+  void sanity_check();
+  /// A stop that min_steps / min_epochs cannot hold back (max_time, a signal, another rank's).
+  void stop(const std::string& reason);
   /// Validation inside fit: metrics logged, callbacks' on_validation_start/end around it.
   void validate_during_fit(const std::string& when);
   /// Runs predict_step over `limit` of the predict batches and prints the results.

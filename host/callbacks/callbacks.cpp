@@ -41,6 +41,7 @@ std::vector<NamedCallback> make_callbacks(const Config& config, core::PluginLoad
       callbacks.emplace_back(name, callback);
     }
   }
+  if (config.trainer.fast_dev_run > 0) return callbacks;  // checked above, but a debugging run saves nothing
   if (!have_checkpoint) {  // Lightning's default checkpoint callback, from the [trainer] keys
     toml::table table;
     table.insert("every_n_train_steps", config.trainer.checkpoint_every_n_steps);

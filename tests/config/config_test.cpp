@@ -213,6 +213,61 @@ TEST(Config, BatchLimitsFollowLightning) {
                   "float in [0.0, 1.0] (a fraction of the batches), found string");
 }
 
+TEST(Config, TrainingLoopKeysFollowLightning) {
+  Config c = Config::load(write_toml("[trainer]\nlimit_train_batches = 0.5\nval_check_interval = 0.25\n"
+                                     "check_val_every_n_epoch = 2\nnum_sanity_val_steps = -1\nmin_steps = 3\n"
+                                     "min_epochs = 1\nmax_epochs = 4\n"),
+                          {});
+  EXPECT_EQ(c.trainer.limit_train_batches.of(10), 5);
+  EXPECT_EQ(c.trainer.val_check_interval, 0);  // a float is a fraction of an epoch, not steps
+  EXPECT_DOUBLE_EQ(c.trainer.val_check_fraction, 0.25);
+  EXPECT_EQ(c.trainer.check_val_every_n_epoch, 2);
+  EXPECT_EQ(c.trainer.num_sanity_val_steps, -1);
+  EXPECT_EQ(c.trainer.min_steps, 3);
+  EXPECT_EQ(c.trainer.min_epochs, 1);
+  Config d = Config::load(write_toml("[trainer]\nval_check_interval = 50\n"), {});
+  EXPECT_EQ(d.trainer.val_check_interval, 50);
+  EXPECT_DOUBLE_EQ(d.trainer.val_check_fraction, 1.0);
+  EXPECT_EQ(d.trainer.num_sanity_val_steps, 2);  // Lightning's default
+  EXPECT_EQ(d.trainer.limit_train_batches.of(9), 9);
+  EXPECT_CONTAINS(load_error("[trainer]\nlimit_train_batches = 0\n"),
+                  ":2: [trainer] limit_train_batches leaves no batch to train on");
+  EXPECT_CONTAINS(load_error("[trainer]\nval_check_interval = 0.0\n"),
+                  ":2: [trainer] val_check_interval = 0.0 is no fraction of an epoch");
+  EXPECT_CONTAINS(load_error("[trainer]\nval_check_interval = 1.5\n"), "val_check_interval = 1.5 is out of range [0, 1]");
+  EXPECT_CONTAINS(load_error("[trainer]\nval_check_interval = 10\ncheck_val_every_n_epoch = 2\n"),
+                  ":2: [trainer] val_check_interval = 10 counts steps over the whole run, across epochs, so ");
+  EXPECT_CONTAINS(load_error("[trainer]\ncheck_val_every_n_epoch = 0\n"), "check_val_every_n_epoch = 0 is out of range [1, ");
+  EXPECT_CONTAINS(load_error("[trainer]\nnum_sanity_val_steps = -2\n"), "num_sanity_val_steps = -2 is out of range [-1, ");
+  EXPECT_CONTAINS(load_error("[trainer]\nmax_steps = 5\nmin_steps = 10\n"),
+                  ":3: [trainer] min_steps = 10 is more than ");
+  EXPECT_CONTAINS(load_error("[trainer]\nmin_epochs = 3\n"),
+                  ":2: [trainer] min_epochs = 3 is more than [trainer] max_epochs (default) = 1");
+}
+
+TEST(Config, FastDevRunShortensEveryLoopAndTurnsOffLoggersAndCheckpoints) {
+  Config c = Config::load(write_toml("[trainer]\nfast_dev_run = 3\nmax_steps = 500\naccumulate_grad_batches = 2\n"
+                                     "num_sanity_val_steps = 4\ncheckpoint_every_n_steps = 10\n"
+                                     "[logger]\nloggers = [\"csv\", \"tensorboard\"]\n"),
+                          {});
+  EXPECT_EQ(c.trainer.max_steps, 3);
+  EXPECT_EQ(c.trainer.max_epochs, 1);
+  EXPECT_EQ(c.trainer.limit_train_batches.of(100), 6);  // 3 steps of 2 accumulated batches: one short epoch
+  EXPECT_EQ(c.trainer.limit_val_batches.of(100), 3);
+  EXPECT_EQ(c.trainer.limit_test_batches.of(100), 3);
+  EXPECT_EQ(c.trainer.num_sanity_val_steps, 0);
+  EXPECT_EQ(c.trainer.checkpoint_every_n_steps, 0);
+  EXPECT_FALSE(c.trainer.save_last);
+  EXPECT_TRUE(c.logger.loggers.empty());
+  EXPECT_EQ(Config::load(write_toml("[trainer]\nfast_dev_run = true\n"), {}).trainer.max_steps, 1);
+  Config off = Config::load(write_toml("[trainer]\nfast_dev_run = false\nmax_steps = 7\n"), {});
+  EXPECT_EQ(off.trainer.max_steps, 7);
+  EXPECT_EQ(off.logger.loggers.size(), 1u);
+  EXPECT_CONTAINS(load_error("[trainer]\nfast_dev_run = \"yes\"\n"),
+                  ":2: [trainer] fast_dev_run must be true, false or a number of batches");
+  EXPECT_CONTAINS(load_error("[trainer]\nfast_dev_run = -1\n"), "fast_dev_run = -1 is out of range [0, ");
+}
+
 TEST(Config, SectionMustBeATable) {
   EXPECT_CONTAINS(load_error("trainer = 3\n"), "trainer must be a table ([trainer])");
 }

@@ -539,6 +539,99 @@ TEST(Trainer, ValidateAndTestPrintMetricsFromACheckpoint) {
   }
 }
 
+TEST(TrainingLoop, LimitTrainBatchesAndValidationAtFractionsOfEveryNthEpoch) {
+  // 4 epochs of 4 steps; validation at half of every second epoch and at its end.
+  std::string dir = tessera::testing::fresh_dir("loop-schedule");
+  auto r = run_tessera("fit --config " + write_config(dir) +
+                       " --set trainer.max_steps=-1 --set trainer.max_epochs=4 --set trainer.limit_train_batches=4"
+                       " --set trainer.val_check_interval=0.5 --set trainer.check_val_every_n_epoch=2"
+                       " --set trainer.limit_val_batches=1 --set trainer.num_sanity_val_steps=0"
+                       " --set trainer.checkpoint_every_n_steps=0");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  const std::string csv = run_dir(dir) + "/metrics.csv";
+  auto train = metric_series(csv, "train", "train_loss");
+  ASSERT_EQ(train.size(), 16u) << r.output;
+  EXPECT_EQ(train.rbegin()->first, 16);
+  std::vector<std::int64_t> val_steps;
+  for (const auto& [step, value] : metric_series(csv, "val", "val_loss")) val_steps.push_back(step);
+  EXPECT_EQ(val_steps, (std::vector<std::int64_t>{6, 8, 14, 16})) << r.output;
+  EXPECT_NE(r.output.find("validation after epoch 3:"), std::string::npos) << r.output;
+  EXPECT_EQ(r.output.find("validation after epoch 2:"), std::string::npos) << r.output;
+}
+
+TEST(TrainingLoop, SanityCheckValidatesBeforeTheFirstStepAndLeavesTrainingAsItWas) {
+  const std::string sets = " --set trainer.max_steps=3 --set trainer.limit_val_batches=3";
+  std::string off = tessera::testing::fresh_dir("sanity-off");
+  auto a = run_tessera("fit --config " + write_config(off) + sets + " --set trainer.num_sanity_val_steps=0");
+  ASSERT_EQ(a.exit_code, 0) << a.output;
+  EXPECT_EQ(a.output.find("sanity check"), std::string::npos) << a.output;
+  std::string on = tessera::testing::fresh_dir("sanity-default");
+  auto b = run_tessera("fit --config " + write_config(on) + sets);
+  ASSERT_EQ(b.exit_code, 0) << b.output;
+  const auto check = b.output.find("sanity check passed: validation_step ran on 2 batch(es)");
+  ASSERT_NE(check, std::string::npos) << b.output;
+  EXPECT_LT(check, b.output.find("epoch 0 step 1/3")) << "before the first step\n" << b.output;
+  EXPECT_TRUE(metric_series(run_dir(on) + "/metrics.csv", "val", "val_loss").empty()) << "a sanity check logs nothing";
+  // Evaluation draws no random numbers and leaves the weights alone: the same losses, bit for bit.
+  auto with = metric_series(run_dir(on) + "/metrics.csv", "train", "train_loss");
+  auto without = metric_series(run_dir(off) + "/metrics.csv", "train", "train_loss");
+  ASSERT_EQ(with.size(), 3u);
+  EXPECT_EQ(with, without);
+  std::string all = tessera::testing::fresh_dir("sanity-all");
+  auto c = run_tessera("fit --config " + write_config(all) + sets + " --set trainer.num_sanity_val_steps=-1");
+  ASSERT_EQ(c.exit_code, 0) << c.output;
+  EXPECT_NE(c.output.find("sanity check passed: validation_step ran on 3 batch(es)"), std::string::npos) << c.output;
+}
+
+TEST(TrainingLoop, MinStepsHoldsEarlyStoppingBack) {
+  // mode = "max" on a falling val_loss: early stopping asks to stop within a few steps.
+  std::string dir = tessera::testing::fresh_dir("min-steps");
+  std::string config = write_config(dir, "[callbacks.early_stopping]\nmonitor = \"val_loss\"\nmode = \"max\"\n"
+                                         "patience = 2\nmin_delta = 0.0\n");
+  const std::int64_t min_steps = 9;
+  auto r = run_tessera("fit --config " + config + " --set trainer.max_steps=30 --set trainer.val_check_interval=1 " +
+                       "--set trainer.limit_val_batches=2 --set trainer.min_steps=" + std::to_string(min_steps));
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  // Replayed from the logged validation losses: the first request, and the first one at or after min_steps.
+  double best = -1e30;
+  std::int64_t wait = 0, first_request = -1, expected_stop = -1;
+  for (const auto& [step, loss] : metric_series(run_dir(dir) + "/metrics.csv", "val", "val_loss")) {
+    if (loss > best) {
+      best = loss, wait = 0;
+    } else if (++wait >= 2) {
+      if (first_request < 0) first_request = step;
+      if (step >= min_steps) {
+        expected_stop = step;
+        break;
+      }
+    }
+  }
+  ASSERT_GT(first_request, 0) << r.output;
+  ASSERT_LT(first_request, min_steps) << "early stopping never asked before min_steps: nothing was held back\n"
+                                      << r.output;
+  ASSERT_GE(expected_stop, min_steps) << r.output;
+  EXPECT_NE(r.output.find("a stop was requested at step " + std::to_string(first_request)), std::string::npos)
+      << r.output;
+  EXPECT_NE(r.output.find("[trainer] min_steps = 9 is not reached: training continues"), std::string::npos) << r.output;
+  auto train = metric_series(run_dir(dir) + "/metrics.csv", "train", "train_loss");
+  EXPECT_EQ(train.rbegin()->first, expected_stop) << r.output;
+}
+
+TEST(TrainingLoop, FastDevRunRunsEveryLoopBrieflyAndWritesNoMetricsNorCheckpoints) {
+  std::string dir = tessera::testing::fresh_dir("fast-dev-run");
+  auto r = run_tessera("fit --config " + write_config(dir) +
+                       " --set trainer.fast_dev_run=2 --set strategy.plugin=fsdp --set launch.devices=2");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("fast_dev_run = 2: 2 training step(s)"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("epoch 0 step 2/2  loss "), std::string::npos) << r.output;
+  EXPECT_EQ(r.output.find("step 3/"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("validation after epoch 0:  val_loss "), std::string::npos) << r.output;
+  EXPECT_EQ(r.output.find("sanity check"), std::string::npos) << r.output;
+  EXPECT_FALSE(fs::exists(run_dir(dir) + "/metrics.csv"));
+  EXPECT_TRUE(!fs::exists(run_dir(dir) + "/checkpoints") || fs::is_empty(run_dir(dir) + "/checkpoints"))
+      << "checkpoint_every_n_steps = 4 and save_last are off under fast_dev_run";
+}
+
 TEST(Cli, PluginsListsEveryShippedPlugin) {
   auto r = run_tessera("plugins");
   ASSERT_EQ(r.exit_code, 0) << r.output;
