@@ -242,6 +242,11 @@ Config Config::load(const std::string& path, const std::vector<std::string>& ove
   tr.default_root_dir = read_path(t, "default_root_dir", tr.default_root_dir);
   tr.checkpoint_every_n_steps = t.get_int("checkpoint_every_n_steps", 0, 0);
   tr.save_last = t.get_bool("save_last", true);
+  tr.enable_checkpointing = t.get_bool("enable_checkpointing", true);
+  for (const char* key : {"checkpoint_every_n_steps", "save_last"})
+    TESSERA_CHECK(tr.enable_checkpointing || !t.has(key), t.locate("enable_checkpointing"), " = false, but ",
+                  t.locate(key), " configures checkpoints: remove one of them");
+  tr.enable_model_summary = t.get_bool("enable_model_summary", true);
   if (t.has("enable_progress_bar") && t.table().get("enable_progress_bar")->is_boolean())
     tr.enable_progress_bar = t.get_bool("enable_progress_bar", true) ? "true" : "false";
   else

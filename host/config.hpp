@@ -41,6 +41,8 @@ struct TrainerSettings {
   std::string default_root_dir = "tessera_logs";
   std::int64_t checkpoint_every_n_steps = 0;  ///< 0 = only last.ckpt
   bool save_last = true;
+  bool enable_checkpointing = true;  ///< false: no checkpoint callback (Lightning's flag)
+  bool enable_model_summary = true;  ///< the module table and unit plan at the start of fit
   std::string enable_progress_bar = "auto";  ///< "auto" (on a terminal), "true", "false"
   bool predict_after_fit = false;            ///< print one predict batch (e.g. a text sample) at the end
   double max_time_s = 0;                     ///< stop fit after this long (0: no limit); "DD:HH:MM:SS" in TOML

@@ -492,9 +492,9 @@ void Trainer::sanity_check() {
   const std::int64_t cap = t.num_sanity_val_steps < 0 ? std::numeric_limits<std::int64_t>::max() : t.num_sanity_val_steps;
   Evaluation sanity = evaluate("val", t.limit_val_batches, cap);
   if (sanity.batches == 0) return;  // no validation set, or limit_val_batches = 0
-  log_.info(metrics_line("sanity check passed: validation_step ran on " + std::to_string(sanity.batches) +
-                             " batch(es) ([trainer] num_sanity_val_steps; not logged):",
-                         sanity.metrics));
+  // Its metrics are not printed either: a script reading the log's first val_loss would take them.
+  log_.info("sanity check passed: validation_step ran on " + std::to_string(sanity.batches) +
+            " batch(es) before the first step ([trainer] num_sanity_val_steps)");
 }
 
 void Trainer::validate_during_fit(const std::string& when) {
@@ -549,8 +549,10 @@ void Trainer::fit(const std::string& ckpt_path) {
             std::to_string(accumulate) + " accumulated = " +
             std::to_string(config_.data.batch_size * data_ranks * accumulate) + " samples; " +
             std::to_string(total_steps_) + " optimizer steps");
-  std::string summary = model_summary(*model_, *strategy_, config_.optimizer);  // collective: every rank
-  if (cluster_.global_rank == 0) log_.info(summary);
+  if (t.enable_model_summary) {
+    std::string summary = model_summary(*model_, *strategy_, config_.optimizer);  // collective: every rank
+    if (cluster_.global_rank == 0) log_.info(summary);
+  }
   if (t.fast_dev_run > 0)
     log_.info("fast_dev_run = " + std::to_string(t.fast_dev_run) + ": " + std::to_string(t.fast_dev_run) +
               " training step(s) and validation batch(es), no loggers, no checkpoints");

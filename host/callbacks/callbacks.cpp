@@ -33,6 +33,8 @@ std::vector<NamedCallback> make_callbacks(const Config& config, core::PluginLoad
     }
     options.check_all_used({"plugin"});
     if (plugin == "model_checkpoint") {
+      TESSERA_CHECK(config.trainer.enable_checkpointing, config.path(), ": [callbacks.", name,
+                    "] is a model_checkpoint, but [trainer] enable_checkpointing = false: remove one of them");
       TESSERA_CHECK(!trainer_keys, config.path(), ": [callbacks.", name, "] and [trainer] checkpoint_every_n_steps / save_last both configure ",
                     "checkpointing: move those keys into [callbacks.", name, "] (every_n_train_steps, save_last)");
       have_checkpoint = true;
@@ -41,7 +43,8 @@ std::vector<NamedCallback> make_callbacks(const Config& config, core::PluginLoad
       callbacks.emplace_back(name, callback);
     }
   }
-  if (config.trainer.fast_dev_run > 0) return callbacks;  // checked above, but a debugging run saves nothing
+  // Checked above, but neither a debugging run nor enable_checkpointing = false saves anything.
+  if (config.trainer.fast_dev_run > 0 || !config.trainer.enable_checkpointing) return callbacks;
   if (!have_checkpoint) {  // Lightning's default checkpoint callback, from the [trainer] keys
     toml::table table;
     table.insert("every_n_train_steps", config.trainer.checkpoint_every_n_steps);

@@ -245,6 +245,16 @@ TEST(Config, TrainingLoopKeysFollowLightning) {
                   ":2: [trainer] min_epochs = 3 is more than [trainer] max_epochs (default) = 1");
 }
 
+TEST(Config, EnableCheckpointingFalseRefusesTheKeysThatAskForCheckpoints) {
+  Config c = Config::load(write_toml("[trainer]\nenable_checkpointing = false\nenable_model_summary = false\n"), {});
+  EXPECT_FALSE(c.trainer.enable_checkpointing);
+  EXPECT_FALSE(c.trainer.enable_model_summary);
+  EXPECT_CONTAINS(load_error("[trainer]\nenable_checkpointing = false\nsave_last = true\n"),
+                  ":2: [trainer] enable_checkpointing = false, but ");
+  EXPECT_CONTAINS(load_error("[trainer]\nenable_checkpointing = false\ncheckpoint_every_n_steps = 5\n"),
+                  ":3: [trainer] checkpoint_every_n_steps configures checkpoints: remove one of them");
+}
+
 TEST(Config, FastDevRunShortensEveryLoopAndTurnsOffLoggersAndCheckpoints) {
   Config c = Config::load(write_toml("[trainer]\nfast_dev_run = 3\nmax_steps = 500\naccumulate_grad_batches = 2\n"
                                      "num_sanity_val_steps = 4\ncheckpoint_every_n_steps = 10\n"

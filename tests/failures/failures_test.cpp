@@ -191,6 +191,10 @@ INSTANTIATE_TEST_SUITE_P(
         BadInput{"missing_last", "", "--ckpt-path last", "--ckpt-path last: no checkpoint in any run under"},
         BadInput{"validate_no_ckpt", "", "", "validate needs --ckpt-path", "validate"},
         BadInput{"test_no_ckpt", "", "", "test needs --ckpt-path", "test"},
+        BadInput{"nccl_on_cpu", "", "--set strategy.accelerator=cpu --set strategy.process_group_backend=nccl",
+                 "--set strategy.process_group_backend=nccl: [strategy] process_group_backend = \"nccl\" cannot carry "
+                 "this job's host tensors ([strategy] accelerator = \"cpu\"): NCCL moves CUDA tensors only; valid: "
+                 "\"auto\", \"gloo\""},
         BadInput{"set_error_names_override", "", "--set trainer.max_steps=abc", "--set trainer.max_steps=abc"},
         // Issue 12 item 3: what used to fail late, or blame a line of the file for a --set.
         BadInput{"sharded_state_dict_with_torch_io", "",

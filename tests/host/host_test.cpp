@@ -408,7 +408,7 @@ TEST(Cli, RanksOfOneHostCollectThroughSharedMemoryUnlessTurnedOff) {
     const std::string dir = tessera::testing::fresh_dir(shared ? "shm-on" : "shm-off");
     auto run = run_tessera("fit --config " + write_config(dir) + " --set trainer.max_steps=3 --set launch.devices=2 "
                            "--set strategy.plugin=fsdp --set launch.shared_memory_collectives=" +
-                           (shared ? "true" : "false"));
+                           (shared ? "true" : "false --set strategy.process_group_backend=gloo"));
     ASSERT_EQ(run.exit_code, 0) << run.output;
     const std::string rank1 = file_bytes(dir + "/logs/rank-1.log");
     const std::string expected = shared ? "collectives: shared memory among the 2 ranks of this host" : "collectives: Gloo\n";
@@ -630,6 +630,31 @@ TEST(TrainingLoop, FastDevRunRunsEveryLoopBrieflyAndWritesNoMetricsNorCheckpoint
   EXPECT_FALSE(fs::exists(run_dir(dir) + "/metrics.csv"));
   EXPECT_TRUE(!fs::exists(run_dir(dir) + "/checkpoints") || fs::is_empty(run_dir(dir) + "/checkpoints"))
       << "checkpoint_every_n_steps = 4 and save_last are off under fast_dev_run";
+}
+
+TEST(TrainingLoop, EnableCheckpointingAndModelSummaryTurnedOff) {
+  std::string dir = tessera::testing::fresh_dir("no-checkpointing");
+  std::string config = write_config(dir);
+  std::string text = file_bytes(config);
+  text.erase(text.find("checkpoint_every_n_steps = 4\n"), std::string("checkpoint_every_n_steps = 4\n").size());
+  std::ofstream(config) << text;
+  auto on = run_tessera("fit --config " + config + " --set trainer.max_steps=2");
+  ASSERT_EQ(on.exit_code, 0) << on.output;
+  EXPECT_NE(on.output.find(" total\n"), std::string::npos) << "the model summary is on by default\n" << on.output;
+  EXPECT_TRUE(fs::exists(run_dir(dir) + "/checkpoints/last.ckpt")) << on.output;
+  auto off = run_tessera("fit --config " + config + " --set trainer.max_steps=2 --set trainer.enable_checkpointing=false"
+                         " --set trainer.enable_model_summary=false");
+  ASSERT_EQ(off.exit_code, 0) << off.output;
+  EXPECT_EQ(off.output.find(" total\n"), std::string::npos) << off.output;
+  EXPECT_EQ(off.output.find("checkpoint saved"), std::string::npos) << off.output;
+  EXPECT_FALSE(fs::exists(run_dir(dir) + "/checkpoints/last.ckpt")) << off.output;
+  std::ofstream(config, std::ios::app) << "[callbacks.model_checkpoint]\nsave_last = true\n";
+  auto refused = run_tessera("fit --config " + config + " --set trainer.enable_checkpointing=false");
+  EXPECT_EQ(refused.exit_code, 1) << refused.output;
+  EXPECT_NE(refused.output.find("[callbacks.model_checkpoint] is a model_checkpoint, but [trainer] "
+                                "enable_checkpointing = false: remove one of them"),
+            std::string::npos)
+      << refused.output;
 }
 
 TEST(Cli, PluginsListsEveryShippedPlugin) {
@@ -921,11 +946,18 @@ TEST(BadInput, Bf16LayerNormOnCpuIsExplainedWithoutAStackTrace) {
     EXPECT_EQ(r.exit_code, 0) << "this LibTorch runs a LayerNorm under CPU autocast:\n" << r.output;
     return;
   }
-  EXPECT_EQ(r.exit_code, 1) << r.output;
-  EXPECT_NE(r.output.find("training_step failed under precision bf16-mixed on cpu: "), std::string::npos) << r.output;
-  EXPECT_NE(r.output.find("LayerNorm modules in the model: norm"), std::string::npos) << r.output;
-  EXPECT_NE(r.output.find("bf16-true"), std::string::npos) << r.output;
-  EXPECT_EQ(r.output.find("frame #"), std::string::npos) << "a LibTorch stack trace reached the user:\n" << r.output;
+  // The sanity check's validation_step meets it before any step; without one, training_step.
+  auto without_sanity_check = run_tessera("fit --config " + dir + "/run.toml --set trainer.num_sanity_val_steps=0");
+  for (const auto& [run, step] : {std::pair{&r, "validation_step"}, std::pair{&without_sanity_check, "training_step"}}) {
+    EXPECT_EQ(run->exit_code, 1) << run->output;
+    EXPECT_NE(run->output.find(std::string(step) + " failed under precision bf16-mixed on cpu: "), std::string::npos)
+        << run->output;
+    EXPECT_EQ(run->output.find("epoch 0 step 1/"), std::string::npos) << "no step may complete\n" << run->output;
+    EXPECT_NE(run->output.find("LayerNorm modules in the model: norm"), std::string::npos) << run->output;
+    EXPECT_NE(run->output.find("bf16-true"), std::string::npos) << run->output;
+    EXPECT_EQ(run->output.find("frame #"), std::string::npos) << "a LibTorch stack trace reached the user:\n"
+                                                              << run->output;
+  }
 }
 
 }  // namespace

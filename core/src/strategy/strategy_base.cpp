@@ -20,7 +20,19 @@ namespace tessera::core {
 StrategyBase::StrategyBase(const sdk::Options& options)
     : accelerator_(options.get_choice("accelerator", "auto", {"auto", "cpu", "cuda"})),
       device_id_(options.get_int("device_id", 0, 0)),
-      device_id_key_(options.locate("device_id")) {}
+      device_id_key_(options.locate("device_id")) {
+  // Lightning's process_group_backend. Here c10d's backend follows the tensors' device (Gloo for
+  // host tensors, with shared memory between the ranks of a host; NCCL for CUDA ones), so the key
+  // may name that backend, and any other is refused before work rather than ignored.
+  const std::string backend = options.get_choice("process_group_backend", "auto", {"auto", "gloo", "nccl"});
+  const bool cuda = trains_on_cuda();
+  const std::string fits = cuda ? "nccl" : "gloo";
+  TESSERA_CHECK(backend == "auto" || backend == fits, options.locate("process_group_backend"), " = \"", backend,
+                "\" cannot carry this job's ", (cuda ? "CUDA" : "host"), " tensors ([strategy] accelerator = \"",
+                accelerator_, "\"", (accelerator_ == "auto" ? std::string(" is ") + (cuda ? "cuda" : "cpu") + " here" : ""),
+                "): ", (cuda ? "tessera moves CUDA tensors over NCCL only" : "NCCL moves CUDA tensors only"),
+                "; valid: \"auto\", \"", fits, "\"");
+}
 StrategyBase::~StrategyBase() = default;
 
 void StrategyBase::connect(std::shared_ptr<sdk::Precision> precision, std::shared_ptr<sdk::CheckpointIO> checkpoint_io) {
