@@ -233,6 +233,12 @@ Config Config::load(const std::string& path, const std::vector<std::string>& ove
                 " leaves no batch to train on: give a number of batches >= 1 or a fraction in (0.0, 1.0]");
   read_validation_schedule(t, tr);
   tr.num_sanity_val_steps = t.get_int("num_sanity_val_steps", tr.num_sanity_val_steps, -1);
+  tr.overfit_batches = read_limit(t, "overfit_batches", tr.overfit_batches);
+  const bool overfit = tr.overfit_batches.value > 0;
+  for (const char* key : {"limit_train_batches", "limit_val_batches"})
+    TESSERA_CHECK(!overfit || !t.has(key), t.locate("overfit_batches"), " sets ", key, " too: remove ",
+                  t.locate(key));
+  if (overfit) tr.limit_train_batches = tr.limit_val_batches = tr.overfit_batches;
   tr.fast_dev_run = read_fast_dev_run(t);
   tr.limit_val_batches = read_limit(t, "limit_val_batches", tr.limit_val_batches);
   tr.limit_test_batches = read_limit(t, "limit_test_batches", tr.limit_test_batches);
@@ -302,7 +308,7 @@ Config Config::load(const std::string& path, const std::vector<std::string>& ove
     TESSERA_CHECK(!(ls.has(key) && o.has(key)), o.locate(key), " and ", ls.locate(key),
                   " both set the schedule's ", key, ": keep one of them");
   auto schedule_options = [&](const char* key) -> const sdk::Options& { return ls.has(key) ? ls : o; };
-  config.schedule.schedule = schedule_options("schedule").get_choice("schedule", "cosine", {"cosine", "constant"});
+  config.schedule.schedule = schedule_options("schedule").get_choice("schedule", "cosine", {"cosine", "linear", "constant"});
   config.schedule.warmup_steps = schedule_options("warmup_steps").get_int("warmup_steps", 0, 0);
   config.schedule.min_lr = schedule_options("min_lr").get_double("min_lr", 0.0, 0.0);
   TESSERA_CHECK(config.schedule.min_lr <= opt.lr, schedule_options("min_lr").locate("min_lr"), " = ",
@@ -332,7 +338,11 @@ Config Config::load(const std::string& path, const std::vector<std::string>& ove
     config.plugin_names[name] = options.get_string("plugin", kDefaultPlugins.at(name));
     if (name == "data") {  // the host's own keys in [data]; the rest belong to the plugin
       config.data.batch_size = options.get_int("batch_size", 8, 1);
-      config.data.shuffle = options.get_bool("shuffle", true);
+      // overfit_batches trains on the same batches every epoch.
+      const bool overfit = config.trainer.overfit_batches.value > 0;
+      TESSERA_CHECK(!overfit || !options.get_bool("shuffle", false), options.locate("shuffle"),
+                    " = true, but [trainer] overfit_batches trains on the same batches every epoch: remove the key");
+      config.data.shuffle = options.get_bool("shuffle", !overfit);
       // Batches are read in the training process (the data plugins index into memory).
       TESSERA_CHECK(options.get_int("num_workers", 0) == 0, options.locate("num_workers"),
                     " is not supported: batches are read in each rank's training process; remove the key or set 0");

@@ -32,6 +32,7 @@ struct TrainerSettings {
   double val_check_fraction = 1.0;      ///< validate every this fraction of an epoch (1.0: at its end)
   std::int64_t check_val_every_n_epoch = 1;  ///< epoch-end and fractional validations run in every n-th epoch
   std::int64_t num_sanity_val_steps = 2;     ///< validation batches run before the first step; -1 all
+  BatchLimit overfit_batches{false, 0.0};  ///< > 0: train and validate on these batches only, unshuffled
   std::int64_t fast_dev_run = 0;  ///< > 0: that many batches of each loop, no loggers, no checkpoints
   BatchLimit limit_val_batches;                    ///< all
   BatchLimit limit_test_batches;                   ///< all
@@ -58,7 +59,7 @@ struct LoggerSettings {
 };
 
 struct ScheduleSettings {
-  std::string schedule = "cosine";  ///< "cosine" or "constant"
+  std::string schedule = "cosine";  ///< "cosine", "linear" or "constant"
   std::int64_t warmup_steps = 0;
   double min_lr = 0.0;
 };

@@ -18,6 +18,7 @@ double LRSchedule::lr(std::int64_t step) const {
   if (s.schedule == "constant" || total_steps_ <= s.warmup_steps) return base_lr_;
   double progress = std::min(1.0, static_cast<double>(step - s.warmup_steps) /
                                       static_cast<double>(total_steps_ - s.warmup_steps));
+  if (s.schedule == "linear") return s.min_lr + (base_lr_ - s.min_lr) * (1.0 - progress);
   return s.min_lr + 0.5 * (base_lr_ - s.min_lr) * (1.0 + std::cos(M_PI * progress));
 }
 

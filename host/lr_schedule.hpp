@@ -1,6 +1,7 @@
 #pragma once
 // The learning-rate schedule the trainer applies before each optimizer step: linear warmup
-// from lr/warmup_steps to lr, then half a cosine from lr towards min_lr (or constant).
+// from lr/warmup_steps to lr, then half a cosine from lr towards min_lr, a straight line to
+// min_lr (Hugging Face's linear schedule with warmup), or constant.
 // Its state goes into checkpoints as Lightning's "lr_schedulers" entry (a LambdaLR-like dict).
 #include <cstdint>
 
@@ -14,7 +15,7 @@ class LRSchedule {
   /// `total_steps`: the optimizer steps of the whole run (max_steps or epochs x steps/epoch).
   LRSchedule(const ScheduleSettings& settings, double base_lr, std::int64_t total_steps);
 
-  /// The learning rate for optimizer step `step` (0-based); cosine reaches min_lr at step total_steps.
+  /// The learning rate for optimizer step `step` (0-based); cosine and linear reach min_lr at step total_steps.
   double lr(std::int64_t step) const;
 
   /// {"base_lrs", "last_epoch", "_last_lr", "schedule", "warmup_steps", "min_lr", "total_steps"}

@@ -255,6 +255,22 @@ TEST(Config, EnableCheckpointingFalseRefusesTheKeysThatAskForCheckpoints) {
                   ":3: [trainer] checkpoint_every_n_steps configures checkpoints: remove one of them");
 }
 
+TEST(Config, OverfitBatchesLimitsTrainingAndValidationUnshuffled) {
+  Config c = Config::load(write_toml("[trainer]\noverfit_batches = 3\n"), {});
+  EXPECT_EQ(c.trainer.limit_train_batches.of(100), 3);
+  EXPECT_EQ(c.trainer.limit_val_batches.of(100), 3);
+  EXPECT_FALSE(c.data.shuffle);
+  Config f = Config::load(write_toml("[trainer]\noverfit_batches = 0.1\n"), {});
+  EXPECT_EQ(f.trainer.limit_train_batches.of(100), 10);
+  Config off = Config::load(write_toml("[trainer]\noverfit_batches = 0\n"), {});
+  EXPECT_TRUE(off.data.shuffle);
+  EXPECT_EQ(off.trainer.limit_train_batches.of(100), 100);
+  EXPECT_CONTAINS(load_error("[trainer]\noverfit_batches = 2\nlimit_val_batches = 5\n"),
+                  ":2: [trainer] overfit_batches sets limit_val_batches too: remove ");
+  EXPECT_CONTAINS(load_error("[trainer]\noverfit_batches = 2\n[data]\nshuffle = true\n"),
+                  ":4: [data] shuffle = true, but [trainer] overfit_batches trains on the same batches every epoch");
+}
+
 TEST(Config, FastDevRunShortensEveryLoopAndTurnsOffLoggersAndCheckpoints) {
   Config c = Config::load(write_toml("[trainer]\nfast_dev_run = 3\nmax_steps = 500\naccumulate_grad_batches = 2\n"
                                      "num_sanity_val_steps = 4\ncheckpoint_every_n_steps = 10\n"
@@ -316,7 +332,7 @@ TEST(Config, BadChoiceListsTheValidOnes) {
   EXPECT_CONTAINS(load_error("[optimizer]\nname = \"adamww\"\n"),
                   "[optimizer] name = \"adamww\" is not valid (did you mean 'adamw'?); valid: adamw, adam, sgd");
   EXPECT_CONTAINS(load_error("[lr_scheduler]\nschedule = \"cosin\"\n"),
-                  "schedule = \"cosin\" is not valid (did you mean 'cosine'?); valid: cosine, constant");
+                  "schedule = \"cosin\" is not valid (did you mean 'cosine'?); valid: cosine, linear, constant");
   EXPECT_CONTAINS(load_error("[trainer]\ngradient_clip_algorithm = \"value\"\n"), "valid: norm");
   EXPECT_CONTAINS(load_error("[launch]\ncluster_environment = \"slurn\"\n"), "(did you mean 'slurm'?)");
 }
@@ -379,6 +395,19 @@ TEST(LRSchedule, LinearWarmupThenCosineToMinLr) {
   EXPECT_NEAR(schedule.lr(14), 0.1, 1e-12);
   EXPECT_NEAR(schedule.lr(100), 0.1, 1e-12);  // past the end it stays at min_lr
   for (std::int64_t step = 4; step < 14; ++step) EXPECT_GT(schedule.lr(step), schedule.lr(step + 1)) << step;
+}
+
+TEST(LRSchedule, LinearWarmupThenLinearDecayToMinLr) {
+  ScheduleSettings s;
+  s.schedule = "linear";
+  s.warmup_steps = 2;
+  s.min_lr = 0.2;
+  LRSchedule schedule(s, 1.0, 10);
+  EXPECT_DOUBLE_EQ(schedule.lr(0), 0.5);
+  EXPECT_DOUBLE_EQ(schedule.lr(2), 1.0);
+  for (std::int64_t step = 2; step <= 10; ++step)  // a straight line from lr at step 2 to min_lr at step 10
+    EXPECT_NEAR(schedule.lr(step), 1.0 - 0.8 * static_cast<double>(step - 2) / 8.0, 1e-12) << step;
+  EXPECT_NEAR(schedule.lr(50), 0.2, 1e-12);
 }
 
 TEST(LRSchedule, ConstantAndNoWarmup) {

@@ -617,6 +617,27 @@ TEST(TrainingLoop, MinStepsHoldsEarlyStoppingBack) {
   EXPECT_EQ(train.rbegin()->first, expected_stop) << r.output;
 }
 
+TEST(TrainingLoop, OverfitBatchesTrainsOnTheSameBatchesEveryEpoch) {
+  // With lr = 0 the weights never change, so a loss depends on its batch only: under
+  // overfit_batches epoch 1 sees epoch 0's batches again; under limit_train_batches it reshuffles.
+  auto losses = [](const std::string& name, const std::string& sets) {
+    std::string dir = tessera::testing::fresh_dir(name);
+    auto r = run_tessera("fit --config " + write_config(dir) + " --set optimizer.lr=0.0 --set model.dropout=0.0" +
+                         " --set trainer.max_steps=-1 --set trainer.max_epochs=2 --set trainer.checkpoint_every_n_steps=0 " +
+                         sets);
+    EXPECT_EQ(r.exit_code, 0) << r.output;
+    return metric_series(run_dir(dir) + "/metrics.csv", "train", "train_loss");
+  };
+  auto overfit = losses("overfit", "--set trainer.overfit_batches=2");
+  ASSERT_EQ(overfit.size(), 4u);
+  EXPECT_EQ(overfit.at(1), overfit.at(3));
+  EXPECT_EQ(overfit.at(2), overfit.at(4));
+  EXPECT_NE(overfit.at(1), overfit.at(2));
+  auto limited = losses("limited", "--set trainer.limit_train_batches=2");
+  ASSERT_EQ(limited.size(), 4u);
+  EXPECT_NE(limited.at(1), limited.at(3));
+}
+
 TEST(TrainingLoop, FastDevRunRunsEveryLoopBrieflyAndWritesNoMetricsNorCheckpoints) {
   std::string dir = tessera::testing::fresh_dir("fast-dev-run");
   auto r = run_tessera("fit --config " + write_config(dir) +
