@@ -1,5 +1,6 @@
 // Lightning's EarlyStopping: stops fit when `monitor` has not improved by more than
-// min_delta for `patience` consecutive checks (each validation, or each training epoch end).
+// min_delta for `patience` consecutive checks (each validation, or each training epoch end),
+// at once when it passes stopping_threshold (good enough) or divergence_threshold (hopeless).
 #include <cmath>
 #include <sstream>
 
@@ -19,7 +20,9 @@ class EarlyStopping final : public sdk::Callback {
         patience_(o.get_int("patience", 3, 0)),
         strict_(o.get_bool("strict", true)),
         check_finite_(o.get_bool("check_finite", true)),
-        check_on_train_epoch_end_(o.get_bool("check_on_train_epoch_end", false)) {
+        check_on_train_epoch_end_(o.get_bool("check_on_train_epoch_end", false)),
+        stopping_threshold_(o.get_double("stopping_threshold", NAN)),
+        divergence_threshold_(o.get_double("divergence_threshold", NAN)) {
     TESSERA_CHECK(!monitor_.empty(), o.source(), ": [", o.section(),
                   "] needs monitor = \"...\": the metric to watch, e.g. \"val_loss\"");
   }
@@ -56,8 +59,14 @@ class EarlyStopping final : public sdk::Callback {
     }
     double current = it->second;
     std::ostringstream why;
+    const char* better = mode_ == "min" ? " < " : " > ";
+    const char* worse = mode_ == "min" ? " > " : " < ";
     if (check_finite_ && !std::isfinite(current)) {
       why << "Monitored metric " << monitor_ << " = " << current << " is not finite";
+    } else if (!std::isnan(stopping_threshold_) && is_better(current, stopping_threshold_, mode_, 0.0)) {
+      why << "Stopping threshold reached: " << monitor_ << " = " << current << better << stopping_threshold_;
+    } else if (!std::isnan(divergence_threshold_) && is_better(divergence_threshold_, current, mode_, 0.0)) {
+      why << "Divergence threshold reached: " << monitor_ << " = " << current << worse << divergence_threshold_;
     } else if (std::isnan(best_) || is_better(current, best_, mode_, min_delta_)) {
       best_ = current;
       wait_count_ = 0;
@@ -77,6 +86,7 @@ class EarlyStopping final : public sdk::Callback {
   double min_delta_;
   std::int64_t patience_;
   bool strict_, check_finite_, check_on_train_epoch_end_;
+  double stopping_threshold_, divergence_threshold_;  ///< NaN: not set
   std::int64_t wait_count_ = 0;
   double best_ = NAN;
 };

@@ -796,6 +796,32 @@ TEST(Callbacks, EarlyStoppingStopsAfterPatienceChecksWithoutImprovement) {
   EXPECT_EQ(last.at("global_step").toInt(), expected_stop);
 }
 
+TEST(Callbacks, EarlyStoppingStopsAtTheStoppingAndDivergenceThresholds) {
+  // val_loss falls from ~5.5: below 5.0 after a few steps (good enough), above 5.0 at once (diverged).
+  for (const std::string threshold : {"stopping_threshold", "divergence_threshold"}) {
+    std::string dir = tessera::testing::fresh_dir("early-" + threshold);
+    std::string config = write_config(dir, "[callbacks.early_stopping]\nmonitor = \"val_loss\"\npatience = 100\n" +
+                                               threshold + " = 5.0\n");
+    auto r = run_tessera("fit --config " + config + " --set trainer.max_steps=30 --set trainer.val_check_interval=1 " +
+                         "--set trainer.limit_val_batches=2");
+    ASSERT_EQ(r.exit_code, 0) << r.output;
+    std::int64_t expected_stop = -1;
+    for (const auto& [step, loss] : metric_series(run_dir(dir) + "/metrics.csv", "val", "val_loss"))
+      if (threshold == "stopping_threshold" ? loss < 5.0 : loss > 5.0) {
+        expected_stop = step;
+        break;
+      }
+    ASSERT_GT(expected_stop, 0) << r.output;
+    if (threshold == "stopping_threshold") EXPECT_GT(expected_stop, 1) << "val_loss started below 5?\n" << r.output;
+    auto train = metric_series(run_dir(dir) + "/metrics.csv", "train", "train_loss");
+    EXPECT_EQ(train.rbegin()->first, expected_stop) << r.output;
+    EXPECT_NE(r.output.find(threshold == "stopping_threshold" ? "Stopping threshold reached: val_loss = "
+                                                              : "Divergence threshold reached: val_loss = "),
+              std::string::npos)
+        << r.output;
+  }
+}
+
 TEST(Callbacks, LrMonitorLogsTheScheduledRate) {
   std::string dir = tessera::testing::fresh_dir("lrmonitor");
   auto r = run_tessera("fit --config " + write_config(dir, "[callbacks.lr_monitor]\nlog_momentum = true\n") +
