@@ -187,6 +187,7 @@ class GPT final : public sdk::Module {
         max_new_tokens_(o.get_int("max_new_tokens", 200, 1, 65536)),
         temperature_(o.get_double("temperature", 0.8, 1e-6)),
         top_k_(o.get_int("top_k", 40, 0, kVocab)),
+        weight_decay_norms_and_biases_(o.get_bool("weight_decay_norms_and_biases", true)),
         n_head_key_(o.locate("n_head")) {
     TESSERA_CHECK(config_.n_embd % config_.n_head == 0, o.locate("n_embd"), " = ", config_.n_embd,
                   " must be divisible by n_head = ", config_.n_head, " (",
@@ -254,6 +255,27 @@ class GPT final : public sdk::Module {
     return handled;
   }
 
+  /// nanoGPT's and Megatron's grouping when weight_decay_norms_and_biases = false: weight decay
+  /// for the matrices and embeddings, none for biases and LayerNorm weights (a second group).
+  std::unique_ptr<torch::optim::Optimizer> configure_optimizers(const std::vector<sdk::NamedParameter>& params,
+                                                                const sdk::OptimizerSettings& settings) override {
+    std::vector<sdk::NamedParameter> decayed, not_decayed;
+    for (const auto& p : params) {
+      const bool norm_or_bias = p.name.find("ln_") != std::string::npos ||
+                                (p.name.size() >= 5 && p.name.compare(p.name.size() - 5, 5, ".bias") == 0);
+      (norm_or_bias && !weight_decay_norms_and_biases_ ? not_decayed : decayed).push_back(p);
+    }
+    if (not_decayed.empty() || decayed.empty()) return sdk::make_optimizer(params, settings);
+    auto optimizer = sdk::make_optimizer(decayed, settings);
+    sdk::OptimizerSettings no_decay = settings;
+    no_decay.weight_decay = 0.0;
+    auto options = sdk::make_optimizer(not_decayed, no_decay)->param_groups()[0].options().clone();
+    std::vector<at::Tensor> tensors;
+    for (const auto& p : not_decayed) tensors.push_back(p.tensor);
+    optimizer->add_param_group(torch::optim::OptimizerParamGroup(tensors, std::move(options)));
+    return optimizer;
+  }
+
   sdk::Checkpoint hyper_parameters() const override {
     sdk::Checkpoint h = sdk::make_checkpoint();
     h.insert("n_layer", config_.n_layer);
@@ -266,6 +288,7 @@ class GPT final : public sdk::Module {
     h.insert("max_new_tokens", max_new_tokens_);
     h.insert("temperature", temperature_);
     h.insert("top_k", top_k_);
+    h.insert("weight_decay_norms_and_biases", weight_decay_norms_and_biases_);
     h.insert("vocab_size", kVocab);
     return h;
   }
@@ -281,6 +304,7 @@ class GPT final : public sdk::Module {
   std::int64_t max_new_tokens_;
   double temperature_;
   std::int64_t top_k_;
+  bool weight_decay_norms_and_biases_;
   std::string n_head_key_;  // "file:line: [model] n_head", for the tensor-parallel size error
   GPTNet net_{nullptr};
   std::shared_ptr<sdk::TensorParallelGroup> tp_;  // set once the network is split

@@ -125,6 +125,44 @@ TEST(OptimizerState, LoadsByNameIntoAReorderedOptimizerAndContinuesIdentically) 
   EXPECT_TRUE(at::allclose(p.b, q.b, 0, 0)) << p.b - q.b;
 }
 
+TEST(OptimizerState, NamesFollowTheOptimizersOwnOrderOfParamGroups) {
+  // configure_optimizers() got [a, b] but put b in the first group (no weight decay) and a in
+  // the second: PyTorch numbers the state b = 0, a = 1, and so must the names.
+  Params p;
+  const std::vector<sdk::NamedParameter> given = {{"a", p.a}, {"b", p.b}};
+  torch::optim::AdamW optimizer({p.b}, torch::optim::AdamWOptions(0.01).weight_decay(0.0));
+  optimizer.add_param_group(torch::optim::OptimizerParamGroup(
+      {p.a}, std::make_unique<torch::optim::AdamWOptions>(torch::optim::AdamWOptions(0.01).weight_decay(0.1))));
+  const auto names = core::optimizer_order_names(optimizer, given);
+  EXPECT_EQ(names, (std::vector<std::string>{"b", "a"}));
+  for (int step = 0; step < 2; ++step) {
+    p.fill_grads(step);
+    optimizer.step();
+  }
+  sdk::Checkpoint saved = core::optimizer_state_dict(optimizer, names);
+  auto state = saved.at("state").toGenericDict();
+  EXPECT_EQ(state.at(0).toGenericDict().at("exp_avg").toTensor().sizes(), p.b.sizes());
+  EXPECT_EQ(state.at(1).toGenericDict().at("exp_avg").toTensor().sizes(), p.a.sizes());
+  // Into an optimizer grouped the other way round, by name: every moment lands on its parameter.
+  torch::optim::AdamW regrouped({p.a, p.b}, torch::optim::AdamWOptions(0.01));
+  core::load_optimizer_state_dict(regrouped, saved, core::optimizer_order_names(regrouped, given));
+  EXPECT_TRUE(at::equal(state_tensor(regrouped, p.a, "exp_avg"), state_tensor(optimizer, p.a, "exp_avg")));
+  EXPECT_TRUE(at::equal(state_tensor(regrouped, p.b, "exp_avg_sq"), state_tensor(optimizer, p.b, "exp_avg_sq")));
+
+  at::Tensor stranger = at::zeros({5}, at::kFloat).requires_grad_();
+  torch::optim::AdamW foreign({p.a, p.b, stranger}, torch::optim::AdamWOptions(0.01));
+  EXPECT_NE(error_of([&] { core::optimizer_order_names(foreign, given); })
+                .find("steps on a tensor of shape [5] (param group 0) that is not one of the parameters it was given"),
+            std::string::npos);
+  torch::optim::AdamW twice({p.a, p.b, p.a}, torch::optim::AdamWOptions(0.01));
+  EXPECT_NE(error_of([&] { core::optimizer_order_names(twice, given); }).find("steps on parameter 'a' twice"),
+            std::string::npos);
+  torch::optim::AdamW partial({p.a}, torch::optim::AdamWOptions(0.01));
+  EXPECT_NE(error_of([&] { core::optimizer_order_names(partial, given); })
+                .find("leaves out 1 of the parameters it was given (b)"),
+            std::string::npos);
+}
+
 TEST(OptimizerState, SGDMomentumRoundTrips) {
   Params p;
   torch::optim::SGD optimizer({p.a, p.b}, torch::optim::SGDOptions(0.1).momentum(0.9).nesterov(true));

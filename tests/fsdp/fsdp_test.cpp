@@ -243,10 +243,11 @@ TEST(EngineApi, SummonApplyLocalStateAndScatteredOptimizerState) {
     torch::optim::AdamW third(tensors_of(sharded.optimizer_parameters()), adamw());
     core::load_optimizer_state_dict(
         third, sharded.shard_full_optim_state_dict(core::rekey_optim_state_dict(full, core::OptimStateKeyType::PARAM_NAME)),
-        sharded.optimizer_parameter_names());
-    auto a = core::optimizer_state_dict(optimizer, sharded.optimizer_parameter_names()).at("state").toGenericDict();
+        core::optimizer_order_names(third, sharded.optimizer_parameters()));
+    const auto names = core::optimizer_order_names(optimizer, sharded.optimizer_parameters());
+    auto a = core::optimizer_state_dict(optimizer, names).at("state").toGenericDict();
     for (auto* other : {&fresh, &third}) {
-      auto b = core::optimizer_state_dict(*other, sharded.optimizer_parameter_names()).at("state").toGenericDict();
+      auto b = core::optimizer_state_dict(*other, names).at("state").toGenericDict();
       ASSERT_EQ(a.size(), b.size());
       for (const auto& entry : a)
         for (const char* key : {"exp_avg", "exp_avg_sq"})

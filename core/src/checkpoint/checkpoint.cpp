@@ -17,6 +17,7 @@
 #include <set>
 #include <sstream>
 #include <type_traits>
+#include <unordered_map>
 
 #include <torch/optim/adam.h>
 #include <torch/optim/adamw.h>
@@ -154,6 +155,31 @@ const torch::optim::OptimizerParamState* optimizer_param_state(const torch::opti
                                                               const at::Tensor& param) {
   auto it = optimizer.state().find(optimizer_state_key(param));
   return it == optimizer.state().end() ? nullptr : it->second.get();
+}
+
+std::vector<std::string> optimizer_order_names(const torch::optim::Optimizer& optimizer,
+                                               const std::vector<sdk::NamedParameter>& params) {
+  std::unordered_map<const c10::TensorImpl*, const std::string*> name_of;
+  for (const auto& p : params) name_of.emplace(p.tensor.unsafeGetTensorImpl(), &p.name);
+  std::vector<std::string> names;
+  std::set<std::string> seen;
+  for (std::size_t g = 0; g < optimizer.param_groups().size(); ++g)
+    for (const auto& t : optimizer.param_groups()[g].params()) {
+      auto it = name_of.find(t.unsafeGetTensorImpl());
+      TESSERA_CHECK(it != name_of.end(), "the optimizer from configure_optimizers() steps on a tensor of shape ",
+                    t.sizes(), " (param group ", g, ") that is not one of the parameters it was given: build it ",
+                    "from its `params` argument (under FSDP, the shards)");
+      TESSERA_CHECK(seen.insert(*it->second).second, "the optimizer from configure_optimizers() steps on parameter '",
+                    *it->second, "' twice (param group ", g, " and an earlier one)");
+      names.push_back(*it->second);
+    }
+  std::vector<std::string> missing;
+  for (const auto& p : params)
+    if (!seen.count(p.name)) missing.push_back(p.name);
+  TESSERA_CHECK(missing.empty(), "the optimizer from configure_optimizers() leaves out ", missing.size(),
+                " of the parameters it was given (", sdk::join(missing), "): put every one in a param group ",
+                "(with lr 0 to keep it fixed), so that checkpoints hold its state");
+  return names;
 }
 
 sdk::Checkpoint optimizer_state_dict(const torch::optim::Optimizer& optimizer,

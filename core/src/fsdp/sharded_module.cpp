@@ -176,11 +176,6 @@ std::vector<sdk::NamedParameter> ShardedModule::optimizer_parameters() const {
   return out;
 }
 
-std::vector<std::string> ShardedModule::optimizer_parameter_names() const {
-  std::vector<std::string> out;
-  for (const auto& p : optimizer_parameters()) out.push_back(p.name);
-  return out;
-}
 
 double ShardedModule::clip_grad_norm(double max_norm, double norm_type) {
   // Replicas hold identical shards: the norm is reduced over the shard group only.

@@ -97,7 +97,7 @@ void ShardedStrategy::load_model_state_dict(const sdk::StateDict& state, bool st
 
 sdk::Checkpoint ShardedStrategy::optimizer_state() {
   restore_deferred_optimizer_state();  // a save before the first step keeps what was loaded
-  if (state_dict_type_ != "full") return optimizer_state_dict(optimizer(), engine().optimizer_parameter_names());
+  if (state_dict_type_ != "full") return optimizer_state_dict(optimizer(), optimizer_param_names_);
   return engine().full_optim_state_dict(optimizer());
 }
 
@@ -106,7 +106,7 @@ void ShardedStrategy::load_optimizer_state(const sdk::Checkpoint& state) {
                                : loaded_ == "full"  ? engine().shard_full_optim_state_dict(state)
                                                     : state;
   // Checked now, before any step; installed now or at the first optimizer step.
-  deferred_optimizer_state_ = stage_optimizer_state_dict(optimizer(), mine, engine().optimizer_parameter_names());
+  deferred_optimizer_state_ = stage_optimizer_state_dict(optimizer(), mine, optimizer_param_names_);
   if (!defer_optimizer_restore_) restore_deferred_optimizer_state();
 }
 

@@ -82,25 +82,28 @@ void ShardedModule::load_full_state_dict(const sdk::StateDict& state, bool stric
 }
 
 sdk::Checkpoint ShardedModule::full_optim_state_dict(const torch::optim::Optimizer& optimizer) {
-  sdk::Checkpoint local = optimizer_state_dict(optimizer, optimizer_parameter_names());
+  // Numbered as the optimizer numbers its parameters (group by group), so the saved
+  // param_groups stay valid; the units gather their moments in layout order.
+  const std::vector<std::string> names = optimizer_order_names(optimizer, optimizer_parameters());
+  sdk::Checkpoint local = optimizer_state_dict(optimizer, names);
   auto local_state = local.at("state").toGenericDict();
+  std::map<std::string, std::int64_t> index_of;
+  for (std::size_t k = 0; k < names.size(); ++k) index_of[names[k]] = static_cast<std::int64_t>(k);
   c10::impl::GenericDict state(c10::IntType::get(), c10::AnyType::get());
-  std::vector<std::string> names;
-  std::int64_t view = 0;
   const bool keep = !options_.rank0_only || shard_group_->rank() == 0;
   for (auto& u : units_) {
     const auto& params = u->layout->params();
-    const std::int64_t first_view = view;
+    std::vector<std::int64_t> index;
+    for (const auto& p : params) index.push_back(index_of.at(p.names[0]));
     std::vector<sdk::Checkpoint> full_states;
     for (std::size_t i = 0; i < params.size(); ++i) full_states.push_back(sdk::make_checkpoint());
     for (const char* key : kStateKeys) {
       // Present for one parameter means present for all (same optimizer, same settings).
-      bool present = local_state.contains(first_view) && local_state.at(first_view).toGenericDict().contains(key) &&
-                     !params.empty();
+      bool present = !params.empty() && local_state.contains(index[0]) &&
+                     local_state.at(index[0]).toGenericDict().contains(key);
       std::vector<at::Tensor> pieces;
       for (std::size_t i = 0; i < params.size(); ++i)
-        pieces.push_back(present ? local_state.at(first_view + static_cast<std::int64_t>(i)).toGenericDict().at(key).toTensor()
-                                 : at::Tensor());
+        pieces.push_back(present ? local_state.at(index[i]).toGenericDict().at(key).toTensor() : at::Tensor());
       at::Tensor flag = at::full({1}, present ? 1.0 : 0.0, fp32());
       shard_group_->all_reduce(flag, sdk::ReduceOp::max, "optimizer state check")->wait();
       if (flag.item<double>() == 0) continue;
@@ -110,21 +113,19 @@ sdk::Checkpoint ShardedModule::full_optim_state_dict(const torch::optim::Optimiz
           u->layout->gather_full_state(pieces, *shard_group_, device_, "optimizer state all-gather of " + u->name);
       for (std::size_t i = 0; i < params.size(); ++i) full_states[i].insert(key, full[i]);
     }
-    for (std::size_t i = 0; i < params.size(); ++i, ++view) {
-      if (local_state.contains(view) && local_state.at(view).toGenericDict().contains("step"))
-        full_states[i].insert("step", local_state.at(view).toGenericDict().at("step"));
-      if (full_states[i].size() > 0) state.insert(static_cast<std::int64_t>(names.size()), full_states[i]);
-      names.push_back(params[i].names[0]);
+    for (std::size_t i = 0; i < params.size(); ++i) {
+      if (local_state.contains(index[i]) && local_state.at(index[i]).toGenericDict().contains("step"))
+        full_states[i].insert("step", local_state.at(index[i]).toGenericDict().at("step"));
+      if (full_states[i].size() > 0) state.insert(index[i], full_states[i]);
     }
   }
-  for (std::size_t i = 0; i < replicated_.size(); ++i, ++view) {
-    if (local_state.contains(view)) {
-      sdk::Checkpoint copy = sdk::make_checkpoint();
-      for (const auto& entry : local_state.at(view).toGenericDict())
-        copy.insert(entry.key(), entry.value().isTensor() ? c10::IValue(entry.value().toTensor().cpu()) : entry.value());
-      state.insert(static_cast<std::int64_t>(names.size()), copy);
-    }
-    names.push_back(replicated_[i].names[0]);
+  for (const auto& p : replicated_) {
+    const std::int64_t k = index_of.at(p.names[0]);
+    if (!local_state.contains(k)) continue;
+    sdk::Checkpoint copy = sdk::make_checkpoint();
+    for (const auto& entry : local_state.at(k).toGenericDict())
+      copy.insert(entry.key(), entry.value().isTensor() ? c10::IValue(entry.value().toTensor().cpu()) : entry.value());
+    state.insert(k, copy);
   }
   sdk::Checkpoint out = sdk::make_checkpoint();
   if (!keep) return out;
@@ -135,7 +136,8 @@ sdk::Checkpoint ShardedModule::full_optim_state_dict(const torch::optim::Optimiz
 }
 
 void ShardedModule::load_full_optim_state_dict(torch::optim::Optimizer& optimizer, const sdk::Checkpoint& full) {
-  load_optimizer_state_dict(optimizer, shard_full_optim_state_dict(full), optimizer_parameter_names());
+  load_optimizer_state_dict(optimizer, shard_full_optim_state_dict(full),
+                            optimizer_order_names(optimizer, optimizer_parameters()));
 }
 
 sdk::Checkpoint ShardedModule::shard_full_optim_state_dict(const sdk::Checkpoint& given) const {

@@ -99,10 +99,9 @@ void StrategyBase::setup(std::shared_ptr<sdk::Module> module, const sdk::Optimiz
   precision().convert_module(*network_);
   setup_module();
   std::vector<sdk::NamedParameter> params = optimizer_parameters();
-  optimizer_param_names_.clear();
-  for (const auto& p : params) optimizer_param_names_.push_back(p.name);
   optimizer_ = module_->configure_optimizers(params, optimizer);
   TESSERA_CHECK(optimizer_, "configure_optimizers() returned no optimizer");
+  optimizer_param_names_ = optimizer_order_names(*optimizer_, params);
 }
 
 void StrategyBase::setup_module() {}

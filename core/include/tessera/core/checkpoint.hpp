@@ -10,6 +10,7 @@
 #include <torch/optim/optimizer.h>
 
 #include "tessera/core/tensor_piece.hpp"
+#include "tessera/sdk/optimizer.hpp"
 #include "tessera/sdk/types.hpp"
 
 namespace tessera::sdk {
@@ -28,9 +29,19 @@ sdk::StateDict state_dict_from(const c10::IValue& value, const std::string& what
 const torch::optim::OptimizerParamState* optimizer_param_state(const torch::optim::Optimizer& optimizer,
                                                               const at::Tensor& param);
 
+/// The names of the optimizer's parameters in its own order, group by group (the order of
+/// PyTorch's indices), looked up by identity in `params` (what configure_optimizers was given).
+/// A configure_optimizers that regroups or reorders its parameters (weight decay for some) gets
+/// its state saved under the right names. Throws, naming them, when the optimizer steps on a
+/// tensor that is not in `params`, on one twice, or leaves one of `params` out.
+std::vector<std::string> optimizer_order_names(const torch::optim::Optimizer& optimizer,
+                                               const std::vector<sdk::NamedParameter>& params);
+
 /// PyTorch's optimizer state_dict: {"state": {index: {"step", "exp_avg", "exp_avg_sq" |
 /// "momentum_buffer"}}, "param_groups": [{"lr", "betas", ..., "params": [indices]}]},
 /// plus "param_names": the name of each index (PyTorch's PARAM_NAME keying). Adam, AdamW, SGD.
+/// `param_names` and the param_names of the functions below are in the optimizer's order
+/// (optimizer_order_names).
 sdk::Checkpoint optimizer_state_dict(const torch::optim::Optimizer& optimizer,
                                      const std::vector<std::string>& param_names);
 /// Restores `state` into `optimizer`, matching parameters by name when the checkpoint has

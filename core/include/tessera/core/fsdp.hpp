@@ -47,8 +47,6 @@ class ShardedModule {
   /// The optimizer's view: one tensor per original parameter, the part of it in this rank's
   /// shard (possibly empty), named after it.
   std::vector<sdk::NamedParameter> optimizer_parameters() const;
-  /// Names of optimizer_parameters(), in order (what local optimizer state dicts are keyed by).
-  std::vector<std::string> optimizer_parameter_names() const;
 
   /// Before a step's forward: gathers the root unit (and attaches gradients when training).
   void begin_forward(bool training) { scheduler_->begin_forward(training); }
