@@ -261,6 +261,7 @@ Config Config::load(const std::string& path, const std::vector<std::string>& ove
   tr.max_time_s = read_max_time(t);
   tr.profiler = t.get_choice("profiler", "", {"", "simple", "trace"});
   tr.detect_anomaly = t.get_bool("detect_anomaly", false);
+  tr.sync_batchnorm = t.get_bool("sync_batchnorm", false);
   t.check_all_used();
 
   sdk::Options lg = section("logger");

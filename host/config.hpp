@@ -48,6 +48,7 @@ struct TrainerSettings {
   bool predict_after_fit = false;            ///< print one predict batch (e.g. a text sample) at the end
   double max_time_s = 0;                     ///< stop fit after this long (0: no limit); "DD:HH:MM:SS" in TOML
   std::string profiler;                      ///< "" (none), "simple" or "trace"
+  bool sync_batchnorm = false;  ///< the model's sdk::SyncBatchNorm2d layers normalise over every data-parallel rank
   bool detect_anomaly = false;  ///< check the loss and the reduced gradients for NaN/Inf before each optimizer step
 };
 

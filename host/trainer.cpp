@@ -30,6 +30,7 @@
 #include "tessera/core/trace.hpp"
 #include "tessera/sdk/build_config.hpp"  // TESSERA_WITH_CUDA, before the #if below
 #include "tessera/sdk/error.hpp"
+#include "tessera/sdk/sync_batch_norm.hpp"
 #include "lr_schedule.hpp"
 
 #if TESSERA_WITH_CUDA
@@ -497,6 +498,39 @@ void Trainer::sanity_check() {
             " batch(es) before the first step ([trainer] num_sanity_val_steps)");
 }
 
+void Trainer::synchronise_batch_norms(std::int64_t data_ranks) {
+  std::vector<std::string> synchronised, plain;
+  std::vector<sdk::SyncBatchNorm2dImpl*> layers;
+  for (const auto& item : model_->network()->named_modules("", /*include_self=*/false)) {
+    torch::nn::Module* m = item.value().get();
+    if (auto* layer = dynamic_cast<sdk::SyncBatchNorm2dImpl*>(m)) {
+      layers.push_back(layer);
+      synchronised.push_back(item.key());
+    } else if (dynamic_cast<torch::nn::BatchNorm1dImpl*>(m) || dynamic_cast<torch::nn::BatchNorm2dImpl*>(m) ||
+               dynamic_cast<torch::nn::BatchNorm3dImpl*>(m)) {
+      plain.push_back(item.key());
+    }
+  }
+  TESSERA_CHECK(plain.empty(), "[trainer] sync_batchnorm = true, but ", sdk::join(plain), " ",
+                (plain.size() == 1 ? "is a torch::nn BatchNorm layer, which normalises" : "are torch::nn BatchNorm layers, which normalise"),
+                " over this rank's samples only: build ", (plain.size() == 1 ? "it" : "them"),
+                " as tessera::sdk::SyncBatchNorm2d (<tessera/sdk/sync_batch_norm.hpp>, a drop-in BatchNorm2d)");
+  TESSERA_CHECK(!synchronised.empty(), "[trainer] sync_batchnorm = true, but model '", config_.plugin_names.at("model"),
+                "' has no BatchNorm layer to synchronise: remove the key");
+  TESSERA_CHECK(data_ranks == cluster_.world_size, "[trainer] sync_batchnorm = true under tensor parallelism is not ",
+                "supported: the ranks of a tensor-parallel group share their samples");
+  log_.info("sync_batchnorm: " + std::to_string(synchronised.size()) + " BatchNorm layer(s) normalise over all " +
+            std::to_string(data_ranks) + " rank(s) (" + sdk::join(synchronised) + ")");
+  // One rank too computes its statistics the synchronised way (in double), so that the world
+  // size does not change the arithmetic; its sum over ranks is the tensor itself.
+  auto strategy = strategy_;
+  const bool alone = cluster_.world_size == 1;
+  for (auto* layer : layers)
+    layer->set_all_reduce([strategy, alone](at::Tensor& t) {
+      if (!alone) t.copy_(strategy->reduce(t, sdk::ReduceOp::sum));
+    });
+}
+
 void Trainer::validate_during_fit(const std::string& when) {
   if (config_.trainer.limit_val_batches.of(1) == 0 || !data_->val_dataset() || data_->val_dataset()->size() == 0)
     return;
@@ -525,6 +559,7 @@ void Trainer::fit(const std::string& ckpt_path) {
   // Ranks that read distinct batches (tensor-parallel ranks share theirs): the global batch
   // and the throughput count each sample once.
   const std::int64_t data_ranks = std::max<std::int64_t>(1, sampled.num_replicas);
+  if (t.sync_batchnorm) synchronise_batch_norms(data_ranks);
   const std::int64_t accumulate = t.accumulate_grad_batches;
   const std::int64_t epoch_batches = t.limit_train_batches.of(loader.num_batches());
   const std::int64_t steps_per_epoch = epoch_batches / accumulate;

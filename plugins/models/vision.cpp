@@ -10,6 +10,7 @@
 
 #include "models.hpp"
 #include "tessera/sdk/error.hpp"
+#include "tessera/sdk/sync_batch_norm.hpp"
 #include "tessera/sdk/unit.hpp"
 
 namespace tessera::models {
@@ -29,14 +30,15 @@ class LayerImpl : public torch::nn::Module {
 };
 TORCH_MODULE(Layer);
 
-/// Conv 3x3 (+ optional BatchNorm) + ReLU + 2x2 max-pool: one FSDP unit of the CNN.
+/// Conv 3x3 (+ optional BatchNorm, synchronised over the ranks under [trainer] sync_batchnorm)
+/// + ReLU + 2x2 max-pool: one FSDP unit of the CNN.
 class ConvBlockImpl : public torch::nn::Module {
  public:
   ConvBlockImpl(std::int64_t in, std::int64_t out, bool batch_norm)
       : torch::nn::Module("ConvBlock"),
         conv(register_module(
             "conv", torch::nn::Conv2d(torch::nn::Conv2dOptions(in, out, 3).padding(1).bias(!batch_norm)))) {
-    if (batch_norm) bn = register_module("bn", torch::nn::BatchNorm2d(out));
+    if (batch_norm) bn = register_module("bn", sdk::SyncBatchNorm2d(out));
   }
   at::Tensor forward(const at::Tensor& x) {
     at::Tensor y = conv(x);
@@ -44,7 +46,7 @@ class ConvBlockImpl : public torch::nn::Module {
     return at::max_pool2d(at::relu(y), {2, 2});
   }
   torch::nn::Conv2d conv;
-  torch::nn::BatchNorm2d bn{nullptr};
+  sdk::SyncBatchNorm2d bn{nullptr};
 };
 TORCH_MODULE(ConvBlock);
 

@@ -1007,6 +1007,29 @@ TEST(Progress, PlainLinesUnderAPseudoTerminalThatIsNotTheUsers) {
   EXPECT_NE(text.find("epoch 0 step 3/3  loss "), std::string::npos) << text;
 }
 
+TEST(BadInput, SyncBatchNormRefusesModelsItCannotSynchronise) {
+  // LibTorch's own BatchNorm layers cannot be reached (no forward hooks): named, with the fix.
+  std::string dir = tessera::testing::fresh_dir("sync-bn-plain");
+  std::ofstream(dir + "/run.toml") << "plugin_dirs = [\"" TEST_PLUGIN_DIR "\"]\n"
+                                   << "[trainer]\nmax_steps = 2\nsync_batchnorm = true\ndefault_root_dir = \"" << dir << "\"\n"
+                                   << "[model]\nplugin = \"layernorm_model\"\nbatch_norm = true\n"
+                                   << "[data]\nplugin = \"fashion_mnist\"\nbatch_size = 8\ntrain_limit = 64\n";
+  auto plain = run_tessera("fit --config " + dir + "/run.toml --set launch.devices=2 --set strategy.plugin=ddp");
+  EXPECT_EQ(plain.exit_code, 1) << plain.output;
+  EXPECT_NE(plain.output.find("[trainer] sync_batchnorm = true, but bn is a torch::nn BatchNorm layer, which normalises "
+                              "over this rank's samples only: build it as tessera::sdk::SyncBatchNorm2d"),
+            std::string::npos)
+      << plain.output;
+  EXPECT_EQ(plain.output.find("epoch 0 step 1/"), std::string::npos) << "refused before the first step\n" << plain.output;
+  std::string gpt = tessera::testing::fresh_dir("sync-bn-none");
+  auto none = run_tessera("fit --config " + write_config(gpt) + " --set trainer.sync_batchnorm=true");
+  EXPECT_EQ(none.exit_code, 1) << none.output;
+  EXPECT_NE(none.output.find("[trainer] sync_batchnorm = true, but model 'gpt' has no BatchNorm layer to synchronise: "
+                             "remove the key"),
+            std::string::npos)
+      << none.output;
+}
+
 TEST(BadInput, Bf16LayerNormOnCpuIsExplainedWithoutAStackTrace) {
   std::string dir = tessera::testing::fresh_dir("bf16-layernorm");
   std::ofstream(dir + "/run.toml") << "plugin_dirs = [\"" TEST_PLUGIN_DIR "\"]\n"

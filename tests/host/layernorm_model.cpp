@@ -1,8 +1,11 @@
 // A model the way a newcomer writes one: Linear -> LayerNorm -> Linear on 28x28 images. Under
 // bf16-mixed on CPU, LibTorch 1.13's autocast hands the LayerNorm the Linear's bf16 output
 // while its weight stays fp32: the host must explain that, not print a C++ stack trace.
+// With batch_norm = true a plain torch::nn::BatchNorm1d follows fc1, which [trainer]
+// sync_batchnorm must refuse (it cannot synchronise LibTorch's own layer).
 #include <ATen/ATen.h>
 #include <torch/nn/functional/loss.h>
+#include <torch/nn/modules/batchnorm.h>
 #include <torch/nn/modules/linear.h>
 #include <torch/nn/modules/normalization.h>
 
@@ -16,10 +19,11 @@ using tessera::sdk::StepOutput;
 
 class LayerNormModel final : public tessera::sdk::Module {
  public:
-  explicit LayerNormModel(const tessera::sdk::Options&) {}
+  explicit LayerNormModel(const tessera::sdk::Options& o) : batch_norm_(o.get_bool("batch_norm", false)) {}
   void configure_model() override {
     network_ = std::make_shared<torch::nn::Module>("LayerNormModel");
     fc1_ = network_->register_module("fc1", torch::nn::Linear(784, 32));
+    if (batch_norm_) bn_ = network_->register_module("bn", torch::nn::BatchNorm1d(32));
     norm_ = network_->register_module("norm", torch::nn::LayerNorm(torch::nn::LayerNormOptions({32})));
     fc2_ = network_->register_module("fc2", torch::nn::Linear(32, 10));
   }
@@ -31,7 +35,10 @@ class LayerNormModel final : public tessera::sdk::Module {
   tessera::sdk::Checkpoint hyper_parameters() const override { return tessera::sdk::make_checkpoint(); }
 
  private:
-  at::Tensor logits(const Batch& b) { return fc2_(norm_(fc1_(b.input.flatten(1)))); }
+  at::Tensor logits(const Batch& b) {
+    at::Tensor h = fc1_(b.input.flatten(1));
+    return fc2_(norm_(bn_ ? bn_(h) : h));
+  }
   StepOutput step(const Batch& b) {
     at::Tensor loss = torch::nn::functional::cross_entropy(logits(b).to(at::kFloat), b.target);
     return StepOutput{loss, {{"loss", loss.detach()}}, b.size()};
@@ -39,6 +46,8 @@ class LayerNormModel final : public tessera::sdk::Module {
   std::shared_ptr<torch::nn::Module> network_;
   torch::nn::Linear fc1_{nullptr}, fc2_{nullptr};
   torch::nn::LayerNorm norm_{nullptr};
+  torch::nn::BatchNorm1d bn_{nullptr};
+  bool batch_norm_;
 };
 
 }  // namespace

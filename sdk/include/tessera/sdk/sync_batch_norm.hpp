@@ -1,0 +1,41 @@
+#pragma once
+/// BatchNorm over the whole data-parallel batch: PyTorch's SyncBatchNorm, what Lightning's
+/// Trainer(sync_batchnorm=True) converts BatchNorm layers to. LibTorch modules have no forward
+/// hooks, so a model opts in by building its BatchNorm2d layers as this class; with [trainer]
+/// sync_batchnorm = true the host connects them to the data-parallel ranks, and in training
+/// every rank normalises with the mean and variance of all ranks' samples (and keeps the same
+/// running statistics), so N ranks train as one device does on the global batch. Unconnected,
+/// in eval mode, or on one rank it is torch::nn::BatchNorm2d exactly: LibTorch's BatchNorm base,
+/// the same parameters, buffers and names (checkpoints load into either), kept in fp32 by FSDP's
+/// mixed precision and reset by deferred init as BatchNorm2d is.
+#include <functional>
+
+#include <torch/nn/modules/batchnorm.h>
+
+#include "tessera/sdk/export.hpp"
+
+namespace tessera::sdk {
+
+/// Sums `tensor` over the data-parallel ranks, in place; every rank must call it in the same order.
+using AllReduceSum = std::function<void(at::Tensor& tensor)>;
+
+class TESSERA_SDK_API SyncBatchNorm2dImpl : public torch::nn::BatchNormImplBase<2, SyncBatchNorm2dImpl> {
+ public:
+  using torch::nn::BatchNormImplBase<2, SyncBatchNorm2dImpl>::BatchNormImplBase;
+
+  at::Tensor forward(const at::Tensor& input);
+
+  /// Makes training statistics global (the host does, under [trainer] sync_batchnorm); an empty
+  /// function makes them this rank's again.
+  void set_all_reduce(AllReduceSum all_reduce) { all_reduce_ = std::move(all_reduce); }
+  bool synchronised() const { return static_cast<bool>(all_reduce_); }
+
+ protected:
+  void _check_input_dim(const at::Tensor& input) override;
+
+ private:
+  AllReduceSum all_reduce_;
+};
+TORCH_MODULE(SyncBatchNorm2d);
+
+}  // namespace tessera::sdk
