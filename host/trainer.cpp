@@ -26,6 +26,7 @@
 #include "tessera/core/checkpoint_folder.hpp"
 #include "tessera/core/comm.hpp"
 #include "tessera/core/data_loader.hpp"
+#include "tessera/core/fsdp/wrap.hpp"
 #include "tessera/core/ledger.hpp"
 #include "tessera/core/trace.hpp"
 #include "tessera/sdk/build_config.hpp"  // TESSERA_WITH_CUDA, before the #if below
@@ -506,8 +507,7 @@ void Trainer::synchronise_batch_norms(std::int64_t data_ranks) {
     if (auto* layer = dynamic_cast<sdk::SyncBatchNorm2dImpl*>(m)) {
       layers.push_back(layer);
       synchronised.push_back(item.key());
-    } else if (dynamic_cast<torch::nn::BatchNorm1dImpl*>(m) || dynamic_cast<torch::nn::BatchNorm2dImpl*>(m) ||
-               dynamic_cast<torch::nn::BatchNorm3dImpl*>(m)) {
+    } else if (core::fsdp::is_batch_norm(*m)) {  // LibTorch's own
       plain.push_back(item.key());
     }
   }
