@@ -8,6 +8,15 @@
 
 #include "tessera/sdk/error.hpp"
 
+// Declared in the header: LibTorch 1.13 defines none for a BatchNorm class of ours.
+template <>
+void torch::nn::BatchNormImplBase<2, tessera::sdk::SyncBatchNorm2dImpl>::pretty_print(std::ostream& stream) const {
+  stream << "tessera::sdk::SyncBatchNorm2d(" << options.num_features() << ", eps=" << options.eps()
+         << ", momentum=" << (options.momentum().has_value() ? std::to_string(*options.momentum()) : "None")
+         << ", affine=" << (options.affine() ? "true" : "false")
+         << ", track_running_stats=" << (options.track_running_stats() ? "true" : "false") << ")";
+}
+
 namespace tessera::sdk {
 
 namespace {
@@ -77,12 +86,3 @@ at::Tensor SyncBatchNorm2dImpl::forward(const at::Tensor& input) {
 }
 
 }  // namespace tessera::sdk
-
-// LibTorch defines BatchNorm's pretty_print for its own classes only; this one prints as they do.
-template <>
-void torch::nn::BatchNormImplBase<2, tessera::sdk::SyncBatchNorm2dImpl>::pretty_print(std::ostream& stream) const {
-  stream << "tessera::sdk::SyncBatchNorm2d(" << options.num_features() << ", eps=" << options.eps()
-         << ", momentum=" << (options.momentum().has_value() ? std::to_string(*options.momentum()) : "None")
-         << ", affine=" << (options.affine() ? "true" : "false")
-         << ", track_running_stats=" << (options.track_running_stats() ? "true" : "false") << ")";
-}

@@ -39,3 +39,8 @@ class TESSERA_SDK_API SyncBatchNorm2dImpl : public torch::nn::BatchNormImplBase<
 TORCH_MODULE(SyncBatchNorm2d);
 
 }  // namespace tessera::sdk
+
+/// LibTorch 1.13 defines BatchNorm's pretty_print out of line for its own three classes only
+/// (2.x inline, for any): this class's, declared before any use, is in libtessera_sdk.
+template <>
+void torch::nn::BatchNormImplBase<2, tessera::sdk::SyncBatchNorm2dImpl>::pretty_print(std::ostream& stream) const;
