@@ -233,16 +233,16 @@ Config Config::load(const std::string& path, const std::vector<std::string>& ove
                 " leaves no batch to train on: give a number of batches >= 1 or a fraction in (0.0, 1.0]");
   read_validation_schedule(t, tr);
   tr.num_sanity_val_steps = t.get_int("num_sanity_val_steps", tr.num_sanity_val_steps, -1);
+  tr.fast_dev_run = read_fast_dev_run(t);
+  tr.limit_val_batches = read_limit(t, "limit_val_batches", tr.limit_val_batches);
+  tr.limit_test_batches = read_limit(t, "limit_test_batches", tr.limit_test_batches);
+  tr.limit_predict_batches = read_limit(t, "limit_predict_batches", tr.limit_predict_batches);
   tr.overfit_batches = read_limit(t, "overfit_batches", tr.overfit_batches);
   const bool overfit = tr.overfit_batches.value > 0;
   for (const char* key : {"limit_train_batches", "limit_val_batches"})
     TESSERA_CHECK(!overfit || !t.has(key), t.locate("overfit_batches"), " sets ", key, " too: remove ",
                   t.locate(key));
   if (overfit) tr.limit_train_batches = tr.limit_val_batches = tr.overfit_batches;
-  tr.fast_dev_run = read_fast_dev_run(t);
-  tr.limit_val_batches = read_limit(t, "limit_val_batches", tr.limit_val_batches);
-  tr.limit_test_batches = read_limit(t, "limit_test_batches", tr.limit_test_batches);
-  tr.limit_predict_batches = read_limit(t, "limit_predict_batches", tr.limit_predict_batches);
   tr.log_every_n_steps = t.get_int("log_every_n_steps", 10, 1);
   tr.seed = t.get_int("seed", 0, 0);
   tr.default_root_dir = read_path(t, "default_root_dir", tr.default_root_dir);
