@@ -127,6 +127,9 @@ struct BadInput {
   bool before_launch = true;  ///< false: only a data plugin can tell, when its rank reads the data
 };
 
+// ctest lists a case by its name, not by GoogleTest's dump of the struct's bytes.
+void PrintTo(const BadInput& c, std::ostream* os) { *os << c.name; }
+
 class BadInputs : public ::testing::TestWithParam<BadInput> {};
 
 TEST_P(BadInputs, AreRefusedBeforeWorkNamingTheKey) {

@@ -31,6 +31,12 @@
 #include "tessera/sdk/tensor_parallel.hpp"
 #include "tessera/sdk/unit.hpp"
 
+namespace tessera::core::fsdp {
+// ctest lists a layout case by its name, not by GoogleTest's dump of the enum's bytes (found by
+// argument-dependent lookup, so in the enum's namespace).
+void PrintTo(ParamLayout layout, std::ostream* os) { *os << (layout == ParamLayout::flat ? "flat" : "per_parameter"); }
+}  // namespace tessera::core::fsdp
+
 namespace {
 
 namespace core = tessera::core;

@@ -247,6 +247,9 @@ struct FreedCase {
   bool reduce_every_micro_batch;
 };
 
+// ctest lists a case by its name, not by GoogleTest's dump of the struct's bytes.
+void PrintTo(const FreedCase& c, std::ostream* os) { *os << c.name; }
+
 class FreedShardedGrads : public ::testing::TestWithParam<FreedCase> {};
 
 // free_sharded_grads (CUDA's default), forced on the CPU: between an optimizer step and the

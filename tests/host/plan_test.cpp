@@ -219,6 +219,9 @@ struct Case {
   const char* name;
   const char* sets;
 };
+// Without it GoogleTest prints a Case as its bytes (two pointers), which ctest's test list then
+// carries in every name, different at each run of the binary.
+void PrintTo(const Case& c, std::ostream* os) { *os << c.name; }
 
 class PlanVsMeasured : public ::testing::TestWithParam<Case> {};
 

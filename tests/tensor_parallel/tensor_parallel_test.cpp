@@ -238,6 +238,9 @@ struct GptCase {
   int steps;
 };
 
+// ctest lists a case by its tp size, not by GoogleTest's dump of the struct's bytes.
+void PrintTo(const GptCase& c, std::ostream* os) { *os << "tp " << c.tp; }
+
 class TensorParallelGpt : public ::testing::TestWithParam<GptCase> {};
 
 /// Loss, every parameter's full gradient and a few SGD steps on the local pieces against the
