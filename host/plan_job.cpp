@@ -17,6 +17,7 @@
 #include "tessera/core/deferred_init.hpp"
 #include "tessera/core/fsdp/sharded_strategy.hpp"
 #include "tessera/core/plugin_loader.hpp"
+#include "tessera/core/strategy_base.hpp"
 #include "tessera/sdk/data.hpp"
 #include "tessera/sdk/error.hpp"
 #include "tessera/sdk/memory_layout.hpp"
@@ -148,8 +149,7 @@ Trace trace_forward(sdk::Module& model, sdk::Precision& precision, sdk::DataModu
 }  // namespace
 
 bool trains_on_cuda(const Config& config) {
-  const std::string accelerator = config.resolved["strategy"]["accelerator"].value_or(std::string("auto"));
-  return accelerator == "cuda" || (accelerator == "auto" && at::hasCUDA());
+  return core::accelerator_is_cuda(config.resolved["strategy"]["accelerator"].value_or(std::string("auto")));
 }
 
 PlannedJob plan_job(const Config& config) {

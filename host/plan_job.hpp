@@ -19,8 +19,8 @@ struct PlannedJob {
 /// Throws sdk::Error for a configuration that cannot run (the same checks as fit's).
 PlannedJob plan_job(const Config& config);
 
-/// Whether the job trains on CUDA: [strategy] accelerator = "cuda", or "auto" where this
-/// LibTorch sees a GPU (the strategies' own rule, core::StrategyBase::trains_on_cuda).
+/// Whether the job trains on CUDA, by its [strategy] accelerator (core::accelerator_is_cuda,
+/// the rule of the shipped strategies; read from the config, so for any strategy plugin).
 bool trains_on_cuda(const Config& config);
 
 }  // namespace tessera::host

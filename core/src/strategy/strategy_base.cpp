@@ -51,7 +51,11 @@ sdk::CheckpointIO& StrategyBase::checkpoint_io() {
   return *checkpoint_io_;
 }
 
-bool StrategyBase::trains_on_cuda() const { return accelerator_ == "cuda" || (accelerator_ == "auto" && at::hasCUDA()); }
+bool accelerator_is_cuda(const std::string& accelerator) {
+  return accelerator == "cuda" || (accelerator == "auto" && at::hasCUDA());
+}
+
+bool StrategyBase::trains_on_cuda() const { return accelerator_is_cuda(accelerator_); }
 
 void StrategyBase::setup_environment(const sdk::ClusterInfo& cluster) {
   cluster_ = cluster;

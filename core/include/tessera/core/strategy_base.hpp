@@ -13,6 +13,10 @@
 
 namespace tessera::core {
 
+/// The one rule for "does this job train on CUDA": [strategy] accelerator = "cuda", or "auto"
+/// where this LibTorch sees a GPU. The strategies and the host (plan, fit's memory warning) ask it.
+bool accelerator_is_cuda(const std::string& accelerator);
+
 class StrategyBase : public sdk::Strategy {
  public:
   /// Reads `accelerator` ("auto", "cpu", "cuda") and `device_id` (local rank 0's GPU; rank r
@@ -75,8 +79,8 @@ class StrategyBase : public sdk::Strategy {
   virtual void zero_grad();
   /// What the optimizer steps on, named after the original parameters.
   virtual std::vector<sdk::NamedParameter> optimizer_parameters();
-  /// Whether `accelerator` is CUDA: "cuda", or "auto" where this LibTorch sees a GPU. The
-  /// memory layouts read it too: on CUDA the collectives are NCCL's and the tensors on the GPU.
+  /// Whether this strategy's `accelerator` is CUDA (core::accelerator_is_cuda). The memory
+  /// layouts read it too: on CUDA the collectives are NCCL's and the tensors on the GPU.
   bool trains_on_cuda() const;
   /// `batch` on `device_`, floating inputs converted by the precision.
   sdk::Batch prepare_batch(const sdk::Batch& batch);
