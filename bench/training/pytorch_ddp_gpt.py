@@ -54,11 +54,12 @@ class Block(nn.Module):
     def forward(self, x):
         B, T, C = x.shape
         q, k, v = self.attn(self.ln_1(x)).split(C, dim=2)
-        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
-        att = (q @ k.transpose(-2, -1)) / math.sqrt(k.size(-1))
-        mask = torch.ones(T, T, dtype=torch.bool, device=x.device).tril()
-        att = att.masked_fill(~mask, float("-inf")).softmax(-1)
-        y = (att @ v).transpose(1, 2).contiguous().view(B, T, C)
+        H, D = self.n_head, C // self.n_head
+        q, k, v = (t.view(B, T, H, D).transpose(1, 2).reshape(B * H, T, D) for t in (q, k, v))
+        # As Tessera's gpt computes it: the causal mask and the scale inside the scores' GEMM.
+        bias = torch.full((T, T), float("-inf"), dtype=q.dtype, device=x.device).triu(1)
+        att = torch.baddbmm(bias, q, k.transpose(1, 2), alpha=1.0 / math.sqrt(D)).softmax(-1)
+        y = torch.bmm(att, v).view(B, H, T, D).transpose(1, 2).contiguous().view(B, T, C)
         x = x + self.proj(y)
         return x + self.fc_proj(F.gelu(self.fc(self.ln_2(x))))
 
