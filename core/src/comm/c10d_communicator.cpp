@@ -228,12 +228,19 @@ class Monitor {
 
   std::uint64_t add(const WorkPtr& work, const std::string& tag, std::int64_t seq, double timeout_s) {
     std::lock_guard<std::mutex> lock(mutex_);
+    prune_finished_on_device();
     entries_[next_] = Entry{work, tag, seq, timeout_s, Clock::now()};
     return next_++;
   }
   void remove(std::uint64_t id) {
     std::lock_guard<std::mutex> lock(mutex_);
     entries_.erase(id);
+  }
+  /// The rank's stream waits for `id` but its host went on: watched until the device finishes
+  /// it (checked at every add and tick, so a finished collective's buffers are not held long).
+  void waited_on_device(std::uint64_t id) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (auto it = entries_.find(id); it != entries_.end()) it->second.on_device = true;
   }
 
  private:
@@ -243,7 +250,13 @@ class Monitor {
     std::int64_t seq;
     double timeout_s;
     Clock::time_point start;
+    bool on_device = false;  ///< waited for by the stream, not by the host
   };
+
+  void prune_finished_on_device() {
+    for (auto it = entries_.begin(); it != entries_.end();)
+      it = it->second.on_device && it->second.work->isCompleted() ? entries_.erase(it) : std::next(it);
+  }
 
   void publish() {
     if (!store_ || broken_) return;
@@ -264,6 +277,7 @@ class Monitor {
       publish();
       lock.lock();
       wake_.wait_for(lock, std::chrono::duration<double>(kPublishIntervalS), [this] { return stop_; });
+      prune_finished_on_device();
       for (const auto& [id, entry] : entries_) {
         double waited = std::chrono::duration<double>(Clock::now() - entry.start).count();
         if (waited < entry.timeout_s + backstop_s_ || entry.work->isCompleted()) continue;
@@ -278,7 +292,8 @@ class Monitor {
                               std::to_string(static_cast<std::int64_t>(waited)) + " s (collective #" +
                               std::to_string(stuck.seq) + ", timeout " +
                               std::to_string(static_cast<std::int64_t>(stuck.timeout_s)) +
-                              " s; this rank never waited for it). Hang report: " + d.text;
+                              (stuck.on_device ? " s; the device never finished it" : " s; this rank never waited for it") +
+                              "). Hang report: " + d.text;
         std::fprintf(stderr, "tessera: error: %s\n", message.c_str());
         std::fflush(stderr);
         std::function<void(const std::string&)> reporter;
@@ -310,10 +325,13 @@ class Monitor {
 /// wait() waits up to the collective's timeout, then reports where every rank is.
 class C10dHandle final : public CommHandle {
  public:
+  /// `stream_ordered` (NCCL): wait() makes the current CUDA stream wait for the collective and
+  /// returns, as PyTorch's FSDP does; the host runs ahead, and the Monitor watches the
+  /// collective until the device finishes it. Otherwise wait() blocks up to the timeout.
   C10dHandle(WorkPtr work, std::function<void()> finish, std::string tag, std::int64_t global_rank,
-             double collective_timeout_s, std::shared_ptr<Monitor> monitor)
+             double collective_timeout_s, std::shared_ptr<Monitor> monitor, bool stream_ordered)
       : work_(std::move(work)), finish_(std::move(finish)), tag_(std::move(tag)), rank_(global_rank),
-        start_(Clock::now()), monitor_(std::move(monitor)) {
+        start_(Clock::now()), monitor_(std::move(monitor)), stream_ordered_(stream_ordered) {
     checkpoint_ = is_checkpoint_phase(ledger_phase());
     if (checkpoint_) {
       std::lock_guard<std::mutex> lock(shared().mutex);
@@ -327,7 +345,7 @@ class C10dHandle final : public CommHandle {
     }
   }
   ~C10dHandle() override {
-    if (monitor_ && work_) monitor_->remove(id_);
+    if (monitor_ && work_ && !(done_ && stream_ordered_)) monitor_->remove(id_);
   }
 
   void wait() override {
@@ -336,7 +354,10 @@ class C10dHandle final : public CommHandle {
       detail::ledger_wait(seq_, tag_);
       const Clock::time_point waiting = Clock::now();
       try {
-        work_->wait(std::chrono::milliseconds(std::max<std::int64_t>(1, static_cast<std::int64_t>(timeout_s_ * 1000))));
+        // A timeout makes c10d's NCCL work (LibTorch 2.x) block the host until the device
+        // finished the collective: every unit's gather would wait for all the work queued before it.
+        if (stream_ordered_) work_->wait();
+        else work_->wait(std::chrono::milliseconds(std::max<std::int64_t>(1, static_cast<std::int64_t>(timeout_s_ * 1000))));
       } catch (const std::exception& e) {
         fail(e.what());
       }
@@ -344,7 +365,7 @@ class C10dHandle final : public CommHandle {
       trace::record(tag_, "collective-wait", waiting, Clock::now());  // the caller blocked: exposed communication
     }
     done_ = true;
-    if (monitor_ && work_) monitor_->remove(id_);
+    if (monitor_ && work_) stream_ordered_ ? monitor_->waited_on_device(id_) : monitor_->remove(id_);
     if (finish_) {
       const Clock::time_point local = Clock::now();
       finish_();
@@ -380,6 +401,7 @@ class C10dHandle final : public CommHandle {
   std::shared_ptr<Monitor> monitor_;
   std::uint64_t id_ = 0;
   std::int64_t seq_ = 0;
+  bool stream_ordered_;
   bool done_ = false;
 };
 
@@ -545,7 +567,8 @@ class C10dCommunicator final : public Communicator {
 
   void barrier(const std::string& tag) override {
     ++stats_.calls;
-    handle(backend_->barrier(c10d::BarrierOptions()), nullptr, "barrier " + tag)->wait();
+    // A barrier holds the host, on NCCL too.
+    handle(backend_->barrier(c10d::BarrierOptions()), nullptr, "barrier " + tag, /*stream_ordered=*/false)->wait();
   }
 
   std::shared_ptr<Communicator> split(const std::vector<std::vector<std::int64_t>>& groups) override {
@@ -576,8 +599,14 @@ class C10dCommunicator final : public Communicator {
     ++stats_.calls;
   }
 
+  /// NCCL's collectives are ordered on the CUDA stream; Gloo's and the shared-memory channel's
+  /// complete on the host.
   CommHandlePtr handle(WorkPtr work, std::function<void()> finish, const std::string& tag) {
-    return std::make_shared<C10dHandle>(std::move(work), std::move(finish), tag, global_rank_, timeout_s_, monitor_);
+    return handle(std::move(work), std::move(finish), tag, /*stream_ordered=*/!is_gloo_);
+  }
+  CommHandlePtr handle(WorkPtr work, std::function<void()> finish, const std::string& tag, bool stream_ordered) {
+    return std::make_shared<C10dHandle>(std::move(work), std::move(finish), tag, global_rank_, timeout_s_, monitor_,
+                                        stream_ordered);
   }
 
   c10::intrusive_ptr<c10d::Store> store_;
