@@ -647,6 +647,11 @@ c10::intrusive_ptr<c10d::ProcessGroupGloo> C10dCommunicator<c10d::ProcessGroupGl
 #if TESSERA_WITH_CUDA
 c10::intrusive_ptr<c10d::ProcessGroupNCCL> make_nccl(const c10::intrusive_ptr<c10d::Store>& store, std::int64_t rank,
                                                      std::int64_t size, double timeout_s) {
+  // Waits are stream-ordered (C10dHandle), so the host runs ahead of the device. c10d then keeps
+  // a collective's tensors until its wait (its stash) rather than marking them used on NCCL's
+  // stream (record_stream), which would hold every freed unit buffer back from reuse until the
+  // device caught up: as many gathered units as the host queued. A user's setting wins.
+  setenv("TORCH_NCCL_AVOID_RECORD_STREAMS", "1", /*overwrite=*/0);
   auto options = c10d::ProcessGroupNCCL::Options::create();
   // NCCL's own watchdog aborts without naming the collective: our waits and Monitor fire first.
   options->timeout = std::chrono::milliseconds(static_cast<std::int64_t>((timeout_s + kNcclExtraTimeoutS) * 1000));
