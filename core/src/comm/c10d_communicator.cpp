@@ -236,11 +236,16 @@ class Monitor {
     std::lock_guard<std::mutex> lock(mutex_);
     entries_.erase(id);
   }
-  /// The rank's stream waits for `id` but its host went on: watched until the device finishes
-  /// it (checked at every add and tick, so a finished collective's buffers are not held long).
-  void waited_on_device(std::uint64_t id) {
+  /// The rank's stream waits for `id` but its host went on: from now on `watched` (the work
+  /// without its tensors, see watchable()) stands for it until the device finishes it; pruned at
+  /// every add and tick. Without one, the backend's own timeout watches it.
+  void waited_on_device(std::uint64_t id, WorkPtr watched) {
     std::lock_guard<std::mutex> lock(mutex_);
-    if (auto it = entries_.find(id); it != entries_.end()) it->second.on_device = true;
+    auto it = entries_.find(id);
+    if (it == entries_.end()) return;
+    if (!watched) return void(entries_.erase(it));
+    it->second.work = std::move(watched);
+    it->second.on_device = true;
   }
 
  private:
@@ -321,6 +326,18 @@ class Monitor {
   std::thread thread_;
 };
 
+/// What the Monitor may keep of a collective that the stream waits for: c10d's NCCL work copied
+/// without its tensors (the copy NCCL's own watchdog keeps), so that watching it until the device
+/// finishes does not keep a unit's buffers alive while the host runs ahead. Null otherwise.
+WorkPtr watchable(const WorkPtr& work) {
+#if TESSERA_WITH_CUDA
+  if (auto* nccl = dynamic_cast<c10d::ProcessGroupNCCL::WorkNCCL*>(work.get()))
+    return c10::make_intrusive<c10d::ProcessGroupNCCL::WorkNCCL>(*nccl);
+#endif
+  (void)work;
+  return WorkPtr();
+}
+
 /// A c10d Work plus the local step that completes the collective (copy-out, sum, divide).
 /// wait() waits up to the collective's timeout, then reports where every rank is.
 class C10dHandle final : public CommHandle {
@@ -365,7 +382,7 @@ class C10dHandle final : public CommHandle {
       trace::record(tag_, "collective-wait", waiting, Clock::now());  // the caller blocked: exposed communication
     }
     done_ = true;
-    if (monitor_ && work_) stream_ordered_ ? monitor_->waited_on_device(id_) : monitor_->remove(id_);
+    if (monitor_ && work_) stream_ordered_ ? monitor_->waited_on_device(id_, watchable(work_)) : monitor_->remove(id_);
     if (finish_) {
       const Clock::time_point local = Clock::now();
       finish_();
