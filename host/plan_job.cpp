@@ -3,6 +3,8 @@
 #include <algorithm>
 #include <mutex>
 #include <unordered_map>
+#include <unordered_set>
+#include <cstdio>
 #include <cstdlib>
 #include <fstream>
 
@@ -25,6 +27,7 @@
 #include "tessera/sdk/strategy.hpp"
 #include "tessera/sdk/strategy_checks.hpp"
 #include "tessera/sdk/tensor_parallel.hpp"
+#include "tessera/sdk/unit.hpp"
 
 namespace tessera::host {
 
@@ -113,9 +116,70 @@ struct Trace {
   sdk::TensorParallelTraffic tensor_parallel;  ///< the traced graph's activation all-reduces
 };
 
+/// Runs a unit the strategy checkpoints as any other, and records what its forward left
+/// alive besides its outputs: what checkpointing frees after the forward and recomputes in
+/// backward, one unit at a time. Units nested in a recorded one are inside its figure.
+class RecomputedUnitProbe final : public sdk::UnitRunner {
+ public:
+  std::vector<at::Tensor> run(torch::nn::Module&, sdk::UnitFunction forward,
+                              const std::vector<at::Tensor>& inputs) override {
+    if (depth_ > 0) return forward(inputs);
+    ++depth_;
+    const std::int64_t before = counting_allocator().live();
+    std::vector<at::Tensor> outputs;
+    try {
+      outputs = forward(inputs);
+    } catch (...) {
+      --depth_;
+      throw;
+    }
+    --depth_;
+    double internals = static_cast<double>(counting_allocator().live() - before);
+    std::unordered_set<const void*> kept;  // the inputs' and outputs' storages stay alive
+    for (const at::Tensor& t : inputs)
+      if (t.defined() && t.has_storage()) kept.insert(t.storage().data());
+    for (const at::Tensor& t : outputs)
+      if (t.defined() && t.has_storage() && kept.insert(t.storage().data()).second)
+        internals -= static_cast<double>(t.storage().nbytes());
+    internals_.push_back(std::max(0.0, internals));
+    return outputs;
+  }
+  const std::vector<double>& internals() const { return internals_; }
+
+ private:
+  int depth_ = 0;
+  std::vector<double> internals_;
+};
+
+/// Installs `probe` on `units` for the life of the guard.
+class ProbeGuard {
+ public:
+  ProbeGuard(std::vector<std::shared_ptr<torch::nn::Module>> units, std::shared_ptr<RecomputedUnitProbe> probe)
+      : units_(std::move(units)) {
+    for (const auto& unit : units_) sdk::set_unit_runner(*unit, probe);
+  }
+  ~ProbeGuard() {
+    for (const auto& unit : units_) sdk::set_unit_runner(*unit, nullptr);
+  }
+  ProbeGuard(const ProbeGuard&) = delete;
+  ProbeGuard& operator=(const ProbeGuard&) = delete;
+
+ private:
+  std::vector<std::shared_ptr<torch::nn::Module>> units_;
+};
+
+std::string megabytes(double bytes) {
+  char text[32];
+  std::snprintf(text, sizeof text, "%.1f MB", bytes / 1048576.0);
+  return text;
+}
+
 /// One training forward on the configured batch (real shapes, the parameters' values garbage
 /// from deferred init), under the precision's forward context, counting what it allocates.
-Trace trace_forward(sdk::Module& model, sdk::Precision& precision, sdk::DataModule& data, std::int64_t batch_size) {
+/// The `recomputed` units (activation checkpointing) keep their inputs and outputs only, and
+/// the largest one's internals count once more: backward recomputes one unit at a time.
+Trace trace_forward(sdk::Module& model, sdk::Precision& precision, sdk::DataModule& data, std::int64_t batch_size,
+                    std::vector<std::shared_ptr<torch::nn::Module>> recomputed) {
   Trace trace;
   std::shared_ptr<sdk::Dataset> dataset = data.train_dataset();
   TESSERA_CHECK(dataset && dataset->size() > 0, "the data plugin has no training data to trace a forward with");
@@ -126,6 +190,8 @@ Trace trace_forward(sdk::Module& model, sdk::Precision& precision, sdk::DataModu
   if (batch.input.defined() && batch.input.is_floating_point()) batch.input = precision.convert_input(batch.input);
   if (batch.target.defined() && batch.target.is_floating_point()) batch.target = precision.convert_input(batch.target);
   torch::AutoGradMode grad(true);
+  auto probe = std::make_shared<RecomputedUnitProbe>();
+  ProbeGuard probing(std::move(recomputed), probe);
   CountingAllocator& counter = counting_allocator();
   counter.start();
   try {
@@ -143,6 +209,18 @@ Trace trace_forward(sdk::Module& model, sdk::Precision& precision, sdk::DataModu
   counter.stop();
   trace.method = "autograd's saved tensors after one traced forward of " + std::to_string(n) + " sample(s)" +
                  (n < batch_size ? " (the whole training set)" : "");
+  const std::vector<double>& internals = probe->internals();
+  if (!internals.empty()) {
+    double dropped = 0, largest = 0;
+    for (double bytes : internals) {
+      dropped += bytes;
+      largest = std::max(largest, bytes);
+    }
+    trace.saved += largest - dropped;
+    trace.method += "; " + std::to_string(internals.size()) + " checkpointed unit call(s) keep their inputs and " +
+                    "outputs only (" + megabytes(dropped) + " less), one recomputed at a time (the largest, +" +
+                    megabytes(largest) + ")";
+  }
   return trace;
 }
 
@@ -199,7 +277,10 @@ PlannedJob plan_job(const Config& config) {
   try {
     if (auto* layout = dynamic_cast<sdk::StrategyMemoryLayout*>(strategy.get()))
       in.layout = layout->memory_layout(*model, cluster);
-    Trace trace = trace_forward(*model, *precision, *data, config.data.batch_size);
+    std::vector<std::shared_ptr<torch::nn::Module>> recomputed;
+    if (auto* sharded = dynamic_cast<core::fsdp::ShardedStrategy*>(strategy.get()))
+      recomputed = sharded->checkpointed_units(*model);
+    Trace trace = trace_forward(*model, *precision, *data, config.data.batch_size, std::move(recomputed));
     in.activation_bytes = trace.saved;
     in.forward_transient_bytes = trace.transient;
     in.activation_method = trace.method;

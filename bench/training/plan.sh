@@ -2,7 +2,7 @@
 # `tessera plan`'s peak RSS per rank against what `tessera fit` measures (metrics.csv
 # peak_rss_mb, the busiest rank), on the GPT of memory.sh (8 layers, 768 wide, ~57M
 # parameters, AdamW, 3 steps) under each strategy, 1, 2 and 4 ranks, fp32 and bf16-mixed.
-#   bash bench/training/plan.sh [build-dir]        (~4 minutes on 2 cores)
+#   bash bench/training/plan.sh [build-dir]        (~5 minutes on 2 cores)
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 tessera="${1:-build}/bin/tessera"
@@ -41,3 +41,8 @@ run fsdp2_dp2_tp2_4 --set launch.devices=4 --set strategy.plugin=fsdp2 --set str
   --set data.batch_size=2
 run fsdp_bf16_mixed_2 --set launch.devices=2 --set strategy.plugin=fsdp --set precision.plugin=fsdp-precision \
   --set precision.precision=bf16-mixed --set data.batch_size=2
+# Activation checkpointing, at a batch where activations are a third of the peak without it.
+run fsdp_checkpointed_2 --set launch.devices=2 --set strategy.plugin=fsdp --set data.batch_size=16 \
+  --set 'strategy.activation_checkpointing=["Block"]'
+run fsdp2_checkpointed_2 --set launch.devices=2 --set strategy.plugin=fsdp2 --set data.batch_size=16 \
+  --set 'strategy.activation_checkpointing=["Block"]'

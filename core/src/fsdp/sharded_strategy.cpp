@@ -218,9 +218,8 @@ bool ShardedStrategy::offloads_state_to_cpu() const {
   return trains_on_cuda() && planned_options(sdk::MixedPrecisionPolicy{}).cpu_offload;
 }
 
-sdk::MemoryLayout ShardedStrategy::memory_layout(sdk::Module& module, const sdk::ClusterInfo& cluster) {
-  const PlannedMesh mesh = planned_mesh(cluster);
-  FSDPOptions options = planned_options(precision().mixed_precision_policy());
+UnitPlan ShardedStrategy::planned_units(sdk::Module& module, FSDPOptions& options) {
+  options = planned_options(precision().mixed_precision_policy());
   if (options.unit_classes.empty()) options.unit_classes = module.fsdp_unit_classes();
   options.custom_wrap_policy = [&module](const std::string& path, const torch::nn::Module& m) {
     return module.fsdp_wrap_policy(path, m);
@@ -228,7 +227,21 @@ sdk::MemoryLayout ShardedStrategy::memory_layout(sdk::Module& module, const sdk:
   std::shared_ptr<torch::nn::Module> network = module.network();
   TESSERA_CHECK(network != nullptr, "the model plugin built no network");
   check_unit_classes(*network, options, "[strategy] transformer_layer_cls");
-  const UnitPlan plan = plan_units(*network, options);
+  return plan_units(*network, options);
+}
+
+std::vector<std::shared_ptr<torch::nn::Module>> ShardedStrategy::checkpointed_units(sdk::Module& module) {
+  std::vector<std::shared_ptr<torch::nn::Module>> out;
+  FSDPOptions options;
+  for (const PlannedUnit& unit : planned_units(module, options).units)
+    if (unit.checkpointed) out.push_back(unit.module);
+  return out;
+}
+
+sdk::MemoryLayout ShardedStrategy::memory_layout(sdk::Module& module, const sdk::ClusterInfo& cluster) {
+  const PlannedMesh mesh = planned_mesh(cluster);
+  FSDPOptions options;
+  const UnitPlan plan = planned_units(module, options);
 
   ShardedPlanInput in;
   in.strategy = strategy_name();
@@ -280,10 +293,9 @@ sdk::MemoryLayout ShardedStrategy::memory_layout(sdk::Module& module, const sdk:
   if (options.cpu_offload)
     layout.notes += std::string(layout.notes.empty() ? "" : "; ") +
                     "cpu_offload: on a CUDA device the shards, gradients and optimizer state are host memory";
-  if (!options.activation_checkpointing.empty())
+  if (!options.activation_checkpointing.empty() && mesh.tp > 1)
     layout.notes += std::string(layout.notes.empty() ? "" : "; ") +
-                    "activation_checkpointing: activations are traced without recomputation (an upper bound)" +
-                    (mesh.tp > 1 ? ", and its recomputed forward's tensor-parallel all-reduces are not counted" : "");
+                    "activation_checkpointing: the recomputed forwards' tensor-parallel all-reduces are not counted";
   return layout;
 }
 

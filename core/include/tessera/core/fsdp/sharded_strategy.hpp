@@ -15,6 +15,8 @@
 
 namespace tessera::core::fsdp {
 
+struct UnitPlan;
+
 class ShardedStrategy : public StrategyBase, public sdk::StrategyMemoryLayout {
  public:
   /// Reads `deferred_init` and `state_dict_type` ("full" | "sharded" | "local", or
@@ -67,6 +69,9 @@ class ShardedStrategy : public StrategyBase, public sdk::StrategyMemoryLayout {
   /// while it computes on CUDA (fsdp's cpu_offload, fsdp2's offload_policy = "cpu"; on the CPU
   /// there is nowhere to offload to): where `tessera plan` puts them.
   bool offloads_state_to_cpu() const;
+  /// The units of `module`'s network this strategy, as configured, recomputes in backward
+  /// (activation_checkpointing): `tessera plan` traces them as such.
+  std::vector<std::shared_ptr<torch::nn::Module>> checkpointed_units(sdk::Module& module);
 
  protected:
   /// The mesh a job of `cluster` gets, as setup_environment/setup_module would build it.
@@ -105,6 +110,10 @@ class ShardedStrategy : public StrategyBase, public sdk::StrategyMemoryLayout {
   std::unique_ptr<ShardedModule> engine_;
 
  private:
+  /// The units setup_module would give `module`'s network, and in `options` the options it
+  /// would use (the precision's policy, the model's wrap callbacks); throws for unit classes
+  /// the network has not.
+  UnitPlan planned_units(sdk::Module& module, FSDPOptions& options);
   sdk::Checkpoint shaped_pieces(const sdk::Checkpoint& saved);
   void restore_deferred_optimizer_state();
 
