@@ -102,9 +102,10 @@ MemoryPlan make_plan(const PlanInputs& in) {
     plan.traffic.push_back(t);
   }
   if (!l.notes.empty()) plan.notes.push_back(l.notes);
-  if (in.accumulate_grad_batches > 1)
+  if (in.accumulate_grad_batches > 1 && !in.layout_of_micro_batches)
     plan.notes.push_back("accumulate_grad_batches = " + std::to_string(in.accumulate_grad_batches) +
-                         ": the gradients a strategy keeps unreduced between micro-batches are not counted");
+                         ": the strategy laid out one micro-batch; gradients it keeps unreduced between micro-batches, "
+                         "beyond its gradients row, are not counted");
   return plan;
 }
 

@@ -20,6 +20,7 @@ struct PlanInputs {
   std::int64_t world_size = 1;
   std::int64_t local_ranks = 1;              ///< ranks on this machine
   std::int64_t accumulate_grad_batches = 1;
+  bool layout_of_micro_batches = false;  ///< the layout counts what accumulating micro-batches keeps (fsdp, fsdp2)
   double activation_bytes = 0;     ///< what autograd keeps from one forward (the trace)
   double forward_transient_bytes = 0;  ///< the trace's peak above that (temporaries)
   double baseline_bytes = 0;       ///< the process with LibTorch, the plugins and the data loaded

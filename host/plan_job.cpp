@@ -275,7 +275,10 @@ PlannedJob plan_job(const Config& config) {
   }
   std::string trace_problem;
   try {
-    if (auto* layout = dynamic_cast<sdk::StrategyMemoryLayout*>(strategy.get()))
+    if (auto* sharded = dynamic_cast<core::fsdp::ShardedStrategy*>(strategy.get())) {
+      in.layout = sharded->memory_layout(*model, cluster, in.accumulate_grad_batches);
+      in.layout_of_micro_batches = true;
+    } else if (auto* layout = dynamic_cast<sdk::StrategyMemoryLayout*>(strategy.get()))
       in.layout = layout->memory_layout(*model, cluster);
     std::vector<std::shared_ptr<torch::nn::Module>> recomputed;
     if (auto* sharded = dynamic_cast<core::fsdp::ShardedStrategy*>(strategy.get()))

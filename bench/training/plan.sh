@@ -2,7 +2,7 @@
 # `tessera plan`'s peak RSS per rank against what `tessera fit` measures (metrics.csv
 # peak_rss_mb, the busiest rank), on the GPT of memory.sh (8 layers, 768 wide, ~57M
 # parameters, AdamW, 3 steps) under each strategy, 1, 2 and 4 ranks, fp32 and bf16-mixed.
-#   bash bench/training/plan.sh [build-dir]        (~5 minutes on 2 cores)
+#   bash bench/training/plan.sh [build-dir]        (~6 minutes on 2 cores)
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 tessera="${1:-build}/bin/tessera"
@@ -46,3 +46,11 @@ run fsdp_checkpointed_2 --set launch.devices=2 --set strategy.plugin=fsdp --set 
   --set 'strategy.activation_checkpointing=["Block"]'
 run fsdp2_checkpointed_2 --set launch.devices=2 --set strategy.plugin=fsdp2 --set data.batch_size=16 \
   --set 'strategy.activation_checkpointing=["Block"]'
+# accumulate_grad_batches = 4: every unit keeps its unsharded gradient (PyTorch's no_sync), or
+# reduce_every_micro_batch reduce-scatters each micro-batch instead.
+run fsdp_accumulating_2 --set launch.devices=2 --set strategy.plugin=fsdp --set data.batch_size=2 \
+  --set trainer.accumulate_grad_batches=4
+run fsdp_reduce_every_2 --set launch.devices=2 --set strategy.plugin=fsdp --set data.batch_size=2 \
+  --set trainer.accumulate_grad_batches=4 --set strategy.reduce_every_micro_batch=true
+run fsdp2_accumulating_2 --set launch.devices=2 --set strategy.plugin=fsdp2 --set data.batch_size=2 \
+  --set trainer.accumulate_grad_batches=4

@@ -110,23 +110,24 @@ class FSDP2Strategy final : public fsdp::ShardedStrategy, public sdk::StrategyCh
     return *mesh_;
   }
 
+ protected:
   /// What one tp rank holds: the model's tensor-parallel plan applied over a group that
   /// communicates nothing, so that the plan lays out, and traces, a rank's pieces.
-  sdk::MemoryLayout memory_layout(sdk::Module& module, const sdk::ClusterInfo& cluster) override {
+  sdk::MemoryLayout planned_layout(sdk::Module& module, const sdk::ClusterInfo& cluster,
+                                   std::int64_t micro_batches) override {
     const PlannedMesh mesh = planned_mesh(cluster);
-    if (mesh.tp == 1) return ShardedStrategy::memory_layout(module, cluster);
+    if (mesh.tp == 1) return ShardedStrategy::planned_layout(module, cluster, micro_batches);
     // An eager build holds the whole unsplit model before the plan cuts it.
     std::shared_ptr<torch::nn::Module> network = module.network();
     double unsplit = 0;
     if (network && !core::has_deferred_tensors(*network))
       for (const auto& p : network->parameters()) unsplit += static_cast<double>(p.numel() * p.element_size());
     parallelize(module, core::make_planning_tensor_parallel_group(mesh.tp), 0, mesh.replicate * mesh.shard);
-    sdk::MemoryLayout layout = ShardedStrategy::memory_layout(module, cluster);
+    sdk::MemoryLayout layout = ShardedStrategy::planned_layout(module, cluster, micro_batches);
     layout.setup_bytes = std::max(layout.setup_bytes, unsplit);
     return layout;
   }
 
- protected:
   PlannedMesh planned_mesh(const sdk::ClusterInfo& cluster) const override {
     PlannedMesh mesh;
     mesh.shard = shard_size(cluster.world_size);

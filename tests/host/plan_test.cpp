@@ -96,6 +96,27 @@ TEST(PlanArithmetic, NoShardAndHybridAllReduce) {
   EXPECT_DOUBLE_EQ(sent(layout), 0.5 * (2024 + 2000 + 2024) * 4.0 + 2 * 0.5 * 1012 * 4.0);
 }
 
+// Accumulating micro-batches without reducing them (PyTorch's no_sync), every unit keeps its
+// unsharded gradient until the last one reduces; reduce_every_micro_batch keeps none but
+// reduce-scatters each micro-batch.
+TEST(PlanArithmetic, AccumulatedMicroBatchesKeepUnshardedGradientsOrReduceEachTime) {
+  auto in = two_units(4, fsdp::ShardingStrategy::FULL_SHARD);
+  const auto one = fsdp::plan_sharded_memory(in);
+  EXPECT_DOUBLE_EQ(one.unsharded_grad_bytes, (24 + 2 * 1000) * 4.0);  // the root and both units (at most 3)
+  in.units.insert(in.units.begin(), {unit("blocks.a", 10, 100), unit("blocks.b", 10, 100)});  // 4 units + root
+  EXPECT_DOUBLE_EQ(fsdp::plan_sharded_memory(in).unsharded_grad_bytes, (24 + 3 * 1000) * 4.0);
+  in.micro_batches = 4;
+  const auto accumulating = fsdp::plan_sharded_memory(in);
+  EXPECT_DOUBLE_EQ(accumulating.unsharded_grad_bytes, (24 + 4 * 1000) * 4.0);
+  EXPECT_DOUBLE_EQ(accumulating.collectives.back().bytes, 4024 * 4.0);  // one reduce-scatter per step
+  in.reduce_every_micro_batch = true;
+  const auto reducing = fsdp::plan_sharded_memory(in);
+  EXPECT_DOUBLE_EQ(reducing.unsharded_grad_bytes, (24 + 3 * 1000) * 4.0);
+  ASSERT_EQ(reducing.collectives.back().kind, "reduce_scatter");
+  EXPECT_DOUBLE_EQ(reducing.collectives.back().bytes, 4 * 4024 * 4.0);
+  EXPECT_NE(reducing.collectives.back().what.find("every one of 4 micro-batches"), std::string::npos);
+}
+
 TEST(PlanArithmetic, UnevenShardsTakeTheLargestRank) {
   auto in = two_units(3, fsdp::ShardingStrategy::FULL_SHARD);
   EXPECT_EQ(fsdp::shard_unit(in.units[0], fsdp::ParamLayout::flat, 3).shard, 334);  // 1000 padded to 1002
@@ -263,7 +284,11 @@ INSTANTIATE_TEST_SUITE_P(
                       // the recomputation, the plan was +26% here (990 MB against 787).
                       Case{"fsdp_checkpointed_2", "--set strategy.plugin=fsdp --set launch.devices=2 "
                                                   "--set data.batch_size=16 "
-                                                  "--set 'strategy.activation_checkpointing=[\"Block\"]'"}),
+                                                  "--set 'strategy.activation_checkpointing=[\"Block\"]'"},
+                      // Every unit's unsharded gradient kept over 4 micro-batches: -14% (716 MB) when the
+                      // plan did not count it.
+                      Case{"fsdp_accumulating_2", "--set strategy.plugin=fsdp --set launch.devices=2 "
+                                                  "--set data.batch_size=2 --set trainer.accumulate_grad_batches=4"}),
     [](const ::testing::TestParamInfo<Case>& info) { return std::string(info.param.name); });
 
 /// Tensor parallelism: the plan holds one tp rank's real pieces (the attention and MLP weights

@@ -105,9 +105,13 @@ sdk::MemoryLayout plan_sharded_memory(const ShardedPlanInput& in) {
   }
 
   // Backward: the root's unsharded gradient for the whole of it, the unit computing its
-  // gradient and the two older units whose reductions are in flight.
+  // gradient and the two older units whose reductions are in flight. Accumulating without
+  // reducing (PyTorch's no_sync), every unit's, from the first micro-batch to the last.
+  const bool accumulates_unsharded = in.micro_batches > 1 && !in.reduce_every_micro_batch;
   const std::int64_t grads_at_once = std::min<std::int64_t>(3, static_cast<std::int64_t>(children));
-  out.unsharded_grad_bytes = bytes_of(root.gathered + grads_at_once * big.gathered, in.compute_dtype);
+  out.unsharded_grad_bytes = accumulates_unsharded
+                                 ? bytes_of(gathered_total, in.compute_dtype)
+                                 : bytes_of(root.gathered + grads_at_once * big.gathered, in.compute_dtype);
 
   // Collective buffers at once: per reduction in flight, over Gloo the all-to-all's receive
   // buffer (the input's size), and the input itself when it is a second buffer; the
@@ -140,8 +144,12 @@ sdk::MemoryLayout plan_sharded_memory(const ShardedPlanInput& in) {
     if (in.compute_dtype != in.master_dtype) out.collective_buffer_bytes += bytes_of(at_once * big.shard, in.compute_dtype);
   }
 
-  // Collectives per optimizer step (one micro-batch).
+  // Collectives: the all-gathers of one micro-batch, the reductions of the optimizer step.
   const std::string c = dtype_name(in.compute_dtype), r = dtype_name(in.reduce_dtype);
+  const double reductions = in.reduce_every_micro_batch ? static_cast<double>(in.micro_batches) : 1.0;
+  const std::string every = in.reduce_every_micro_batch && in.micro_batches > 1
+                                ? ", every one of " + std::to_string(in.micro_batches) + " micro-batches"
+                                : "";
   if (s > 1) {
     out.collectives.push_back({"all_gather", "forward all-gather of every unit (" + c + ")",
                                bytes_of(gathered_total, in.compute_dtype), s});
@@ -150,15 +158,15 @@ sdk::MemoryLayout plan_sharded_memory(const ShardedPlanInput& in) {
       out.collectives.push_back({"all_gather", "backward re-gather of the units (" + c + ")",
                                  bytes_of(child_gathered_total, in.compute_dtype), group});
     }
-    out.collectives.push_back({"reduce_scatter", "gradient reduce-scatter of every unit (" + r + ")",
-                               bytes_of(gathered_total, in.reduce_dtype), s});
+    out.collectives.push_back({"reduce_scatter", "gradient reduce-scatter of every unit (" + r + every + ")",
+                               reductions * bytes_of(gathered_total, in.reduce_dtype), s});
   }
   if (in.replicate_size > 1)
-    out.collectives.push_back({"all_reduce", "gradient all-reduce of the shards over replicas (" + r + ")",
-                               bytes_of(shard_total, in.reduce_dtype), in.replicate_size});
+    out.collectives.push_back({"all_reduce", "gradient all-reduce of the shards over replicas (" + r + every + ")",
+                               reductions * bytes_of(shard_total, in.reduce_dtype), in.replicate_size});
   if (in.replicated_numel > 0 && s * in.replicate_size > 1)
-    out.collectives.push_back({"all_reduce", "gradient all-reduce of the ignored (replicated) parameters (fp32)",
-                               bytes_of(in.replicated_numel, c10::ScalarType::Float), s * in.replicate_size});
+    out.collectives.push_back({"all_reduce", "gradient all-reduce of the ignored (replicated) parameters (fp32" + every + ")",
+                               reductions * bytes_of(in.replicated_numel, c10::ScalarType::Float), s * in.replicate_size});
 
   out.description = in.strategy + " " + name_of(in.sharding_strategy) + ": " + std::to_string(children) +
                     " unit(s) + root, " + (in.layout == ParamLayout::flat ? "flat padded" : "per-parameter dim-0") +
@@ -167,7 +175,10 @@ sdk::MemoryLayout plan_sharded_memory(const ShardedPlanInput& in) {
                     (in.tp_size > 1 ? " x tp " + std::to_string(in.tp_size) : "") + "; master " +
                     dtype_name(in.master_dtype) + ", gathered " + c + ", reduced " + r + ", optimizer grads " +
                     dtype_name(in.grad_dtype) + "; " + std::to_string(reshards ? at_once : 0) +
-                    " unit(s) gathered at once besides the root" + (aliased ? " (one rank: shards are the parameters)" : "");
+                    " unit(s) gathered at once besides the root" + (aliased ? " (one rank: shards are the parameters)" : "") +
+                    (accumulates_unsharded ? "; every unit keeps its unsharded gradient over " +
+                                                 std::to_string(in.micro_batches) + " micro-batches"
+                                           : "");
   return out;
 }
 

@@ -239,6 +239,16 @@ std::vector<std::shared_ptr<torch::nn::Module>> ShardedStrategy::checkpointed_un
 }
 
 sdk::MemoryLayout ShardedStrategy::memory_layout(sdk::Module& module, const sdk::ClusterInfo& cluster) {
+  return planned_layout(module, cluster, 1);
+}
+
+sdk::MemoryLayout ShardedStrategy::memory_layout(sdk::Module& module, const sdk::ClusterInfo& cluster,
+                                                 std::int64_t micro_batches) {
+  return planned_layout(module, cluster, micro_batches);
+}
+
+sdk::MemoryLayout ShardedStrategy::planned_layout(sdk::Module& module, const sdk::ClusterInfo& cluster,
+                                                  std::int64_t micro_batches) {
   const PlannedMesh mesh = planned_mesh(cluster);
   FSDPOptions options;
   const UnitPlan plan = planned_units(module, options);
@@ -263,6 +273,8 @@ sdk::MemoryLayout ShardedStrategy::memory_layout(sdk::Module& module, const sdk:
   in.backward_prefetch = options.backward_prefetch;
   in.forward_prefetch = options.forward_prefetch;
   in.max_gathered_units = options.max_gathered_units;
+  in.micro_batches = micro_batches;
+  in.reduce_every_micro_batch = reduce_every_micro_batch_;
   in.offloaded = offloads_state_to_cpu();
   in.transport = trains_on_cuda()                            ? PlannedTransport::nccl
                  : core::shared_memory_collectives(cluster) ? PlannedTransport::shared_memory

@@ -54,6 +54,10 @@ struct ShardedPlanInput {
   c10::ScalarType compute_dtype = c10::ScalarType::Float;
   c10::ScalarType reduce_dtype = c10::ScalarType::Float;
   c10::ScalarType grad_dtype = c10::ScalarType::Float;
+  /// Micro-batches per optimizer step (accumulate_grad_batches). Unless gradients are reduced
+  /// every micro-batch, every unit keeps its unsharded gradient until the last one reduces.
+  std::int64_t micro_batches = 1;
+  bool reduce_every_micro_batch = false;
 };
 
 /// Elements a rank holds of `unit` sharded over `shard_size` ranks (the largest rank; the
@@ -65,7 +69,8 @@ struct UnitShard {
 };
 UnitShard shard_unit(const PlannedUnitSizes& unit, ParamLayout layout, std::int64_t shard_size);
 
-/// The layout's memory (largest rank) and its collectives per optimizer step.
+/// The layout's memory (largest rank) and its collectives per optimizer step: the reductions
+/// of all its micro-batches, the all-gathers of one (the caller multiplies those).
 sdk::MemoryLayout plan_sharded_memory(const ShardedPlanInput& input);
 
 }  // namespace tessera::core::fsdp
