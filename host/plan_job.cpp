@@ -114,11 +114,22 @@ struct Trace {
   double saved = 0, transient = 0;
   std::string method;
   sdk::TensorParallelTraffic tensor_parallel;  ///< the traced graph's activation all-reduces
+  sdk::TensorParallelTraffic recomputed;       ///< those the checkpointed units' recomputation makes again
 };
+
+/// A scalar whose autograd graph joins those of `tensors` (the ones with history), so that one
+/// walk of it counts what they share once; undefined when none has history.
+at::Tensor joined(const std::vector<at::Tensor>& tensors) {
+  at::Tensor out;
+  for (const at::Tensor& t : tensors)
+    if (t.defined() && t.grad_fn()) out = out.defined() ? out + t.sum() : t.sum();
+  return out;
+}
 
 /// Runs a unit the strategy checkpoints as any other, and records what its forward left
 /// alive besides its outputs: what checkpointing frees after the forward and recomputes in
-/// backward, one unit at a time. Units nested in a recorded one are inside its figure.
+/// backward, one unit at a time; and the tensor-parallel all-reduces of its forward, which the
+/// recomputation makes again. Units nested in a recorded one are inside its figures.
 class RecomputedUnitProbe final : public sdk::UnitRunner {
  public:
   std::vector<at::Tensor> run(torch::nn::Module&, sdk::UnitFunction forward,
@@ -142,13 +153,22 @@ class RecomputedUnitProbe final : public sdk::UnitRunner {
       if (t.defined() && t.has_storage() && kept.insert(t.storage().data()).second)
         internals -= static_cast<double>(t.storage().nbytes());
     internals_.push_back(std::max(0.0, internals));
+    // The graph from the outputs is the unit's own plus the one from its inputs.
+    const sdk::TensorParallelTraffic through = sdk::tensor_parallel_traffic(joined(outputs));
+    const sdk::TensorParallelTraffic before_unit = sdk::tensor_parallel_traffic(joined(inputs));
+    recomputed_.group_size = std::max(recomputed_.group_size, through.group_size);
+    recomputed_.forward_all_reduces += through.forward_all_reduces - before_unit.forward_all_reduces;
+    recomputed_.forward_all_reduce_bytes += through.forward_all_reduce_bytes - before_unit.forward_all_reduce_bytes;
     return outputs;
   }
   const std::vector<double>& internals() const { return internals_; }
+  /// The forward all-reduces inside the recorded units.
+  const sdk::TensorParallelTraffic& recomputed() const { return recomputed_; }
 
  private:
   int depth_ = 0;
   std::vector<double> internals_;
+  sdk::TensorParallelTraffic recomputed_;
 };
 
 /// Installs `probe` on `units` for the life of the guard.
@@ -209,6 +229,7 @@ Trace trace_forward(sdk::Module& model, sdk::Precision& precision, sdk::DataModu
   counter.stop();
   trace.method = "autograd's saved tensors after one traced forward of " + std::to_string(n) + " sample(s)" +
                  (n < batch_size ? " (the whole training set)" : "");
+  trace.recomputed = probe->recomputed();
   const std::vector<double>& internals = probe->internals();
   if (!internals.empty()) {
     double dropped = 0, largest = 0;
@@ -295,6 +316,11 @@ PlannedJob plan_job(const Config& config) {
       in.layout->collectives.push_back({"all_reduce", "tensor-parallel backward all-reduces of activation gradients (" +
                                                          std::to_string(tp.backward_all_reduces) + ")",
                                         tp.backward_all_reduce_bytes, tp.group_size});
+      if (trace.recomputed.forward_all_reduces > 0)
+        in.layout->collectives.push_back(
+            {"all_reduce", "tensor-parallel all-reduces of the checkpointed units' recomputed forwards (" +
+                               std::to_string(trace.recomputed.forward_all_reduces) + ")",
+             trace.recomputed.forward_all_reduce_bytes, trace.recomputed.group_size});
     }
   } catch (const c10::Error& e) {  // e.g. fp16 compute, which the CPU has not
     trace_problem = e.what_without_backtrace();

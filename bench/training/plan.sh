@@ -54,3 +54,6 @@ run fsdp_reduce_every_2 --set launch.devices=2 --set strategy.plugin=fsdp --set 
   --set trainer.accumulate_grad_batches=4 --set strategy.reduce_every_micro_batch=true
 run fsdp2_accumulating_2 --set launch.devices=2 --set strategy.plugin=fsdp2 --set data.batch_size=2 \
   --set trainer.accumulate_grad_batches=4
+# Tensor parallelism with checkpointing: the recomputed blocks all-reduce their activations again.
+run fsdp2_tp2_checkpointed_2 --set launch.devices=2 --set strategy.plugin=fsdp2 --set strategy.tensor_parallel_size=2 \
+  --set data.batch_size=16 --set 'strategy.activation_checkpointing=["Block"]'

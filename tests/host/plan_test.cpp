@@ -319,6 +319,27 @@ TEST(PlanTensorParallel, HoldsOneRanksPiecesAndSendsTheActivationAllReduces) {
   EXPECT_EQ(json.at("sent_per_step_bytes").get<double>(), forward + backward) << plan.output;  // 2 (g-1)/g = 1
 }
 
+/// Activation checkpointing recomputes each block's forward in backward, and with it the
+/// block's two activation all-reduces; the embeddings' and the head's are not recomputed.
+TEST(PlanTensorParallel, CheckpointedUnitsAllReduceTheirActivationsAgain) {
+  const std::string dir = tessera::testing::fresh_dir("plan-tp-checkpointed");
+  auto plan = run_tessera("plan --json --config " + write_config(dir) +
+                          " --set strategy.plugin=fsdp2 --set launch.devices=2 --set strategy.tensor_parallel_size=2"
+                          " --set 'strategy.activation_checkpointing=[\"Block\"]'");
+  ASSERT_EQ(plan.exit_code, 0) << plan.output;
+  const auto json = nlohmann::json::parse(plan.output.substr(plan.output.find('{')));
+  const double layers = 6, block = 64, C = 768, activation = 4 * block * C * 4;  // (4, 64, 768) fp32
+  double forward = -1, recomputed = -1;
+  for (const auto& t : json.at("traffic")) {
+    const std::string what = t.at("what");
+    if (what.find("tensor-parallel forward") != std::string::npos) forward = t.at("data_bytes").get<double>();
+    if (what.find("recomputed forwards (12)") != std::string::npos) recomputed = t.at("data_bytes").get<double>();
+  }
+  EXPECT_EQ(forward, 2 * layers * activation) << plan.output;
+  EXPECT_EQ(recomputed, forward) << plan.output;
+  for (const auto& note : json.at("notes")) EXPECT_EQ(note.get<std::string>().find("not counted"), std::string::npos) << note;
+}
+
 /// The error line of a run: what follows "tessera: error: ".
 std::string error_of(const std::string& output) {
   const auto at = output.find("error: ");

@@ -305,9 +305,6 @@ sdk::MemoryLayout ShardedStrategy::planned_layout(sdk::Module& module, const sdk
   if (options.cpu_offload)
     layout.notes += std::string(layout.notes.empty() ? "" : "; ") +
                     "cpu_offload: on a CUDA device the shards, gradients and optimizer state are host memory";
-  if (!options.activation_checkpointing.empty() && mesh.tp > 1)
-    layout.notes += std::string(layout.notes.empty() ? "" : "; ") +
-                    "activation_checkpointing: the recomputed forwards' tensor-parallel all-reduces are not counted";
   return layout;
 }
 
