@@ -401,6 +401,35 @@ TEST(WrapPolicies, SizeWrapsUnitClassesWithEnoughParameters) {
   EXPECT_EQ(fsdp::plan_units(*net, options).units.size(), 3u);
 }
 
+// Only units are recomputed: a checkpointed class that no unit has (no units at all, or the
+// size policy leaving every one of them out) is refused, not accepted and ignored.
+TEST(WrapPolicies, CheckpointingAClassNoUnitHasIsRefused) {
+  SizedNet net;
+  fsdp::FSDPOptions options;
+  options.unit_classes = {"GateBlock"};
+  options.activation_checkpointing = {"GateBlock"};
+  options.auto_wrap_policy = "size";
+  options.min_num_params = 100;  // b2 is a unit, b1 is not: b2 is recomputed
+  fsdp::UnitPlan plan = fsdp::plan_units(*net, options);
+  ASSERT_EQ(plan.units.size(), 2u);
+  EXPECT_TRUE(plan.units[0].checkpointed);
+  options.min_num_params = 1000;  // neither
+  try {
+    fsdp::plan_units(*net, options);
+    ADD_FAILURE() << "no GateBlock unit, yet checkpointing it was accepted";
+  } catch (const tessera::sdk::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("activation_checkpointing names 'GateBlock', but no FSDP unit is one"),
+              std::string::npos) << e.what();
+  }
+  options.auto_wrap_policy = "none";
+  try {
+    fsdp::plan_units(*net, options);
+    ADD_FAILURE() << "auto_wrap_policy = none, yet checkpointing GateBlock was accepted";
+  } catch (const tessera::sdk::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("auto_wrap_policy (fsdp2: parallelize_fn) \"none\" makes no units"), std::string::npos) << e.what();
+  }
+}
+
 TEST(WrapPolicies, CustomPolicyDecidesByModulePath) {
   SizedNet net;
   fsdp::FSDPOptions options;

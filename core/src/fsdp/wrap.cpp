@@ -87,6 +87,14 @@ bool wraps(const std::string& path, const torch::nn::Module& module, const FSDPO
   return count >= options.min_num_params;
 }
 
+/// The distinct classes of `chosen`'s modules, for messages.
+std::string unit_class_names(const std::vector<std::pair<std::string, std::shared_ptr<torch::nn::Module>>>& chosen) {
+  std::vector<std::string> names;
+  for (const auto& c : chosen)
+    if (std::find(names.begin(), names.end(), c.second->name()) == names.end()) names.push_back(c.second->name());
+  return sdk::join(names);
+}
+
 }  // namespace
 
 UnitPlan plan_units(torch::nn::Module& network, const FSDPOptions& options) {
@@ -140,6 +148,14 @@ UnitPlan plan_units(torch::nn::Module& network, const FSDPOptions& options) {
     unit.checkpointed = std::find(recomputed.begin(), recomputed.end(), module->name()) != recomputed.end();
     for (const auto& item : module->named_parameters())
       if (owners[item.value().unsafeGetTensorImpl()] == 1) add(i, name + "." + item.key(), item.value());
+  }
+  // Only units are recomputed: a class no unit has would be accepted and never checkpointed.
+  for (const std::string& cls : recomputed) {
+    const bool is_a_unit = std::any_of(chosen.begin(), chosen.end(), [&](const auto& c) { return c.second->name() == cls; });
+    TESSERA_CHECK(is_a_unit, "[strategy] activation_checkpointing names '", cls, "', but no FSDP unit is one: ",
+                  chosen.empty() ? "auto_wrap_policy (fsdp2: parallelize_fn) \"" + options.auto_wrap_policy + "\" makes no units"
+                                 : "the " + std::to_string(chosen.size()) + " unit(s) are " + unit_class_names(chosen),
+                  "; only units are recomputed in backward");
   }
   // Root: everything not placed yet, in the network's own order; also records every
   // additional name of the parameters placed in units.
