@@ -117,6 +117,24 @@ TEST(PlanArithmetic, AccumulatedMicroBatchesKeepUnshardedGradientsOrReduceEachTi
   EXPECT_NE(reducing.collectives.back().what.find("every one of 4 micro-batches"), std::string::npos);
 }
 
+// A reduce-scatter input that is a copy (per-parameter order, or cast to reduce_dtype) lets
+// its unit's unsharded gradient go: backward holds the root's and the computing unit's, and
+// the two copies in flight are collective buffers. The flat layout reduces from the gradient.
+TEST(PlanArithmetic, CopiedReduceInputsStandForTheirUnitsGradients) {
+  auto in = two_units(4, fsdp::ShardingStrategy::FULL_SHARD);
+  in.units.insert(in.units.begin(), {unit("blocks.a", 10, 100), unit("blocks.b", 10, 100)});  // 4 units + root
+  in.transport = fsdp::PlannedTransport::nccl;  // no receive or staging buffers to count
+  const auto flat = fsdp::plan_sharded_memory(in);
+  EXPECT_DOUBLE_EQ(flat.unsharded_grad_bytes, (24 + 3 * 1000) * 4.0);
+  EXPECT_DOUBLE_EQ(flat.collective_buffer_bytes, 0);
+  in.layout = fsdp::ParamLayout::per_parameter;
+  const auto per_parameter = fsdp::plan_sharded_memory(in);
+  // Gathered sizes: a unit 4 x 3 rows of 100 (10 rows padded to 12), the root 4 x 1 row of 12.
+  EXPECT_DOUBLE_EQ(per_parameter.unsharded_grad_bytes, (48 + 1200) * 4.0);
+  // Two inputs in flight and the all-gather output beside the unit.
+  EXPECT_DOUBLE_EQ(per_parameter.collective_buffer_bytes, (2 * 1200 + 1200) * 4.0);
+}
+
 TEST(PlanArithmetic, UnevenShardsTakeTheLargestRank) {
   auto in = two_units(3, fsdp::ShardingStrategy::FULL_SHARD);
   EXPECT_EQ(fsdp::shard_unit(in.units[0], fsdp::ParamLayout::flat, 3).shard, 334);  // 1000 padded to 1002

@@ -104,11 +104,18 @@ sdk::MemoryLayout plan_sharded_memory(const ShardedPlanInput& in) {
     out.gathered_bytes = bytes_of(gathered_total, in.compute_dtype);  // SHARD_GRAD_OP, NO_SHARD
   }
 
+  // A reduce-scatter's input is a second buffer when cast to reduce_dtype, and always under the
+  // per-parameter layout (its shards' gathered order differs from the parameters').
+  const bool second_input = in.reduce_dtype != in.compute_dtype || in.layout == ParamLayout::per_parameter;
+
   // Backward: the root's unsharded gradient for the whole of it, the unit computing its
-  // gradient and the two older units whose reductions are in flight. Accumulating without
-  // reducing (PyTorch's no_sync), every unit's, from the first micro-batch to the last.
+  // gradient and the two older units whose reductions are in flight; when their inputs are
+  // copies, the copies (collective buffers) stand for those two: a unit's unsharded gradient
+  // goes once copied (flat_param.cpp). Accumulating without reducing (PyTorch's no_sync),
+  // every unit's, from the first micro-batch to the last.
   const bool accumulates_unsharded = in.micro_batches > 1 && !in.reduce_every_micro_batch;
-  const std::int64_t grads_at_once = std::min<std::int64_t>(3, static_cast<std::int64_t>(children));
+  const std::int64_t grads_at_once =
+      std::min<std::int64_t>(s > 1 && second_input ? 1 : 3, static_cast<std::int64_t>(children));
   out.unsharded_grad_bytes = accumulates_unsharded
                                  ? bytes_of(gathered_total, in.compute_dtype)
                                  : bytes_of(root.gathered + grads_at_once * big.gathered, in.compute_dtype);
@@ -130,9 +137,6 @@ sdk::MemoryLayout plan_sharded_memory(const ShardedPlanInput& in) {
     const std::int64_t in_flight = std::min<std::int64_t>(2, static_cast<std::int64_t>(n_units));
     const std::int64_t unit_gathered = big.gathered > 0 ? big.gathered : root.gathered;  // the largest unit
     const double unit_reduction = bytes_of(unit_gathered, in.reduce_dtype);
-    // The input is a second buffer when cast to reduce_dtype, and always under the
-    // per-parameter layout (its shards' gathered order differs from the parameters').
-    const bool second_input = in.reduce_dtype != in.compute_dtype || in.layout == ParamLayout::per_parameter;
     if (!gloo) {
       if (second_input) out.collective_buffer_bytes += static_cast<double>(in_flight) * unit_reduction;
     } else {
