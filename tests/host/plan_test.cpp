@@ -120,19 +120,20 @@ TEST(PlanArithmetic, AccumulatedMicroBatchesKeepUnshardedGradientsOrReduceEachTi
 // A reduce-scatter input that is a copy (per-parameter order, or cast to reduce_dtype) lets
 // its unit's unsharded gradient go: backward holds the root's and the computing unit's, and
 // the two copies in flight are collective buffers. The flat layout reduces from the gradient.
+// Either way each reduction in flight has its output, a shard.
 TEST(PlanArithmetic, CopiedReduceInputsStandForTheirUnitsGradients) {
   auto in = two_units(4, fsdp::ShardingStrategy::FULL_SHARD);
   in.units.insert(in.units.begin(), {unit("blocks.a", 10, 100), unit("blocks.b", 10, 100)});  // 4 units + root
   in.transport = fsdp::PlannedTransport::nccl;  // no receive or staging buffers to count
   const auto flat = fsdp::plan_sharded_memory(in);
   EXPECT_DOUBLE_EQ(flat.unsharded_grad_bytes, (24 + 3 * 1000) * 4.0);
-  EXPECT_DOUBLE_EQ(flat.collective_buffer_bytes, 0);
+  EXPECT_DOUBLE_EQ(flat.collective_buffer_bytes, 2 * 250 * 4.0);
   in.layout = fsdp::ParamLayout::per_parameter;
   const auto per_parameter = fsdp::plan_sharded_memory(in);
   // Gathered sizes: a unit 4 x 3 rows of 100 (10 rows padded to 12), the root 4 x 1 row of 12.
   EXPECT_DOUBLE_EQ(per_parameter.unsharded_grad_bytes, (48 + 1200) * 4.0);
-  // Two inputs in flight and the all-gather output beside the unit.
-  EXPECT_DOUBLE_EQ(per_parameter.collective_buffer_bytes, (2 * 1200 + 1200) * 4.0);
+  // Two inputs and outputs in flight, and the all-gather output beside the unit.
+  EXPECT_DOUBLE_EQ(per_parameter.collective_buffer_bytes, (2 * 1200 + 2 * 300 + 1200) * 4.0);
 }
 
 TEST(PlanArithmetic, UnevenShardsTakeTheLargestRank) {
@@ -152,22 +153,24 @@ TEST(PlanArithmetic, MixedPrecisionGathersAndReducesInHalfKeepsFp32Master) {
 }
 
 // Over Gloo a reduce-scatter receives every rank's copy of its chunk (an all-to-all) and a list
-// all-gather is staged; NCCL reduces from the input and gathers into the unit itself.
+// all-gather is staged; NCCL reduces from the input and gathers into the unit itself. Every
+// transport writes each reduction's output, a shard (500 elements here).
 TEST(PlanArithmetic, NcclNeedsNoReceiveNorStagingBuffers) {
   auto in = two_units(2, fsdp::ShardingStrategy::FULL_SHARD);
   in.transport = fsdp::PlannedTransport::gloo;
   // Two reductions of the largest unit (1,000 fp32) in flight, and one staged all-gather.
-  EXPECT_DOUBLE_EQ(fsdp::plan_sharded_memory(in).collective_buffer_bytes, (2 * 1000 + 1000) * 4.0);
+  EXPECT_DOUBLE_EQ(fsdp::plan_sharded_memory(in).collective_buffer_bytes, (2 * 1000 + 1000 + 2 * 500) * 4.0);
   in.transport = fsdp::PlannedTransport::nccl;
-  EXPECT_DOUBLE_EQ(fsdp::plan_sharded_memory(in).collective_buffer_bytes, 0);
+  EXPECT_DOUBLE_EQ(fsdp::plan_sharded_memory(in).collective_buffer_bytes, 2 * 500 * 4.0);
   // Reduced in fp32 from bf16 gradients: the cast input is a buffer of its own, whatever the
   // transport; and so are the bf16 copies of the shards that the all-gathers send.
   in.compute_dtype = c10::ScalarType::BFloat16;
-  EXPECT_DOUBLE_EQ(fsdp::plan_sharded_memory(in).collective_buffer_bytes, 2 * 1000 * 4.0 + 2 * 500 * 2.0);
+  EXPECT_DOUBLE_EQ(fsdp::plan_sharded_memory(in).collective_buffer_bytes,
+                   2 * 1000 * 4.0 + 2 * 500 * 2.0 + 2 * 500 * 4.0);
   // Shared memory: the same, plus the shard group's segment; NCCL has none.
   in.transport = fsdp::PlannedTransport::shared_memory;
   EXPECT_DOUBLE_EQ(fsdp::plan_sharded_memory(in).collective_buffer_bytes,
-                   2 * 1000 * 4.0 + 2 * 500 * 2.0 + tessera::core::shared_memory_segment_bytes(2));
+                   2 * 1000 * 4.0 + 2 * 500 * 2.0 + 2 * 500 * 4.0 + tessera::core::shared_memory_segment_bytes(2));
 }
 
 // A CUDA job: the model state, gathered units, collective buffers and activations are device

@@ -120,8 +120,8 @@ sdk::MemoryLayout plan_sharded_memory(const ShardedPlanInput& in) {
                                  ? bytes_of(gathered_total, in.compute_dtype)
                                  : bytes_of(root.gathered + grads_at_once * big.gathered, in.compute_dtype);
 
-  // Collective buffers at once: per reduction in flight, over Gloo the all-to-all's receive
-  // buffer (the input's size), and the input itself when it is a second buffer; the
+  // Collective buffers at once: per reduction in flight, its output (a shard), over Gloo the
+  // all-to-all's receive buffer (the input's size), and the input itself when it is a second buffer; the
   // per-parameter layout's all-gather output beside the unsharded parameters, and the cast
   // all-gather input. Shared memory reduces from the peers' slots and NCCL from the input
   // itself: no receive buffer. Shared memory: a segment per group of more than one rank that
@@ -137,6 +137,7 @@ sdk::MemoryLayout plan_sharded_memory(const ShardedPlanInput& in) {
     const std::int64_t in_flight = std::min<std::int64_t>(2, static_cast<std::int64_t>(n_units));
     const std::int64_t unit_gathered = big.gathered > 0 ? big.gathered : root.gathered;  // the largest unit
     const double unit_reduction = bytes_of(unit_gathered, in.reduce_dtype);
+    out.collective_buffer_bytes += static_cast<double>(in_flight) * bytes_of(unit_gathered / s, in.reduce_dtype);
     if (!gloo) {
       if (second_input) out.collective_buffer_bytes += static_cast<double>(in_flight) * unit_reduction;
     } else {
