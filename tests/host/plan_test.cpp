@@ -69,6 +69,9 @@ TEST(PlanArithmetic, FullShardSendsTwoAllGathersAndOneReduceScatterOfTheModel) {
 TEST(PlanArithmetic, ShardGradOpKeepsEveryUnitAndGathersOnce) {
   auto layout = fsdp::plan_sharded_memory(two_units(4, fsdp::ShardingStrategy::SHARD_GRAD_OP));
   EXPECT_DOUBLE_EQ(layout.gathered_bytes, 2024 * 4.0);
+  // A unit's parameters go when its backward is done, as its gradient comes: at backward's
+  // start, the peak, every unit is gathered beside the root's and one unit's gradients.
+  EXPECT_DOUBLE_EQ(layout.unsharded_grad_bytes, (24 + 1000) * 4.0);
   EXPECT_DOUBLE_EQ(sent(layout), 0.75 * (2024 + 2024) * 4.0);
 }
 
@@ -295,6 +298,8 @@ INSTANTIATE_TEST_SUITE_P(
                       Case{"fsdp_1", "--set strategy.plugin=fsdp"},
                       Case{"fsdp_2", "--set strategy.plugin=fsdp --set launch.devices=2 --set data.batch_size=2"},
                       Case{"fsdp_4", "--set strategy.plugin=fsdp --set launch.devices=4 --set data.batch_size=1"},
+                      Case{"fsdp_shard_grad_op_2", "--set strategy.plugin=fsdp --set launch.devices=2 "
+                                                   "--set data.batch_size=2 --set strategy.sharding_strategy=SHARD_GRAD_OP"},
                       Case{"fsdp2_2", "--set strategy.plugin=fsdp2 --set launch.devices=2 --set data.batch_size=2"},
                       Case{"fsdp2_tp_2", "--set strategy.plugin=fsdp2 --set launch.devices=2 "
                                          "--set strategy.tensor_parallel_size=2 --set data.batch_size=4"},

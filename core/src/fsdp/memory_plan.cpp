@@ -111,11 +111,14 @@ sdk::MemoryLayout plan_sharded_memory(const ShardedPlanInput& in) {
   // Backward: the root's unsharded gradient for the whole of it, the unit computing its
   // gradient and the two older units whose reductions are in flight; when their inputs are
   // copies, the copies (collective buffers) stand for those two: a unit's unsharded gradient
-  // goes once copied (flat_param.cpp). Accumulating without reducing (PyTorch's no_sync),
-  // every unit's, from the first micro-batch to the last.
+  // goes once copied (flat_param.cpp). Gathered from forward on (SHARD_GRAD_OP), every unit
+  // whose backward is done frees its parameters: the peak is backward's start, the root's and
+  // one unit's gradients beside every unit. Accumulating without reducing (PyTorch's
+  // no_sync), every unit's, from the first micro-batch to the last.
   const bool accumulates_unsharded = in.micro_batches > 1 && !in.reduce_every_micro_batch;
+  const bool one_unit_computing = (s > 1 && second_input) || (!reshards && !aliased);
   const std::int64_t grads_at_once =
-      std::min<std::int64_t>(s > 1 && second_input ? 1 : 3, static_cast<std::int64_t>(children));
+      std::min<std::int64_t>(one_unit_computing ? 1 : 3, static_cast<std::int64_t>(children));
   out.unsharded_grad_bytes = accumulates_unsharded
                                  ? bytes_of(gathered_total, in.compute_dtype)
                                  : bytes_of(root.gathered + grads_at_once * big.gathered, in.compute_dtype);
