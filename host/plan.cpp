@@ -12,13 +12,13 @@
 
 namespace tessera::host {
 
-namespace {
-
 std::string mb(double bytes) {
   char out[32];
   std::snprintf(out, sizeof(out), "%.0f MB", bytes / 1048576.0);
   return out;
 }
+
+namespace {
 
 /// Bytes as a whole number: the plan's figures are estimates, not fractions of a byte.
 std::int64_t whole(double bytes) { return std::llround(bytes); }

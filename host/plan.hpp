@@ -66,6 +66,8 @@ struct MemoryPlan {
 
 /// Bytes a rank sends for a collective over `group` ranks on data of `bytes` (ring algorithm).
 double ring_bytes_sent(const std::string& kind, double bytes, std::int64_t group);
+/// Bytes as the report prints them: "123 MB" (MiB, whole).
+std::string mb(double bytes);
 /// Moments the optimizer keeps per parameter element: adam/adamw 2, sgd with momentum 1, else 0.
 int optimizer_moments(const std::string& optimizer, double momentum);
 

@@ -4,7 +4,6 @@
 #include <mutex>
 #include <unordered_map>
 #include <unordered_set>
-#include <cstdio>
 #include <cstdlib>
 #include <fstream>
 
@@ -188,12 +187,6 @@ class ProbeGuard {
   std::vector<std::shared_ptr<torch::nn::Module>> units_;
 };
 
-std::string megabytes(double bytes) {
-  char text[32];
-  std::snprintf(text, sizeof text, "%.1f MB", bytes / 1048576.0);
-  return text;
-}
-
 /// One training forward on the configured batch (real shapes, the parameters' values garbage
 /// from deferred init), under the precision's forward context, counting what it allocates.
 /// The `recomputed` units (activation checkpointing) keep their inputs and outputs only, and
@@ -239,8 +232,8 @@ Trace trace_forward(sdk::Module& model, sdk::Precision& precision, sdk::DataModu
     }
     trace.saved += largest - dropped;
     trace.method += "; " + std::to_string(internals.size()) + " checkpointed unit call(s) keep their inputs and " +
-                    "outputs only (" + megabytes(dropped) + " less), one recomputed at a time (the largest, +" +
-                    megabytes(largest) + ")";
+                    "outputs only (" + mb(dropped) + " less), one recomputed at a time (the largest, +" +
+                    mb(largest) + ")";
   }
   return trace;
 }

@@ -124,9 +124,9 @@ sdk::MemoryLayout plan_sharded_memory(const ShardedPlanInput& in) {
                                  : bytes_of(root.gathered + grads_at_once * big.gathered, in.compute_dtype);
 
   // Collective buffers at once: per reduction in flight, its output (a shard), over Gloo the
-  // all-to-all's receive buffer (the input's size), and the input itself when it is a second buffer; the
-  // per-parameter layout's all-gather output beside the unsharded parameters, and the cast
-  // all-gather input. Shared memory reduces from the peers' slots and NCCL from the input
+  // all-to-all's receive buffer (the input's size), and the input itself when it is a second
+  // buffer; the per-parameter layout's all-gather output beside the unsharded parameters, and
+  // the cast all-gather input. Shared memory reduces from the peers' slots and NCCL from the input
   // itself: no receive buffer. Shared memory: a segment per group of more than one rank that
   // carries data: the shard group's, the replicas' (their all-reduce), the tensor-parallel
   // group's (the model's own all-reduces) and the post-forward reshard group's.
