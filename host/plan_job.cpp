@@ -128,22 +128,13 @@ at::Tensor joined(const std::vector<at::Tensor>& tensors) {
 /// Runs a unit the strategy checkpoints as any other, and records what its forward left
 /// alive besides its outputs: what checkpointing frees after the forward and recomputes in
 /// backward, one unit at a time; and the tensor-parallel all-reduces of its forward, which the
-/// recomputation makes again. Units nested in a recorded one are inside its figures.
+/// recomputation makes again. Units never nest (the wrap policy picks outermost modules).
 class RecomputedUnitProbe final : public sdk::UnitRunner {
  public:
   std::vector<at::Tensor> run(torch::nn::Module&, sdk::UnitFunction forward,
                               const std::vector<at::Tensor>& inputs) override {
-    if (depth_ > 0) return forward(inputs);
-    ++depth_;
     const std::int64_t before = counting_allocator().live();
-    std::vector<at::Tensor> outputs;
-    try {
-      outputs = forward(inputs);
-    } catch (...) {
-      --depth_;
-      throw;
-    }
-    --depth_;
+    std::vector<at::Tensor> outputs = forward(inputs);
     double internals = static_cast<double>(counting_allocator().live() - before);
     std::unordered_set<const void*> kept;  // the inputs' and outputs' storages stay alive
     for (const at::Tensor& t : inputs)
@@ -165,7 +156,6 @@ class RecomputedUnitProbe final : public sdk::UnitRunner {
   const sdk::TensorParallelTraffic& recomputed() const { return recomputed_; }
 
  private:
-  int depth_ = 0;
   std::vector<double> internals_;
   sdk::TensorParallelTraffic recomputed_;
 };
