@@ -219,8 +219,15 @@ Config Config::load(const std::string& path, const std::vector<std::string>& ove
   tr.max_epochs = t.get_int("max_epochs", tr.max_steps > 0 ? 1000000 : tr.max_epochs, 1);
   tr.accumulate_grad_batches = t.get_int("accumulate_grad_batches", 1, 1);
   tr.gradient_clip_val = t.get_double("gradient_clip_val", 0.0, 0.0, kMaxFloat);
-  t.get_choice("gradient_clip_algorithm", "norm", {"norm"});
+  tr.gradient_clip_algorithm = t.get_choice("gradient_clip_algorithm", "norm", {"norm", "value"});
   tr.norm_type = t.get_double("norm_type", 2.0, 1e-6, INFINITY);
+  for (const char* key : {"gradient_clip_algorithm", "norm_type"})
+    TESSERA_CHECK(tr.gradient_clip_val > 0 || !t.has(key), t.locate(key), " is set but nothing is clipped (",
+                  t.has("gradient_clip_val") ? t.locate("gradient_clip_val") + " = 0" : "no [trainer] gradient_clip_val",
+                  "): set gradient_clip_val > 0 or remove ", key);
+  TESSERA_CHECK(tr.gradient_clip_algorithm == "norm" || !t.has("norm_type"), t.locate("norm_type"),
+                " applies to gradient_clip_algorithm = \"norm\" only; ", t.locate("gradient_clip_algorithm"),
+                " = \"value\" clamps each gradient element: remove norm_type");
   tr.min_steps = t.get_int("min_steps", 0, 0);
   tr.min_epochs = t.get_int("min_epochs", 0, 0);
   TESSERA_CHECK(tr.max_steps <= 0 || tr.min_steps <= tr.max_steps, t.locate("min_steps"), " = ", tr.min_steps,

@@ -24,6 +24,7 @@ struct TrainerSettings {
   std::int64_t max_epochs = 1;
   std::int64_t accumulate_grad_batches = 1;
   double gradient_clip_val = 0.0;
+  std::string gradient_clip_algorithm = "norm";  ///< "norm" (the total norm) or "value" (each element)
   double norm_type = 2.0;
   std::int64_t min_steps = 0;   ///< a callback's stop request (early stopping) waits until then
   std::int64_t min_epochs = 0;  ///< ... and until this many epochs are complete

@@ -24,6 +24,7 @@
 #include "profiler.hpp"
 #include "tessera/core/checkpoint.hpp"
 #include "tessera/core/checkpoint_folder.hpp"
+#include "tessera/core/clip_grad.hpp"
 #include "tessera/core/comm.hpp"
 #include "tessera/core/data_loader.hpp"
 #include "tessera/core/fsdp/wrap.hpp"
@@ -654,7 +655,15 @@ void Trainer::fit(const std::string& ckpt_path) {
         sdk::StepResult result;
         {
           core::trace::Span span("hook", "[Strategy]optimizer_step");
-          result = strategy_->optimizer_step(t.gradient_clip_val, t.norm_type);
+          if (t.gradient_clip_algorithm == "value") {
+            // Lightning's order: unscaled first (the scaler has then seen any inf), clamped,
+            // then stepped; the strategy's own unscale is a no-op for the rest of the step.
+            precision_->unscale_gradients(strategy_->optimizer(), *strategy_);
+            core::clip_grad_value(strategy_->optimizer(), t.gradient_clip_val);
+            result = strategy_->optimizer_step(/*gradient_clip_val=*/0.0, t.norm_type);
+          } else {
+            result = strategy_->optimizer_step(t.gradient_clip_val, t.norm_type);
+          }
         }
         next_batch_ += accumulate;
         ++global_step_;

@@ -333,8 +333,22 @@ TEST(Config, BadChoiceListsTheValidOnes) {
                   "[optimizer] name = \"adamww\" is not valid (did you mean 'adamw'?); valid: adamw, adam, sgd");
   EXPECT_CONTAINS(load_error("[lr_scheduler]\nschedule = \"cosin\"\n"),
                   "schedule = \"cosin\" is not valid (did you mean 'cosine'?); valid: cosine, linear, constant");
-  EXPECT_CONTAINS(load_error("[trainer]\ngradient_clip_algorithm = \"value\"\n"), "valid: norm");
+  EXPECT_CONTAINS(load_error("[trainer]\ngradient_clip_val = 1.0\ngradient_clip_algorithm = \"valeu\"\n"),
+                  "(did you mean 'value'?); valid: norm, value");
   EXPECT_CONTAINS(load_error("[launch]\ncluster_environment = \"slurn\"\n"), "(did you mean 'slurm'?)");
+}
+
+TEST(Config, GradientClippingKeysThatWouldBeIgnoredAreRefused) {
+  const Config value = Config::load(write_toml("[trainer]\ngradient_clip_val = 0.5\ngradient_clip_algorithm = \"value\"\n"), {});
+  EXPECT_EQ(value.trainer.gradient_clip_algorithm, "value");
+  EXPECT_DOUBLE_EQ(value.trainer.gradient_clip_val, 0.5);
+  EXPECT_EQ(Config::load(write_toml(""), {}).trainer.gradient_clip_algorithm, "norm");
+  EXPECT_CONTAINS(load_error("[trainer]\ngradient_clip_val = 0.5\ngradient_clip_algorithm = \"value\"\nnorm_type = 1.0\n"),
+                  ":4: [trainer] norm_type applies to gradient_clip_algorithm = \"norm\" only");
+  EXPECT_CONTAINS(load_error("[trainer]\nnorm_type = 1.0\n"),
+                  ":2: [trainer] norm_type is set but nothing is clipped (no [trainer] gradient_clip_val)");
+  EXPECT_CONTAINS(load_error("[trainer]\ngradient_clip_val = 0.0\ngradient_clip_algorithm = \"norm\"\n"),
+                  "gradient_clip_algorithm is set but nothing is clipped");
 }
 
 TEST(Config, NumWorkersIsRefusedWithAReason) {

@@ -163,6 +163,29 @@ TEST(Parity, BatchNormWithoutSyncIsPerRank) {
   EXPECT_GT(largest, 1e-3) << "per-rank BatchNorm statistics should change the losses: the sync tests prove nothing";
 }
 
+// gradient_clip_algorithm = "value" (Lightning's; clip_grad_value_): each gradient element is
+// clamped, on shards and tensor pieces as on whole gradients, so N ranks still match one device.
+const std::string kClipByValue = "--set trainer.gradient_clip_val=0.002 --set trainer.gradient_clip_algorithm=value";
+TEST(Parity, FSDPGradientClippingByValue) { check_parity("fsdp", "", "gpt", 1, {2, 3}, kClipByValue); }
+TEST(Parity, FSDP2GradientClippingByValue) { check_parity("fsdp2", "", "gpt", 1, {3}, kClipByValue); }
+TEST(Parity, DDPGradientClippingByValue) { check_parity("ddp", "", "mlp", 1, {2}, kClipByValue); }
+TEST(Parity, GradientClippingByValueClampsTheUnscaledGradients) {
+  const std::string single = "--set strategy.plugin=single_device ";
+  const auto unclipped = fit("unclipped-gpt", "gpt", 1, single);
+  const auto clipped = fit("clipped-gpt", "gpt", 1, single + kClipByValue);
+  ASSERT_EQ(clipped.losses.size(), unclipped.losses.size());
+  double largest = 0;
+  for (const auto& [step, loss] : unclipped.losses) largest = std::max(largest, std::abs(clipped.losses.at(step) - loss));
+  EXPECT_GT(largest, 1e-3) << "a clip value of 0.002 should change this training: the parity tests above prove nothing";
+  // Under a grad scaler (2^10, exact in bf16's range) the clamp acts on the unscaled gradients,
+  // after the scaler's inf check: the same training as without a scaler. Clamped while still
+  // scaled, every gradient above 0.002 / 1024 would be cut.
+  const std::string bf16 = single + "--set precision.precision=bf16-mixed " + kClipByValue;
+  expect_same(fit("clipped-bf16", "gpt", 1, bf16),
+              fit("clipped-bf16-scaled", "gpt", 1, bf16 + " --set precision.scaler=true --set precision.init_scale=1024"),
+              "bf16-mixed clipped by value, with and without a grad scaler", 2e-5);
+}
+
 TEST(Parity, DDPGradientClippingInfNorm) {
   check_parity("ddp", "", "mlp", 1, {2, 3}, "--set trainer.gradient_clip_val=0.01 --set trainer.norm_type=inf");
 }

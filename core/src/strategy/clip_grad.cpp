@@ -4,6 +4,7 @@
 
 #include <ATen/ATen.h>
 #include <torch/csrc/autograd/grad_mode.h>
+#include <torch/optim/optimizer.h>
 
 #include "tessera/sdk/error.hpp"
 
@@ -47,6 +48,14 @@ double clip_grad_norm(const std::vector<at::Tensor>& sharded, const std::vector<
         if (g.defined()) g.detach().mul_(coefficient);
   }
   return norm;
+}
+
+void clip_grad_value(torch::optim::Optimizer& optimizer, double clip_value) {
+  TESSERA_CHECK(clip_value > 0, "gradient clipping by value needs a clip value > 0, got ", clip_value);
+  torch::NoGradGuard no_grad;
+  for (const auto& group : optimizer.param_groups())
+    for (const at::Tensor& p : group.params())
+      if (p.grad().defined()) p.grad().clamp_(-clip_value, clip_value);
 }
 
 }  // namespace tessera::core

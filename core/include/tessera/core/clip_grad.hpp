@@ -1,12 +1,16 @@
 #pragma once
-/// Gradient-norm clipping for every strategy (torch.nn.utils.clip_grad_norm_, and FSDP's
-/// clip_grad_norm_ over sharded gradients).
+/// Gradient clipping for every strategy: by norm (torch.nn.utils.clip_grad_norm_, and FSDP's
+/// clip_grad_norm_ over sharded gradients) and by value (clip_grad_value_).
 #include <vector>
 
 #include <ATen/core/Tensor.h>
 #include <c10/core/Device.h>
 
 #include "tessera/core/comm.hpp"
+
+namespace torch::optim {
+class Optimizer;
+}
 
 namespace tessera::core {
 
@@ -22,5 +26,10 @@ double clip_grad_norm(const std::vector<at::Tensor>& sharded, const std::vector<
 double clip_grad_norm(const std::vector<at::Tensor>& sharded, const std::vector<at::Tensor>& split,
                       const std::vector<at::Tensor>& replicated, double max_norm, double norm_type,
                       Communicator* group, Communicator* split_group, c10::Device device);
+
+/// Clamps every gradient of `optimizer`'s parameters to [-clip_value, clip_value] in place.
+/// Element by element, so a rank clamping only its shards or tensor-parallel pieces does
+/// exactly what one device does to the whole gradients: no collective.
+void clip_grad_value(torch::optim::Optimizer& optimizer, double clip_value);
 
 }  // namespace tessera::core

@@ -60,7 +60,10 @@ class TESSERA_SDK_API Strategy : public PluginObject {
   /// false (a non-final micro-batch) gradient reduction is skipped (PyTorch's no_sync).
   virtual void backward(const at::Tensor& loss, bool sync_gradients) = 0;
   /// Unscales, clips to `gradient_clip_val` (if > 0) under `norm_type` (inf allowed),
-  /// steps through the precision, and zeroes gradients.
+  /// steps through the precision, and zeroes gradients. Under gradient_clip_algorithm =
+  /// "value" the host has already unscaled (Precision::unscale_gradients is idempotent per
+  /// step) and clamped the gradients of optimizer()'s parameters, and passes 0 here: those
+  /// gradients must be final when backward(sync_gradients = true) returns.
   virtual StepResult optimizer_step(double gradient_clip_val, double norm_type) = 0;
   /// Total gradient norm over all ranks' shards; scales gradients to `max_norm`.
   virtual double clip_grad_norm(double max_norm, double norm_type) = 0;
