@@ -33,7 +33,7 @@ namespace {
 using namespace tessera;
 
 constexpr const char* kUsage = R"(usage:
-  tessera fit|validate|test|predict --config FILE.toml [--set section.key=value ...] [--ckpt-path last|PATH]
+  tessera fit|validate|test|predict --config FILE.toml [--set section.key=value ...] [--ckpt-path last|best|PATH]
   tessera plan --config FILE.toml [--set section.key=value ...] [--json]
   tessera plugins [--config FILE.toml]
   tessera checkpoint inspect|verify|export PATH [--to FILE.safetensors|FILE.ckpt]
@@ -87,7 +87,7 @@ Arguments parse(int argc, char** argv) {
   TESSERA_CHECK(args.command == "plugins" || !args.config.empty(), args.command, " needs --config FILE.toml");
   TESSERA_CHECK(!args.json || args.command == "plan", "--json applies to `tessera plan` only");
   TESSERA_CHECK((args.command != "validate" && args.command != "test") || !args.ckpt_path.empty(), args.command,
-                " needs --ckpt-path last|PATH: without a checkpoint it would evaluate the model's random initial "
+                " needs --ckpt-path last|best|PATH: without a checkpoint it would evaluate the model's random initial "
                 "weights");
   return args;
 }

@@ -289,10 +289,11 @@ void Trainer::open_run_directory() {
 
 std::string Trainer::resolve_checkpoint(const Config& config, const std::string& ckpt_path) {
   if (ckpt_path.empty()) return "";
-  if (ckpt_path == "last")
-    return find_last_checkpoint(versions_parent(config.trainer.default_root_dir, config.logger), config.logger);
+  const std::string runs = versions_parent(config.trainer.default_root_dir, config.logger);
+  if (ckpt_path == "last") return find_last_checkpoint(runs, config.logger);
+  if (ckpt_path == "best") return find_best_checkpoint(runs, config.logger);
   TESSERA_CHECK(std::filesystem::exists(ckpt_path), "--ckpt-path ", ckpt_path,
-                " does not exist: pass a checkpoint written by tessera fit, or \"last\"");
+                " does not exist: pass a checkpoint written by tessera fit, \"last\" or \"best\"");
   return ckpt_path;
 }
 
@@ -807,7 +808,7 @@ void Trainer::finish(const std::string& status) {
 }
 
 void Trainer::validate(const std::string& ckpt_path) {
-  TESSERA_CHECK(!ckpt_path.empty(), "validate needs --ckpt-path last|PATH: without it the model's random ",
+  TESSERA_CHECK(!ckpt_path.empty(), "validate needs --ckpt-path last|best|PATH: without it the model's random ",
                 "initial weights would be evaluated");
   const std::string checkpoint = resolve_checkpoint(config_, ckpt_path);
   setup("validate");
@@ -822,7 +823,7 @@ void Trainer::validate(const std::string& ckpt_path) {
 }
 
 void Trainer::test(const std::string& ckpt_path) {
-  TESSERA_CHECK(!ckpt_path.empty(), "test needs --ckpt-path last|PATH: without it the model's random ",
+  TESSERA_CHECK(!ckpt_path.empty(), "test needs --ckpt-path last|best|PATH: without it the model's random ",
                 "initial weights would be evaluated");
   const std::string checkpoint = resolve_checkpoint(config_, ckpt_path);
   setup("test");

@@ -81,12 +81,15 @@ class ModelCheckpoint final : public sdk::Callback {
   }
   double best_score() const {
     auto best = best_entry();
-    return best ? best->second : NAN;
+    return best && !monitor_.empty() ? best->second : NAN;  // without a monitor there is no score
   }
+  /// By the monitored metric; without a monitor the latest save (its value is the step), as
+  /// Lightning's best_model_path.
   std::optional<std::pair<std::string, double>> best_entry() const {
     std::optional<std::pair<std::string, double>> best;
     for (const auto& entry : kept_)
-      if (!best || is_better(entry.second, best->second, mode_)) best = entry;
+      if (!best || (monitor_.empty() ? entry.second > best->second : is_better(entry.second, best->second, mode_)))
+        best = entry;
     return best;
   }
   std::optional<std::pair<std::string, double>> worst_entry() const {
@@ -146,8 +149,17 @@ class ModelCheckpoint final : public sdk::Callback {
     if (score && save_top_k_ > 0 && static_cast<std::int64_t>(kept_.size()) >= save_top_k_ &&
         !is_better(value, worst_entry()->second, mode_))
       return;  // not among the best k
-    trainer.save_checkpoint(path);
+    // Recorded before the save, so that the checkpoint's own callback state counts it (its
+    // best_model_path may be itself, as in Lightning's); undone if the save fails.
+    const std::optional<double> before = kept_.count(path) ? std::optional<double>(kept_.at(path)) : std::nullopt;
     kept_[path] = value;
+    try {
+      trainer.save_checkpoint(path);
+    } catch (...) {
+      if (before) kept_[path] = *before;
+      else kept_.erase(path);
+      throw;
+    }
     // Pruned only now that the new checkpoint is saved: a crash never leaves fewer than k.
     while (save_top_k_ > 0 && static_cast<std::int64_t>(kept_.size()) > save_top_k_) {
       auto worst = score ? worst_entry()->first

@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "tessera/core/checkpoint_folder.hpp"
+#include "tessera/core/sharded_checkpoint.hpp"
 #include "tessera/sdk/error.hpp"
 
 namespace tessera::host {
@@ -50,7 +51,7 @@ std::string run_directory(const std::string& parent, const std::string& version)
   return parent + "/" + (number ? "version_" + version : version);
 }
 
-std::string find_last_checkpoint(const std::string& parent, const LoggerSettings& logger) {
+std::string find_last_checkpoint(const std::string& parent, const LoggerSettings& logger, const std::string& asked) {
   std::vector<std::pair<std::int64_t, fs::path>> runs;
   std::error_code ec;
   if (!logger.version.empty()) {
@@ -62,10 +63,44 @@ std::string find_last_checkpoint(const std::string& parent, const LoggerSettings
   }
   for (const auto& [n, run] : runs)
     if (auto checkpoint = newest_checkpoint(run / "checkpoints")) return checkpoint->string();
-  TESSERA_FAIL("--ckpt-path last: no checkpoint in any run under ", parent,
+  TESSERA_FAIL("--ckpt-path ", asked, ": no checkpoint in any run under ", parent,
                logger.version.empty() ? " (looked in version_*/checkpoints/)"
                                       : " (looked in " + run_directory(parent, logger.version) + "/checkpoints/)",
                "; pass a checkpoint file with --ckpt-path PATH, or train first with tessera fit");
+}
+
+std::string find_best_checkpoint(const std::string& parent, const LoggerSettings& logger) {
+  const std::string newest = find_last_checkpoint(parent, logger, "best");
+  // Lightning's layout: checkpoint["callbacks"]["ModelCheckpoint{...}"]["best_model_path"].
+  struct Recorded {
+    std::string key, monitor, path;
+  };
+  std::vector<Recorded> recorded;
+  const sdk::Checkpoint state = core::read_trainer_state(newest);
+  if (state.contains("callbacks"))
+    for (const auto& item : state.at("callbacks").toGenericDict()) {
+      const std::string key = item.key().toStringRef();
+      if (key.rfind("ModelCheckpoint", 0) != 0 || !item.value().isGenericDict()) continue;
+      const auto callback = item.value().toGenericDict();
+      auto text = [&](const char* field) {
+        return callback.contains(field) && callback.at(field).isString() ? callback.at(field).toStringRef() : "";
+      };
+      if (!text("best_model_path").empty()) recorded.push_back({key, text("monitor"), text("best_model_path")});
+    }
+  TESSERA_CHECK(!recorded.empty(), "--ckpt-path best: ", newest, " (the newest checkpoint of the newest run) records ",
+                "no best checkpoint: no model_checkpoint callback of that run had saved one (a monitored one saves ",
+                "once its metric is logged); pass --ckpt-path last or a checkpoint path");
+  // As Lightning, one callback decides: the first that monitors a metric, else the first.
+  const auto chosen = std::find_if(recorded.begin(), recorded.end(), [](const Recorded& r) { return !r.monitor.empty(); });
+  const Recorded& best = chosen != recorded.end() ? *chosen : recorded.front();
+  std::error_code ec;
+  if (fs::exists(best.path, ec)) return best.path;
+  // A relative dirpath recorded by a run started from another directory: its checkpoints sit
+  // beside the newest one.
+  const fs::path beside = fs::path(newest).parent_path() / fs::path(best.path).filename();
+  TESSERA_CHECK(fs::exists(beside, ec), "--ckpt-path best: ", best.key, " in ", newest, " names ", best.path,
+                " as the best checkpoint, but it no longer exists (nor ", beside.string(), ")");
+  return beside.string();
 }
 
 }  // namespace tessera::host

@@ -21,7 +21,14 @@ std::string run_directory(const std::string& parent, const std::string& version)
 /// `--ckpt-path last`: the newest committed checkpoint (core::resolve_last: the checkpoint
 /// folder's `last` pointer) of the newest run under `parent` that has one. With a fixed
 /// [logger] version only that run is searched.
-/// Throws naming where it looked when there is none.
-std::string find_last_checkpoint(const std::string& parent, const LoggerSettings& logger);
+/// Throws naming where it looked when there is none (and `asked`, the --ckpt-path it serves).
+std::string find_last_checkpoint(const std::string& parent, const LoggerSettings& logger,
+                                 const std::string& asked = "last");
+
+/// `--ckpt-path best` (Lightning's): the best checkpoint the model_checkpoint callback recorded
+/// in that newest checkpoint (its best_model_path: by the monitored metric, or the latest top-k
+/// save without a monitor; the first monitoring callback decides where there are several).
+/// Throws when none is recorded or the file is gone.
+std::string find_best_checkpoint(const std::string& parent, const LoggerSettings& logger);
 
 }  // namespace tessera::host

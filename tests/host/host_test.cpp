@@ -808,6 +808,72 @@ TEST(Callbacks, ModelCheckpointKeepsTheTopKByTheMonitoredMetric) {
   EXPECT_EQ(last.at("global_step").toInt(), 6);
   auto state = tessera::core::checkpoint_dict(last.at("callbacks"), "callbacks");
   EXPECT_TRUE(state.contains("ModelCheckpoint{monitor=val_loss,mode=max}"));
+
+  // --ckpt-path best (Lightning's): the best by the monitor, as the newest checkpoint's callback
+  // state records it (mode max: the highest val_loss).
+  char best[64];
+  std::snprintf(best, sizeof(best), "/checkpoints/step=%lld-val_loss=%.5f.ckpt",
+                static_cast<long long>(by_score[0].second), -by_score[0].first);
+  const std::string recorded =
+      tessera::core::checkpoint_dict(state.at("ModelCheckpoint{monitor=val_loss,mode=max}"), "state")
+          .at("best_model_path")
+          .toStringRef();
+  EXPECT_NE(recorded.find(best), std::string::npos) << recorded;
+  auto v = run_tessera("validate --config " + config + " --ckpt-path best --set trainer.limit_val_batches=1");
+  ASSERT_EQ(v.exit_code, 0) << v.output;
+  EXPECT_NE(v.output.find(std::string("restored ") + run_dir(dir).substr(0, run_dir(dir).rfind('/')) + "/version_0" + best),
+            std::string::npos)
+      << v.output;
+}
+
+TEST(Callbacks, CkptPathBestWithoutAMonitorOrWithoutASave) {
+  // Without a monitor the best is the latest top-k save (step=4.ckpt here), not last.ckpt.
+  std::string dir = tessera::testing::fresh_dir("best-unmonitored");
+  std::string config = write_config(dir);
+  auto r = run_tessera("validate --config " + config + " --ckpt-path best");
+  EXPECT_NE(r.exit_code, 0);
+  EXPECT_NE(r.output.find("--ckpt-path best: no checkpoint in any run under " + dir), std::string::npos) << r.output;
+  ASSERT_EQ(run_tessera("fit --config " + config + " --set trainer.max_steps=6").exit_code, 0);
+  r = run_tessera("test --config " + config + " --ckpt-path best --set trainer.limit_test_batches=1");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("restored " + dir + "/version_0/checkpoints/step=4.ckpt"), std::string::npos) << r.output;
+
+  // A monitored metric that is never logged: no best was saved, and the error says so.
+  dir = tessera::testing::fresh_dir("best-never-saved");
+  config = write_config(dir, "[callbacks.model_checkpoint]\nmonitor = \"val_acc\"\nevery_n_train_steps = 2\n"
+                             "save_last = true\n");
+  std::string text = slurp(config);
+  text.erase(text.find("checkpoint_every_n_steps = 4\n"), std::string("checkpoint_every_n_steps = 4\n").size());
+  std::ofstream(config) << text;
+  ASSERT_EQ(run_tessera("fit --config " + config + " --set trainer.max_steps=2").exit_code, 0);
+  r = run_tessera("validate --config " + config + " --ckpt-path best");
+  EXPECT_NE(r.exit_code, 0);
+  EXPECT_NE(r.output.find("last.ckpt (the newest checkpoint of the newest run) records no best checkpoint"),
+            std::string::npos)
+      << r.output;
+}
+
+TEST(Callbacks, CkptPathBestReadsAShardedCheckpointsManifest) {
+  std::string dir = tessera::testing::fresh_dir("best-sharded");
+  std::string config = write_config(
+      dir, "[callbacks.model_checkpoint]\nmonitor = \"val_loss\"\nmode = \"max\"\nevery_n_train_steps = 2\n"
+           "[strategy]\nplugin = \"fsdp\"\nstate_dict_type = \"sharded\"\n[checkpoint_io]\nplugin = \"distributed\"\n");
+  std::string text = slurp(config);
+  text.erase(text.find("checkpoint_every_n_steps = 4\n"), std::string("checkpoint_every_n_steps = 4\n").size());
+  std::ofstream(config) << text;
+  const std::string two = " --set launch.devices=2 --set trainer.limit_val_batches=2";
+  auto r = run_tessera("fit --config " + config + two + " --set trainer.max_steps=6 --set trainer.val_check_interval=2");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  auto val = metric_series(run_dir(dir) + "/metrics.csv", "val", "val_loss");
+  ASSERT_EQ(val.size(), 3u);
+  // mode max on a falling loss: the best is an early checkpoint, not the newest one.
+  const auto highest = std::max_element(val.begin(), val.end(), [](auto& a, auto& b) { return a.second < b.second; });
+  ASSERT_NE(highest->first, 6) << "the loss did not fall: the test cannot tell the best from the newest";
+  r = run_tessera("validate --config " + config + two + " --ckpt-path best");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("restored " + dir + "/version_0/checkpoints/step=" + std::to_string(highest->first) + ".ckpt"),
+            std::string::npos)
+      << r.output;
 }
 
 TEST(Callbacks, EarlyStoppingStopsAfterPatienceChecksWithoutImprovement) {

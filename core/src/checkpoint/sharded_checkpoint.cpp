@@ -601,6 +601,17 @@ sdk::Checkpoint load_shard(const std::string& path, std::int64_t rank) {
   return out;
 }
 
+sdk::Checkpoint read_trainer_state(const std::string& path) {
+  sdk::Checkpoint state =
+      is_sharded_checkpoint(path)
+          ? checkpoint_dict(decode(json::parse(read_manifest(path).trainer_state),
+                                   [](const std::string&) { return at::Tensor(); }),
+                            "the trainer state of " + path)
+          : checkpoint_dict(load_pickle(path), "checkpoint " + path);
+  for (const char* key : {"state_dict", "optimizer_states"}) state.erase(key);
+  return state;
+}
+
 void verify_sharded(const std::string& path) {
   const Manifest m = read_manifest(path);
   for (const auto& [file, expected] : m.files) {

@@ -111,6 +111,12 @@ sdk::Checkpoint load_sharded(const std::string& path, const std::map<std::string
 /// they are pieces of global tensors): what a same-layout load (fsdp LOCAL) reads.
 sdk::Checkpoint load_shard(const std::string& path, std::int64_t rank);
 
+/// A committed checkpoint's entries besides the model and optimizer state (global_step, epoch,
+/// callbacks, ...), in either format, without reading tensor data: a torch.save file is mapped,
+/// a sharded folder gives its manifest's trainer state (where tensors, rank 0's RNG state, are
+/// left undefined). What `--ckpt-path best` reads.
+sdk::Checkpoint read_trainer_state(const std::string& path);
+
 /// Every file's size and checksums against the manifest; throws naming the first bad file.
 void verify_sharded(const std::string& path);
 
