@@ -163,6 +163,18 @@ TEST(TensorParallel, DpTimesTpMatchesSingleDevice) {
   }
 }
 
+// Clipping by value under tensor parallelism: each rank clamps its pieces and the replicated
+// parameters element by element, as one device clamps the whole gradients.
+TEST(TensorParallel, ClippingByValueMatchesSingleDevice) {
+  const std::string clip = "--set trainer.gradient_clip_val=0.002 --set trainer.gradient_clip_algorithm=value";
+  FitRun reference = fit("tp-value-reference", "single_device", 1, 6, "", clip, 1, /*sgd=*/true);
+  FitRun unclipped = fit("tp-value-unclipped", "single_device", 1, 6, "", "", 1, /*sgd=*/true);
+  double largest = 0;
+  for (const auto& [step, loss] : reference.losses) largest = std::max(largest, std::abs(unclipped.losses.at(step) - loss));
+  EXPECT_GT(largest, 1e-4) << "the clip value does not bite on this model: the comparison proves nothing";
+  expect_tracks(reference, fit("tp-value-4", "fsdp2", 4, 6, "", clip, 2, /*sgd=*/true));
+}
+
 // NeMo's tensor_init_context with tensor parallelism (deferred_init = true, tp 2): no rank
 // holds the model; each unit draws its full weights one layer at a time (the gpt's
 // init_parameters at full shape) and keeps its pieces. The gpt's deferred values are other
