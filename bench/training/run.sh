@@ -1,12 +1,15 @@
 #!/usr/bin/env bash
 # Throughput and memory of Tessera's strategies against each other and against PyTorch's own
 # DDP, all measured in this one run on this machine (ratios, never absolute pass/fail).
-#   bash bench/training/run.sh [steps]        (after .ci/setup; ~10 minutes on 2 cores)
+#   bash bench/training/run.sh [steps] [rounds]  (after .ci/setup; ~10 minutes a round on 2 cores)
 # GPT of the issue: 6 layers, 384 wide, 6 heads, 128 tokens, batch 8 per rank, 2 ranks
-# (single device: batch 16, the same global batch).
+# (single device: batch 16, the same global batch). With several rounds every row runs once per
+# round, the rounds one after another (so a slow spell of this shared machine hits every row
+# alike), and the table and ratios take each row's median.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 steps="${1:-30}"
+rounds="${2:-1}"
 tessera=build/bin/tessera
 out="$(mktemp -d)"; trap 'rm -rf "$out"' EXIT
 cat > "$out/gpt.toml" <<TOML
@@ -32,7 +35,7 @@ TOML
 # tokens/s averaged over the logged windows after the first two (warm-up), and peak RSS.
 run() {
   local name="$1"; shift
-  local dir="$out/$name"
+  local dir="$out/$name-$round"
   $tessera fit --config "$out/gpt.toml" --set trainer.default_root_dir="$dir" "$@" > "$dir.log" 2>&1 \
     || { echo "$name failed:"; tail -20 "$dir.log"; exit 1; }
   local tps rss
@@ -42,6 +45,17 @@ run() {
   printf "%-28s %10s tokens/s %8s MB peak RSS per rank\n" "$name" "$tps" "$rss"
 }
 
+PYTORCH_ENV=""
+pytorch() {
+  local name="$1"; shift
+  local line
+  line=$(env $PYTORCH_ENV /usr/bin/python3 bench/training/pytorch_ddp_gpt.py --steps "$steps" --port $((20000 + RANDOM % 20000)) "$@")
+  echo "$line"
+  echo "$name $(sed -E 's/.*tokens_per_s=([0-9.]+).*/\1/' <<< "$line") $(sed -E 's/.*peak_rss_mb=([0-9.]+).*/\1/' <<< "$line")" >> "$out/results"
+}
+
+for round in $(seq "$rounds"); do
+[ "$rounds" -gt 1 ] && echo "round $round of $rounds"
 run single_device --set data.batch_size=16
 run ddp_2 --set launch.devices=2 --set strategy.plugin=ddp --set data.batch_size=8
 run fsdp_full_shard_2 --set launch.devices=2 --set strategy.plugin=fsdp --set data.batch_size=8
@@ -65,21 +79,26 @@ run ddp_4 --set launch.devices=4 --set strategy.plugin=ddp --set data.batch_size
 run fsdp_4 --set launch.devices=4 --set strategy.plugin=fsdp --set data.batch_size=4
 run fsdp2_4 --set launch.devices=4 --set strategy.plugin=fsdp2 --set data.batch_size=4
 
-PYTORCH_ENV=""
-pytorch() {
-  local name="$1"; shift
-  local line
-  line=$(env $PYTORCH_ENV /usr/bin/python3 bench/training/pytorch_ddp_gpt.py --steps "$steps" --port $((20000 + RANDOM % 20000)) "$@")
-  echo "$line"
-  echo "$name $(sed -E 's/.*tokens_per_s=([0-9.]+).*/\1/' <<< "$line") $(sed -E 's/.*peak_rss_mb=([0-9.]+).*/\1/' <<< "$line")" >> "$out/results"
-}
 pytorch pytorch_ddp_2 --ranks 2
 pytorch pytorch_single --ranks 1 --batch-size 16
 # PyTorch given the OpenMP setting tessera runs with (host/openmp_workers.cpp).
 PYTORCH_ENV=GOMP_SPINCOUNT=10000 pytorch pytorch_single_spin10k --ranks 1 --batch-size 16
+PYTORCH_ENV=""
+done
+
+# Each row's median run by tokens/s over the rounds (the upper middle one of an even count), with its RSS.
+sort -k1,1 -k2,2n "$out/results" | awk '
+  $1 != name { if (name != "") print name, tps[int(n / 2) + 1], rss[int(n / 2) + 1]; name = $1; n = 0 }
+  { n++; tps[n] = $2; rss[n] = $3 }
+  END { print name, tps[int(n / 2) + 1], rss[int(n / 2) + 1] }' > "$out/medians"
+if [ "$rounds" -gt 1 ]; then
+  echo
+  echo "medians over $rounds rounds:"
+  awk '{printf "  %-28s %10.0f tokens/s %8.0f MB peak RSS per rank\n", $1, $2, $3}' "$out/medians"
+fi
 
 echo
-echo "ratios (same run):"
+echo "ratios (same run$([ "$rounds" -gt 1 ] && echo ", medians over $rounds rounds")):"
 awk '{tps[$1]=$2; rss[$1]=$3}
      END {
        printf "  FSDP FULL_SHARD / tessera DDP      %.2fx tokens/s\n", tps["fsdp_full_shard_2"]/tps["ddp_2"];
@@ -97,4 +116,4 @@ awk '{tps[$1]=$2; rss[$1]=$3}
        printf "  tp 2 / dp 2 (fsdp2, 2 ranks)       %.2fx tokens/s, %.2fx peak RSS\n", tps["fsdp2_tp2"]/tps["fsdp2_2"], rss["fsdp2_tp2"]/rss["fsdp2_2"];
        printf "  4 ranks: fsdp / ddp                %.2fx tokens/s, %.2fx peak RSS\n", tps["fsdp_4"]/tps["ddp_4"], rss["fsdp_4"]/rss["ddp_4"];
        printf "  4 ranks: fsdp2 / fsdp              %.2fx tokens/s, %.2fx peak RSS\n", tps["fsdp2_4"]/tps["fsdp_4"], rss["fsdp2_4"]/rss["fsdp_4"];
-     }' "$out/results"
+     }' "$out/medians"
