@@ -163,6 +163,8 @@ void warn_about_memory(const host::Config& config) {
   host::PlannedJob job;
   try {
     job = host::plan_job(config);
+  } catch (const host::JobSetupError&) {
+    throw;  // every rank would fail the same way: say it once, before any starts
   } catch (const std::exception& e) {
     std::cerr << "tessera: note: no memory plan (" << e.what() << ")\n";
     return;

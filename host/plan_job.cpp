@@ -6,6 +6,7 @@
 #include <unordered_set>
 #include <cstdlib>
 #include <fstream>
+#include <functional>
 
 #include <ATen/ATen.h>
 #include <c10/core/CPUAllocator.h>
@@ -254,7 +255,15 @@ PlannedJob plan_job(const Config& config) {
   strategy->connect(precision, checkpoint_io);
   if (auto* checks = dynamic_cast<sdk::StrategyChecks*>(strategy.get()))
     checks->check_world_size(cluster.world_size, cluster.environment);
-  data->setup("fit");
+  // fit's ranks meet these first: their errors are the job's, not the plan's.
+  auto job_setup = [](const std::function<void()>& step) {
+    try {
+      step();
+    } catch (const sdk::Error& e) {
+      throw JobSetupError(e.what(), e.where());
+    }
+  };
+  job_setup([&] { data->setup("fit"); });
   PlanInputs in;
   in.baseline_bytes = rss_bytes();
   // A training rank holds ~40 MB more than this process does here, whatever the model and
@@ -272,11 +281,11 @@ PlannedJob plan_job(const Config& config) {
   in.cuda = trains_on_cuda(config);
   if (auto* sharded = dynamic_cast<core::fsdp::ShardedStrategy*>(strategy.get()))
     in.cpu_offload = sharded->offloads_state_to_cpu();
-  {
+  job_setup([&] {
     sdk::GuardPtr deferred = core::deferred_init_guard();
     sdk::GuardPtr dtype = precision->module_init_context();
     model->configure_model();
-  }
+  });
   std::string trace_problem;
   try {
     if (auto* sharded = dynamic_cast<core::fsdp::ShardedStrategy*>(strategy.get())) {

@@ -7,6 +7,7 @@
 
 #include "config.hpp"
 #include "plan.hpp"
+#include "tessera/sdk/error.hpp"
 
 namespace tessera::host {
 
@@ -16,7 +17,15 @@ struct PlannedJob {
   std::int64_t local_ranks = 1;
 };
 
-/// Throws sdk::Error for a configuration that cannot run (the same checks as fit's).
+/// What plan_job throws when the job itself cannot start: the data cannot be set up or the
+/// model cannot be built, as every rank of fit would find. fit stops on it before any rank starts.
+class JobSetupError : public sdk::Error {
+ public:
+  using sdk::Error::Error;
+};
+
+/// Throws sdk::Error for a configuration that cannot run (the same checks as fit's), a
+/// JobSetupError when the data or the model fails to set up.
 PlannedJob plan_job(const Config& config);
 
 /// Whether the job trains on CUDA, by its [strategy] accelerator (core::accelerator_is_cuda,

@@ -353,10 +353,17 @@ TEST(BadInput, DataLongerThanTheModelsContextFailsBeforeTheFirstStep) {
 
 TEST(BadInput, MissingDataFileNamesTheKeyAndPackage) {
   std::string dir = tessera::testing::fresh_dir("nodata");
+  const std::string missing = "[data] path = \"/nonexistent/corpus.txt\": no such file or directory";
   auto r = run_tessera("fit --config " + write_config(dir) + " --set data.path=/nonexistent/corpus.txt");
   EXPECT_NE(r.exit_code, 0);
-  EXPECT_NE(r.output.find("[data] path = \"/nonexistent/corpus.txt\": no such file or directory"), std::string::npos)
-      << r.output;
+  EXPECT_NE(r.output.find(missing), std::string::npos) << r.output;
+  // On two ranks it is found before either starts (the memory plan sets the data up), and said once.
+  r = run_tessera("fit --config " + write_config(dir) + " --set data.path=/nonexistent/corpus.txt --set launch.devices=2 " +
+                  "--set strategy.plugin=fsdp");
+  EXPECT_NE(r.exit_code, 0);
+  EXPECT_EQ(r.output.find("launched"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find(missing), std::string::npos) << r.output;
+  EXPECT_EQ(r.output.find(missing), r.output.rfind(missing)) << r.output;
 }
 
 TEST(Failures, AKilledRankEndsTheJobNamingIt) {
