@@ -148,8 +148,10 @@ TEST(Learning, CNNReaches85PercentOnFashionMNIST) {
   auto fit = tessera::testing::run_tessera("fit --config " TESSERA_SOURCE_DIR "/configs/cnn-fashion-mnist.toml" + sets);
   ASSERT_EQ(fit.exit_code, 0) << fit.output;
   auto test = tessera::testing::run_tessera(
-      "test --config " TESSERA_SOURCE_DIR "/configs/cnn-fashion-mnist.toml --ckpt-path last" + sets);
+      "test --config " TESSERA_SOURCE_DIR "/configs/cnn-fashion-mnist.toml --ckpt-path best" + sets);
   ASSERT_EQ(test.exit_code, 0) << test.output;
+  EXPECT_NE(test.output.find("/checkpoints/step="), std::string::npos) << "best is the config's monitored save\n"
+                                                                       << test.output;
   EXPECT_GE(parse_metric(test.output, "test_acc"), 0.85) << test.output;
 }
 
