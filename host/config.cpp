@@ -89,20 +89,6 @@ void apply_fast_dev_run(TrainerSettings& tr, LoggerSettings& logger) {
   logger.loggers.clear();
 }
 
-/// Lightning's max_time: "DD:HH:MM:SS", or a number of seconds.
-double read_max_time(const sdk::Options& options) {
-  const toml::node* node = options.table().get("max_time");
-  if (node == nullptr || node->is_number()) return options.get_double("max_time", 0.0, 0.0);
-  std::string text = options.get_string("max_time", "");
-  int d = 0, h = 0, m = 0, s = 0;
-  char end = 0;
-  TESSERA_CHECK(std::sscanf(text.c_str(), "%d:%d:%d:%d%c", &d, &h, &m, &s, &end) == 4 && d >= 0 && h >= 0 &&
-                    h < 24 && m >= 0 && m < 60 && s >= 0 && s < 60,
-                options.locate("max_time"), " = \"", text,
-                "\" is not a duration: write \"DD:HH:MM:SS\" (e.g. \"00:12:00:00\" for 12 hours) or a number of seconds");
-  return ((d * 24.0 + h) * 60.0 + m) * 60.0 + s;
-}
-
 /// Where `node` came from, for messages: "file.toml:12", or the "--set section.key=value" that made it.
 std::string where_from(const toml::node& node, const std::string& path) {
   const auto& src = node.source();
@@ -152,6 +138,19 @@ std::string apply_override(toml::table& root, const std::string& assignment) {
 }
 
 }  // namespace
+
+double read_duration(const sdk::Options& options, const std::string& key) {
+  const toml::node* node = options.table().get(key);
+  if (node == nullptr || node->is_number()) return options.get_double(key, 0.0, 0.0);
+  std::string text = options.get_string(key, "");
+  int d = 0, h = 0, m = 0, s = 0;
+  char end = 0;
+  TESSERA_CHECK(std::sscanf(text.c_str(), "%d:%d:%d:%d%c", &d, &h, &m, &s, &end) == 4 && d >= 0 && h >= 0 &&
+                    h < 24 && m >= 0 && m < 60 && s >= 0 && s < 60,
+                options.locate(key), " = \"", text,
+                "\" is not a duration: write \"DD:HH:MM:SS\" (e.g. \"00:12:00:00\" for 12 hours) or a number of seconds");
+  return ((d * 24.0 + h) * 60.0 + m) * 60.0 + s;
+}
 
 std::int64_t BatchLimit::of(std::int64_t num_batches) const {
   if (!fraction) return std::min(num_batches, static_cast<std::int64_t>(value));
@@ -265,7 +264,7 @@ Config Config::load(const std::string& path, const std::vector<std::string>& ove
   else
     tr.enable_progress_bar = t.get_choice("enable_progress_bar", "auto", {"auto", "true", "false"});
   tr.predict_after_fit = t.get_bool("predict_after_fit", false);
-  tr.max_time_s = read_max_time(t);
+  tr.max_time_s = read_duration(t, "max_time");
   tr.profiler = t.get_choice("profiler", "", {"", "simple", "trace"});
   tr.detect_anomaly = t.get_bool("detect_anomaly", false);
   tr.sync_batchnorm = t.get_bool("sync_batchnorm", false);

@@ -123,4 +123,7 @@ class Config {
   std::string path_;
 };
 
+/// A duration key as Lightning writes it: "DD:HH:MM:SS", or a number of seconds; 0 when absent.
+double read_duration(const sdk::Options& options, const std::string& key);
+
 }  // namespace tessera::host

@@ -1,5 +1,6 @@
-// Lightning's ModelCheckpoint: saves every_n_train_steps / every_n_epochs, keeps the
+// Lightning's ModelCheckpoint: saves every_n_train_steps / every_n_epochs / train_time_interval, keeps the
 // save_top_k best by `monitor` (or the latest ones without a monitor), and last.ckpt.
+#include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
@@ -7,8 +8,12 @@
 #include <optional>
 #include <regex>
 
+#include <ATen/ATen.h>
+
 #include "callbacks.hpp"
+#include "config.hpp"
 #include "tessera/sdk/error.hpp"
+#include "tessera/sdk/strategy.hpp"
 
 namespace tessera::host {
 
@@ -23,12 +28,17 @@ class ModelCheckpoint final : public sdk::Callback {
         mode_(o.get_choice("mode", "min", {"min", "max"})),
         save_top_k_(o.get_int("save_top_k", 1, -1)),
         every_n_train_steps_(o.get_int("every_n_train_steps", 0, 0)),
-        every_n_epochs_(o.get_int("every_n_epochs", every_n_train_steps_ > 0 ? 0 : 1, 0)),
+        train_time_interval_s_(read_duration(o, "train_time_interval")),
+        every_n_epochs_(o.get_int("every_n_epochs", every_n_train_steps_ > 0 || train_time_interval_s_ > 0 ? 0 : 1, 0)),
         save_last_(o.get_bool("save_last", false)),
         auto_insert_metric_name_(o.get_bool("auto_insert_metric_name", true)) {
     TESSERA_CHECK(!monitor_.empty() || save_top_k_ <= 1, o.locate("save_top_k"), " = ", save_top_k_,
                   " needs a monitor: without [", o.section(), "] monitor the latest checkpoint is kept (1), all (-1) or ",
                   "none (0)");
+    TESSERA_CHECK(train_time_interval_s_ == 0 || (every_n_train_steps_ == 0 && every_n_epochs_ == 0),
+                  o.locate("train_time_interval"), " and ",
+                  o.locate(every_n_train_steps_ > 0 ? "every_n_train_steps" : "every_n_epochs"),
+                  " both say when to save: keep one (as Lightning's ModelCheckpoint)");
     TESSERA_CHECK(filename_.find('/') == std::string::npos, o.locate("filename"),
                   " is a file name template (e.g. \"{epoch}-{val_loss:.3f}\"), not a path: use dirpath for the folder");
   }
@@ -37,9 +47,15 @@ class ModelCheckpoint final : public sdk::Callback {
     if (dirpath_.empty()) dirpath_ = trainer.log_dir() + "/checkpoints";
   }
 
+  void on_train_start(sdk::Trainer&) override { interval_start_ = Clock::now(); }
+
   void on_train_batch_end(sdk::Trainer& trainer, const sdk::StepOutput&, const sdk::Batch&, std::int64_t) override {
     std::int64_t step = trainer.global_step();
     if (every_n_train_steps_ > 0 && step % every_n_train_steps_ == 0 && step != last_saved_step_) save(trainer);
+    if (train_time_interval_s_ > 0 && interval_elapsed(trainer) && step != last_saved_step_) {
+      save(trainer);
+      interval_start_ = Clock::now();
+    }
   }
 
   void on_train_epoch_end(sdk::Trainer& trainer) override {
@@ -97,6 +113,17 @@ class ModelCheckpoint final : public sdk::Callback {
     for (const auto& entry : kept_)
       if (!worst || is_better(worst->second, entry.second, mode_)) worst = entry;
     return worst;
+  }
+
+  /// Whether train_time_interval has passed since training started or the last timed save, by
+  /// rank 0's clock: the ranks' clocks cross it at different steps and a save is collective,
+  /// so every rank takes rank 0's answer (a one-element broadcast per step, as Lightning's).
+  bool interval_elapsed(sdk::Trainer& trainer) {
+    const double seconds = std::chrono::duration<double>(Clock::now() - interval_start_).count();
+    at::Tensor due = at::full({1}, seconds >= train_time_interval_s_ ? 1.0f : 0.0f,
+                              at::TensorOptions().device(trainer.strategy().root_device()));
+    trainer.strategy().broadcast(due, 0);
+    return due.item<float>() > 0;
   }
 
   /// `{name}` or `{name:.3f}` -> "name=value" (or just the value without auto insert).
@@ -176,8 +203,12 @@ class ModelCheckpoint final : public sdk::Callback {
     last_written_last_ = trainer.global_step();
   }
 
+  using Clock = std::chrono::steady_clock;
   std::string dirpath_, filename_, monitor_, mode_;
-  std::int64_t save_top_k_, every_n_train_steps_, every_n_epochs_;
+  std::int64_t save_top_k_, every_n_train_steps_;
+  double train_time_interval_s_;  ///< 0: none
+  std::int64_t every_n_epochs_;
+  Clock::time_point interval_start_ = Clock::now();
   bool save_last_, auto_insert_metric_name_;
   std::map<std::string, double> kept_;  ///< path -> monitored score (or step without a monitor)
   std::int64_t last_saved_step_ = -1, last_written_last_ = -1;

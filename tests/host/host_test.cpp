@@ -833,6 +833,37 @@ TEST(Callbacks, ModelCheckpointKeepsTheTopKByTheMonitoredMetric) {
       << v.output;
 }
 
+// train_time_interval (Lightning's): a save whenever that much training time has passed, by
+// rank 0's clock on every rank (a save is collective). Shorter than any step: every step saves,
+// on both ranks alike; a day: none but last.ckpt.
+TEST(Callbacks, ModelCheckpointTrainTimeIntervalFollowsRankZerosClock) {
+  auto config_with = [](const std::string& dir, const std::string& keys) {
+    std::string config = write_config(dir, "[callbacks.model_checkpoint]\nsave_top_k = -1\nsave_last = true\n" + keys);
+    std::string text = slurp(config);
+    text.erase(text.find("checkpoint_every_n_steps = 4\n"), std::string("checkpoint_every_n_steps = 4\n").size());
+    std::ofstream(config) << text;
+    return config;
+  };
+  const std::string two = " --set launch.devices=2 --set strategy.plugin=fsdp --set trainer.max_steps=4";
+  std::string dir = tessera::testing::fresh_dir("time-interval-short");
+  auto r = run_tessera("fit --config " + config_with(dir, "train_time_interval = 1e-6\n") + two);
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_EQ(checkpoint_files(run_dir(dir) + "/checkpoints"),
+            (std::vector<std::string>{"last", "last.ckpt", "step=1.ckpt", "step=2.ckpt", "step=3.ckpt", "step=4.ckpt"}));
+  dir = tessera::testing::fresh_dir("time-interval-day");
+  r = run_tessera("fit --config " + config_with(dir, "train_time_interval = \"01:00:00:00\"\n") + two);
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_EQ(checkpoint_files(run_dir(dir) + "/checkpoints"), (std::vector<std::string>{"last", "last.ckpt"}));
+
+  r = run_tessera("fit --config " + config_with(dir, "train_time_interval = 60\nevery_n_train_steps = 2\n"));
+  EXPECT_NE(r.exit_code, 0);
+  EXPECT_NE(r.output.find("train_time_interval and "), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("every_n_train_steps both say when to save"), std::string::npos) << r.output;
+  r = run_tessera("fit --config " + config_with(dir, "train_time_interval = \"1h\"\n"));
+  EXPECT_NE(r.exit_code, 0);
+  EXPECT_NE(r.output.find("train_time_interval = \"1h\" is not a duration"), std::string::npos) << r.output;
+}
+
 TEST(Callbacks, CkptPathBestWithoutAMonitorOrWithoutASave) {
   // Without a monitor the best is the latest top-k save (step=4.ckpt here), not last.ckpt.
   std::string dir = tessera::testing::fresh_dir("best-unmonitored");
