@@ -4,8 +4,10 @@
 #   device: run, carry [".gpu-deps"], command "bash bench/gpu/build_and_bench.sh [stages]"
 # Stages (default all three): build (bench/gpu/build.sh), test (the CUDA, one-device parity
 # and precision tests), bench (bench/gpu/run.sh: tessera against PyTorch FSDP2 on the same
-# GPT). All three may not fit one call's 10 minutes: run "build test", then "bench" in the
-# next call within the machine's 30 s warm period (build-gpu/ stays there while it is warm).
+# GPT). All three may not fit one call's 10 minutes: run "build bench" (the build then makes
+# only the binary and the plugins the bench runs), then "build test" in the next call within
+# the machine's 30 s warm period (build-gpu/ stays there while it is warm; the second build
+# adds the tests).
 # Logs and results land in $OUT.
 set -uo pipefail
 out="${OUT:-/tmp/out}"; mkdir -p "$out"
@@ -16,6 +18,11 @@ export LD_LIBRARY_PATH="/tmp/deps/usr/lib/x86_64-linux-gnu${LD_LIBRARY_PATH:+:$L
 export FORTUNES=/tmp/deps/usr/share/games/fortunes
 if [[ " $stages " == *" build "* ]]; then
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+  # Without the test stage, only what the bench runs (the tests are most of the build).
+  if [[ " $stages " != *" test "* ]] && [ -z "${BUILD_TARGETS:-}" ]; then
+    export BUILD_TARGETS="tessera tessera_single_device tessera_ddp tessera_fsdp tessera_fsdp2 tessera_precision
+      tessera_fsdp_precision tessera_checkpoint_io tessera_models tessera_data"
+  fi
   bash bench/gpu/build.sh || exit 1
 fi
 [ -e /usr/share/games/fortunes ] || { mkdir -p /usr/share/games && ln -s "$FORTUNES" /usr/share/games/fortunes; }
