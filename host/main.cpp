@@ -267,7 +267,9 @@ int main(int argc, char** argv) {
       return 0;
     }
     if (std::getenv("TESSERA_LAUNCHED") == nullptr) {  // once per job, before any rank starts
-      host::Trainer::resolve_checkpoint(config, args.ckpt_path);  // a missing checkpoint stops us here
+      // A missing checkpoint, or one fit cannot resume from, stops us here.
+      const std::string checkpoint = host::Trainer::resolve_checkpoint(config, args.ckpt_path);
+      if (args.command == "fit" && !checkpoint.empty()) host::Trainer::check_resumable(checkpoint);
       check_plugins(config);
       if (args.command == "fit") warn_about_memory(config);
     }

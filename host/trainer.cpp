@@ -26,6 +26,7 @@
 #include "tessera/core/checkpoint_folder.hpp"
 #include "tessera/core/clip_grad.hpp"
 #include "tessera/core/comm.hpp"
+#include "tessera/core/sharded_checkpoint.hpp"
 #include "tessera/core/data_loader.hpp"
 #include "tessera/core/fsdp/wrap.hpp"
 #include "tessera/core/ledger.hpp"
@@ -42,6 +43,16 @@
 namespace tessera::host {
 
 namespace {
+
+/// Marks a checkpoint written by save_checkpoint(path, weights_only = true).
+constexpr const char* kWeightsOnlyKey = "weights_only";
+
+void refuse_weights_only(const sdk::Checkpoint& checkpoint, const std::string& path) {
+  TESSERA_CHECK(!(checkpoint.contains(kWeightsOnlyKey) && checkpoint.at(kWeightsOnlyKey).toBool()), "checkpoint ",
+                path, " holds the weights only (model_checkpoint save_weights_only = true): it has no optimizer ",
+                "state to resume training from. Evaluate it with validate, test or predict, or resume fit from a ",
+                "checkpoint saved without save_weights_only");
+}
 
 using Clock = std::chrono::steady_clock;
 
@@ -323,25 +334,31 @@ void Trainer::stop(const std::string& reason) {
   should_stop_ = true;
 }
 
-void Trainer::save_checkpoint(const std::string& path) {
+void Trainer::save_checkpoint(const std::string& path, bool weights_only) {
   core::trace::Span span("hook", "[Trainer]save_checkpoint");
   core::LedgerPhase phase("save_checkpoint");  // collectives here wait up to [launch] checkpoint_timeout_s
   maybe_inject_fault(global_step_, /*saving=*/true);
   sdk::Checkpoint checkpoint = sdk::make_checkpoint();
   checkpoint.insert("state_dict", core::to_ivalue(strategy_->lightning_module_state_dict()));
-  c10::impl::GenericList optimizer_states(c10::AnyType::get());
-  optimizer_states.push_back(strategy_->optimizer_state());
-  checkpoint.insert("optimizer_states", optimizer_states);
-  checkpoint.insert("precision_plugin", precision_->state_dict());
+  if (weights_only) {
+    checkpoint.insert(kWeightsOnlyKey, true);
+  } else {
+    c10::impl::GenericList optimizer_states(c10::AnyType::get());
+    optimizer_states.push_back(strategy_->optimizer_state());
+    checkpoint.insert("optimizer_states", optimizer_states);
+    checkpoint.insert("precision_plugin", precision_->state_dict());
+  }
   checkpoint.insert("global_step", global_step_);
   checkpoint.insert("epoch", epoch_);
   checkpoint.insert("batch_in_epoch", next_batch_);
-  c10::impl::GenericList lr_schedulers(c10::AnyType::get());
-  lr_schedulers.push_back(schedule_->state_dict(global_step_));
-  checkpoint.insert("lr_schedulers", lr_schedulers);
-  checkpoint.insert("rng_state", at::detail::getDefaultCPUGenerator().get_state());
-  if (strategy_->root_device().is_cuda())
-    checkpoint.insert("cuda_rng_state", at::globalContext().defaultGenerator(strategy_->root_device()).get_state());
+  if (!weights_only) {
+    c10::impl::GenericList lr_schedulers(c10::AnyType::get());
+    lr_schedulers.push_back(schedule_->state_dict(global_step_));
+    checkpoint.insert("lr_schedulers", lr_schedulers);
+    checkpoint.insert("rng_state", at::detail::getDefaultCPUGenerator().get_state());
+    if (strategy_->root_device().is_cuda())
+      checkpoint.insert("cuda_rng_state", at::globalContext().defaultGenerator(strategy_->root_device()).get_state());
+  }
   checkpoint.insert("hyper_parameters", model_->hyper_parameters());
   sdk::Checkpoint callback_states = sdk::make_checkpoint();  // Lightning's "callbacks": state_key -> state
   for (const auto& [name, callback] : callbacks_)
@@ -352,8 +369,13 @@ void Trainer::save_checkpoint(const std::string& path) {
   call("on_save_checkpoint", [&](sdk::Callback& c) { c.on_save_checkpoint(*this, checkpoint); });
   const auto start = std::chrono::steady_clock::now();
   strategy_->save_checkpoint(checkpoint, path);
-  log_.info("checkpoint saved: " + path + " (step " + std::to_string(global_step_) + ", training paused " +
+  log_.info("checkpoint saved: " + path + " (step " + std::to_string(global_step_) +
+            (weights_only ? ", weights only" : "") + ", training paused " +
             format(std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count(), 3) + " s)");
+}
+
+void Trainer::check_resumable(const std::string& checkpoint) {
+  refuse_weights_only(core::read_trainer_state(checkpoint), checkpoint);
 }
 
 void Trainer::remove_checkpoint(const std::string& path) {
@@ -374,6 +396,7 @@ void Trainer::restore(const std::string& path, bool with_training_state) {
       core::state_dict_from(core::checkpoint_get(checkpoint, "state_dict"), "checkpoint " + path + " [state_dict]"),
       /*strict=*/true);
   if (with_training_state) {
+    refuse_weights_only(checkpoint, path);
     auto optimizer_states = core::checkpoint_get(checkpoint, "optimizer_states").toListRef();
     TESSERA_CHECK(!optimizer_states.empty(), "checkpoint ", path, " has no optimizer state");
     strategy_->load_optimizer_state(core::checkpoint_dict(optimizer_states[0], "checkpoint optimizer_states[0]"));

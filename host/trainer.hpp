@@ -57,8 +57,14 @@ class Trainer final : public sdk::Trainer {
   void request_stop(const std::string& reason) override;
   bool should_stop() const override { return should_stop_; }
   const std::string& log_dir() const override { return log_dir_; }
-  void save_checkpoint(const std::string& path) override;
+  void save_checkpoint(const std::string& path) override { save_checkpoint(path, /*weights_only=*/false); }
+  /// `weights_only` (model_checkpoint's save_weights_only, Lightning's): the model's state, the
+  /// step and the callbacks' state (what --ckpt-path best reads), without the optimizer, grad
+  /// scaler, schedule and RNG states: a third of an Adam checkpoint; fit cannot resume from it.
+  void save_checkpoint(const std::string& path, bool weights_only);
   void remove_checkpoint(const std::string& path) override;
+  /// Refuses (sdk::Error) to resume fit from a weights-only checkpoint: before any rank starts.
+  static void check_resumable(const std::string& checkpoint);
   sdk::Strategy& strategy() override { return *strategy_; }
   sdk::Module& lightning_module() override { return *model_; }
   bool is_global_zero() const override { return cluster_.global_rank == 0; }

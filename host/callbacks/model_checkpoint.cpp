@@ -12,6 +12,7 @@
 
 #include "callbacks.hpp"
 #include "config.hpp"
+#include "trainer.hpp"
 #include "tessera/sdk/error.hpp"
 #include "tessera/sdk/strategy.hpp"
 
@@ -31,6 +32,7 @@ class ModelCheckpoint final : public sdk::Callback {
         train_time_interval_s_(read_duration(o, "train_time_interval")),
         every_n_epochs_(o.get_int("every_n_epochs", every_n_train_steps_ > 0 || train_time_interval_s_ > 0 ? 0 : 1, 0)),
         save_last_(o.get_bool("save_last", false)),
+        save_weights_only_(o.get_bool("save_weights_only", false)),
         auto_insert_metric_name_(o.get_bool("auto_insert_metric_name", true)) {
     TESSERA_CHECK(!monitor_.empty() || save_top_k_ <= 1, o.locate("save_top_k"), " = ", save_top_k_,
                   " needs a monitor: without [", o.section(), "] monitor the latest checkpoint is kept (1), all (-1) or ",
@@ -126,6 +128,13 @@ class ModelCheckpoint final : public sdk::Callback {
     return due.item<float>() > 0;
   }
 
+  void write(sdk::Trainer& trainer, const std::string& path) {
+    if (!save_weights_only_) return trainer.save_checkpoint(path);
+    auto* host = dynamic_cast<Trainer*>(&trainer);
+    TESSERA_CHECK(host != nullptr, "model_checkpoint save_weights_only needs tessera's own trainer");
+    host->save_checkpoint(path, /*weights_only=*/true);
+  }
+
   /// `{name}` or `{name:.3f}` -> "name=value" (or just the value without auto insert).
   std::string format_name(sdk::Trainer& trainer) const {
     std::map<std::string, double> values = trainer.callback_metrics();
@@ -181,7 +190,7 @@ class ModelCheckpoint final : public sdk::Callback {
     const std::optional<double> before = kept_.count(path) ? std::optional<double>(kept_.at(path)) : std::nullopt;
     kept_[path] = value;
     try {
-      trainer.save_checkpoint(path);
+      write(trainer, path);
     } catch (...) {
       if (before) kept_[path] = *before;
       else kept_.erase(path);
@@ -199,7 +208,7 @@ class ModelCheckpoint final : public sdk::Callback {
   }
 
   void save_last(sdk::Trainer& trainer) {
-    trainer.save_checkpoint(dirpath_ + "/last.ckpt");
+    write(trainer, dirpath_ + "/last.ckpt");
     last_written_last_ = trainer.global_step();
   }
 
@@ -209,7 +218,7 @@ class ModelCheckpoint final : public sdk::Callback {
   double train_time_interval_s_;  ///< 0: none
   std::int64_t every_n_epochs_;
   Clock::time_point interval_start_ = Clock::now();
-  bool save_last_, auto_insert_metric_name_;
+  bool save_last_, save_weights_only_, auto_insert_metric_name_;
   std::map<std::string, double> kept_;  ///< path -> monitored score (or step without a monitor)
   std::int64_t last_saved_step_ = -1, last_written_last_ = -1;
   bool warned_ = false;

@@ -864,6 +864,54 @@ TEST(Callbacks, ModelCheckpointTrainTimeIntervalFollowsRankZerosClock) {
   EXPECT_NE(r.output.find("train_time_interval = \"1h\" is not a duration"), std::string::npos) << r.output;
 }
 
+// save_weights_only (Lightning's): the model's weights, the step and the callbacks' state; no
+// optimizer, scaler, schedule or RNG state. Evaluated as any other checkpoint, refused by fit
+// before any rank starts; in the sharded format too.
+TEST(Callbacks, SaveWeightsOnlyKeepsTheModelWithoutTrainingState) {
+  auto config_with = [](const std::string& dir, const std::string& extra) {
+    std::string config = write_config(
+        dir, "[callbacks.model_checkpoint]\nevery_n_train_steps = 2\nsave_last = true\n" + extra);
+    std::string text = slurp(config);
+    text.erase(text.find("checkpoint_every_n_steps = 4\n"), std::string("checkpoint_every_n_steps = 4\n").size());
+    std::ofstream(config) << text;
+    return config;
+  };
+  const std::string full_dir = tessera::testing::fresh_dir("weights-full");
+  ASSERT_EQ(run_tessera("fit --config " + config_with(full_dir, "") + " --set trainer.max_steps=4").exit_code, 0);
+  const std::string dir = tessera::testing::fresh_dir("weights-only");
+  const std::string config = config_with(dir, "save_weights_only = true\n");
+  auto r = run_tessera("fit --config " + config + " --set trainer.max_steps=4");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("(step 4, weights only"), std::string::npos) << r.output;
+  const std::string saved = run_dir(dir) + "/checkpoints/step=4.ckpt";
+  auto c = tessera::core::checkpoint_dict(tessera::core::load_pickle(saved), saved);
+  for (const char* key : {"state_dict", "global_step", "hyper_parameters", "callbacks"}) EXPECT_TRUE(c.contains(key)) << key;
+  for (const char* key : {"optimizer_states", "precision_plugin", "lr_schedulers", "rng_state"})
+    EXPECT_FALSE(c.contains(key)) << key;
+  EXPECT_EQ(c.at("global_step").toInt(), 4);
+  // AdamW keeps two moments per weight: the full checkpoint is about three times as large.
+  EXPECT_LT(std::filesystem::file_size(saved) * 2, std::filesystem::file_size(run_dir(full_dir) + "/checkpoints/step=4.ckpt"));
+
+  r = run_tessera("fit --config " + config + " --ckpt-path last --set trainer.max_steps=6 --set launch.devices=2 "
+                  "--set strategy.plugin=fsdp");
+  EXPECT_NE(r.exit_code, 0);
+  EXPECT_NE(r.output.find("holds the weights only (model_checkpoint save_weights_only = true)"), std::string::npos)
+      << r.output;
+  EXPECT_EQ(r.output.find("launched"), std::string::npos) << "refused before any rank starts\n" << r.output;
+  r = run_tessera("validate --config " + config + " --ckpt-path " + saved + " --set trainer.limit_val_batches=1");
+  EXPECT_EQ(r.exit_code, 0) << r.output;
+
+  const std::string sharded_dir = tessera::testing::fresh_dir("weights-only-sharded");
+  const std::string sharded = config_with(sharded_dir, "save_weights_only = true\n[strategy]\nplugin = \"fsdp\"\n"
+                                                       "state_dict_type = \"sharded\"\n[checkpoint_io]\nplugin = \"distributed\"\n");
+  r = run_tessera("fit --config " + sharded + " --set trainer.max_steps=2 --set launch.devices=2");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  r = run_tessera("validate --config " + sharded + " --ckpt-path last --set launch.devices=2 --set trainer.limit_val_batches=1");
+  EXPECT_EQ(r.exit_code, 0) << r.output;
+  r = run_tessera("fit --config " + sharded + " --ckpt-path last --set launch.devices=2");
+  EXPECT_NE(r.output.find("holds the weights only"), std::string::npos) << r.output;
+}
+
 TEST(Callbacks, CkptPathBestWithoutAMonitorOrWithoutASave) {
   // Without a monitor the best is the latest top-k save (step=4.ckpt here), not last.ckpt.
   std::string dir = tessera::testing::fresh_dir("best-unmonitored");
