@@ -153,16 +153,18 @@ void check_plugins(const host::Config& config) {
 }
 
 /// fit, before any work: a warning (never an error: the user may know better) when the memory
-/// plan of this machine's ranks exceeds what the kernel says is available. Under torchrun,
+/// plan of this machine's ranks exceeds what the kernel says is available, or a CUDA job's
+/// device rows exceed its GPUs' memory. Under torchrun,
 /// Slurm or MPI only each node's local rank 0 plans.
 void warn_about_memory(const host::Config& config) {
   if (host::planned_cluster(config.launch).local_rank != 0) return;
-  // A CUDA job is bounded by device memory, and tracing a GPU-sized model's forward on the CPU
-  // would delay its start: `tessera plan` plans it. A CPU job is planned on a GPU machine too.
-  if (host::trains_on_cuda(config)) return;
+  // A CUDA job's activations are device memory, and tracing a GPU-sized model's forward on the
+  // CPU would delay its start: its host rows are whole without them, its device rows are a
+  // lower bound (`tessera plan` traces them). A CPU job is planned on a GPU machine too.
+  const bool cuda = host::trains_on_cuda(config);
   host::PlannedJob job;
   try {
-    job = host::plan_job(config);
+    job = host::plan_job(config, /*trace_activations=*/!cuda);
   } catch (const host::JobSetupError&) {
     throw;  // every rank would fail the same way: say it once, before any starts
   } catch (const std::exception& e) {
@@ -172,8 +174,10 @@ void warn_about_memory(const host::Config& config) {
   double available = host::memory_available_bytes();
   if (const char* forced = std::getenv("TESSERA_MEMORY_AVAILABLE_MB"))  // tests
     available = std::strtod(forced, nullptr) * 1048576.0;
-  const std::string warning = host::memory_warning(job.plan, available, job.local_ranks);
-  if (!warning.empty()) std::cerr << "tessera: " << warning << "\n";
+  for (const std::string& warning :
+       {host::memory_warning(job.plan, available, job.local_ranks),
+        cuda ? host::device_memory_warning(job.plan, host::cuda_memory_bytes(config, job.local_ranks), false) : ""})
+    if (!warning.empty()) std::cerr << "tessera: " << warning << "\n";
 }
 
 std::string json_string(const std::string& text) {

@@ -188,17 +188,33 @@ double memory_available_bytes() {
   return -1;
 }
 
+namespace {
+/// "name 12 MB, name 3 MB" of the rows in host memory (or on the device).
+std::string listed_rows(const MemoryPlan& plan, bool on_device) {
+  std::string out;
+  for (const auto& r : plan.rows)
+    if (r.bytes > 0 && r.on_device == on_device) out += (out.empty() ? "" : ", ") + r.name + " " + mb(r.bytes);
+  return out;
+}
+}  // namespace
+
+std::string device_memory_warning(const MemoryPlan& plan, double device_bytes, bool activations_traced) {
+  if (!plan.cuda || device_bytes <= 0 || plan.device_peak <= device_bytes) return "";
+  return "warning: the memory plan needs " + std::string(activations_traced ? "" : "at least ") + mb(plan.device_peak) +
+         " of CUDA memory per rank (" + listed_rows(plan, true) +
+         (activations_traced ? "" : "; activations not counted") + ") but the GPU has " + mb(device_bytes) +
+         "; the job will run out of device memory. Shard more (fsdp FULL_SHARD, fsdp2, more ranks), keep the state "
+         "on the host ([strategy] cpu_offload, fsdp2 offload_policy = \"cpu\"), lower the precision or [data] "
+         "batch_size, or see `tessera plan`";
+}
+
 std::string memory_warning(const MemoryPlan& plan, double available, std::int64_t local_ranks) {
   if (available < 0 || plan.job_bytes <= available) return "";
+  const std::string rows = listed_rows(plan, false);
   std::string out = "warning: the memory plan needs " + mb(plan.job_bytes) + " on this machine (" + mb(plan.peak) +
-                    " peak RSS per rank x " + std::to_string(local_ranks) + " local rank(s): ";
-  bool first = true;
-  for (const auto& r : plan.rows) {
-    if (r.bytes <= 0 || r.on_device) continue;
-    out += (first ? "" : ", ") + r.name + " " + mb(r.bytes);
-    first = false;
-  }
-  out += ", baseline " + mb(plan.baseline) + ") but only " + mb(available) + " is available (MemAvailable); the job may be killed for memory. "
+                    " peak RSS per rank x " + std::to_string(local_ranks) + " local rank(s): " + rows +
+                    (rows.empty() ? "" : ", ");
+  out += "baseline " + mb(plan.baseline) + ") but only " + mb(available) + " is available (MemAvailable); the job may be killed for memory. "
          "Shard more (fsdp FULL_SHARD, more ranks), lower [data] batch_size, or see `tessera plan`";
   if (plan.job_bytes > 2 * available) out += " (the plan is more than twice what is available)";
   return out;

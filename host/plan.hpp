@@ -82,5 +82,8 @@ std::string plan_json(const MemoryPlan& plan, std::int64_t world_size, std::int6
 double memory_available_bytes();
 /// A warning when `plan.job_bytes` (host memory) exceeds `available` bytes (fit prints it before any work); "" otherwise.
 std::string memory_warning(const MemoryPlan& plan, double available, std::int64_t local_ranks);
+/// "" unless a CUDA plan's device peak per rank exceeds `device_bytes` (a GPU's memory); else
+/// the warning, naming the device rows ("at least" when the activations were not traced).
+std::string device_memory_warning(const MemoryPlan& plan, double device_bytes, bool activations_traced);
 
 }  // namespace tessera::host

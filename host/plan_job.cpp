@@ -10,6 +10,12 @@
 
 #include <ATen/ATen.h>
 #include <c10/core/CPUAllocator.h>
+
+#include "tessera/sdk/build_config.hpp"  // TESSERA_WITH_CUDA, before the #if below
+#if TESSERA_WITH_CUDA
+#include <ATen/cuda/CUDAContext.h>
+#include <torch/cuda.h>
+#endif
 #include <c10/util/Exception.h>
 #include <torch/csrc/autograd/grad_mode.h>
 #include <torch/version.h>
@@ -231,11 +237,31 @@ Trace trace_forward(sdk::Module& model, sdk::Precision& precision, sdk::DataModu
 
 }  // namespace
 
+double cuda_memory_bytes(const Config& config, std::int64_t local_ranks) {
+  if (const char* forced = std::getenv("TESSERA_DEVICE_MEMORY_MB"))  // tests
+    return std::strtod(forced, nullptr) * 1048576.0;
+#if TESSERA_WITH_CUDA
+  // Each local rank r trains on cuda:(device_id + r). Device properties need no CUDA context,
+  // so this process takes no device memory from the ranks.
+  const std::int64_t first = config.resolved["strategy"]["device_id"].value_or(std::int64_t{0});
+  const std::int64_t count = static_cast<std::int64_t>(torch::cuda::device_count());
+  double smallest = -1;
+  for (std::int64_t d = first; d < first + local_ranks && d < count; ++d) {
+    const double total = static_cast<double>(at::cuda::getDeviceProperties(static_cast<int>(d))->totalGlobalMem);
+    smallest = smallest < 0 ? total : std::min(smallest, total);
+  }
+  return smallest;
+#else
+  (void)config, (void)local_ranks;
+  return -1;
+#endif
+}
+
 bool trains_on_cuda(const Config& config) {
   return core::accelerator_is_cuda(config.resolved["strategy"]["accelerator"].value_or(std::string("auto")));
 }
 
-PlannedJob plan_job(const Config& config) {
+PlannedJob plan_job(const Config& config, bool trace_activations) {
   PlannedJob job;
   const sdk::ClusterInfo planned = planned_cluster(config.launch);
   sdk::ClusterInfo cluster = planned;
@@ -296,7 +322,11 @@ PlannedJob plan_job(const Config& config) {
     std::vector<std::shared_ptr<torch::nn::Module>> recomputed;
     if (auto* sharded = dynamic_cast<core::fsdp::ShardedStrategy*>(strategy.get()))
       recomputed = sharded->checkpointed_units(*model);
-    Trace trace = trace_forward(*model, *precision, *data, config.data.batch_size, std::move(recomputed));
+    Trace trace;
+    if (trace_activations)
+      trace = trace_forward(*model, *precision, *data, config.data.batch_size, std::move(recomputed));
+    else
+      trace.method = "not traced";
     in.activation_bytes = trace.saved;
     in.forward_transient_bytes = trace.transient;
     in.activation_method = trace.method;
@@ -321,6 +351,8 @@ PlannedJob plan_job(const Config& config) {
   model.reset();
   core::release_deferred_init_memory();
   job.plan = make_plan(in);
+  if (!trace_activations)
+    job.plan.notes.push_back("activations not traced (fit's check before a CUDA job: `tessera plan` traces them)");
   if (!trace_problem.empty())
     job.plan.notes.push_back("activations not traced (one forward on this machine's CPU failed: " + trace_problem +
                              "): counted as 0");

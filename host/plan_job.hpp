@@ -25,8 +25,14 @@ class JobSetupError : public sdk::Error {
 };
 
 /// Throws sdk::Error for a configuration that cannot run (the same checks as fit's), a
-/// JobSetupError when the data or the model fails to set up.
-PlannedJob plan_job(const Config& config);
+/// JobSetupError when the data or the model fails to set up. Without `trace_activations` the
+/// forward is not traced (activations count 0, and a note says so): a CUDA job's activations
+/// are device memory, its host rows are whole without them.
+PlannedJob plan_job(const Config& config, bool trace_activations = true);
+
+/// The CUDA memory of the smallest GPU this machine's ranks train on (bytes), or -1 when unknown
+/// (no CUDA in this build, no such device). TESSERA_DEVICE_MEMORY_MB overrides it (tests).
+double cuda_memory_bytes(const Config& config, std::int64_t local_ranks);
 
 /// Whether the job trains on CUDA, by its [strategy] accelerator (core::accelerator_is_cuda,
 /// the rule of the shipped strategies; read from the config, so for any strategy plugin).

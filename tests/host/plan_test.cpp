@@ -410,16 +410,34 @@ TEST(PlanInFit, WarnsBeforeAnyWorkWhenThePlanExceedsTheMachine) {
 // fit plans the host memory of a job that trains on the CPU, on any machine; a CUDA job's
 // bound is its device memory, planned by `tessera plan` (fit would trace the forward on the
 // CPU first). Keyed on the job's accelerator, not on whether this machine has a GPU.
-TEST(PlanInFit, ACudaJobIsNotPlannedAsHostMemory) {
+// A CUDA job is checked without tracing its forward: its host rows (the process, the trainer)
+// against the host's memory, its device rows (state, gathered units, buffers; activations not
+// counted, so "at least") against the GPU's.
+TEST(PlanInFit, ACudaJobIsCheckedForHostAndDeviceMemory) {
   const std::string dir = tessera::testing::fresh_dir("plan-warning-cuda");
   std::ofstream(dir + "/small.toml") << "[trainer]\nmax_steps = 1\nenable_progress_bar = false\nsave_last = false\n"
                                      << "default_root_dir = \"" << dir << "\"\n[strategy]\naccelerator = \"cuda\"\n"
                                      << "[model]\nplugin = \"gpt\"\nn_layer = 1\nn_head = 2\nn_embd = 32\nblock_size = 32\n"
                                      << "[data]\nplugin = \"text\"\nblock_size = 32\nbatch_size = 2\n";
+  auto line_of = [](const std::string& output, const std::string& start) {
+    const std::size_t at = output.find(start);
+    return at == std::string::npos ? std::string() : output.substr(at, output.find('\n', at) - at);
+  };
   auto fit = run_tessera("fit --config " + dir + "/small.toml", "TESSERA_MEMORY_AVAILABLE_MB=1");
-  EXPECT_EQ(fit.output.find("warning: the memory plan"), std::string::npos) << fit.output;
+  const std::string host = line_of(fit.output, "warning: the memory plan needs");
+  ASSERT_FALSE(host.empty()) << fit.output;
+  EXPECT_NE(host.find("on this machine"), std::string::npos) << host;
+  for (const char* device_row : {"parameters", "activations", "gathered units"})
+    EXPECT_EQ(host.find(device_row), std::string::npos) << device_row << " is device memory: " << host;
   if (fit.exit_code != 0)  // this machine has no GPU (or this build no CUDA): refused, and said why
     EXPECT_NE(fit.output.find("accelerator = \"cuda\""), std::string::npos) << fit.output;
+
+  fit = run_tessera("fit --config " + dir + "/small.toml", "TESSERA_DEVICE_MEMORY_MB=0.01");
+  const std::string device = line_of(fit.output, "warning: the memory plan needs at least");
+  ASSERT_FALSE(device.empty()) << fit.output;
+  for (const char* part : {"of CUDA memory per rank (parameters", "activations not counted", "but the GPU has 0 MB"})
+    EXPECT_NE(device.find(part), std::string::npos) << part << "\n" << device;
+  EXPECT_EQ(fit.output.find("on this machine"), std::string::npos) << "the host has room: " << fit.output;
 }
 
 TEST(PlanOutput, TableNamesEveryRowAndTheTraffic) {
