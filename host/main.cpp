@@ -272,7 +272,7 @@ int main(int argc, char** argv) {
     }
     if (std::getenv("TESSERA_LAUNCHED") == nullptr) {  // once per job, before any rank starts
       // A missing checkpoint, or one fit cannot resume from, stops us here.
-      const std::string checkpoint = host::Trainer::resolve_checkpoint(config, args.ckpt_path);
+      const std::string checkpoint = host::Trainer::resolve_checkpoint(config, args.ckpt_path, args.command == "fit");
       if (args.command == "fit" && !checkpoint.empty()) host::Trainer::check_resumable(checkpoint);
       check_plugins(config);
       if (args.command == "fit") warn_about_memory(config);

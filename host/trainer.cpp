@@ -298,9 +298,10 @@ void Trainer::open_run_directory() {
   log_.info("run directory: " + log_dir_);
 }
 
-std::string Trainer::resolve_checkpoint(const Config& config, const std::string& ckpt_path) {
+std::string Trainer::resolve_checkpoint(const Config& config, const std::string& ckpt_path, bool fit) {
   if (ckpt_path.empty()) return "";
   const std::string runs = versions_parent(config.trainer.default_root_dir, config.logger);
+  if (ckpt_path == "last" && fit) return newest_run_checkpoint(runs, config.logger).value_or("");
   if (ckpt_path == "last") return find_last_checkpoint(runs, config.logger);
   if (ckpt_path == "best") return find_best_checkpoint(runs, config.logger);
   TESSERA_CHECK(std::filesystem::exists(ckpt_path), "--ckpt-path ", ckpt_path,
@@ -569,7 +570,11 @@ void Trainer::validate_during_fit(const std::string& when) {
 }
 
 void Trainer::fit(const std::string& ckpt_path) {
-  const std::string checkpoint = resolve_checkpoint(config_, ckpt_path);  // before a new run folder exists
+  const std::string checkpoint = resolve_checkpoint(config_, ckpt_path, /*fit=*/true);  // before a new run folder exists
+  if (ckpt_path == "last" && checkpoint.empty())
+    log_.info("--ckpt-path last: no checkpoint yet in any run under " +
+              versions_parent(config_.trainer.default_root_dir, config_.logger) +
+              ": training starts from the beginning (as Lightning's; the same command resumes once one is saved)");
   setup("fit");
   if (!checkpoint.empty()) restore(checkpoint, /*with_training_state=*/true);
   begin_run();

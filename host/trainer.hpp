@@ -35,9 +35,12 @@ class Trainer final : public sdk::Trainer {
   int exit_code() const { return exit_code_; }
 
   /// The one place `--ckpt-path` is resolved: "last" is the newest checkpoint of the
-  /// newest run under default_root_dir/[logger name] (see find_last_checkpoint); any other
-  /// value is a path that must exist.
-  static std::string resolve_checkpoint(const Config& config, const std::string& ckpt_path);
+  /// newest run under default_root_dir/[logger name] (see find_last_checkpoint), "best" the
+  /// one its model_checkpoint recorded (find_best_checkpoint); any other value is a path that
+  /// must exist. For `fit`, "last" with no checkpoint yet is "": training starts from the
+  /// beginning (Lightning's fit(ckpt_path="last"), so that one command starts a job and resumes
+  /// it after a requeue); the other commands need one.
+  static std::string resolve_checkpoint(const Config& config, const std::string& ckpt_path, bool fit = false);
 
   /// A model whose hyper-parameters name a `block_size` (its context length, e.g. the gpt's
   /// positional table) takes sequences of at most that many tokens: a longer `sequence` (from

@@ -51,7 +51,7 @@ std::string run_directory(const std::string& parent, const std::string& version)
   return parent + "/" + (number ? "version_" + version : version);
 }
 
-std::string find_last_checkpoint(const std::string& parent, const LoggerSettings& logger, const std::string& asked) {
+std::optional<std::string> newest_run_checkpoint(const std::string& parent, const LoggerSettings& logger) {
   std::vector<std::pair<std::int64_t, fs::path>> runs;
   std::error_code ec;
   if (!logger.version.empty()) {
@@ -63,6 +63,11 @@ std::string find_last_checkpoint(const std::string& parent, const LoggerSettings
   }
   for (const auto& [n, run] : runs)
     if (auto checkpoint = newest_checkpoint(run / "checkpoints")) return checkpoint->string();
+  return std::nullopt;
+}
+
+std::string find_last_checkpoint(const std::string& parent, const LoggerSettings& logger, const std::string& asked) {
+  if (auto checkpoint = newest_run_checkpoint(parent, logger)) return *checkpoint;
   TESSERA_FAIL("--ckpt-path ", asked, ": no checkpoint in any run under ", parent,
                logger.version.empty() ? " (looked in version_*/checkpoints/)"
                                       : " (looked in " + run_directory(parent, logger.version) + "/checkpoints/)",

@@ -2,6 +2,7 @@
 // Run folders as Lightning's loggers make them: default_root_dir/[name/]version_N, one per
 // fit / validate / test, each with its config.toml, hparams.yaml, metrics and checkpoints/.
 #include <cstdint>
+#include <optional>
 #include <string>
 
 #include "config.hpp"
@@ -17,6 +18,10 @@ std::int64_t create_next_version(const std::string& parent);
 
 /// The run folder for `version` ("N" -> version_N; other text -> that folder name).
 std::string run_directory(const std::string& parent, const std::string& version);
+
+/// The newest committed checkpoint (the checkpoint folder's `last` pointer) of the newest run
+/// under `parent` that has one (with a fixed [logger] version, of that run only), if any.
+std::optional<std::string> newest_run_checkpoint(const std::string& parent, const LoggerSettings& logger);
 
 /// `--ckpt-path last`: the newest committed checkpoint (core::resolve_last: the checkpoint
 /// folder's `last` pointer) of the newest run under `parent` that has one. With a fixed

@@ -58,7 +58,6 @@ TEST_P(FaultTrials, KillsDuringSavesNeverLoseOrRewindLast) {
   int during_save = 0;
   const int trials = 20;  // for each IO (the count); a trial costs a start, a load and a few steps
   for (int trial = 0; trial < trials; ++trial) {
-    const bool resume = fs::is_symlink(checkpoints / tessera::core::kLastPointer);
     const double delay = std::uniform_real_distribution<double>(0.0, 1.5)(rng);
     const bool kill_rank = trial % 2 == 0;
     // The launcher in the background; once this launch saved a checkpoint (so the kill falls
@@ -69,7 +68,7 @@ TEST_P(FaultTrials, KillsDuringSavesNeverLoseOrRewindLast) {
     // and the loop below must not find the old "checkpoint saved" (then the launcher may have no
     // ranks yet to kill). A launcher without ranks is killed, so a failed trial leaves nothing.
     const std::string script = "rm -f " + log_path + "; " + std::string(tessera::testing::tessera_binary()) +
-                               " fit --config " + dir + "/run.toml" + (resume ? " --ckpt-path last" : "") + " > " +
+                               " fit --config " + dir + "/run.toml --ckpt-path last > " +  // one command, as a requeue runs it
                                log_path + " 2>&1 & L=$!; " + "for i in $(seq 1200); do grep -qs \"checkpoint saved\" " +
                                log_path + " && break; sleep 0.05; done; sleep " + std::to_string(delay) +
                                "; C=$(pgrep -P $L); [ -n \"$C\" ] || { kill -9 $L; echo no ranks to kill; exit 1; }; " +

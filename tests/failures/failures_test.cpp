@@ -191,7 +191,7 @@ INSTANTIATE_TEST_SUITE_P(
         BadInput{"data_dev_null", "", "--set data.path=/dev/null",
                  "[data] path = \"/dev/null\" is neither a regular file nor a directory", "fit", false},
         BadInput{"missing_ckpt", "", "--ckpt-path @DIR@/nothing.ckpt", "--ckpt-path @DIR@/nothing.ckpt"},
-        BadInput{"missing_last", "", "--ckpt-path last", "--ckpt-path last: no checkpoint in any run under"},
+        BadInput{"missing_last", "", "--ckpt-path last", "--ckpt-path last: no checkpoint in any run under", "validate"},
         BadInput{"validate_no_ckpt", "", "", "validate needs --ckpt-path", "validate"},
         BadInput{"test_no_ckpt", "", "", "test needs --ckpt-path", "test"},
         BadInput{"nccl_on_cpu", "", "--set strategy.accelerator=cpu --set strategy.process_group_backend=nccl",

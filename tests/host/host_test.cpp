@@ -772,11 +772,24 @@ TEST(RunDirectory, VersionFoldersConfigHparamsAndLast) {
                            " --set logger.version=baseline");
   ASSERT_EQ(named.exit_code, 0) << named.output;
   EXPECT_TRUE(fs::exists(dir + "/exp/baseline/checkpoints/last.ckpt"));
-  // Nothing to resume from names where it looked.
+  // Nothing to resume from: fit starts from the beginning (Lightning's fit(ckpt_path="last")),
+  // so the same command starts a job and resumes it after a requeue; saying where it looked.
+  // The commands that evaluate a checkpoint need one.
   std::string empty = tessera::testing::fresh_dir("versions-empty");
-  auto none = run_tessera("fit --config " + write_config(empty) + " --ckpt-path last");
+  const std::string requeued = "fit --config " + write_config(empty) + " --ckpt-path last --set trainer.max_steps=";
+  auto first = run_tessera(requeued + "2");
+  ASSERT_EQ(first.exit_code, 0) << first.output;
+  EXPECT_NE(first.output.find("--ckpt-path last: no checkpoint yet in any run under " + empty +
+                              ": training starts from the beginning"),
+            std::string::npos)
+      << first.output;
+  auto again = run_tessera(requeued + "3");
+  ASSERT_EQ(again.exit_code, 0) << again.output;
+  EXPECT_NE(again.output.find("(resuming at step 2)"), std::string::npos) << again.output;
+  std::string none_dir = tessera::testing::fresh_dir("versions-none");
+  auto none = run_tessera("validate --config " + write_config(none_dir) + " --ckpt-path last");
   EXPECT_NE(none.exit_code, 0);
-  EXPECT_NE(none.output.find("--ckpt-path last: no checkpoint in any run under " + empty), std::string::npos)
+  EXPECT_NE(none.output.find("--ckpt-path last: no checkpoint in any run under " + none_dir), std::string::npos)
       << none.output;
 }
 
