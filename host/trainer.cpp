@@ -343,16 +343,11 @@ void Trainer::save_checkpoint(const std::string& path, bool weights_only) {
   checkpoint.insert("state_dict", core::to_ivalue(strategy_->lightning_module_state_dict()));
   if (weights_only) {
     checkpoint.insert(kWeightsOnlyKey, true);
-  } else {
+  } else {  // what resuming needs besides the weights
     c10::impl::GenericList optimizer_states(c10::AnyType::get());
     optimizer_states.push_back(strategy_->optimizer_state());
     checkpoint.insert("optimizer_states", optimizer_states);
     checkpoint.insert("precision_plugin", precision_->state_dict());
-  }
-  checkpoint.insert("global_step", global_step_);
-  checkpoint.insert("epoch", epoch_);
-  checkpoint.insert("batch_in_epoch", next_batch_);
-  if (!weights_only) {
     c10::impl::GenericList lr_schedulers(c10::AnyType::get());
     lr_schedulers.push_back(schedule_->state_dict(global_step_));
     checkpoint.insert("lr_schedulers", lr_schedulers);
@@ -360,6 +355,9 @@ void Trainer::save_checkpoint(const std::string& path, bool weights_only) {
     if (strategy_->root_device().is_cuda())
       checkpoint.insert("cuda_rng_state", at::globalContext().defaultGenerator(strategy_->root_device()).get_state());
   }
+  checkpoint.insert("global_step", global_step_);
+  checkpoint.insert("epoch", epoch_);
+  checkpoint.insert("batch_in_epoch", next_batch_);
   checkpoint.insert("hyper_parameters", model_->hyper_parameters());
   sdk::Checkpoint callback_states = sdk::make_checkpoint();  // Lightning's "callbacks": state_key -> state
   for (const auto& [name, callback] : callbacks_)

@@ -54,6 +54,17 @@ std::string file_bytes(const std::string& path) {
   return std::string((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
 }
 
+/// write_config without its checkpoint_every_n_steps: for a [callbacks.model_checkpoint] of the
+/// test's own in `extra` (fit refuses both), or a run with only the trainer's default saves.
+std::string write_config_own_checkpoints(const std::string& dir, const std::string& extra = "") {
+  std::string config = write_config(dir, extra);
+  std::string text = file_bytes(config);
+  const std::string key = "checkpoint_every_n_steps = 4\n";
+  text.erase(text.find(key), key.size());
+  std::ofstream(config) << text;
+  return config;
+}
+
 void expect_losses_equal(const std::map<std::int64_t, double>& a, const std::map<std::int64_t, double>& b,
                          std::int64_t from, std::int64_t to, double tol) {
   for (std::int64_t step = from; step <= to; ++step) {
@@ -699,10 +710,7 @@ TEST(TrainingLoop, FastDevRunRunsEveryLoopBrieflyAndWritesNoMetricsNorCheckpoint
 
 TEST(TrainingLoop, EnableCheckpointingAndModelSummaryTurnedOff) {
   std::string dir = tessera::testing::fresh_dir("no-checkpointing");
-  std::string config = write_config(dir);
-  std::string text = file_bytes(config);
-  text.erase(text.find("checkpoint_every_n_steps = 4\n"), std::string("checkpoint_every_n_steps = 4\n").size());
-  std::ofstream(config) << text;
+  std::string config = write_config_own_checkpoints(dir);
   auto on = run_tessera("fit --config " + config + " --set trainer.max_steps=2");
   ASSERT_EQ(on.exit_code, 0) << on.output;
   EXPECT_NE(on.output.find(" total\n"), std::string::npos) << "the model summary is on by default\n" << on.output;
@@ -797,12 +805,10 @@ TEST(Callbacks, ModelCheckpointKeepsTheTopKByTheMonitoredMetric) {
   // mode = "max" on a falling val_loss: the early checkpoints are the ones to keep, so later
   // ones are refused or pruned.
   std::string dir = tessera::testing::fresh_dir("topk");
-  std::string config = write_config(dir, "[callbacks.best]\nplugin = \"model_checkpoint\"\nmonitor = \"val_loss\"\n"
-                                         "mode = \"max\"\nsave_top_k = 2\nevery_n_train_steps = 1\n"
-                                         "filename = \"{step}-{val_loss:.5f}\"\nsave_last = true\n");
-  std::string text = slurp(config);
-  text.erase(text.find("checkpoint_every_n_steps = 4\n"), std::string("checkpoint_every_n_steps = 4\n").size());
-  std::ofstream(config) << text;
+  std::string config = write_config_own_checkpoints(
+      dir, "[callbacks.best]\nplugin = \"model_checkpoint\"\nmonitor = \"val_loss\"\n"
+           "mode = \"max\"\nsave_top_k = 2\nevery_n_train_steps = 1\n"
+           "filename = \"{step}-{val_loss:.5f}\"\nsave_last = true\n");
   auto r = run_tessera("fit --config " + config + " --set trainer.max_steps=6 --set trainer.val_check_interval=1 " +
                        "--set trainer.limit_val_batches=3 --set trainer.checkpoint_every_n_steps=0");
   EXPECT_NE(r.exit_code, 0) << "[trainer] checkpoint keys beside [callbacks.best] must be refused";
@@ -851,11 +857,7 @@ TEST(Callbacks, ModelCheckpointKeepsTheTopKByTheMonitoredMetric) {
 // on both ranks alike; a day: none but last.ckpt.
 TEST(Callbacks, ModelCheckpointTrainTimeIntervalFollowsRankZerosClock) {
   auto config_with = [](const std::string& dir, const std::string& keys) {
-    std::string config = write_config(dir, "[callbacks.model_checkpoint]\nsave_top_k = -1\nsave_last = true\n" + keys);
-    std::string text = slurp(config);
-    text.erase(text.find("checkpoint_every_n_steps = 4\n"), std::string("checkpoint_every_n_steps = 4\n").size());
-    std::ofstream(config) << text;
-    return config;
+    return write_config_own_checkpoints(dir, "[callbacks.model_checkpoint]\nsave_top_k = -1\nsave_last = true\n" + keys);
   };
   const std::string two = " --set launch.devices=2 --set strategy.plugin=fsdp --set trainer.max_steps=4";
   std::string dir = tessera::testing::fresh_dir("time-interval-short");
@@ -882,12 +884,7 @@ TEST(Callbacks, ModelCheckpointTrainTimeIntervalFollowsRankZerosClock) {
 // before any rank starts; in the sharded format too.
 TEST(Callbacks, SaveWeightsOnlyKeepsTheModelWithoutTrainingState) {
   auto config_with = [](const std::string& dir, const std::string& extra) {
-    std::string config = write_config(
-        dir, "[callbacks.model_checkpoint]\nevery_n_train_steps = 2\nsave_last = true\n" + extra);
-    std::string text = slurp(config);
-    text.erase(text.find("checkpoint_every_n_steps = 4\n"), std::string("checkpoint_every_n_steps = 4\n").size());
-    std::ofstream(config) << text;
-    return config;
+    return write_config_own_checkpoints(dir, "[callbacks.model_checkpoint]\nevery_n_train_steps = 2\nsave_last = true\n" + extra);
   };
   const std::string full_dir = tessera::testing::fresh_dir("weights-full");
   ASSERT_EQ(run_tessera("fit --config " + config_with(full_dir, "") + " --set trainer.max_steps=4").exit_code, 0);
@@ -939,11 +936,8 @@ TEST(Callbacks, CkptPathBestWithoutAMonitorOrWithoutASave) {
 
   // A monitored metric that is never logged: no best was saved, and the error says so.
   dir = tessera::testing::fresh_dir("best-never-saved");
-  config = write_config(dir, "[callbacks.model_checkpoint]\nmonitor = \"val_acc\"\nevery_n_train_steps = 2\n"
-                             "save_last = true\n");
-  std::string text = slurp(config);
-  text.erase(text.find("checkpoint_every_n_steps = 4\n"), std::string("checkpoint_every_n_steps = 4\n").size());
-  std::ofstream(config) << text;
+  config = write_config_own_checkpoints(
+      dir, "[callbacks.model_checkpoint]\nmonitor = \"val_acc\"\nevery_n_train_steps = 2\nsave_last = true\n");
   ASSERT_EQ(run_tessera("fit --config " + config + " --set trainer.max_steps=2").exit_code, 0);
   r = run_tessera("validate --config " + config + " --ckpt-path best");
   EXPECT_NE(r.exit_code, 0);
@@ -954,12 +948,9 @@ TEST(Callbacks, CkptPathBestWithoutAMonitorOrWithoutASave) {
 
 TEST(Callbacks, CkptPathBestReadsAShardedCheckpointsManifest) {
   std::string dir = tessera::testing::fresh_dir("best-sharded");
-  std::string config = write_config(
+  std::string config = write_config_own_checkpoints(
       dir, "[callbacks.model_checkpoint]\nmonitor = \"val_loss\"\nmode = \"max\"\nevery_n_train_steps = 2\n"
            "[strategy]\nplugin = \"fsdp\"\nstate_dict_type = \"sharded\"\n[checkpoint_io]\nplugin = \"distributed\"\n");
-  std::string text = slurp(config);
-  text.erase(text.find("checkpoint_every_n_steps = 4\n"), std::string("checkpoint_every_n_steps = 4\n").size());
-  std::ofstream(config) << text;
   const std::string two = " --set launch.devices=2 --set trainer.limit_val_batches=2";
   auto r = run_tessera("fit --config " + config + two + " --set trainer.max_steps=6 --set trainer.val_check_interval=2");
   ASSERT_EQ(r.exit_code, 0) << r.output;
