@@ -154,8 +154,8 @@ void check_plugins(const host::Config& config) {
 
 /// fit, before any work: a warning (never an error: the user may know better) when the memory
 /// plan of this machine's ranks exceeds what the kernel says is available, or a CUDA job's
-/// device rows exceed its GPUs' memory. Under torchrun,
-/// Slurm or MPI only each node's local rank 0 plans.
+/// device rows exceed its GPUs' memory. Under torchrun, Slurm or MPI only each node's local
+/// rank 0 plans.
 void warn_about_memory(const host::Config& config) {
   if (host::planned_cluster(config.launch).local_rank != 0) return;
   // A CUDA job's activations are device memory, and tracing a GPU-sized model's forward on the
