@@ -219,6 +219,18 @@ TEST(Checkpoint, PythonTorchLoadReadsIt) {
                         "/checkpoints/last.ckpt'); assert c['global_step'] == 2; "
                         "assert tuple(c['state_dict']['wte.weight'].shape) == (256, 32); print('ok')\"";
   EXPECT_EQ(std::system(command.c_str()), 0);
+  // A weights-only one (model_checkpoint save_weights_only) too.
+  const std::string weights_dir = tessera::testing::fresh_dir("pyload-weights");
+  r = run_tessera("fit --config " +
+                  write_config_own_checkpoints(weights_dir, "[callbacks.model_checkpoint]\nevery_n_train_steps = 2\n"
+                                                            "save_weights_only = true\n") +
+                  " --set trainer.max_steps=2");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  command = "/usr/bin/python3 -c \"import sys; sys.path.insert(0, '" TESSERA_TEST_SUPPORT_DIR "'); "
+            "from safe_torch_load import load; c = load('" + run_dir(weights_dir) +
+            "/checkpoints/step=2.ckpt'); assert c['weights_only'] and 'optimizer_states' not in c; "
+            "assert tuple(c['state_dict']['wte.weight'].shape) == (256, 32); print('ok')\"";
+  EXPECT_EQ(std::system(command.c_str()), 0);
 }
 
 TEST(Checkpoint, ResavedByPythonResumesExactly) {
