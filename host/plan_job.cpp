@@ -10,12 +10,6 @@
 
 #include <ATen/ATen.h>
 #include <c10/core/CPUAllocator.h>
-
-#include "tessera/sdk/build_config.hpp"  // TESSERA_WITH_CUDA, before the #if below
-#if TESSERA_WITH_CUDA
-#include <ATen/cuda/CUDAContext.h>
-#include <torch/cuda.h>
-#endif
 #include <c10/util/Exception.h>
 #include <torch/csrc/autograd/grad_mode.h>
 #include <torch/version.h>
@@ -34,6 +28,12 @@
 #include "tessera/sdk/strategy_checks.hpp"
 #include "tessera/sdk/tensor_parallel.hpp"
 #include "tessera/sdk/unit.hpp"
+
+#include "tessera/sdk/build_config.hpp"  // TESSERA_WITH_CUDA, before the #if below
+#if TESSERA_WITH_CUDA
+#include <ATen/cuda/CUDAContext.h>
+#include <torch/cuda.h>
+#endif
 
 namespace tessera::host {
 
@@ -319,14 +319,15 @@ PlannedJob plan_job(const Config& config, bool trace_activations) {
       in.layout_of_micro_batches = true;
     } else if (auto* layout = dynamic_cast<sdk::StrategyMemoryLayout*>(strategy.get()))
       in.layout = layout->memory_layout(*model, cluster);
-    std::vector<std::shared_ptr<torch::nn::Module>> recomputed;
-    if (auto* sharded = dynamic_cast<core::fsdp::ShardedStrategy*>(strategy.get()))
-      recomputed = sharded->checkpointed_units(*model);
     Trace trace;
-    if (trace_activations)
+    if (trace_activations) {
+      std::vector<std::shared_ptr<torch::nn::Module>> recomputed;
+      if (auto* sharded = dynamic_cast<core::fsdp::ShardedStrategy*>(strategy.get()))
+        recomputed = sharded->checkpointed_units(*model);
       trace = trace_forward(*model, *precision, *data, config.data.batch_size, std::move(recomputed));
-    else
+    } else {
       trace.method = "not traced";
+    }
     in.activation_bytes = trace.saved;
     in.forward_transient_bytes = trace.transient;
     in.activation_method = trace.method;
