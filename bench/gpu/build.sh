@@ -9,6 +9,9 @@ for f in .gpu-deps/*.deb; do dpkg -x "$f" "$deps"; done
 libs="$deps/usr/lib/x86_64-linux-gnu"
 export LD_LIBRARY_PATH="$libs${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"  # protoc, and the carried runtime libraries
 torch_prefix="${TORCH_PREFIX:-$(python3 -c 'import torch; print(torch.utils.cmake_prefix_path)')}"
+# The protobuf headers in a folder of their own: CMake drops $deps/usr/include from include
+# lists (the compiler's flags make it implicit), so it could not put them before LibTorch's.
+mkdir -p "$deps/protobuf/include" && ln -sfn "$deps/usr/include/google" "$deps/protobuf/include/google"
 # zlib1g-dev's libz.so points at /lib/x86_64-linux-gnu/libz.so.1.2.13, which the image lacks
 # (CMake then took the static libz.a, which a plugin cannot link): link the image's own libz.
 zlib="$(ls /usr/lib/x86_64-linux-gnu/libz.so.1 /lib/x86_64-linux-gnu/libz.so.1 2> /dev/null | head -1)"
@@ -16,7 +19,7 @@ nccl_root="$(python3 -c 'import nvidia.nccl, os; print(os.path.dirname(nvidia.nc
 cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release \
   -DCMAKE_PREFIX_PATH="$torch_prefix;$deps/usr;$libs/cmake" \
   -DCMAKE_CXX_FLAGS="-isystem $deps/usr/include" ${nccl_root:+-DNCCL_ROOT="$nccl_root"} ${zlib:+-DZLIB_LIBRARY="$zlib"} \
-  -DProtobuf_PROTOC_EXECUTABLE="$deps/usr/bin/protoc" -DProtobuf_INCLUDE_DIR="$deps/usr/include" \
+  -DProtobuf_PROTOC_EXECUTABLE="$deps/usr/bin/protoc" -DProtobuf_INCLUDE_DIR="$deps/protobuf/include" \
   -DProtobuf_LIBRARY="$libs/libprotobuf.so" -DCMAKE_BUILD_RPATH="$libs" \
   -DTESSERA_CUDA="${TESSERA_CUDA:-ON}" > "$out/configure.log" 2>&1 || { tail -30 "$out/configure.log"; exit 1; }
 # What the configure found, so a failure there reads at a glance.
