@@ -86,8 +86,13 @@ std::vector<at::Tensor> FlatParamHandle::unflatten(const at::Tensor& flat) const
 }
 
 void FlatParamHandle::point_params_at(const at::Tensor& unsharded) {
+  // LibTorch 2 checks a new view against its storage, so views of a freed buffer (after a
+  // reshard) are made while it holds memory for a moment; they stay valid as it comes and goes.
+  const bool freed = unsharded.storage().nbytes() < storage_bytes(unsharded);
+  if (freed) alloc_storage(unsharded);
   std::vector<at::Tensor> views = unflatten(unsharded);
   for (std::size_t i = 0; i < params_.size(); ++i) params_[i].tensor.set_data(views[i]);
+  if (freed) free_storage(unsharded);
 }
 
 std::pair<at::Tensor, at::Tensor> FlatParamHandle::all_gather_buffers(c10::Device device) {
