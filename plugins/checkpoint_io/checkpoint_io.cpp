@@ -152,7 +152,7 @@ class TorchCheckpointIO : public tessera::sdk::CheckpointIO, public tessera::sdk
   void remove_checkpoint(const std::string& path) override {
     writer_.wait();  // never remove anything while a save is not committed
     std::error_code ec;
-    fs::remove_all(path, ec);
+    tessera::core::remove_tree(path, ec);
     TESSERA_CHECK(!ec, "cannot remove checkpoint ", path, ": ", ec.message());
   }
 

@@ -306,10 +306,10 @@ class Files : public ::testing::Test {
   void SetUp() override {
     dir_ = fs::path(::testing::TempDir()) / ("tessera-ckpt-" + std::to_string(::getpid()) + "-" +
                                              ::testing::UnitTest::GetInstance()->current_test_info()->name());
-    fs::remove_all(dir_);
+    tessera::testing::remove_dir(dir_);
     fs::create_directories(dir_);
   }
-  void TearDown() override { fs::remove_all(dir_); }
+  void TearDown() override { tessera::testing::remove_dir(dir_); }
 
   static sdk::Checkpoint sample(double value) {
     sdk::Checkpoint c = sdk::make_checkpoint();
@@ -542,7 +542,7 @@ TEST_F(CheckpointIO, PythonAdamWLoadsTheFullOptimizerStateOntoTheRightParameters
 TEST_F(CheckpointIO, AsyncSavesCommitInTheBackgroundAndPruneOnlyAfterACommit) {
   for (const char* plugin : {"torch", "distributed"}) {
     SCOPED_TRACE(plugin);
-    fs::remove_all(dir_);
+    tessera::testing::remove_dir(dir_);
     fs::create_directories(dir_);
     toml::table table;
     table.insert("async", true);

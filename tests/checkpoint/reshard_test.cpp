@@ -143,7 +143,7 @@ TEST(Reshard, ShardsThatDoNotCoverTheWantedPiecesAreRefused) {
 // shard-R-of-N.pt pickles, fsdp_shard_metadata) still loads through it, re-cut 2 -> 3.
 TEST(Reshard, LegacyShardedFoldersOnDiskStillLoad) {
   const fs::path dir = fs::temp_directory_path() / ("tessera-reshard-" + std::to_string(::getpid()));
-  fs::remove_all(dir);
+  tessera::testing::remove_dir(dir);
   core::PluginLoader loader{{tessera::testing::plugin_dir()}};
   auto io = loader.create_as<sdk::CheckpointIO>(sdk::PluginKind::checkpoint_io, "distributed", sdk::Options());
   Model model;
@@ -158,7 +158,7 @@ TEST(Reshard, LegacyShardedFoldersOnDiskStillLoad) {
     expect_recut(core::read_resharded_checkpoint(*io, path, 2, flat_layout(model, r, 3)), model,
                  flat_layout(model, r, 3));
   expect_recut(core::read_resharded_checkpoint(*io, path, 2, model.whole()), model, model.whole());
-  fs::remove_all(dir);
+  tessera::testing::remove_dir(dir);
 }
 
 }  // namespace

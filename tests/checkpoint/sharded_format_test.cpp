@@ -43,10 +43,10 @@ class ShardedFormat : public ::testing::Test {
   void SetUp() override {
     dir_ = fs::path(::testing::TempDir()) / ("tessera-sharded-" + std::to_string(::getpid()) + "-" +
                                              ::testing::UnitTest::GetInstance()->current_test_info()->name());
-    fs::remove_all(dir_);
+    tessera::testing::remove_dir(dir_);
     fs::create_directories(dir_);
   }
-  void TearDown() override { fs::remove_all(dir_); }
+  void TearDown() override { tessera::testing::remove_dir(dir_); }
 
   std::shared_ptr<sdk::CheckpointIO> io(std::int64_t keep_last_k = 0, bool async = false) {
     toml::table table;
@@ -196,9 +196,31 @@ TEST_F(ShardedFormat, LastPointsAtTheNewestCommitAndKeepLastKPrunesOnlyCommitted
   dist->finalize_checkpoint((dir_ / "step=4.ckpt").string(), sdk::ShardInfo{});
   EXPECT_EQ(core::resolve_last(dir_.string()), (dir_ / "step=4.ckpt").string());
   EXPECT_EQ(files_in(dir_), (std::vector<std::string>{"last", "notes", "step=3.ckpt", "step=4.ckpt"}));
-  fs::remove_all(dir_ / "step=4.ckpt");
+  tessera::testing::remove_dir(dir_ / "step=4.ckpt");
   EXPECT_NE(error_of([&] { core::resolve_last(dir_.string()); }).find("which is not a committed checkpoint"),
             std::string::npos);
+}
+
+// remove_tree (what prunes and replaces checkpoints): a folder goes with what it holds, a link
+// in it goes without what it points at, a file goes, a missing path is no error.
+TEST_F(ShardedFormat, RemoveTreeRemovesFoldersAndLinksNotWhatLinksPointAt) {
+  const fs::path outside = dir_ / "outside.bin", tree = dir_ / "step=4.ckpt";
+  write_file(outside, "kept");
+  fs::create_directories(tree / "nested" / "deeper");
+  write_file(tree / "rank-0.safetensors", "data");
+  write_file(tree / "nested" / "deeper" / "file", "data");
+  fs::create_symlink(outside, tree / "nested" / "link");
+  fs::create_directory_symlink(dir_, tree / "folder-link");
+  std::error_code ec;
+  tessera::core::remove_tree(tree.string(), ec);
+  EXPECT_FALSE(ec) << ec.message();
+  EXPECT_FALSE(fs::exists(fs::symlink_status(tree)));
+  EXPECT_EQ(read_file(outside), "kept");
+  tessera::core::remove_tree(outside.string(), ec);
+  EXPECT_FALSE(ec) << ec.message();
+  EXPECT_FALSE(fs::exists(outside));
+  tessera::core::remove_tree((dir_ / "missing").string(), ec);
+  EXPECT_FALSE(ec) << ec.message();
 }
 
 TEST_F(ShardedFormat, AsyncSavesCommitInTheBackgroundAndKeepTheNewestK) {

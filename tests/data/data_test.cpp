@@ -20,6 +20,7 @@
 #include "tessera/sdk/data.hpp"
 #include "tessera/sdk/error.hpp"
 #include "errors.hpp"
+#include "multiprocess.hpp"
 
 namespace {
 
@@ -46,10 +47,10 @@ class TempDir {
     const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
     path_ = fs::temp_directory_path() /
             ("tessera_data_test_" + std::string(info->name()) + "_" + std::to_string(::getpid()));
-    fs::remove_all(path_);
+    tessera::testing::remove_dir(path_);
     fs::create_directories(path_);
   }
-  ~TempDir() { fs::remove_all(path_); }
+  ~TempDir() { tessera::testing::remove_dir(path_); }
   const fs::path& path() const { return path_; }
   std::string str() const { return path_.string(); }
 

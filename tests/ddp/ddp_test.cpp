@@ -216,7 +216,7 @@ TEST(DDPCheckpoint, OnlyRankZeroWrites) {
   const bool child = std::getenv("TESSERA_TEST_RANK") != nullptr;
   std::string dir = ::testing::TempDir() + "tessera-ddp-ckpt-" + std::to_string(child ? ::getppid() : ::getpid());
   if (!child) {
-    std::filesystem::remove_all(dir);
+    tessera::testing::remove_dir(dir);
     std::filesystem::create_directories(dir);
   }
   tessera::testing::run_ranks(3, std::chrono::seconds(90), [&](const sdk::ClusterInfo& cluster) {

@@ -5,6 +5,7 @@
 
 #include "tessera/core/plugin_loader.hpp"
 #include "errors.hpp"
+#include "multiprocess.hpp"
 
 namespace {
 
@@ -89,7 +90,7 @@ TEST(PluginLoader, KeepsTheLibraryUntilTheLastObjectDies) {
   EXPECT_TRUE(is_loaded(copy));
   object.reset();
   EXPECT_FALSE(is_loaded(copy));
-  fs::remove_all(dir);
+  tessera::testing::remove_dir(dir);
 }
 
 TEST(PluginLoader, NeverUnloadsInProductionMode) {

@@ -1,5 +1,7 @@
 #include "multiprocess.hpp"
 
+#include "tessera/core/checkpoint_folder.hpp"  // remove_tree
+
 #include <fcntl.h>
 #include <netinet/in.h>
 #include <signal.h>
@@ -168,9 +170,14 @@ CommandResult run_command(const std::string& command) {
   return result;
 }
 
+void remove_dir(const std::filesystem::path& path) {
+  std::error_code ec;
+  core::remove_tree(path.string(), ec);
+}
+
 std::string fresh_dir(const std::string& name) {
   std::string dir = ::testing::TempDir() + "tessera-" + name + "-" + std::to_string(::getpid());
-  std::filesystem::remove_all(dir);
+  remove_dir(dir);
   std::filesystem::create_directories(dir);
   return dir;
 }

@@ -5,6 +5,7 @@
 /// call runs `body` for that rank and exits; in the parent it waits with a deadline and
 /// fails the test naming the rank that failed, crashed or hung, with its output tail.
 #include <chrono>
+#include <filesystem>
 #include <functional>
 #include <map>
 #include <string>
@@ -46,6 +47,9 @@ const char* tessera_binary();
 
 /// A fresh empty directory under the test temp dir.
 std::string fresh_dir(const std::string& name);
+/// Removes a test's folder and what it holds (core::remove_tree: std::filesystem::remove_all
+/// crashes on a folder where a pip wheel's LibTorch is linked).
+void remove_dir(const std::filesystem::path& path);
 
 /// The named tensors of a checkpoint's state_dict.
 std::map<std::string, at::Tensor> checkpoint_state(const std::string& path);

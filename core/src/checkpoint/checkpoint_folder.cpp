@@ -1,5 +1,7 @@
 // A run's checkpoint folder: the `last` pointer, the sweep of interrupted saves, keep_last_k.
 #include <fcntl.h>
+#include <ftw.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -20,6 +22,8 @@ namespace tessera::core {
 namespace fs = std::filesystem;
 
 namespace {
+
+int remove_entry(const char* path, const struct stat*, int, struct FTW*) { return ::remove(path) == 0 ? 0 : errno; }
 
 fs::path folder_of(const std::string& path) {
   fs::path p(path);
@@ -44,6 +48,18 @@ fs::file_time_type commit_time(const fs::path& entry) {
 }
 
 }  // namespace
+
+void remove_tree(const std::string& path, std::error_code& ec) {
+  ec.clear();
+  struct stat info;
+  if (::lstat(path.c_str(), &info) != 0) {
+    if (errno != ENOENT) ec.assign(errno, std::generic_category());
+    return;
+  }
+  // Depth first (a folder after what it holds), links removed, not followed.
+  const int rc = ::nftw(path.c_str(), remove_entry, 16, FTW_DEPTH | FTW_PHYS);
+  if (rc != 0) ec.assign(rc > 0 ? rc : errno, std::generic_category());
+}
 
 std::string agree_on_save_id(sdk::Strategy& strategy) {
   std::random_device device;
@@ -97,7 +113,7 @@ std::vector<std::string> sweep_interrupted(const std::string& folder, const std:
     if (!keep_save_id.empty() && name.size() > keep_save_id.size() &&
         name.compare(name.size() - keep_save_id.size(), keep_save_id.size(), keep_save_id) == 0)
       continue;
-    fs::remove_all(entry.path(), ec);
+    remove_tree(entry.path().string(), ec);
     if (!ec) removed.push_back(entry.path().string());
   }
   return removed;
@@ -117,7 +133,7 @@ std::vector<std::string> prune_checkpoints(const std::string& folder, std::int64
     last = fs::path(folder) / fs::read_symlink(fs::path(folder) / kLastPointer, ec);
   for (std::size_t i = static_cast<std::size_t>(keep_last_k); i < committed.size(); ++i) {
     if (committed[i] == last) continue;
-    fs::remove_all(committed[i], ec);
+    remove_tree(committed[i].string(), ec);
     TESSERA_CHECK(!ec, "cannot remove old checkpoint ", committed[i].string(), ": ", ec.message());
     removed.push_back(committed[i].string());
   }

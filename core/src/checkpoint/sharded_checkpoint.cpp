@@ -20,6 +20,7 @@
 #include <nlohmann/json.hpp>
 
 #include "tessera/core/checkpoint.hpp"
+#include "tessera/core/checkpoint_folder.hpp"  // remove_tree
 #include "tessera/sdk/build_config.hpp"  // TESSERA_VERSION
 #include "tessera/sdk/error.hpp"
 
@@ -301,7 +302,7 @@ void write_shard(const sdk::Checkpoint& checkpoint, const std::string& path, std
     if (rank == 0) record["tree"] = tree;
     write_json(folder / record_name(rank, world), record);  // last: its presence means this rank is done
   } catch (...) {
-    if (rank == 0) fs::remove_all(folder, ec);  // this save cannot commit; (others' leftovers: the sweep)
+    if (rank == 0) remove_tree(folder.string(), ec);  // this save cannot commit; (others' leftovers: the sweep)
     throw;
   }
 }
@@ -359,11 +360,11 @@ void commit_shards(const std::string& path, std::int64_t world, const std::strin
       TESSERA_CHECK(errno == EEXIST, "cannot rename ", folder.string(), " to ", path, ": ", std::strerror(errno));
       TESSERA_CHECK(::renameat2(AT_FDCWD, folder.c_str(), AT_FDCWD, target.c_str(), RENAME_EXCHANGE) == 0,
                     "cannot exchange ", folder.string(), " with ", path, ": ", std::strerror(errno));
-      fs::remove_all(folder, ec);  // now the replaced checkpoint
+      remove_tree(folder.string(), ec);  // now the replaced checkpoint
     }
     fsync_path(target.has_parent_path() ? target.parent_path() : fs::path("."), true);
   } catch (...) {
-    fs::remove_all(folder, ec);
+    remove_tree(folder.string(), ec);
     throw;
   }
 }

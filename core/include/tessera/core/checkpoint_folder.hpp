@@ -4,6 +4,7 @@
 /// A checkpoint is committed when it is a torch.save file or a folder with a manifest.
 #include <cstdint>
 #include <string>
+#include <system_error>
 #include <vector>
 
 namespace tessera::sdk {
@@ -13,6 +14,12 @@ class Strategy;
 namespace tessera::core {
 
 constexpr const char* kLastPointer = "last";
+
+/// Removes `path` and, for a folder, everything in it, links not followed; a missing path is
+/// no error. Not std::filesystem::remove_all: a pip wheel's LibTorch exports a copy of
+/// libstdc++'s filesystem code (pytorch/pytorch#133437) that calls binaries bind to, and its
+/// remove_all of a folder jumped to address 0 there (H200, torch 2.11).
+void remove_tree(const std::string& path, std::error_code& ec);
 
 /// A random id for one save, the same on every rank (rank 0's, broadcast). Collective.
 std::string agree_on_save_id(sdk::Strategy& strategy);
