@@ -54,10 +54,10 @@ class DDPStrategy final : public core::StrategyBase, public sdk::StrategyMemoryL
     for (auto& bucket : buckets_) {
       bucket.handle->wait();
       std::int64_t offset = 0;
-      // The averaged gradients stay in the bucket, .grad a view of it (PyTorch DDP's
-      // gradient_as_bucket_view): no copy back; zero_grad drops the views before the next step.
       for (auto& p : bucket.params) {
-        p.mutable_grad() = bucket.flat.narrow(0, offset, p.numel()).view(p.sizes());
+        at::Tensor reduced = bucket.flat.narrow(0, offset, p.numel()).view(p.sizes());
+        if (p.grad().defined()) p.mutable_grad().copy_(reduced);
+        else p.mutable_grad() = reduced.clone();
         offset += p.numel();
       }
     }

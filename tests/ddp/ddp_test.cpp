@@ -14,7 +14,6 @@
 #include <torch/nn/modules/activation.h>
 #include <torch/nn/modules/container/sequential.h>
 #include <torch/nn/modules/linear.h>
-#include <torch/optim/adamw.h>
 #include <torch/optim/sgd.h>
 
 #include "multiprocess.hpp"
@@ -189,70 +188,6 @@ TEST_P(DDP, NoSyncAccumulatesLocallyThenAverages) {
 }
 
 INSTANTIATE_TEST_SUITE_P(WorldSizes, DDP, ::testing::Values(1, 2, 3, 4));
-
-// The averaged gradients are views of the bucket they were reduced in (no copy back), and a
-// step drops them (set_to_none): the next backward's gradients are autograd's own tensors.
-TEST(DDPGradients, AreViewsOfTheirBucketAndDroppedByTheStep) {
-  tessera::testing::run_ranks(2, std::chrono::seconds(90), [](const sdk::ClusterInfo& cluster) {
-    tessera::core::PluginLoader loader({tessera::testing::plugin_dir()});
-    Ddp ddp = make_ddp(loader, cluster, "25.0");  // one bucket
-    for (std::int64_t s = 0; s < 2; ++s) {
-      sdk::Batch b = rank_slice(global_batch(s), cluster.global_rank, cluster.world_size);
-      ddp.strategy->backward(ddp.strategy->training_step(b, s).loss, /*sync_gradients=*/true);
-      auto params = ddp.module->network()->parameters();
-      for (const auto& p : params) {
-        ASSERT_TRUE(p.grad().defined());
-        EXPECT_TRUE(p.grad().is_alias_of(params.front().grad())) << "step " << s;
-      }
-      ddp.strategy->optimizer_step(0.0, 2.0);
-      for (const auto& p : ddp.module->network()->parameters()) EXPECT_FALSE(p.grad().defined()) << "step " << s;
-    }
-  });
-}
-
-// Dropped gradients keep the zeroing semantics: a parameter that had a gradient and gets
-// none in a step still steps, on zeros (AdamW moves it by its moments), as LibTorch's AdamW
-// does on explicitly zeroed gradients; one that never had a gradient is not stepped.
-TEST(StrategyGradients, AParameterLeftOutOfAStepStepsOnZerosAsWhenZeroed) {
-  tessera::testing::run_ranks(1, std::chrono::seconds(90), [](const sdk::ClusterInfo& cluster) {
-    tessera::core::PluginLoader loader({tessera::testing::plugin_dir()});
-    sdk::Options options("strategy", "ddp_test", toml::parse("accelerator = \"cpu\"\n"));
-    auto strategy = loader.create_as<sdk::Strategy>(sdk::PluginKind::strategy, "single_device", options);
-    sdk::Options precision_options;
-    strategy->connect(loader.create_as<sdk::Precision>(sdk::PluginKind::precision, "precision", precision_options),
-                      std::make_shared<SpyCheckpointIO>(0));
-    strategy->setup_environment(cluster);
-    auto module = std::make_shared<TinyModule>(0);
-    module->configure_model();
-    sdk::OptimizerSettings settings;
-    settings.name = "adamw";
-    settings.lr = kLr;
-    settings.weight_decay = 0.1;
-    strategy->setup(module, settings);
-    auto reference = make_network(0);
-    torch::optim::AdamW adamw(reference->parameters(), torch::optim::AdamWOptions(kLr).weight_decay(0.1));
-    // Step 1 on the whole network; step 2 on a loss of the first layer's weight alone; the
-    // last layer's bias is frozen out of both from the start (never a gradient).
-    auto params = module->network()->parameters(), ref_params = reference->parameters();
-    params.back().set_requires_grad(false);
-    ref_params.back().set_requires_grad(false);
-    sdk::Batch b = global_batch(0);
-    strategy->backward(strategy->training_step(b, 0).loss, /*sync_gradients=*/true);
-    strategy->optimizer_step(0.0, 2.0);
-    (reference->forward(b.input) - b.target).pow(2).mean().backward();
-    adamw.step();
-    for (auto& p : ref_params)
-      if (p.grad().defined()) p.mutable_grad().zero_();
-    strategy->backward(params.front().sum(), /*sync_gradients=*/true);
-    strategy->optimizer_step(0.0, 2.0);
-    ref_params.front().sum().backward();
-    adamw.step();
-    for (std::size_t i = 0; i < params.size(); ++i)
-      EXPECT_TRUE(at::allclose(params[i], ref_params[i], 1e-5, 1e-5))  // LibTorch's loop vs the fused kernel
-          << "parameter " << i << " differs by " << (params[i] - ref_params[i]).abs().max().item<double>();
-    EXPECT_TRUE(at::equal(params.back(), make_network(0)->parameters().back())) << "never had a gradient: not stepped";
-  });
-}
 
 TEST(DDPPlan, RanksThatBucketDifferentlyFailBeforeTheFirstCollectiveNamingTheBucket) {
   // Rank 0 buckets by 1 kB (three buckets), rank 1 by 25 MB (one): their all-reduces would not match.

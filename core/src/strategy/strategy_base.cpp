@@ -166,10 +166,6 @@ void StrategyBase::backward(const at::Tensor& loss, bool /*sync_gradients*/) {
 
 sdk::StepResult StrategyBase::optimizer_step(double gradient_clip_val, double norm_type) {
   sdk::StepResult result;
-  std::size_t i = 0;  // parameters whose gradient zero_grad() dropped and this step did not make
-  for (auto& group : optimizer().param_groups())
-    for (auto& p : group.params())
-      if (i < had_grad_.size() && had_grad_[i++] && !p.grad().defined()) p.mutable_grad() = at::zeros_like(p);
   precision().unscale_gradients(optimizer(), *this);
   if (gradient_clip_val > 0) result.grad_norm = clip_grad_norm(gradient_clip_val, norm_type);
   result.stepped = precision().optimizer_step(optimizer(), *this);
@@ -177,14 +173,7 @@ sdk::StepResult StrategyBase::optimizer_step(double gradient_clip_val, double no
   return result;
 }
 
-void StrategyBase::zero_grad() {
-  had_grad_.clear();
-  for (auto& group : optimizer().param_groups())
-    for (auto& p : group.params()) {
-      had_grad_.push_back(p.grad().defined());
-      p.mutable_grad().reset();
-    }
-}
+void StrategyBase::zero_grad() { optimizer().zero_grad(); }
 
 double StrategyBase::clip_grad_norm(double max_norm, double norm_type) {
   std::vector<at::Tensor> gradients;

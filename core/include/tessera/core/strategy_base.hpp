@@ -75,9 +75,7 @@ class StrategyBase : public sdk::Strategy {
   /// Called by setup() after the network is on its device, before the optimizer exists
   /// (DDP broadcasts parameters here; FSDP shards).
   virtual void setup_module();
-  /// Clears gradients after a step. Default: drops them (torch's zero_grad(set_to_none=True)),
-  /// so the next backward's gradients are autograd's own tensors, not added into zeroed ones;
-  /// a parameter that had one and gets none in a step steps on zeros (as when zeroed).
+  /// Clears gradients after a step (default: optimizer().zero_grad()).
   virtual void zero_grad();
   /// What the optimizer steps on, named after the original parameters.
   virtual std::vector<sdk::NamedParameter> optimizer_parameters();
@@ -95,7 +93,6 @@ class StrategyBase : public sdk::Strategy {
   std::shared_ptr<torch::nn::Module> network_;
   std::unique_ptr<torch::optim::Optimizer> optimizer_;
   std::vector<std::string> optimizer_param_names_;
-  std::vector<bool> had_grad_;  // per optimizer parameter, at the last zero_grad()
   CommunicatorPtr world_;
   sdk::ClusterInfo cluster_;
   std::string accelerator_;
