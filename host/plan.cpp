@@ -5,6 +5,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
+#include <regex>
 #include <string>
 
 #include <c10/core/ScalarType.h>
@@ -47,6 +48,19 @@ void sum_rows(MemoryPlan& plan, double baseline_bytes, double setup_bytes, std::
   plan.job_bytes = plan.peak * static_cast<double>(local_ranks);
 }
 
+double cublas_workspace_bytes(const char* config, int compute_major) {
+  if (config != nullptr) {
+    const std::string text(config);
+    const std::regex segment(":([0-9]+):([0-9]+)");
+    double total = 0;
+    bool parsed = false;
+    for (std::sregex_iterator it(text.begin(), text.end(), segment), end; it != end; ++it, parsed = true)
+      total += std::stod((*it)[1].str()) * 1024.0 * std::stod((*it)[2].str());
+    if (parsed) return total;
+  }
+  return compute_major < 0 || compute_major >= 9 ? 32.0 * 1048576.0 : 8.0 * 1048576.0 + 128.0 * 1024.0;
+}
+
 MemoryPlan make_plan(const PlanInputs& in) {
   MemoryPlan plan;
   plan.known = in.layout.has_value();
@@ -85,6 +99,8 @@ MemoryPlan make_plan(const PlanInputs& in) {
   if (l.collective_buffer_bytes > 0)
     add("collective buffers", l.collective_buffer_bytes, "all-gather / reduce-scatter buffers alive at once", in.cuda);
   add("activations", in.activation_bytes, activations_detail, in.cuda);
+  if (in.cuda && in.cublas_workspace_bytes > 0)
+    add("cuBLAS workspace", in.cublas_workspace_bytes, "LibTorch's, for the stream that runs the matmuls", true);
   if (in.runtime_bytes > 0)
     add("trainer runtime", in.runtime_bytes, "trainer, loggers, c10d, allocator caches (measured)", false);
   // Setup builds the model in host memory (eagerly, or a unit at a time under deferred init).

@@ -30,7 +30,15 @@ struct PlanInputs {
   /// parameters, gradients and optimizer state under cpu_offload, which stay in host memory.
   bool cuda = false;
   bool cpu_offload = false;
+  double cublas_workspace_bytes = 0;  ///< a CUDA job's (cublas_workspace_bytes())
 };
+
+/// The cuBLAS workspace LibTorch 2 takes from its caching allocator for the stream that runs
+/// the matmuls (shared with cuBLASLt), so counted in peak_cuda_mb: CUBLAS_WORKSPACE_CONFIG's
+/// ":KiB:count" segments when set and parsable (`config`, may be null), else its default for
+/// the GPU's compute capability major: 32 MiB from 9 (Hopper) on, 8 MiB + 128 KiB before;
+/// 32 MiB when no GPU is visible (`compute_major` < 0).
+double cublas_workspace_bytes(const char* config, int compute_major);
 
 /// One line of the budget.
 struct PlanRow {

@@ -3,6 +3,7 @@
 // handled as fit handles it, and fit's warning when the plan exceeds the machine's memory.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <fstream>
 
 #include <nlohmann/json.hpp>
@@ -187,7 +188,11 @@ TEST(PlanArithmetic, CudaJobsPlanDeviceAndHostApart) {
   in.runtime_bytes = 300;
   in.activation_bytes = 500;
   in.cuda = true;
+  in.cublas_workspace_bytes = 64;
   host::MemoryPlan plan = host::make_plan(in);
+  EXPECT_TRUE(std::any_of(plan.rows.begin(), plan.rows.end(), [](const host::PlanRow& r) {
+    return r.name == "cuBLAS workspace" && r.bytes == 64 && r.on_device;
+  }));
   double device = 0, host_rows = 0;
   for (const auto& r : plan.rows) {
     (r.on_device ? device : host_rows) += r.bytes;
@@ -215,9 +220,26 @@ TEST(PlanArithmetic, CudaJobsPlanDeviceAndHostApart) {
   EXPECT_GT(state, 0);
   EXPECT_DOUBLE_EQ(offloaded.device_peak, plan.device_peak - state);
   EXPECT_DOUBLE_EQ(offloaded.training_peak, plan.training_peak + state);
-  // A CPU job has no device rows.
+  // A CPU job has no device rows, and no cuBLAS workspace.
   in.cuda = in.cpu_offload = false;
-  EXPECT_DOUBLE_EQ(host::make_plan(in).device_peak, 0);
+  host::MemoryPlan cpu = host::make_plan(in);
+  EXPECT_DOUBLE_EQ(cpu.device_peak, 0);
+  EXPECT_TRUE(std::none_of(cpu.rows.begin(), cpu.rows.end(), [](const host::PlanRow& r) { return r.name == "cuBLAS workspace"; }));
+}
+
+// LibTorch's cuBLAS workspace (at::cuda's parseChosenWorkspaceSize): CUBLAS_WORKSPACE_CONFIG's
+// KiB x count segments, else 32 MiB from compute capability 9 on (and for an unseen GPU), 8 MiB
+// + 128 KiB before. The 6 x 384 GPT in 32-true on an H200 measured 380 MB, planned 352 without it.
+TEST(PlanArithmetic, CublasWorkspaceFollowsLibTorchsDefaultsAndItsVariable) {
+  const double MiB = 1048576.0, KiB = 1024.0;
+  EXPECT_DOUBLE_EQ(host::cublas_workspace_bytes(nullptr, 9), 32 * MiB);
+  EXPECT_DOUBLE_EQ(host::cublas_workspace_bytes(nullptr, 12), 32 * MiB);
+  EXPECT_DOUBLE_EQ(host::cublas_workspace_bytes(nullptr, -1), 32 * MiB);
+  EXPECT_DOUBLE_EQ(host::cublas_workspace_bytes(nullptr, 8), 8 * MiB + 128 * KiB);
+  EXPECT_DOUBLE_EQ(host::cublas_workspace_bytes(":4096:8", 8), 32 * MiB);
+  EXPECT_DOUBLE_EQ(host::cublas_workspace_bytes(":4096:2:16:8", 9), 8 * MiB + 128 * KiB);
+  EXPECT_DOUBLE_EQ(host::cublas_workspace_bytes(":0:0", 9), 0);
+  EXPECT_DOUBLE_EQ(host::cublas_workspace_bytes("four megabytes", 8), 8 * MiB + 128 * KiB);  // LibTorch warns, keeps its default
 }
 
 TEST(PlanArithmetic, PlanSumsRowsAndWarnsAboveAvailableMemory) {
