@@ -156,7 +156,11 @@ void run_ranks(int world_size, std::chrono::seconds timeout,
 namespace tessera::testing {
 
 CommandResult run_tessera(const std::string& arguments, const std::string& environment, int timeout_s) {
-  return run_command(environment + " timeout -k 5 " + std::to_string(timeout_s) + " " + TESSERA_BINARY + " " +
+  // The binary's jobs are CPU jobs, as on CI, on a GPU machine too (where accelerator "auto"
+  // trains on CUDA, and several local ranks would want a GPU each); the CUDA paths have tests
+  // of their own. A test that means CUDA sets CUDA_VISIBLE_DEVICES itself.
+  const std::string gpus = environment.find("CUDA_VISIBLE_DEVICES=") == std::string::npos ? "CUDA_VISIBLE_DEVICES= " : "";
+  return run_command(gpus + environment + " timeout -k 5 " + std::to_string(timeout_s) + " " + TESSERA_BINARY + " " +
                      arguments + " 2>&1");
 }
 

@@ -39,7 +39,8 @@ struct CommandResult {
 CommandResult run_command(const std::string& command);
 
 /// Runs the build tree's `tessera` with `arguments` (shell words) and extra environment
-/// assignments ("A=1 B=2"), bounded by `timeout_s` (the `timeout` command kills it).
+/// assignments ("A=1 B=2"), bounded by `timeout_s` (the `timeout` command kills it). No GPU is
+/// visible to it unless `environment` sets CUDA_VISIBLE_DEVICES.
 CommandResult run_tessera(const std::string& arguments, const std::string& environment = "", int timeout_s = 300);
 
 /// The build tree's `tessera` executable.
