@@ -235,6 +235,17 @@ Trace trace_forward(sdk::Module& model, sdk::Precision& precision, sdk::DataModu
   return trace;
 }
 
+/// The compute capability major of the GPU local rank 0 trains on, or -1 when unknown.
+int cuda_compute_major(const Config& config) {
+#if TESSERA_WITH_CUDA
+  const std::int64_t device = config.resolved["strategy"]["device_id"].value_or(std::int64_t{0});
+  if (device < static_cast<std::int64_t>(torch::cuda::device_count()))
+    return at::cuda::getDeviceProperties(static_cast<int>(device))->major;
+#endif
+  (void)config;
+  return -1;
+}
+
 }  // namespace
 
 double cuda_memory_bytes(const Config& config, std::int64_t local_ranks) {
@@ -256,21 +267,6 @@ double cuda_memory_bytes(const Config& config, std::int64_t local_ranks) {
   return -1;
 #endif
 }
-
-namespace {
-
-/// The compute capability major of the GPU local rank 0 trains on, or -1 when unknown.
-int cuda_compute_major(const Config& config) {
-#if TESSERA_WITH_CUDA
-  const std::int64_t device = config.resolved["strategy"]["device_id"].value_or(std::int64_t{0});
-  if (device < static_cast<std::int64_t>(torch::cuda::device_count()))
-    return at::cuda::getDeviceProperties(static_cast<int>(device))->major;
-#endif
-  (void)config;
-  return -1;
-}
-
-}  // namespace
 
 bool trains_on_cuda(const Config& config) {
   return core::accelerator_is_cuda(config.resolved["strategy"]["accelerator"].value_or(std::string("auto")));
@@ -318,9 +314,9 @@ PlannedJob plan_job(const Config& config, bool trace_activations) {
   in.world_size = job.world_size;
   in.local_ranks = job.local_ranks;
   in.accumulate_grad_batches = config.trainer.accumulate_grad_batches;
-  // Only the sharded strategies offload (another keeps its state on the device).
   in.cuda = trains_on_cuda(config);
   if (in.cuda) in.cublas_workspace_bytes = cublas_workspace_bytes(std::getenv("CUBLAS_WORKSPACE_CONFIG"), cuda_compute_major(config));
+  // Only the sharded strategies offload (another keeps its state on the device).
   if (auto* sharded = dynamic_cast<core::fsdp::ShardedStrategy*>(strategy.get()))
     in.cpu_offload = sharded->offloads_state_to_cpu();
   job_setup([&] {
