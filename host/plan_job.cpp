@@ -316,9 +316,9 @@ PlannedJob plan_job(const Config& config, bool trace_activations) {
   in.accumulate_grad_batches = config.trainer.accumulate_grad_batches;
   in.cuda = trains_on_cuda(config);
   if (in.cuda) in.cublas_workspace_bytes = cublas_workspace_bytes(std::getenv("CUBLAS_WORKSPACE_CONFIG"), cuda_compute_major(config));
+  auto* sharded = dynamic_cast<core::fsdp::ShardedStrategy*>(strategy.get());
   // Only the sharded strategies offload (another keeps its state on the device).
-  if (auto* sharded = dynamic_cast<core::fsdp::ShardedStrategy*>(strategy.get()))
-    in.cpu_offload = sharded->offloads_state_to_cpu();
+  if (sharded) in.cpu_offload = sharded->offloads_state_to_cpu();
   job_setup([&] {
     sdk::GuardPtr deferred = core::deferred_init_guard();
     sdk::GuardPtr dtype = precision->module_init_context();
@@ -326,7 +326,7 @@ PlannedJob plan_job(const Config& config, bool trace_activations) {
   });
   std::string trace_problem;
   try {
-    if (auto* sharded = dynamic_cast<core::fsdp::ShardedStrategy*>(strategy.get())) {
+    if (sharded) {
       in.layout = sharded->memory_layout(*model, cluster, in.accumulate_grad_batches);
       in.layout_of_micro_batches = true;
     } else if (auto* layout = dynamic_cast<sdk::StrategyMemoryLayout*>(strategy.get()))
@@ -334,8 +334,7 @@ PlannedJob plan_job(const Config& config, bool trace_activations) {
     Trace trace;
     if (trace_activations) {
       std::vector<std::shared_ptr<torch::nn::Module>> recomputed;
-      if (auto* sharded = dynamic_cast<core::fsdp::ShardedStrategy*>(strategy.get()))
-        recomputed = sharded->checkpointed_units(*model);
+      if (sharded) recomputed = sharded->checkpointed_units(*model);
       trace = trace_forward(*model, *precision, *data, config.data.batch_size, std::move(recomputed));
     } else {
       trace.method = "not traced";

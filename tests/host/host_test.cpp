@@ -469,13 +469,12 @@ TEST(Cli, TrainingKeepsFreedPagesShardedJobsReturnOversizeBlocks) {
 // Ranks of one host move their all-gathers, reduce-scatters and all-reduces through shared
 // memory (Gloo on loopback carried ~1 GB/s); [launch] shared_memory_collectives = false leaves
 // every collective to Gloo. Each rank's log says which carried them, and the training matches.
-// CPU jobs (as the next test): on a GPU machine "auto" would train on CUDA, over NCCL.
 TEST(Cli, RanksOfOneHostCollectThroughSharedMemoryUnlessTurnedOff) {
   std::map<bool, double> final_loss;
   for (bool shared : {true, false}) {
     const std::string dir = tessera::testing::fresh_dir(shared ? "shm-on" : "shm-off");
     auto run = run_tessera("fit --config " + write_config(dir) + " --set trainer.max_steps=3 --set launch.devices=2 "
-                           "--set strategy.plugin=fsdp --set strategy.accelerator=cpu --set launch.shared_memory_collectives=" +
+                           "--set strategy.plugin=fsdp --set launch.shared_memory_collectives=" +
                            (shared ? "true" : "false --set strategy.process_group_backend=gloo"));
     ASSERT_EQ(run.exit_code, 0) << run.output;
     const std::string rank1 = file_bytes(dir + "/logs/rank-1.log");
@@ -496,7 +495,7 @@ TEST(Cli, AFullDevShmLeavesTheCollectivesToGloo) {
     GTEST_SKIP() << "SKIPPED: this machine lets no process make a mount namespace (unshare -m)";
   const std::string dir = tessera::testing::fresh_dir("shm-full");
   auto run = run_tessera("fit --config " + write_config(dir) + " --set trainer.max_steps=3 --set launch.devices=2 "
-                         "--set strategy.plugin=fsdp --set strategy.accelerator=cpu",
+                         "--set strategy.plugin=fsdp",
                          "unshare -m sh -c 'mount -t tmpfs -o size=1m tmpfs /dev/shm && exec \"$@\"' sh");
   ASSERT_EQ(run.exit_code, 0) << run.output;
   for (const char* rank : {"0", "1"}) {
