@@ -18,7 +18,7 @@
 #include "checkpoint_tool.hpp"
 #include "config.hpp"
 #include "launcher.hpp"
-#include "openmp_workers.hpp"
+#include "worker_threads.hpp"
 #include "plan_job.hpp"
 #include "plugin_keys.hpp"
 #include "run_log.hpp"
@@ -248,7 +248,7 @@ int main(int argc, char** argv) {
     return 2;
   }
 
-  if (args.command != "plan" && args.command != "plugins") host::settle_openmp_workers(argv);
+  if (args.command != "plan" && args.command != "plugins") host::settle_worker_threads(argv);
   std::unique_ptr<host::RunLog> log;
   bool configuring = true;  // until the configuration is checked: errors may come from a --set
   try {

@@ -2,6 +2,8 @@
 // world sizes), checkpoint contents, predict, bad input, and failing ranks.
 #include <gtest/gtest.h>
 
+#include <dlfcn.h>
+
 #include <cmath>
 #include <filesystem>
 #include <fstream>
@@ -507,17 +509,20 @@ TEST(Cli, AFullDevShmLeavesTheCollectivesToGloo) {
   EXPECT_TRUE(std::isfinite(loss.rbegin()->second));
 }
 
-// libgomp's workers spin 300,000 times after a parallel region by default, on the cores
-// OpenBLAS's threads need: a training process runs with GOMP_SPINCOUNT=10000, set before
-// libgomp loads by re-executing itself once; ranks inherit it (no second re-execution), and a
-// choice of the user's stands. libgomp itself prints its settings under OMP_DISPLAY_ENV.
-TEST(Cli, TrainingProcessesKeepOpenMPWorkersFromSpinning) {
+// libgomp's workers spin 300,000 times after a parallel region by default, and OpenBLAS's
+// (pthreads build) for 2^28 cycles after a matmul, each on the cores the other needs: a training
+// process runs with GOMP_SPINCOUNT=10000 and OPENBLAS_THREAD_TIMEOUT=20, set before either loads
+// by re-executing itself once; ranks inherit them (no second re-execution), and a choice of the
+// user's stands. libgomp itself prints its settings under OMP_DISPLAY_ENV; OpenBLAS prints
+// nothing, so its setting is read from the running process's environment.
+TEST(Cli, TrainingProcessesKeepIdleWorkersFromSpinning) {
   auto count = [](const std::string& text, const std::string& what) {
     std::size_t n = 0;
     for (auto at = text.find(what); at != std::string::npos; at = text.find(what, at + 1)) ++n;
     return n;
   };
-  const std::string clean_env = "env -u GOMP_SPINCOUNT -u OMP_WAIT_POLICY OMP_DISPLAY_ENV=VERBOSE";
+  const std::string clean_env =
+      "env -u GOMP_SPINCOUNT -u OMP_WAIT_POLICY -u OPENBLAS_THREAD_TIMEOUT OMP_DISPLAY_ENV=VERBOSE";
   const std::string dir = tessera::testing::fresh_dir("openmp-spin");
   auto one = run_tessera("fit --config " + write_config(dir) + " --set trainer.max_steps=1", clean_env);
   EXPECT_EQ(one.exit_code, 0) << one.output;
@@ -531,10 +536,34 @@ TEST(Cli, TrainingProcessesKeepOpenMPWorkersFromSpinning) {
   EXPECT_EQ(count(rank1, "GOMP_SPINCOUNT ="), 1u) << rank1;
   EXPECT_EQ(count(rank1, "GOMP_SPINCOUNT = '10000'"), 1u) << rank1;
   auto chosen = run_tessera("fit --config " + write_config(dir) + " --set trainer.max_steps=1",
-                            clean_env + " OMP_WAIT_POLICY=ACTIVE");
+                            clean_env + " OMP_WAIT_POLICY=ACTIVE OPENBLAS_THREAD_TIMEOUT=20");
   EXPECT_EQ(chosen.exit_code, 0) << chosen.output;
   EXPECT_EQ(count(chosen.output, "OMP_WAIT_POLICY = 'ACTIVE'"), 1u) << chosen.output;
   EXPECT_EQ(count(chosen.output, "GOMP_SPINCOUNT = '10000'"), 0u) << chosen.output;
+
+  // The environment a training process runs in, read from /proc once it has re-executed.
+  auto training_environment = [&](const std::string& name, const std::string& env) {
+    const std::string run = tessera::testing::fresh_dir(name);
+    std::ofstream(run + "/environ.sh")
+        << "cd " << run << "\nenv -u GOMP_SPINCOUNT -u OMP_WAIT_POLICY -u OPENBLAS_THREAD_TIMEOUT " << env
+        << " CUDA_VISIBLE_DEVICES= " << tessera::testing::tessera_binary() << " fit --config " << write_config(run)
+        << " --set trainer.max_steps=100000 > out.txt 2>&1 &\npid=$!\n"
+        << "for i in $(seq 600); do tr '\\0' '\\n' < /proc/$pid/environ > environ.txt 2>/dev/null;"
+        << " grep -q '^GOMP_SPINCOUNT=' environ.txt && break; sleep 0.05; done\nkill -KILL $pid\n";
+    EXPECT_EQ(std::system(("timeout 60 bash " + run + "/environ.sh").c_str()), 0);
+    return file_bytes(run + "/environ.txt");
+  };
+  using GetParallel = int (*)();
+  auto openblas_parallel = reinterpret_cast<GetParallel>(::dlsym(RTLD_DEFAULT, "openblas_get_parallel"));
+  // Only OpenBLAS's pthreads build has a pool of its own (its OpenMP build waits in libgomp's;
+  // LibTorch's pip wheels use MKL).
+  const bool pthreads = openblas_parallel != nullptr && openblas_parallel() == 1;
+  const std::string set = training_environment("openblas-timeout", "");
+  EXPECT_NE(set.find("GOMP_SPINCOUNT=10000\n"), std::string::npos) << set;
+  EXPECT_EQ(set.find("OPENBLAS_THREAD_TIMEOUT=20\n") != std::string::npos, pthreads) << set;
+  const std::string kept = training_environment("openblas-timeout-chosen", "OPENBLAS_THREAD_TIMEOUT=24");
+  EXPECT_NE(kept.find("OPENBLAS_THREAD_TIMEOUT=24\n"), std::string::npos) << kept;
+  EXPECT_EQ(kept.find("OPENBLAS_THREAD_TIMEOUT=20"), std::string::npos) << kept;
 }
 
 TEST(Cli, HelpUsageAndBadArguments) {
