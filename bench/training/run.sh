@@ -41,7 +41,7 @@ run() {
   local tps rss
   tps=$(awk -F, '$4=="tokens_per_s" {n++; if (n > 2) {s+=$5; c++}} END {printf "%.0f", s/c}' "$dir/version_0/metrics.csv")
   rss=$(awk -F, '$4=="peak_rss_mb" {printf "%.0f", $5}' "$dir/version_0/metrics.csv")
-  echo "$name $tps $rss" >> "$out/results"
+  echo "$name $tps $rss $round" >> "$out/results"
   printf "%-28s %10s tokens/s %8s MB peak RSS per rank\n" "$name" "$tps" "$rss"
 }
 
@@ -51,17 +51,17 @@ pytorch() {
   local line
   line=$(env $PYTORCH_ENV /usr/bin/python3 bench/training/pytorch_ddp_gpt.py --steps "$steps" --port $((20000 + RANDOM % 20000)) "$@")
   echo "$line"
-  echo "$name $(sed -E 's/.*tokens_per_s=([0-9.]+).*/\1/' <<< "$line") $(sed -E 's/.*peak_rss_mb=([0-9.]+).*/\1/' <<< "$line")" >> "$out/results"
+  echo "$name $(sed -E 's/.*tokens_per_s=([0-9.]+).*/\1/' <<< "$line") $(sed -E 's/.*peak_rss_mb=([0-9.]+).*/\1/' <<< "$line") $round" >> "$out/results"
 }
 
 for round in $(seq "$rounds"); do
 [ "$rounds" -gt 1 ] && echo "round $round of $rounds"
 # Each PyTorch row right after the tessera row it is compared with: a slow spell hits both.
 run single_device --set data.batch_size=16
-pytorch pytorch_single --ranks 1 --batch-size 16
 # PyTorch given the thread settings tessera runs with (host/worker_threads.cpp).
 PYTORCH_ENV="GOMP_SPINCOUNT=10000 OPENBLAS_THREAD_TIMEOUT=20" pytorch pytorch_single_tuned --ranks 1 --batch-size 16
 PYTORCH_ENV=""
+pytorch pytorch_single --ranks 1 --batch-size 16
 run ddp_2 --set launch.devices=2 --set strategy.plugin=ddp --set data.batch_size=8
 pytorch pytorch_ddp_2 --ranks 2
 run fsdp_full_shard_2 --set launch.devices=2 --set strategy.plugin=fsdp --set data.batch_size=8
@@ -117,3 +117,25 @@ awk '{tps[$1]=$2; rss[$1]=$3}
        printf "  4 ranks: fsdp / ddp                %.2fx tokens/s, %.2fx peak RSS\n", tps["fsdp_4"]/tps["ddp_4"], rss["fsdp_4"]/rss["ddp_4"];
        printf "  4 ranks: fsdp2 / fsdp              %.2fx tokens/s, %.2fx peak RSS\n", tps["fsdp2_4"]/tps["fsdp_4"], rss["fsdp2_4"]/rss["fsdp_4"];
      }' "$out/medians"
+
+# The issue's comparisons round by round (the two rows of a pair run one after the other, so a
+# slow spell of this shared machine that hits a round hits both) and their median.
+if [ "$rounds" -gt 1 ]; then
+  echo
+  echo "per round (median):"
+  awk '{tps[$1, $4] = $2; if ($4 > rounds) rounds = $4}
+       function pair(label, a, b,   r, n, v, i, j, t, text) {
+         n = 0; text = ""
+         for (r = 1; r <= rounds; r++) if (((a, r) in tps) && ((b, r) in tps)) {
+           v[++n] = tps[a, r] / tps[b, r]; text = text sprintf(" %.2f", v[n])
+         }
+         for (i = 2; i <= n; i++) for (j = i; j > 1 && v[j - 1] > v[j]; j--) { t = v[j]; v[j] = v[j - 1]; v[j - 1] = t }
+         if (n > 0) printf "  %-34s%s  (%.2fx)\n", label, text, v[int(n / 2) + 1]
+       }
+       END {
+         pair("tessera single / PyTorch tuned", "single_device", "pytorch_single_tuned");
+         pair("tessera DDP / PyTorch DDP", "ddp_2", "pytorch_ddp_2");
+         pair("FSDP FULL_SHARD / tessera DDP", "fsdp_full_shard_2", "ddp_2");
+         pair("FSDP FULL_SHARD / PyTorch DDP", "fsdp_full_shard_2", "pytorch_ddp_2");
+       }' "$out/results"
+fi
