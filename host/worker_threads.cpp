@@ -22,9 +22,9 @@ bool openblas_has_pthreads() {
 
 // Measured on the bench GPT, single device, 2 cores (2 threads each for LibTorch's OpenMP pool
 // and OpenBLAS's): GOMP_SPINCOUNT 10,000 gave 2,700 tokens/s against 1,200 at libgomp's
-// 300,000 and 1,900 at 100,000 (2026-11-22). OPENBLAS_THREAD_TIMEOUT 20 (2^20 cycles, well
-// under a millisecond, then the worker sleeps until the next matmul) on top: 1.04-1.18x in each
-// of 8 interleaved pairs, median 2,000 against 1,780 (2026-11-26); 16 to 22 alike.
+// 300,000 and 1,900 at 100,000. OPENBLAS_THREAD_TIMEOUT 20 (2^20 cycles, well under a
+// millisecond, then the worker sleeps until the next matmul) on top: 1.04x to 1.45x in each of 8
+// interleaved pairs, median 1,975 against 1,794 (2026-11-26); 16 to 22 alike.
 void settle_worker_threads(char** argv) {
   bool changed = false;
   if (!chose("GOMP_SPINCOUNT") && !chose("OMP_WAIT_POLICY") && ::dlsym(RTLD_DEFAULT, "GOMP_parallel") != nullptr) {
