@@ -545,8 +545,7 @@ TEST(Cli, TrainingProcessesKeepIdleWorkersFromSpinning) {
   auto training_environment = [&](const std::string& name, const std::string& env) {
     const std::string run = tessera::testing::fresh_dir(name);
     std::ofstream(run + "/environ.sh")
-        << "cd " << run << "\nenv -u GOMP_SPINCOUNT -u OMP_WAIT_POLICY -u OPENBLAS_THREAD_TIMEOUT " << env
-        << " CUDA_VISIBLE_DEVICES= " << tessera::testing::tessera_binary() << " fit --config " << write_config(run)
+        << "cd " << run << "\n" << clean_env << " " << env << " CUDA_VISIBLE_DEVICES= " << tessera::testing::tessera_binary() << " fit --config " << write_config(run)
         << " --set trainer.max_steps=100000 > out.txt 2>&1 &\npid=$!\n"
         << "for i in $(seq 600); do tr '\\0' '\\n' < /proc/$pid/environ > environ.txt 2>/dev/null;"
         << " grep -q '^GOMP_SPINCOUNT=' environ.txt && break; sleep 0.05; done\nkill -KILL $pid\n";
