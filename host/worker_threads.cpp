@@ -4,6 +4,8 @@
 #include <unistd.h>
 
 #include <cstdlib>
+#include <filesystem>
+#include <string>
 
 namespace tessera::host {
 
@@ -35,7 +37,13 @@ void settle_worker_threads(char** argv) {
     ::setenv("OPENBLAS_THREAD_TIMEOUT", "20", 1);
     changed = true;
   }
-  if (changed) ::execv("/proc/self/exe", argv);  // returns only on failure: run on with the defaults
+  if (!changed) return;
+  // Through the binary's own path, as the launcher starts ranks: the kernel names a process
+  // after the file it executes, and `ps`, `top` and `pkill tessera` should see "tessera", not "exe".
+  std::error_code error;
+  const std::string self = std::filesystem::read_symlink("/proc/self/exe", error).string();
+  if (!error) ::execv(self.c_str(), argv);
+  ::execv("/proc/self/exe", argv);  // returns only on failure: run on with the defaults
 }
 
 }  // namespace tessera::host

@@ -548,8 +548,11 @@ TEST(Cli, TrainingProcessesKeepIdleWorkersFromSpinning) {
         << "cd " << run << "\n" << clean_env << " " << env << " CUDA_VISIBLE_DEVICES= " << tessera::testing::tessera_binary() << " fit --config " << write_config(run)
         << " --set trainer.max_steps=100000 > out.txt 2>&1 &\npid=$!\n"
         << "for i in $(seq 600); do tr '\\0' '\\n' < /proc/$pid/environ > environ.txt 2>/dev/null;"
-        << " grep -q '^GOMP_SPINCOUNT=' environ.txt && break; sleep 0.05; done\nkill -KILL $pid\n";
+        << " grep -q '^GOMP_SPINCOUNT=' environ.txt && break; sleep 0.05; done\n"
+        << "cat /proc/$pid/comm > comm.txt\nkill -KILL $pid\n";
     EXPECT_EQ(std::system(("timeout 60 bash " + run + "/environ.sh").c_str()), 0);
+    // Named after its binary, not after /proc/self/exe ("exe"), once re-executed.
+    EXPECT_EQ(file_bytes(run + "/comm.txt"), "tessera\n");
     return file_bytes(run + "/environ.txt");
   };
   using GetParallel = int (*)();
