@@ -6,6 +6,9 @@
 # (single device: batch 16, the same global batch). With several rounds every row runs once per
 # round, the rounds one after another (so a slow spell of this shared machine hits every row
 # alike), and the table and ratios take each row's median.
+#   PAIRS=n bash bench/training/run.sh [steps]  runs only the issue's four comparisons, each as n
+# pairs of back-to-back runs in alternating order (A B, B A, ...: a host that drifts favours
+# neither side) and prints every pair's ratio and their median (~2.5 minutes a pair on 2 cores).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 steps="${1:-30}"
@@ -53,6 +56,36 @@ pytorch() {
   echo "$line"
   echo "$name $(sed -E 's/.*tokens_per_s=([0-9.]+).*/\1/' <<< "$line") $(sed -E 's/.*peak_rss_mb=([0-9.]+).*/\1/' <<< "$line") $round" >> "$out/results"
 }
+
+if [ "${PAIRS:-0}" -gt 0 ]; then
+  tuned="PYTORCH_ENV='GOMP_SPINCOUNT=10000 OPENBLAS_THREAD_TIMEOUT=20'"
+  single="run single_device --set data.batch_size=16"
+  ddp="run ddp_2 --set launch.devices=2 --set strategy.plugin=ddp --set data.batch_size=8"
+  fsdp="run fsdp_full_shard_2 --set launch.devices=2 --set strategy.plugin=fsdp --set data.batch_size=8"
+  comparison=0
+  # $1: label; $2, $3: the two rows' commands (run or pytorch above). Prints a/b per pair, median.
+  pairs() {
+    local ratios="" i a b
+    comparison=$((comparison + 1))
+    for i in $(seq "$PAIRS"); do
+      round="p$comparison.$i"  # each run its own folder
+      if [ $((i % 2)) = 1 ]; then eval "$2"; a=$(tail -1 "$out/results" | cut -d' ' -f2)
+                                  eval "$3"; b=$(tail -1 "$out/results" | cut -d' ' -f2)
+      else eval "$3"; b=$(tail -1 "$out/results" | cut -d' ' -f2)
+           eval "$2"; a=$(tail -1 "$out/results" | cut -d' ' -f2); fi
+      ratios="$ratios $(awk -v a="$a" -v b="$b" 'BEGIN {printf "%.2f", a / b}')"
+    done
+    printf "  %-34s%s  (%sx)\n" "$1" "$ratios" \
+      "$(tr ' ' '\n' <<< "$ratios" | grep . | sort -n | awk '{v[NR] = $1} END {print v[int(NR / 2) + 1]}')"
+    PYTORCH_ENV=""
+  }
+  echo "A B B A pairs, $PAIRS per comparison, $steps steps a run (each pair's ratio, then the median):"
+  pairs "tessera single / PyTorch tuned" "$single" "$tuned; pytorch pytorch_single_tuned --ranks 1 --batch-size 16"
+  pairs "tessera DDP / PyTorch DDP" "$ddp" "pytorch pytorch_ddp_2 --ranks 2"
+  pairs "FSDP FULL_SHARD / tessera DDP" "$fsdp" "$ddp"
+  pairs "FSDP FULL_SHARD / PyTorch DDP" "$fsdp" "pytorch pytorch_ddp_2 --ranks 2"
+  exit 0
+fi
 
 for round in $(seq "$rounds"); do
 [ "$rounds" -gt 1 ] && echo "round $round of $rounds"
