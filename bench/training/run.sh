@@ -63,16 +63,15 @@ if [ "${PAIRS:-0}" -gt 0 ]; then
   ddp="run ddp_2 --set launch.devices=2 --set strategy.plugin=ddp --set data.batch_size=8"
   fsdp="run fsdp_full_shard_2 --set launch.devices=2 --set strategy.plugin=fsdp --set data.batch_size=8"
   comparison=0
+  last() { tail -1 "$out/results" | cut -d' ' -f2; }  # tokens/s of the row that ran last
   # $1: label; $2, $3: the two rows' commands (run or pytorch above). Prints a/b per pair, median.
   pairs() {
     local ratios="" i a b
     comparison=$((comparison + 1))
     for i in $(seq "$PAIRS"); do
       round="p$comparison.$i"  # each run its own folder
-      if [ $((i % 2)) = 1 ]; then eval "$2"; a=$(tail -1 "$out/results" | cut -d' ' -f2)
-                                  eval "$3"; b=$(tail -1 "$out/results" | cut -d' ' -f2)
-      else eval "$3"; b=$(tail -1 "$out/results" | cut -d' ' -f2)
-           eval "$2"; a=$(tail -1 "$out/results" | cut -d' ' -f2); fi
+      if [ $((i % 2)) = 1 ]; then eval "$2"; a=$(last); eval "$3"; b=$(last)
+      else eval "$3"; b=$(last); eval "$2"; a=$(last); fi
       ratios="$ratios $(awk -v a="$a" -v b="$b" 'BEGIN {printf "%.2f", a / b}')"
     done
     printf "  %-34s%s  (%sx)\n" "$1" "$ratios" \
