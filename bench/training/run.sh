@@ -57,11 +57,15 @@ pytorch() {
   echo "$name $(sed -E 's/.*tokens_per_s=([0-9.]+).*/\1/' <<< "$line") $(sed -E 's/.*peak_rss_mb=([0-9.]+).*/\1/' <<< "$line") $round" >> "$out/results"
 }
 
+# The rows of the issue's comparisons, run by the rounds below and by PAIRS mode.
+single="run single_device --set data.batch_size=16"
+# PyTorch given the thread settings tessera runs with (host/worker_threads.cpp).
+pytorch_tuned="PYTORCH_ENV='GOMP_SPINCOUNT=10000 OPENBLAS_THREAD_TIMEOUT=20' pytorch pytorch_single_tuned --ranks 1 --batch-size 16"
+ddp="run ddp_2 --set launch.devices=2 --set strategy.plugin=ddp --set data.batch_size=8"
+pytorch_ddp="pytorch pytorch_ddp_2 --ranks 2"
+fsdp="run fsdp_full_shard_2 --set launch.devices=2 --set strategy.plugin=fsdp --set data.batch_size=8"
+
 if [ "${PAIRS:-0}" -gt 0 ]; then
-  tuned="PYTORCH_ENV='GOMP_SPINCOUNT=10000 OPENBLAS_THREAD_TIMEOUT=20'"
-  single="run single_device --set data.batch_size=16"
-  ddp="run ddp_2 --set launch.devices=2 --set strategy.plugin=ddp --set data.batch_size=8"
-  fsdp="run fsdp_full_shard_2 --set launch.devices=2 --set strategy.plugin=fsdp --set data.batch_size=8"
   comparison=0
   last() { tail -1 "$out/results" | cut -d' ' -f2; }  # tokens/s of the row that ran last
   # $1: label; $2, $3: the two rows' commands (run or pytorch above). Prints a/b per pair, median.
@@ -76,27 +80,24 @@ if [ "${PAIRS:-0}" -gt 0 ]; then
     done
     printf "  %-34s%s  (%sx)\n" "$1" "$ratios" \
       "$(tr ' ' '\n' <<< "$ratios" | grep . | sort -n | awk '{v[NR] = $1} END {print v[int(NR / 2) + 1]}')"
-    PYTORCH_ENV=""
   }
   echo "A B B A pairs, $PAIRS per comparison, $steps steps a run (each pair's ratio, then the median):"
-  pairs "tessera single / PyTorch tuned" "$single" "$tuned; pytorch pytorch_single_tuned --ranks 1 --batch-size 16"
-  pairs "tessera DDP / PyTorch DDP" "$ddp" "pytorch pytorch_ddp_2 --ranks 2"
+  pairs "tessera single / PyTorch tuned" "$single" "$pytorch_tuned"
+  pairs "tessera DDP / PyTorch DDP" "$ddp" "$pytorch_ddp"
   pairs "FSDP FULL_SHARD / tessera DDP" "$fsdp" "$ddp"
-  pairs "FSDP FULL_SHARD / PyTorch DDP" "$fsdp" "pytorch pytorch_ddp_2 --ranks 2"
+  pairs "FSDP FULL_SHARD / PyTorch DDP" "$fsdp" "$pytorch_ddp"
   exit 0
 fi
 
 for round in $(seq "$rounds"); do
 [ "$rounds" -gt 1 ] && echo "round $round of $rounds"
 # Each PyTorch row right after the tessera row it is compared with: a slow spell hits both.
-run single_device --set data.batch_size=16
-# PyTorch given the thread settings tessera runs with (host/worker_threads.cpp).
-PYTORCH_ENV="GOMP_SPINCOUNT=10000 OPENBLAS_THREAD_TIMEOUT=20" pytorch pytorch_single_tuned --ranks 1 --batch-size 16
-PYTORCH_ENV=""
+eval "$single"
+eval "$pytorch_tuned"
 pytorch pytorch_single --ranks 1 --batch-size 16
-run ddp_2 --set launch.devices=2 --set strategy.plugin=ddp --set data.batch_size=8
-pytorch pytorch_ddp_2 --ranks 2
-run fsdp_full_shard_2 --set launch.devices=2 --set strategy.plugin=fsdp --set data.batch_size=8
+eval "$ddp"
+eval "$pytorch_ddp"
+eval "$fsdp"
 run fsdp_full_shard_prefetch_2 --set launch.devices=2 --set strategy.plugin=fsdp --set strategy.forward_prefetch=true \
   --set data.batch_size=8
 run fsdp_shard_grad_op_2 --set launch.devices=2 --set strategy.plugin=fsdp \
