@@ -85,7 +85,11 @@ MemoryPlan make_plan(const PlanInputs& in) {
   };
   const bool state_on_device = in.cuda && !in.cpu_offload;
   add("parameters", l.param_bytes, "what the optimizer steps on (this rank's shards under FSDP)", state_on_device);
-  add("gradients", l.grad_bytes, "their gradients", state_on_device);
+  const bool gradients_come_in_backward = state_on_device && in.gradients_freed_after_step;
+  add("gradients", l.grad_bytes,
+      gradients_come_in_backward ? "their gradients, freed after each step; backward allocates them as activations go"
+                                 : "their gradients",
+      state_on_device);
   add("optimizer state", optimizer_bytes,
       in.optimizer + ": " + std::to_string(moments) + " moment(s) x " + std::to_string(l.optimizer_numel) +
           " elements",
@@ -100,11 +104,18 @@ MemoryPlan make_plan(const PlanInputs& in) {
     add("collective buffers", l.collective_buffer_bytes, "all-gather / reduce-scatter buffers alive at once", in.cuda);
   add("activations", in.activation_bytes, activations_detail, in.cuda);
   if (in.cuda && in.cublas_workspace_bytes > 0)
-    add("cuBLAS workspace", in.cublas_workspace_bytes, "LibTorch's, for the stream that runs the matmuls", true);
+    add("cuBLAS workspace", 2 * in.cublas_workspace_bytes,
+        "LibTorch's, 2 x " + mb(in.cublas_workspace_bytes) + ": forward's thread's and autograd's device thread's", true);
   if (in.runtime_bytes > 0)
     add("trainer runtime", in.runtime_bytes, "trainer, loggers, c10d, allocator caches (measured)", false);
   // Setup builds the model in host memory (eagerly, or a unit at a time under deferred init).
   sum_rows(plan, in.baseline_bytes, l.setup_bytes, in.local_ranks);
+  if (gradients_come_in_backward) {
+    // Forward peaks without the gradients; backward's end holds them and few activations.
+    plan.device_peak -= std::min(l.grad_bytes, in.activation_bytes);
+    plan.notes.push_back("the gradients and the activations do not peak together on the device: peak CUDA per "
+                         "rank counts the larger of the two");
+  }
 
   for (const auto& c : l.collectives) {
     PlanTraffic t;

@@ -30,11 +30,17 @@ struct PlanInputs {
   /// parameters, gradients and optimizer state under cpu_offload, which stay in host memory.
   bool cuda = false;
   bool cpu_offload = false;
-  double cublas_workspace_bytes = 0;  ///< a CUDA job's (cublas_workspace_bytes())
+  /// The strategy frees the sharded gradients after each optimizer step and backward
+  /// allocates them again as it frees activations (fsdp and fsdp2 on CUDA): on the device
+  /// the two do not peak together, so the device peak counts the larger of them only.
+  bool gradients_freed_after_step = false;
+  double cublas_workspace_bytes = 0;  ///< one of a CUDA job's two workspaces (cublas_workspace_bytes())
 };
 
-/// The cuBLAS workspace LibTorch 2 takes from its caching allocator for the stream that runs
-/// the matmuls (shared with cuBLASLt), so counted in peak_cuda_mb: CUBLAS_WORKSPACE_CONFIG's
+/// One cuBLAS workspace. LibTorch 2 takes one from its caching allocator for each cuBLAS handle
+/// and stream (shared with cuBLASLt), and handles are per thread: a training step holds two,
+/// forward's thread's and that of autograd's device thread, which runs backward; both count in
+/// peak_cuda_mb. CUBLAS_WORKSPACE_CONFIG's
 /// ":KiB:count" segments when set and parsable (`config`, may be null), else its default for
 /// the GPU's compute capability major: 32 MiB from 9 (Hopper) on, 8 MiB + 128 KiB before;
 /// 32 MiB when no GPU is visible (`compute_major` < 0).

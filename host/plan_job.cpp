@@ -11,11 +11,14 @@
 #include <ATen/ATen.h>
 #include <c10/core/CPUAllocator.h>
 #include <c10/util/Exception.h>
+#include <torch/csrc/autograd/function.h>
+#include <torch/csrc/autograd/generated/Functions.h>
 #include <torch/csrc/autograd/grad_mode.h>
 #include <torch/version.h>
 
 #include "launcher.hpp"
 #include "plugin_keys.hpp"
+#include "tessera/core/autocast.hpp"
 #include "tessera/core/deferred_init.hpp"
 #include "tessera/core/fsdp/sharded_strategy.hpp"
 #include "tessera/core/plugin_loader.hpp"
@@ -118,6 +121,9 @@ double rss_bytes() {
 
 struct Trace {
   double saved = 0, transient = 0;
+  /// What CUDA's autocast keeps beyond this CPU trace (add_cuda_autocast_extra()).
+  double cuda_autocast_extra = 0;
+  std::int64_t cuda_fp32_outputs = 0;  ///< the softmax and log_softmax outputs it counts
   std::string method;
   sdk::TensorParallelTraffic tensor_parallel;  ///< the traced graph's activation all-reduces
   sdk::TensorParallelTraffic recomputed;       ///< those the checkpointed units' recomputation makes again
@@ -184,6 +190,41 @@ class ProbeGuard {
   std::vector<std::shared_ptr<torch::nn::Module>> units_;
 };
 
+/// CUDA's autocast runs softmax and log_softmax in fp32 where the CPU's runs them in the
+/// input's low precision, and backward keeps their outputs: a CUDA job keeps the fp32 output
+/// (4 bytes an element) of each one this CPU trace kept in bf16 or fp16, beside the
+/// low-precision copy the attention's matmul then takes of a softmax's (+4 bytes an element
+/// in all), and a log_softmax's in place of its low-precision one (+2: the loss takes fp32).
+/// On the 1.3B bench GPT (26 layers, 16 heads, 4 x 512 tokens) that is 1,665 MiB.
+void add_cuda_autocast_extra(const at::Tensor& loss, Trace& trace) {
+  std::unordered_set<const torch::autograd::Node*> seen;
+  std::vector<torch::autograd::Node*> pending;
+  if (loss.defined() && loss.grad_fn()) pending.push_back(loss.grad_fn().get());
+  while (!pending.empty()) {
+    torch::autograd::Node* node = pending.back();
+    pending.pop_back();
+    if (node == nullptr || !seen.insert(node).second) continue;
+    // The output each kept (one of the forward's outputs: unpacked with its node).
+    const torch::autograd::SavedVariable* result = nullptr;
+    double extra_per_byte = 0;
+    if (auto* softmax = dynamic_cast<torch::autograd::generated::SoftmaxBackward0*>(node)) {
+      result = &softmax->result_;
+      extra_per_byte = 2;  // + 4 bytes per 2-byte element
+    } else if (auto* log_softmax = dynamic_cast<torch::autograd::generated::LogSoftmaxBackward0*>(node)) {
+      result = &log_softmax->result_;
+      extra_per_byte = 1;  // + 2 bytes per 2-byte element
+    }
+    if (result != nullptr) {
+      const at::Tensor output = result->unpack(node->shared_from_this());
+      if (output.defined() && (output.scalar_type() == at::kBFloat16 || output.scalar_type() == at::kHalf)) {
+        trace.cuda_autocast_extra += extra_per_byte * static_cast<double>(output.nbytes());
+        ++trace.cuda_fp32_outputs;
+      }
+    }
+    for (const auto& edge : node->next_edges()) pending.push_back(edge.function.get());
+  }
+}
+
 /// One training forward on the configured batch (real shapes, the parameters' values garbage
 /// from deferred init), under the precision's forward context, counting what it allocates.
 /// The `recomputed` units (activation checkpointing) keep their inputs and outputs only, and
@@ -210,6 +251,7 @@ Trace trace_forward(sdk::Module& model, sdk::Precision& precision, sdk::DataModu
       sdk::StepOutput out = model.training_step(batch, 0);
       trace.saved = static_cast<double>(counter.live());
       trace.tensor_parallel = sdk::tensor_parallel_traffic(out.loss);
+      if (core::autocast_enabled(/*cuda=*/false)) add_cuda_autocast_extra(out.loss, trace);
     }
     trace.transient = static_cast<double>(counter.peak()) - trace.saved;
   } catch (...) {
@@ -319,6 +361,8 @@ PlannedJob plan_job(const Config& config, bool trace_activations) {
   auto* sharded = dynamic_cast<core::fsdp::ShardedStrategy*>(strategy.get());
   // Only the sharded strategies offload (another keeps its state on the device).
   if (sharded) in.cpu_offload = sharded->offloads_state_to_cpu();
+  // The engine frees a CUDA job's sharded gradients after each step (Scheduler::zero_grad).
+  in.gradients_freed_after_step = sharded != nullptr;
   job_setup([&] {
     sdk::GuardPtr deferred = core::deferred_init_guard();
     sdk::GuardPtr dtype = precision->module_init_context();
@@ -342,6 +386,12 @@ PlannedJob plan_job(const Config& config, bool trace_activations) {
     in.activation_bytes = trace.saved;
     in.forward_transient_bytes = trace.transient;
     in.activation_method = trace.method;
+    if (in.cuda && trace.cuda_autocast_extra > 0) {
+      in.activation_bytes += trace.cuda_autocast_extra;
+      in.activation_method += "; +" + mb(trace.cuda_autocast_extra) + " for the " +
+                              std::to_string(trace.cuda_fp32_outputs) +
+                              " softmax / log_softmax output(s) CUDA's autocast computes in fp32";
+    }
     const sdk::TensorParallelTraffic& tp = trace.tensor_parallel;
     if (in.layout && tp.group_size > 1) {
       in.layout->collectives.push_back({"all_reduce", "tensor-parallel forward all-reduces of activations (" +
