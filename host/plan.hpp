@@ -31,7 +31,8 @@ struct PlanInputs {
   bool cuda = false;
   bool cpu_offload = false;
   /// The strategy frees the sharded gradients after each optimizer step and backward
-  /// allocates them again as it frees activations (fsdp and fsdp2 on CUDA): on the device
+  /// allocates them again as it frees activations (fsdp and fsdp2 on CUDA; ddp and
+  /// single_device on LibTorch 2, whose zero_grad sets them to none): on the device
   /// the two do not peak together, so the device peak counts the larger of them only.
   bool gradients_freed_after_step = false;
   double cublas_workspace_bytes = 0;  ///< one of a CUDA job's two workspaces (cublas_workspace_bytes())

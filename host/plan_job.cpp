@@ -361,8 +361,11 @@ PlannedJob plan_job(const Config& config, bool trace_activations) {
   auto* sharded = dynamic_cast<core::fsdp::ShardedStrategy*>(strategy.get());
   // Only the sharded strategies offload (another keeps its state on the device).
   if (sharded) in.cpu_offload = sharded->offloads_state_to_cpu();
-  // The engine frees a CUDA job's sharded gradients after each step (Scheduler::zero_grad).
-  in.gradients_freed_after_step = sharded != nullptr;
+  // Gradients freed after each step: the engine frees a CUDA job's sharded ones
+  // (Scheduler::zero_grad); LibTorch 2's Optimizer::zero_grad sets ddp's and single_device's to
+  // none (StrategyBase::zero_grad; 1.13's zeroes them).
+  in.gradients_freed_after_step =
+      sharded != nullptr || (TORCH_VERSION_MAJOR >= 2 && (in.strategy == "ddp" || in.strategy == "single_device"));
   job_setup([&] {
     sdk::GuardPtr deferred = core::deferred_init_guard();
     sdk::GuardPtr dtype = precision->module_init_context();
