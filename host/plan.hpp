@@ -1,7 +1,7 @@
 #pragma once
 // `tessera plan`: each rank's memory budget and traffic for a configured job, predicted
 // without running a step. This file is the arithmetic and the report (unit-tested in
-// tests/config); plan_job.cpp gathers its inputs: the strategy's layout
+// tests/host/plan_test.cpp); plan_job.cpp gathers its inputs: the strategy's layout
 // (sdk::StrategyMemoryLayout), a trace of one forward, and the process's own baseline.
 #include <cstdint>
 #include <optional>
