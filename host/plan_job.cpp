@@ -119,15 +119,49 @@ double rss_bytes() {
   return 0;
 }
 
-struct Trace {
-  double saved = 0, transient = 0;
-  /// What CUDA's autocast keeps beyond this CPU trace (add_cuda_autocast_extra()).
-  double cuda_autocast_extra = 0;
-  std::int64_t cuda_fp32_outputs = 0;  ///< the softmax and log_softmax outputs it counts
-  std::string method;
-  sdk::TensorParallelTraffic tensor_parallel;  ///< the traced graph's activation all-reduces
-  sdk::TensorParallelTraffic recomputed;       ///< those the checkpointed units' recomputation makes again
+/// What CUDA's autocast keeps beyond a CPU trace (cuda_autocast_extra()).
+struct CudaAutocastExtra {
+  double bytes = 0;
+  std::int64_t outputs = 0;  ///< the softmax and log_softmax outputs counted
 };
+
+/// CUDA's autocast runs softmax and log_softmax in fp32 where the CPU's runs them in the
+/// input's low precision, and backward keeps their outputs: a CUDA job keeps the fp32 output
+/// (4 bytes an element) of each one this CPU trace kept in bf16 or fp16, beside the
+/// low-precision copy the attention's matmul then takes of a softmax's (+4 bytes an element
+/// in all), and a log_softmax's in place of its low-precision one (+2: the loss takes fp32).
+/// Counted on the autograd graph that `output` ends. On the 1.3B bench GPT (26 layers, 16
+/// heads, 4 x 512 tokens) that is 1,665 MiB.
+CudaAutocastExtra cuda_autocast_extra(const at::Tensor& output) {
+  CudaAutocastExtra extra;
+  std::unordered_set<const torch::autograd::Node*> seen;
+  std::vector<torch::autograd::Node*> pending;
+  if (output.defined() && output.grad_fn()) pending.push_back(output.grad_fn().get());
+  while (!pending.empty()) {
+    torch::autograd::Node* node = pending.back();
+    pending.pop_back();
+    if (node == nullptr || !seen.insert(node).second) continue;
+    // The output each kept (one of the forward's outputs: unpacked with its node).
+    const torch::autograd::SavedVariable* result = nullptr;
+    double extra_per_byte = 0;
+    if (auto* softmax = dynamic_cast<torch::autograd::generated::SoftmaxBackward0*>(node)) {
+      result = &softmax->result_;
+      extra_per_byte = 2;  // + 4 bytes per 2-byte element
+    } else if (auto* log_softmax = dynamic_cast<torch::autograd::generated::LogSoftmaxBackward0*>(node)) {
+      result = &log_softmax->result_;
+      extra_per_byte = 1;  // + 2 bytes per 2-byte element
+    }
+    if (result != nullptr) {
+      const at::Tensor kept = result->unpack(node->shared_from_this());
+      if (kept.defined() && (kept.scalar_type() == at::kBFloat16 || kept.scalar_type() == at::kHalf)) {
+        extra.bytes += extra_per_byte * static_cast<double>(kept.nbytes());
+        ++extra.outputs;
+      }
+    }
+    for (const auto& edge : node->next_edges()) pending.push_back(edge.function.get());
+  }
+  return extra;
+}
 
 /// A scalar whose autograd graph joins those of `tensors` (the ones with history), so that one
 /// walk of it counts what they share once; undefined when none has history.
@@ -162,14 +196,19 @@ class RecomputedUnitProbe final : public sdk::UnitRunner {
     recomputed_.group_size = std::max(recomputed_.group_size, through.group_size);
     recomputed_.forward_all_reduces += through.forward_all_reduces - before_unit.forward_all_reduces;
     recomputed_.forward_all_reduce_bytes += through.forward_all_reduce_bytes - before_unit.forward_all_reduce_bytes;
+    // Under autocast, the unit's fp32 softmax outputs on CUDA are internals too.
+    if (core::autocast_enabled(/*cuda=*/false))
+      cuda_autocast_.push_back(cuda_autocast_extra(joined(outputs)).bytes - cuda_autocast_extra(joined(inputs)).bytes);
     return outputs;
   }
   const std::vector<double>& internals() const { return internals_; }
+  /// cuda_autocast_extra() of each recorded unit, under autocast.
+  const std::vector<double>& cuda_autocast() const { return cuda_autocast_; }
   /// The forward all-reduces inside the recorded units.
   const sdk::TensorParallelTraffic& recomputed() const { return recomputed_; }
 
  private:
-  std::vector<double> internals_;
+  std::vector<double> internals_, cuda_autocast_;
   sdk::TensorParallelTraffic recomputed_;
 };
 
@@ -190,40 +229,13 @@ class ProbeGuard {
   std::vector<std::shared_ptr<torch::nn::Module>> units_;
 };
 
-/// CUDA's autocast runs softmax and log_softmax in fp32 where the CPU's runs them in the
-/// input's low precision, and backward keeps their outputs: a CUDA job keeps the fp32 output
-/// (4 bytes an element) of each one this CPU trace kept in bf16 or fp16, beside the
-/// low-precision copy the attention's matmul then takes of a softmax's (+4 bytes an element
-/// in all), and a log_softmax's in place of its low-precision one (+2: the loss takes fp32).
-/// On the 1.3B bench GPT (26 layers, 16 heads, 4 x 512 tokens) that is 1,665 MiB.
-void add_cuda_autocast_extra(const at::Tensor& loss, Trace& trace) {
-  std::unordered_set<const torch::autograd::Node*> seen;
-  std::vector<torch::autograd::Node*> pending;
-  if (loss.defined() && loss.grad_fn()) pending.push_back(loss.grad_fn().get());
-  while (!pending.empty()) {
-    torch::autograd::Node* node = pending.back();
-    pending.pop_back();
-    if (node == nullptr || !seen.insert(node).second) continue;
-    // The output each kept (one of the forward's outputs: unpacked with its node).
-    const torch::autograd::SavedVariable* result = nullptr;
-    double extra_per_byte = 0;
-    if (auto* softmax = dynamic_cast<torch::autograd::generated::SoftmaxBackward0*>(node)) {
-      result = &softmax->result_;
-      extra_per_byte = 2;  // + 4 bytes per 2-byte element
-    } else if (auto* log_softmax = dynamic_cast<torch::autograd::generated::LogSoftmaxBackward0*>(node)) {
-      result = &log_softmax->result_;
-      extra_per_byte = 1;  // + 2 bytes per 2-byte element
-    }
-    if (result != nullptr) {
-      const at::Tensor output = result->unpack(node->shared_from_this());
-      if (output.defined() && (output.scalar_type() == at::kBFloat16 || output.scalar_type() == at::kHalf)) {
-        trace.cuda_autocast_extra += extra_per_byte * static_cast<double>(output.nbytes());
-        ++trace.cuda_fp32_outputs;
-      }
-    }
-    for (const auto& edge : node->next_edges()) pending.push_back(edge.function.get());
-  }
-}
+struct Trace {
+  double saved = 0, transient = 0;
+  CudaAutocastExtra cuda_autocast;  ///< counted when the forward ran under the CPU's autocast
+  std::string method;
+  sdk::TensorParallelTraffic tensor_parallel;  ///< the traced graph's activation all-reduces
+  sdk::TensorParallelTraffic recomputed;       ///< those the checkpointed units' recomputation makes again
+};
 
 /// One training forward on the configured batch (real shapes, the parameters' values garbage
 /// from deferred init), under the precision's forward context, counting what it allocates.
@@ -251,7 +263,7 @@ Trace trace_forward(sdk::Module& model, sdk::Precision& precision, sdk::DataModu
       sdk::StepOutput out = model.training_step(batch, 0);
       trace.saved = static_cast<double>(counter.live());
       trace.tensor_parallel = sdk::tensor_parallel_traffic(out.loss);
-      if (core::autocast_enabled(/*cuda=*/false)) add_cuda_autocast_extra(out.loss, trace);
+      if (core::autocast_enabled(/*cuda=*/false)) trace.cuda_autocast = cuda_autocast_extra(out.loss);
     }
     trace.transient = static_cast<double>(counter.peak()) - trace.saved;
   } catch (...) {
@@ -273,6 +285,12 @@ Trace trace_forward(sdk::Module& model, sdk::Precision& precision, sdk::DataModu
     trace.method += "; " + std::to_string(internals.size()) + " checkpointed unit call(s) keep their inputs and " +
                     "outputs only (" + mb(dropped) + " less), one recomputed at a time (the largest, +" +
                     mb(largest) + ")";
+  }
+  const std::vector<double>& unit_extras = probe->cuda_autocast();
+  if (!unit_extras.empty()) {  // as their internals: one recomputed unit's at a time
+    double dropped = 0;
+    for (double bytes : unit_extras) dropped += bytes;
+    trace.cuda_autocast.bytes += *std::max_element(unit_extras.begin(), unit_extras.end()) - dropped;
   }
   return trace;
 }
@@ -389,10 +407,10 @@ PlannedJob plan_job(const Config& config, bool trace_activations) {
     in.activation_bytes = trace.saved;
     in.forward_transient_bytes = trace.transient;
     in.activation_method = trace.method;
-    if (in.cuda && trace.cuda_autocast_extra > 0) {
-      in.activation_bytes += trace.cuda_autocast_extra;
-      in.activation_method += "; +" + mb(trace.cuda_autocast_extra) + " for the " +
-                              std::to_string(trace.cuda_fp32_outputs) +
+    if (in.cuda && trace.cuda_autocast.bytes > 0) {
+      in.activation_bytes += trace.cuda_autocast.bytes;
+      in.activation_method += "; +" + mb(trace.cuda_autocast.bytes) + " for the " +
+                              std::to_string(trace.cuda_autocast.outputs) +
                               " softmax / log_softmax output(s) CUDA's autocast computes in fp32";
     }
     const sdk::TensorParallelTraffic& tp = trace.tensor_parallel;

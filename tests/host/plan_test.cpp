@@ -568,17 +568,22 @@ TEST(PlanOutput, ACudaJobsPlanHasADevicePeak) {
 TEST(PlanOutput, ACudaAutocastPlanKeepsTheSoftmaxOutputsInFp32) {
   const std::string dir = tessera::testing::fresh_dir("plan-cuda-autocast");
   const std::string config = write_config(dir);
-  const std::string sets = " --set strategy.plugin=fsdp --set data.batch_size=1 --set precision.plugin=fsdp-precision "
-                           "--set precision.precision=bf16-mixed --set strategy.accelerator=";
-  auto activations = [&](const std::string& accelerator) {
-    auto run = run_tessera("plan --json --config " + config + sets + "'\"" + accelerator + "\"'");
+  const std::string bf16 = " --set strategy.plugin=fsdp --set data.batch_size=1 --set precision.plugin=fsdp-precision "
+                           "--set precision.precision=bf16-mixed";
+  auto activations = [&](const std::string& accelerator, const std::string& sets) {
+    auto run = run_tessera("plan --json --config " + config + sets + " --set strategy.accelerator='\"" +
+                           accelerator + "\"'");
     EXPECT_EQ(run.exit_code, 0) << run.output;
     return nlohmann::json::parse(run.output.substr(run.output.find('{')))["per_rank_bytes"]["activations"].get<double>();
   };
-  const double cpu = activations("cpu"), cuda = activations("cuda");
+  const double cpu = activations("cpu", bf16);
   EXPECT_GT(cpu, 0);
-  EXPECT_NEAR(cuda - cpu, 6 * 12 * 64 * 64 * 4.0, 2) << "6 layers' softmax outputs";
-  auto table = run_tessera("plan --config " + config + sets + "'\"cuda\"'");
+  EXPECT_NEAR(activations("cuda", bf16) - cpu, 6 * 12 * 64 * 64 * 4.0, 2) << "6 layers' softmax outputs";
+  // Checkpointed blocks keep their inputs and outputs only; backward recomputes one at a time.
+  const std::string checkpointed = bf16 + " --set 'strategy.activation_checkpointing=[\"Block\"]'";
+  EXPECT_NEAR(activations("cuda", checkpointed) - activations("cpu", checkpointed), 12 * 64 * 64 * 4.0, 2)
+      << "one layer's";
+  auto table = run_tessera("plan --config " + config + bf16 + " --set strategy.accelerator='\"cuda\"'");
   EXPECT_NE(table.output.find("for the 6 softmax / log_softmax output(s) CUDA's autocast computes in fp32"),
             std::string::npos)
       << table.output;
