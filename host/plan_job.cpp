@@ -23,6 +23,7 @@
 #include "tessera/core/fsdp/sharded_strategy.hpp"
 #include "tessera/core/plugin_loader.hpp"
 #include "tessera/core/strategy_base.hpp"
+#include "tessera/sdk/autograd_graph.hpp"
 #include "tessera/sdk/data.hpp"
 #include "tessera/sdk/error.hpp"
 #include "tessera/sdk/memory_layout.hpp"
@@ -134,32 +135,24 @@ struct CudaAutocastExtra {
 /// heads, 4 x 512 tokens) that is 1,665 MiB.
 CudaAutocastExtra cuda_autocast_extra(const at::Tensor& output) {
   CudaAutocastExtra extra;
-  std::unordered_set<const torch::autograd::Node*> seen;
-  std::vector<torch::autograd::Node*> pending;
-  if (output.defined() && output.grad_fn()) pending.push_back(output.grad_fn().get());
-  while (!pending.empty()) {
-    torch::autograd::Node* node = pending.back();
-    pending.pop_back();
-    if (node == nullptr || !seen.insert(node).second) continue;
+  sdk::for_each_autograd_node(output, [&](torch::autograd::Node& node) {
     // The output each kept (one of the forward's outputs: unpacked with its node).
     const torch::autograd::SavedVariable* result = nullptr;
     double extra_per_byte = 0;
-    if (auto* softmax = dynamic_cast<torch::autograd::generated::SoftmaxBackward0*>(node)) {
+    if (auto* softmax = dynamic_cast<torch::autograd::generated::SoftmaxBackward0*>(&node)) {
       result = &softmax->result_;
       extra_per_byte = 2;  // + 4 bytes per 2-byte element
-    } else if (auto* log_softmax = dynamic_cast<torch::autograd::generated::LogSoftmaxBackward0*>(node)) {
+    } else if (auto* log_softmax = dynamic_cast<torch::autograd::generated::LogSoftmaxBackward0*>(&node)) {
       result = &log_softmax->result_;
       extra_per_byte = 1;  // + 2 bytes per 2-byte element
     }
-    if (result != nullptr) {
-      const at::Tensor kept = result->unpack(node->shared_from_this());
-      if (kept.defined() && (kept.scalar_type() == at::kBFloat16 || kept.scalar_type() == at::kHalf)) {
-        extra.bytes += extra_per_byte * static_cast<double>(kept.nbytes());
-        ++extra.outputs;
-      }
+    if (result == nullptr) return;
+    const at::Tensor kept = result->unpack(node.shared_from_this());
+    if (kept.defined() && (kept.scalar_type() == at::kBFloat16 || kept.scalar_type() == at::kHalf)) {
+      extra.bytes += extra_per_byte * static_cast<double>(kept.nbytes());
+      ++extra.outputs;
     }
-    for (const auto& edge : node->next_edges()) pending.push_back(edge.function.get());
-  }
+  });
   return extra;
 }
 

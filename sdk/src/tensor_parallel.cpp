@@ -1,7 +1,6 @@
 #include "tessera/sdk/tensor_parallel.hpp"
 
 #include <ostream>
-#include <unordered_set>
 #include <utility>
 #include <vector>
 
@@ -9,6 +8,7 @@
 #include <ATen/core/ivalue.h>
 #include <torch/csrc/autograd/custom_function.h>
 
+#include "tessera/sdk/autograd_graph.hpp"
 #include "tessera/sdk/error.hpp"
 
 namespace tessera::sdk {
@@ -129,24 +129,17 @@ at::Tensor reduce_from_tensor_parallel_region(const at::Tensor& x, std::shared_p
 
 TensorParallelTraffic tensor_parallel_traffic(const at::Tensor& output) {
   TensorParallelTraffic traffic;
-  std::unordered_set<const torch::autograd::Node*> seen;
-  std::vector<torch::autograd::Node*> pending;
-  if (output.defined() && output.grad_fn()) pending.push_back(output.grad_fn().get());
-  while (!pending.empty()) {
-    torch::autograd::Node* node = pending.back();
-    pending.pop_back();
-    if (node == nullptr || !seen.insert(node).second) continue;
-    auto add = [&](AutogradContext& ctx, double& bytes, std::int64_t& calls) {
-      traffic.group_size = ctx.saved_data["group_size"].toInt();
-      bytes += static_cast<double>(ctx.saved_data["bytes"].toInt());
-      ++calls;
-    };
-    if (auto* copy = dynamic_cast<torch::autograd::CppNode<CopyToRegion>*>(node))
+  auto add = [&](AutogradContext& ctx, double& bytes, std::int64_t& calls) {
+    traffic.group_size = ctx.saved_data["group_size"].toInt();
+    bytes += static_cast<double>(ctx.saved_data["bytes"].toInt());
+    ++calls;
+  };
+  for_each_autograd_node(output, [&](torch::autograd::Node& node) {
+    if (auto* copy = dynamic_cast<torch::autograd::CppNode<CopyToRegion>*>(&node))
       add(copy->ctx_, traffic.backward_all_reduce_bytes, traffic.backward_all_reduces);
-    else if (auto* reduce = dynamic_cast<torch::autograd::CppNode<ReduceFromRegion>*>(node))
+    else if (auto* reduce = dynamic_cast<torch::autograd::CppNode<ReduceFromRegion>*>(&node))
       add(reduce->ctx_, traffic.forward_all_reduce_bytes, traffic.forward_all_reduces);
-    for (const auto& edge : node->next_edges()) pending.push_back(edge.function.get());
-  }
+  });
   return traffic;
 }
 
