@@ -171,6 +171,9 @@ at::Tensor joined(const std::vector<at::Tensor>& tensors) {
 /// recomputation makes again. Units never nest (the wrap policy picks outermost modules).
 class RecomputedUnitProbe final : public sdk::UnitRunner {
  public:
+  /// `count_cuda_autocast`: also record each unit's cuda_autocast_extra() (a CUDA job's plan).
+  explicit RecomputedUnitProbe(bool count_cuda_autocast) : count_cuda_autocast_(count_cuda_autocast) {}
+
   std::vector<at::Tensor> run(torch::nn::Module&, sdk::UnitFunction forward,
                               const std::vector<at::Tensor>& inputs) override {
     const std::int64_t before = counting_allocator().live();
@@ -190,7 +193,7 @@ class RecomputedUnitProbe final : public sdk::UnitRunner {
     recomputed_.forward_all_reduces += through.forward_all_reduces - before_unit.forward_all_reduces;
     recomputed_.forward_all_reduce_bytes += through.forward_all_reduce_bytes - before_unit.forward_all_reduce_bytes;
     // Under autocast, the unit's fp32 softmax outputs on CUDA are internals too.
-    if (core::autocast_enabled(/*cuda=*/false))
+    if (count_cuda_autocast_ && core::autocast_enabled(/*cuda=*/false))
       cuda_autocast_.push_back(cuda_autocast_extra(joined(outputs)).bytes - cuda_autocast_extra(joined(inputs)).bytes);
     return outputs;
   }
@@ -201,6 +204,7 @@ class RecomputedUnitProbe final : public sdk::UnitRunner {
   const sdk::TensorParallelTraffic& recomputed() const { return recomputed_; }
 
  private:
+  bool count_cuda_autocast_;
   std::vector<double> internals_, cuda_autocast_;
   sdk::TensorParallelTraffic recomputed_;
 };
@@ -224,7 +228,7 @@ class ProbeGuard {
 
 struct Trace {
   double saved = 0, transient = 0;
-  CudaAutocastExtra cuda_autocast;  ///< counted when the forward ran under the CPU's autocast
+  CudaAutocastExtra cuda_autocast;  ///< counted for a CUDA job whose forward ran under autocast
   std::string method;
   sdk::TensorParallelTraffic tensor_parallel;  ///< the traced graph's activation all-reduces
   sdk::TensorParallelTraffic recomputed;       ///< those the checkpointed units' recomputation makes again
@@ -234,8 +238,9 @@ struct Trace {
 /// from deferred init), under the precision's forward context, counting what it allocates.
 /// The `recomputed` units (activation checkpointing) keep their inputs and outputs only, and
 /// the largest one's internals count once more: backward recomputes one unit at a time.
+/// `count_cuda_autocast` (a CUDA job's plan): also count what CUDA's autocast would keep more.
 Trace trace_forward(sdk::Module& model, sdk::Precision& precision, sdk::DataModule& data, std::int64_t batch_size,
-                    std::vector<std::shared_ptr<torch::nn::Module>> recomputed) {
+                    std::vector<std::shared_ptr<torch::nn::Module>> recomputed, bool count_cuda_autocast) {
   Trace trace;
   std::shared_ptr<sdk::Dataset> dataset = data.train_dataset();
   TESSERA_CHECK(dataset && dataset->size() > 0, "the data plugin has no training data to trace a forward with");
@@ -246,7 +251,7 @@ Trace trace_forward(sdk::Module& model, sdk::Precision& precision, sdk::DataModu
   if (batch.input.defined() && batch.input.is_floating_point()) batch.input = precision.convert_input(batch.input);
   if (batch.target.defined() && batch.target.is_floating_point()) batch.target = precision.convert_input(batch.target);
   torch::AutoGradMode grad(true);
-  auto probe = std::make_shared<RecomputedUnitProbe>();
+  auto probe = std::make_shared<RecomputedUnitProbe>(count_cuda_autocast);
   ProbeGuard probing(std::move(recomputed), probe);
   CountingAllocator& counter = counting_allocator();
   counter.start();
@@ -256,7 +261,7 @@ Trace trace_forward(sdk::Module& model, sdk::Precision& precision, sdk::DataModu
       sdk::StepOutput out = model.training_step(batch, 0);
       trace.saved = static_cast<double>(counter.live());
       trace.tensor_parallel = sdk::tensor_parallel_traffic(out.loss);
-      if (core::autocast_enabled(/*cuda=*/false)) trace.cuda_autocast = cuda_autocast_extra(out.loss);
+      if (count_cuda_autocast && core::autocast_enabled(/*cuda=*/false)) trace.cuda_autocast = cuda_autocast_extra(out.loss);
     }
     trace.transient = static_cast<double>(counter.peak()) - trace.saved;
   } catch (...) {
@@ -393,14 +398,14 @@ PlannedJob plan_job(const Config& config, bool trace_activations) {
     if (trace_activations) {
       std::vector<std::shared_ptr<torch::nn::Module>> recomputed;
       if (sharded) recomputed = sharded->checkpointed_units(*model);
-      trace = trace_forward(*model, *precision, *data, config.data.batch_size, std::move(recomputed));
+      trace = trace_forward(*model, *precision, *data, config.data.batch_size, std::move(recomputed), in.cuda);
     } else {
       trace.method = "not traced";
     }
     in.activation_bytes = trace.saved;
     in.forward_transient_bytes = trace.transient;
     in.activation_method = trace.method;
-    if (in.cuda && trace.cuda_autocast.bytes > 0) {
+    if (trace.cuda_autocast.bytes > 0) {
       in.activation_bytes += trace.cuda_autocast.bytes;
       in.activation_method += "; +" + mb(trace.cuda_autocast.bytes) + " for the " +
                               std::to_string(trace.cuda_autocast.outputs) +
