@@ -16,6 +16,7 @@
 #include <torch/nn/modules/normalization.h>
 
 #include "models.hpp"
+#include "tessera/sdk/batched_matmul.hpp"
 #include "tessera/sdk/error.hpp"
 #include "tessera/sdk/tensor_parallel.hpp"
 #include "tessera/sdk/unit.hpp"
@@ -59,10 +60,11 @@ class BlockImpl : public torch::nn::Module {
     // mask + q k^T / sqrt(D) in one batched GEMM: the same values as scaling and masking the
     // scores after it, without two passes over them in forward and two in backward (a block's
     // attention on the bench GPT, alone: 14.4 -> 11.3 ms per step; the whole DDP step: ~1%).
-    at::Tensor att = at::baddbmm(causal_bias(T, q.options()), q, k.transpose(1, 2), /*beta=*/1,
-                                 /*alpha=*/1.0 / std::sqrt(static_cast<double>(D)));
+    // sdk::batched_matmul: at::baddbmm's values, each head's product on its own thread on the CPU.
+    at::Tensor att = sdk::batched_matmul(q, k.transpose(1, 2), causal_bias(T, q.options()),
+                                         /*alpha=*/1.0 / std::sqrt(static_cast<double>(D)));
     att = attention_dropout(at::softmax(att, -1).view({B, H, T, T}));
-    at::Tensor y = at::matmul(att, v.view({B, H, T, D})).transpose(1, 2).contiguous().view({B, T, local});
+    at::Tensor y = sdk::batched_matmul(att.view({B * H, T, T}), v).view({B, H, T, D}).transpose(1, 2).contiguous().view({B, T, local});
     at::Tensor h = x + dropout(proj.forward<at::Tensor>(y));
     return h + dropout(fc_proj.forward<at::Tensor>(F::gelu(fc.forward<at::Tensor>(ln_2(h)))));
   }

@@ -29,8 +29,8 @@ namespace tessera::sdk {
 inline constexpr std::uint32_t kAbiMajor = 3;  // 3: multi-argument units, Module::fsdp_wrap_policy,
                                                //    TOML++ in the fingerprint, descriptor sdk_version, callback plugins,
                                                //    Module::parallelize
-inline constexpr std::uint32_t kAbiMinor = 3;  // 1: sdk::has_fused_adam, sdk::optimizer_state_key; 2: sdk::SyncBatchNorm2d;
-                                               // 3: sdk::for_each_autograd_node
+inline constexpr std::uint32_t kAbiMinor = 4;  // 1: sdk::has_fused_adam, sdk::optimizer_state_key; 2: sdk::SyncBatchNorm2d;
+                                               // 3: sdk::for_each_autograd_node; 4: sdk::batched_matmul
 
 enum class PluginKind : std::uint32_t { strategy = 1, precision, checkpoint_io, model, data, callback };
 TESSERA_SDK_API const char* to_string(PluginKind kind);

@@ -1,0 +1,152 @@
+#include "tessera/sdk/batched_matmul.hpp"
+
+#include <dlfcn.h>
+
+#include <mutex>
+#include <utility>
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <ATen/autocast_mode.h>
+#include <torch/csrc/autograd/custom_function.h>
+#include <torch/version.h>
+
+#include "tessera/sdk/error.hpp"
+
+namespace tessera::sdk {
+
+namespace {
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+/// OpenBLAS's thread controls, when LibTorch's BLAS is OpenBLAS.
+struct OpenBlas {
+  using SetThreads = void (*)(int);
+  using GetInt = int (*)();
+  SetThreads set_num_threads = reinterpret_cast<SetThreads>(::dlsym(RTLD_DEFAULT, "openblas_set_num_threads"));
+  GetInt get_num_threads = reinterpret_cast<GetInt>(::dlsym(RTLD_DEFAULT, "openblas_get_num_threads"));
+  GetInt get_parallel = reinterpret_cast<GetInt>(::dlsym(RTLD_DEFAULT, "openblas_get_parallel"));
+
+  bool found() const { return set_num_threads && get_num_threads && get_parallel; }
+  /// Its pthreads build keeps its own thread count, which a call made inside our parallel region
+  /// would use again; its OpenMP build runs single-threaded inside one, its serial build always.
+  bool own_threads() const { return get_parallel() == 1; }
+};
+
+const OpenBlas& openblas() {
+  static const OpenBlas blas;
+  return blas;
+}
+
+bool autocast_on() {
+#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 4)
+  return at::autocast::is_autocast_enabled(at::kCPU) || at::autocast::is_autocast_enabled(at::kCUDA);
+#else
+  return at::autocast::is_cpu_enabled() || at::autocast::is_enabled();
+#endif
+}
+
+/// Whether the matrices go to the threads one by one rather than to at::baddbmm.
+bool split_by_matrix(const at::Tensor& a, const at::Tensor& b, const at::Tensor& bias) {
+  const c10::ScalarType dtype = a.scalar_type();
+  return a.device().is_cpu() && b.device().is_cpu() && (dtype == at::kFloat || dtype == at::kDouble) &&
+         b.scalar_type() == dtype && (!bias.defined() || (bias.device().is_cpu() && bias.scalar_type() == dtype)) &&
+         a.size(0) > 1 && at::get_num_threads() > 1 && !at::in_parallel_region() && !autocast_on() &&
+         openblas().found();
+}
+
+/// The forward's and backward's product: out[i] = bias[i] + alpha * a[i] @ b[i], each matrix
+/// one BLAS call on the thread that owns it. Detached: the pool's threads run with autograd on
+/// (their own thread-local default), and an out= product refuses inputs that need gradients.
+at::Tensor multiply_by_matrix(const at::Tensor& a_in, const at::Tensor& b_in, const at::Tensor& bias, double alpha) {
+  const at::Tensor a = a_in.detach(), b = b_in.detach();
+  const std::int64_t n = a.size(0);
+  at::Tensor out = at::empty({n, a.size(1), b.size(2)}, a.options().memory_format(at::MemoryFormat::Contiguous));
+  const at::Tensor addend = bias.defined() ? bias.detach().expand_as(out) : bias;
+  const OpenBlas& blas = openblas();
+  // One caller at a time resets OpenBLAS's global thread count and restores it.
+  static std::mutex one_caller;
+  std::lock_guard<std::mutex> lock(one_caller);
+  const int blas_threads = blas.own_threads() ? blas.get_num_threads() : 1;
+  if (blas_threads > 1) blas.set_num_threads(1);
+  try {
+    at::parallel_for(0, n, 1, [&](std::int64_t begin, std::int64_t end) {
+      for (std::int64_t i = begin; i < end; ++i) {
+        at::Tensor out_i = out.select(0, i);
+        if (addend.defined())
+          at::addmm_out(out_i, addend.select(0, i), a.select(0, i), b.select(0, i), /*beta=*/1, alpha);
+        else if (alpha == 1.0)
+          at::mm_out(out_i, a.select(0, i), b.select(0, i));
+        else
+          at::addmm_out(out_i, out_i, a.select(0, i), b.select(0, i), /*beta=*/0, alpha);
+      }
+    });
+  } catch (...) {
+    if (blas_threads > 1) blas.set_num_threads(blas_threads);
+    throw;
+  }
+  if (blas_threads > 1) blas.set_num_threads(blas_threads);
+  return out;
+}
+
+/// at::bmm's alpha * (a @ b), as a graph autograd records.
+at::Tensor recorded_product(const at::Tensor& a, const at::Tensor& b, double alpha) {
+  return alpha == 1.0 ? at::bmm(a, b) : at::bmm(a, b) * alpha;
+}
+
+/// The gradients of alpha * (a @ b) with respect to a and b, those that autograd asks for.
+std::pair<at::Tensor, at::Tensor> product_gradients(AutogradContext* ctx, const at::Tensor& grad) {
+  const variable_list saved = ctx->get_saved_variables();
+  const double alpha = ctx->saved_data["alpha"].toDouble();
+  // A differentiable backward (create_graph) takes LibTorch's own products.
+  const bool recorded = at::GradMode::is_enabled();
+  auto product = [&](const at::Tensor& x, const at::Tensor& y) {
+    return recorded ? recorded_product(x, y, alpha) : multiply_by_matrix(x, y, {}, alpha);
+  };
+  at::Tensor grad_a, grad_b;
+  if (ctx->needs_input_grad(0)) grad_a = product(grad, saved[1].transpose(1, 2));
+  if (ctx->needs_input_grad(1)) grad_b = product(saved[0].transpose(1, 2), grad);
+  return {grad_a, grad_b};
+}
+
+// Two functions, with a bias and without: LibTorch 1.13's autograd functions take no undefined tensor.
+struct Product : public torch::autograd::Function<Product> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& a, const at::Tensor& b, double alpha) {
+    ctx->save_for_backward({a, b});
+    ctx->saved_data["alpha"] = alpha;
+    return multiply_by_matrix(a, b, {}, alpha);
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    auto [grad_a, grad_b] = product_gradients(ctx, grads[0]);
+    return {grad_a, grad_b, at::Tensor()};
+  }
+};
+
+struct ProductPlusBias : public torch::autograd::Function<ProductPlusBias> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& a, const at::Tensor& b, const at::Tensor& bias,
+                            double alpha) {
+    ctx->save_for_backward({a, b});
+    ctx->saved_data["alpha"] = alpha;
+    ctx->saved_data["bias_sizes"] = bias.sizes();
+    return multiply_by_matrix(a, b, bias, alpha);
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    auto [grad_a, grad_b] = product_gradients(ctx, grads[0]);
+    at::Tensor grad_bias;
+    if (ctx->needs_input_grad(2)) grad_bias = at::sum_to(grads[0], ctx->saved_data["bias_sizes"].toIntVector());
+    return {grad_a, grad_b, grad_bias, at::Tensor()};
+  }
+};
+
+}  // namespace
+
+at::Tensor batched_matmul(const at::Tensor& a, const at::Tensor& b, const at::Tensor& bias, double alpha) {
+  TESSERA_CHECK(a.dim() == 3 && b.dim() == 3 && a.size(0) == b.size(0) && a.size(2) == b.size(1),
+                "batched_matmul: a [n, p, q] and b [n, q, r], got ", a.sizes(), " and ", b.sizes());
+  if (!split_by_matrix(a, b, bias))
+    return bias.defined() ? at::baddbmm(bias, a, b, /*beta=*/1, alpha) : recorded_product(a, b, alpha);
+  return bias.defined() ? ProductPlusBias::apply(a, b, bias, alpha) : Product::apply(a, b, alpha);
+}
+
+}  // namespace tessera::sdk
