@@ -1,6 +1,7 @@
 #include "plan_job.hpp"
 
 #include <algorithm>
+#include <numeric>
 #include <mutex>
 #include <unordered_map>
 #include <unordered_set>
@@ -274,22 +275,17 @@ Trace trace_forward(sdk::Module& model, sdk::Precision& precision, sdk::DataModu
   trace.recomputed = probe->recomputed();
   const std::vector<double>& internals = probe->internals();
   if (!internals.empty()) {
-    double dropped = 0, largest = 0;
-    for (double bytes : internals) {
-      dropped += bytes;
-      largest = std::max(largest, bytes);
-    }
+    const double dropped = std::accumulate(internals.begin(), internals.end(), 0.0);
+    const double largest = *std::max_element(internals.begin(), internals.end());
     trace.saved += largest - dropped;
     trace.method += "; " + std::to_string(internals.size()) + " checkpointed unit call(s) keep their inputs and " +
                     "outputs only (" + mb(dropped) + " less), one recomputed at a time (the largest, +" +
                     mb(largest) + ")";
   }
   const std::vector<double>& unit_extras = probe->cuda_autocast();
-  if (!unit_extras.empty()) {  // as their internals: one recomputed unit's at a time
-    double dropped = 0;
-    for (double bytes : unit_extras) dropped += bytes;
-    trace.cuda_autocast.bytes += *std::max_element(unit_extras.begin(), unit_extras.end()) - dropped;
-  }
+  if (!unit_extras.empty())  // as their internals: one recomputed unit's at a time
+    trace.cuda_autocast.bytes += *std::max_element(unit_extras.begin(), unit_extras.end()) -
+                                 std::accumulate(unit_extras.begin(), unit_extras.end(), 0.0);
   return trace;
 }
 
