@@ -56,37 +56,47 @@ bool split_by_matrix(const at::Tensor& a, const at::Tensor& b, const at::Tensor&
          openblas().found();
 }
 
+/// Holds OpenBLAS's own pool (its pthreads build) at one thread while it lives, one holder at a
+/// time: the count is global, and the pool's threads must not split each matrix again.
+class OneBlasThreadEach {
+ public:
+  OneBlasThreadEach() : lock_(mutex()), before_(openblas().own_threads() ? openblas().get_num_threads() : 1) {
+    if (before_ > 1) openblas().set_num_threads(1);
+  }
+  ~OneBlasThreadEach() {
+    if (before_ > 1) openblas().set_num_threads(before_);
+  }
+  OneBlasThreadEach(const OneBlasThreadEach&) = delete;
+  OneBlasThreadEach& operator=(const OneBlasThreadEach&) = delete;
+
+ private:
+  static std::mutex& mutex() {
+    static std::mutex one_holder;
+    return one_holder;
+  }
+  std::lock_guard<std::mutex> lock_;
+  int before_;
+};
+
 /// The forward's and backward's product: out[i] = bias[i] + alpha * a[i] @ b[i], each matrix
 /// one BLAS call on the thread that owns it. Detached: the pool's threads run with autograd on
 /// (their own thread-local default), and an out= product refuses inputs that need gradients.
 at::Tensor multiply_by_matrix(const at::Tensor& a_in, const at::Tensor& b_in, const at::Tensor& bias, double alpha) {
   const at::Tensor a = a_in.detach(), b = b_in.detach();
-  const std::int64_t n = a.size(0);
-  at::Tensor out = at::empty({n, a.size(1), b.size(2)}, a.options().memory_format(at::MemoryFormat::Contiguous));
+  at::Tensor out = at::empty({a.size(0), a.size(1), b.size(2)}, a.options());
   const at::Tensor addend = bias.defined() ? bias.detach().expand_as(out) : bias;
-  const OpenBlas& blas = openblas();
-  // One caller at a time resets OpenBLAS's global thread count and restores it.
-  static std::mutex one_caller;
-  std::lock_guard<std::mutex> lock(one_caller);
-  const int blas_threads = blas.own_threads() ? blas.get_num_threads() : 1;
-  if (blas_threads > 1) blas.set_num_threads(1);
-  try {
-    at::parallel_for(0, n, 1, [&](std::int64_t begin, std::int64_t end) {
-      for (std::int64_t i = begin; i < end; ++i) {
-        at::Tensor out_i = out.select(0, i);
-        if (addend.defined())
-          at::addmm_out(out_i, addend.select(0, i), a.select(0, i), b.select(0, i), /*beta=*/1, alpha);
-        else if (alpha == 1.0)
-          at::mm_out(out_i, a.select(0, i), b.select(0, i));
-        else
-          at::addmm_out(out_i, out_i, a.select(0, i), b.select(0, i), /*beta=*/0, alpha);
-      }
-    });
-  } catch (...) {
-    if (blas_threads > 1) blas.set_num_threads(blas_threads);
-    throw;
-  }
-  if (blas_threads > 1) blas.set_num_threads(blas_threads);
+  OneBlasThreadEach one_blas_thread;
+  at::parallel_for(0, a.size(0), 1, [&](std::int64_t begin, std::int64_t end) {
+    for (std::int64_t i = begin; i < end; ++i) {
+      at::Tensor out_i = out.select(0, i);
+      if (addend.defined())
+        at::addmm_out(out_i, addend.select(0, i), a.select(0, i), b.select(0, i), /*beta=*/1, alpha);
+      else if (alpha == 1.0)
+        at::mm_out(out_i, a.select(0, i), b.select(0, i));
+      else
+        at::addmm_out(out_i, out_i, a.select(0, i), b.select(0, i), /*beta=*/0, alpha);
+    }
+  });
   return out;
 }
 

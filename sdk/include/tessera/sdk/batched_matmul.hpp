@@ -13,11 +13,11 @@ namespace tessera::sdk {
 ///
 /// Why not at::bmm: where LibTorch's CPU BLAS is OpenBLAS (Debian's LibTorch, any build without
 /// MKL), at::bmm calls the BLAS once per matrix, in order, each call split over all threads;
-/// attention's matrices are small (the bench GPT's: 96 of 128 x 64), and its backward on 2
-/// threads took longer than on one. Here each thread multiplies its own matrices, one BLAS
-/// thread each: 1.2-2.8x faster on those shapes at 2 threads. Elsewhere (CUDA, one thread, a
-/// parallel region already, autocast on, other dtypes than float and double, another BLAS)
-/// it is at::baddbmm / at::bmm itself.
+/// attention's matrices are small (the bench GPT's: 96 of 128 x 64 per layer), and its bmm took
+/// longer on 2 threads than on one. Here each thread multiplies its own matrices, one BLAS
+/// thread each: attention's products, forward and backward, 1.24x as fast at 2 threads
+/// (bench/training/attention.cpp). Elsewhere (CUDA, one thread, a parallel region already,
+/// autocast on, dtypes other than float and double, another BLAS) it is at::baddbmm / at::bmm.
 TESSERA_SDK_API at::Tensor batched_matmul(const at::Tensor& a, const at::Tensor& b, const at::Tensor& bias = {},
                                           double alpha = 1.0);
 
