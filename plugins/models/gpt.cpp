@@ -64,7 +64,8 @@ class BlockImpl : public torch::nn::Module {
     at::Tensor att = sdk::batched_matmul(q, k.transpose(1, 2), causal_bias(T, q.options()),
                                          /*alpha=*/1.0 / std::sqrt(static_cast<double>(D)));
     att = attention_dropout(at::softmax(att, -1).view({B, H, T, T}));
-    at::Tensor y = sdk::batched_matmul(att.view({B * H, T, T}), v).view({B, H, T, D}).transpose(1, 2).contiguous().view({B, T, local});
+    at::Tensor y = sdk::batched_matmul(att.view({B * H, T, T}), v).view({B, H, T, D});
+    y = y.transpose(1, 2).contiguous().view({B, T, local});
     at::Tensor h = x + dropout(proj.forward<at::Tensor>(y));
     return h + dropout(fc_proj.forward<at::Tensor>(F::gelu(fc.forward<at::Tensor>(ln_2(h)))));
   }
