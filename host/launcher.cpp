@@ -1,6 +1,5 @@
 #include "launcher.hpp"
 
-#include <dlfcn.h>
 #include <fcntl.h>
 #include <netinet/in.h>
 #include <arpa/inet.h>
@@ -28,6 +27,7 @@
 #include "tessera/core/cluster.hpp"
 #include "tessera/core/comm.hpp"
 #include "tessera/sdk/error.hpp"
+#include "tessera/sdk/openblas.hpp"
 
 namespace tessera::host {
 
@@ -95,9 +95,7 @@ void configure_threads(const LaunchSettings& settings, const sdk::ClusterInfo& c
                              ? settings.num_threads
                              : std::max<std::int64_t>(1, cores / std::max<std::int64_t>(1, cluster.local_world_size));
   at::set_num_threads(static_cast<int>(threads));
-  using SetThreads = void (*)(int);
-  if (auto set = reinterpret_cast<SetThreads>(::dlsym(RTLD_DEFAULT, "openblas_set_num_threads")))
-    set(static_cast<int>(threads));
+  sdk::openblas::set_num_threads(static_cast<int>(threads));
 }
 
 namespace {

@@ -19,7 +19,7 @@
 
 #include "launcher.hpp"
 #include "plugin_keys.hpp"
-#include "tessera/core/autocast.hpp"
+#include "tessera/sdk/autocast.hpp"
 #include "tessera/core/deferred_init.hpp"
 #include "tessera/core/fsdp/sharded_strategy.hpp"
 #include "tessera/core/plugin_loader.hpp"
@@ -194,7 +194,7 @@ class RecomputedUnitProbe final : public sdk::UnitRunner {
     recomputed_.forward_all_reduces += through.forward_all_reduces - before_unit.forward_all_reduces;
     recomputed_.forward_all_reduce_bytes += through.forward_all_reduce_bytes - before_unit.forward_all_reduce_bytes;
     // Under autocast, the unit's fp32 softmax outputs on CUDA are internals too.
-    if (count_cuda_autocast_ && core::autocast_enabled(/*cuda=*/false))
+    if (count_cuda_autocast_ && sdk::autocast_enabled(/*cuda=*/false))
       cuda_autocast_.push_back(cuda_autocast_extra(joined(outputs)).bytes - cuda_autocast_extra(joined(inputs)).bytes);
     return outputs;
   }
@@ -262,7 +262,7 @@ Trace trace_forward(sdk::Module& model, sdk::Precision& precision, sdk::DataModu
       sdk::StepOutput out = model.training_step(batch, 0);
       trace.saved = static_cast<double>(counter.live());
       trace.tensor_parallel = sdk::tensor_parallel_traffic(out.loss);
-      if (count_cuda_autocast && core::autocast_enabled(/*cuda=*/false)) trace.cuda_autocast = cuda_autocast_extra(out.loss);
+      if (count_cuda_autocast && sdk::autocast_enabled(/*cuda=*/false)) trace.cuda_autocast = cuda_autocast_extra(out.loss);
     }
     trace.transient = static_cast<double>(counter.peak()) - trace.saved;
   } catch (...) {

@@ -7,18 +7,13 @@
 #include <filesystem>
 #include <string>
 
+#include "tessera/sdk/openblas.hpp"
+
 namespace tessera::host {
 
 namespace {
 
 bool chose(const char* name) { return std::getenv(name) != nullptr; }
-
-// OpenBLAS's own thread pool (its pthreads build; the OpenMP build waits in libgomp's).
-bool openblas_has_pthreads() {
-  using GetParallel = int (*)();
-  auto get = reinterpret_cast<GetParallel>(::dlsym(RTLD_DEFAULT, "openblas_get_parallel"));
-  return get != nullptr && get() == 1;
-}
 
 }  // namespace
 
@@ -33,7 +28,7 @@ void settle_worker_threads(char** argv) {
     ::setenv("GOMP_SPINCOUNT", "10000", 1);
     changed = true;
   }
-  if (!chose("OPENBLAS_THREAD_TIMEOUT") && openblas_has_pthreads()) {
+  if (!chose("OPENBLAS_THREAD_TIMEOUT") && sdk::openblas::has_own_threads()) {
     ::setenv("OPENBLAS_THREAD_TIMEOUT", "20", 1);
     changed = true;
   }

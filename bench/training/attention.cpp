@@ -9,7 +9,6 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
-#include <dlfcn.h>
 #include <limits>
 #include <vector>
 
@@ -18,6 +17,7 @@
 #include <torch/csrc/autograd/autograd.h>
 
 #include "tessera/sdk/batched_matmul.hpp"
+#include "tessera/sdk/openblas.hpp"
 
 namespace {
 
@@ -48,8 +48,7 @@ int main(int argc, char** argv) {
   if (argc > 2) {
     const int threads = std::atoi(argv[2]);
     at::set_num_threads(threads);
-    using SetThreads = void (*)(int);  // OpenBLAS's own pool, as the tessera binary sets it
-    if (auto set = reinterpret_cast<SetThreads>(::dlsym(RTLD_DEFAULT, "openblas_set_num_threads"))) set(threads);
+    tessera::sdk::openblas::set_num_threads(threads);  // OpenBLAS's own pool, as the tessera binary sets it
   }
   auto libtorch_scores = [](const at::Tensor& q, const at::Tensor& kt, const at::Tensor& mask, double alpha) {
     return at::baddbmm(mask, q, kt, 1, alpha);

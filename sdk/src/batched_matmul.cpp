@@ -1,17 +1,15 @@
 #include "tessera/sdk/batched_matmul.hpp"
 
-#include <dlfcn.h>
-
 #include <mutex>
 #include <utility>
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
-#include <ATen/autocast_mode.h>
 #include <torch/csrc/autograd/custom_function.h>
-#include <torch/version.h>
 
+#include "tessera/sdk/autocast.hpp"
 #include "tessera/sdk/error.hpp"
+#include "tessera/sdk/openblas.hpp"
 
 namespace tessera::sdk {
 
@@ -20,51 +18,24 @@ namespace {
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
-/// OpenBLAS's thread controls, when LibTorch's BLAS is OpenBLAS.
-struct OpenBlas {
-  using SetThreads = void (*)(int);
-  using GetInt = int (*)();
-  SetThreads set_num_threads = reinterpret_cast<SetThreads>(::dlsym(RTLD_DEFAULT, "openblas_set_num_threads"));
-  GetInt get_num_threads = reinterpret_cast<GetInt>(::dlsym(RTLD_DEFAULT, "openblas_get_num_threads"));
-  GetInt get_parallel = reinterpret_cast<GetInt>(::dlsym(RTLD_DEFAULT, "openblas_get_parallel"));
-
-  bool found() const { return set_num_threads && get_num_threads && get_parallel; }
-  /// Its pthreads build keeps its own thread count, which a call made inside our parallel region
-  /// would use again; its OpenMP build runs single-threaded inside one, its serial build always.
-  bool own_threads() const { return get_parallel() == 1; }
-};
-
-const OpenBlas& openblas() {
-  static const OpenBlas blas;
-  return blas;
-}
-
-bool autocast_on() {
-#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 4)
-  return at::autocast::is_autocast_enabled(at::kCPU) || at::autocast::is_autocast_enabled(at::kCUDA);
-#else
-  return at::autocast::is_cpu_enabled() || at::autocast::is_enabled();
-#endif
-}
-
 /// Whether the matrices go to the threads one by one rather than to at::baddbmm.
 bool split_by_matrix(const at::Tensor& a, const at::Tensor& b, const at::Tensor& bias) {
   const c10::ScalarType dtype = a.scalar_type();
   return a.device().is_cpu() && b.device().is_cpu() && (dtype == at::kFloat || dtype == at::kDouble) &&
          b.scalar_type() == dtype && (!bias.defined() || (bias.device().is_cpu() && bias.scalar_type() == dtype)) &&
-         a.size(0) > 1 && at::get_num_threads() > 1 && !at::in_parallel_region() && !autocast_on() &&
-         openblas().found();
+         a.size(0) > 1 && at::get_num_threads() > 1 && !at::in_parallel_region() &&
+         !autocast_enabled(/*cuda=*/false) && !autocast_enabled(/*cuda=*/true) && openblas::loaded();
 }
 
 /// Holds OpenBLAS's own pool (its pthreads build) at one thread while it lives, one holder at a
 /// time: the count is global, and the pool's threads must not split each matrix again.
 class OneBlasThreadEach {
  public:
-  OneBlasThreadEach() : lock_(mutex()), before_(openblas().own_threads() ? openblas().get_num_threads() : 1) {
-    if (before_ > 1) openblas().set_num_threads(1);
+  OneBlasThreadEach() : lock_(mutex()), before_(openblas::has_own_threads() ? openblas::num_threads() : 1) {
+    if (before_ > 1) openblas::set_num_threads(1);
   }
   ~OneBlasThreadEach() {
-    if (before_ > 1) openblas().set_num_threads(before_);
+    if (before_ > 1) openblas::set_num_threads(before_);
   }
   OneBlasThreadEach(const OneBlasThreadEach&) = delete;
   OneBlasThreadEach& operator=(const OneBlasThreadEach&) = delete;

@@ -14,7 +14,7 @@
 #include <torch/optim/sgd.h>
 
 #include "multiprocess.hpp"
-#include "tessera/core/autocast.hpp"
+#include "tessera/sdk/autocast.hpp"
 #include "tessera/core/comm.hpp"
 #include "tessera/core/fsdp.hpp"
 #include "tessera/core/fsdp/wrap.hpp"
@@ -345,9 +345,9 @@ std::map<std::string, at::Tensor> autocast_step_grads(bool autocast, bool checkp
   fsdp::ShardedModule sharded(net.ptr(), options, core::make_local_communicator(), core::make_local_communicator());
   torch::manual_seed(5);
   sharded.begin_forward(true);
-  core::set_autocast(/*cuda=*/false, autocast, at::kBFloat16);
+  sdk::set_autocast(/*cuda=*/false, autocast, at::kBFloat16);
   at::Tensor loss = loss_of(net, 0, 0, kBatch);
-  core::set_autocast(/*cuda=*/false, false, at::kBFloat16);
+  sdk::set_autocast(/*cuda=*/false, false, at::kBFloat16);
   sharded.begin_backward(true);
   loss.backward();
   sharded.finish_backward();

@@ -17,7 +17,7 @@
 #include <torch/nn/modules/normalization.h>
 
 #include "multiprocess.hpp"
-#include "tessera/core/autocast.hpp"
+#include "tessera/sdk/autocast.hpp"
 #include "tessera/core/checkpoint.hpp"
 
 namespace {
@@ -1241,13 +1241,13 @@ TEST(BadInput, Bf16LayerNormOnCpuIsExplainedWithoutAStackTrace) {
   // weight (1.13 does; 2.x autocasts layer_norm to fp32 and the model trains).
   bool libtorch_fails = false;
   try {
-    tessera::core::set_autocast(/*cuda=*/false, true, at::kBFloat16);
+    tessera::sdk::set_autocast(/*cuda=*/false, true, at::kBFloat16);
     torch::nn::LayerNorm norm(torch::nn::LayerNormOptions({32}));
     norm(torch::nn::Linear(8, 32)(at::randn({2, 8})));
   } catch (const c10::Error&) {
     libtorch_fails = true;
   }
-  tessera::core::set_autocast(/*cuda=*/false, false, at::kBFloat16);
+  tessera::sdk::set_autocast(/*cuda=*/false, false, at::kBFloat16);
   if (!libtorch_fails) {
     EXPECT_EQ(r.exit_code, 0) << "this LibTorch runs a LayerNorm under CPU autocast:\n" << r.output;
     return;

@@ -14,7 +14,7 @@
 #include <ATen/autocast_mode.h>
 #include <torch/nn/module.h>
 
-#include "tessera/core/autocast.hpp"
+#include "tessera/sdk/autocast.hpp"
 #include "tessera/core/plugin_loader.hpp"
 #include "tessera/sdk/error.hpp"
 #include "tessera/sdk/module.hpp"
@@ -136,11 +136,11 @@ std::vector<std::shared_ptr<torch::nn::Module>> install(sdk::Module& model,
 class AutocastBF16 {
  public:
   AutocastBF16() {
-    tessera::core::set_autocast(/*cuda=*/false, true, at::kBFloat16);
+    tessera::sdk::set_autocast(/*cuda=*/false, true, at::kBFloat16);
   }
   ~AutocastBF16() {
     at::autocast::clear_cache();
-    tessera::core::set_autocast(/*cuda=*/false, false, at::kBFloat16);
+    tessera::sdk::set_autocast(/*cuda=*/false, false, at::kBFloat16);
   }
 };
 

@@ -13,7 +13,7 @@
 #include <torch/optim/sgd.h>
 
 #include "multiprocess.hpp"
-#include "tessera/core/autocast.hpp"
+#include "tessera/sdk/autocast.hpp"
 #include "tessera/core/checkpoint.hpp"
 #include "tessera/core/plugin_loader.hpp"
 #include "tessera/core/precision_base.hpp"
@@ -148,18 +148,18 @@ TEST(ForwardContext, Bf16MixedRunsMatmulsInBf16WhileParametersStayFp32) {
   at::Tensor x = at::randn({2, 8});
   {
     sdk::GuardPtr outer = precision->forward_context();
-    EXPECT_TRUE(core::autocast_enabled(/*cuda=*/false));
+    EXPECT_TRUE(sdk::autocast_enabled(/*cuda=*/false));
     EXPECT_EQ(linear(x).scalar_type(), at::kBFloat16);
     EXPECT_EQ(at::matmul(x, x.t()).scalar_type(), at::kBFloat16);
     {
       sdk::GuardPtr inner = precision->forward_context();  // nested steps restore, not clear
     }
-    EXPECT_TRUE(core::autocast_enabled(/*cuda=*/false));
+    EXPECT_TRUE(sdk::autocast_enabled(/*cuda=*/false));
     EXPECT_EQ(linear->weight.scalar_type(), at::kFloat);
     at::Tensor loss = precision->convert_output(linear(x).sum());
     EXPECT_EQ(loss.scalar_type(), at::kFloat);
   }
-  EXPECT_FALSE(core::autocast_enabled(/*cuda=*/false));
+  EXPECT_FALSE(sdk::autocast_enabled(/*cuda=*/false));
   EXPECT_EQ(linear(x).scalar_type(), at::kFloat);
 }
 
@@ -168,7 +168,7 @@ TEST(ForwardContext, TruePrecisionCreatesForwardTensorsInItsDtype) {
   {
     sdk::GuardPtr guard = precision->forward_context();
     EXPECT_EQ(at::zeros({2}).scalar_type(), at::kBFloat16);
-    EXPECT_FALSE(core::autocast_enabled(/*cuda=*/false));
+    EXPECT_FALSE(sdk::autocast_enabled(/*cuda=*/false));
   }
   EXPECT_EQ(at::zeros({2}).scalar_type(), at::kFloat);
   EXPECT_EQ(plugin("precision", precision_key("32-true"))->forward_context(), nullptr);

@@ -20,7 +20,7 @@
 
 #include "fake_communicator.hpp"
 #include "multiprocess.hpp"
-#include "tessera/core/autocast.hpp"
+#include "tessera/sdk/autocast.hpp"
 #include "tessera/core/comm.hpp"
 #include "tessera/core/deferred_init.hpp"
 #include "tessera/core/plugin_loader.hpp"
@@ -322,10 +322,10 @@ TEST(TensorParallelGpt, Bf16AutocastStaysCloseToTheUnparallelizedModel) {
     const auto placements = sdk::tensor_parallel_placements(*parallel->network());
     at::manual_seed(5);
     sdk::Batch batch{at::randint(256, {3, 8}, at::kLong), at::randint(256, {3, 8}, at::kLong)};
-    tessera::core::set_autocast(/*cuda=*/false, true, at::kBFloat16);
+    tessera::sdk::set_autocast(/*cuda=*/false, true, at::kBFloat16);
     at::Tensor ref_loss = reference->training_step(batch, 0).loss;
     at::Tensor tp_loss = parallel->training_step(batch, 0).loss;
-    tessera::core::set_autocast(/*cuda=*/false, false, at::kBFloat16);
+    tessera::sdk::set_autocast(/*cuda=*/false, false, at::kBFloat16);
     at::autocast::clear_cache();
     ref_loss.backward();
     tp_loss.backward();
@@ -354,13 +354,13 @@ TEST(TensorParallelTraffic, TheGraphPredictsWhatTheGroupAllReduces) {
     sdk::Batch batch{at::randint(256, {3, 8}, at::kLong), at::randint(256, {3, 8}, at::kLong)};
     for (const bool bf16 : {false, true}) {
       SCOPED_TRACE(bf16 ? "bf16 autocast" : "fp32");
-      tessera::core::set_autocast(/*cuda=*/false, bf16, at::kBFloat16);
+      tessera::sdk::set_autocast(/*cuda=*/false, bf16, at::kBFloat16);
       const std::int64_t before = comm->stats().all_reduce_bytes;
       at::Tensor loss = parallel->training_step(batch, 0).loss;
       const std::int64_t forward = comm->stats().all_reduce_bytes - before;
       const sdk::TensorParallelTraffic traffic = sdk::tensor_parallel_traffic(loss);
       const sdk::TensorParallelTraffic plan = sdk::tensor_parallel_traffic(planned->training_step(batch, 0).loss);
-      tessera::core::set_autocast(/*cuda=*/false, false, at::kBFloat16);
+      tessera::sdk::set_autocast(/*cuda=*/false, false, at::kBFloat16);
       at::autocast::clear_cache();
       loss.backward();
       const std::int64_t backward = comm->stats().all_reduce_bytes - before - forward;

@@ -1,6 +1,6 @@
 #include "tessera/core/fsdp/autograd_seam.hpp"
 
-#include "tessera/core/autocast.hpp"
+#include "tessera/sdk/autocast.hpp"
 
 #include <ATen/ATen.h>
 #include <ATen/autocast_mode.h>
@@ -79,19 +79,19 @@ class ReplayScope {
  public:
   explicit ReplayScope(const RecomputeState& s)
       : state_(s), cpu_rng_(default_generator(c10::kCPU).get_state()),
-        autocast_cpu_(autocast_enabled(/*cuda=*/false)), autocast_gpu_(autocast_enabled(/*cuda=*/true)),
-        cpu_dtype_(autocast_dtype(/*cuda=*/false)), gpu_dtype_(autocast_dtype(/*cuda=*/true)) {
+        autocast_cpu_(sdk::autocast_enabled(/*cuda=*/false)), autocast_gpu_(sdk::autocast_enabled(/*cuda=*/true)),
+        cpu_dtype_(sdk::autocast_dtype(/*cuda=*/false)), gpu_dtype_(sdk::autocast_dtype(/*cuda=*/true)) {
     if (!s.device.is_cpu()) device_rng_ = default_generator(s.device).get_state();
     default_generator(c10::kCPU).set_state(s.cpu_rng);
     if (!s.device.is_cpu()) default_generator(s.device).set_state(s.device_rng);
-    set_autocast(/*cuda=*/false, s.autocast_cpu, s.autocast_cpu_dtype);
-    set_autocast(/*cuda=*/true, s.autocast_gpu, s.autocast_gpu_dtype);
+    sdk::set_autocast(/*cuda=*/false, s.autocast_cpu, s.autocast_cpu_dtype);
+    sdk::set_autocast(/*cuda=*/true, s.autocast_gpu, s.autocast_gpu_dtype);
   }
   ~ReplayScope() {
     default_generator(c10::kCPU).set_state(cpu_rng_);
     if (!state_.device.is_cpu()) default_generator(state_.device).set_state(device_rng_);
-    set_autocast(/*cuda=*/false, autocast_cpu_, cpu_dtype_);
-    set_autocast(/*cuda=*/true, autocast_gpu_, gpu_dtype_);
+    sdk::set_autocast(/*cuda=*/false, autocast_cpu_, cpu_dtype_);
+    sdk::set_autocast(/*cuda=*/true, autocast_gpu_, gpu_dtype_);
   }
 
  private:
@@ -110,10 +110,10 @@ struct Recompute : public torch::autograd::Function<Recompute> {
     }
     state->cpu_rng = default_generator(c10::kCPU).get_state();
     if (!state->device.is_cpu()) state->device_rng = default_generator(state->device).get_state();
-    state->autocast_cpu = autocast_enabled(/*cuda=*/false);
-    state->autocast_gpu = autocast_enabled(/*cuda=*/true);
-    state->autocast_cpu_dtype = autocast_dtype(/*cuda=*/false);
-    state->autocast_gpu_dtype = autocast_dtype(/*cuda=*/true);
+    state->autocast_cpu = sdk::autocast_enabled(/*cuda=*/false);
+    state->autocast_gpu = sdk::autocast_enabled(/*cuda=*/true);
+    state->autocast_cpu_dtype = sdk::autocast_dtype(/*cuda=*/false);
+    state->autocast_gpu_dtype = sdk::autocast_dtype(/*cuda=*/true);
     ctx->save_for_backward(inputs);
     variable_list outputs;
     {

@@ -9,7 +9,7 @@
 #include <cmath>
 #include <map>
 
-#include "tessera/core/autocast.hpp"
+#include "tessera/sdk/autocast.hpp"
 #include "tessera/sdk/error.hpp"
 #include "tessera/sdk/strategy.hpp"
 
@@ -24,13 +24,13 @@ const std::vector<std::string> kPrecisions = {"32-true", "16-true", "bf16-true",
 class AutocastGuard final : public sdk::Guard {
  public:
   AutocastGuard(bool cuda, at::ScalarType dtype)
-      : cuda_(cuda), was_enabled_(autocast_enabled(cuda)), previous_dtype_(autocast_dtype(cuda)) {
-    set_autocast(cuda_, true, dtype);
+      : cuda_(cuda), was_enabled_(sdk::autocast_enabled(cuda)), previous_dtype_(sdk::autocast_dtype(cuda)) {
+    sdk::set_autocast(cuda_, true, dtype);
     at::autocast::increment_nesting();
   }
   ~AutocastGuard() override {
     if (at::autocast::decrement_nesting() == 0) at::autocast::clear_cache();
-    set_autocast(cuda_, was_enabled_, previous_dtype_);
+    sdk::set_autocast(cuda_, was_enabled_, previous_dtype_);
   }
 
  private:

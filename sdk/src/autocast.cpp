@@ -1,9 +1,9 @@
-#include "tessera/core/autocast.hpp"
+#include "tessera/sdk/autocast.hpp"
 
 #include <ATen/autocast_mode.h>
 #include <torch/version.h>
 
-namespace tessera::core {
+namespace tessera::sdk {
 
 #if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 4)
 bool autocast_enabled(bool cuda) { return at::autocast::is_autocast_enabled(cuda ? at::kCUDA : at::kCPU); }
@@ -28,4 +28,4 @@ void set_autocast(bool cuda, bool enabled, at::ScalarType dtype) {
 }
 #endif
 
-}  // namespace tessera::core
+}  // namespace tessera::sdk

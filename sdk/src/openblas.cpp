@@ -1,0 +1,32 @@
+#include "tessera/sdk/openblas.hpp"
+
+#include <dlfcn.h>
+
+namespace tessera::sdk::openblas {
+
+namespace {
+
+struct Controls {
+  using SetThreads = void (*)(int);
+  using GetInt = int (*)();
+  SetThreads set_num_threads = reinterpret_cast<SetThreads>(::dlsym(RTLD_DEFAULT, "openblas_set_num_threads"));
+  GetInt get_num_threads = reinterpret_cast<GetInt>(::dlsym(RTLD_DEFAULT, "openblas_get_num_threads"));
+  GetInt get_parallel = reinterpret_cast<GetInt>(::dlsym(RTLD_DEFAULT, "openblas_get_parallel"));
+  bool found() const { return set_num_threads && get_num_threads && get_parallel; }
+};
+
+const Controls& controls() {
+  static const Controls found;
+  return found;
+}
+
+}  // namespace
+
+bool loaded() { return controls().found(); }
+bool has_own_threads() { return loaded() && controls().get_parallel() == 1; }
+int num_threads() { return loaded() ? controls().get_num_threads() : 1; }
+void set_num_threads(int threads) {
+  if (loaded()) controls().set_num_threads(threads);
+}
+
+}  // namespace tessera::sdk::openblas
