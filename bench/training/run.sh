@@ -9,6 +9,7 @@
 #   PAIRS=n bash bench/training/run.sh [steps]  runs only the issue's four comparisons, each as n
 # pairs of back-to-back runs in alternating order (A B, B A, ...: a host that drifts favours
 # neither side) and prints every pair's ratio and their median (~2.5 minutes a pair on 2 cores).
+# ONLY=regex (with PAIRS) keeps the comparisons whose label matches, e.g. ONLY="PyTorch DDP".
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 steps="${1:-30}"
@@ -72,6 +73,7 @@ if [ "${PAIRS:-0}" -gt 0 ]; then
   pairs() {
     local ratios="" i a b
     comparison=$((comparison + 1))
+    grep -qE -- "${ONLY:-.}" <<< "$1" || return 0
     for i in $(seq "$PAIRS"); do
       round="p$comparison.$i"  # each run its own folder
       if [ $((i % 2)) = 1 ]; then eval "$2"; a=$(last); eval "$3"; b=$(last)
