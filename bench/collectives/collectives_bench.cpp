@@ -165,7 +165,8 @@ int main(int argc, char** argv) {
       return 1;
     }
   }
-  std::string port = std::to_string(tessera::core::free_port());
+  const tessera::core::ReservedPort reserved;  // rank 0's store listens on it
+  std::string port = std::to_string(reserved.port());
   std::vector<pid_t> pids;
   for (int rank = 0; rank < s.world_size; ++rank) {
     std::vector<std::string> strings;

@@ -1,8 +1,12 @@
 // Cluster environments on fake variable maps: what torchrun, Slurm, Open MPI and the local
 // launcher set, and the errors for what they leave out.
 #include <gtest/gtest.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
 
 #include "tessera/core/cluster.hpp"
+#include "tessera/core/comm.hpp"
 #include "tessera/sdk/error.hpp"
 
 namespace {
@@ -164,6 +168,28 @@ TEST(ClusterEnvironment, MalformedValuesAreErrors) {
   env["MASTER_PORT"] = "70000";
   message = error_of(env, "auto");
   EXPECT_NE(message.find("master port 70000"), std::string::npos) << message;
+}
+
+/// Whether a plain socket (no SO_REUSEADDR, as a stranger's bind) can bind `port`.
+bool plain_bind_succeeds(int port) {
+  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in address{};
+  address.sin_family = AF_INET;
+  address.sin_addr.s_addr = htonl(INADDR_ANY);
+  address.sin_port = htons(static_cast<std::uint16_t>(port));
+  const bool bound = ::bind(fd, reinterpret_cast<sockaddr*>(&address), sizeof(address)) == 0;
+  ::close(fd);
+  return bound;
+}
+
+TEST(ReservedPort, IsKeptFromOthersButTakenByTheRendezvousStore) {
+  tessera::core::ReservedPort reserved, other;
+  EXPECT_GT(reserved.port(), 0);
+  EXPECT_NE(reserved.port(), other.port());
+  EXPECT_FALSE(plain_bind_succeeds(reserved.port())) << "a stranger's bind got the reserved port";
+  // c10d's TCPStore, as the ranks' rendezvous opens it, listens on the held port.
+  tessera::core::AgentStore store("127.0.0.1", reserved.port(), /*server=*/true, /*timeout_s=*/10);
+  EXPECT_EQ(store.port(), reserved.port());
 }
 
 }  // namespace

@@ -146,9 +146,10 @@ TEST(Launcher, KilledLauncherLeavesNoOrphans) {
 TEST(Launcher, TorchrunWorkerWritesTheElasticErrorFile) {
   std::string dir = tessera::testing::fresh_dir("launch-elastic");
   std::string error_file = dir + "/error.json";
+  const tessera::testing::ReservedPort port;
   auto r = run_tessera("fit --config " + write_config(dir) + " --set data.path=/nonexistent",
                        "RANK=0 WORLD_SIZE=1 LOCAL_RANK=0 LOCAL_WORLD_SIZE=1 MASTER_ADDR=127.0.0.1 MASTER_PORT=" +
-                           std::to_string(tessera::testing::free_port()) + " TORCHELASTIC_ERROR_FILE=" + error_file,
+                           std::to_string(port.port()) + " TORCHELASTIC_ERROR_FILE=" + error_file,
                        120);
   EXPECT_NE(r.exit_code, 0);
   std::string json = slurp(error_file);

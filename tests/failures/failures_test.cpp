@@ -421,10 +421,11 @@ TEST(Mpirun, TrainsWithRankZeroHostingTheStore) {
     GTEST_SKIP() << "SKIPPED: Open MPI's mpirun (openmpi-bin) is not installed";
   std::string dir = tessera::testing::fresh_dir("mpirun");
   const std::string config = write_config(dir, 2, "fsdp");
+  const tessera::testing::ReservedPort port;
   // mpirun refuses root unless told (CI containers run as root); the ranks need no MPI transport.
   auto r = tessera::testing::run_command(
       "OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 timeout -k 5 150 mpirun -np 2 --oversubscribe -x "
-      "MASTER_PORT=" + std::to_string(tessera::testing::free_port()) + " " + tessera::testing::tessera_binary() +
+      "MASTER_PORT=" + std::to_string(port.port()) + " " + tessera::testing::tessera_binary() +
       " fit --config " + config + " 2>&1");
   EXPECT_EQ(r.exit_code, 0) << r.output;
   EXPECT_CONTAINS(r.output, "2 rank(s) [mpi]");
@@ -464,8 +465,9 @@ TEST_P(Torchrun, Trains) {
   if (const std::string why = torchrun_unavailable(); !why.empty()) GTEST_SKIP() << "SKIPPED: " << why;
   std::string dir = tessera::testing::fresh_dir("torchrun");
   std::string args = GetParam();
+  const tessera::testing::ReservedPort port;
   for (std::string::size_type at; (at = args.find("@PORT@")) != std::string::npos;)
-    args.replace(at, 6, std::to_string(tessera::testing::free_port()));
+    args.replace(at, 6, std::to_string(port.port()));
   auto r = torchrun(args, "fit --config " + write_config(dir, 2));
   EXPECT_EQ(r.exit_code, 0) << r.output;
   EXPECT_CONTAINS(r.output, "2 rank(s) [torchrun]");
@@ -486,7 +488,8 @@ INSTANTIATE_TEST_SUITE_P(Launchers, Torchrun,
 TEST(TorchrunBlame, AFailingRankIsTheRootCauseInTorchrunsOwnReport) {
   if (const std::string why = torchrun_unavailable(); !why.empty()) GTEST_SKIP() << "SKIPPED: " << why;
   std::string dir = tessera::testing::fresh_dir("torchrun-fail");
-  auto r = torchrun("--master_port=" + std::to_string(tessera::testing::free_port()),
+  const tessera::testing::ReservedPort port;
+  auto r = torchrun("--master_port=" + std::to_string(port.port()),
                     "fit --config " + write_config(dir, 6), "TESSERA_FAULT_INJECT=rank=1,step=2,kind=error");
   EXPECT_NE(r.exit_code, 0) << r.output;
   auto root = r.output.find("Root Cause (first observed failure):");

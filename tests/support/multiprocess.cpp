@@ -82,7 +82,8 @@ void run_ranks(int world_size, std::chrono::seconds timeout,
   std::string filter = std::string("--gtest_filter=") + test->test_suite_name() + "." + test->name();
   std::string exe(4096, '\0');
   exe.resize(static_cast<std::size_t>(::readlink("/proc/self/exe", exe.data(), exe.size())));
-  std::string port = std::to_string(free_port());
+  const ReservedPort reserved;  // held until the ranks are done: rank 0's store listens on it
+  std::string port = std::to_string(reserved.port());
   // A rank's collectives give up well before the test's own deadline, so a hang is reported
   // by the ranks themselves ("rank 1: ... timed out") when possible.
   std::string collective_timeout = std::to_string(std::max<long>(5, timeout.count() / 2));

@@ -20,7 +20,7 @@ namespace tessera::testing {
 void run_ranks(int world_size, std::chrono::seconds timeout,
                const std::function<void(const sdk::ClusterInfo& cluster)>& body);
 
-using core::free_port;
+using core::ReservedPort;
 
 /// The build tree's plugin directory (for core::PluginLoader in tests).
 const char* plugin_dir();

@@ -215,17 +215,25 @@ Environment process_environment() {
   return env;
 }
 
-int free_port() {
-  int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-  TESSERA_CHECK(fd >= 0, "cannot open a socket to find a free port: ", std::strerror(errno));
+ReservedPort::ReservedPort() : fd_(::socket(AF_INET, SOCK_STREAM, 0)) {
+  TESSERA_CHECK(fd_ >= 0, "cannot open a socket to find a free port: ", std::strerror(errno));
   sockaddr_in address{};
   address.sin_family = AF_INET;
   address.sin_addr.s_addr = htonl(INADDR_ANY);
-  ::bind(fd, reinterpret_cast<sockaddr*>(&address), sizeof(address));
   socklen_t length = sizeof(address);
-  ::getsockname(fd, reinterpret_cast<sockaddr*>(&address), &length);
-  ::close(fd);
-  return ntohs(address.sin_port);
+  if (::bind(fd_, reinterpret_cast<sockaddr*>(&address), sizeof(address)) != 0 ||
+      ::getsockname(fd_, reinterpret_cast<sockaddr*>(&address), &length) != 0) {
+    const int error = errno;
+    ::close(fd_);
+    TESSERA_FAIL("cannot find a free TCP port: ", std::strerror(error));
+  }
+  // After the bind, so that the kernel chose a port nobody holds; from now on only another
+  // SO_REUSEADDR socket may bind it too, and only to listen there.
+  const int on = 1;
+  ::setsockopt(fd_, SOL_SOCKET, SO_REUSEADDR, &on, sizeof(on));
+  port_ = ntohs(address.sin_port);
 }
+
+ReservedPort::~ReservedPort() { ::close(fd_); }
 
 }  // namespace tessera::core

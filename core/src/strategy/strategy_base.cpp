@@ -3,6 +3,7 @@
 #include <cmath>
 #include <filesystem>
 #include <limits>
+#include <optional>
 #include <set>
 
 #include <ATen/ATen.h>
@@ -77,7 +78,8 @@ void StrategyBase::setup_environment(const sdk::ClusterInfo& cluster) {
   // GPU path is the one used at scale.
   if (cluster.world_size > 1 || device_.is_cuda()) {
     sdk::ClusterInfo rendezvous = cluster;
-    if (rendezvous.master_port == 0) rendezvous.master_port = free_port();
+    std::optional<ReservedPort> reserved;  // until the store listens on it
+    if (rendezvous.master_port == 0) rendezvous.master_port = reserved.emplace().port();
     world_ = make_communicator(rendezvous, device_);
   } else {
     world_ = make_local_communicator();

@@ -47,8 +47,23 @@ std::vector<std::int64_t> slurm_tasks_per_node(const std::string& value);
 /// This process's environment variables.
 Environment process_environment();
 
-/// A TCP port that was free a moment ago (bind to port 0 and ask): for rendezvous ports
-/// picked by the local launcher, one-rank NCCL groups and tests.
-int free_port();
+/// A free TCP port held until a rendezvous store listens on it, in this process or another:
+/// bound and never listening, with SO_REUSEADDR, so that c10d's TCPStore (which binds with
+/// SO_REUSEADDR) can take it while no other bind or outgoing connection is given it. Asking
+/// the kernel for a free port and letting it go left a gap before the store listened, in
+/// which a concurrent job (two multi-rank tests under ctest -j) could draw the same one.
+/// For one-rank NCCL groups, tests and benches; the local launcher's store picks its own port.
+class ReservedPort {
+ public:
+  ReservedPort();
+  ~ReservedPort();
+  ReservedPort(const ReservedPort&) = delete;
+  ReservedPort& operator=(const ReservedPort&) = delete;
+  int port() const { return port_; }
+
+ private:
+  int fd_ = -1;
+  int port_ = 0;
+};
 
 }  // namespace tessera::core
