@@ -4,9 +4,10 @@
 //  `distributed`: sharded checkpoints: a folder with one safetensors file per rank and a JSON
 //                 manifest, committed by rank 0 once every rank's file is written
 //                 (core/sharded_checkpoint.hpp); full saves as `torch`.
-// Both: `last` points at the newest commit, interrupted saves are swept before this process's
-// first save into a folder, keep_last_k prunes after a commit, and async = true writes in a
-// background thread from a host-memory snapshot.
+// Both read either format (and the sharded pickles before the manifest): `plugin` chooses how
+// saves are written. Both: `last` points at the newest commit, interrupted saves are swept
+// before this process's first save into a folder, keep_last_k prunes after a commit, and
+// async = true writes in a background thread from a host-memory snapshot.
 #include <chrono>
 #include <condition_variable>
 #include <deque>
@@ -111,7 +112,7 @@ class BackgroundWriter {
   std::thread thread_;
 };
 
-/// One file: the whole checkpoint.
+/// Saves one file, the whole checkpoint; reads that, and the sharded folders below writes.
 class TorchCheckpointIO : public tessera::sdk::CheckpointIO, public tessera::sdk::CheckpointIOFeatures {
  public:
   explicit TorchCheckpointIO(const tessera::sdk::Options& options)
@@ -134,8 +135,12 @@ class TorchCheckpointIO : public tessera::sdk::CheckpointIO, public tessera::sdk
     committed(path);
   }
 
-  Checkpoint load_checkpoint(const std::string& path, const ShardInfo&) override {
-    writer_.wait();
+  // Either IO reads what either writes: `plugin` chooses how saves are written, so a run that
+  // switches between them resumes from the other's checkpoints (as Lightning's FSDP loads a
+  // file or a folder whatever its state_dict_type).
+  Checkpoint load_checkpoint(const std::string& path, const ShardInfo& shard) override {
+    writer_.wait();  // a save in flight may be publishing `path`
+    if (fs::is_directory(path)) return load_shard(path, shard);
     check_file(path);
     Checkpoint c = tessera::core::checkpoint_dict(tessera::core::load_pickle(path), "checkpoint " + path);
     tessera::core::check_tensor_checksums(c, path);
@@ -144,6 +149,7 @@ class TorchCheckpointIO : public tessera::sdk::CheckpointIO, public tessera::sdk
 
   CheckpointMetadata read_metadata(const std::string& path) override {
     writer_.wait();
+    if (fs::is_directory(path)) return folder_metadata(path);
     check_file(path);
     TESSERA_CHECK(has_zip_magic(path), path, " is not a checkpoint: it is not in torch.save's zip format");
     return CheckpointMetadata{false, 1, "torch"};
@@ -174,18 +180,52 @@ class TorchCheckpointIO : public tessera::sdk::CheckpointIO, public tessera::sdk
   static void check_file(const std::string& path) {
     std::error_code ec;
     TESSERA_CHECK(fs::exists(path, ec), "checkpoint ", path, " does not exist");
-    TESSERA_CHECK(!fs::is_directory(path, ec), "checkpoint ", path,
-                  " is a directory: a sharded checkpoint? Load it with [checkpoint_io] plugin = \"distributed\"");
   }
 
   std::int64_t keep_last_k_;
   bool async_;
   std::set<std::string> swept_;
   BackgroundWriter writer_;  // last: joined before the members its jobs use go
+
+ private:
+  static constexpr const char* kLegacyFormat = "tessera-sharded-pickle";  // before the manifest (tessera 0.1)
+
+  /// A sharded folder: the manifest's format, or the one before it (metadata.json + shard-R-of-N.pt pickles).
+  static CheckpointMetadata folder_metadata(const std::string& path) {
+    if (fs::exists(fs::path(path) / tessera::core::kManifestName)) {
+      tessera::core::Manifest manifest = tessera::core::read_manifest(path);
+      return CheckpointMetadata{true, manifest.world_size, tessera::core::kShardedFormatName};
+    }
+    fs::path file = fs::path(path) / "metadata.json";
+    TESSERA_CHECK(fs::exists(file), "sharded checkpoint ", path, " has no ", tessera::core::kManifestName,
+                  ": it is not a committed checkpoint (an interrupted save?)");
+    boost::property_tree::ptree meta;
+    try {
+      boost::property_tree::read_json(file.string(), meta);
+    } catch (const std::exception& e) {
+      TESSERA_FAIL(file.string(), " is not valid JSON: ", e.what());
+    }
+    const std::string format = meta.get<std::string>("format", "");
+    TESSERA_CHECK(format == "tessera-sharded", file.string(), " has format \"", format,
+                  "\"; expected \"tessera-sharded\"");
+    const auto world = meta.get_optional<std::int64_t>("world_size");
+    TESSERA_CHECK(world && *world >= 1, file.string(), " has no valid world_size");
+    return CheckpointMetadata{true, *world, kLegacyFormat};
+  }
+
+  static Checkpoint load_shard(const std::string& path, const ShardInfo& shard) {
+    CheckpointMetadata meta = folder_metadata(path);
+    TESSERA_CHECK(shard.rank >= 0 && shard.rank < meta.world_size, "sharded checkpoint ", path, " has ",
+                  meta.world_size, " shards (0..", meta.world_size - 1, "); shard ", shard.rank, " does not exist");
+    if (meta.format == tessera::core::kShardedFormatName) return tessera::core::load_shard(path, shard.rank);
+    std::string file =
+        (fs::path(path) / ("shard-" + std::to_string(shard.rank) + "-of-" + std::to_string(meta.world_size) + ".pt"))
+            .string();
+    return tessera::core::checkpoint_dict(tessera::core::load_pickle(file), "checkpoint shard " + file);
+  }
 };
 
-/// Sharded: core::write_shard on every rank, core::commit_shards on rank 0. Also reads the
-/// folders of the format before it (metadata.json + shard-R-of-N.pt pickles).
+/// Saves sharded: core::write_shard on every rank, core::commit_shards on rank 0.
 class DistributedCheckpointIO final : public TorchCheckpointIO {
  public:
   explicit DistributedCheckpointIO(const tessera::sdk::Options& options)
@@ -226,46 +266,7 @@ class DistributedCheckpointIO final : public TorchCheckpointIO {
     commit();
   }
 
-  Checkpoint load_checkpoint(const std::string& path, const ShardInfo& shard) override {
-    writer_.wait();  // a save in flight may be publishing `path`
-    if (!fs::is_directory(path)) return TorchCheckpointIO::load_checkpoint(path, shard);
-    CheckpointMetadata meta = read_metadata(path);
-    TESSERA_CHECK(shard.rank >= 0 && shard.rank < meta.world_size, "sharded checkpoint ", path, " has ",
-                  meta.world_size, " shards (0..", meta.world_size - 1, "); shard ", shard.rank, " does not exist");
-    if (meta.format == tessera::core::kShardedFormatName) return tessera::core::load_shard(path, shard.rank);
-    std::string file = (fs::path(path) / legacy_shard_name(shard.rank, meta.world_size)).string();
-    return tessera::core::checkpoint_dict(tessera::core::load_pickle(file), "checkpoint shard " + file);
-  }
-
-  CheckpointMetadata read_metadata(const std::string& path) override {
-    writer_.wait();
-    if (!fs::is_directory(path)) return TorchCheckpointIO::read_metadata(path);
-    if (fs::exists(fs::path(path) / tessera::core::kManifestName)) {
-      tessera::core::Manifest manifest = tessera::core::read_manifest(path);
-      return CheckpointMetadata{true, manifest.world_size, tessera::core::kShardedFormatName};
-    }
-    fs::path file = fs::path(path) / "metadata.json";
-    TESSERA_CHECK(fs::exists(file), "sharded checkpoint ", path, " has no ", tessera::core::kManifestName,
-                  ": it is not a committed checkpoint (an interrupted save?)");
-    boost::property_tree::ptree meta;
-    try {
-      boost::property_tree::read_json(file.string(), meta);
-    } catch (const std::exception& e) {
-      TESSERA_FAIL(file.string(), " is not valid JSON: ", e.what());
-    }
-    const std::string format = meta.get<std::string>("format", "");
-    TESSERA_CHECK(format == "tessera-sharded", file.string(), " has format \"", format,
-                  "\"; expected \"tessera-sharded\"");
-    const auto world = meta.get_optional<std::int64_t>("world_size");
-    TESSERA_CHECK(world && *world >= 1, file.string(), " has no valid world_size");
-    return CheckpointMetadata{true, *world, kLegacyFormat};
-  }
-
  private:
-  static constexpr const char* kLegacyFormat = "tessera-sharded-pickle";  // before the manifest (tessera 0.1)
-  static std::string legacy_shard_name(std::int64_t rank, std::int64_t world) {
-    return "shard-" + std::to_string(rank) + "-of-" + std::to_string(world) + ".pt";
-  }
   std::int64_t commit_timeout_s_;
   std::map<std::string, std::string> pending_;  // path -> save id of rank 0's saves not yet finalized
 };

@@ -584,8 +584,8 @@ TEST_F(CheckpointIO, BrokenShardedCheckpointsAreNamed) {
   EXPECT_NE(error_of([&] { dist->read_metadata(path); }).find("has format \"other\""), std::string::npos);
   std::ofstream(fs::path(path) / "metadata.json") << "{not json";
   EXPECT_NE(error_of([&] { dist->read_metadata(path); }).find("is not valid JSON"), std::string::npos);
-  EXPECT_NE(error_of([&] { io("torch")->load_checkpoint(path, sdk::ShardInfo{}); }).find("plugin = \"distributed\""),
-            std::string::npos);
+  EXPECT_NE(error_of([&] { io("torch")->load_checkpoint(path, sdk::ShardInfo{}); }).find("is not valid JSON"),
+            std::string::npos);  // either IO reads (and names) a sharded folder
 }
 
 }  // namespace

@@ -157,6 +157,20 @@ TEST_F(ShardedFormat, CommittedFolderHoldsOnlyEachRanksPiecesAndReshards) {
   EXPECT_TRUE(at::equal(core::state_dict_from(full.at("state_dict"), "s")["w"], model_.params.at("w")));
 }
 
+// `plugin` chooses how saves are written: a run that moves from sharded saves to full ones
+// resumes from its sharded checkpoints through the `torch` IO.
+TEST_F(ShardedFormat, TheTorchIOReadsWhatTheDistributedIOSaved) {
+  const std::string path = save(*io(), "step=6.ckpt", model_, 2, flat(model_));
+  auto torch_io = loader_.create_as<sdk::CheckpointIO>(sdk::PluginKind::checkpoint_io, "torch", sdk::Options());
+  sdk::CheckpointMetadata meta = torch_io->read_metadata(path);
+  EXPECT_TRUE(meta.sharded);
+  EXPECT_EQ(meta.world_size, 2);
+  EXPECT_EQ(meta.format, core::kShardedFormatName);
+  sdk::Checkpoint full = core::read_resharded_checkpoint(*torch_io, path, 2, model_.whole());
+  EXPECT_TRUE(at::equal(core::state_dict_from(full.at("state_dict"), "s")["w"], model_.params.at("w")));
+  EXPECT_EQ(full.at("global_step").toInt(), 6);
+}
+
 TEST_F(ShardedFormat, ACrashedRankLeavesThePreviousCheckpointAndNoTemporaries) {
   auto dist = io();
   const std::string path = save(*dist, "last.ckpt", model_, 2, flat(model_), 2);
