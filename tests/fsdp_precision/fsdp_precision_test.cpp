@@ -5,6 +5,7 @@
 
 #include <cmath>
 #include <fstream>
+#include <functional>
 #include <set>
 
 #include <ATen/ATen.h>
@@ -114,8 +115,9 @@ struct Traffic {
 };
 
 /// One FSDP training step of Net under `precision_toml`, in the order the fsdp strategy
-/// runs it; the bytes this rank put on the wire for it.
-Traffic fsdp_step(const std::string& precision_toml, const core::CommunicatorPtr& comm) {
+/// runs it; the bytes this rank put on the wire for it. `after_backward` sees the sharded model.
+Traffic fsdp_step(const std::string& precision_toml, const core::CommunicatorPtr& comm,
+                  const std::function<void(core::fsdp::ShardedModule&)>& after_backward = nullptr) {
   core::PrecisionBase precision(options(precision_toml), /*fsdp_policy=*/true);
   torch::manual_seed(0);
   Net net;
@@ -134,6 +136,7 @@ Traffic fsdp_step(const std::string& precision_toml, const core::CommunicatorPtr
   sharded.begin_backward(/*sync=*/true);
   precision.pre_backward(loss).backward();
   sharded.finish_backward();
+  if (after_backward) after_backward(sharded);
   const core::CommStats after = comm->stats();
   return Traffic{after.all_gather_bytes - before.all_gather_bytes,
                  after.reduce_scatter_bytes - before.reduce_scatter_bytes,
@@ -191,6 +194,29 @@ struct NormNetImpl : torch::nn::Module {
   torch::nn::Linear head{nullptr};
 };
 TORCH_MODULE(NormNet);
+
+// keep_low_precision_grads leaves the optimizer's gradients in param_dtype, as PyTorch's FSDP
+// casts them, also when reduce_dtype is wider: under bf16-true with reduce_dtype = float32 the
+// bf16 parameters were given fp32 gradients and AdamW's step failed in a LibTorch assert.
+TEST(MixedPrecisionPolicy, KeptLowPrecisionGradsTakeParamDtypeWhateverTheReduceDtype) {
+  run_ranks(2, std::chrono::seconds(90), [&](const sdk::ClusterInfo& cluster) {
+    auto comm = core::make_communicator(cluster, c10::kCPU);
+    for (const std::string precision : {"precision = \"bf16-true\"\n", "precision = \"bf16-mixed\"\nparam_dtype = \"bfloat16\"\n"}) {
+      fsdp_step(precision + "reduce_dtype = \"float32\"\nkeep_low_precision_grads = true\n", comm,
+                [&](core::fsdp::ShardedModule& sharded) {
+                  std::vector<at::Tensor> params;
+                  for (const auto& p : sharded.optimizer_parameters()) {
+                    EXPECT_EQ(p.tensor.grad().scalar_type(), at::kBFloat16) << precision << " " << p.name;
+                    params.push_back(p.tensor);
+                  }
+                  const at::Tensor before = params.front().detach().clone();
+                  torch::optim::AdamW(params, torch::optim::AdamWOptions(0.1)).step();
+                  EXPECT_FALSE(at::equal(params.front(), before)) << precision;
+                  EXPECT_TRUE(params.front().isfinite().all().item<bool>()) << precision;
+                });
+    }
+  });
+}
 
 // bf16-mixed with param_dtype and buffer_dtype bf16 and keep_low_precision_grads: the
 // BatchNorm keeps fp32 parameters (replicated, equal on every rank after steps) and fp32

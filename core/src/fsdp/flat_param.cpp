@@ -50,11 +50,10 @@ void FlatParamHandle::shard(at::Tensor flat) {
     shard_ = at::empty({shard_numel_}, config_.shard_options.dtype(master_dtype_));
     shard_.copy_(owned_part(flat));
   }
-  // keep_low_precision_grads: the optimizer sees gradients in reduce_dtype, as PyTorch's
-  // FSDP leaves them (for optimizers that step in low precision); otherwise the master dtype.
-  const auto& policy = config_.mixed_precision;
-  at::ScalarType grad_dtype =
-      policy.keep_low_precision_grads ? policy.reduce_dtype.value_or(compute_dtype_) : master_dtype_;
+  // keep_low_precision_grads: the optimizer sees gradients in param_dtype, as PyTorch's FSDP
+  // casts them (for optimizers that step in low precision; a wider reduce_dtype too);
+  // otherwise the master dtype.
+  at::ScalarType grad_dtype = config_.mixed_precision.keep_low_precision_grads ? compute_dtype_ : master_dtype_;
   shard_grad_ = at::zeros({shard_numel_}, config_.shard_options.dtype(grad_dtype));
   // The buffers are built one at a time so that deferred init peaks at about one unit.
   full_ = flat.scalar_type() == compute_dtype_ ? flat : flat.to(compute_dtype_);

@@ -290,7 +290,7 @@ sdk::MemoryLayout ShardedStrategy::planned_layout(sdk::Module& module, const sdk
   in.master_dtype = master;
   in.compute_dtype = policy.param_dtype.value_or(master);
   in.reduce_dtype = policy.reduce_dtype.value_or(in.compute_dtype);
-  in.grad_dtype = policy.keep_low_precision_grads ? in.reduce_dtype : master;
+  in.grad_dtype = policy.keep_low_precision_grads ? in.compute_dtype : master;
   sdk::MemoryLayout layout = plan_sharded_memory(in);
   // Setup: an eager build holds the whole model while each unit's flat copy is sharded; a
   // deferred one about one unit (its parameters, flat copy and shard).
