@@ -311,8 +311,11 @@ TEST(Config, TypoKeySuggestsTheClosest) {
 
 TEST(Config, WrongTypeNamesExpectedAndFound) {
   EXPECT_CONTAINS(load_error("[trainer]\nmax_steps = \"ten\"\n"),
-                  ":2: [trainer] max_steps must be an integer, found string");
-  EXPECT_CONTAINS(load_error("[optimizer]\nlr = \"fast\"\n"), "[optimizer] lr must be ");
+                  ":2: [trainer] max_steps must be an integer, found string \"ten\"");
+  EXPECT_CONTAINS(load_error("[optimizer]\nlr = \"fast\"\n"), "[optimizer] lr must be a number, found string \"fast\"");
+  // A quoted number gets the way out (TOML writes infinity as a bare inf).
+  EXPECT_CONTAINS(load_error("[trainer]\ngradient_clip_val = 1.0\nnorm_type = \"inf\"\n"),
+                  ":3: [trainer] norm_type must be a number, found string \"inf\": write it without quotes (inf)");
   EXPECT_CONTAINS(load_error("[trainer]\nsave_last = 1\n"), ":2: [trainer] save_last must be true or false, found integer");
   EXPECT_CONTAINS(load_error("[data]\nbatch_size = 2.5\n"), "[data] batch_size must be an integer, found floating-point");
   EXPECT_CONTAINS(load_error("plugin_dirs = \"/x\"\n"), "plugin_dirs must be an array of directory names");
