@@ -16,6 +16,7 @@
 #include <ATen/ATen.h>
 #include <c10/core/CPUAllocator.h>
 #include <torch/version.h>
+#include <torch/nn/modules/batchnorm.h>
 #include <torch/nn/modules/container/any.h>
 #include <torch/nn/modules/linear.h>
 #include <torch/optim/adamw.h>
@@ -472,6 +473,72 @@ TEST_P(DeferredInitUnderAMemoryCap, BuildsUnitByUnit) {
 INSTANTIATE_TEST_SUITE_P(Layouts, DeferredInitUnderAMemoryCap,
                          ::testing::Values(fsdp::ParamLayout::flat, fsdp::ParamLayout::per_parameter),
                          [](const auto& info) { return info.param == fsdp::ParamLayout::flat ? "Flat" : "PerParameter"; });
+
+struct NormBlockImpl : torch::nn::Module {
+  NormBlockImpl() : torch::nn::Module("NormBlock") {
+    fc = register_module("fc", torch::nn::Linear(8, 8));
+    bn = register_module("bn", torch::nn::BatchNorm1d(8));
+  }
+  at::Tensor forward(const at::Tensor& x) { return at::tanh(bn(fc(x))); }
+  torch::nn::Linear fc{nullptr};
+  torch::nn::BatchNorm1d bn{nullptr};
+};
+TORCH_MODULE(NormBlock);
+
+struct NormNetImpl : torch::nn::Module {
+  NormNetImpl() : torch::nn::Module("NormNet") {
+    b0 = register_module("b0", NormBlock());
+    b1 = register_module("b1", NormBlock());
+    head = register_module("head", torch::nn::Linear(8, 2));
+  }
+  at::Tensor forward(const at::Tensor& x) { return head(sdk::invoke(b1, sdk::invoke(b0, x))); }
+  NormBlock b0{nullptr}, b1{nullptr};
+  torch::nn::Linear head{nullptr};
+};
+TORCH_MODULE(NormNet);
+
+// BatchNorm layers under deferred init, on 2 ranks: inside a unit in fp32 (initialised with
+// their unit, whose unsharded memory is freed after: they were reset a second time into that
+// freed memory, a segfault), and replicated in fp32 under param_dtype bf16. The values equal an
+// eager build with the same seed, running statistics included, and the fp32 one trains.
+TEST_P(DeferredInitUnderAMemoryCap, BatchNormLayersInsideUnitsAndReplicated) {
+  const fsdp::ParamLayout layout = GetParam();
+  run_ranks(2, std::chrono::seconds(90), [&](const sdk::ClusterInfo& cluster) {
+    auto comm = world(cluster);
+    for (const bool bf16_params : {false, true}) {
+      NormNet net{nullptr};
+      torch::manual_seed(5);
+      {
+        sdk::GuardPtr deferred = fsdp::deferred_init_guard();
+        net = NormNet();
+      }
+      fsdp::FSDPOptions o = unit_options();
+      o.unit_classes = {"NormBlock"};
+      o.deferred_init = true;
+      o.layout = layout;
+      if (bf16_params) o.mixed_precision.param_dtype = at::kBFloat16;
+      fsdp::ShardedModule sharded(net.ptr(), o, comm, core::make_local_communicator());
+      EXPECT_FALSE(fsdp::has_deferred_tensors(*net));
+      torch::manual_seed(5);
+      NormNet eager;
+      sdk::StateDict full = sharded.full_state_dict();
+      for (const auto& item : eager->named_parameters())
+        EXPECT_TRUE(at::equal(*full.find(item.key()), item.value())) << item.key() << " bf16 " << bf16_params;
+      for (const auto& item : eager->named_buffers())
+        EXPECT_TRUE(at::equal(*full.find(item.key()), item.value())) << item.key() << " bf16 " << bf16_params;
+      if (bf16_params) continue;  // (bf16 units training beside fp32 norm layers: MixedPrecisionPolicy's tests)
+      torch::optim::SGD optimizer(tensors_of(sharded.optimizer_parameters()), torch::optim::SGDOptions(0.1));
+      sharded.begin_forward(true);
+      at::Tensor loss = net->forward(at::randn({4, 8})).pow(2).mean();
+      sharded.begin_backward(true);
+      loss.backward();
+      sharded.finish_backward();
+      optimizer.step();
+      sharded.after_optimizer_step();
+      EXPECT_FALSE(at::equal(*sharded.full_state_dict().find("b0.bn.weight"), *full.find("b0.bn.weight")));
+    }
+  });
+}
 
 // A tensor-parallel MLP block (fc column-parallel, proj row-parallel after parallelize()).
 struct TPBlockImpl : torch::nn::Module {

@@ -124,14 +124,22 @@ void ShardedModule::build_units() {
     units_.push_back(std::move(unit));
   }
   if (!options_.deferred_init) return;
-  // Exempt norm layers are replicated: built whole (deterministic ones and zeros).
+  // Norm layers kept out of the units are replicated: built whole (deterministic ones and
+  // zeros). One inside a unit was initialised with it, and its unsharded memory is freed now.
   torch::NoGradGuard no_grad;
   for (auto& m : norm_layers_) {
+    bool outside_units = false;
     for (auto& p : m->parameters(/*recurse=*/false))
-      if (plan.replicated_impls.count(p.unsafeGetTensorImpl())) p.set_data(at::empty(p.sizes(), p.options().device(device_)));
+      if (plan.replicated_impls.count(p.unsafeGetTensorImpl())) {
+        p.set_data(at::empty(p.sizes(), p.options().device(device_)));
+        outside_units = true;
+      }
     for (auto& b : m->buffers(/*recurse=*/false))
-      if (is_deferred(b)) b.set_data(at::zeros(b.sizes(), b.options().device(device_)));
-    reset_known_module(*m);
+      if (is_deferred(b)) {
+        b.set_data(at::zeros(b.sizes(), b.options().device(device_)));
+        outside_units = true;
+      }
+    if (outside_units) reset_known_module(*m);
   }
   for (const auto& item : network_->named_buffers())
     TESSERA_CHECK(!is_deferred(item.value()), "deferred init: buffer '", item.key(),
