@@ -76,6 +76,11 @@ TEST_P(Collectives, MatchSerialComputation) {
       at::Tensor b = input_of(rank, 3, dtype);
       comm->broadcast(b, world - 1, "test broadcast")->wait();
       EXPECT_TRUE(at::equal(b, input_of(world - 1, 3, dtype))) << "broadcast " << dtype;
+      // and of a 0-dim tensor (a bf16 one went to Gloo as bytes through a view 0-dim tensors refuse)
+      at::Tensor scalar = input_of(rank, 1, dtype).squeeze();
+      comm->broadcast(scalar, world - 1, "test broadcast 0-dim")->wait();
+      EXPECT_EQ(scalar.dim(), 0);
+      EXPECT_TRUE(at::equal(scalar, input_of(world - 1, 1, dtype).squeeze())) << "0-dim broadcast " << dtype;
     }
 
     // Asynchronous: two collectives in flight, then compute, then wait.

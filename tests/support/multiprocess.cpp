@@ -32,10 +32,13 @@ namespace {
 
 constexpr const char* kRankVariable = "TESSERA_TEST_RANK";
 
+/// The last `lines` lines of a rank's log, without LibTorch's backtrace frames (a c10::Error's
+/// what() ends with dozens of them, which would push its message out of the report).
 std::string tail(const std::string& path, std::size_t lines) {
   std::ifstream in(path);
   std::vector<std::string> all;
-  for (std::string line; std::getline(in, line);) all.push_back(line);
+  for (std::string line; std::getline(in, line);)
+    if (line.find("frame #") == std::string::npos) all.push_back(line);
   std::ostringstream out;
   for (std::size_t i = all.size() > lines ? all.size() - lines : 0; i < all.size(); ++i) out << "    " << all[i] << "\n";
   return out.str();

@@ -436,8 +436,12 @@ class ReadyHandle final : public CommHandle {
 
 /// Gather, all-to-all and broadcast move 16-bit tensors as bytes, the one type every Gloo build
 /// moves: 1.13's has no bf16, Debian sid's 2.14 no 16-bit type at all ("Invalid scalar type").
-/// The bits are never interpreted on the way; reductions convert to fp32 instead.
-at::Tensor wire_view(const at::Tensor& t) { return t.element_size() == 2 ? t.view(at::kByte) : t; }
+/// The bits are never interpreted on the way; reductions convert to fp32 instead. A 0-dim
+/// tensor goes as one element (a dtype view must widen its last dimension).
+at::Tensor wire_view(const at::Tensor& t) {
+  if (t.element_size() != 2) return t;
+  return (t.dim() == 0 ? t.view({1}) : t).view(at::kByte);
+}
 
 /// Receive buffers of Gloo's reduce_scatter (all_to_all + sum), reused across calls: FSDP
 /// reduces the same unit sizes every step, and a fresh buffer of tens of MB is page-faulted
