@@ -1,0 +1,188 @@
+#!/usr/bin/python3
+"""Random configurations through the real binary, to find the combinations no test names.
+
+    /usr/bin/python3 tests/sweep/config_sweep.py [--seed S] [--runs N] [--binary build/bin/tessera]
+
+Each run: `fit` of a small model (gpt, cnn or mlp) under a random strategy, world size (1-4,
+several not dividing the parameters), precision and options for 4 steps; then `fit --ckpt-path
+last` for 2 more steps under another random strategy, world size and precision; one of
+validate / test / predict on the checkpoint under a third; `checkpoint export`. A command may be
+refused (exit 1 with an error naming a config section or the checkpoint, as for a mesh that
+does not fit the world); what counts is a CRASH: a signal, a timeout, or a failure whose error
+names neither (LibTorch's own errors, internal asserts). Prints each crash with its command
+line and exits 1 if there was one. Not part of ctest (random by design, and minutes: ~10 s a
+run on 2 cores). Fixed from what it found: 5e5cd64, 765a659, e320c2d, 3c8330e.
+"""
+import argparse
+import os
+import random
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+
+BASE = """
+[trainer]
+max_steps = 4
+log_every_n_steps = 1
+val_check_interval = 2
+limit_val_batches = 2
+limit_test_batches = 2
+enable_progress_bar = false
+seed = 1
+[data]
+batch_size = 4
+"""
+
+
+def model_options(rng, pick):
+    model = pick("gpt", "cnn", "mlp")
+    s = {"model.plugin": model}
+    if model == "gpt":
+        s.update({"data.plugin": "text", "model.n_layer": pick(1, 2), "model.n_head": pick(2, 3),
+                  "model.block_size": 32, "data.block_size": 32, "model.tie_embeddings": pick("true", "false")})
+        s["model.n_embd"] = s["model.n_head"] * pick(8, 10)
+    else:
+        s.update({"data.plugin": "fashion_mnist", "data.train_limit": 256, "data.test_limit": 64, "data.val_size": 64,
+                  "data.predict_limit": 8})
+        if model == "cnn":
+            s.update({"model.channels1": 4, "model.channels2": 8, "model.hidden": 16,
+                      "model.batch_norm": pick("true", "false")})
+        else:
+            s["model.hidden_sizes"] = pick("[32]", "[32, 16]")
+    return s
+
+
+def strategy_options(rng, pick, maybe, model):
+    strat = pick("fsdp", "fsdp2", "ddp", "single_device", "fsdp_cpu_offload")
+    s = {"strategy.plugin": strat, "launch.devices": 1 if strat == "single_device" else pick(1, 2, 3, 4)}
+    gpt = model["model.plugin"] == "gpt"
+    if strat in ("fsdp", "fsdp_cpu_offload"):
+        s["strategy.sharding_strategy"] = pick("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD")
+        s["strategy.auto_wrap_policy"] = pick("transformer", "size", "none") if gpt else pick("size", "none")
+        if s["strategy.auto_wrap_policy"] == "size":
+            s["strategy.min_num_params"] = pick(10, 1000, 100000)
+        if gpt and s["strategy.auto_wrap_policy"] == "transformer" and maybe():
+            s["strategy.activation_checkpointing"] = '["Block"]'
+        for key, values in (("backward_prefetch", ("BACKWARD_PRE", "BACKWARD_POST", "none")),
+                            ("forward_prefetch", ("true", "false")), ("limit_all_gathers", ("true", "false")),
+                            ("reduce_every_micro_batch", ("true",)), ("rank0_only", ("true", "false"))):
+            if maybe():
+                s["strategy." + key] = pick(*values)
+        if maybe():
+            s["strategy.ignored_modules"] = '["ln_f"]' if gpt else '["head"]'
+        elif maybe():
+            s["strategy.deferred_init"] = "true"
+        if maybe():
+            s["strategy.state_dict_type"] = pick("sharded", "sharded", "local")
+            s["checkpoint_io.plugin"] = "distributed"
+    if strat == "fsdp2":
+        if gpt and s["launch.devices"] in (2, 4) and maybe(0.5):
+            s["strategy.tensor_parallel_size"] = 2
+        if s["launch.devices"] == 4 and maybe():
+            s["strategy.data_parallel_replicate_size"] = 2
+        s["strategy.parallelize_fn"] = pick("transformer", "none") if gpt else "none"
+        s["strategy.reshard_after_forward"] = pick("true", "false", "true")
+        for key, values in (("forward_prefetch", ("true", "false")), ("backward_prefetch", ("true", "false")),
+                            ("offload_policy", ("cpu",)), ("deferred_init", ("true",))):
+            if maybe():
+                s["strategy." + key] = pick(*values)
+        if gpt and s["strategy.parallelize_fn"] == "transformer" and maybe():
+            s["strategy.activation_checkpointing"] = '["Block"]'
+        if maybe():
+            s["strategy.state_dict_type"] = "sharded"
+            s["checkpoint_io.plugin"] = "distributed"
+    if strat != "single_device" and model.get("model.batch_norm") == "true" and maybe(0.5):
+        s["trainer.sync_batchnorm"] = "true"
+    s["precision.precision"] = pick("32-true", "bf16-mixed", "bf16-true")
+    if strat.startswith("fsdp") and maybe(0.5):
+        s["precision.plugin"] = "fsdp-precision"
+        if maybe():
+            s["precision.reduce_dtype"] = pick("float32", "bfloat16")
+        if maybe():
+            s["precision.keep_low_precision_grads"] = "true"
+    if s["precision.precision"] == "bf16-mixed" and maybe(0.2):
+        s["precision.scaler"] = "true"
+    if "checkpoint_io.plugin" not in s:
+        s["checkpoint_io.plugin"] = pick("torch", "distributed")
+    if maybe(0.2):
+        s["checkpoint_io.async"] = "true"
+    return s
+
+
+def trainer_options(rng, pick, maybe):
+    s = {"optimizer.name": pick("adamw", "adam", "sgd")}
+    if maybe():
+        s["trainer.accumulate_grad_batches"] = pick(2, 3)
+    if maybe():
+        s["trainer.gradient_clip_val"] = 0.5
+        s["trainer.gradient_clip_algorithm"] = pick("norm", "value")
+    if maybe(0.2):
+        s["trainer.detect_anomaly"] = "true"
+    if maybe(0.2):
+        s["callbacks.model_checkpoint.monitor"] = '"val_loss"'
+        s["callbacks.model_checkpoint.save_top_k"] = 2
+        s["callbacks.model_checkpoint.save_last"] = "true"
+    return s
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--runs", type=int, default=50)
+    parser.add_argument("--binary", default=os.path.join(os.path.dirname(__file__), "../../build/bin/tessera"))
+    args = parser.parse_args()
+    rng = random.Random(args.seed)
+    pick = lambda *choices: rng.choice(choices)  # noqa: E731
+    maybe = lambda p=0.3: rng.random() < p  # noqa: E731
+    work = tempfile.mkdtemp(prefix="tessera-sweep-")
+    config = os.path.join(work, "base.toml")
+    with open(config, "w") as f:
+        f.write(BASE)
+    counts = {"ok": 0, "refused": 0, "CRASH": 0}
+
+    def run(label, argv):
+        try:
+            p = subprocess.run(argv, capture_output=True, text=True, timeout=300)
+            rc, out = p.returncode, p.stdout + p.stderr
+        except subprocess.TimeoutExpired:
+            rc, out = 124, "timed out after 300 s"
+        # A refusal names what to change: a config section or a checkpoint. LibTorch's own errors
+        # (an internal assert, "Exception raised from", a dtype or shape it cannot handle) do not.
+        refusal = re.search(r"tessera: error: .*(\[[a-z_.]+\]|checkpoint)", out)
+        libtorch = any(s in out for s in ("INTERNAL ASSERT", "please report a bug", "Exception raised from"))
+        outcome = "ok" if rc == 0 else "refused" if rc == 1 and refusal and not libtorch else "CRASH"
+        counts[outcome] += 1
+        if outcome == "CRASH":
+            lines = [l for l in out.splitlines() if "error" in l or "signal" in l or "timed out" in l] or out.splitlines()
+            print(f"CRASH {label} (exit {rc}): {' '.join(argv)}\n    " + "\n    ".join(lines[-4:]), flush=True)
+        return rc
+
+    def sets(options):
+        return [arg for key, value in options.items() for arg in ("--set", f"{key}={value}")]
+
+    for i in range(args.runs):
+        model = model_options(rng, pick)
+        first = {**model, **strategy_options(rng, pick, maybe, model), **trainer_options(rng, pick, maybe)}
+        root = os.path.join(work, str(i))
+        common = ["--config", config, "--set", f"trainer.default_root_dir={root}"]
+        if run(f"{args.seed}-{i} fit", [args.binary, "fit", *common, *sets(first)]) != 0:
+            continue
+        keep = {k: v for k, v in first.items() if k.startswith(("model.", "data.", "optimizer."))}
+        resumed = {**keep, **strategy_options(rng, pick, maybe, model), "trainer.max_steps": 6}
+        run(f"{args.seed}-{i} resume", [args.binary, "fit", *common, "--ckpt-path", "last", *sets(resumed)])
+        checkpoint = os.path.join(root, "version_0", "checkpoints", "last")
+        command = pick("validate", "test", "predict")
+        run(f"{args.seed}-{i} {command}",
+            [args.binary, command, *common, "--ckpt-path", checkpoint, *sets({**keep, **strategy_options(rng, pick, maybe, model)})])
+        run(f"{args.seed}-{i} export", [args.binary, "checkpoint", "export", checkpoint, "--to", os.path.join(root, "m.safetensors")])
+        shutil.rmtree(root, ignore_errors=True)
+    shutil.rmtree(work, ignore_errors=True)
+    print(f"seed {args.seed}: {sum(counts.values())} commands, {counts['ok']} ok, {counts['refused']} refused "
+          f"with an error, {counts['CRASH']} crashed")
+    sys.exit(1 if counts["CRASH"] else 0)
+
+
+if __name__ == "__main__":
+    main()
