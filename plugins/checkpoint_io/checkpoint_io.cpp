@@ -112,7 +112,8 @@ class BackgroundWriter {
   std::thread thread_;
 };
 
-/// Saves one file, the whole checkpoint; reads that, and the sharded folders below writes.
+/// Saves the whole checkpoint as one file; reads that and the sharded folders that
+/// DistributedCheckpointIO writes.
 class TorchCheckpointIO : public tessera::sdk::CheckpointIO, public tessera::sdk::CheckpointIOFeatures {
  public:
   explicit TorchCheckpointIO(const tessera::sdk::Options& options)
@@ -135,8 +136,7 @@ class TorchCheckpointIO : public tessera::sdk::CheckpointIO, public tessera::sdk
     committed(path);
   }
 
-  // Either IO reads what either writes: `plugin` chooses how saves are written, so a run that
-  // switches between them resumes from the other's checkpoints (as Lightning's FSDP loads a
+  // A run that switches IOs resumes from the other's checkpoints (as Lightning's FSDP loads a
   // file or a folder whatever its state_dict_type).
   Checkpoint load_checkpoint(const std::string& path, const ShardInfo& shard) override {
     writer_.wait();  // a save in flight may be publishing `path`
