@@ -27,11 +27,11 @@ std::string Options::locate(const std::string& key) const {
   return where + ": [" + section_ + "] " + key;
 }
 
-void Options::wrong_type(const std::string& key, const char* expected) const {
+void Options::wrong_type(const std::string& key, const char* expected, const std::string& hint) const {
   const toml::node* node = table_.get(key);
   std::string found(toml::impl::node_type_friendly_names[static_cast<int>(node->type())]);
   if (node->is_string()) found += " \"" + node->as_string()->get() + "\"";
-  TESSERA_FAIL(locate(key), " must be ", expected, ", found ", found);
+  TESSERA_FAIL(locate(key), " must be ", expected, ", found ", found, hint);
 }
 
 std::int64_t Options::get_int(const std::string& key, std::int64_t fallback, std::int64_t min, std::int64_t max) const {
@@ -48,14 +48,14 @@ double Options::get_double(const std::string& key, double fallback, double min, 
   if (node == nullptr) return fallback;
   if (!node->is_number()) {
     // A quoted number, e.g. norm_type = "inf": TOML's numbers (inf and nan too) go unquoted.
+    std::string hint;
     if (node->is_string()) {
       const std::string& text = node->as_string()->get();
       char* end = nullptr;
       std::strtod(text.c_str(), &end);
-      TESSERA_CHECK(text.empty() || end != text.c_str() + text.size(), locate(key), " must be a number, found string \"",
-                    text, "\": write it without quotes (", text, ")");
+      if (!text.empty() && end == text.c_str() + text.size()) hint = ": write it without quotes (" + text + ")";
     }
-    wrong_type(key, "a number");
+    wrong_type(key, "a number", hint);
   }
   double value = node->is_integer() ? static_cast<double>(node->as_integer()->get()) : node->as_floating_point()->get();
   TESSERA_CHECK(value >= min && value <= max, locate(key), " = ", value, " is out of range [", min, ", ", max, "]");

@@ -49,7 +49,8 @@ class TESSERA_SDK_API Options {
 
  private:
   const toml::node* find(const std::string& key) const;
-  [[noreturn]] void wrong_type(const std::string& key, const char* expected) const;
+  /// "... key must be <expected>, found string \"x\"<hint>"
+  [[noreturn]] void wrong_type(const std::string& key, const char* expected, const std::string& hint = "") const;
 
   std::string section_;
   std::string source_;
