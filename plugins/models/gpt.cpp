@@ -3,11 +3,11 @@
 // and MLP over a tensor-parallel group (Megatron-style).
 #include <cmath>
 #include <limits>
+#include <mutex>
 
 #include <ATen/ATen.h>
 #include <torch/nn/functional/activation.h>
 #include <torch/nn/functional/loss.h>
-#include <torch/nn/init.h>
 #include <torch/nn/modules/container/any.h>
 #include <torch/nn/modules/container/modulelist.h>
 #include <torch/nn/modules/dropout.h>
@@ -20,6 +20,9 @@
 #include "tessera/sdk/error.hpp"
 #include "tessera/sdk/tensor_parallel.hpp"
 #include "tessera/sdk/unit.hpp"
+
+#define XXH_INLINE_ALL  // header-only: plugins link the SDK alone
+#include <xxhash.h>
 
 namespace tessera::models {
 
@@ -127,7 +130,7 @@ TORCH_MODULE(Block);
 
 class GPTNetImpl : public torch::nn::Module {
  public:
-  explicit GPTNetImpl(const GPTConfig& c) : torch::nn::Module("GPT"), config(c) {
+  GPTNetImpl(const GPTConfig& c, std::uint64_t init_seed) : torch::nn::Module("GPT"), config(c) {
     wte = register_module("wte", torch::nn::Embedding(kVocab, c.n_embd));
     wpe = register_module("wpe", torch::nn::Embedding(c.block_size, c.n_embd));
     drop = register_module("drop", torch::nn::Dropout(c.dropout));
@@ -139,7 +142,7 @@ class GPTNetImpl : public torch::nn::Module {
     ln_f = register_module("ln_f", torch::nn::LayerNorm(torch::nn::LayerNormOptions({c.n_embd})));
     if (!c.tie_embeddings)
       lm_head = register_module("lm_head", torch::nn::Linear(torch::nn::LinearOptions(c.n_embd, kVocab).bias(false)));
-    initialize();
+    for (auto& item : named_parameters()) init_parameter(item.key(), item.value(), c.n_layer, init_seed);
   }
 
   at::Tensor forward(const at::Tensor& idx) {
@@ -156,13 +159,21 @@ class GPTNetImpl : public torch::nn::Module {
 
   /// One parameter's initialisation, by its name in the network (nanoGPT's): LayerNorms keep
   /// their 1 and 0 (returns false), other vectors 0, matrices N(0, 0.02), the residual
-  /// projections N(0, 0.02 / sqrt(2 n_layer)).
-  static bool init_parameter(const std::string& name, at::Tensor& p, std::int64_t n_layer) {
+  /// projections N(0, 0.02 / sqrt(2 n_layer)). Each matrix draws from its own generator, seeded
+  /// by the run's seed and its name, so that a deferred build (unit by unit, in another order)
+  /// holds the eager build's values, not only their distribution.
+  static bool init_parameter(const std::string& name, at::Tensor& p, std::int64_t n_layer, std::uint64_t seed) {
     if (name.find("ln_") != std::string::npos) return false;
     torch::NoGradGuard no_grad;
+    if (p.dim() == 1) return p.zero_(), true;
+    const std::string key = name.rfind('.', 0) == 0 ? name.substr(1) : name;  // a root unit's path is ""
+    at::Generator generator = at::globalContext().defaultGenerator(p.device()).clone();
+    {
+      std::lock_guard<std::mutex> lock(generator.mutex());
+      generator.set_current_seed(XXH64(key.data(), key.size(), seed));
+    }
     const double residual_std = 0.02 / std::sqrt(2.0 * static_cast<double>(n_layer));
-    if (p.dim() == 1) p.zero_();
-    else torch::nn::init::normal_(p, 0.0, name.find("proj.weight") != std::string::npos ? residual_std : 0.02);
+    p.normal_(0.0, key.find("proj.weight") != std::string::npos ? residual_std : 0.02, generator);
     return true;
   }
 
@@ -178,11 +189,6 @@ class GPTNetImpl : public torch::nn::Module {
   std::vector<Block> units;
   torch::nn::LayerNorm ln_f{nullptr};
   torch::nn::Linear lm_head{nullptr};
-
- private:
-  void initialize() {
-    for (auto& item : named_parameters()) init_parameter(item.key(), item.value(), config.n_layer);
-  }
 };
 TORCH_MODULE(GPTNet);
 
@@ -203,7 +209,9 @@ class GPT final : public sdk::Module {
   }
 
   void configure_model() override {
-    net_ = GPTNet(config_);
+    // The seed the host set (trainer.seed), not a draw: a deferred build initialises later.
+    init_seed_ = at::detail::getDefaultCPUGenerator().current_seed();
+    net_ = GPTNet(config_, init_seed_);
     tp_ = nullptr;
   }
   std::shared_ptr<torch::nn::Module> network() override { return net_.ptr(); }
@@ -254,12 +262,11 @@ class GPT final : public sdk::Module {
     tp_ = context.tp;
   }
 
-  /// Deferred init: the same rules as an eager build (the same distribution; the draws come
-  /// in unit order, so not the same values for a given seed).
+  /// Deferred init: the eager build's values (each parameter's draws depend on its name only).
   bool init_parameters(const std::string& path, torch::nn::Module& module) override {
     bool handled = true;
     for (auto& item : module.named_parameters(/*recurse=*/false))
-      handled = GPTNetImpl::init_parameter(path + "." + item.key(), item.value(), config_.n_layer) && handled;
+      handled = GPTNetImpl::init_parameter(path + "." + item.key(), item.value(), config_.n_layer, init_seed_) && handled;
     return handled;
   }
 
@@ -315,6 +322,7 @@ class GPT final : public sdk::Module {
   bool weight_decay_norms_and_biases_;
   std::string n_head_key_;  // "file:line: [model] n_head", for the tensor-parallel size error
   GPTNet net_{nullptr};
+  std::uint64_t init_seed_ = 0;  // trainer.seed at configure_model(), for init_parameters()
   std::shared_ptr<sdk::TensorParallelGroup> tp_;  // set once the network is split
 };
 

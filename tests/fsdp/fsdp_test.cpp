@@ -778,8 +778,9 @@ TEST(ShardedCheckpoint, HybridAndNoShardSavesLoadIntoFullShard) {
 }
 
 // Deferred init of the GPT goes through its init_parameters() (nanoGPT's N(0, 0.02), not
-// LibTorch's defaults): the first loss is the eager build's (~ln 256, the same distribution;
-// other draws), and it trains; under fsdp and fsdp2 (NeMo's tensor_init_context) alike.
+// LibTorch's defaults), whose draws depend on each parameter's name and the seed, not on the
+// order units are built in: every loss is the eager build's, under fsdp and fsdp2 (NeMo's
+// tensor_init_context) alike.
 TEST(DeferredInit, GPTUsesTheModelsOwnInitialisation) {
   for (const std::string strategy : {"fsdp", "fsdp2"}) {
     std::map<std::int64_t, double> losses[2];
@@ -792,7 +793,8 @@ TEST(DeferredInit, GPTUsesTheModelsOwnInitialisation) {
       losses[deferred] = metric_series(tessera::testing::run_dir(dir) + "/metrics.csv", "train", "train_loss");
       ASSERT_EQ(losses[deferred].size(), 8u);
     }
-    EXPECT_NEAR(losses[1].at(1), losses[0].at(1), 0.01 * losses[0].at(1)) << strategy;
+    for (const auto& [step, loss] : losses[0])
+      EXPECT_NEAR(losses[1].at(step), loss, 1e-5 * loss) << strategy << " step " << step;
     EXPECT_LT(losses[1].at(8), losses[1].at(1)) << strategy;
   }
 }

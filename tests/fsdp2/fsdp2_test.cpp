@@ -66,8 +66,11 @@ void expect_same_tail(const FitRun& reference, const FitRun& resumed, const std:
   auto a = checkpoint_state(reference.dir + "/checkpoints/last.ckpt");
   auto b = checkpoint_state(resumed.dir + "/checkpoints/last.ckpt");
   ASSERT_EQ(a.size(), b.size()) << what;
+  // Within a tenth of AdamW's lr (3e-3): a moment or step count left behind moves nearly every
+  // element by ~lr, while an element whose first gradient all but cancels takes a rounding-noise
+  // sized first step anywhere between -lr and lr (mhat / sqrt(vhat) = g / |g|): 6e-5 was seen.
   for (const auto& [name, tensor] : a)
-    EXPECT_TRUE(at::allclose(b.at(name), tensor, 1e-5, 1e-5)) << what << ": " << name;
+    EXPECT_LE((b.at(name) - tensor).abs().max().item<double>(), 3e-4) << what << ": " << name;
 }
 
 // One reference run of 6 steps; a 3-step run under each source writes step=3.ckpt; each
