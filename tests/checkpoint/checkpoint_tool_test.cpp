@@ -101,4 +101,25 @@ TEST(CheckpointTool, InspectVerifyAndExportASharded2RankCheckpoint) {
   EXPECT_NE(logs.find(rank1.string() + ": checksum mismatch"), std::string::npos) << logs;
 }
 
+// fsdp's state_dict_type = "local" keeps flat shards and no model tensors: export refuses it
+// naming what to do (it failed with "map::at", or wrote an empty .safetensors), and writes nothing.
+TEST(CheckpointTool, ExportRefusesRankLocalState) {
+  const std::string dir = tessera::testing::fresh_dir("ckpt-tool-local");
+  std::ofstream(dir + "/run.toml") << "[trainer]\nmax_steps = 1\ndefault_root_dir = \"" << dir
+                                   << "\"\nenable_progress_bar = false\n[launch]\ndevices = 2\n"
+                                   << "[strategy]\nplugin = \"fsdp\"\nstate_dict_type = \"local\"\n"
+                                   << "[checkpoint_io]\nplugin = \"distributed\"\n"
+                                   << "[model]\nplugin = \"mlp\"\nhidden_sizes = [8]\n"
+                                   << "[data]\nplugin = \"fashion_mnist\"\ntrain_limit = 64\nval_size = 16\nbatch_size = 4\n";
+  auto fit = run_tessera("fit --config " + dir + "/run.toml");
+  ASSERT_EQ(fit.exit_code, 0) << fit.output;
+  for (const char* to : {"/model.safetensors", "/model.ckpt"}) {
+    auto r = run_tessera("checkpoint export " + tessera::testing::run_dir(dir) + "/checkpoints/last --to " + dir + to);
+    EXPECT_EQ(r.exit_code, 1) << r.output;
+    EXPECT_NE(r.output.find("holds rank-local state (fsdp state_dict_type = \"local\""), std::string::npos) << r.output;
+    EXPECT_NE(r.output.find("state_dict_type = \"sharded\" or \"full\""), std::string::npos) << r.output;
+    EXPECT_FALSE(fs::exists(dir + to)) << to;
+  }
+}
+
 }  // namespace
