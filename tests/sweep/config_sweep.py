@@ -1,7 +1,7 @@
 #!/usr/bin/python3
 """Random configurations through the real binary, to find the combinations no test names.
 
-    /usr/bin/python3 tests/sweep/config_sweep.py [--seed S] [--runs N] [--binary build/bin/tessera]
+    /usr/bin/python3 tests/sweep/config_sweep.py [--seed S] [--runs N] [--parity] [--binary build/bin/tessera]
 
 Each run: `fit` of a small model (gpt, cnn or mlp) under a random strategy, world size (1-4,
 several not dividing the parameters), precision and options for 4 steps; then `fit --ckpt-path
@@ -12,8 +12,16 @@ does not fit the world); what counts is a CRASH: a signal, a timeout, or a failu
 names neither (LibTorch's own errors, internal asserts). Prints each crash with its command
 line and exits 1 if there was one. Not part of ctest (random by design, and minutes: ~10 s a
 run on 2 cores). Fixed from what it found: 5e5cd64, 765a659, e320c2d, 3c8330e.
+
+With --parity it checks values instead of crashes: every run keeps one global batch (12 samples,
+split over the data-parallel ranks) and is compared with one device on that batch: `fit` for 4
+steps under a random strategy and world size, resumed for 2 more under another, against 6 steps
+on one device; each logged train and val loss and the final weights (exported to .ckpt and read
+with torch.load) must agree within a tolerance by precision. A difference is a MISMATCH.
 """
 import argparse
+import csv
+import glob
 import os
 import random
 import re
@@ -127,10 +135,49 @@ def trainer_options(rng, pick, maybe):
     return s
 
 
+def data_parallel_size(options):
+    devices = int(options["launch.devices"])
+    return devices // int(options.get("strategy.tensor_parallel_size", 1))
+
+
+def last_checkpoint(root):
+    """The newest run's `last` checkpoint (a resumed run writes the next version_N)."""
+    versions = glob.glob(os.path.join(root, "version_*"))
+    newest = max(versions, key=lambda v: int(v.rsplit("_", 1)[1]))
+    return os.path.join(newest, "checkpoints", "last")
+
+
+def losses(root):
+    """{(step, metric): value} for every train_loss and val_loss logged under root."""
+    found = {}
+    for path in sorted(glob.glob(os.path.join(root, "version_*", "metrics.csv"))):
+        with open(path) as f:
+            for row in csv.DictReader(f):
+                if row["metric"] in ("train_loss", "val_loss"):
+                    found[(int(row["step"]), row["metric"])] = float(row["value"])
+    return found
+
+
+def weights_difference(run, binary, checkpoint, baseline, work):
+    """Largest |a - b| / (1 + |b|) over the exported model weights of two checkpoints (None if an export failed)."""
+    import torch  # Debian's python3-torch; only --parity needs it
+    states = []
+    for i, path in enumerate((checkpoint, baseline)):
+        exported = os.path.join(work, f"weights-{i}.ckpt")
+        if run("export", [binary, "checkpoint", "export", path, "--to", exported]) != 0:
+            return None
+        states.append(torch.load(exported)["state_dict"])
+    if states[0].keys() != states[1].keys():
+        return float("inf")
+    return max(((a.double() - b.double()).abs() / (1 + b.double().abs())).max().item()
+               for a, b in ((states[0][k], states[1][k]) for k in states[1]))
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--runs", type=int, default=50)
+    parser.add_argument("--parity", action="store_true", help="compare values with one device instead of looking for crashes")
     parser.add_argument("--binary", default=os.path.join(os.path.dirname(__file__), "../../build/bin/tessera"))
     args = parser.parse_args()
     rng = random.Random(args.seed)
@@ -140,7 +187,7 @@ def main():
     config = os.path.join(work, "base.toml")
     with open(config, "w") as f:
         f.write(BASE)
-    counts = {"ok": 0, "refused": 0, "CRASH": 0}
+    counts = {"ok": 0, "refused": 0, "CRASH": 0, "MISMATCH": 0}
 
     def run(label, argv):
         try:
@@ -162,26 +209,66 @@ def main():
     def sets(options):
         return [arg for key, value in options.items() for arg in ("--set", f"{key}={value}")]
 
-    for i in range(args.runs):
+    def crash_run(i, common, root):
         model = model_options(rng, pick)
         first = {**model, **strategy_options(rng, pick, maybe, model), **trainer_options(rng, pick, maybe)}
-        root = os.path.join(work, str(i))
-        common = ["--config", config, "--set", f"trainer.default_root_dir={root}"]
         if run(f"{args.seed}-{i} fit", [args.binary, "fit", *common, *sets(first)]) != 0:
-            continue
+            return
         keep = {k: v for k, v in first.items() if k.startswith(("model.", "data.", "optimizer."))}
         resumed = {**keep, **strategy_options(rng, pick, maybe, model), "trainer.max_steps": 6}
         run(f"{args.seed}-{i} resume", [args.binary, "fit", *common, "--ckpt-path", "last", *sets(resumed)])
-        checkpoint = os.path.join(root, "version_0", "checkpoints", "last")
+        checkpoint = last_checkpoint(root)
         command = pick("validate", "test", "predict")
         run(f"{args.seed}-{i} {command}",
             [args.binary, command, *common, "--ckpt-path", checkpoint, *sets({**keep, **strategy_options(rng, pick, maybe, model)})])
         run(f"{args.seed}-{i} export", [args.binary, "checkpoint", "export", checkpoint, "--to", os.path.join(root, "m.safetensors")])
+
+    def parity_run(i, common, root):
+        model = model_options(rng, pick)
+        shared = {**model, **trainer_options(rng, pick, maybe), "precision.precision": pick("32-true", "32-true", "bf16-mixed"),
+                  # a schedule that does not depend on max_steps, which differs between fit and resume
+                  "lr_scheduler.schedule": "constant", "lr_scheduler.warmup_steps": pick(0, 3)}
+        shared.pop("precision.scaler", None)
+
+        def strategy():
+            s = {**strategy_options(rng, pick, maybe, model), **shared}
+            if model.get("model.batch_norm") == "true":
+                s["trainer.sync_batchnorm"] = "true"  # per-rank statistics differ from one device's by design
+            return {**s, "data.batch_size": 12 // data_parallel_size(s)}
+
+        first, resumed = strategy(), {**strategy(), "trainer.max_steps": 6}
+        baseline = {**shared, "strategy.plugin": "single_device", "launch.devices": 1, "data.batch_size": 12,
+                    "trainer.max_steps": 6}
+        reference = ["--set", f"trainer.default_root_dir={root}-one"]
+        if (run(f"{args.seed}-{i} one device", [args.binary, "fit", "--config", config, *reference, *sets(baseline)])
+                or run(f"{args.seed}-{i} fit", [args.binary, "fit", *common, *sets(first)])
+                or run(f"{args.seed}-{i} resume", [args.binary, "fit", *common, "--ckpt-path", "last", *sets(resumed)])):
+            return
+        loose = shared["precision.precision"] != "32-true" or any("bfloat16" in str(v) for v in (*first.values(), *resumed.values()))
+        tolerance = 3e-2 if loose else 2e-4
+        expected, found = losses(root + "-one"), losses(root)
+        wrong = [f"{metric} at step {step}: {found.get((step, metric))} vs {value} on one device"
+                 for (step, metric), value in sorted(expected.items())
+                 if abs(found.get((step, metric), float("inf")) - value) > tolerance * abs(value)]
+        difference = weights_difference(run, args.binary, last_checkpoint(root), last_checkpoint(root + "-one"), root)
+        if difference is not None and difference > tolerance * 5:
+            wrong.append(f"final weights differ by {difference:.2g} (relative)")
+        commands = f"\n  fit:    {' '.join(sets(first))}\n  resume: {' '.join(sets(resumed))}"
+        if difference is None:
+            print(f"  (the export above: {args.seed}-{i}){commands}", flush=True)
+        if wrong:
+            counts["MISMATCH"] += 1
+            print(f"MISMATCH {args.seed}-{i}:{commands}\n    " + "\n    ".join(wrong[:6]), flush=True)
+        shutil.rmtree(root + "-one", ignore_errors=True)
+
+    for i in range(args.runs):
+        root = os.path.join(work, str(i))
+        (parity_run if args.parity else crash_run)(i, ["--config", config, "--set", f"trainer.default_root_dir={root}"], root)
         shutil.rmtree(root, ignore_errors=True)
     shutil.rmtree(work, ignore_errors=True)
     print(f"seed {args.seed}: {sum(counts.values())} commands, {counts['ok']} ok, {counts['refused']} refused "
-          f"with an error, {counts['CRASH']} crashed")
-    sys.exit(1 if counts["CRASH"] else 0)
+          f"with an error, {counts['CRASH']} crashed" + (f", {counts['MISMATCH']} runs differ from one device" if args.parity else ""))
+    sys.exit(1 if counts["CRASH"] or counts["MISMATCH"] else 0)
 
 
 if __name__ == "__main__":
