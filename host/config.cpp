@@ -328,6 +328,8 @@ Config Config::load(const std::string& path, const std::vector<std::string>& ove
   LaunchSettings& la = config.launch;
   la.devices = l.get_int("devices", 1, 1, 1024);
   la.nodes = l.get_int("nodes", 1, 1);
+  if (l.has("devices")) la.devices_key = l.locate("devices");
+  if (l.has("nodes")) la.nodes_key = l.locate("nodes");
   la.node_rank = l.get_int("node_rank", 0, 0, la.nodes - 1);
   la.master_addr = l.get_string("master_addr", la.master_addr);
   la.master_port = l.get_int("master_port", 0, 0, 65535);

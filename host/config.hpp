@@ -69,6 +69,9 @@ struct ScheduleSettings {
 struct LaunchSettings {
   std::int64_t devices = 1;
   std::int64_t nodes = 1;
+  /// Where the config sets devices / nodes ("file:line: [launch] devices"); empty when left
+  /// out. An external launcher's counts must then agree (Lightning's validate_settings).
+  std::string devices_key, nodes_key;
   std::int64_t node_rank = 0;
   std::string master_addr = "127.0.0.1";
   std::int64_t master_port = 0;  ///< 0: the local launcher picks a free port

@@ -101,7 +101,22 @@ void configure_threads(const LaunchSettings& settings, const sdk::ClusterInfo& c
 namespace {
 sdk::ClusterInfo environment_cluster(const LaunchSettings& settings, const core::Environment& env) {
   core::ClusterDefaults defaults{settings.master_addr, settings.master_port, settings.collective_timeout_s};
-  return core::cluster_info(env, settings.cluster_environment, defaults);
+  sdk::ClusterInfo cluster = core::cluster_info(env, settings.cluster_environment, defaults);
+  if (cluster.environment == "single") return cluster;
+  // Started by torchrun, Slurm or mpirun: the launcher decides how many ranks run; a count the
+  // config sets and the job does not have is refused, not silently replaced.
+  const std::string by = env.count("TESSERA_LAUNCHED")       ? "tessera's launcher"
+                         : cluster.environment == "mpi"   ? "mpirun"
+                         : cluster.environment == "slurm" ? "Slurm"
+                                                          : cluster.environment;
+  TESSERA_CHECK(settings.devices_key.empty() || settings.devices == cluster.local_world_size, settings.devices_key,
+                " = ", settings.devices, " but ", by, " started ", cluster.local_world_size, " rank(s) on this node: set ",
+                "devices = ", cluster.local_world_size, " or leave it out (under torchrun, Slurm or mpirun their own ",
+                "count decides)");
+  TESSERA_CHECK(settings.nodes_key.empty() || settings.nodes == cluster.num_nodes, settings.nodes_key, " = ",
+                settings.nodes, " but ", by, " runs ", cluster.num_nodes, " node(s): set nodes = ", cluster.num_nodes,
+                " or leave it out");
+  return cluster;
 }
 }  // namespace
 

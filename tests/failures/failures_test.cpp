@@ -434,6 +434,29 @@ TEST(Mpirun, TrainsWithRankZeroHostingTheStore) {
   EXPECT_FALSE(processes_left(dir));
 }
 
+/// A config that sets devices or nodes is refused by every rank, before any work, when the
+/// job mpirun started disagrees (it ran mpirun's count and ignored the config's).
+TEST(Mpirun, RefusesDevicesOrNodesTheJobDoesNotHave) {
+  if (std::system("command -v mpirun >/dev/null 2>&1") != 0)
+    GTEST_SKIP() << "SKIPPED: Open MPI's mpirun (openmpi-bin) is not installed";
+  std::string dir = tessera::testing::fresh_dir("mpirun-devices");
+  const std::string config = write_config(dir, 2, "fsdp");
+  const tessera::testing::ReservedPort port;
+  for (const auto& [set, message] :
+       {std::pair<std::string, std::string>{"launch.devices=3", "[launch] devices = 3 but mpirun started 2 rank(s) on "
+                                                                "this node: set devices = 2 or leave it out"},
+        {"launch.nodes=2", "[launch] nodes = 2 but mpirun runs 1 node(s): set nodes = 1 or leave it out"}}) {
+    auto r = tessera::testing::run_command(
+        "OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 timeout -k 5 150 mpirun -np 2 --oversubscribe -x "
+        "MASTER_PORT=" + std::to_string(port.port()) + " " + tessera::testing::tessera_binary() +
+        " fit --config " + config + " --set " + set + " 2>&1");
+    EXPECT_NE(r.exit_code, 0) << r.output;
+    EXPECT_CONTAINS(r.output, message);
+    EXPECT_FALSE(fs::exists(dir + "/version_0")) << set << ": a run directory was made\n" << r.output;
+  }
+  EXPECT_FALSE(processes_left(dir));
+}
+
 // ---------------------------------------------------------------- Debian's real torchrun
 
 /// Why Debian's torchrun cannot run here, or "" when it can: python3-torch must be installed,
@@ -472,6 +495,17 @@ TEST_P(Torchrun, Trains) {
   EXPECT_EQ(r.exit_code, 0) << r.output;
   EXPECT_CONTAINS(r.output, "2 rank(s) [torchrun]");
   EXPECT_TRUE(fs::exists(tessera::testing::run_dir(dir) + "/checkpoints/last.ckpt")) << r.output;
+}
+
+TEST(Torchrun, RefusesDevicesTheJobDoesNotHave) {
+  if (const std::string why = torchrun_unavailable(); !why.empty()) GTEST_SKIP() << "SKIPPED: " << why;
+  std::string dir = tessera::testing::fresh_dir("torchrun-devices");
+  const tessera::testing::ReservedPort port;
+  auto r = torchrun("--master_port=" + std::to_string(port.port()),
+                    "fit --config " + write_config(dir, 2) + " --set launch.devices=3");
+  EXPECT_NE(r.exit_code, 0) << r.output;
+  EXPECT_CONTAINS(r.output, "[launch] devices = 3 but torchrun started 2 rank(s) on this node: set devices = 2");
+  EXPECT_FALSE(processes_left(dir));
 }
 
 std::string launcher_name(const ::testing::TestParamInfo<std::string>& info) {
