@@ -9,9 +9,11 @@ last` for 2 more steps under another random strategy, world size and precision; 
 validate / test / predict on the checkpoint under a third; `checkpoint export`. A command may be
 refused (exit 1 with an error naming a config section or the checkpoint, as for a mesh that
 does not fit the world); what counts is a CRASH: a signal, a timeout, or a failure whose error
-names neither (LibTorch's own errors, internal asserts). Prints each crash with its command
-line and exits 1 if there was one. Not part of ctest (random by design, and minutes: ~10 s a
-run on 2 cores). Fixed from what it found: 5e5cd64, 765a659, e320c2d, 3c8330e.
+names neither (LibTorch's own errors, internal asserts). Several ranks are started by tessera's
+own launcher or, at random, by Debian's torchrun or Open MPI's mpirun. Prints each crash with
+its command line and exits 1 if there was one. Not part of ctest (random by design, and
+minutes: ~10 s a run on 2 cores). Fixed from what it found: 5e5cd64, 765a659, e320c2d, 3c8330e,
+and (--parity) 7b6969b, 129211d.
 
 With --parity it checks values instead of crashes: every run keeps one global batch (12 samples,
 split over the data-parallel ranks) and is compared with one device on that batch: `fit` for 4
@@ -26,6 +28,7 @@ import os
 import random
 import re
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
@@ -141,6 +144,12 @@ def data_parallel_size(options):
     return devices // int(options.get("strategy.tensor_parallel_size", 1))
 
 
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def last_checkpoint(root):
     """The newest run's `last` checkpoint (a resumed run writes the next version_N)."""
     versions = glob.glob(os.path.join(root, "version_*"))
@@ -189,6 +198,12 @@ def main():
     with open(config, "w") as f:
         f.write(BASE)
     counts = {"ok": 0, "refused": 0, "CRASH": 0, "MISMATCH": 0}
+    launchers, launched = ["tessera", "tessera"], {}
+    if subprocess.run(["/usr/bin/python3", "-c", "import torch.distributed.run"], capture_output=True).returncode == 0:
+        launchers.append("torchrun")
+    if shutil.which("mpirun"):
+        launchers.append("mpirun")
+        os.environ.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")  # CI containers run as root
 
     def run(label, argv):
         try:
@@ -210,18 +225,32 @@ def main():
     def sets(options):
         return [arg for key, value in options.items() for arg in ("--set", f"{key}={value}")]
 
+    def tessera(command, options, *extra):
+        """argv of `tessera COMMAND`; several ranks are started by its own launcher, or at random by
+        Debian's torchrun or Open MPI's mpirun where installed."""
+        argv = [args.binary, command, *extra, *sets(options)]
+        devices = int(options.get("launch.devices", 1))
+        launcher = pick(*launchers) if devices > 1 else "tessera"
+        launched[launcher] = launched.get(launcher, 0) + 1
+        if launcher == "torchrun":  # 1.13 on Python 3.11 crashes with its default --redirects/--tee
+            return ["/usr/bin/python3", "-m", "torch.distributed.run", f"--nproc_per_node={devices}", "--redirects", "2",
+                    "--tee", "2", f"--master_port={free_port()}", "--no_python", *argv]
+        if launcher == "mpirun":
+            return ["mpirun", "-np", str(devices), "--oversubscribe", "-x", f"MASTER_PORT={free_port()}", *argv]
+        return argv
+
     def crash_run(i, common, root):
         model = model_options(rng, pick)
         first = {**model, **strategy_options(rng, pick, maybe, model), **trainer_options(rng, pick, maybe)}
-        if run(f"{args.seed}-{i} fit", [args.binary, "fit", *common, *sets(first)]) != 0:
+        if run(f"{args.seed}-{i} fit", tessera("fit", first, *common)) != 0:
             return
         keep = {k: v for k, v in first.items() if k.startswith(("model.", "data.", "optimizer."))}
         resumed = {**keep, **strategy_options(rng, pick, maybe, model), "trainer.max_steps": 6}
-        run(f"{args.seed}-{i} resume", [args.binary, "fit", *common, "--ckpt-path", "last", *sets(resumed)])
+        run(f"{args.seed}-{i} resume", tessera("fit", resumed, *common, "--ckpt-path", "last"))
         checkpoint = last_checkpoint(root)
         command = pick("validate", "test", "predict")
         run(f"{args.seed}-{i} {command}",
-            [args.binary, command, *common, "--ckpt-path", checkpoint, *sets({**keep, **strategy_options(rng, pick, maybe, model)})])
+            tessera(command, {**keep, **strategy_options(rng, pick, maybe, model)}, *common, "--ckpt-path", checkpoint))
         run(f"{args.seed}-{i} export", [args.binary, "checkpoint", "export", checkpoint, "--to", os.path.join(root, "m.safetensors")])
 
     def parity_run(i, common, root):
@@ -242,8 +271,8 @@ def main():
                     "trainer.max_steps": 6}
         reference = ["--set", f"trainer.default_root_dir={root}-one"]
         if (run(f"{args.seed}-{i} one device", [args.binary, "fit", "--config", config, *reference, *sets(baseline)])
-                or run(f"{args.seed}-{i} fit", [args.binary, "fit", *common, *sets(first)])
-                or run(f"{args.seed}-{i} resume", [args.binary, "fit", *common, "--ckpt-path", "last", *sets(resumed)])):
+                or run(f"{args.seed}-{i} fit", tessera("fit", first, *common))
+                or run(f"{args.seed}-{i} resume", tessera("fit", resumed, *common, "--ckpt-path", "last"))):
             return
         loose = shared["precision.precision"] != "32-true" or any("bfloat16" in str(v) for v in (*first.values(), *resumed.values()))
         tolerance = 3e-2 if loose else 2e-4
@@ -267,8 +296,10 @@ def main():
         (parity_run if args.parity else crash_run)(i, ["--config", config, "--set", f"trainer.default_root_dir={root}"], root)
         shutil.rmtree(root, ignore_errors=True)
     shutil.rmtree(work, ignore_errors=True)
+    mismatches = f", {counts['MISMATCH']} runs differ from one device" if args.parity else ""
+    starters = ", ".join(f"{name} {n}" for name, n in sorted(launched.items()))
     print(f"seed {args.seed}: {sum(counts.values())} commands, {counts['ok']} ok, {counts['refused']} refused "
-          f"with an error, {counts['CRASH']} crashed" + (f", {counts['MISMATCH']} runs differ from one device" if args.parity else ""))
+          f"with an error, {counts['CRASH']} crashed{mismatches}; commands by launcher: {starters}")
     sys.exit(1 if counts["CRASH"] or counts["MISMATCH"] else 0)
 
 
