@@ -18,8 +18,9 @@ and (--parity) 7b6969b, 129211d.
 With --parity it checks values instead of crashes: every run keeps one global batch (12 samples,
 split over the data-parallel ranks) and is compared with one device on that batch: `fit` for 4
 steps under a random strategy and world size, resumed for 2 more under another, against 6 steps
-on one device; each logged train and val loss and the final weights (exported to .ckpt and read
-with torch.load) must agree within a tolerance by precision. A difference is a MISMATCH.
+on one device; each logged train and val loss, the final weights (exported to .ckpt and read
+with torch.load) and `validate` of the final checkpoint under a third strategy must agree
+within a tolerance by precision. A difference is a MISMATCH.
 """
 import argparse
 import csv
@@ -199,6 +200,7 @@ def main():
         f.write(BASE)
     counts = {"ok": 0, "refused": 0, "CRASH": 0, "MISMATCH": 0}
     launchers, launched = ["tessera", "tessera"], {}
+    compared = {"losses": 0, "validate": 0, "weights": 0}  # --parity: values checked against one device
     if subprocess.run(["/usr/bin/python3", "-c", "import torch.distributed.run"], capture_output=True).returncode == 0:
         launchers.append("torchrun")
     if shutil.which("mpirun"):
@@ -274,13 +276,25 @@ def main():
                 or run(f"{args.seed}-{i} fit", tessera("fit", first, *common))
                 or run(f"{args.seed}-{i} resume", tessera("fit", resumed, *common, "--ckpt-path", "last"))):
             return
-        loose = shared["precision.precision"] != "32-true" or any("bfloat16" in str(v) for v in (*first.values(), *resumed.values()))
+        # `validate` of the final checkpoint under a third strategy: the one device's last val_loss
+        validated = {k: v for k, v in strategy().items() if k != "trainer.max_steps"}
+        if run(f"{args.seed}-{i} validate", tessera("validate", validated, "--config", config, "--set",
+                                                   f"trainer.default_root_dir={root}-validate", "--ckpt-path", last_checkpoint(root))):
+            return
+        loose = shared["precision.precision"] != "32-true" or any(
+            "bfloat16" in str(v) for v in (*first.values(), *resumed.values(), *validated.values()))
         tolerance = 3e-2 if loose else 2e-4
         expected, found = losses(root + "-one"), losses(root)
+        if (6, "val_loss") in expected:  # not when an epoch of 5 steps moved the val checks
+            expected[(6, "validate")] = expected[(6, "val_loss")]
+            found[(6, "validate")] = losses(root + "-validate").get((0, "val_loss"))
+        compared["losses"] += len(expected)
+        compared["validate"] += (6, "validate") in expected
         wrong = [f"{metric} at step {step}: {found.get((step, metric))} vs {value} on one device"
                  for (step, metric), value in sorted(expected.items())
-                 if abs(found.get((step, metric), float("inf")) - value) > tolerance * abs(value)]
+                 if abs((found.get((step, metric)) or float("inf")) - value) > tolerance * abs(value)]
         difference = weights_difference(run, args.binary, last_checkpoint(root), last_checkpoint(root + "-one"), root)
+        compared["weights"] += difference is not None
         if difference is not None and difference > tolerance * 5:
             wrong.append(f"final weights differ by {difference:.2g} (relative)")
         commands = f"\n  fit:    {' '.join(sets(first))}\n  resume: {' '.join(sets(resumed))}"
@@ -289,14 +303,16 @@ def main():
         if wrong:
             counts["MISMATCH"] += 1
             print(f"MISMATCH {args.seed}-{i}:{commands}\n    " + "\n    ".join(wrong[:6]), flush=True)
-        shutil.rmtree(root + "-one", ignore_errors=True)
+        for suffix in ("-one", "-validate"):
+            shutil.rmtree(root + suffix, ignore_errors=True)
 
     for i in range(args.runs):
         root = os.path.join(work, str(i))
         (parity_run if args.parity else crash_run)(i, ["--config", config, "--set", f"trainer.default_root_dir={root}"], root)
         shutil.rmtree(root, ignore_errors=True)
     shutil.rmtree(work, ignore_errors=True)
-    mismatches = f", {counts['MISMATCH']} runs differ from one device" if args.parity else ""
+    mismatches = (f", {counts['MISMATCH']} runs differ from one device (compared: {compared['losses']} losses, "
+                  f"{compared['validate']} validate runs, {compared['weights']} final weights)") if args.parity else ""
     starters = ", ".join(f"{name} {n}" for name, n in sorted(launched.items()))
     print(f"seed {args.seed}: {sum(counts.values())} commands, {counts['ok']} ok, {counts['refused']} refused "
           f"with an error, {counts['CRASH']} crashed{mismatches}; commands by launcher: {starters}")
