@@ -414,19 +414,23 @@ TEST(Anomaly, StepsTheGradScalerSkipsAreCountedAndReportedNotFailures) {
 
 // ---------------------------------------------------------------- Open MPI's real mpirun
 
-/// Open MPI's mpirun (Debian's openmpi-bin) starts the ranks; tessera reads OMPI_COMM_WORLD_*,
-/// rank 0 hosts the store, and the two ranks of this host collect through shared memory.
+/// Runs `tessera ARGS` on 2 ranks under Open MPI's mpirun (Debian's openmpi-bin). mpirun refuses
+/// root unless told (CI containers run as root); the ranks need no MPI transport.
+tessera::testing::CommandResult mpirun(const std::string& tessera_args) {
+  const tessera::testing::ReservedPort port;
+  return tessera::testing::run_command(
+      "OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 timeout -k 5 150 mpirun -np 2 --oversubscribe -x "
+      "MASTER_PORT=" + std::to_string(port.port()) + " " + tessera::testing::tessera_binary() + " " + tessera_args +
+      " 2>&1");
+}
+
+/// Open MPI's mpirun starts the ranks; tessera reads OMPI_COMM_WORLD_*, rank 0 hosts the store,
+/// and the two ranks of this host collect through shared memory.
 TEST(Mpirun, TrainsWithRankZeroHostingTheStore) {
   if (std::system("command -v mpirun >/dev/null 2>&1") != 0)
     GTEST_SKIP() << "SKIPPED: Open MPI's mpirun (openmpi-bin) is not installed";
   std::string dir = tessera::testing::fresh_dir("mpirun");
-  const std::string config = write_config(dir, 2, "fsdp");
-  const tessera::testing::ReservedPort port;
-  // mpirun refuses root unless told (CI containers run as root); the ranks need no MPI transport.
-  auto r = tessera::testing::run_command(
-      "OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 timeout -k 5 150 mpirun -np 2 --oversubscribe -x "
-      "MASTER_PORT=" + std::to_string(port.port()) + " " + tessera::testing::tessera_binary() +
-      " fit --config " + config + " 2>&1");
+  auto r = mpirun("fit --config " + write_config(dir, 2, "fsdp"));
   EXPECT_EQ(r.exit_code, 0) << r.output;
   EXPECT_CONTAINS(r.output, "2 rank(s) [mpi]");
   EXPECT_CONTAINS(r.output, "collectives: shared memory among the 2 ranks of this host");
@@ -441,15 +445,11 @@ TEST(Mpirun, RefusesDevicesOrNodesTheJobDoesNotHave) {
     GTEST_SKIP() << "SKIPPED: Open MPI's mpirun (openmpi-bin) is not installed";
   std::string dir = tessera::testing::fresh_dir("mpirun-devices");
   const std::string config = write_config(dir, 2, "fsdp");
-  const tessera::testing::ReservedPort port;
   for (const auto& [set, message] :
        {std::pair<std::string, std::string>{"launch.devices=3", "[launch] devices = 3 but mpirun started 2 rank(s) on "
                                                                 "this node: set devices = 2 or leave it out"},
         {"launch.nodes=2", "[launch] nodes = 2 but mpirun runs 1 node(s): set nodes = 1 or leave it out"}}) {
-    auto r = tessera::testing::run_command(
-        "OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 timeout -k 5 150 mpirun -np 2 --oversubscribe -x "
-        "MASTER_PORT=" + std::to_string(port.port()) + " " + tessera::testing::tessera_binary() +
-        " fit --config " + config + " --set " + set + " 2>&1");
+    auto r = mpirun("fit --config " + config + " --set " + set);
     EXPECT_NE(r.exit_code, 0) << r.output;
     EXPECT_CONTAINS(r.output, message);
     EXPECT_FALSE(fs::exists(dir + "/version_0")) << set << ": a run directory was made\n" << r.output;
