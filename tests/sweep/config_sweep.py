@@ -3,10 +3,10 @@
 
     /usr/bin/python3 tests/sweep/config_sweep.py [--seed S] [--runs N] [--parity] [--binary build/bin/tessera]
 
-Each run: `fit` of a small model (gpt, cnn or mlp) under a random strategy, world size (1-4,
-several not dividing the parameters), precision and options for 4 steps; then `fit --ckpt-path
-last` for 2 more steps under another random strategy, world size and precision; one of
-validate / test / predict on the checkpoint under a third; `checkpoint export`. A command may be
+Each run: `plan`, then `fit` of a small model (gpt, cnn or mlp) under a random strategy, world
+size (1-4, several not dividing the parameters), precision and options for 4 steps; then
+`fit --ckpt-path last` for 2 more steps under another random strategy, world size and
+precision; one of validate / test / predict on the checkpoint under a third; `checkpoint export`. A command may be
 refused (exit 1 with an error naming a config section or the checkpoint, as for a mesh that
 does not fit the world); what counts is a CRASH: a signal, a timeout, or a failure whose error
 names neither (LibTorch's own errors, internal asserts). Several ranks are started by tessera's
@@ -244,6 +244,7 @@ def main():
     def crash_run(i, common, root):
         model = model_options(rng, pick)
         first = {**model, **strategy_options(rng, pick, maybe, model), **trainer_options(rng, pick, maybe)}
+        run(f"{args.seed}-{i} plan", [args.binary, "plan", *common, *sets(first), *pick([], ["--json"])])
         if run(f"{args.seed}-{i} fit", tessera("fit", first, *common)) != 0:
             return
         keep = {k: v for k, v in first.items() if k.startswith(("model.", "data.", "optimizer."))}
