@@ -73,6 +73,8 @@ def strategy_options(rng, pick, maybe, model):
     gpt = model["model.plugin"] == "gpt"
     if strat in ("fsdp", "fsdp_cpu_offload"):
         s["strategy.sharding_strategy"] = pick("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD")
+        if s["strategy.sharding_strategy"] == "HYBRID_SHARD" and s["launch.devices"] == 4 and maybe(0.5):
+            s["strategy.hybrid_shard_group_size"] = 2
         s["strategy.auto_wrap_policy"] = pick("transformer", "size", "none") if gpt else pick("size", "none")
         if s["strategy.auto_wrap_policy"] == "size":
             s["strategy.min_num_params"] = pick(10, 1000, 100000)
@@ -96,7 +98,9 @@ def strategy_options(rng, pick, maybe, model):
         if s["launch.devices"] == 4 and maybe():
             s["strategy.data_parallel_replicate_size"] = 2
         s["strategy.parallelize_fn"] = pick("transformer", "none") if gpt else "none"
-        s["strategy.reshard_after_forward"] = pick("true", "false", "true")
+        s["strategy.reshard_after_forward"] = pick("true", "false", "true", 2)  # 2: backward gathers within pairs
+        if maybe(0.2):
+            s["strategy.mp_policy.reduce_dtype"] = pick("float32", "bfloat16")
         for key, values in (("forward_prefetch", ("true", "false")), ("backward_prefetch", ("true", "false")),
                             ("offload_policy", ("cpu",)), ("deferred_init", ("true",))):
             if maybe():
