@@ -165,7 +165,10 @@ class GPTNetImpl : public torch::nn::Module {
   static bool init_parameter(const std::string& name, at::Tensor& p, std::int64_t n_layer, std::uint64_t seed) {
     if (name.find("ln_") != std::string::npos) return false;
     torch::NoGradGuard no_grad;
-    if (p.dim() == 1) return p.zero_(), true;
+    if (p.dim() == 1) {
+      p.zero_();
+      return true;
+    }
     const std::string key = name.rfind('.', 0) == 0 ? name.substr(1) : name;  // a root unit's path is ""
     at::Generator generator = at::globalContext().defaultGenerator(p.device()).clone();
     {
