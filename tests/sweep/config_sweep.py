@@ -1,7 +1,7 @@
 #!/usr/bin/python3
 """Random configurations through the real binary, to find the combinations no test names.
 
-    /usr/bin/python3 tests/sweep/config_sweep.py [--seed S] [--runs N] [--parity] [--binary build/bin/tessera]
+    /usr/bin/python3 tests/sweep/config_sweep.py [--seed S] [--runs N] [--parity] [--verbose] [--binary build/bin/tessera]
 
 Each run: `plan`, then `fit` of a small model (gpt, cnn or mlp) under a random strategy, world
 size (1-4, several not dividing the parameters), precision and options for 4 steps; then
@@ -192,6 +192,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--runs", type=int, default=50)
+    parser.add_argument("--verbose", action="store_true", help="also print each refusal's error")
     parser.add_argument("--parity", action="store_true", help="compare values with one device instead of looking for crashes")
     parser.add_argument("--binary", default=os.path.join(os.path.dirname(__file__), "../../build/bin/tessera"))
     args = parser.parse_args()
@@ -223,6 +224,8 @@ def main():
         libtorch = any(s in out for s in ("INTERNAL ASSERT", "please report a bug", "Exception raised from"))
         outcome = "ok" if rc == 0 else "refused" if rc == 1 and refusal and not libtorch else "CRASH"
         counts[outcome] += 1
+        if outcome == "refused" and args.verbose:
+            print(f"refused {label}: " + next(l for l in out.splitlines() if ": error: " in l)[:400], flush=True)
         if outcome == "CRASH":
             lines = [l for l in out.splitlines() if "error" in l or "signal" in l or "timed out" in l] or out.splitlines()
             print(f"CRASH {label} (exit {rc}): {' '.join(argv)}\n    " + "\n    ".join(lines[-4:]), flush=True)
