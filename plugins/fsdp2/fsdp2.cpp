@@ -318,8 +318,9 @@ class FSDP2Strategy final : public fsdp::ShardedStrategy, public sdk::StrategyCh
                   " ranks, but the job has ", world, "; valid: sizes whose product is ", world,
                   " (\"auto\" derives one from the others)");
     TESSERA_CHECK(reshard_size_ == 0 || dp % reshard_size_ == 0, reshard_key_, " = ", reshard_size_,
-                  " must divide the data-parallel shard size ", dp, "; valid: ", divisors(dp), " (", dp,
-                  " is the same as true, 1 the same as false)");
+                  " must divide the data-parallel shard size ", dp, "; valid: ", divisors(dp),
+                  dp > 1 ? " (" + std::to_string(dp) + " is the same as true, 1 the same as false)"
+                         : std::string(" (one shard rank: nothing to reshard)"));
     TESSERA_CHECK(tp == 1 || state_dict_type_ != "local", sizes_key_, ": tensor_parallel_size = ", tp,
                   " saves full or sharded checkpoints; set state_dict_type = \"full\" or \"sharded\"");
     return dp;
