@@ -90,11 +90,10 @@ void export_to(const std::string& path, const std::string& to) {
   TESSERA_CHECK(safetensors || ckpt, "--to ", to, ": export writes FILE.safetensors or FILE.ckpt");
   if (core::is_sharded_checkpoint(path)) {
     core::ShardedReader reader(core::read_manifest(path));
-    const auto& tensors = reader.manifest().tensors;
-    TESSERA_CHECK(std::any_of(tensors.begin(), tensors.end(), [](const auto& t) { return t.first.rfind("state_dict/", 0) == 0; }),
-                  "checkpoint ", path, " holds rank-local state (fsdp state_dict_type = \"local\": flat shards that only ",
-                  "the same world size, strategy and model read), not the model's tensors; resume it so and save with ",
-                  "[strategy] state_dict_type = \"sharded\" or \"full\" to export it");
+    TESSERA_CHECK(!core::holds_rank_local_state(reader.manifest()), "checkpoint ", path,
+                  " holds rank-local state (fsdp state_dict_type = \"local\": flat shards that only the same world ",
+                  "size, strategy and model read), not the model's tensors; resume it so and save with [strategy] ",
+                  "state_dict_type = \"sharded\" or \"full\" to export it");
     if (safetensors) {
       // Streamed: each weight is assembled from its pieces just before it is written.
       std::vector<core::TensorSpec> specs;

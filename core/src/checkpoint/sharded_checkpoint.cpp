@@ -4,6 +4,7 @@
 #include <stdio.h>  // renameat2
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <thread>
@@ -374,6 +375,11 @@ bool is_sharded_checkpoint(const std::string& path) {
   return fs::is_directory(path, ec) && fs::exists(fs::path(path) / kManifestName, ec);
 }
 
+bool holds_rank_local_state(const Manifest& manifest) {
+  return std::none_of(manifest.tensors.begin(), manifest.tensors.end(),
+                      [](const auto& t) { return t.first.rfind("state_dict/", 0) == 0; });
+}
+
 Manifest read_manifest(const std::string& path) {
   const fs::path file = fs::path(path) / kManifestName;
   std::error_code ec;
@@ -486,7 +492,7 @@ sdk::Checkpoint load_sharded(const std::string& path, const std::map<std::string
   std::map<std::string, std::vector<std::int64_t>> saved;
   for (const auto& [name, t] : m.tensors)
     if (name.rfind("state_dict/", 0) == 0) saved.emplace(name.substr(11), t.global_shape);
-  TESSERA_CHECK(!saved.empty() || wanted.empty(), "checkpoint ", path, " holds rank-local state (fsdp state_dict_type = ",
+  TESSERA_CHECK(!holds_rank_local_state(m) || wanted.empty(), "checkpoint ", path, " holds rank-local state (fsdp state_dict_type = ",
                 "\"local\"): it loads only into the same world size, strategy and model");
   std::map<std::string, TensorPiece> first_pieces;  // for the names and global shapes
   for (const auto& [name, stack] : wanted) {

@@ -75,6 +75,9 @@ struct Manifest {
 bool is_sharded_checkpoint(const std::string& path);
 /// Reads and checks the manifest: format, a version this build reads, every field present.
 Manifest read_manifest(const std::string& path);
+/// Whether the save holds no model tensors (no "state_dict/<name>"): fsdp's state_dict_type =
+/// "local", flat shards that only the same world size, strategy and model read.
+bool holds_rank_local_state(const Manifest& manifest);
 
 /// Reads pieces of a committed checkpoint's tensors as byte ranges of its files: each block
 /// read is checked against the manifest's checksums, each file's save id against its save id.
