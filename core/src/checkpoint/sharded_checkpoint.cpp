@@ -615,7 +615,7 @@ sdk::Checkpoint read_trainer_state(const std::string& path) {
                                    [](const std::string&) { return at::Tensor(); }),
                             "the trainer state of " + path)
           : checkpoint_dict(load_pickle(path), "checkpoint " + path);
-  for (const char* key : {"state_dict", "optimizer_states"}) state.erase(key);
+  for (const char* key : {"state_dict", "optimizer_states"}) (void)state.erase(key);  // absent is fine
   return state;
 }
 
