@@ -3,9 +3,9 @@
 // and MLP over a tensor-parallel group (Megatron-style).
 #include <cmath>
 #include <limits>
-#include <mutex>
 
 #include <ATen/ATen.h>
+#include <ATen/CPUGeneratorImpl.h>
 #include <torch/nn/functional/activation.h>
 #include <torch/nn/functional/loss.h>
 #include <torch/nn/modules/container/any.h>
@@ -170,13 +170,12 @@ class GPTNetImpl : public torch::nn::Module {
       return true;
     }
     const std::string key = name.rfind('.', 0) == 0 ? name.substr(1) : name;  // a root unit's path is ""
-    at::Generator generator = at::globalContext().defaultGenerator(p.device()).clone();
-    {
-      std::lock_guard<std::mutex> lock(generator.mutex());
-      generator.set_current_seed(XXH64(key.data(), key.size(), seed));
-    }
+    // Drawn on the CPU whatever the device: CUDA's Philox would give a GPU build other values.
+    at::Generator generator = at::detail::createCPUGenerator(XXH64(key.data(), key.size(), seed));
     const double residual_std = 0.02 / std::sqrt(2.0 * static_cast<double>(n_layer));
-    p.normal_(0.0, key.find("proj.weight") != std::string::npos ? residual_std : 0.02, generator);
+    at::Tensor values = p.device().is_cpu() ? p : at::empty(p.sizes(), p.options().device(at::kCPU));
+    values.normal_(0.0, key.find("proj.weight") != std::string::npos ? residual_std : 0.02, generator);
+    if (!values.is_same(p)) p.copy_(values);
     return true;
   }
 
