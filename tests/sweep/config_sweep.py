@@ -137,6 +137,10 @@ def trainer_options(rng, pick, maybe):
         s["trainer.gradient_clip_algorithm"] = pick("norm", "value")
     if maybe(0.2):
         s["trainer.detect_anomaly"] = "true"
+    if maybe(0.25):  # epochs of 3 batches, or half the data: they end inside a run and a resume
+        s["trainer.limit_train_batches"] = pick(3, 0.5)
+    if maybe(0.25):  # validation at a fraction of an epoch, at its end, or every 3 steps
+        s["trainer.val_check_interval"] = pick(0.5, 1.0, 3)
     if maybe(0.2):
         s["callbacks.model_checkpoint.monitor"] = '"val_loss"'
         s["callbacks.model_checkpoint.save_top_k"] = 2
