@@ -43,7 +43,8 @@ constexpr const char* kUsage = R"(usage:
   validate   run the validation loop (weights from --ckpt-path)
   test       run the test loop (weights from --ckpt-path)
   predict    run predict_step and print its output (e.g. text generated from [data] prompt)
-  plan       print each rank's memory budget and the bytes it sends per step, without training
+  plan       print each rank's memory budget, the bytes it sends per step and the largest batch
+             that fits, without training
              (fit prints a warning before any work when the plan exceeds the machine's memory)
   plugins    list every plugin found: kind, name, version, ABI, path (and refused files)
 
@@ -171,9 +172,7 @@ void warn_about_memory(const host::Config& config) {
     std::cerr << "tessera: note: no memory plan (" << e.what() << ")\n";
     return;
   }
-  double available = host::memory_available_bytes();
-  if (const char* forced = std::getenv("TESSERA_MEMORY_AVAILABLE_MB"))  // tests
-    available = std::strtod(forced, nullptr) * 1048576.0;
+  const double available = host::memory_available_bytes();
   for (const std::string& warning :
        {host::memory_warning(job.plan, available, job.local_ranks),
         cuda ? host::device_memory_warning(job.plan, host::cuda_memory_bytes(config, job.local_ranks), false) : ""})

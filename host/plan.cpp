@@ -159,6 +159,11 @@ std::string format_plan(const MemoryPlan& plan, std::int64_t world_size, std::in
   if (plan.cuda)
     row("peak CUDA per rank", mb(plan.device_peak), true,
         "tensors at the peak of a step, as the trainer's peak_cuda_mb metric counts them");
+  if (plan.largest_batch_size) {  // a count, in host or device memory alike
+    std::snprintf(line, sizeof(line), "  %-22s %12lld  ", "largest batch_size",
+                  static_cast<long long>(*plan.largest_batch_size));
+    out += line + ("[data] batch_size per rank within " + plan.batch_size_bound) + "\n";
+  }
   if (plan.known) {
     out += "\n  sent per rank per optimizer step (ring algorithm: all-gather and reduce-scatter send (g-1)/g of the data,"
            " all-reduce 2(g-1)/g):\n";
@@ -203,12 +208,37 @@ std::string plan_json(const MemoryPlan& plan, std::int64_t world_size, std::int6
                                       {"on_device", on_device},
                                       {"peak_cuda_per_rank_bytes", whole(plan.device_peak)},
                                       {"sent_per_step_bytes", whole(plan.sent_per_step)},
+                                      {"largest_batch_size", plan.largest_batch_size
+                                                                 ? nlohmann::ordered_json(*plan.largest_batch_size)
+                                                                 : nlohmann::ordered_json()},
                                       {"traffic", traffic},
                                       {"notes", plan.notes}};
   return out.dump() + "\n";
 }
 
+std::int64_t largest_batch_size(const PlanInputs& in, std::int64_t traced_batch_size, double available,
+                                double device_bytes) {
+  auto fits = [&](std::int64_t batch_size) {
+    PlanInputs scaled = in;
+    const double ratio = static_cast<double>(batch_size) / static_cast<double>(traced_batch_size);
+    scaled.activation_bytes *= ratio;
+    scaled.forward_transient_bytes *= ratio;
+    const MemoryPlan plan = make_plan(scaled);
+    return (available < 0 || plan.job_bytes <= available) &&
+           (!plan.cuda || device_bytes <= 0 || plan.device_peak <= device_bytes);
+  };
+  // The plan grows with the batch: the largest fitting size by bisection.
+  std::int64_t fitting = 0, failing = std::int64_t{1} << 20;
+  if (fits(failing)) return failing;
+  while (failing - fitting > 1) {
+    const std::int64_t middle = fitting + (failing - fitting) / 2;
+    (fits(middle) ? fitting : failing) = middle;
+  }
+  return fitting;
+}
+
 double memory_available_bytes() {
+  if (const char* forced = std::getenv("TESSERA_MEMORY_AVAILABLE_MB")) return std::strtod(forced, nullptr) * 1048576.0;
   std::ifstream in("/proc/meminfo");
   for (std::string line; std::getline(in, line);)
     if (line.rfind("MemAvailable:", 0) == 0) return 1024.0 * std::strtod(line.c_str() + 13, nullptr);
@@ -242,7 +272,11 @@ std::string memory_warning(const MemoryPlan& plan, double available, std::int64_
                     " peak RSS per rank x " + std::to_string(local_ranks) + " local rank(s): " + rows +
                     (rows.empty() ? "" : ", ");
   out += "baseline " + mb(plan.baseline) + ") but only " + mb(available) + " is available (MemAvailable); the job may be killed for memory. "
-         "Shard more (fsdp FULL_SHARD, more ranks), lower [data] batch_size, or see `tessera plan`";
+         "Shard more (fsdp FULL_SHARD, more ranks), lower [data] batch_size" +
+         (!plan.largest_batch_size       ? std::string()
+          : *plan.largest_batch_size > 0 ? " (at most " + std::to_string(*plan.largest_batch_size) + " fits)"
+                                         : std::string(" (even 1 does not fit)")) +
+         ", or see `tessera plan`";
   if (plan.job_bytes > 2 * available) out += " (the plan is more than twice what is available)";
   return out;
 }

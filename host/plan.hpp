@@ -77,6 +77,10 @@ struct MemoryPlan {
   std::vector<PlanTraffic> traffic;
   double sent_per_step = 0;      ///< bytes each rank sends per optimizer step
   std::vector<std::string> notes;
+  /// The largest per-rank [data] batch_size that fits this machine (largest_batch_size()), and
+  /// what bounds it, e.g. "the 20480 MB available to 2 local rank(s)"; absent when not planned.
+  std::optional<std::int64_t> largest_batch_size;
+  std::string batch_size_bound;
 };
 
 /// Bytes a rank sends for a collective over `group` ranks on data of `bytes` (ring algorithm).
@@ -93,7 +97,15 @@ std::string format_plan(const MemoryPlan& plan, std::int64_t world_size, std::in
 /// The same as JSON (bytes).
 std::string plan_json(const MemoryPlan& plan, std::int64_t world_size, std::int64_t local_ranks);
 
-/// MemAvailable of /proc/meminfo in bytes, or -1.
+/// Lightning's Tuner.scale_batch_size, predicted instead of tried: the largest per-rank batch
+/// size whose plan fits `available` bytes of host memory for this machine's ranks and, for a
+/// CUDA job, `device_bytes` per GPU (<= 0: unknown, not checked), with the activations traced
+/// for `traced_batch_size` samples scaled in proportion (what autograd keeps is per sample).
+/// 0: not even one sample fits. At most 2^20.
+std::int64_t largest_batch_size(const PlanInputs& in, std::int64_t traced_batch_size, double available,
+                                double device_bytes);
+
+/// MemAvailable of /proc/meminfo in bytes, or -1; TESSERA_MEMORY_AVAILABLE_MB overrides it (tests).
 double memory_available_bytes();
 /// A warning when `plan.job_bytes` (host memory) exceeds `available` bytes (fit prints it before any work); "" otherwise.
 std::string memory_warning(const MemoryPlan& plan, double available, std::int64_t local_ranks);

@@ -428,6 +428,17 @@ PlannedJob plan_job(const Config& config, bool trace_activations) {
   model.reset();
   core::release_deferred_init_memory();
   job.plan = make_plan(in);
+  if (job.plan.known && trace_activations && trace_problem.empty()) {
+    const double available = memory_available_bytes();
+    const double device = in.cuda ? cuda_memory_bytes(config, job.local_ranks) : -1;
+    if (available > 0 || device > 0) {
+      job.plan.largest_batch_size = largest_batch_size(in, config.data.batch_size, available, device);
+      job.plan.batch_size_bound =
+          (available > 0 ? "the " + mb(available) + " available to " + std::to_string(job.local_ranks) + " local rank(s)" : "") +
+          (available > 0 && device > 0 ? " and " : "") + (device > 0 ? "the GPU's " + mb(device) : "") +
+          " (activations scaled from the traced " + std::to_string(config.data.batch_size) + ")";
+    }
+  }
   if (!trace_activations)
     job.plan.notes.push_back("activations not traced (fit's check before a CUDA job: `tessera plan` traces them)");
   if (!trace_problem.empty())

@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <fstream>
+#include <regex>
 
 #include <nlohmann/json.hpp>
 #include <torch/version.h>
@@ -303,6 +304,35 @@ TEST(PlanArithmetic, PlanSumsRowsAndWarnsAboveAvailableMemory) {
 
 /// A 6-layer, 768-wide GPT (~43M parameters, ~680 MB of fp32 AdamW state unsharded): large
 /// enough that model state dominates the process baseline, small enough for 3 steps on 2 cores.
+// Lightning's scale_batch_size, predicted: the largest batch whose plan fits, the activations
+// traced for 4 samples scaled per sample; host memory for every local rank, a CUDA job's device too.
+TEST(PlanArithmetic, LargestBatchSizeIsTheLastThatFits) {
+  host::PlanInputs in;
+  in.strategy = "fsdp";
+  in.layout = fsdp::plan_sharded_memory(two_units(2, fsdp::ShardingStrategy::FULL_SHARD));
+  in.local_ranks = 2;
+  in.baseline_bytes = 100000;
+  in.activation_bytes = 4 * 5000.0;  // traced for 4 samples
+  const host::MemoryPlan traced = host::make_plan(in);
+  ASSERT_GT(traced.training_peak, traced.setup_peak);
+  const double per_rank_without_activations = traced.peak - in.activation_bytes;
+  const double room_for_10 = 2 * (per_rank_without_activations + 10 * 5000.0);
+  EXPECT_EQ(host::largest_batch_size(in, 4, room_for_10, -1), 10);
+  EXPECT_EQ(host::largest_batch_size(in, 4, room_for_10 - 1, -1), 9);
+  EXPECT_EQ(host::largest_batch_size(in, 4, 2 * per_rank_without_activations - 1, -1), 0);  // not one sample
+  EXPECT_EQ(host::largest_batch_size(in, 4, -1, -1), std::int64_t{1} << 20);                // nothing bounds it
+
+  in.cuda = true;  // the activations are device memory: the GPU bounds the batch, the host does not
+  const double device_without_activations = host::make_plan(in).device_peak - in.activation_bytes;
+  EXPECT_EQ(host::largest_batch_size(in, 4, 1e12, device_without_activations + 7 * 5000.0), 7);
+  EXPECT_EQ(host::largest_batch_size(in, 4, 1e12, device_without_activations + 7 * 5000.0 - 1), 6);
+  host::MemoryPlan plan = host::make_plan(in);
+  plan.largest_batch_size = 0;
+  EXPECT_NE(host::memory_warning(plan, 1, 2).find("lower [data] batch_size (even 1 does not fit)"), std::string::npos);
+  plan.largest_batch_size = 6;
+  EXPECT_NE(host::memory_warning(plan, 1, 2).find("lower [data] batch_size (at most 6 fits)"), std::string::npos);
+}
+
 std::string write_config(const std::string& dir) {
   std::ofstream(dir + "/plan.toml") << "[trainer]\nmax_steps = 3\nlog_every_n_steps = 1\nenable_progress_bar = false\n"
                                     << "save_last = false\ndefault_root_dir = \"" << dir << "\"\n"
@@ -454,6 +484,7 @@ TEST(PlanInFit, WarnsBeforeAnyWorkWhenThePlanExceedsTheMachine) {
   EXPECT_EQ(fit.exit_code, 0) << fit.output;  // a warning, not an error
   EXPECT_NE(fit.output.find("warning: the memory plan needs"), std::string::npos) << fit.output;
   EXPECT_NE(fit.output.find("only 1 MB is available"), std::string::npos) << fit.output;
+  EXPECT_NE(fit.output.find("lower [data] batch_size (even 1 does not fit)"), std::string::npos) << fit.output;
   auto quiet = run_tessera("fit --config " + dir + "/small.toml --set trainer.default_root_dir=" + dir + "/b");
   EXPECT_EQ(quiet.exit_code, 0) << quiet.output;
   EXPECT_EQ(quiet.output.find("warning: the memory plan"), std::string::npos) << quiet.output;
@@ -490,6 +521,35 @@ TEST(PlanInFit, ACudaJobIsCheckedForHostAndDeviceMemory) {
   for (const char* part : {"of CUDA memory per rank (parameters", "activations not counted", "but the GPU has 0 MB"})
     EXPECT_NE(device.find(part), std::string::npos) << part << "\n" << device;
   EXPECT_EQ(fit.output.find("on this machine"), std::string::npos) << "the host has room: " << fit.output;
+}
+
+// `tessera plan` names the largest batch that fits this machine, and plans traced anew at other
+// batch sizes bear it out to a sample (each plan measures its own process's baseline, which
+// moves by a fraction of a MB from one run to the next: the edges are a sample either side).
+TEST(PlanOutput, LargestBatchSizeFitsTheMachine) {
+  const std::string dir = tessera::testing::fresh_dir("plan-batch");
+  const std::string config = write_config(dir) + " --set launch.devices=2 --set strategy.plugin=fsdp";
+  auto plan_json = [&](std::int64_t batch_size, const std::string& available_mb) {
+    auto run = run_tessera("plan --json --config " + config + " --set data.batch_size=" + std::to_string(batch_size),
+                           "TESSERA_MEMORY_AVAILABLE_MB=" + available_mb);
+    EXPECT_EQ(run.exit_code, 0) << run.output;
+    return nlohmann::json::parse(run.output.substr(run.output.find('{')));
+  };
+  const auto traced = plan_json(2, "1000000");
+  const double per_sample = traced["per_rank_bytes"]["activations"].get<double>() / 2;
+  const double available = traced["machine_bytes"].get<double>() + 2 * 20 * per_sample;  // ~20 more per rank
+  const std::string available_mb = std::to_string(available / 1048576.0);
+  const std::int64_t largest = plan_json(2, available_mb)["largest_batch_size"].get<std::int64_t>();
+  EXPECT_GE(largest, 18);
+  EXPECT_LE(largest, 22);
+  EXPECT_LE(plan_json(largest - 1, available_mb)["machine_bytes"].get<double>(), available);
+  EXPECT_GT(plan_json(largest + 2, available_mb)["machine_bytes"].get<double>(), available);
+  auto table = run_tessera("plan --config " + config + " --set data.batch_size=2", "TESSERA_MEMORY_AVAILABLE_MB=" + available_mb);
+  std::smatch row;
+  ASSERT_TRUE(std::regex_search(table.output, row, std::regex("largest batch_size +([0-9]+)  \\[data\\] batch_size per "
+                                                              "rank within the [0-9]+ MB available to 2 local rank")))
+      << table.output;
+  EXPECT_NEAR(std::stod(row[1].str()), static_cast<double>(largest), 1.0) << table.output;
 }
 
 TEST(PlanOutput, TableNamesEveryRowAndTheTraffic) {
