@@ -222,7 +222,6 @@ std::int64_t largest_batch_size(const PlanInputs& in, std::int64_t traced_batch_
     PlanInputs scaled = in;
     const double ratio = static_cast<double>(batch_size) / static_cast<double>(traced_batch_size);
     scaled.activation_bytes *= ratio;
-    scaled.forward_transient_bytes *= ratio;
     const MemoryPlan plan = make_plan(scaled);
     return (available < 0 || plan.job_bytes <= available) &&
            (!plan.cuda || device_bytes <= 0 || plan.device_peak <= device_bytes);

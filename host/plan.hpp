@@ -22,7 +22,6 @@ struct PlanInputs {
   std::int64_t accumulate_grad_batches = 1;
   bool layout_of_micro_batches = false;  ///< the layout counts what accumulating micro-batches keeps (fsdp, fsdp2)
   double activation_bytes = 0;     ///< what autograd keeps from one forward (the trace)
-  double forward_transient_bytes = 0;  ///< the trace's peak above that (temporaries)
   double baseline_bytes = 0;       ///< the process with LibTorch, the plugins and the data loaded
   double runtime_bytes = 0;        ///< what a training process holds beyond that (see plan_job.cpp)
   std::string activation_method;   ///< how the activations were measured, for the report

@@ -59,7 +59,6 @@ class CountingAllocator final : public c10::Allocator {
   void start() {
     std::lock_guard<std::mutex> lock(mutex_);
     live_ = 0;
-    peak_ = 0;
     previous_ = c10::GetCPUAllocator();
     c10::SetCPUAllocator(this, /*priority=*/255);
   }
@@ -67,10 +66,6 @@ class CountingAllocator final : public c10::Allocator {
   std::int64_t live() const {
     std::lock_guard<std::mutex> lock(mutex_);
     return live_;
-  }
-  std::int64_t peak() const {
-    std::lock_guard<std::mutex> lock(mutex_);
-    return peak_;
   }
 
  private:
@@ -94,7 +89,6 @@ class CountingAllocator final : public c10::Allocator {
     const c10::Device device = inner.device();
     std::lock_guard<std::mutex> lock(mutex_);
     live_ += static_cast<std::int64_t>(n);
-    peak_ = std::max(peak_, live_);
     if (data != nullptr) blocks_.emplace(data, std::make_pair(static_cast<std::int64_t>(n), std::move(inner)));
     return {data, data, &release, device};
   }
@@ -108,7 +102,7 @@ class CountingAllocator final : public c10::Allocator {
  private:
   mutable std::mutex mutex_;
   mutable std::unordered_map<void*, std::pair<std::int64_t, c10::DataPtr>> blocks_;
-  mutable std::int64_t live_ = 0, peak_ = 0;
+  mutable std::int64_t live_ = 0;
   c10::Allocator* previous_ = nullptr;
 };
 
@@ -228,7 +222,7 @@ class ProbeGuard {
 };
 
 struct Trace {
-  double saved = 0, transient = 0;
+  double saved = 0;
   CudaAutocastExtra cuda_autocast;  ///< counted for a CUDA job whose forward ran under autocast
   std::string method;
   sdk::TensorParallelTraffic tensor_parallel;  ///< the traced graph's activation all-reduces
@@ -264,7 +258,6 @@ Trace trace_forward(sdk::Module& model, sdk::Precision& precision, sdk::DataModu
       trace.tensor_parallel = sdk::tensor_parallel_traffic(out.loss);
       if (count_cuda_autocast && sdk::autocast_enabled(/*cuda=*/false)) trace.cuda_autocast = cuda_autocast_extra(out.loss);
     }
-    trace.transient = static_cast<double>(counter.peak()) - trace.saved;
   } catch (...) {
     counter.stop();
     throw;
@@ -399,7 +392,6 @@ PlannedJob plan_job(const Config& config, bool trace_activations) {
       trace.method = "not traced";
     }
     in.activation_bytes = trace.saved;
-    in.forward_transient_bytes = trace.transient;
     in.activation_method = trace.method;
     if (trace.cuda_autocast.bytes > 0) {
       in.activation_bytes += trace.cuda_autocast.bytes;
