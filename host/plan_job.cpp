@@ -223,6 +223,7 @@ class ProbeGuard {
 
 struct Trace {
   double saved = 0;
+  std::int64_t samples = 0;  ///< traced: the batch size, or every sample of a smaller dataset
   CudaAutocastExtra cuda_autocast;  ///< counted for a CUDA job whose forward ran under autocast
   std::string method;
   sdk::TensorParallelTraffic tensor_parallel;  ///< the traced graph's activation all-reduces
@@ -239,7 +240,7 @@ Trace trace_forward(sdk::Module& model, sdk::Precision& precision, sdk::DataModu
   Trace trace;
   std::shared_ptr<sdk::Dataset> dataset = data.train_dataset();
   TESSERA_CHECK(dataset && dataset->size() > 0, "the data plugin has no training data to trace a forward with");
-  const std::int64_t n = std::min<std::int64_t>(batch_size, dataset->size());
+  const std::int64_t n = trace.samples = std::min<std::int64_t>(batch_size, dataset->size());
   std::vector<std::int64_t> indices;
   for (std::int64_t i = 0; i < n; ++i) indices.push_back(i);
   sdk::Batch batch = dataset->get_batch(indices);
@@ -377,6 +378,7 @@ PlannedJob plan_job(const Config& config, bool trace_activations) {
     model->configure_model();
   });
   std::string trace_problem;
+  std::int64_t traced_samples = 0;
   try {
     if (sharded) {
       in.layout = sharded->memory_layout(*model, cluster, in.accumulate_grad_batches);
@@ -392,6 +394,7 @@ PlannedJob plan_job(const Config& config, bool trace_activations) {
       trace.method = "not traced";
     }
     in.activation_bytes = trace.saved;
+    traced_samples = trace.samples;
     in.activation_method = trace.method;
     if (trace.cuda_autocast.bytes > 0) {
       in.activation_bytes += trace.cuda_autocast.bytes;
@@ -420,15 +423,15 @@ PlannedJob plan_job(const Config& config, bool trace_activations) {
   model.reset();
   core::release_deferred_init_memory();
   job.plan = make_plan(in);
-  if (job.plan.known && trace_activations && trace_problem.empty()) {
+  if (job.plan.known && traced_samples > 0) {
     const double available = memory_available_bytes();
     const double device = in.cuda ? cuda_memory_bytes(config, job.local_ranks) : -1;
     if (available > 0 || device > 0) {
-      job.plan.largest_batch_size = largest_batch_size(in, config.data.batch_size, available, device);
+      job.plan.largest_batch_size = largest_batch_size(in, traced_samples, available, device);
       job.plan.batch_size_bound =
           (available > 0 ? "the " + mb(available) + " available to " + std::to_string(job.local_ranks) + " local rank(s)" : "") +
           (available > 0 && device > 0 ? " and " : "") + (device > 0 ? "the GPU's " + mb(device) : "") +
-          " (activations scaled from the traced " + std::to_string(config.data.batch_size) + ")";
+          " (activations scaled from the " + std::to_string(traced_samples) + " traced)";
     }
   }
   if (!trace_activations)

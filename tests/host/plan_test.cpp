@@ -552,6 +552,27 @@ TEST(PlanOutput, LargestBatchSizeFitsTheMachine) {
   EXPECT_NEAR(std::stod(row[1].str()), static_cast<double>(largest), 1.0) << table.output;
 }
 
+// A dataset smaller than the batch is traced whole: the per-sample figure divides by the samples
+// traced, not by [data] batch_size (which counted 4096 samples' activations as 44's).
+TEST(PlanOutput, LargestBatchSizeScalesFromTheSamplesTraced) {
+  const std::string dir = tessera::testing::fresh_dir("plan-batch-small-data");
+  std::ofstream corpus(dir + "/corpus.txt");
+  for (int i = 0; i < 60; ++i) corpus << "Q: What is a flat parameter? A: " << i << " shards.\n";
+  corpus.close();
+  const std::string config = write_config(dir) + " --set launch.devices=2 --set strategy.plugin=fsdp --set data.path='\"" +
+                             dir + "/corpus.txt\"'";
+  auto largest = [&](std::int64_t batch_size) {
+    auto run = run_tessera("plan --json --config " + config + " --set data.batch_size=" + std::to_string(batch_size),
+                           "TESSERA_MEMORY_AVAILABLE_MB=3000");
+    EXPECT_EQ(run.exit_code, 0) << run.output;
+    const auto json = nlohmann::json::parse(run.output.substr(run.output.find('{')));
+    return json["largest_batch_size"].get<double>();
+  };
+  const double traced_whole = largest(100000), traced_four = largest(4);
+  EXPECT_GT(traced_four, 4);
+  EXPECT_NEAR(traced_whole, traced_four, 1.0);
+}
+
 TEST(PlanOutput, TableNamesEveryRowAndTheTraffic) {
   const std::string dir = tessera::testing::fresh_dir("plan-table");
   auto plan = run_tessera("plan --config " + write_config(dir) +
