@@ -27,7 +27,8 @@ constexpr const char* kToolUsage = R"(usage:
   tessera checkpoint export PATH --to FILE.safetensors|FILE.ckpt
                                                      the weights as safetensors (streamed: one tensor
                                                      in memory at a time), or a full checkpoint
-PATH is a full .ckpt file or a sharded checkpoint folder (or a `last` link to either).
+PATH is a full .ckpt file, a sharded checkpoint folder (or a `last` link to either), a torch.save'd
+state dict or a safetensors file.
 )";
 
 std::string shape_of(const std::vector<std::int64_t>& dims) {
@@ -58,9 +59,10 @@ void inspect(const std::string& path) {
                 << " piece(s)\n";
     return;
   }
-  sdk::Checkpoint c = core::checkpoint_dict(core::load_pickle(path), "checkpoint " + path);
-  std::cout << "full checkpoint " << path << " (torch.save zip, " << megabytes(static_cast<double>(fs::file_size(path)))
-            << ")\n";
+  sdk::Checkpoint c = core::load_checkpoint_file(path);
+  const bool bare = c.contains(core::kWeightsOnlyKey) && !c.contains("global_step");  // a state dict or safetensors
+  std::cout << (bare ? "weights " : "full checkpoint ") << path << " ("
+            << megabytes(static_cast<double>(fs::file_size(path))) << ")\n";
   for (const char* key : {"global_step", "epoch", "tessera_version"})
     if (c.contains(key)) std::cout << "  " << key << " " << c.at(key) << "\n";
   if (c.contains("state_dict")) {
@@ -78,7 +80,7 @@ void verify(const std::string& path) {
     std::cout << "ok: " << path << ": every file's size, checksums and save id match its manifest\n";
     return;
   }
-  sdk::Checkpoint c = core::checkpoint_dict(core::load_pickle(path), "checkpoint " + path);
+  sdk::Checkpoint c = core::load_checkpoint_file(path);
   core::check_tensor_checksums(c, path);
   std::cout << "ok: " << path << (c.contains(core::kTensorChecksumsKey) ? ": every tensor's checksum matches\n"
                                                                           : ": readable (written without checksums)\n");
@@ -116,7 +118,7 @@ void export_to(const std::string& path, const std::string& to) {
           core::with_tensor_checksums(core::optimizer_states_in_model_order(core::load_sharded(path, whole, 0))), to);
     }
   } else {
-    sdk::Checkpoint c = core::checkpoint_dict(core::load_pickle(path), "checkpoint " + path);
+    sdk::Checkpoint c = core::load_checkpoint_file(path);
     core::check_tensor_checksums(c, path);
     if (ckpt) {
       core::save_pickle(c, to);

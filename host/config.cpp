@@ -21,7 +21,7 @@ constexpr double kMaxFloat = 3.4e38;
 /// A path-like string: not empty, no NUL (a C++ string keeps it, the OS cuts the path there).
 std::string read_path(const sdk::Options& options, const std::string& key, const std::string& fallback) {
   std::string value = options.get_string(key, fallback);
-  TESSERA_CHECK(!value.empty(), options.locate(key), " is empty: give a directory (relative paths are taken from "
+  TESSERA_CHECK(!value.empty(), options.locate(key), " is empty: give a path (relative paths are taken from "
                 "the working directory), e.g. \"", fallback, "\"");
   TESSERA_CHECK(value.find('\0') == std::string::npos, options.locate(key),
                 " contains a NUL character, which no path can hold");
@@ -264,6 +264,7 @@ Config Config::load(const std::string& path, const std::vector<std::string>& ove
   else
     tr.enable_progress_bar = t.get_choice("enable_progress_bar", "auto", {"auto", "true", "false"});
   tr.predict_after_fit = t.get_bool("predict_after_fit", false);
+  if (t.has("init_from")) tr.init_from = read_path(t, "init_from", "runs/pretrain/version_0/checkpoints/last");
   tr.max_time_s = read_duration(t, "max_time");
   tr.profiler = t.get_choice("profiler", "", {"", "simple", "trace"});
   tr.detect_anomaly = t.get_bool("detect_anomaly", false);

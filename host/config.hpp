@@ -47,6 +47,8 @@ struct TrainerSettings {
   bool enable_model_summary = true;  ///< the module table and unit plan at the start of fit
   std::string enable_progress_bar = "auto";  ///< "auto" (on a terminal), "true", "false"
   bool predict_after_fit = false;            ///< print one predict batch (e.g. a text sample) at the end
+  /// A checkpoint whose weights a run starts from (fine-tuning) when it resumes from none.
+  std::string init_from;
   double max_time_s = 0;                     ///< stop fit after this long (0: no limit); "DD:HH:MM:SS" in TOML
   std::string profiler;                      ///< "" (none), "simple" or "trace"
   bool sync_batchnorm = false;  ///< the model's sdk::SyncBatchNorm2d layers normalise over every data-parallel rank

@@ -87,9 +87,6 @@ Arguments parse(int argc, char** argv) {
   TESSERA_CHECK(!args.command.empty(), "no command given");
   TESSERA_CHECK(args.command == "plugins" || !args.config.empty(), args.command, " needs --config FILE.toml");
   TESSERA_CHECK(!args.json || args.command == "plan", "--json applies to `tessera plan` only");
-  TESSERA_CHECK((args.command != "validate" && args.command != "test") || !args.ckpt_path.empty(), args.command,
-                " needs --ckpt-path last|best|PATH: without a checkpoint it would evaluate the model's random initial "
-                "weights");
   return args;
 }
 
@@ -273,6 +270,10 @@ int main(int argc, char** argv) {
       // A missing checkpoint, or one fit cannot resume from, stops us here.
       const std::string checkpoint = host::Trainer::resolve_checkpoint(config, args.ckpt_path, args.command == "fit");
       if (args.command == "fit" && !checkpoint.empty()) host::Trainer::check_resumable(checkpoint);
+      const std::string initial = host::Trainer::initial_weights(config, checkpoint);
+      TESSERA_CHECK((args.command != "validate" && args.command != "test") || !checkpoint.empty() || !initial.empty(),
+                    args.command, " needs --ckpt-path last|best|PATH or [trainer] init_from: without either it would ",
+                    "evaluate the model's random initial weights");
       check_plugins(config);
       if (args.command == "fit") warn_about_memory(config);
     }

@@ -44,14 +44,17 @@ namespace tessera::host {
 
 namespace {
 
-/// Marks a checkpoint written by save_checkpoint(path, weights_only = true).
-constexpr const char* kWeightsOnlyKey = "weights_only";
+using core::kWeightsOnlyKey;
 
 void refuse_weights_only(const sdk::Checkpoint& checkpoint, const std::string& path) {
-  TESSERA_CHECK(!(checkpoint.contains(kWeightsOnlyKey) && checkpoint.at(kWeightsOnlyKey).toBool()), "checkpoint ",
-                path, " holds the weights only (model_checkpoint save_weights_only = true): it has no optimizer ",
-                "state to resume training from. Evaluate it with validate, test or predict, or resume fit from a ",
-                "checkpoint saved without save_weights_only");
+  if (!checkpoint.contains(kWeightsOnlyKey) || !checkpoint.at(kWeightsOnlyKey).toBool()) return;
+  // tessera's weights-only saves keep the step; a bare state dict or a safetensors file has none.
+  TESSERA_FAIL("checkpoint ", path, " holds the weights only (",
+               checkpoint.contains("global_step") ? "model_checkpoint save_weights_only = true"
+                                                  : "a state dict or safetensors file, no trainer state",
+               "): it has no optimizer state to resume training from. Evaluate it with validate, test or predict, ",
+               "start a new run from its weights with [trainer] init_from, or resume fit from a checkpoint saved ",
+               "without save_weights_only");
 }
 
 using Clock = std::chrono::steady_clock;
@@ -382,7 +385,22 @@ void Trainer::remove_checkpoint(const std::string& path) {
   log_.to_file("checkpoint removed: " + path);
 }
 
-void Trainer::restore(const std::string& path, bool with_training_state) {
+std::string Trainer::initial_weights(const Config& config, const std::string& checkpoint) {
+  const std::string& path = config.trainer.init_from;
+  if (!checkpoint.empty() || path.empty()) return "";
+  TESSERA_CHECK(std::filesystem::exists(path), "[trainer] init_from = \"", path, "\" does not exist: give a checkpoint ",
+                "(a .ckpt file, a sharded checkpoint folder or a `last` link to one), a torch.save'd state dict or a ",
+                ".safetensors file; relative paths are taken from the working directory");
+  try {
+    (void)core::read_trainer_state(path);  // a format tessera reads; the tensors are compared at load
+  } catch (const sdk::Error& e) {
+    TESSERA_FAIL("[trainer] init_from = \"", path, "\": ", e.what());
+  }
+  return path;
+}
+
+void Trainer::restore(const std::string& path, Restore what) {
+  const bool with_training_state = what == Restore::training_state;
   core::LedgerPhase phase("load_checkpoint");
   // The memory a load costs (the busiest rank's peak above what it held before): about its
   // shard under a sharding strategy, whatever the checkpoint's format.
@@ -424,14 +442,17 @@ void Trainer::restore(const std::string& path, bool with_training_state) {
           callback->load_state_dict(core::checkpoint_dict(states.at(key), "checkpoint [callbacks][" + key + "]"));
     }
   }
-  call("on_load_checkpoint", [&](sdk::Callback& c) { c.on_load_checkpoint(*this, checkpoint); });
+  if (what != Restore::initial_weights)
+    call("on_load_checkpoint", [&](sdk::Callback& c) { c.on_load_checkpoint(*this, checkpoint); });
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   checkpoint = sdk::make_checkpoint();  // what the load left mapped or allocated goes before the peak is read
   const double load_peak_mb =
       static_cast<double>(std::max<std::int64_t>(0, proc_status_kb("VmHWM") - rss_before_kb)) / 1024.0;
   at::Tensor busiest = at::full({}, peak_measured ? load_peak_mb : -1.0, at::kFloat).to(strategy_->root_device());
   const double busiest_mb = strategy_->reduce(busiest, sdk::ReduceOp::max).to(at::kCPU).item<double>();
-  log_.info("restored " + path + (with_training_state ? " (resuming at step " + std::to_string(global_step_) + ")" : "") +
+  log_.info((what == Restore::initial_weights ? "weights initialized from " : "restored ") + path +
+            (with_training_state ? " (resuming at step " + std::to_string(global_step_) + ")" : "") +
+            (what == Restore::initial_weights ? " ([trainer] init_from)" : "") +
             " in " + format(seconds, 3) + " s" +
             (busiest_mb >= 0 ? ", load peak +" + std::to_string(std::llround(busiest_mb)) + " MB RSS per rank" : ""));
 }
@@ -573,8 +594,12 @@ void Trainer::fit(const std::string& ckpt_path) {
     log_.info("--ckpt-path last: no checkpoint yet in any run under " +
               versions_parent(config_.trainer.default_root_dir, config_.logger) +
               ": training starts from the beginning (as Lightning's; the same command resumes once one is saved)");
+  const std::string initial = initial_weights(config_, checkpoint);
+  if (!checkpoint.empty() && !config_.trainer.init_from.empty())
+    log_.info("[trainer] init_from is not applied: resuming from " + checkpoint + " restores the weights");
   setup("fit");
-  if (!checkpoint.empty()) restore(checkpoint, /*with_training_state=*/true);
+  if (!checkpoint.empty()) restore(checkpoint, Restore::training_state);
+  if (!initial.empty()) restore(initial, Restore::initial_weights);
   begin_run();
   const TrainerSettings& t = config_.trainer;
   sdk::DataLoaderSpec spec;
@@ -833,12 +858,19 @@ void Trainer::finish(const std::string& status) {
   }
 }
 
-void Trainer::validate(const std::string& ckpt_path) {
-  TESSERA_CHECK(!ckpt_path.empty(), "validate needs --ckpt-path last|best|PATH: without it the model's random ",
-                "initial weights would be evaluated");
+void Trainer::setup_with_weights(const std::string& stage, const std::string& ckpt_path) {
   const std::string checkpoint = resolve_checkpoint(config_, ckpt_path);
-  setup("validate");
-  restore(checkpoint, false);
+  const std::string initial = initial_weights(config_, checkpoint);
+  TESSERA_CHECK(stage == "predict" || !checkpoint.empty() || !initial.empty(), stage,
+                " needs --ckpt-path last|best|PATH or [trainer] init_from: without either the model's random initial ",
+                "weights would be evaluated");
+  setup(stage);
+  if (!checkpoint.empty()) restore(checkpoint, Restore::weights);
+  if (!initial.empty()) restore(initial, Restore::initial_weights);
+}
+
+void Trainer::validate(const std::string& ckpt_path) {
+  setup_with_weights("validate", ckpt_path);
   begin_run();
   call("on_validation_start", [&](sdk::Callback& c) { c.on_validation_start(*this); });
   auto metrics = evaluate("val", config_.trainer.limit_val_batches).metrics;
@@ -849,11 +881,7 @@ void Trainer::validate(const std::string& ckpt_path) {
 }
 
 void Trainer::test(const std::string& ckpt_path) {
-  TESSERA_CHECK(!ckpt_path.empty(), "test needs --ckpt-path last|best|PATH: without it the model's random ",
-                "initial weights would be evaluated");
-  const std::string checkpoint = resolve_checkpoint(config_, ckpt_path);
-  setup("test");
-  restore(checkpoint, false);
+  setup_with_weights("test", ckpt_path);
   begin_run();
   call("on_test_start", [&](sdk::Callback& c) { c.on_test_start(*this); });
   auto metrics = evaluate("test", config_.trainer.limit_test_batches).metrics;
@@ -864,9 +892,7 @@ void Trainer::test(const std::string& ckpt_path) {
 }
 
 void Trainer::predict(const std::string& ckpt_path) {
-  const std::string checkpoint = resolve_checkpoint(config_, ckpt_path);
-  setup("predict");
-  if (!checkpoint.empty()) restore(checkpoint, false);
+  setup_with_weights("predict", ckpt_path);
   predict_batches(config_.trainer.limit_predict_batches);
 }
 

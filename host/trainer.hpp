@@ -41,6 +41,10 @@ class Trainer final : public sdk::Trainer {
   /// beginning (Lightning's fit(ckpt_path="last"), so that one command starts a job and resumes
   /// it after a requeue); the other commands need one.
   static std::string resolve_checkpoint(const Config& config, const std::string& ckpt_path, bool fit = false);
+  /// [trainer] init_from when a command restores no checkpoint (`checkpoint`, resolved, is ""):
+  /// the checkpoint whose weights the model starts from, checked to exist and to be one (any
+  /// format load_checkpoint_file reads, or a sharded folder); "" when there is none to apply.
+  static std::string initial_weights(const Config& config, const std::string& checkpoint);
 
   /// A model whose hyper-parameters name a `block_size` (its context length, e.g. the gpt's
   /// positional table) takes sequences of at most that many tokens: a longer `sequence` (from
@@ -74,6 +78,8 @@ class Trainer final : public sdk::Trainer {
 
  private:
   void setup(const std::string& stage);
+  /// validate, test, predict: setup, then the weights of --ckpt-path, else of [trainer] init_from.
+  void setup_with_weights(const std::string& stage, const std::string& ckpt_path);
   /// Before any step: the data's sequence length against the model's context (check_sequence_length).
   void check_data_against_model(const std::string& stage);
   /// After setup (and restore): the run folder, then the callbacks' setup hook.
@@ -81,7 +87,12 @@ class Trainer final : public sdk::Trainer {
   /// Creates this run's folder (rank 0 picks version_N, the others learn it by broadcast)
   /// and writes config.toml and the hyper-parameters into it.
   void open_run_directory();
-  void restore(const std::string& path, bool with_training_state);
+  enum class Restore {
+    weights,          ///< validate, test, predict --ckpt-path: the model's weights
+    training_state,   ///< fit --ckpt-path: the weights, optimizer, scaler, schedule, RNG, step, callbacks
+    initial_weights,  ///< [trainer] init_from: the weights of another run; no callback hook (this run is new)
+  };
+  void restore(const std::string& path, Restore what);
   struct Evaluation {
     std::map<std::string, double> metrics;  ///< averaged over batches and ranks
     std::int64_t batches = 0;               ///< run on each rank

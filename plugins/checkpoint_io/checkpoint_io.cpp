@@ -142,7 +142,7 @@ class TorchCheckpointIO : public tessera::sdk::CheckpointIO, public tessera::sdk
     writer_.wait();  // a save in flight may be publishing `path`
     if (fs::is_directory(path)) return load_shard(path, shard);
     check_file(path);
-    Checkpoint c = tessera::core::checkpoint_dict(tessera::core::load_pickle(path), "checkpoint " + path);
+    Checkpoint c = tessera::core::load_checkpoint_file(path);
     tessera::core::check_tensor_checksums(c, path);
     return c;
   }

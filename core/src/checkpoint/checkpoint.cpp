@@ -28,7 +28,10 @@
 #include <torch/csrc/jit/serialization/pickler.h>
 #include <torch/csrc/jit/serialization/unpickler.h>
 
+#include <c10/util/strides.h>
+
 #include "python_pickle.hpp"
+#include "tessera/core/safetensors.hpp"
 #include "tessera/sdk/error.hpp"
 #include "tessera/sdk/optimizer.hpp"
 
@@ -482,7 +485,9 @@ IValue plain_containers(const IValue& v) {
 IValue typed_containers(const IValue& v) {
   if (v.isGenericDict()) {
     c10::impl::GenericDict out(v.toGenericDict().keyType(), v.toGenericDict().valueType());
-    for (const auto& item : v.toGenericDict()) out.insert(item.key(), typed_containers(item.value()));
+    for (const auto& item : v.toGenericDict())
+      if (!(item.key().isString() && item.key().toStringRef() == detail::kOrderedDictAttributes))
+        out.insert(item.key(), typed_containers(item.value()));
     return out;
   }
   if (v.isTuple()) {
@@ -575,7 +580,10 @@ void for_each_tensor(const IValue& v, const std::string& path,
 
 }  // namespace
 
-IValue load_pickle(const std::string& path) {
+namespace {
+
+/// `path` mapped privately; a missing, empty or unreadable file throws naming it.
+std::shared_ptr<MappedFile> map_file(const std::string& path) {
   std::error_code ec;
   TESSERA_CHECK(fs::exists(path, ec), "checkpoint ", path, " does not exist");
   TESSERA_CHECK(fs::is_regular_file(path, ec), "checkpoint ", path, " is not a regular file");
@@ -592,7 +600,49 @@ IValue load_pickle(const std::string& path) {
   const int map_errno = errno;
   ::close(fd);
   TESSERA_CHECK(base != MAP_FAILED, "cannot map checkpoint ", path, ": ", std::strerror(map_errno));
-  auto file = std::make_shared<MappedFile>(static_cast<char*>(base), size);
+  return std::make_shared<MappedFile>(static_cast<char*>(base), size);
+}
+
+/// Storage for `bytes` at `offset` of the mapping, which it keeps alive.
+at::DataPtr mapped_bytes(const std::shared_ptr<MappedFile>& file, std::size_t offset) {
+  return at::DataPtr(file->base + offset, new std::shared_ptr<MappedFile>(file), &release_mapping, at::kCPU);
+}
+
+/// A safetensors file starts with its header's length and the header's opening brace.
+bool looks_like_safetensors(const MappedFile& file) {
+  if (file.size < 10 || file.base[8] != '{') return false;
+  std::uint64_t length = 0;
+  std::memcpy(&length, file.base, 8);
+  return length <= file.size - 8;
+}
+
+/// A safetensors file's tensors, pointing into the mapping (copied out where a tensor's offset
+/// is not aligned to its element size, which from_blob-style storage needs).
+sdk::StateDict map_safetensors(const std::string& path, const std::shared_ptr<MappedFile>& file) {
+  SafetensorsReader reader(path);
+  sdk::StateDict state;
+  for (const auto& [name, e] : reader.tensors()) {
+    const at::ScalarType dtype = e.dtype;
+    const std::size_t element = c10::elementSize(dtype);
+    const auto offset = static_cast<std::size_t>(e.begin);
+    at::Tensor t;
+    if (reinterpret_cast<std::uintptr_t>(file->base + offset) % element == 0) {
+      const auto bytes = static_cast<std::size_t>(e.end - e.begin);
+      c10::Storage storage(c10::Storage::use_byte_size_t(), bytes, mapped_bytes(file, offset), nullptr, false);
+      t = at::empty({0}, at::TensorOptions().dtype(dtype)).set_(storage, 0, e.shape, c10::contiguous_strides(e.shape));
+    } else {
+      t = reader.read(name);
+    }
+    state.insert(name, t);
+  }
+  return state;
+}
+
+}  // namespace
+
+IValue load_pickle(const std::string& path) {
+  auto file = map_file(path);
+  const std::size_t size = file->size;
   // torch.save's format is a zip archive: anything else is not a checkpoint at all.
   TESSERA_CHECK(size >= 4 && std::memcmp(file->base, "PK\x03\x04", 4) == 0, path,
                 " is not a checkpoint: it is not in torch.save's zip format");
@@ -604,7 +654,7 @@ IValue load_pickle(const std::string& path) {
     caffe2::serialize::PyTorchStreamReader reader(std::make_shared<MappedAdapter>(file));
     auto [record, record_size] = reader.getRecord("data.pkl");
     const std::string pickle =
-        detail::batched_items_only(std::string_view(static_cast<const char*>(record.get()), record_size));
+        detail::readable_by_libtorch(std::string_view(static_cast<const char*>(record.get()), record_size));
     std::size_t consumed = 0;
     auto read = [&, n = pickle.size()](char* out, std::size_t len) {
       len = std::min(len, n - std::min(consumed, n));
@@ -615,7 +665,7 @@ IValue load_pickle(const std::string& path) {
     auto read_record = [&](const std::string& key) {
       const std::size_t offset = reader.getRecordOffset("data/" + key);
       TESSERA_CHECK(offset <= size, path, ": tensor record ", key, " starts past the end of the file (truncated)");
-      return at::DataPtr(file->base + offset, new std::shared_ptr<MappedFile>(file), &release_mapping, at::kCPU);
+      return mapped_bytes(file, offset);
     };
     torch::jit::Unpickler unpickler(read, nullptr, nullptr, read_record, c10::nullopt);
     unpickler.set_version(reader.version());
@@ -636,6 +686,24 @@ IValue load_pickle(const std::string& path) {
                   " extends past the end of the file (truncated or damaged)");
   });
   return value;
+}
+
+sdk::Checkpoint load_checkpoint_file(const std::string& path) {
+  auto weights_only = [](const sdk::StateDict& state) {
+    sdk::Checkpoint c = sdk::make_checkpoint();
+    c.insert("state_dict", to_ivalue(state));
+    c.insert(kWeightsOnlyKey, true);
+    return c;
+  };
+  {
+    auto file = map_file(path);
+    if (looks_like_safetensors(*file)) return weights_only(map_safetensors(path, file));
+  }
+  sdk::Checkpoint c = checkpoint_dict(load_pickle(path), "checkpoint " + path);
+  if (c.contains("state_dict") || c.empty()) return c;
+  for (const auto& item : c)
+    if (!item.value().isTensor()) return c;  // not a bare state dict: the caller names what it lacks
+  return weights_only(state_dict_from(c, "checkpoint " + path));
 }
 
 namespace {

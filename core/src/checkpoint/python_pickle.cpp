@@ -3,12 +3,16 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <map>
+#include <string>
 #include <optional>
 #include <vector>
 
 namespace tessera::core::detail {
 
 namespace {
+
+constexpr std::string_view kOrderedDict = "ccollections\nOrderedDict\n";
 
 /// Reads a little-endian unsigned of `n` bytes at `at`.
 std::uint64_t little_endian(std::string_view p, std::size_t at, std::size_t n) {
@@ -17,19 +21,24 @@ std::uint64_t little_endian(std::string_view p, std::size_t at, std::size_t n) {
   return v;
 }
 
-struct Rewrite {
-  std::vector<std::size_t> marks_at;                        // a MARK goes before each
-  std::vector<std::pair<std::size_t, char>> opcodes_at;     // APPEND -> APPENDS, SETITEM -> SETITEMS
+/// `length` bytes at `at` become `text` (length 0: `text` is inserted before the byte at `at`).
+struct Edit {
+  std::size_t at, length;
+  std::string text;
 };
+using Rewrite = std::vector<Edit>;
 
 /// Where the rewrite goes, from one scan that tracks where each value on the unpickler's stack
 /// began; nullopt on an opcode it does not know or a malformed stream.
 std::optional<Rewrite> scan(std::string_view p) {
+  enum class Kind { other, ordered_dict_class, empty_tuple, ordered_dict };
   struct Slot {
     std::size_t start;
     bool mark;
+    Kind kind = Kind::other;
   };
   std::vector<Slot> stack;
+  std::map<std::uint64_t, Kind> memo;  // what BINPUT stored, for BINGET
   Rewrite rewrite;
   auto pop = [&](std::size_t n) -> std::optional<std::size_t> {  // start of the deepest popped
     if (stack.size() < n || n == 0) return std::nullopt;
@@ -57,17 +66,20 @@ std::optional<Rewrite> scan(std::string_view p) {
       at += n;
       return true;
     };
-    auto push = [&](std::size_t start) { stack.push_back({start, false}); };
+    auto push = [&](std::size_t start, Kind kind = Kind::other) { stack.push_back({start, false, kind}); };
+    auto memo_kind = [&](std::uint64_t index) { return memo.count(index) ? memo.at(index) : Kind::other; };
     std::optional<std::size_t> start;
     switch (op) {
       case 0x80: if (!skip(1)) return std::nullopt; break;                       // PROTO
       case '.': return rewrite;                                                   // STOP
-      case 'q': case 'h': if (!skip(1)) return std::nullopt;                     // BINPUT, BINGET
-        if (op == 'h') push(op_at);
+      case 'q': case 'h': case 'r': case 'j': {                                   // (LONG_)BINPUT, BINGET
+        const std::size_t width = op == 'q' || op == 'h' ? 1 : 4;
+        if (!skip(width)) return std::nullopt;
+        const std::uint64_t index = little_endian(p, op_at + 1, width);
+        if (op == 'h' || op == 'j') push(op_at, memo_kind(index));
+        else if (!stack.empty()) memo[index] = stack.back().kind;
         break;
-      case 'r': case 'j': if (!skip(4)) return std::nullopt;                     // LONG_BINPUT, LONG_BINGET
-        if (op == 'j') push(op_at);
-        break;
+      }
       case 0x94: break;                                                           // MEMOIZE
       case 'K': if (!skip(1)) return std::nullopt; push(op_at); break;            // BININT1
       case 'M': if (!skip(2)) return std::nullopt; push(op_at); break;            // BININT2
@@ -91,12 +103,13 @@ std::optional<Rewrite> scan(std::string_view p) {
           if (end == std::string_view::npos) return std::nullopt;
           at = end + 1;
         }
-        push(op_at);
+        push(op_at, p.substr(op_at, at - op_at) == kOrderedDict ? Kind::ordered_dict_class : Kind::other);
         break;
       }
-      case 'N': case 0x88: case 0x89: case '}': case ']': case ')':              // constants, empties
+      case 'N': case 0x88: case 0x89: case '}': case ']':                        // constants, empties
         push(op_at);
         break;
+      case ')': push(op_at, Kind::empty_tuple); break;                            // EMPTY_TUPLE
       case '(': stack.push_back({op_at, true}); break;                           // MARK
       case 't': case 'd': case 'l':                                               // TUPLE, DICT, LIST
         if (!(start = pop_to_mark())) return std::nullopt;
@@ -106,14 +119,36 @@ std::optional<Rewrite> scan(std::string_view p) {
         if (!(start = pop(op - 0x84))) return std::nullopt;
         push(*start);
         break;
-      case 'R': case 0x81:                                                        // REDUCE, NEWOBJ
+      case 'R': case 0x81: {                                                      // REDUCE, NEWOBJ
+        if (stack.size() < 2) return std::nullopt;
+        const Slot cls = stack[stack.size() - 2], args = stack.back();
         if (!(start = pop(2))) return std::nullopt;
-        push(*start);
+        if (op == 'R' && cls.kind == Kind::ordered_dict_class && args.kind == Kind::empty_tuple) {
+          // OrderedDict() -> {}: an empty dict in the class's place (a BINPUT after a GLOBAL
+          // memoizes the dict, read by no one: each later OrderedDict() is rewritten too).
+          const std::size_t class_bytes = p[cls.start] == 'c' ? kOrderedDict.size() : p[cls.start] == 'h' ? 2 : 5;
+          rewrite.push_back({cls.start, class_bytes, "}"});
+          rewrite.push_back({args.start, 1, ""});
+          rewrite.push_back({op_at, 1, ""});
+          push(*start, Kind::ordered_dict);
+        } else {
+          push(*start);
+        }
         break;
+      }
       case 'Q':                                                                   // BINPERSID
         if (stack.empty()) return std::nullopt;
         break;
       case 'b': case '0':                                                         // BUILD, POP
+        // An OrderedDict's attributes (a state dict's _metadata) go under kOrderedDictAttributes:
+        // LibTorch's BUILD calls a class and it has no POP, so MARK <key> <state> SETITEMS.
+        if (op == 'b' && stack.size() >= 2 && stack[stack.size() - 2].kind == Kind::ordered_dict) {
+          std::string key = "(X";
+          for (int i = 0; i < 4; ++i) key.push_back(static_cast<char>((kOrderedDictAttributes.size() >> (8 * i)) & 0xff));
+          key.append(kOrderedDictAttributes);
+          rewrite.push_back({stack.back().start, 0, key});
+          rewrite.push_back({op_at, 1, "u"});
+        }
         if (!pop(1)) return std::nullopt;
         break;
       case '2':                                                                   // DUP
@@ -125,8 +160,8 @@ std::optional<Rewrite> scan(std::string_view p) {
         // batched opcode (SETITEMS, APPENDS) in this one's place.
         const std::size_t items = op == 's' ? 2 : 1;
         if (stack.size() < items + 1 || !(start = pop(items))) return std::nullopt;
-        rewrite.marks_at.push_back(*start);
-        rewrite.opcodes_at.emplace_back(op_at, op == 's' ? 'u' : 'e');
+        rewrite.push_back({*start, 0, "("});
+        rewrite.push_back({op_at, 1, op == 's' ? "u" : "e"});
         break;
       }
       case 'u': case 'e': case '1':                                               // SETITEMS, APPENDS, POP_MARK
@@ -140,22 +175,22 @@ std::optional<Rewrite> scan(std::string_view p) {
 
 }  // namespace
 
-std::string batched_items_only(std::string_view pickle) {
+std::string readable_by_libtorch(std::string_view pickle) {
   auto found = scan(pickle);
-  if (!found || found->opcodes_at.empty()) return std::string(pickle);
-  auto& [marks_at, opcodes_at] = *found;
-  std::sort(marks_at.begin(), marks_at.end());
+  if (!found || found->empty()) return std::string(pickle);
+  Rewrite& edits = *found;
+  // In stream order; at one position the insertions (MARKs) go before the replaced opcode.
+  std::stable_sort(edits.begin(), edits.end(),
+                   [](const Edit& a, const Edit& b) { return a.at != b.at ? a.at < b.at : a.length < b.length; });
   std::string out;
-  out.reserve(pickle.size() + marks_at.size());
-  std::size_t next_mark = 0, next_opcode = 0;  // opcodes_at is in stream order already
-  for (std::size_t i = 0; i < pickle.size(); ++i) {
-    for (; next_mark < marks_at.size() && marks_at[next_mark] == i; ++next_mark) out.push_back('(');
-    if (next_opcode < opcodes_at.size() && opcodes_at[next_opcode].first == i) {
-      out.push_back(opcodes_at[next_opcode++].second);
-    } else {
-      out.push_back(pickle[i]);
-    }
+  out.reserve(pickle.size() + edits.size());
+  std::size_t copied = 0;
+  for (const Edit& edit : edits) {
+    out.append(pickle.substr(copied, edit.at - copied));
+    out.append(edit.text);
+    copied = edit.at + edit.length;
   }
+  out.append(pickle.substr(copied));
   return out;
 }
 

@@ -5,12 +5,22 @@
 
 namespace tessera::core::detail {
 
-/// `pickle` (protocol 2, as torch.save writes) with each APPEND written as MARK <item>
-/// APPENDS and each SETITEM as MARK <key> <value> SETITEMS, which mean the same. Python's
-/// pickler adds a lone item (a one-element list or dict, or the last of a batch of 1000) with
-/// the former, which LibTorch 1.13's unpickler does not know: every checkpoint Python saved
-/// was unreadable (Lightning's optimizer_states is a one-element list). Returned unchanged where
-/// it holds an opcode this scan does not know (LibTorch then reads or refuses it as before).
-std::string batched_items_only(std::string_view pickle);
+/// `pickle` (protocol 2, as torch.save writes) rewritten into opcodes LibTorch 1.13's unpickler
+/// reads, meaning the same:
+/// - each APPEND as MARK <item> APPENDS and each SETITEM as MARK <key> <value> SETITEMS. Python's
+///   pickler adds a lone item (a one-element list or dict, or the last of a batch of 1000) with
+///   the former, which that unpickler does not know: every checkpoint Python saved was
+///   unreadable (Lightning's optimizer_states is a one-element list).
+/// - each `collections.OrderedDict()` as an empty dict (its items follow as SETITEMS), and the
+///   BUILD that sets its attributes (a state dict's `_metadata`) as an item under
+///   kOrderedDictAttributes (that unpickler has no POP to drop it with). It makes OrderedDict
+///   None: `torch.save(model.state_dict(), f)`, the commonest file in PyTorch, and Lightning's
+///   `state_dict` failed to load.
+/// Returned unchanged where it holds an opcode this scan does not know (LibTorch then reads or
+/// refuses it as before).
+std::string readable_by_libtorch(std::string_view pickle);
+
+/// The key an OrderedDict's attributes are kept under (the loader drops it).
+constexpr std::string_view kOrderedDictAttributes = "tessera: OrderedDict attributes";
 
 }  // namespace tessera::core::detail

@@ -614,7 +614,7 @@ sdk::Checkpoint read_trainer_state(const std::string& path) {
           ? checkpoint_dict(decode(json::parse(read_manifest(path).trainer_state),
                                    [](const std::string&) { return at::Tensor(); }),
                             "the trainer state of " + path)
-          : checkpoint_dict(load_pickle(path), "checkpoint " + path);
+          : load_checkpoint_file(path);
   for (const char* key : {"state_dict", "optimizer_states"}) (void)state.erase(key);  // absent is fine
   return state;
 }
