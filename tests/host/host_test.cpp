@@ -250,6 +250,159 @@ TEST(Checkpoint, ResavedByPythonResumesExactly) {
   });
 }
 
+// [trainer] init_from: a new run starts from another run's weights (fine-tuning) with a fresh
+// optimizer, schedule and step, from any format into any strategy and world size.
+const std::string kNoDropout = " --set model.dropout=0.0";
+
+/// The validation loss `validate` logs for `config` with `sets` (one rank).
+double validate_loss(const std::string& root, const std::string& config, const std::string& sets) {
+  auto r = run_tessera("validate --config " + config + " --set trainer.default_root_dir=" + root + " " + sets);
+  EXPECT_EQ(r.exit_code, 0) << r.output;
+  auto losses = metric_series(run_dir(root) + "/metrics.csv", "validate", "val_loss");
+  EXPECT_EQ(losses.size(), 1u) << r.output;
+  return losses.empty() ? NAN : losses.begin()->second;
+}
+
+TEST(InitFrom, FineTuningStartsFromTheWeightsInEveryFormatOnEveryStrategy) {
+  // Two pretraining runs of the same global batch: one writes a full .ckpt, one (fsdp, 2 ranks)
+  // a sharded folder; the first is also exported to safetensors.
+  const std::string pre = tessera::testing::fresh_dir("init-pre");
+  const std::string config = write_config(pre);
+  ASSERT_EQ(run_tessera("fit --config " + config + kNoDropout + " --set trainer.max_steps=4").exit_code, 0);
+  const std::string full = run_dir(pre) + "/checkpoints/step=4.ckpt";
+  const std::string pre_sharded = tessera::testing::fresh_dir("init-pre-sharded");
+  auto r = run_tessera("fit --config " + config + kNoDropout + " --set trainer.max_steps=4 --set trainer.default_root_dir=" +
+                       pre_sharded + " --set launch.devices=2 --set strategy.plugin=fsdp --set data.batch_size=2 " +
+                       "--set strategy.state_dict_type=sharded --set checkpoint_io.plugin=distributed");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  const std::string sharded = run_dir(pre_sharded) + "/checkpoints/step=4.ckpt";  // a folder
+  ASSERT_TRUE(fs::is_directory(sharded)) << r.output;
+  const std::string safetensors = pre + "/weights.safetensors";
+  ASSERT_EQ(run_tessera("checkpoint export " + full + " --to " + safetensors).exit_code, 0);
+
+  // validate evaluates init_from's weights as it evaluates --ckpt-path's.
+  const std::string eval = tessera::testing::fresh_dir("init-eval");
+  const double expected = validate_loss(eval, config, "--ckpt-path " + full);
+  for (const std::string& from : {full, safetensors})
+    EXPECT_NEAR(validate_loss(eval, config, "--set trainer.init_from=" + from), expected, 1e-6) << from;
+  EXPECT_NEAR(validate_loss(eval, config, "--set trainer.init_from=" + sharded), expected, 1e-4) << sharded;
+
+  // Fine-tuning with another learning rate, global batch 6: one device from the .ckpt, fsdp on
+  // 3 ranks from safetensors, fsdp2 on 2 ranks from the sharded folder train alike.
+  const std::string tune = " --set optimizer.lr=0.001 --set trainer.max_steps=3" + kNoDropout;
+  struct Run {
+    std::string name, from, sets;
+  };
+  const std::vector<Run> runs = {
+      {"init-single", full, "--set data.batch_size=6"},
+      {"init-fsdp-3", safetensors, "--set launch.devices=3 --set strategy.plugin=fsdp --set data.batch_size=2"},
+      {"init-fsdp2-2", sharded, "--set launch.devices=2 --set strategy.plugin=fsdp2 --set data.batch_size=3"}};
+  std::map<std::int64_t, double> reference;
+  for (const Run& run : runs) {
+    const std::string dir = tessera::testing::fresh_dir(run.name);
+    r = run_tessera("fit --config " + config + tune + " --set trainer.default_root_dir=" + dir +
+                    " --set trainer.init_from=" + run.from + " " + run.sets);
+    ASSERT_EQ(r.exit_code, 0) << r.output;
+    EXPECT_NE(r.output.find("weights initialized from " + run.from + " ([trainer] init_from)"), std::string::npos)
+        << r.output;
+    auto losses = metric_series(run_dir(dir) + "/metrics.csv", "train", "train_loss");
+    // A new run: its own step count, optimizer state and schedule (lr warms up from step 1).
+    auto last = tessera::core::checkpoint_dict(tessera::core::load_pickle(run_dir(dir) + "/checkpoints/last.ckpt"), "last");
+    EXPECT_EQ(last.at("global_step").toInt(), 3) << run.name;
+    const std::size_t first = r.output.find("step 1/3 ");
+    ASSERT_NE(first, std::string::npos) << r.output;
+    EXPECT_NE(r.output.substr(first, r.output.find('\n', first) - first).find(" lr 0.0005 "), std::string::npos)
+        << "warmup_steps = 2 from the fine-tuning lr:\n" << r.output;
+    if (reference.empty()) {
+      reference = losses;
+      continue;
+    }
+    expect_losses_equal(reference, losses, 1, 3, 1e-4);
+  }
+  // Its first loss is the pretrained model's on the first batch, far below a fresh model's.
+  const std::string scratch = tessera::testing::fresh_dir("init-scratch");
+  ASSERT_EQ(run_tessera("fit --config " + config + tune + " --set data.batch_size=6 --set trainer.default_root_dir=" +
+                        scratch).exit_code, 0);
+  auto fresh = metric_series(run_dir(scratch) + "/metrics.csv", "train", "train_loss");
+  ASSERT_TRUE(fresh.count(1) && reference.count(1));
+  EXPECT_LT(reference.at(1), fresh.at(1) - 0.1);
+
+  // Resuming the fine-tuning run restores its own checkpoint; init_from is not applied again.
+  const std::string dir = tessera::testing::fresh_dir("init-single");
+  r = run_tessera("fit --config " + config + tune + " --set trainer.default_root_dir=" + dir + " --set trainer.init_from=" +
+                  full + " --set data.batch_size=6");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  r = run_tessera("fit --config " + config + kNoDropout + " --set optimizer.lr=0.001 --set trainer.max_steps=5" +
+                  " --set trainer.default_root_dir=" + dir + " --set trainer.init_from=" + full +
+                  " --set data.batch_size=6 --ckpt-path last");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("[trainer] init_from is not applied: resuming from"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("resuming at step 3"), std::string::npos) << r.output;
+  EXPECT_EQ(r.output.find("weights initialized from"), std::string::npos) << r.output;
+}
+
+TEST(InitFrom, PythonModuleStateDictsLoad) {
+  // torch.save(model.state_dict()) from a PyTorch nn.Module (an OrderedDict with _metadata, which
+  // LibTorch 1.13's unpickler made None) and a Lightning-style {"state_dict": ..., "epoch": ...}.
+  if (!fs::exists("/usr/bin/python3") || std::system("/usr/bin/python3 -c 'import torch' 2>/dev/null") != 0)
+    GTEST_SKIP() << "Debian's python3-torch is not installed: no Python to save a module's state dict with";
+  const std::string pre = tessera::testing::fresh_dir("init-python");
+  const std::string config = write_config(pre);
+  ASSERT_EQ(run_tessera("fit --config " + config + " --set trainer.max_steps=2").exit_code, 0);
+  const std::string ckpt = run_dir(pre) + "/checkpoints/last.ckpt";
+  const std::string command =
+      "/usr/bin/python3 -c \"import sys, torch; sys.path[:0] = ['" TESSERA_TEST_SUPPORT_DIR "', '" TESSERA_TEST_SOURCE_DIR
+      "/../../bench/training']; from safe_torch_load import load; from pytorch_ddp_gpt import GPT; "
+      "m = GPT(2, 2, 32, 32); m.load_state_dict(load(sys.argv[1])['state_dict']); sd = m.state_dict(); "
+      "assert type(sd).__name__ == 'OrderedDict' and sd._metadata; torch.save(sd, sys.argv[2] + '/module.pt'); "
+      "torch.save({'epoch': 3, 'state_dict': sd, 'hparams': {'n': [1, 2]}}, sys.argv[2] + '/lightning.ckpt')\" " +
+      ckpt + " " + pre;
+  ASSERT_EQ(std::system(command.c_str()), 0) << command;
+  const std::string eval = tessera::testing::fresh_dir("init-python-eval");
+  const double expected = validate_loss(eval, config, "--ckpt-path " + ckpt);
+  for (const char* file : {"/module.pt", "/lightning.ckpt"})
+    EXPECT_NEAR(validate_loss(eval, config, "--set trainer.init_from=" + pre + file), expected, 1e-6) << file;
+  auto r = run_tessera("checkpoint inspect " + pre + "/module.pt");
+  EXPECT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("state_dict (28 tensors)"), std::string::npos) << r.output;
+}
+
+TEST(InitFrom, WhatCannotStartARunIsRefusedBeforeWork) {
+  const std::string dir = tessera::testing::fresh_dir("init-bad");
+  const std::string config = write_config(dir);
+  const std::string two = " --set launch.devices=2 --set strategy.plugin=fsdp --set data.batch_size=2";
+  auto r = run_tessera("fit --config " + config + two + " --set trainer.init_from=" + dir + "/nope.ckpt");
+  EXPECT_NE(r.exit_code, 0);
+  EXPECT_NE(r.output.find("[trainer] init_from = \"" + dir + "/nope.ckpt\" does not exist"), std::string::npos) << r.output;
+  EXPECT_EQ(r.output.find("launched"), std::string::npos) << "refused before any rank starts\n" << r.output;
+  r = run_tessera("fit --config " + config + two + " --set trainer.init_from=" + config);
+  EXPECT_NE(r.exit_code, 0);
+  EXPECT_NE(r.output.find(config + " is not a checkpoint"), std::string::npos) << r.output;
+  EXPECT_EQ(r.output.find("launched"), std::string::npos) << "refused before any rank starts\n" << r.output;
+
+  ASSERT_EQ(run_tessera("fit --config " + config + " --set trainer.max_steps=2").exit_code, 0);
+  const std::string weights = dir + "/weights.safetensors";
+  ASSERT_EQ(run_tessera("checkpoint export " + run_dir(dir) + "/checkpoints/last.ckpt --to " + weights).exit_code, 0);
+  // Another model: named tensors and shapes, before any step and without a run folder.
+  const std::string other = tessera::testing::fresh_dir("init-bad-shapes");
+  r = run_tessera("fit --config " + config + two + " --set model.n_embd=48 --set trainer.default_root_dir=" + other +
+                  " --set trainer.init_from=" + weights);
+  EXPECT_NE(r.exit_code, 0);
+  EXPECT_NE(r.output.find("the checkpoint was written for a different model configuration"), std::string::npos) << r.output;
+  EXPECT_EQ(r.output.find("step 1/"), std::string::npos) << r.output;
+  EXPECT_FALSE(fs::exists(other + "/version_0")) << "a run that failed to load its weights left a run folder";
+  // Weights only: fit cannot resume from them, and says how to start from them instead.
+  r = run_tessera("fit --config " + config + " --ckpt-path " + weights);
+  EXPECT_NE(r.exit_code, 0);
+  EXPECT_NE(r.output.find("holds the weights only (a state dict or safetensors file, no trainer state)"),
+            std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("start a new run from its weights with [trainer] init_from"), std::string::npos) << r.output;
+  r = run_tessera("validate --config " + config);
+  EXPECT_NE(r.exit_code, 0);
+  EXPECT_NE(r.output.find("validate needs --ckpt-path last|best|PATH or [trainer] init_from"), std::string::npos)
+      << r.output;
+}
+
 TEST(Predict, PrintsGeneratedTextFromThePrompt) {
   std::string dir = tessera::testing::fresh_dir("predict");
   ASSERT_EQ(run_tessera("fit --config " + write_config(dir) + " --set trainer.max_steps=2").exit_code, 0);
