@@ -39,9 +39,10 @@ constexpr const char* kUsage = R"(usage:
   tessera checkpoint inspect|verify|export PATH [--to FILE.safetensors|FILE.ckpt]
   tessera --help | --version
 
-  fit        train (resume with --ckpt-path last or a .ckpt path)
-  validate   run the validation loop (weights from --ckpt-path)
-  test       run the test loop (weights from --ckpt-path)
+  fit        train (resume with --ckpt-path last or a .ckpt path; start from another run's weights
+             with [trainer] init_from)
+  validate   run the validation loop (weights from --ckpt-path, or [trainer] init_from)
+  test       run the test loop (weights from --ckpt-path, or [trainer] init_from)
   predict    run predict_step and print its output (e.g. text generated from [data] prompt)
   plan       print each rank's memory budget, the bytes it sends per step and the largest batch
              that fits, without training

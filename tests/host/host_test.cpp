@@ -355,12 +355,18 @@ TEST(InitFrom, PythonModuleStateDictsLoad) {
       "/../../bench/training']; from safe_torch_load import load; from pytorch_ddp_gpt import GPT; "
       "m = GPT(2, 2, 32, 32); m.load_state_dict(load(sys.argv[1])['state_dict']); sd = m.state_dict(); "
       "assert type(sd).__name__ == 'OrderedDict' and sd._metadata; torch.save(sd, sys.argv[2] + '/module.pt'); "
-      "torch.save({'epoch': 3, 'state_dict': sd, 'hparams': {'n': [1, 2]}}, sys.argv[2] + '/lightning.ckpt')\" " +
+      "torch.save({'epoch': 3, 'state_dict': sd, 'hparams': {'n': [1, 2]}}, sys.argv[2] + '/lightning.ckpt'); "
+      // safetensors by another writer: a header of odd length, so the tensors are not aligned.
+      "import json, struct; offsets = {}; at = 0; data = b''\n"
+      "for k, v in sd.items(): b = v.numpy().tobytes(); offsets[k] = dict(dtype='F32', shape=list(v.shape), "
+      "data_offsets=[at, at + len(b)]); at += len(b); data += b\n"
+      "h = json.dumps(offsets).encode(); h += b' ' * (1 - len(h) % 2)\n"
+      "open(sys.argv[2] + '/other.safetensors', 'wb').write(struct.pack('<Q', len(h)) + h + data)\" " +
       ckpt + " " + pre;
   ASSERT_EQ(std::system(command.c_str()), 0) << command;
   const std::string eval = tessera::testing::fresh_dir("init-python-eval");
   const double expected = validate_loss(eval, config, "--ckpt-path " + ckpt);
-  for (const char* file : {"/module.pt", "/lightning.ckpt"})
+  for (const char* file : {"/module.pt", "/lightning.ckpt", "/other.safetensors"})
     EXPECT_NEAR(validate_loss(eval, config, "--set trainer.init_from=" + pre + file), expected, 1e-6) << file;
   auto r = run_tessera("checkpoint inspect " + pre + "/module.pt");
   EXPECT_EQ(r.exit_code, 0) << r.output;
