@@ -6,7 +6,8 @@
 Each run: `plan`, then `fit` of a small model (gpt, cnn or mlp) under a random strategy, world
 size (1-4, several not dividing the parameters), precision and options for 4 steps; then
 `fit --ckpt-path last` for 2 more steps under another random strategy, world size and
-precision; one of validate / test / predict on the checkpoint under a third; `checkpoint export`. A command may be
+precision; one of validate / test / predict on the checkpoint under a third; `checkpoint export`;
+`fit` of a new run from its weights ([trainer] init_from) under a fourth. A command may be
 refused (exit 1 with an error naming a config section or the checkpoint, as for a mesh that
 does not fit the world); what counts is a CRASH: a signal, a timeout, or a failure whose error
 names neither (LibTorch's own errors, internal asserts). Several ranks are started by tessera's
@@ -266,6 +267,12 @@ def main():
         run(f"{args.seed}-{i} {command}",
             tessera(command, {**keep, **strategy_options(rng, pick, maybe, model)}, *common, "--ckpt-path", checkpoint))
         run(f"{args.seed}-{i} export", [args.binary, "checkpoint", "export", checkpoint, "--to", os.path.join(root, "m.safetensors")])
+        # Fine-tuning from those weights ([trainer] init_from) under a fourth strategy, in a new run.
+        tuned = {**keep, **strategy_options(rng, pick, maybe, model), "trainer.max_steps": 2,
+                 "trainer.init_from": pick(checkpoint, os.path.join(root, "m.safetensors")),
+                 "trainer.default_root_dir": root + "-tuned"}
+        run(f"{args.seed}-{i} init_from", tessera("fit", tuned, *common))
+        shutil.rmtree(root + "-tuned", ignore_errors=True)
 
     def parity_run(i, common, root):
         model = model_options(rng, pick)
