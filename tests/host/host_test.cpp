@@ -1388,6 +1388,73 @@ TEST(BadInput, SyncBatchNormRefusesModelsItCannotSynchronise) {
       << none.output;
 }
 
+// A model that freezes part of itself (requires_grad false: a fine-tuned backbone) keeps it
+// frozen under every strategy: no gradient, no optimizer state, no weight decay moving it.
+// The sharded engines once handed every parameter to the optimizer, so AdamW's decay moved
+// the frozen weights and kept moments for them.
+TEST(Frozen, ParametersThatRequireNoGradStayAsTheyWereUnderEveryStrategy) {
+  const std::string dir = tessera::testing::fresh_dir("frozen");
+  std::ofstream(dir + "/run.toml") << "plugin_dirs = [\"" TEST_PLUGIN_DIR "\"]\n"
+                                   << "[trainer]\nmax_steps = 3\nseed = 1\nlog_every_n_steps = 1\n"
+                                   << "[optimizer]\nname = \"adamw\"\nlr = 0.01\nweight_decay = 0.1\n"
+                                   << "[model]\nplugin = \"layernorm_model\"\nfreeze_fc1 = true\n"
+                                   << "[data]\nplugin = \"fashion_mnist\"\nbatch_size = 24\ntrain_limit = 96\n";
+  const std::string config = dir + "/run.toml";
+  struct Run {
+    std::string name, sets;
+  };
+  const std::vector<Run> runs = {
+      {"initial", "--set optimizer.lr=0.0"},  // AdamW with lr 0 moves nothing: the initial weights
+      {"single", ""},
+      {"fsdp-3", "--set launch.devices=3 --set strategy.plugin=fsdp --set data.batch_size=8"},
+      {"fsdp2-2", "--set launch.devices=2 --set strategy.plugin=fsdp2 --set data.batch_size=12 "
+                  "--set strategy.state_dict_type=sharded --set checkpoint_io.plugin=distributed"}};
+  std::map<std::string, std::map<std::string, at::Tensor>> weights;
+  for (const Run& run : runs) {
+    const std::string root = dir + "/" + run.name;
+    auto r = run_tessera("fit --config " + config + " --set trainer.default_root_dir=" + root + " " + run.sets);
+    ASSERT_EQ(r.exit_code, 0) << r.output;
+    EXPECT_NE(r.output.find("394 trainable params, 25.1 K non-trainable"), std::string::npos) << r.output;
+    const std::string last = run_dir(root) + "/checkpoints/last";
+    const std::string full = dir + "/" + run.name + ".ckpt";
+    ASSERT_EQ(run_tessera("checkpoint export " + last + " --to " + full).exit_code, 0);
+    weights[run.name] = tessera::testing::checkpoint_state(full);
+    auto c = tessera::core::checkpoint_dict(tessera::core::load_pickle(full), full);
+    auto optimizer = c.at("optimizer_states").toListRef()[0].toGenericDict();
+    std::vector<std::string> names;
+    for (const auto& name : optimizer.at("param_names").toListRef()) names.push_back(name.toStringRef());
+    EXPECT_EQ(names, (std::vector<std::string>{"norm.weight", "norm.bias", "fc2.weight", "fc2.bias"})) << run.name;
+    EXPECT_EQ(optimizer.at("state").toGenericDict().size(), 4u) << run.name;
+  }
+  for (const Run& run : runs) {
+    for (const char* frozen : {"fc1.weight", "fc1.bias"})
+      EXPECT_TRUE(at::equal(weights[run.name][frozen], weights["initial"][frozen])) << run.name << " moved " << frozen;
+    if (run.name == "initial" || run.name == "single") continue;
+    for (const char* trained : {"fc2.weight", "norm.weight"})
+      EXPECT_TRUE(at::allclose(weights[run.name][trained], weights["single"][trained], 1e-4, 1e-6)) << run.name << " " << trained;
+  }
+  EXPECT_FALSE(at::equal(weights["single"]["fc2.weight"], weights["initial"]["fc2.weight"])) << "nothing was trained";
+
+  // Resumed across strategies and world sizes, full and sharded: the moments of the four.
+  auto r = run_tessera("fit --config " + config + " --set trainer.default_root_dir=" + dir + "/fsdp-3 --ckpt-path last " +
+                       "--set trainer.max_steps=4 --set launch.devices=2 --set strategy.plugin=fsdp2 --set data.batch_size=12");
+  EXPECT_EQ(r.exit_code, 0) << r.output;
+  r = run_tessera("fit --config " + config + " --set trainer.default_root_dir=" + dir + "/fsdp2-2 --ckpt-path last " +
+                  "--set trainer.max_steps=4 --set launch.devices=3 --set strategy.plugin=fsdp --set data.batch_size=8 " +
+                  "--set checkpoint_io.plugin=distributed");
+  EXPECT_EQ(r.exit_code, 0) << r.output;
+
+  // The plan counts optimizer state for the 394 trainable elements only.
+  auto optimizer_bytes = [&](const std::string& freeze) {
+    auto plan = run_tessera("plan --config " + config + " --json --set launch.devices=2 --set strategy.plugin=fsdp " +
+                            "--set model.freeze_fc1=" + freeze);
+    EXPECT_EQ(plan.exit_code, 0) << plan.output;
+    return nlohmann::json::parse(plan.output.substr(plan.output.find('{')))["per_rank_bytes"]["optimizer state"].get<double>();
+  };
+  EXPECT_EQ(optimizer_bytes("true"), 2 * 4 * 197);  // two fp32 moments of half the 394
+  EXPECT_GT(optimizer_bytes("false"), 2 * 4 * 12000);
+}
+
 TEST(BadInput, Bf16LayerNormOnCpuIsExplainedWithoutAStackTrace) {
   std::string dir = tessera::testing::fresh_dir("bf16-layernorm");
   std::ofstream(dir + "/run.toml") << "plugin_dirs = [\"" TEST_PLUGIN_DIR "\"]\n"

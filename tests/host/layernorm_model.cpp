@@ -19,13 +19,16 @@ using tessera::sdk::StepOutput;
 
 class LayerNormModel final : public tessera::sdk::Module {
  public:
-  explicit LayerNormModel(const tessera::sdk::Options& o) : batch_norm_(o.get_bool("batch_norm", false)) {}
+  explicit LayerNormModel(const tessera::sdk::Options& o)
+      : batch_norm_(o.get_bool("batch_norm", false)), freeze_fc1_(o.get_bool("freeze_fc1", false)) {}
   void configure_model() override {
     network_ = std::make_shared<torch::nn::Module>("LayerNormModel");
     fc1_ = network_->register_module("fc1", torch::nn::Linear(784, 32));
     if (batch_norm_) bn_ = network_->register_module("bn", torch::nn::BatchNorm1d(32));
     norm_ = network_->register_module("norm", torch::nn::LayerNorm(torch::nn::LayerNormOptions({32})));
     fc2_ = network_->register_module("fc2", torch::nn::Linear(32, 10));
+    if (freeze_fc1_)
+      for (auto& p : fc1_->parameters()) p.requires_grad_(false);
   }
   std::shared_ptr<torch::nn::Module> network() override { return network_; }
   StepOutput training_step(const Batch& b, std::int64_t) override { return step(b); }
@@ -47,7 +50,7 @@ class LayerNormModel final : public tessera::sdk::Module {
   torch::nn::Linear fc1_{nullptr}, fc2_{nullptr};
   torch::nn::LayerNorm norm_{nullptr};
   torch::nn::BatchNorm1d bn_{nullptr};
-  bool batch_norm_;
+  bool batch_norm_, freeze_fc1_;
 };
 
 }  // namespace

@@ -40,15 +40,22 @@ std::string dtype_name(c10::ScalarType t) {
 
 UnitShard shard_unit(const PlannedUnitSizes& unit, ParamLayout layout, std::int64_t shard_size) {
   UnitShard out;
+  std::int64_t trainable = 0;
   for (const PlannedParam& p : unit.params) {
     out.numel += p.rows * p.row_numel;
-    if (layout == ParamLayout::per_parameter) out.shard += ceil_div(p.rows, shard_size) * p.row_numel;
+    if (p.trainable) trainable += p.rows * p.row_numel;
+    if (layout == ParamLayout::per_parameter) {
+      out.shard += ceil_div(p.rows, shard_size) * p.row_numel;
+      if (p.trainable) out.trainable_shard += ceil_div(p.rows, shard_size) * p.row_numel;
+    }
   }
   if (layout == ParamLayout::flat) {
     std::int64_t padded = ceil_div(out.numel, shard_size) * shard_size;
     out.shard = (padded == 0 ? shard_size : padded) / shard_size;
+    out.trainable_shard = trainable == out.numel ? out.shard : ceil_div(trainable, shard_size);
   } else if (out.shard == 0) {
     out.shard = 1;
+    out.trainable_shard = trainable > 0 ? 1 : 0;
   }
   out.gathered = shard_size * out.shard;
   return out;
@@ -68,9 +75,10 @@ sdk::MemoryLayout plan_sharded_memory(const ShardedPlanInput& in) {
     if (shards[i].gathered > shards[largest].gathered) largest = i;
   UnitShard big = children > 0 ? shards[largest] : UnitShard{};
 
-  std::int64_t shard_total = 0, gathered_total = 0, child_gathered_total = 0;
+  std::int64_t shard_total = 0, trainable_total = 0, gathered_total = 0, child_gathered_total = 0;
   for (std::size_t i = 0; i < n_units; ++i) {
     shard_total += shards[i].shard;
+    trainable_total += shards[i].trainable_shard;
     gathered_total += shards[i].gathered;
     if (i < children) child_gathered_total += shards[i].gathered;
   }
@@ -81,7 +89,7 @@ sdk::MemoryLayout plan_sharded_memory(const ShardedPlanInput& in) {
   // Persistent: master shards, their gradients, the optimizer's moments on the shards.
   out.param_bytes = bytes_of(shard_total, in.master_dtype) + bytes_of(in.replicated_numel, in.master_dtype);
   out.grad_bytes = bytes_of(shard_total, in.grad_dtype) + bytes_of(in.replicated_numel, in.master_dtype);
-  out.optimizer_numel = shard_total + in.replicated_numel;
+  out.optimizer_numel = trainable_total + in.replicated_trainable_numel;  // frozen parameters: no moments
   out.optimizer_dtype = in.master_dtype;
 
   // Gathered units. A one-rank shard group computing in the master dtype where it keeps its

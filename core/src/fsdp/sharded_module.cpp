@@ -174,13 +174,18 @@ at::Tensor ShardedModule::buffer_for_state(const std::string& name, const at::Te
 }
 
 std::vector<sdk::NamedParameter> ShardedModule::optimizer_parameters() const {
+  // A frozen parameter (requires_grad false, e.g. a fine-tuned model's backbone) is left out, as
+  // by single device and DDP: its piece of the shard gets no gradient, and an optimizer holding
+  // it would still move it (AdamW's weight decay) and keep moments for it.
   std::vector<sdk::NamedParameter> out;
   for (const auto& u : units_) {
     const auto& params = u->layout->params();
     const auto& tensors = u->layout->optimizer_tensors();
-    for (std::size_t i = 0; i < params.size(); ++i) out.push_back({params[i].names[0], tensors[i]});
+    for (std::size_t i = 0; i < params.size(); ++i)
+      if (params[i].tensor.requires_grad()) out.push_back({params[i].names[0], tensors[i]});
   }
-  for (const auto& p : replicated_) out.push_back({p.names[0], p.tensor});
+  for (const auto& p : replicated_)
+    if (p.tensor.requires_grad()) out.push_back({p.names[0], p.tensor});
   return out;
 }
 

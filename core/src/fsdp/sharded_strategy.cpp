@@ -259,11 +259,14 @@ sdk::MemoryLayout ShardedStrategy::planned_layout(sdk::Module& module, const sdk
     PlannedUnitSizes sizes{unit.name, {}};
     for (const auto& p : unit.params) {
       const std::int64_t rows = p.tensor.dim() == 0 ? 1 : p.tensor.size(0);
-      sizes.params.push_back({rows, rows == 0 ? 0 : p.tensor.numel() / rows});
+      sizes.params.push_back({rows, rows == 0 ? 0 : p.tensor.numel() / rows, p.tensor.requires_grad()});
     }
     in.units.push_back(std::move(sizes));
   }
-  for (const auto& p : plan.replicated) in.replicated_numel += p.tensor.numel();
+  for (const auto& p : plan.replicated) {
+    in.replicated_numel += p.tensor.numel();
+    if (p.tensor.requires_grad()) in.replicated_trainable_numel += p.tensor.numel();
+  }
   in.shard_size = mesh.shard;
   in.replicate_size = mesh.replicate;
   in.tp_size = mesh.tp;

@@ -93,17 +93,21 @@ sdk::Checkpoint ShardedModule::full_optim_state_dict(const torch::optim::Optimiz
   const bool keep = !options_.rank0_only || shard_group_->rank() == 0;
   for (auto& u : units_) {
     const auto& params = u->layout->params();
-    std::vector<std::int64_t> index;
-    for (const auto& p : params) index.push_back(index_of.at(p.names[0]));
+    const auto& tensors = u->layout->optimizer_tensors();
+    std::vector<std::int64_t> index;  // -1: a frozen parameter, which the optimizer does not hold
+    for (const auto& p : params) index.push_back(index_of.count(p.names[0]) ? index_of.at(p.names[0]) : -1);
+    const auto trainable = std::find_if(index.begin(), index.end(), [](std::int64_t k) { return k >= 0; });
     std::vector<sdk::Checkpoint> full_states;
     for (std::size_t i = 0; i < params.size(); ++i) full_states.push_back(sdk::make_checkpoint());
     for (const char* key : kStateKeys) {
       // Present for one parameter means present for all (same optimizer, same settings).
-      bool present = !params.empty() && local_state.contains(index[0]) &&
-                     local_state.at(index[0]).toGenericDict().contains(key);
-      std::vector<at::Tensor> pieces;
+      bool present = trainable != index.end() && local_state.contains(*trainable) &&
+                     local_state.at(*trainable).toGenericDict().contains(key);
+      std::vector<at::Tensor> pieces;  // the unit gathers every parameter's: zeros for a frozen one
       for (std::size_t i = 0; i < params.size(); ++i)
-        pieces.push_back(present ? local_state.at(index[i]).toGenericDict().at(key).toTensor() : at::Tensor());
+        pieces.push_back(!present    ? at::Tensor()
+                         : index[i] < 0 ? at::zeros_like(tensors[i])
+                                        : local_state.at(index[i]).toGenericDict().at(key).toTensor());
       at::Tensor flag = at::full({1}, present ? 1.0 : 0.0, fp32());
       shard_group_->all_reduce(flag, sdk::ReduceOp::max, "optimizer state check")->wait();
       if (flag.item<double>() == 0) continue;
@@ -114,12 +118,14 @@ sdk::Checkpoint ShardedModule::full_optim_state_dict(const torch::optim::Optimiz
       for (std::size_t i = 0; i < params.size(); ++i) full_states[i].insert(key, full[i]);
     }
     for (std::size_t i = 0; i < params.size(); ++i) {
+      if (index[i] < 0) continue;
       if (local_state.contains(index[i]) && local_state.at(index[i]).toGenericDict().contains("step"))
         full_states[i].insert("step", local_state.at(index[i]).toGenericDict().at("step"));
       if (full_states[i].size() > 0) state.insert(index[i], full_states[i]);
     }
   }
   for (const auto& p : replicated_) {
+    if (!index_of.count(p.names[0])) continue;  // frozen
     const std::int64_t k = index_of.at(p.names[0]);
     if (!local_state.contains(k)) continue;
     sdk::Checkpoint copy = sdk::make_checkpoint();
@@ -160,8 +166,10 @@ sdk::Checkpoint ShardedModule::shard_full_optim_state_dict(const sdk::Checkpoint
   for (auto& u : units_) {
     const auto& params = u->layout->params();
     const auto& tensors = u->layout->optimizer_tensors();
-    for (std::size_t i = 0; i < params.size(); ++i, ++view) {
+    for (std::size_t i = 0; i < params.size(); ++i) {
+      if (!params[i].tensor.requires_grad()) continue;  // frozen: not the optimizer's (optimizer_parameters)
       const std::string& name = params[i].names[0];
+      const std::int64_t this_view = view++;
       view_names.push_back(name);
       const std::int64_t index = entry_of(name);
       if (!full_state.contains(index)) continue;
@@ -184,14 +192,16 @@ sdk::Checkpoint ShardedModule::shard_full_optim_state_dict(const sdk::Checkpoint
                              .to(tensors[i].device())
                              .clone());
       }
-      state.insert(view, mine);
+      state.insert(this_view, mine);
     }
   }
-  for (std::size_t i = 0; i < replicated_.size(); ++i, ++view) {
-    const std::string& name = replicated_[i].names[0];
+  for (const UnitParam& p : replicated_) {
+    if (!p.tensor.requires_grad()) continue;
+    const std::string& name = p.names[0];
+    const std::int64_t this_view = view++;
     view_names.push_back(name);
     const std::int64_t index = entry_of(name);
-    if (full_state.contains(index)) state.insert(view, full_state.at(index));
+    if (full_state.contains(index)) state.insert(this_view, full_state.at(index));
   }
   // Nothing in the checkpoint is left behind: state for a parameter the model does not have
   // would otherwise be dropped silently.

@@ -21,6 +21,7 @@ namespace tessera::core::fsdp {
 struct PlannedParam {
   std::int64_t rows = 1;
   std::int64_t row_numel = 0;
+  bool trainable = true;  ///< requires_grad: frozen parameters have no optimizer state
 };
 
 struct PlannedUnitSizes {
@@ -39,6 +40,7 @@ struct ShardedPlanInput {
   std::string strategy = "fsdp";  ///< for the description
   std::vector<PlannedUnitSizes> units;  ///< forward order, the root last
   std::int64_t replicated_numel = 0;    ///< ignored modules' (and exempt norms') parameters, whole on every rank
+  std::int64_t replicated_trainable_numel = 0;  ///< of which the optimizer steps on (requires_grad)
   std::int64_t shard_size = 1;          ///< ranks a unit is sharded over
   std::int64_t replicate_size = 1;      ///< copies of each shard (HSDP replicas; NO_SHARD: the world)
   std::int64_t tp_size = 1;             ///< tensor-parallel ranks (units hold one tp rank's pieces already)
@@ -66,6 +68,7 @@ struct UnitShard {
   std::int64_t numel = 0;     ///< unsharded
   std::int64_t shard = 0;     ///< per rank
   std::int64_t gathered = 0;  ///< the all-gather's output: shard_size x shard
+  std::int64_t trainable_shard = 0;  ///< per rank, of parameters that require grad (the optimizer's)
 };
 UnitShard shard_unit(const PlannedUnitSizes& unit, ParamLayout layout, std::int64_t shard_size);
 
