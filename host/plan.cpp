@@ -160,8 +160,9 @@ std::string format_plan(const MemoryPlan& plan, std::int64_t world_size, std::in
     row("peak CUDA per rank", mb(plan.device_peak), true,
         "tensors at the peak of a step, as the trainer's peak_cuda_mb metric counts them");
   if (plan.largest_batch_size) {  // a count, in host or device memory alike
-    std::snprintf(line, sizeof(line), "  %-22s %12lld  ", "largest batch_size",
-                  static_cast<long long>(*plan.largest_batch_size));
+    const bool limit = *plan.largest_batch_size >= kBatchSizeSearchLimit;  // the search stopped, memory did not
+    std::snprintf(line, sizeof(line), "  %-22s %12s  ", "largest batch_size",
+                  ((limit ? ">= " : "") + std::to_string(*plan.largest_batch_size)).c_str());
     out += line + ("[data] batch_size per rank within " + plan.batch_size_bound) + "\n";
   }
   if (plan.known) {
@@ -227,7 +228,7 @@ std::int64_t largest_batch_size(const PlanInputs& in, std::int64_t traced_batch_
            (!plan.cuda || device_bytes <= 0 || plan.device_peak <= device_bytes);
   };
   // The plan grows with the batch: the largest fitting size by bisection.
-  std::int64_t fitting = 0, failing = std::int64_t{1} << 20;
+  std::int64_t fitting = 0, failing = kBatchSizeSearchLimit;
   if (fits(failing)) return failing;
   while (failing - fitting > 1) {
     const std::int64_t middle = fitting + (failing - fitting) / 2;

@@ -100,7 +100,8 @@ std::string plan_json(const MemoryPlan& plan, std::int64_t world_size, std::int6
 /// size whose plan fits `available` bytes of host memory for this machine's ranks and, for a
 /// CUDA job, `device_bytes` per GPU (<= 0: unknown, not checked), with the activations traced
 /// for `traced_batch_size` samples scaled in proportion (what autograd keeps is per sample).
-/// 0: not even one sample fits. At most 2^20.
+/// 0: not even one sample fits. At most kBatchSizeSearchLimit (every size up to it fits).
+constexpr std::int64_t kBatchSizeSearchLimit = std::int64_t{1} << 20;
 std::int64_t largest_batch_size(const PlanInputs& in, std::int64_t traced_batch_size, double available,
                                 double device_bytes);
 
