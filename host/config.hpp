@@ -49,6 +49,8 @@ struct TrainerSettings {
   bool predict_after_fit = false;            ///< print one predict batch (e.g. a text sample) at the end
   /// A checkpoint whose weights a run starts from (fine-tuning) when it resumes from none.
   std::string init_from;
+  /// Parameter names or module paths whose parameters do not train (requires_grad false).
+  std::vector<std::string> freeze;
   double max_time_s = 0;                     ///< stop fit after this long (0: no limit); "DD:HH:MM:SS" in TOML
   std::string profiler;                      ///< "" (none), "simple" or "trace"
   bool sync_batchnorm = false;  ///< the model's sdk::SyncBatchNorm2d layers normalise over every data-parallel rank

@@ -19,6 +19,7 @@
 
 #include "launcher.hpp"
 #include "plugin_keys.hpp"
+#include "trainer.hpp"
 #include "tessera/sdk/autocast.hpp"
 #include "tessera/core/deferred_init.hpp"
 #include "tessera/core/fsdp/sharded_strategy.hpp"
@@ -377,6 +378,7 @@ PlannedJob plan_job(const Config& config, bool trace_activations) {
     sdk::GuardPtr dtype = precision->module_init_context();
     model->configure_model();
   });
+  Trainer::freeze_parameters(config, *model->network());  // no gradient, no moments
   std::string trace_problem;
   std::int64_t traced_samples = 0;
   try {

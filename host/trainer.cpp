@@ -218,6 +218,7 @@ void Trainer::setup(const std::string& stage) {
     sdk::GuardPtr dtype = precision_->module_init_context();
     model_->configure_model();
   }
+  const std::int64_t frozen = freeze_parameters(config_, *model_->network());
   std::int64_t parameters = 0;
   for (const auto& p : model_->network()->parameters()) parameters += p.numel();
   strategy_->setup(model_, config_.optimizer);
@@ -225,10 +226,34 @@ void Trainer::setup(const std::string& stage) {
   check_data_against_model(stage);
   log_.info("tessera " + stage + ": strategy " + config_.plugin_names.at("strategy") + ", precision " +
             precision_->precision() + ", model " + config_.plugin_names.at("model") + " (" +
-            format(static_cast<double>(parameters) / 1e6, 4) + "M parameters), data " +
+            format(static_cast<double>(parameters) / 1e6, 4) + "M parameters" +
+            (frozen > 0 ? ", " + format(static_cast<double>(frozen) / 1e6, 4) + "M frozen by [trainer] freeze" : "") +
+            "), data " +
             config_.plugin_names.at("data") + ", " + std::to_string(cluster_.world_size) + " rank(s) [" +
             cluster_.environment + "] on " + strategy_->root_device().str() +
             (core::world_transport().empty() ? "" : "; collectives: " + core::world_transport()));
+}
+
+std::int64_t Trainer::freeze_parameters(const Config& config, torch::nn::Module& network) {
+  std::int64_t frozen = 0;
+  for (const std::string& prefix : config.trainer.freeze) {
+    bool matched = false;
+    for (auto& item : network.named_parameters(/*recurse=*/true)) {
+      const std::string& name = item.key();
+      if (name != prefix && name.rfind(prefix + ".", 0) != 0) continue;
+      matched = true;
+      if (!item.value().requires_grad()) continue;  // tied to one frozen already, or frozen by the model
+      item.value().requires_grad_(false);
+      frozen += item.value().numel();
+    }
+    if (matched) continue;
+    std::vector<std::string> modules;
+    for (const auto& item : network.named_children()) modules.push_back(item.key());
+    TESSERA_FAIL("[trainer] freeze: \"", prefix, "\" names no parameter or module of model '",
+                 config.plugin_names.at("model"), "'", sdk::did_you_mean(prefix, modules), "; its top-level modules: ",
+                 sdk::join(modules), " (a deeper module by its path, e.g. \"blocks.0\", a parameter by its name)");
+  }
+  return frozen;
 }
 
 std::string Trainer::check_sequence_length(const Config& config, const sdk::Checkpoint& model_hparams,

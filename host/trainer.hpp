@@ -50,6 +50,11 @@ class Trainer final : public sdk::Trainer {
   /// positional table) takes sequences of at most that many tokens: a longer `sequence` (from
   /// `source`, e.g. "[data] block_size = 256") throws naming both keys; a shorter one returns
   /// a note for the log (positions past it are never trained); otherwise "".
+  /// [trainer] freeze: every parameter named, or under a module path named, stops training
+  /// (requires_grad false) before the strategy sees the model; a name that matches nothing
+  /// throws listing the model's top-level modules. Returns the elements frozen.
+  static std::int64_t freeze_parameters(const Config& config, torch::nn::Module& network);
+
   static std::string check_sequence_length(const Config& config, const sdk::Checkpoint& model_hparams,
                                            std::int64_t sequence, const std::string& source);
 

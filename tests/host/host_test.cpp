@@ -1455,6 +1455,61 @@ TEST(Frozen, ParametersThatRequireNoGradStayAsTheyWereUnderEveryStrategy) {
   EXPECT_GT(optimizer_bytes("false"), 2 * 4 * 12000);
 }
 
+// [trainer] freeze: named modules stop training on every strategy; a unit with nothing to
+// train is gathered for backward (its inputs need gradients) but gets no gradient buffers and
+// no reduce-scatter (PyTorch's FSDP2 skips it alike).
+TEST(Frozen, TrainerFreezeStopsModulesAndFrozenUnitsAreNotReduced) {
+  const std::string dir = tessera::testing::fresh_dir("freeze");
+  const std::string config = write_config(dir, "[lr_scheduler]\nschedule = \"constant\"\n");
+  const std::string sets = kNoDropout + " --set trainer.max_steps=3 --set trainer.profiler=trace "
+                           "--set 'trainer.freeze=[\"wpe\", \"blocks.1\"]' ";
+  struct Run {
+    std::string name, sets;
+  };
+  const std::vector<Run> runs = {
+      {"initial", "--set optimizer.lr=0.0 --set data.batch_size=6"},
+      {"single", "--set data.batch_size=6"},
+      {"fsdp-3", "--set launch.devices=3 --set strategy.plugin=fsdp --set data.batch_size=2"},
+      {"fsdp2-2", "--set launch.devices=2 --set strategy.plugin=fsdp2 --set data.batch_size=3 "
+                  "--set 'strategy.activation_checkpointing=[\"Block\"]'"}};
+  std::map<std::string, std::map<std::string, at::Tensor>> weights;
+  std::map<std::int64_t, double> reference;
+  for (const Run& run : runs) {
+    const std::string root = dir + "/" + run.name;
+    auto r = run_tessera("fit --config " + config + sets + run.sets + " --set trainer.default_root_dir=" + root);
+    ASSERT_EQ(r.exit_code, 0) << r.output;
+    EXPECT_NE(r.output.find("M frozen by [trainer] freeze"), std::string::npos) << r.output;
+    weights[run.name] = tessera::testing::checkpoint_state(run_dir(root) + "/checkpoints/last.ckpt");
+    auto losses = metric_series(run_dir(root) + "/metrics.csv", "train", "train_loss");
+    if (run.name == "single") reference = losses;
+    if (run.name != "initial" && run.name != "single") expect_losses_equal(reference, losses, 1, 3, 1e-4);
+    if (run.name.rfind("fsdp", 0) != 0) continue;
+    const std::string trace = file_bytes(run_dir(root) + "/trace-rank-0.json");
+    EXPECT_NE(trace.find("reduce-scatter of blocks.0"), std::string::npos) << run.name;
+    EXPECT_EQ(trace.find("reduce-scatter of blocks.1"), std::string::npos) << run.name << ": a frozen unit was reduced";
+  }
+  for (const auto& [name, initial] : weights["initial"]) {
+    const bool frozen = name == "wpe.weight" || name.rfind("blocks.1.", 0) == 0;
+    for (const char* run : {"single", "fsdp-3", "fsdp2-2"})
+      EXPECT_EQ(at::equal(weights[run][name], initial), frozen) << run << " " << name;
+  }
+
+  auto r = run_tessera("fit --config " + config + " --set 'trainer.freeze=[\"blocks.9\"]'");
+  EXPECT_NE(r.exit_code, 0);
+  EXPECT_NE(r.output.find("[trainer] freeze: \"blocks.9\" names no parameter or module of model 'gpt'"),
+            std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("its top-level modules: wte, wpe, drop, blocks, ln_f"), std::string::npos) << r.output;
+  auto plan = run_tessera("plan --config " + config + " --set 'trainer.freeze=[\"wpe\", \"blocks.1\"]' --json");
+  ASSERT_EQ(plan.exit_code, 0) << plan.output;
+  auto unfrozen = run_tessera("plan --config " + config + " --json");
+  ASSERT_EQ(unfrozen.exit_code, 0) << unfrozen.output;
+  auto moments = [](const std::string& output) {
+    return nlohmann::json::parse(output.substr(output.find('{')))["per_rank_bytes"]["optimizer state"].get<double>();
+  };
+  // 34,688 parameters, of which wpe (1,024) and blocks.1 (12,704) are frozen: two fp32 moments each.
+  EXPECT_EQ(moments(unfrozen.output) - moments(plan.output), 2 * 4 * (1024 + 12704));
+}
+
 TEST(BadInput, Bf16LayerNormOnCpuIsExplainedWithoutAStackTrace) {
   std::string dir = tessera::testing::fresh_dir("bf16-layernorm");
   std::ofstream(dir + "/run.toml") << "plugin_dirs = [\"" TEST_PLUGIN_DIR "\"]\n"

@@ -54,6 +54,21 @@ struct PreBackward : public torch::autograd::Function<PreBackward> {
   }
 };
 
+/// The identity on a frozen unit's inputs: its backward runs once the unit's backward is done
+/// (the gradients of its inputs are ready), the post-backward a unit whose parameters all
+/// require no gradient never gets from their accumulators.
+struct PostBackward : public torch::autograd::Function<PostBackward> {
+  static variable_list forward(AutogradContext* ctx, at::TensorList inputs, c10::intrusive_ptr<UnitRef> ref) {
+    ctx->saved_data["unit"] = c10::IValue::make_capsule(std::move(ref));
+    return inputs.vec();
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    auto ref = state_of<UnitRef>(ctx);
+    ref->hooks->post_backward(*ref->unit);
+    grads.emplace_back();  // for the state argument
+    return grads;
+  }
+};
 
 at::Generator default_generator(c10::Device device) { return at::globalContext().defaultGenerator(device); }
 
@@ -183,6 +198,21 @@ std::vector<at::Tensor> attach_pre_backward(UnitHooks& hooks, FSDPUnit& unit, co
   // A TensorList, not a std::vector: Function::apply counts only those as tensor inputs.
   variable_list wrapped = PreBackward::apply(at::TensorList(differentiable), c10::make_intrusive<UnitRef>(hooks, unit));
   std::vector<at::Tensor> result = outputs;
+  for (std::size_t k = 0; k < through.size(); ++k) result[through[k]] = wrapped[k];
+  return result;
+}
+
+std::vector<at::Tensor> attach_post_backward(UnitHooks& hooks, FSDPUnit& unit, const std::vector<at::Tensor>& inputs) {
+  std::vector<std::size_t> through;  // inputs that take part in backward
+  variable_list differentiable;
+  for (std::size_t i = 0; i < inputs.size(); ++i)
+    if (inputs[i].defined() && inputs[i].requires_grad()) {
+      through.push_back(i);
+      differentiable.push_back(inputs[i]);
+    }
+  if (through.empty()) return inputs;  // no gradient flows through the unit: nothing to wait for
+  variable_list wrapped = PostBackward::apply(at::TensorList(differentiable), c10::make_intrusive<UnitRef>(hooks, unit));
+  std::vector<at::Tensor> result = inputs;
   for (std::size_t k = 0; k < through.size(); ++k) result[through[k]] = wrapped[k];
   return result;
 }

@@ -75,8 +75,9 @@ std::vector<at::Tensor> Scheduler::run_forward(FSDPUnit& unit, sdk::UnitFunction
   }
   const bool grad = at::GradMode::is_enabled();
   std::vector<at::Tensor> outputs;
-  const std::vector<at::Tensor> cast_inputs =
+  std::vector<at::Tensor> cast_inputs =
       options_.cast_forward_inputs ? cast_floating(inputs, unit.layout->compute_dtype()) : inputs;
+  if (grad && unit.expected_grads == 0) cast_inputs = attach_post_backward(*this, unit, cast_inputs);
   if (grad && unit.checkpointed && any_requires_grad(cast_inputs)) {
     outputs = checkpointed_forward(*this, unit, std::move(forward), cast_inputs);
   } else {
@@ -180,7 +181,8 @@ void Scheduler::reshard(FSDPUnit& u) {
 }
 
 void Scheduler::attach_gradients(FSDPUnit& u) {
-  if (u.grads_attached || !at::GradMode::is_enabled() && !training_step_active()) return;
+  // A frozen unit (no parameter requires grad) gets no gradient buffers and no reduce-scatter.
+  if (u.grads_attached || u.expected_grads == 0 || !at::GradMode::is_enabled() && !training_step_active()) return;
   u.layout->attach_unsharded_grads();
   u.grads_attached = true;
 }
@@ -227,7 +229,7 @@ void Scheduler::begin_backward(bool sync) {
 
 void Scheduler::post_backward(FSDPUnit& u) {
   // Gradients of a unit whose pre-backward never ran would land outside the unsharded gradient.
-  TESSERA_CHECK(u.grads_attached, "FSDP unit '", u.name, "' received gradients but was not run through ",
+  TESSERA_CHECK(u.grads_attached || u.expected_grads == 0, "FSDP unit '", u.name, "' received gradients but was not run through ",
                 "sdk::invoke in this forward: every module of an FSDP unit class must be called through sdk::invoke ",
                 "(or leave its class out of [strategy] transformer_layer_cls)");
   if (sync_) reduce_gradients(u);

@@ -26,6 +26,11 @@ class UnitHooks {
 /// gradient flows into the unit. Outputs that need no gradient pass unchanged.
 std::vector<at::Tensor> attach_pre_backward(UnitHooks& hooks, FSDPUnit& unit, const std::vector<at::Tensor>& outputs);
 
+/// `inputs`, through an identity whose backward calls hooks.post_backward(unit) once the
+/// unit's backward has produced their gradients: for a unit with no trainable parameter (a
+/// frozen block), whose parameters' accumulators never fire. Inputs that need no gradient pass unchanged.
+std::vector<at::Tensor> attach_post_backward(UnitHooks& hooks, FSDPUnit& unit, const std::vector<at::Tensor>& inputs);
+
 /// Activation checkpointing: runs `forward(inputs)` keeping no activations; in backward,
 /// calls hooks.pre_backward(unit), re-runs `forward` with the RNG state (CPU and the inputs'
 /// device) and autocast state of the first run, and back-propagates through it. Gradients
