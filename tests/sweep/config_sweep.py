@@ -56,6 +56,8 @@ def model_options(rng, pick):
         s.update({"data.plugin": "text", "model.n_layer": pick(1, 2), "model.n_head": pick(2, 3),
                   "model.block_size": 32, "data.block_size": 32, "model.tie_embeddings": pick("true", "false")})
         s["model.n_embd"] = s["model.n_head"] * pick(8, 10)
+        if rng.random() < 0.3:  # frozen parameters; blocks.0: a unit with nothing to train
+            s["trainer.freeze"] = pick('["wpe"]', '["blocks.0"]', '["wte", "blocks.0.attn"]')
     else:
         # train_limit 60 or 48: epochs end inside a run (5 or 4 steps of 12 samples)
         s.update({"data.plugin": "fashion_mnist", "data.train_limit": pick(256, 60, 48), "data.test_limit": 64,
@@ -259,7 +261,7 @@ def main():
         run(f"{args.seed}-{i} plan", [args.binary, "plan", *common, *sets(first), *pick([], ["--json"])])
         if run(f"{args.seed}-{i} fit", tessera("fit", first, *common)) != 0:
             return
-        keep = {k: v for k, v in first.items() if k.startswith(("model.", "data.", "optimizer."))}
+        keep = {k: v for k, v in first.items() if k.startswith(("model.", "data.", "optimizer.", "trainer.freeze"))}
         resumed = {**keep, **strategy_options(rng, pick, maybe, model), "trainer.max_steps": 6}
         run(f"{args.seed}-{i} resume", tessera("fit", resumed, *common, "--ckpt-path", "last"))
         checkpoint = last_checkpoint(root)
