@@ -41,34 +41,44 @@ c10::intrusive_ptr<T> state_of(AutogradContext* ctx) {
   return c10::static_intrusive_pointer_cast<T>(ctx->saved_data["unit"].toCapsule());
 }
 
-struct PreBackward : public torch::autograd::Function<PreBackward> {
-  static variable_list forward(AutogradContext* ctx, at::TensorList outputs, c10::intrusive_ptr<UnitRef> ref) {
+/// The identity on a unit's outputs (pre-backward: its backward runs before any gradient flows
+/// into the unit) or on a frozen unit's inputs (post-backward: its backward runs once the unit's
+/// backward has produced their gradients, the post-backward that a unit whose parameters all
+/// require no gradient never gets from their accumulators).
+struct BackwardHook : public torch::autograd::Function<BackwardHook> {
+  static variable_list forward(AutogradContext* ctx, at::TensorList tensors, c10::intrusive_ptr<UnitRef> ref,
+                               bool post) {
     ctx->saved_data["unit"] = c10::IValue::make_capsule(std::move(ref));
-    return outputs.vec();
+    ctx->saved_data["post"] = post;
+    return tensors.vec();
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     auto ref = state_of<UnitRef>(ctx);
-    ref->hooks->pre_backward(*ref->unit);
-    grads.emplace_back();  // for the state argument
+    if (ctx->saved_data["post"].toBool()) ref->hooks->post_backward(*ref->unit);
+    else ref->hooks->pre_backward(*ref->unit);
+    grads.resize(grads.size() + 2);  // for the state and flag arguments
     return grads;
   }
 };
 
-/// The identity on a frozen unit's inputs: its backward runs once the unit's backward is done
-/// (the gradients of its inputs are ready), the post-backward a unit whose parameters all
-/// require no gradient never gets from their accumulators.
-struct PostBackward : public torch::autograd::Function<PostBackward> {
-  static variable_list forward(AutogradContext* ctx, at::TensorList inputs, c10::intrusive_ptr<UnitRef> ref) {
-    ctx->saved_data["unit"] = c10::IValue::make_capsule(std::move(ref));
-    return inputs.vec();
-  }
-  static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    auto ref = state_of<UnitRef>(ctx);
-    ref->hooks->post_backward(*ref->unit);
-    grads.emplace_back();  // for the state argument
-    return grads;
-  }
-};
+/// `tensors` through BackwardHook; those that need no gradient pass unchanged.
+std::vector<at::Tensor> through_backward_hook(UnitHooks& hooks, FSDPUnit& unit, const std::vector<at::Tensor>& tensors,
+                                              bool post) {
+  std::vector<std::size_t> through;  // tensors that take part in backward
+  variable_list differentiable;
+  for (std::size_t i = 0; i < tensors.size(); ++i)
+    if (tensors[i].defined() && tensors[i].requires_grad()) {
+      through.push_back(i);
+      differentiable.push_back(tensors[i]);
+    }
+  if (through.empty()) return tensors;
+  // A TensorList, not a std::vector: Function::apply counts only those as tensor inputs.
+  variable_list wrapped =
+      BackwardHook::apply(at::TensorList(differentiable), c10::make_intrusive<UnitRef>(hooks, unit), post);
+  std::vector<at::Tensor> result = tensors;
+  for (std::size_t k = 0; k < through.size(); ++k) result[through[k]] = wrapped[k];
+  return result;
+}
 
 at::Generator default_generator(c10::Device device) { return at::globalContext().defaultGenerator(device); }
 
@@ -187,34 +197,11 @@ class GradientReadyHook final : public torch::autograd::FunctionPostHook {
 }  // namespace
 
 std::vector<at::Tensor> attach_pre_backward(UnitHooks& hooks, FSDPUnit& unit, const std::vector<at::Tensor>& outputs) {
-  std::vector<std::size_t> through;  // outputs that take part in backward
-  variable_list differentiable;
-  for (std::size_t i = 0; i < outputs.size(); ++i)
-    if (outputs[i].defined() && outputs[i].requires_grad()) {
-      through.push_back(i);
-      differentiable.push_back(outputs[i]);
-    }
-  if (through.empty()) return outputs;
-  // A TensorList, not a std::vector: Function::apply counts only those as tensor inputs.
-  variable_list wrapped = PreBackward::apply(at::TensorList(differentiable), c10::make_intrusive<UnitRef>(hooks, unit));
-  std::vector<at::Tensor> result = outputs;
-  for (std::size_t k = 0; k < through.size(); ++k) result[through[k]] = wrapped[k];
-  return result;
+  return through_backward_hook(hooks, unit, outputs, /*post=*/false);
 }
 
 std::vector<at::Tensor> attach_post_backward(UnitHooks& hooks, FSDPUnit& unit, const std::vector<at::Tensor>& inputs) {
-  std::vector<std::size_t> through;  // inputs that take part in backward
-  variable_list differentiable;
-  for (std::size_t i = 0; i < inputs.size(); ++i)
-    if (inputs[i].defined() && inputs[i].requires_grad()) {
-      through.push_back(i);
-      differentiable.push_back(inputs[i]);
-    }
-  if (through.empty()) return inputs;  // no gradient flows through the unit: nothing to wait for
-  variable_list wrapped = PostBackward::apply(at::TensorList(differentiable), c10::make_intrusive<UnitRef>(hooks, unit));
-  std::vector<at::Tensor> result = inputs;
-  for (std::size_t k = 0; k < through.size(); ++k) result[through[k]] = wrapped[k];
-  return result;
+  return through_backward_hook(hooks, unit, inputs, /*post=*/true);
 }
 
 std::vector<at::Tensor> checkpointed_forward(UnitHooks& hooks, FSDPUnit& unit, sdk::UnitFunction forward,
