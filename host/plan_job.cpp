@@ -378,7 +378,7 @@ PlannedJob plan_job(const Config& config, bool trace_activations) {
     sdk::GuardPtr dtype = precision->module_init_context();
     model->configure_model();
   });
-  Trainer::freeze_parameters(config, *model->network());  // no gradient, no moments
+  job_setup([&] { Trainer::freeze_parameters(config, *model->network()); });  // no gradient, no moments
   std::string trace_problem;
   std::int64_t traced_samples = 0;
   try {

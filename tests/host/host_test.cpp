@@ -1494,8 +1494,10 @@ TEST(Frozen, TrainerFreezeStopsModulesAndFrozenUnitsAreNotReduced) {
       EXPECT_EQ(at::equal(weights[run][name], initial), frozen) << run << " " << name;
   }
 
-  auto r = run_tessera("fit --config " + config + " --set 'trainer.freeze=[\"blocks.9\"]'");
+  auto r = run_tessera("fit --config " + config + " --set 'trainer.freeze=[\"blocks.9\"]' --set launch.devices=2 " +
+                       "--set strategy.plugin=fsdp --set data.batch_size=2");
   EXPECT_NE(r.exit_code, 0);
+  EXPECT_EQ(r.output.find("launched"), std::string::npos) << "refused before any rank starts\n" << r.output;
   EXPECT_NE(r.output.find("[trainer] freeze: \"blocks.9\" names no parameter or module of model 'gpt'"),
             std::string::npos) << r.output;
   EXPECT_NE(r.output.find("its top-level modules: wte, wpe, drop, blocks, ln_f"), std::string::npos) << r.output;
