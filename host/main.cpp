@@ -271,10 +271,7 @@ int main(int argc, char** argv) {
       // A missing checkpoint, or one fit cannot resume from, stops us here.
       const std::string checkpoint = host::Trainer::resolve_checkpoint(config, args.ckpt_path, args.command == "fit");
       if (args.command == "fit" && !checkpoint.empty()) host::Trainer::check_resumable(checkpoint);
-      const std::string initial = host::Trainer::initial_weights(config, checkpoint);
-      TESSERA_CHECK((args.command != "validate" && args.command != "test") || !checkpoint.empty() || !initial.empty(),
-                    args.command, " needs --ckpt-path last|best|PATH or [trainer] init_from: without either it would ",
-                    "evaluate the model's random initial weights");
+      host::Trainer::check_weights_given(args.command, checkpoint, host::Trainer::initial_weights(config, checkpoint));
       check_plugins(config);
       if (args.command == "fit") warn_about_memory(config);
     }

@@ -424,6 +424,13 @@ std::string Trainer::initial_weights(const Config& config, const std::string& ch
   return path;
 }
 
+void Trainer::check_weights_given(const std::string& command, const std::string& checkpoint,
+                                  const std::string& initial) {
+  TESSERA_CHECK((command != "validate" && command != "test") || !checkpoint.empty() || !initial.empty(), command,
+                " needs --ckpt-path last|best|PATH or [trainer] init_from: without either it would evaluate the ",
+                "model's random initial weights");
+}
+
 void Trainer::restore(const std::string& path, Restore what) {
   const bool with_training_state = what == Restore::training_state;
   core::LedgerPhase phase("load_checkpoint");
@@ -886,9 +893,7 @@ void Trainer::finish(const std::string& status) {
 void Trainer::setup_with_weights(const std::string& stage, const std::string& ckpt_path) {
   const std::string checkpoint = resolve_checkpoint(config_, ckpt_path);
   const std::string initial = initial_weights(config_, checkpoint);
-  TESSERA_CHECK(stage == "predict" || !checkpoint.empty() || !initial.empty(), stage,
-                " needs --ckpt-path last|best|PATH or [trainer] init_from: without either the model's random initial ",
-                "weights would be evaluated");
+  check_weights_given(stage, checkpoint, initial);
   setup(stage);
   if (!checkpoint.empty()) restore(checkpoint, Restore::weights);
   if (!initial.empty()) restore(initial, Restore::initial_weights);

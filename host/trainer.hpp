@@ -45,6 +45,9 @@ class Trainer final : public sdk::Trainer {
   /// the checkpoint whose weights the model starts from, checked to exist and to be one (any
   /// format load_checkpoint_file reads, or a sharded folder); "" when there is none to apply.
   static std::string initial_weights(const Config& config, const std::string& checkpoint);
+  /// validate and test evaluate the weights of `checkpoint` (--ckpt-path, resolved) or `initial`
+  /// (initial_weights()): without either they would evaluate random weights, and refuse.
+  static void check_weights_given(const std::string& command, const std::string& checkpoint, const std::string& initial);
 
   /// A model whose hyper-parameters name a `block_size` (its context length, e.g. the gpt's
   /// positional table) takes sequences of at most that many tokens: a longer `sequence` (from
