@@ -638,10 +638,8 @@ sdk::StateDict map_safetensors(const std::string& path, const std::shared_ptr<Ma
   return state;
 }
 
-}  // namespace
-
-IValue load_pickle(const std::string& path) {
-  auto file = map_file(path);
+/// load_pickle of a file mapped already.
+IValue unpickle(const std::string& path, const std::shared_ptr<MappedFile>& file) {
   const std::size_t size = file->size;
   // torch.save's format is a zip archive: anything else is not a checkpoint at all.
   TESSERA_CHECK(size >= 4 && std::memcmp(file->base, "PK\x03\x04", 4) == 0, path,
@@ -688,6 +686,10 @@ IValue load_pickle(const std::string& path) {
   return value;
 }
 
+}  // namespace
+
+IValue load_pickle(const std::string& path) { return unpickle(path, map_file(path)); }
+
 sdk::Checkpoint load_checkpoint_file(const std::string& path) {
   auto weights_only = [](const sdk::StateDict& state) {
     sdk::Checkpoint c = sdk::make_checkpoint();
@@ -695,11 +697,9 @@ sdk::Checkpoint load_checkpoint_file(const std::string& path) {
     c.insert(kWeightsOnlyKey, true);
     return c;
   };
-  {
-    auto file = map_file(path);
-    if (looks_like_safetensors(*file)) return weights_only(map_safetensors(path, file));
-  }
-  sdk::Checkpoint c = checkpoint_dict(load_pickle(path), "checkpoint " + path);
+  const auto file = map_file(path);
+  if (looks_like_safetensors(*file)) return weights_only(map_safetensors(path, file));
+  sdk::Checkpoint c = checkpoint_dict(unpickle(path, file), "checkpoint " + path);
   if (c.contains("state_dict") || c.empty()) return c;
   for (const auto& item : c)
     if (!item.value().isTensor()) return c;  // not a bare state dict: the caller names what it lacks
