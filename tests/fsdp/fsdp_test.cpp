@@ -93,14 +93,21 @@ at::Tensor targets(int step) {
 
 torch::optim::AdamWOptions adamw() { return torch::optim::AdamWOptions(0.02).weight_decay(0.1); }
 
+/// Freezes b2 and head (requires_grad false), as a fine-tuning model would.
+void freeze_b2_and_head(Net& net) {
+  for (auto& p : net->b2->parameters()) p.requires_grad_(false);
+  for (auto& p : net->head->parameters()) p.requires_grad_(false);
+}
+
 /// The unsharded reference: full batch, one process.
-std::map<std::string, at::Tensor> reference_after(int steps) {
+std::map<std::string, at::Tensor> reference_after(int steps, bool frozen_b2_and_head = false) {
   torch::manual_seed(7);
   Net net;
+  if (frozen_b2_and_head) freeze_b2_and_head(net);
   std::vector<at::Tensor> params;
   std::set<const void*> seen;  // named_parameters() lists the tied weight under both names
   for (const auto& p : net->parameters())
-    if (seen.insert(p.unsafeGetTensorImpl()).second) params.push_back(p);
+    if (p.requires_grad() && seen.insert(p.unsafeGetTensorImpl()).second) params.push_back(p);
   torch::optim::AdamW optimizer(params, adamw());
   for (int s = 0; s < steps; ++s) {
     optimizer.zero_grad();
@@ -192,6 +199,30 @@ TEST_P(Engine, TiedAcrossUnitsAndIgnoredModuleMatchUnsharded) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Ranks, Engine, ::testing::Values(1, 2, 3, 4));
+
+// A unit with nothing to train (b2) keeps no sharded gradient and is not reduced; a frozen
+// ignored module (head) gets no all-reduced zeros. Training still equals one process's.
+TEST(EngineApi, FrozenUnitsAndIgnoredParametersKeepNoGradients) {
+  run_ranks(3, std::chrono::seconds(90), [&](const sdk::ClusterInfo& cluster) {
+    auto reference = reference_after(3, /*frozen_b2_and_head=*/true);
+    auto comm = world(cluster);
+    torch::manual_seed(7);
+    Net net;
+    freeze_b2_and_head(net);
+    fsdp::FSDPOptions o = unit_options();
+    o.ignored_modules = {"head"};
+    fsdp::ShardedModule sharded(net.ptr(), o, comm, core::make_local_communicator());
+    torch::optim::AdamW optimizer(tensors_of(sharded.optimizer_parameters()), adamw());
+    for (int s = 0; s < 3; ++s) {
+      train_step(sharded, net, optimizer, s, cluster);
+      EXPECT_FALSE(net->head->weight.grad().defined()) << "step " << s;
+    }
+    expect_matches(sharded.full_state_dict(), reference, 2e-5, "rank " + std::to_string(cluster.global_rank));
+    // Units b1, b2, b3 and the root (the tied Linear): 182 elements each, 61 per rank; a
+    // gradient shard for the three that train.
+    EXPECT_EQ(sharded.sharded_bytes(), 4 * 61 * 4 + 4 * 61 * 3) << "rank " << cluster.global_rank;
+  });
+}
 
 TEST(EngineApi, SummonApplyLocalStateAndScatteredOptimizerState) {
   run_ranks(2, std::chrono::seconds(120), [&](const sdk::ClusterInfo& cluster) {

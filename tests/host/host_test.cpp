@@ -1462,6 +1462,7 @@ TEST(Frozen, TrainerFreezeStopsModulesAndFrozenUnitsAreNotReduced) {
   const std::string dir = tessera::testing::fresh_dir("freeze");
   const std::string config = write_config(dir, "[lr_scheduler]\nschedule = \"constant\"\n");
   const std::string sets = kNoDropout + " --set trainer.max_steps=3 --set trainer.profiler=trace "
+                           "--set trainer.gradient_clip_val=0.05 "  // the norm over units with and without gradients
                            "--set 'trainer.freeze=[\"wpe\", \"blocks.1\"]' ";
   struct Run {
     std::string name, sets;
@@ -1501,15 +1502,24 @@ TEST(Frozen, TrainerFreezeStopsModulesAndFrozenUnitsAreNotReduced) {
   EXPECT_NE(r.output.find("[trainer] freeze: \"blocks.9\" names no parameter or module of model 'gpt'"),
             std::string::npos) << r.output;
   EXPECT_NE(r.output.find("its top-level modules: wte, wpe, drop, blocks, ln_f"), std::string::npos) << r.output;
-  auto plan = run_tessera("plan --config " + config + " --set 'trainer.freeze=[\"wpe\", \"blocks.1\"]' --json");
-  ASSERT_EQ(plan.exit_code, 0) << plan.output;
-  auto unfrozen = run_tessera("plan --config " + config + " --json");
-  ASSERT_EQ(unfrozen.exit_code, 0) << unfrozen.output;
-  auto moments = [](const std::string& output) {
-    return nlohmann::json::parse(output.substr(output.find('{')))["per_rank_bytes"]["optimizer state"].get<double>();
+  auto plan_of = [&](const std::string& sets) {
+    auto plan = run_tessera("plan --config " + config + sets + " --json");
+    EXPECT_EQ(plan.exit_code, 0) << plan.output;
+    return nlohmann::json::parse(plan.output.substr(plan.output.find('{')));
   };
-  // 34,688 parameters, of which wpe (1,024) and blocks.1 (12,704) are frozen: two fp32 moments each.
-  EXPECT_EQ(moments(unfrozen.output) - moments(plan.output), 2 * 4 * (1024 + 12704));
+  const std::string frozen = " --set 'trainer.freeze=[\"wpe\", \"blocks.1\"]'";
+  auto bytes = [](const nlohmann::json& plan, const char* what) { return plan["per_rank_bytes"][what].get<double>(); };
+  // 34,688 parameters, of which wpe (1,024) and blocks.1 (12,704) are frozen: two fp32 moments
+  // each and no gradient.
+  auto plan = plan_of(frozen), unfrozen = plan_of("");
+  EXPECT_EQ(bytes(unfrozen, "optimizer state") - bytes(plan, "optimizer state"), 2 * 4 * (1024 + 12704));
+  EXPECT_EQ(bytes(unfrozen, "gradients") - bytes(plan, "gradients"), 4 * (1024 + 12704));
+  // Sharded over 2 ranks: blocks.1, a unit with nothing to train, keeps no gradient shard (wpe's
+  // is part of the root's, which trains) and is not reduce-scattered.
+  const std::string fsdp = " --set launch.devices=2 --set strategy.plugin=fsdp";
+  plan = plan_of(fsdp + frozen), unfrozen = plan_of(fsdp);
+  EXPECT_EQ(bytes(unfrozen, "gradients") - bytes(plan, "gradients"), 4 * 12704 / 2);
+  EXPECT_EQ(unfrozen["sent_per_step_bytes"].get<double>() - plan["sent_per_step_bytes"].get<double>(), 4 * 12704 / 2);
 }
 
 TEST(BadInput, Bf16LayerNormOnCpuIsExplainedWithoutAStackTrace) {

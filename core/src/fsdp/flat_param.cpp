@@ -54,7 +54,9 @@ void FlatParamHandle::shard(at::Tensor flat) {
   // casts them (for optimizers that step in low precision; a wider reduce_dtype too);
   // otherwise the master dtype.
   at::ScalarType grad_dtype = config_.mixed_precision.keep_low_precision_grads ? compute_dtype_ : master_dtype_;
-  shard_grad_ = at::zeros({shard_numel_}, config_.shard_options.dtype(grad_dtype));
+  // A unit with nothing to train (a frozen backbone's) never receives a gradient: none is kept.
+  trainable_ = std::any_of(params_.begin(), params_.end(), [](const UnitParam& p) { return p.tensor.requires_grad(); });
+  shard_grad_ = at::zeros({trainable_ ? shard_numel_ : 0}, config_.shard_options.dtype(grad_dtype));
   // The buffers are built one at a time so that deferred init peaks at about one unit.
   full_ = flat.scalar_type() == compute_dtype_ ? flat : flat.to(compute_dtype_);
   flat.reset();
@@ -65,7 +67,7 @@ void FlatParamHandle::shard(at::Tensor flat) {
   for (std::size_t i = 0; i < params_.size(); ++i) {
     auto [start, length] = shard_slice(i);
     at::Tensor view = shard_.narrow(0, start, length).view(piece_shape(i, length));
-    view.mutable_grad() = shard_grad_.narrow(0, start, length).view(view.sizes());
+    if (trainable_) view.mutable_grad() = shard_grad_.narrow(0, start, length).view(view.sizes());
     optimizer_views_.push_back(view);
   }
 }
@@ -193,7 +195,7 @@ void FlatParamHandle::zero_sharded_grads(bool release) {
     shard_grad_.zero_();
   }
   shard_grad_written_ = false;
-  for (std::size_t i = 0; i < optimizer_views_.size(); ++i)
+  for (std::size_t i = 0; trainable_ && i < optimizer_views_.size(); ++i)
     if (!optimizer_views_[i].grad().defined())  // zero_grad(set_to_none) in LibTorch 2.x
       optimizer_views_[i].mutable_grad() =
           shard_grad_.narrow(0, shard_slice(i).first, optimizer_views_[i].numel()).view(optimizer_views_[i].sizes());

@@ -75,20 +75,28 @@ sdk::MemoryLayout plan_sharded_memory(const ShardedPlanInput& in) {
     if (shards[i].gathered > shards[largest].gathered) largest = i;
   UnitShard big = children > 0 ? shards[largest] : UnitShard{};
 
+  // A unit with nothing to train (frozen) has no gradients, sharded or unsharded, and no
+  // reduction: `trained_*` count the others.
   std::int64_t shard_total = 0, trainable_total = 0, gathered_total = 0, child_gathered_total = 0;
+  std::int64_t trained_shard_total = 0, trained_gathered_total = 0, trained_big = 0;
   for (std::size_t i = 0; i < n_units; ++i) {
     shard_total += shards[i].shard;
     trainable_total += shards[i].trainable_shard;
     gathered_total += shards[i].gathered;
     if (i < children) child_gathered_total += shards[i].gathered;
+    if (shards[i].trainable_shard == 0) continue;
+    trained_shard_total += shards[i].shard;
+    trained_gathered_total += shards[i].gathered;
+    if (i < children) trained_big = std::max(trained_big, shards[i].gathered);
   }
+  const std::int64_t trained_root = root.trainable_shard > 0 ? root.gathered : 0;
   out.units = static_cast<std::int64_t>(n_units);
   out.largest_unit = children > 0 ? in.units[largest].name + " (" + std::to_string(big.numel) + " elements)"
                                   : "<root> (" + std::to_string(root.numel) + " elements)";
 
   // Persistent: master shards, their gradients, the optimizer's moments on the shards.
   out.param_bytes = bytes_of(shard_total, in.master_dtype) + bytes_of(in.replicated_numel, in.master_dtype);
-  out.grad_bytes = bytes_of(shard_total, in.grad_dtype) + bytes_of(in.replicated_numel, in.master_dtype);
+  out.grad_bytes = bytes_of(trained_shard_total, in.grad_dtype) + bytes_of(in.replicated_trainable_numel, in.master_dtype);
   out.optimizer_numel = trainable_total + in.replicated_trainable_numel;  // frozen parameters: no moments
   out.optimizer_dtype = in.master_dtype;
 
@@ -128,8 +136,8 @@ sdk::MemoryLayout plan_sharded_memory(const ShardedPlanInput& in) {
   const std::int64_t grads_at_once =
       std::min<std::int64_t>(one_unit_computing ? 1 : 3, static_cast<std::int64_t>(children));
   out.unsharded_grad_bytes = accumulates_unsharded
-                                 ? bytes_of(gathered_total, in.compute_dtype)
-                                 : bytes_of(root.gathered + grads_at_once * big.gathered, in.compute_dtype);
+                                 ? bytes_of(trained_gathered_total, in.compute_dtype)
+                                 : bytes_of(trained_root + grads_at_once * trained_big, in.compute_dtype);
 
   // Collective buffers at once: per reduction in flight, its output (a shard), over Gloo the
   // all-to-all's receive buffer (the input's size), and the input itself when it is a second
@@ -175,14 +183,14 @@ sdk::MemoryLayout plan_sharded_memory(const ShardedPlanInput& in) {
                                  bytes_of(child_gathered_total, in.compute_dtype), group});
     }
     out.collectives.push_back({"reduce_scatter", "gradient reduce-scatter of every unit (" + r + every + ")",
-                               reductions * bytes_of(gathered_total, in.reduce_dtype), s});
+                               reductions * bytes_of(trained_gathered_total, in.reduce_dtype), s});
   }
   if (in.replicate_size > 1)
     out.collectives.push_back({"all_reduce", "gradient all-reduce of the shards over replicas (" + r + every + ")",
-                               reductions * bytes_of(shard_total, in.reduce_dtype), in.replicate_size});
-  if (in.replicated_numel > 0 && s * in.replicate_size > 1)
+                               reductions * bytes_of(trained_shard_total, in.reduce_dtype), in.replicate_size});
+  if (in.replicated_trainable_numel > 0 && s * in.replicate_size > 1)
     out.collectives.push_back({"all_reduce", "gradient all-reduce of the ignored (replicated) parameters (fp32" + every + ")",
-                               reductions * bytes_of(in.replicated_numel, c10::ScalarType::Float), s * in.replicate_size});
+                               reductions * bytes_of(in.replicated_trainable_numel, c10::ScalarType::Float), s * in.replicate_size});
 
   out.description = in.strategy + " " + name_of(in.sharding_strategy) + ": " + std::to_string(children) +
                     " unit(s) + root, " + (in.layout == ParamLayout::flat ? "flat padded" : "per-parameter dim-0") +

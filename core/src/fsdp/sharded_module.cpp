@@ -59,8 +59,9 @@ ShardedModule::ShardedModule(std::shared_ptr<torch::nn::Module> network, const F
                   "group's ", shard_group_->size());
   build_units();
   cast_buffers();
-  std::vector<at::Tensor> replicated;
-  for (const auto& p : replicated_) replicated.push_back(p.tensor);
+  std::vector<at::Tensor> replicated;  // the ones whose gradients are all-reduced
+  for (const auto& p : replicated_)
+    if (p.tensor.requires_grad()) replicated.push_back(p.tensor);
   scheduler_ = std::make_unique<Scheduler>(units_, std::move(replicated), options_, shard_group_, replicate_group_, device_);
   scheduler_->install();
   sdk::set_sharded_model(*network_, std::make_shared<SdkView>(*this));

@@ -48,7 +48,9 @@ class FlatParamHandle : public UnitLayout {
   void free_unsharded_grads() override;
 
   const std::vector<at::Tensor>& optimizer_tensors() const override { return optimizer_views_; }
-  std::vector<at::Tensor> sharded_grads() const override { return {shard_grad_}; }
+  std::vector<at::Tensor> sharded_grads() const override {
+    return trainable_ ? std::vector<at::Tensor>{shard_grad_} : std::vector<at::Tensor>{};
+  }
   void zero_sharded_grads(bool release) override;
   void materialize_sharded_grads() override;
 
@@ -98,6 +100,7 @@ class FlatParamHandle : public UnitLayout {
   at::Tensor shard_, shard_grad_, full_, grad_full_;
   at::Tensor gathered_;  // the all-gather's output while it is in flight (when not in place)
   std::vector<at::Tensor> optimizer_views_;
+  bool trainable_ = true;             // a parameter requires grad: the unit has sharded gradients
   bool shard_grad_written_ = false;   // since the last optimizer step (cpu_offload copies into it)
   bool shard_grad_released_ = false;  // its storage freed by zero_sharded_grads(release)
 };
