@@ -265,6 +265,9 @@ Config Config::load(const std::string& path, const std::vector<std::string>& ove
     tr.enable_progress_bar = t.get_choice("enable_progress_bar", "auto", {"auto", "true", "false"});
   tr.predict_after_fit = t.get_bool("predict_after_fit", false);
   if (t.has("init_from")) tr.init_from = read_path(t, "init_from", "runs/pretrain/version_0/checkpoints/last");
+  tr.init_from_strict = t.get_bool("init_from_strict", true);
+  TESSERA_CHECK(!t.has("init_from_strict") || t.has("init_from"), t.locate("init_from_strict"),
+                " is set but no [trainer] init_from is: set init_from = PATH or remove init_from_strict");
   tr.freeze = t.get_string_list("freeze", {});
   tr.max_time_s = read_duration(t, "max_time");
   tr.profiler = t.get_choice("profiler", "", {"", "simple", "trace"});

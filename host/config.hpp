@@ -49,6 +49,9 @@ struct TrainerSettings {
   bool predict_after_fit = false;            ///< print one predict batch (e.g. a text sample) at the end
   /// A checkpoint whose weights a run starts from (fine-tuning) when it resumes from none.
   std::string init_from;
+  /// false: init_from loads the tensors whose name and shape are the model's; the others keep
+  /// the model's initialisation (a new head, added adapters), listed in the log.
+  bool init_from_strict = true;
   /// Parameter names or module paths whose parameters do not train (requires_grad false).
   std::vector<std::string> freeze;
   double max_time_s = 0;                     ///< stop fit after this long (0: no limit); "DD:HH:MM:SS" in TOML

@@ -219,6 +219,8 @@ void Trainer::setup(const std::string& stage) {
     model_->configure_model();
   }
   const std::int64_t frozen = freeze_parameters(config_, *model_->network());
+  for (const auto& item : model_->network()->named_parameters()) model_shapes_[item.key()] = item.value().sizes().vec();
+  for (const auto& item : model_->network()->named_buffers()) model_shapes_[item.key()] = item.value().sizes().vec();
   std::int64_t parameters = 0;
   for (const auto& p : model_->network()->parameters()) parameters += p.numel();
   strategy_->setup(model_, config_.optimizer);
@@ -421,6 +423,10 @@ std::string Trainer::initial_weights(const Config& config, const std::string& ch
   } catch (const sdk::Error& e) {
     TESSERA_FAIL("[trainer] init_from = \"", path, "\": ", e.what());
   }
+  // A sharded folder is read as the pieces each rank owns, all of which must be in it.
+  TESSERA_CHECK(config.trainer.init_from_strict || !core::is_sharded_checkpoint(path), "[trainer] init_from = \"", path,
+                "\" is a sharded checkpoint folder, which init_from_strict = false does not read: export it to one ",
+                "file first (tessera checkpoint export ", path, " --to model.safetensors) and start from that");
   return path;
 }
 
@@ -441,9 +447,17 @@ void Trainer::restore(const std::string& path, Restore what) {
   const std::int64_t rss_before_kb = proc_status_kb("VmRSS");
   const auto start = std::chrono::steady_clock::now();
   sdk::Checkpoint checkpoint = strategy_->load_checkpoint(path);
-  strategy_->load_model_state_dict(
-      core::state_dict_from(core::checkpoint_get(checkpoint, "state_dict"), "checkpoint " + path + " [state_dict]"),
-      /*strict=*/true);
+  sdk::StateDict state =
+      core::state_dict_from(core::checkpoint_get(checkpoint, "state_dict"), "checkpoint " + path + " [state_dict]");
+  const bool strict = what != Restore::initial_weights || config_.trainer.init_from_strict;
+  if (!strict) state = matching_weights(state, path);
+  try {
+    strategy_->load_model_state_dict(state, strict);
+  } catch (const sdk::Error& e) {
+    if (what != Restore::initial_weights) throw;
+    TESSERA_FAIL("[trainer] init_from = \"", path, "\": ", e.what(), "; to start from the tensors that match by name and ",
+                 "shape, the model's others keeping their initialisation, set [trainer] init_from_strict = false");
+  }
   if (with_training_state) {
     refuse_weights_only(checkpoint, path);
     auto optimizer_states = core::checkpoint_get(checkpoint, "optimizer_states").toListRef();
@@ -487,6 +501,36 @@ void Trainer::restore(const std::string& path, Restore what) {
             (what == Restore::initial_weights ? " ([trainer] init_from)" : "") +
             " in " + format(seconds, 3) + " s" +
             (busiest_mb >= 0 ? ", load peak +" + std::to_string(std::llround(busiest_mb)) + " MB RSS per rank" : ""));
+}
+
+sdk::StateDict Trainer::matching_weights(const sdk::StateDict& state, const std::string& path) {
+  auto shape = [](at::IntArrayRef sizes) {
+    std::ostringstream out;
+    out << sizes;
+    return out.str();
+  };
+  sdk::StateDict out;
+  std::vector<std::string> unused, kept;
+  for (const auto& item : state) {
+    auto it = model_shapes_.find(item.key());
+    if (it == model_shapes_.end()) {
+      unused.push_back(item.key());
+    } else if (item.value().sizes().vec() != it->second) {
+      kept.push_back(item.key() + " (the file's " + shape(item.value().sizes()) + ", the model's " + shape(it->second) + ")");
+    } else {
+      out.insert(item.key(), item.value());
+    }
+  }
+  for (const auto& [name, sizes] : model_shapes_)
+    if (!state.contains(name)) kept.push_back(name + " (not in the file)");
+  TESSERA_CHECK(!out.is_empty(), "[trainer] init_from = \"", path, "\": none of its ", state.size(),
+                " tensors has the name and shape of one of model '", config_.plugin_names.at("model"), "' (",
+                model_shapes_.size(), " tensors): is it a checkpoint of this model?");
+  log_.info("[trainer] init_from_strict = false: " + std::to_string(out.size()) + " of the model's " +
+            std::to_string(model_shapes_.size()) + " tensors loaded from " + path +
+            (kept.empty() ? "" : "; keeping their initialisation: " + sdk::join(kept)) +
+            (unused.empty() ? "" : "; not used from the file: " + sdk::join(unused)));
+  return out;
 }
 
 namespace {

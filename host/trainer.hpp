@@ -101,6 +101,9 @@ class Trainer final : public sdk::Trainer {
     initial_weights,  ///< [trainer] init_from: the weights of another run; no callback hook (this run is new)
   };
   void restore(const std::string& path, Restore what);
+  /// init_from_strict = false: the tensors of `state` whose name and shape are the model's
+  /// (model_shapes_); logs what each side keeps. Throws if none is.
+  sdk::StateDict matching_weights(const sdk::StateDict& state, const std::string& path);
   struct Evaluation {
     std::map<std::string, double> metrics;  ///< averaged over batches and ranks
     std::int64_t batches = 0;               ///< run on each rank
@@ -160,6 +163,9 @@ class Trainer final : public sdk::Trainer {
   std::optional<sdk::Checkpoint> restored_callbacks_;
   std::string restored_from_;
   std::int64_t earlier_peak_rss_kb_ = 0;  ///< the peak RSS before a restore reset the kernel's mark
+  /// The model's parameters and buffers as configure_model built them (full shapes, before the
+  /// strategy shards or splits them): what a non-strict init_from matches against.
+  std::map<std::string, std::vector<std::int64_t>> model_shapes_;
 };
 
 }  // namespace tessera::host

@@ -237,7 +237,8 @@ std::vector<at::Tensor> FlatParamHandle::gather_full_state(const std::vector<at:
 // mapped from its file (core::load_pickle) then costs each rank its shard, not the model.
 void FlatParamHandle::load_full_params(const std::vector<const at::Tensor*>& values) {
   torch::NoGradGuard no_grad;
-  shard_.zero_();  // padding, and parameters without a value
+  // A parameter without a value keeps its own (load_state_dict(strict=False)); the padding is
+  // zero from shard() on, as nothing steps on it.
   for (std::size_t i = 0; i < params_.size(); ++i) {
     const OwnedRange owned = owned_range(i);
     if (values[i] == nullptr || owned.length == 0) continue;
