@@ -273,6 +273,9 @@ def main():
         tuned = {**keep, **strategy_options(rng, pick, maybe, model), "trainer.max_steps": 2,
                  "trainer.init_from": pick(checkpoint, os.path.join(root, "m.safetensors")),
                  "trainer.default_root_dir": root + "-tuned"}
+        if "model.n_layer" in keep and maybe(0.3):  # a deeper model: its new block keeps its initialisation
+            tuned.update({"model.n_layer": keep["model.n_layer"] + 1, "trainer.init_from_strict": "false",
+                          "trainer.init_from": os.path.join(root, "m.safetensors")})
         run(f"{args.seed}-{i} init_from", tessera("fit", tuned, *common))
         shutil.rmtree(root + "-tuned", ignore_errors=True)
 
