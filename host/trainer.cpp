@@ -423,10 +423,6 @@ std::string Trainer::initial_weights(const Config& config, const std::string& ch
   } catch (const sdk::Error& e) {
     TESSERA_FAIL("[trainer] init_from = \"", path, "\": ", e.what());
   }
-  // A sharded folder is read as the pieces each rank owns, all of which must be in it.
-  TESSERA_CHECK(config.trainer.init_from_strict || !core::is_sharded_checkpoint(path), "[trainer] init_from = \"", path,
-                "\" is a sharded checkpoint folder, which init_from_strict = false does not read: export it to one ",
-                "file first (tessera checkpoint export ", path, " --to model.safetensors) and start from that");
   return path;
 }
 
@@ -446,17 +442,21 @@ void Trainer::restore(const std::string& path, Restore what) {
   const bool peak_measured = reset_peak_rss();
   const std::int64_t rss_before_kb = proc_status_kb("VmRSS");
   const auto start = std::chrono::steady_clock::now();
-  sdk::Checkpoint checkpoint = strategy_->load_checkpoint(path);
-  sdk::StateDict state =
-      core::state_dict_from(core::checkpoint_get(checkpoint, "state_dict"), "checkpoint " + path + " [state_dict]");
-  const bool strict = what != Restore::initial_weights || config_.trainer.init_from_strict;
-  if (!strict) state = matching_weights(state, path);
-  try {
-    strategy_->load_model_state_dict(state, strict);
-  } catch (const sdk::Error& e) {
-    if (what != Restore::initial_weights) throw;
-    TESSERA_FAIL("[trainer] init_from = \"", path, "\": ", e.what(), "; to start from the tensors that match by name and ",
-                 "shape, the model's others keeping their initialisation, set [trainer] init_from_strict = false");
+  sdk::Checkpoint checkpoint = sdk::make_checkpoint();
+  if (what == Restore::initial_weights && !config_.trainer.init_from_strict) {
+    load_matching_weights(path);
+  } else {
+    try {
+      checkpoint = strategy_->load_checkpoint(path);
+      strategy_->load_model_state_dict(
+          core::state_dict_from(core::checkpoint_get(checkpoint, "state_dict"), "checkpoint " + path + " [state_dict]"),
+          /*strict=*/true);
+    } catch (const sdk::Error& e) {
+      if (what != Restore::initial_weights) throw;
+      TESSERA_FAIL("[trainer] init_from = \"", path, "\": ", e.what(), "; if the model differs from the checkpoint's on ",
+                   "purpose (a new head, added layers), [trainer] init_from_strict = false loads the tensors that ",
+                   "match by name and shape and keeps the model's initialisation for the others");
+    }
   }
   if (with_training_state) {
     refuse_weights_only(checkpoint, path);
@@ -503,34 +503,57 @@ void Trainer::restore(const std::string& path, Restore what) {
             (busiest_mb >= 0 ? ", load peak +" + std::to_string(std::llround(busiest_mb)) + " MB RSS per rank" : ""));
 }
 
-sdk::StateDict Trainer::matching_weights(const sdk::StateDict& state, const std::string& path) {
+std::vector<std::string> Trainer::matching_weights(const std::map<std::string, std::vector<std::int64_t>>& file,
+                                                   const std::string& path) {
   auto shape = [](at::IntArrayRef sizes) {
     std::ostringstream out;
     out << sizes;
     return out.str();
   };
-  sdk::StateDict out;
-  std::vector<std::string> unused, kept;
-  for (const auto& item : state) {
-    auto it = model_shapes_.find(item.key());
-    if (it == model_shapes_.end()) {
-      unused.push_back(item.key());
-    } else if (item.value().sizes().vec() != it->second) {
-      kept.push_back(item.key() + " (the file's " + shape(item.value().sizes()) + ", the model's " + shape(it->second) + ")");
-    } else {
-      out.insert(item.key(), item.value());
-    }
+  std::vector<std::string> matching, unused, kept;
+  for (const auto& [name, sizes] : file) {
+    auto it = model_shapes_.find(name);
+    if (it == model_shapes_.end()) unused.push_back(name);
+    else if (sizes != it->second) kept.push_back(name + " (the file's " + shape(sizes) + ", the model's " + shape(it->second) + ")");
+    else matching.push_back(name);
   }
   for (const auto& [name, sizes] : model_shapes_)
-    if (!state.contains(name)) kept.push_back(name + " (not in the file)");
-  TESSERA_CHECK(!out.is_empty(), "[trainer] init_from = \"", path, "\": none of its ", state.size(),
+    if (!file.count(name)) kept.push_back(name + " (not in the file)");
+  TESSERA_CHECK(!matching.empty(), "[trainer] init_from = \"", path, "\": none of its ", file.size(),
                 " tensors has the name and shape of one of model '", config_.plugin_names.at("model"), "' (",
                 model_shapes_.size(), " tensors): is it a checkpoint of this model?");
-  log_.info("[trainer] init_from_strict = false: " + std::to_string(out.size()) + " of the model's " +
+  log_.info("[trainer] init_from_strict = false: " + std::to_string(matching.size()) + " of the model's " +
             std::to_string(model_shapes_.size()) + " tensors loaded from " + path +
             (kept.empty() ? "" : "; keeping their initialisation: " + sdk::join(kept)) +
             (unused.empty() ? "" : "; not used from the file: " + sdk::join(unused)));
-  return out;
+  return matching;
+}
+
+void Trainer::load_matching_weights(const std::string& path) {
+  std::map<std::string, std::vector<std::int64_t>> shapes;
+  if (core::is_sharded_checkpoint(path)) {
+    // The strategy reads a sharded folder as the pieces its rank owns, every one of which must be
+    // there. Each matching tensor is read whole instead, one at a time (a rank holds one beside
+    // the model), and loaded alone: a state dict that leaves tensors out leaves them as they are.
+    core::ShardedReader reader(core::read_manifest(path));
+    TESSERA_CHECK(!core::holds_rank_local_state(reader.manifest()), "[trainer] init_from = \"", path,
+                  "\" holds rank-local state (fsdp state_dict_type = \"local\"), not the model's tensors");
+    for (const auto& [name, t] : reader.manifest().tensors)
+      if (name.rfind("state_dict/", 0) == 0) shapes.emplace(name.substr(11), t.global_shape);
+    for (const std::string& name : matching_weights(shapes, path)) {
+      sdk::StateDict one;
+      one.insert(name, reader.read("state_dict/" + name, core::TensorPiece::whole(shapes.at(name))));
+      strategy_->load_model_state_dict(one, /*strict=*/false);
+    }
+    return;
+  }
+  sdk::Checkpoint checkpoint = strategy_->load_checkpoint(path);  // a file: mapped, a rank reads what it keeps
+  sdk::StateDict state =
+      core::state_dict_from(core::checkpoint_get(checkpoint, "state_dict"), "checkpoint " + path + " [state_dict]");
+  for (const auto& item : state) shapes.emplace(item.key(), item.value().sizes().vec());
+  sdk::StateDict matching;
+  for (const std::string& name : matching_weights(shapes, path)) matching.insert(name, state[name]);
+  strategy_->load_model_state_dict(matching, /*strict=*/false);
 }
 
 namespace {

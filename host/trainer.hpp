@@ -101,9 +101,13 @@ class Trainer final : public sdk::Trainer {
     initial_weights,  ///< [trainer] init_from: the weights of another run; no callback hook (this run is new)
   };
   void restore(const std::string& path, Restore what);
-  /// init_from_strict = false: the tensors of `state` whose name and shape are the model's
-  /// (model_shapes_); logs what each side keeps. Throws if none is.
-  sdk::StateDict matching_weights(const sdk::StateDict& state, const std::string& path);
+  /// init_from_strict = false: the names of the file's tensors (name -> shape) whose name and
+  /// shape are one of the model's (model_shapes_); logs what each side keeps. Throws if none is.
+  std::vector<std::string> matching_weights(const std::map<std::string, std::vector<std::int64_t>>& file,
+                                            const std::string& path);
+  /// init_from_strict = false: loads those of `path`'s tensors (a file, or a sharded folder
+  /// streamed one tensor at a time); the model's others keep their initialisation.
+  void load_matching_weights(const std::string& path);
   struct Evaluation {
     std::map<std::string, double> metrics;  ///< averaged over batches and ranks
     std::int64_t batches = 0;               ///< run on each rank

@@ -374,14 +374,23 @@ TEST(InitFrom, PythonModuleStateDictsLoad) {
 }
 
 // init_from_strict = false: a model with a third block and a longer context starts from a
-// 2-block checkpoint; what matches by name and shape is the checkpoint's, the rest (blocks.2,
-// wpe of another shape) the model's own initialisation, under every strategy.
+// 2-block checkpoint (a file, or a sharded folder); what matches by name and shape is the
+// checkpoint's, the rest (blocks.2, wpe of another shape) the model's own initialisation, under
+// every strategy.
 TEST(InitFrom, NonStrictLoadsWhatMatchesAndKeepsTheModelsOwnInitialisation) {
   const std::string dir = tessera::testing::fresh_dir("init-nonstrict");
   const std::string config = write_config(dir);
   ASSERT_EQ(run_tessera("fit --config " + config + kNoDropout + " --set trainer.max_steps=2").exit_code, 0);
-  const std::string from = run_dir(dir) + "/checkpoints/last.ckpt";
-  const auto pretrained = tessera::testing::checkpoint_state(from);
+  const std::string file = run_dir(dir) + "/checkpoints/last.ckpt";
+  const std::string sharded_root = dir + "/sharded";
+  auto r = run_tessera("fit --config " + config + " --set trainer.max_steps=2 --set launch.devices=2 --set "
+                       "strategy.plugin=fsdp --set data.batch_size=2 --set strategy.state_dict_type=sharded --set "
+                       "checkpoint_io.plugin=distributed --set trainer.default_root_dir=" + sharded_root);
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  const std::string folder = run_dir(sharded_root) + "/checkpoints/last";
+  ASSERT_EQ(run_tessera("checkpoint export " + folder + " --to " + dir + "/folder.ckpt").exit_code, 0);
+  std::map<std::string, std::map<std::string, at::Tensor>> pretrained = {
+      {file, tessera::testing::checkpoint_state(file)}, {folder, tessera::testing::checkpoint_state(dir + "/folder.ckpt")}};
   // One step at lr 0 saves the weights the run started from.
   const std::string bigger = kNoDropout + " --set model.n_layer=3 --set model.block_size=64 --set optimizer.lr=0.0 " +
                              "--set trainer.max_steps=1";
@@ -389,47 +398,42 @@ TEST(InitFrom, NonStrictLoadsWhatMatchesAndKeepsTheModelsOwnInitialisation) {
   ASSERT_EQ(run_tessera("fit --config " + config + bigger + " --set trainer.default_root_dir=" + fresh_root).exit_code, 0);
   const auto fresh = tessera::testing::checkpoint_state(run_dir(fresh_root) + "/checkpoints/last.ckpt");
 
-  const std::string nonstrict = bigger + " --set trainer.init_from=" + from + " --set trainer.init_from_strict=false ";
-  for (const std::string& sets : {std::string("--set data.batch_size=6"),
-                                  std::string("--set launch.devices=3 --set strategy.plugin=fsdp --set data.batch_size=2"),
-                                  std::string("--set launch.devices=2 --set strategy.plugin=fsdp2 "
-                                              "--set strategy.tensor_parallel_size=2 --set data.batch_size=2")}) {
+  const std::string nonstrict = bigger + " --set trainer.init_from_strict=false ";
+  struct Run {
+    std::string from, sets;
+  };
+  for (const Run& run : {Run{file, "--set data.batch_size=6"},
+                         Run{folder, "--set launch.devices=3 --set strategy.plugin=fsdp --set data.batch_size=2"},
+                         Run{folder, "--set launch.devices=2 --set strategy.plugin=fsdp2 "
+                                     "--set strategy.tensor_parallel_size=2 --set data.batch_size=2"},
+                         Run{file, "--set launch.devices=2 --set strategy.plugin=ddp --set data.batch_size=3"}}) {
     const std::string root = tessera::testing::fresh_dir("init-nonstrict-run");
-    auto r = run_tessera("fit --config " + config + nonstrict + sets + " --set trainer.default_root_dir=" + root);
+    r = run_tessera("fit --config " + config + nonstrict + run.sets + " --set trainer.init_from=" + run.from +
+                    " --set trainer.default_root_dir=" + root);
     ASSERT_EQ(r.exit_code, 0) << r.output;
-    EXPECT_NE(r.output.find("[trainer] init_from_strict = false: 27 of the model's 40 tensors loaded from " + from +
+    EXPECT_NE(r.output.find("[trainer] init_from_strict = false: 27 of the model's 40 tensors loaded from " + run.from +
                             "; keeping their initialisation: wpe.weight (the file's [32, 32], the model's [64, 32]), "
                             "blocks.2.attn.bias (not in the file)"),
               std::string::npos) << r.output;
     const auto started = tessera::testing::checkpoint_state(run_dir(root) + "/checkpoints/last.ckpt");
-    ASSERT_EQ(started.size(), fresh.size()) << sets;
+    ASSERT_EQ(started.size(), fresh.size()) << run.sets;
+    const auto& loaded = pretrained.at(run.from);
     for (const auto& [name, value] : started) {
-      const bool loaded = pretrained.count(name) && pretrained.at(name).sizes() == value.sizes();
-      EXPECT_TRUE(at::equal(value, loaded ? pretrained.at(name) : fresh.at(name))) << sets << ": " << name;
+      const bool from_file = loaded.count(name) && loaded.at(name).sizes() == value.sizes();
+      EXPECT_TRUE(at::equal(value, from_file ? loaded.at(name) : fresh.at(name))) << run.sets << ": " << name;
     }
   }
-  // Strict (the default) names the way on; nothing matching is refused; a sharded folder is
-  // refused before any rank starts.
-  auto r = run_tessera("fit --config " + config + bigger + " --set trainer.init_from=" + from +
-                       " --set trainer.default_root_dir=" + dir + "/strict");
+  // Strict (the default) names the way on; a file of which nothing matches is refused.
+  r = run_tessera("fit --config " + config + bigger + " --set trainer.init_from=" + file +
+                  " --set trainer.default_root_dir=" + dir + "/strict");
   EXPECT_NE(r.exit_code, 0);
-  EXPECT_NE(r.output.find("set [trainer] init_from_strict = false"), std::string::npos) << r.output;
-  r = run_tessera("fit --config " + config + nonstrict + " --set model.n_embd=48 --set trainer.default_root_dir=" + dir +
-                  "/none");
+  EXPECT_NE(r.output.find("[trainer] init_from_strict = false loads the tensors that match by name and shape"),
+            std::string::npos) << r.output;
+  r = run_tessera("fit --config " + config + nonstrict + " --set model.n_embd=48 --set trainer.init_from=" + file +
+                  " --set trainer.default_root_dir=" + dir + "/none");
   EXPECT_NE(r.exit_code, 0);
   EXPECT_NE(r.output.find("none of its 28 tensors has the name and shape of one of model 'gpt' (40 tensors)"),
             std::string::npos) << r.output;
-  const std::string sharded_root = dir + "/sharded";
-  ASSERT_EQ(run_tessera("fit --config " + config + " --set trainer.max_steps=1 --set launch.devices=2 --set "
-                        "strategy.plugin=fsdp --set data.batch_size=2 --set strategy.state_dict_type=sharded --set "
-                        "checkpoint_io.plugin=distributed --set trainer.default_root_dir=" + sharded_root).exit_code, 0);
-  r = run_tessera("fit --config " + config + bigger + " --set launch.devices=2 --set strategy.plugin=fsdp " +
-                  "--set trainer.init_from_strict=false --set trainer.init_from=" + run_dir(sharded_root) +
-                  "/checkpoints/last");
-  EXPECT_NE(r.exit_code, 0);
-  EXPECT_NE(r.output.find("which init_from_strict = false does not read: export it to one file first"),
-            std::string::npos) << r.output;
-  EXPECT_EQ(r.output.find("launched"), std::string::npos) << "refused before any rank starts\n" << r.output;
   r = run_tessera("fit --config " + config + " --set trainer.init_from_strict=false");
   EXPECT_NE(r.exit_code, 0);
   EXPECT_NE(r.output.find("init_from_strict is set but no [trainer] init_from is"), std::string::npos) << r.output;
