@@ -7,7 +7,8 @@ Each run: `plan`, then `fit` of a small model (gpt, cnn or mlp) under a random s
 size (1-4, several not dividing the parameters), precision and options for 4 steps; then
 `fit --ckpt-path last` for 2 more steps under another random strategy, world size and
 precision; one of validate / test / predict on the checkpoint under a third; `checkpoint export`;
-`fit` of a new run from its weights ([trainer] init_from) under a fourth. A command may be
+`fit` of a new run from its weights ([trainer] init_from) under a fourth (sometimes a GPT grown
+by a block, with init_from_strict = false). A command may be
 refused (exit 1 with an error naming a config section or the checkpoint, as for a mesh that
 does not fit the world); what counts is a CRASH: a signal, a timeout, or a failure whose error
 names neither (LibTorch's own errors, internal asserts). Several ranks are started by tessera's
@@ -274,8 +275,7 @@ def main():
                  "trainer.init_from": pick(checkpoint, os.path.join(root, "m.safetensors")),
                  "trainer.default_root_dir": root + "-tuned"}
         if "model.n_layer" in keep and maybe(0.3):  # a deeper model: its new block keeps its initialisation
-            tuned.update({"model.n_layer": keep["model.n_layer"] + 1, "trainer.init_from_strict": "false",
-                          "trainer.init_from": os.path.join(root, "m.safetensors")})
+            tuned.update({"model.n_layer": keep["model.n_layer"] + 1, "trainer.init_from_strict": "false"})
         run(f"{args.seed}-{i} init_from", tessera("fit", tuned, *common))
         shutil.rmtree(root + "-tuned", ignore_errors=True)
 
