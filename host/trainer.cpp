@@ -533,17 +533,25 @@ void Trainer::load_matching_weights(const std::string& path) {
   std::map<std::string, std::vector<std::int64_t>> shapes;
   if (core::is_sharded_checkpoint(path)) {
     // The strategy reads a sharded folder as the pieces its rank owns, every one of which must be
-    // there. Each matching tensor is read whole instead, one at a time (a rank holds one beside
-    // the model), and loaded alone: a state dict that leaves tensors out leaves them as they are.
+    // there. The matching tensors are read whole instead, about 256 MiB at a time (a rank holds
+    // that beside the model), each batch loaded alone: a state dict that leaves tensors out
+    // leaves them as they are.
     core::ShardedReader reader(core::read_manifest(path));
     TESSERA_CHECK(!core::holds_rank_local_state(reader.manifest()), "[trainer] init_from = \"", path,
                   "\" holds rank-local state (fsdp state_dict_type = \"local\"), not the model's tensors");
     for (const auto& [name, t] : reader.manifest().tensors)
       if (name.rfind("state_dict/", 0) == 0) shapes.emplace(name.substr(11), t.global_shape);
-    for (const std::string& name : matching_weights(shapes, path)) {
-      sdk::StateDict one;
-      one.insert(name, reader.read("state_dict/" + name, core::TensorPiece::whole(shapes.at(name))));
-      strategy_->load_model_state_dict(one, /*strict=*/false);
+    const std::vector<std::string> names = matching_weights(shapes, path);
+    sdk::StateDict batch;
+    std::size_t bytes = 0;
+    for (std::size_t i = 0; i < names.size(); ++i) {
+      at::Tensor t = reader.read("state_dict/" + names[i], core::TensorPiece::whole(shapes.at(names[i])));
+      bytes += t.nbytes();
+      batch.insert(names[i], std::move(t));
+      if (bytes < (std::size_t{256} << 20) && i + 1 < names.size()) continue;
+      strategy_->load_model_state_dict(batch, /*strict=*/false);
+      batch.clear();
+      bytes = 0;
     }
     return;
   }
