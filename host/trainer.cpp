@@ -224,6 +224,8 @@ void Trainer::setup(const std::string& stage) {
   std::int64_t parameters = 0;
   for (const auto& p : model_->network()->parameters()) parameters += p.numel();
   strategy_->setup(model_, config_.optimizer);
+  for (const auto& item : model_->network()->named_parameters())
+    trainable_at_setup_.emplace_back(item.key(), item.value(), item.value().requires_grad());
   data_->setup(stage);
   check_data_against_model(stage);
   log_.info("tessera " + stage + ": strategy " + config_.plugin_names.at("strategy") + ", precision " +
@@ -501,6 +503,16 @@ void Trainer::restore(const std::string& path, Restore what) {
             (what == Restore::initial_weights ? " ([trainer] init_from)" : "") +
             " in " + format(seconds, 3) + " s" +
             (busiest_mb >= 0 ? ", load peak +" + std::to_string(std::llround(busiest_mb)) + " MB RSS per rank" : ""));
+}
+
+void Trainer::check_trainable_unchanged() const {
+  for (const auto& [name, tensor, requires_grad] : trainable_at_setup_)
+    TESSERA_CHECK(tensor.requires_grad() == requires_grad, "step ", global_step_ + 1, ": parameter '", name,
+                  "' had requires_grad = ", requires_grad ? "true" : "false", " when the optimizer was built and has ",
+                  tensor.requires_grad() ? "true" : "false", " now (changed by a callback or the model): which ",
+                  "parameters train is fixed at setup, under every strategy. Freeze with [trainer] freeze or ",
+                  "requires_grad_(false) in configure_model(); to train others later, start a new run from this ",
+                  "one's checkpoint with [trainer] init_from");
 }
 
 std::vector<std::string> Trainer::matching_weights(const std::map<std::string, std::vector<std::int64_t>>& file,
@@ -783,6 +795,7 @@ void Trainer::fit(const std::string& ckpt_path) {
             batch = loader.batch(batch_idx);
           }
           call("on_train_batch_start", [&](sdk::Callback& c) { c.on_train_batch_start(*this, batch, batch_idx); });
+          check_trainable_unchanged();
           sdk::StepOutput out;
           {
             core::trace::Span span("hook", "[Strategy]training_step");

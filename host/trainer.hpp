@@ -5,6 +5,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "callbacks/callbacks.hpp"
@@ -170,6 +171,12 @@ class Trainer final : public sdk::Trainer {
   /// The model's parameters and buffers as configure_model built them (full shapes, before the
   /// strategy shards or splits them): what a non-strict init_from matches against.
   std::map<std::string, std::vector<std::int64_t>> model_shapes_;
+  /// Each parameter's requires_grad after the strategy's setup (check_trainable_unchanged).
+  std::vector<std::tuple<std::string, at::Tensor, bool>> trainable_at_setup_;
+  /// Which parameters train is fixed at setup: the optimizer holds those (and fsdp/fsdp2 built
+  /// gradient hooks and buffers for them). A requires_grad changed later (by a callback or the
+  /// model) would train differently under each strategy, or not at all: it stops the run.
+  void check_trainable_unchanged() const;
 };
 
 }  // namespace tessera::host

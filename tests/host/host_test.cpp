@@ -1521,6 +1521,29 @@ TEST(Frozen, ParametersThatRequireNoGradStayAsTheyWereUnderEveryStrategy) {
   EXPECT_GT(optimizer_bytes("false"), 2 * 4 * 12000);
 }
 
+// A parameter made trainable after setup (a fine-tuning callback's unfreeze) would train on no
+// strategy (the optimizer holds the trainable ones only) and differently on each: refused at
+// the next step, before its forward.
+TEST(Frozen, RequiresGradChangedAfterSetupStopsTheRun) {
+  const std::string dir = tessera::testing::fresh_dir("unfreeze");
+  std::ofstream(dir + "/run.toml") << "plugin_dirs = [\"" TEST_PLUGIN_DIR "\"]\n"
+                                   << "[trainer]\nmax_steps = 4\nseed = 1\nlog_every_n_steps = 1\n"
+                                   << "default_root_dir = \"" << dir << "\"\n"
+                                   << "[model]\nplugin = \"layernorm_model\"\nfreeze_fc1 = true\n"
+                                   << "unfreeze_fc1_at_batch = 1\n"
+                                   << "[data]\nplugin = \"fashion_mnist\"\nbatch_size = 8\ntrain_limit = 96\n";
+  for (const std::string& sets : {std::string(""), std::string(" --set launch.devices=2 --set strategy.plugin=ddp"),
+                                  std::string(" --set launch.devices=2 --set strategy.plugin=fsdp"),
+                                  std::string(" --set launch.devices=2 --set strategy.plugin=fsdp2")}) {
+    auto r = run_tessera("fit --config " + dir + "/run.toml" + sets);
+    EXPECT_EQ(r.exit_code, 1) << sets << "\n" << r.output;
+    EXPECT_NE(r.output.find("step 3: parameter 'fc1.weight' had requires_grad = false when the optimizer was built and "
+                            "has true now (changed by a callback or the model)"),
+              std::string::npos) << sets << "\n" << r.output;
+    EXPECT_EQ(r.output.find("step 3/4"), std::string::npos) << sets << ": a step ran after the change\n" << r.output;
+  }
+}
+
 // [trainer] freeze: named modules stop training on every strategy; a unit with nothing to
 // train is gathered for backward (its inputs need gradients) but gets no gradient buffers and
 // no reduce-scatter (PyTorch's FSDP2 skips it alike).

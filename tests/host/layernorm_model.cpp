@@ -2,7 +2,9 @@
 // bf16-mixed on CPU, LibTorch 1.13's autocast hands the LayerNorm the Linear's bf16 output
 // while its weight stays fp32: the host must explain that, not print a C++ stack trace.
 // With batch_norm = true a plain torch::nn::BatchNorm1d follows fc1, which [trainer]
-// sync_batchnorm must refuse (it cannot synchronise LibTorch's own layer).
+// sync_batchnorm must refuse (it cannot synchronise LibTorch's own layer). freeze_fc1 builds
+// fc1 frozen; unfreeze_fc1_at_batch = N sets it trainable in training_step N (as a fine-tuning
+// callback would), which the trainer must refuse.
 #include <ATen/ATen.h>
 #include <torch/nn/functional/loss.h>
 #include <torch/nn/modules/batchnorm.h>
@@ -20,7 +22,9 @@ using tessera::sdk::StepOutput;
 class LayerNormModel final : public tessera::sdk::Module {
  public:
   explicit LayerNormModel(const tessera::sdk::Options& o)
-      : batch_norm_(o.get_bool("batch_norm", false)), freeze_fc1_(o.get_bool("freeze_fc1", false)) {}
+      : batch_norm_(o.get_bool("batch_norm", false)),
+        freeze_fc1_(o.get_bool("freeze_fc1", false)),
+        unfreeze_fc1_at_batch_(o.get_int("unfreeze_fc1_at_batch", -1, -1)) {}
   void configure_model() override {
     network_ = std::make_shared<torch::nn::Module>("LayerNormModel");
     fc1_ = network_->register_module("fc1", torch::nn::Linear(784, 32));
@@ -31,7 +35,11 @@ class LayerNormModel final : public tessera::sdk::Module {
       for (auto& p : fc1_->parameters()) p.requires_grad_(false);
   }
   std::shared_ptr<torch::nn::Module> network() override { return network_; }
-  StepOutput training_step(const Batch& b, std::int64_t) override { return step(b); }
+  StepOutput training_step(const Batch& b, std::int64_t batch_idx) override {
+    if (batch_idx == unfreeze_fc1_at_batch_)
+      for (auto& p : fc1_->parameters()) p.requires_grad_(true);
+    return step(b);
+  }
   StepOutput validation_step(const Batch& b, std::int64_t) override { return step(b); }
   StepOutput test_step(const Batch& b, std::int64_t) override { return step(b); }
   at::Tensor predict_step(const Batch& b, std::int64_t) override { return logits(b).argmax(1); }
@@ -51,6 +59,7 @@ class LayerNormModel final : public tessera::sdk::Module {
   torch::nn::LayerNorm norm_{nullptr};
   torch::nn::BatchNorm1d bn_{nullptr};
   bool batch_norm_, freeze_fc1_;
+  std::int64_t unfreeze_fc1_at_batch_;
 };
 
 }  // namespace
