@@ -242,6 +242,14 @@ Config Config::load(const std::string& path, const std::vector<std::string>& ove
   tr.fast_dev_run = read_fast_dev_run(t);
   tr.limit_val_batches = read_limit(t, "limit_val_batches", tr.limit_val_batches);
   tr.limit_test_batches = read_limit(t, "limit_test_batches", tr.limit_test_batches);
+  if (t.has("predict_output")) {
+    tr.predict_output = read_path(t, "predict_output", "predictions.pt");
+    std::error_code ec;
+    TESSERA_CHECK(!std::filesystem::is_directory(tr.predict_output, ec), t.locate("predict_output"), " = \"",
+                  tr.predict_output, "\" is a directory: give the file to write, e.g. \"", tr.predict_output,
+                  "/predictions.pt\"");
+    tr.limit_predict_batches = {true, 1.0};  // written predictions: the whole set unless limited
+  }
   tr.limit_predict_batches = read_limit(t, "limit_predict_batches", tr.limit_predict_batches);
   tr.overfit_batches = read_limit(t, "overfit_batches", tr.overfit_batches);
   const bool overfit = tr.overfit_batches.value > 0;

@@ -37,7 +37,9 @@ struct TrainerSettings {
   std::int64_t fast_dev_run = 0;  ///< > 0: that many batches of each loop, no loggers, no checkpoints
   BatchLimit limit_val_batches;                    ///< all
   BatchLimit limit_test_batches;                   ///< all
-  BatchLimit limit_predict_batches{false, 1.0};   ///< one batch: a sample, not the whole set
+  BatchLimit limit_predict_batches{false, 1.0};   ///< one batch: a sample, not the whole set (all with predict_output)
+  /// `predict` writes every prediction here (one file, in dataset order), besides printing the first batch.
+  std::string predict_output;
   std::int64_t log_every_n_steps = 10;
   std::int64_t seed = 0;
   std::string default_root_dir = "tessera_logs";

@@ -127,8 +127,14 @@ class Trainer final : public sdk::Trainer {
   void stop(const std::string& reason);
   /// Validation inside fit: metrics logged, callbacks' on_validation_start/end around it.
   void validate_during_fit(const std::string& when);
-  /// Runs predict_step over `limit` of the predict batches and prints the results.
-  void predict_batches(const BatchLimit& limit);
+  /// Runs predict_step over `limit` of the predict batches and prints the results (the first
+  /// batch's only when `output` is given, where every rank's predictions are written).
+  void predict_batches(const BatchLimit& limit, const std::string& output = "");
+  /// Gathers every rank's predictions (`rows`, one per sample) and sample indices to rank 0,
+  /// which writes them to `path` in dataset order, each sample once: the same file at any
+  /// world size. Collective.
+  void write_predictions(const std::vector<at::Tensor>& rows, const std::vector<std::int64_t>& indices,
+                         const std::string& path);
   void log_stage_metrics(const std::map<std::string, double>& metrics, const std::string& stage);
   /// Runs `hook` on every callback, each under a profiler span.
   template <typename Hook>
