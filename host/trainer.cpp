@@ -450,9 +450,9 @@ void Trainer::restore(const std::string& path, Restore what) {
   } else {
     try {
       checkpoint = strategy_->load_checkpoint(path);
-      strategy_->load_model_state_dict(
-          core::state_dict_from(core::checkpoint_get(checkpoint, "state_dict"), "checkpoint " + path + " [state_dict]"),
-          /*strict=*/true);
+      sdk::StateDict state =
+          core::state_dict_from(core::checkpoint_get(checkpoint, "state_dict"), "checkpoint " + path + " [state_dict]");
+      strategy_->load_model_state_dict(with_training_state ? state : without_wrapper_prefix(state, path), /*strict=*/true);
     } catch (const sdk::Error& e) {
       if (what != Restore::initial_weights) throw;
       TESSERA_FAIL("[trainer] init_from = \"", path, "\": ", e.what(), "; if the model differs from the checkpoint's on ",
@@ -503,6 +503,34 @@ void Trainer::restore(const std::string& path, Restore what) {
             (what == Restore::initial_weights ? " ([trainer] init_from)" : "") +
             " in " + format(seconds, 3) + " s" +
             (busiest_mb >= 0 ? ", load peak +" + std::to_string(std::llround(busiest_mb)) + " MB RSS per rank" : ""));
+}
+
+sdk::StateDict Trainer::without_wrapper_prefix(const sdk::StateDict& state, const std::string& path) {
+  sdk::StateDict out = state;
+  std::string dropped;
+  auto names_a_model_tensor = [&] {
+    for (const auto& item : out)
+      if (model_shapes_.count(item.key())) return true;
+    return false;
+  };
+  while (!out.is_empty() && !names_a_model_tensor()) {
+    const std::string& first = out.begin()->key();
+    const std::size_t dot = first.find('.');
+    if (dot == std::string::npos) break;
+    const std::string prefix = first.substr(0, dot + 1);
+    sdk::StateDict stripped;
+    for (const auto& item : out) {
+      if (item.key().rfind(prefix, 0) != 0) return state;  // not one wrapper's: compared as saved
+      stripped.insert(item.key().substr(prefix.size()), item.value());
+    }
+    out = std::move(stripped);
+    dropped += prefix;
+  }
+  if (dropped.empty() || !names_a_model_tensor()) return state;
+  log_.info("checkpoint " + path + ": every tensor's name starts with '" + dropped +
+            "' (a wrapper's: PyTorch DDP's module., torch.compile's _orig_mod., a LightningModule's attribute), " +
+            "which is dropped to match the model's names");
+  return out;
 }
 
 void Trainer::check_trainable_unchanged() const {
@@ -568,8 +596,8 @@ void Trainer::load_matching_weights(const std::string& path) {
     return;
   }
   sdk::Checkpoint checkpoint = strategy_->load_checkpoint(path);  // a file: mapped, a rank reads what it keeps
-  sdk::StateDict state =
-      core::state_dict_from(core::checkpoint_get(checkpoint, "state_dict"), "checkpoint " + path + " [state_dict]");
+  sdk::StateDict state = without_wrapper_prefix(
+      core::state_dict_from(core::checkpoint_get(checkpoint, "state_dict"), "checkpoint " + path + " [state_dict]"), path);
   for (const auto& item : state) shapes.emplace(item.key(), item.value().sizes().vec());
   sdk::StateDict matching;
   for (const std::string& name : matching_weights(shapes, path)) matching.insert(name, state[name]);

@@ -109,6 +109,10 @@ class Trainer final : public sdk::Trainer {
   /// init_from_strict = false: loads those of `path`'s tensors (a file, or a sharded folder
   /// streamed one tensor at a time); the model's others keep their initialisation.
   void load_matching_weights(const std::string& path);
+  /// A file saved from a wrapper of the model (PyTorch DDP's "module.", torch.compile's
+  /// "_orig_mod.", a LightningModule's attribute such as "model.") prefixes every name: while no
+  /// name is one of the model's and all share a leading component, it is dropped (logged).
+  sdk::StateDict without_wrapper_prefix(const sdk::StateDict& state, const std::string& path);
   struct Evaluation {
     std::map<std::string, double> metrics;  ///< averaged over batches and ranks
     std::int64_t batches = 0;               ///< run on each rank

@@ -351,11 +351,14 @@ TEST(InitFrom, PythonModuleStateDictsLoad) {
   ASSERT_EQ(run_tessera("fit --config " + config + " --set trainer.max_steps=2").exit_code, 0);
   const std::string ckpt = run_dir(pre) + "/checkpoints/last.ckpt";
   const std::string command =
-      "/usr/bin/python3 -c \"import sys, torch; sys.path[:0] = ['" TESSERA_TEST_SUPPORT_DIR "', '" TESSERA_TEST_SOURCE_DIR
+      "/usr/bin/python3 -c \"import collections, sys, torch; sys.path[:0] = ['" TESSERA_TEST_SUPPORT_DIR "', '" TESSERA_TEST_SOURCE_DIR
       "/../../bench/training']; from safe_torch_load import load; from pytorch_ddp_gpt import GPT; "
       "m = GPT(2, 2, 32, 32); m.load_state_dict(load(sys.argv[1])['state_dict']); sd = m.state_dict(); "
       "assert type(sd).__name__ == 'OrderedDict' and sd._metadata; torch.save(sd, sys.argv[2] + '/module.pt'); "
       "torch.save({'epoch': 3, 'state_dict': sd, 'hparams': {'n': [1, 2]}}, sys.argv[2] + '/lightning.ckpt'); "
+      // Saved from wrappers: DDP's module.; a LightningModule holding the GPT as self.model.
+      "torch.save(collections.OrderedDict(('module.' + k, v) for k, v in sd.items()), sys.argv[2] + '/ddp.pt'); "
+      "torch.save({'state_dict': {'model.' + k: v for k, v in sd.items()}}, sys.argv[2] + '/wrapped.ckpt'); "
       // safetensors by another writer: a header of odd length, so the tensors are not aligned.
       "import json, struct; offsets = {}; at = 0; data = b''\n"
       "for k, v in sd.items(): b = v.numpy().tobytes(); offsets[k] = dict(dtype='F32', shape=list(v.shape), "
@@ -366,8 +369,10 @@ TEST(InitFrom, PythonModuleStateDictsLoad) {
   ASSERT_EQ(std::system(command.c_str()), 0) << command;
   const std::string eval = tessera::testing::fresh_dir("init-python-eval");
   const double expected = validate_loss(eval, config, "--ckpt-path " + ckpt);
-  for (const char* file : {"/module.pt", "/lightning.ckpt", "/other.safetensors"})
+  for (const char* file : {"/module.pt", "/lightning.ckpt", "/other.safetensors", "/ddp.pt", "/wrapped.ckpt"})
     EXPECT_NEAR(validate_loss(eval, config, "--set trainer.init_from=" + pre + file), expected, 1e-6) << file;
+  auto wrapped = run_tessera("validate --config " + config + " --set trainer.init_from=" + pre + "/ddp.pt");
+  EXPECT_NE(wrapped.output.find("every tensor's name starts with 'module.'"), std::string::npos) << wrapped.output;
   auto r = run_tessera("checkpoint inspect " + pre + "/module.pt");
   EXPECT_EQ(r.exit_code, 0) << r.output;
   EXPECT_NE(r.output.find("state_dict (28 tensors)"), std::string::npos) << r.output;
