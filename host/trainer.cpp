@@ -260,6 +260,16 @@ std::int64_t Trainer::freeze_parameters(const Config& config, torch::nn::Module&
   return frozen;
 }
 
+void Trainer::check_trainable_unchanged() const {
+  for (const auto& [name, tensor, requires_grad] : trainable_at_setup_)
+    TESSERA_CHECK(tensor.requires_grad() == requires_grad, "step ", global_step_ + 1, ": parameter '", name,
+                  "' had requires_grad = ", requires_grad ? "true" : "false", " when the optimizer was built and has ",
+                  tensor.requires_grad() ? "true" : "false", " now (changed by a callback or the model): which ",
+                  "parameters train is fixed at setup, under every strategy. Freeze with [trainer] freeze or ",
+                  "requires_grad_(false) in configure_model(); to train others later, start a new run from this ",
+                  "one's checkpoint with [trainer] init_from");
+}
+
 std::string Trainer::check_sequence_length(const Config& config, const sdk::Checkpoint& model_hparams,
                                            std::int64_t sequence, const std::string& source) {
   if (!model_hparams.contains("block_size") || !model_hparams.at("block_size").isInt()) return "";
@@ -531,16 +541,6 @@ sdk::StateDict Trainer::without_wrapper_prefix(const sdk::StateDict& state, cons
             "' (a wrapper's: PyTorch DDP's module., torch.compile's _orig_mod., a LightningModule's attribute), " +
             "which is dropped to match the model's names");
   return out;
-}
-
-void Trainer::check_trainable_unchanged() const {
-  for (const auto& [name, tensor, requires_grad] : trainable_at_setup_)
-    TESSERA_CHECK(tensor.requires_grad() == requires_grad, "step ", global_step_ + 1, ": parameter '", name,
-                  "' had requires_grad = ", requires_grad ? "true" : "false", " when the optimizer was built and has ",
-                  tensor.requires_grad() ? "true" : "false", " now (changed by a callback or the model): which ",
-                  "parameters train is fixed at setup, under every strategy. Freeze with [trainer] freeze or ",
-                  "requires_grad_(false) in configure_model(); to train others later, start a new run from this ",
-                  "one's checkpoint with [trainer] init_from");
 }
 
 std::vector<std::string> Trainer::matching_weights(const std::map<std::string, std::vector<std::int64_t>>& file,
