@@ -29,7 +29,8 @@ class TESSERA_SDK_API Module : public PluginObject {
   virtual StepOutput training_step(const Batch& batch, std::int64_t batch_idx) = 0;
   virtual StepOutput validation_step(const Batch& batch, std::int64_t batch_idx) = 0;
   virtual StepOutput test_step(const Batch& batch, std::int64_t batch_idx) = 0;
-  /// Inference output for one batch (e.g. generated tokens); no gradients.
+  /// Inference output for one batch (e.g. generated tokens); no gradients. [trainer]
+  /// predict_output writes it, so there it must have one row per sample, of one shape and dtype.
   virtual at::Tensor predict_step(const Batch& batch, std::int64_t batch_idx) = 0;
 
   /// The optimizer over `params` (the strategy's view: shards under FSDP). The default,
