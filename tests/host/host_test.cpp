@@ -19,6 +19,7 @@
 #include "multiprocess.hpp"
 #include "tessera/sdk/autocast.hpp"
 #include "tessera/core/checkpoint.hpp"
+#include "tessera/core/safetensors.hpp"
 
 namespace {
 
@@ -286,6 +287,24 @@ TEST(InitFrom, FineTuningStartsFromTheWeightsInEveryFormatOnEveryStrategy) {
   for (const std::string& from : {full, safetensors})
     EXPECT_NEAR(validate_loss(eval, config, "--set trainer.init_from=" + from), expected, 1e-6) << from;
   EXPECT_NEAR(validate_loss(eval, config, "--set trainer.init_from=" + sharded), expected, 1e-4) << sharded;
+  // Hugging Face's layout of a large model: safetensors files and an index naming each tensor's.
+  {
+    std::vector<std::pair<std::string, at::Tensor>> shards[2];
+    nlohmann::json weight_map;
+    fs::create_directories(pre + "/hf");
+    int k = 0;
+    for (const auto& [name, value] : tessera::testing::checkpoint_state(full)) {
+      const int shard = k++ % 2;
+      shards[shard].emplace_back(name, value);
+      weight_map[name] = "model-0000" + std::to_string(shard + 1) + "-of-00002.safetensors";
+    }
+    for (int shard : {0, 1})
+      tessera::core::write_safetensors(pre + "/hf/model-0000" + std::to_string(shard + 1) + "-of-00002.safetensors",
+                                       shards[shard], {{"format", "pt"}});
+    std::ofstream(pre + "/hf/model.safetensors.index.json") << nlohmann::json{{"weight_map", weight_map}}.dump();
+    EXPECT_NEAR(validate_loss(eval, config, "--set trainer.init_from=" + pre + "/hf/model.safetensors.index.json"),
+                expected, 1e-6);
+  }
 
   // Fine-tuning with another learning rate, global batch 6: one device from the .ckpt, fsdp on
   // 3 ranks from safetensors, fsdp2 on 2 ranks from the sharded folder train alike.

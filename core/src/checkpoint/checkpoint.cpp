@@ -22,6 +22,7 @@
 #include <torch/optim/adam.h>
 #include <torch/optim/adamw.h>
 #include <torch/optim/sgd.h>
+#include <nlohmann/json.hpp>
 #include <caffe2/serialize/inline_container.h>
 #include <caffe2/serialize/read_adapter_interface.h>
 #include <torch/csrc/jit/serialization/export.h>
@@ -690,6 +691,39 @@ IValue unpickle(const std::string& path, const std::shared_ptr<MappedFile>& file
 
 IValue load_pickle(const std::string& path) { return unpickle(path, map_file(path)); }
 
+namespace {
+
+constexpr const char kSafetensorsIndex[] = ".safetensors.index.json";
+
+/// A model saved as several safetensors files (Hugging Face's save_pretrained of a large model):
+/// the index's {"weight_map": {tensor: file}} names each tensor's file, beside the index. Every
+/// file is mapped, as one safetensors file is.
+sdk::StateDict map_safetensors_index(const std::string& path) {
+  std::ifstream in(path);
+  TESSERA_CHECK(in.good(), "checkpoint ", path, " does not exist or cannot be read");
+  const auto index = nlohmann::ordered_json::parse(in, nullptr, /*allow_exceptions=*/false);
+  TESSERA_CHECK(!index.is_discarded() && index.is_object() && index.contains("weight_map") &&
+                    index.at("weight_map").is_object(),
+                "checkpoint ", path, " is not a safetensors index: it needs {\"weight_map\": {tensor name: file}}");
+  const fs::path folder = fs::path(path).parent_path();
+  std::map<std::string, sdk::StateDict> files;
+  sdk::StateDict state;
+  for (const auto& [name, file] : index.at("weight_map").items()) {
+    TESSERA_CHECK(file.is_string(), path, ": weight_map[\"", name, "\"] is not a file name");
+    auto it = files.find(file.get<std::string>());
+    if (it == files.end()) {
+      const std::string full = (folder / file.get<std::string>()).string();
+      it = files.emplace(file.get<std::string>(), map_safetensors(full, map_file(full))).first;
+    }
+    const at::Tensor* tensor = it->second.find(name);
+    TESSERA_CHECK(tensor != nullptr, path, " puts '", name, "' in ", it->first, ", which has no tensor of that name");
+    state.insert(name, *tensor);
+  }
+  return state;
+}
+
+}  // namespace
+
 sdk::Checkpoint load_checkpoint_file(const std::string& path) {
   auto weights_only = [](const sdk::StateDict& state) {
     sdk::Checkpoint c = sdk::make_checkpoint();
@@ -697,6 +731,9 @@ sdk::Checkpoint load_checkpoint_file(const std::string& path) {
     c.insert(kWeightsOnlyKey, true);
     return c;
   };
+  const std::size_t n = sizeof(kSafetensorsIndex) - 1;
+  if (path.size() > n && path.compare(path.size() - n, n, kSafetensorsIndex) == 0)
+    return weights_only(map_safetensors_index(path));
   const auto file = map_file(path);
   if (looks_like_safetensors(*file)) return weights_only(map_safetensors(path, file));
   sdk::Checkpoint c = checkpoint_dict(unpickle(path, file), "checkpoint " + path);

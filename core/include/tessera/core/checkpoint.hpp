@@ -87,8 +87,9 @@ c10::IValue load_pickle(const std::string& path);
 /// Marks a checkpoint that holds the model's weights and no training state to resume from.
 constexpr const char* kWeightsOnlyKey = "weights_only";
 /// A checkpoint file, whatever wrote it: a full checkpoint (load_pickle's dict, as is); a bare
-/// state dict (Python's `torch.save(model.state_dict(), f)`) or a safetensors file (tessera's
-/// export, `safetensors.torch.save_file`) as {"state_dict": its tensors, kWeightsOnlyKey: true}.
+/// state dict (Python's `torch.save(model.state_dict(), f)`), a safetensors file (tessera's
+/// export, `safetensors.torch.save_file`) or the index of several (`*.safetensors.index.json`,
+/// Hugging Face's save_pretrained) as {"state_dict": its tensors, kWeightsOnlyKey: true}.
 /// Tensors point into the mapped file either way.
 sdk::Checkpoint load_checkpoint_file(const std::string& path);
 /// Drops the resident pages of `t`, a tensor load_pickle returned that nobody modified since
