@@ -1095,15 +1095,13 @@ void Trainer::write_predictions(const std::vector<at::Tensor>& rows, const std::
   // Gloo gathers no bool: as bytes.
   const bool boolean = local.scalar_type() == at::kBool;
   at::Tensor all = strategy_->all_gather((boolean ? local.to(at::kByte) : local).to(device)).cpu().flatten(0, 1);
-  at::Tensor all_indices =
-      strategy_->all_gather(at::tensor(indices, at::kLong).to(device)).cpu().flatten();
+  at::Tensor all_indices = strategy_->all_gather(at::tensor(indices, at::kLong).to(device)).cpu().flatten();
   if (!is_global_zero()) return;
   // Dataset order, each sample once (the sampler's padding and tensor-parallel ranks repeat some).
   at::Tensor order = std::get<1>(all_indices.sort(/*stable=*/true, 0, false));
   at::Tensor sorted = all_indices.index_select(0, order);
   at::Tensor first = at::ones_like(sorted, at::kBool);
-  if (sorted.numel() > 1) first.narrow(0, 1, sorted.numel() - 1).copy_(sorted.narrow(0, 1, sorted.numel() - 1) !=
-                                                                        sorted.narrow(0, 0, sorted.numel() - 1));
+  first.slice(0, 1).copy_(sorted.slice(0, 1) != sorted.slice(0, 0, -1));
   order = order.masked_select(first);
   at::Tensor predictions = all.index_select(0, order);
   c10::impl::GenericDict file(c10::StringType::get(), c10::AnyType::get());
