@@ -99,21 +99,20 @@ void export_to(const std::string& path, const std::string& to) {
     if (safetensors) {
       // Streamed: each weight is assembled from its pieces just before it is written.
       std::vector<core::TensorSpec> specs;
-      for (const auto& [name, t] : reader.manifest().tensors)
-        if (name.rfind("state_dict/", 0) == 0)
-          specs.push_back({name.substr(11), core::scalar_type_of(t.dtype, name), t.global_shape});
+      for (const auto& [name, t] : core::model_tensors(reader.manifest()))
+        specs.push_back({name, core::scalar_type_of(t->dtype, name), t->global_shape});
       core::atomic_write_file(to, [&](const std::string& temp) {
         core::write_safetensors(
             temp, specs,
             [&](std::size_t i) {
-              return reader.read("state_dict/" + specs[i].name, core::TensorPiece::whole(specs[i].shape));
+              return reader.read(core::model_tensor_key(specs[i].name), core::TensorPiece::whole(specs[i].shape));
             },
             {{"format", "pt"}, {"source", path}});
       });
     } else {
       std::map<std::string, core::TensorPiece> whole;
-      for (const auto& [name, t] : reader.manifest().tensors)
-        if (name.rfind("state_dict/", 0) == 0) whole.emplace(name.substr(11), core::TensorPiece::whole(t.global_shape));
+      for (const auto& [name, t] : core::model_tensors(reader.manifest()))
+        whole.emplace(name, core::TensorPiece::whole(t->global_shape));
       core::save_pickle(
           core::with_tensor_checksums(core::optimizer_states_in_model_order(core::load_sharded(path, whole, 0))), to);
     }

@@ -7,7 +7,9 @@
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
+#include <iomanip>
 #include <iostream>
+#include <sstream>
 
 namespace tessera::host {
 
@@ -32,6 +34,12 @@ RunLog::RunLog(const std::string& root_dir, std::int64_t rank, const std::string
 }
 
 RunLog::~RunLog() { end_bar(); }
+
+std::string RunLog::number(double value, int precision) {
+  std::ostringstream out;
+  out << std::setprecision(precision) << value;
+  return out.str();
+}
 
 std::string RunLog::bar(double fraction, int width) {
   fraction = std::clamp(fraction, 0.0, 1.0);

@@ -22,6 +22,8 @@ class RunLog {
   const std::string& log_path() const { return log_path_; }
   bool is_terminal() const { return terminal_; }
 
+  /// `value` with `precision` significant digits, as the log writes numbers.
+  static std::string number(double value, int precision = 4);
   /// "[#####.....]  50%" for `fraction` of `width` cells.
   static std::string bar(double fraction, int width = 20);
   /// Whether stdout is a terminal the user sees: a TTY, and so is our parent's stdout when

@@ -15,7 +15,6 @@
 #include <thread>
 
 #include <ATen/ATen.h>
-#include <ATen/CPUGeneratorImpl.h>
 
 #include "anomaly.hpp"
 #include "loggers/run_directory.hpp"
@@ -23,10 +22,8 @@
 #include "plugin_keys.hpp"
 #include "profiler.hpp"
 #include "tessera/core/checkpoint.hpp"
-#include "tessera/core/checkpoint_folder.hpp"
 #include "tessera/core/clip_grad.hpp"
 #include "tessera/core/comm.hpp"
-#include "tessera/core/sharded_checkpoint.hpp"
 #include "tessera/core/data_loader.hpp"
 #include "tessera/core/fsdp/wrap.hpp"
 #include "tessera/core/ledger.hpp"
@@ -44,26 +41,7 @@ namespace tessera::host {
 
 namespace {
 
-using core::kWeightsOnlyKey;
-
-void refuse_weights_only(const sdk::Checkpoint& checkpoint, const std::string& path) {
-  if (!checkpoint.contains(kWeightsOnlyKey) || !checkpoint.at(kWeightsOnlyKey).toBool()) return;
-  // tessera's weights-only saves keep the step; a bare state dict or a safetensors file has none.
-  TESSERA_FAIL("checkpoint ", path, " holds the weights only (",
-               checkpoint.contains("global_step") ? "model_checkpoint save_weights_only = true"
-                                                  : "a state dict or safetensors file, no trainer state",
-               "): it has no optimizer state to resume training from. Evaluate it with validate, test or predict, ",
-               "start a new run from its weights with [trainer] init_from, or resume fit from a checkpoint saved ",
-               "without save_weights_only");
-}
-
 using Clock = std::chrono::steady_clock;
-
-std::string format(double value, int precision = 4) {
-  std::ostringstream out;
-  out << std::setprecision(precision) << value;
-  return out.str();
-}
 
 std::string duration(double seconds) {
   auto s = static_cast<std::int64_t>(seconds);
@@ -118,7 +96,7 @@ class StopSignals {
 
 std::string metrics_line(const std::string& head, const std::map<std::string, double>& metrics, int precision = 4) {
   std::string line = head;
-  for (const auto& [name, value] : metrics) line += "  " + name + " " + format(value, precision);
+  for (const auto& [name, value] : metrics) line += "  " + name + " " + RunLog::number(value, precision);
   return line;
 }
 
@@ -147,23 +125,6 @@ void explain_step_failure(const c10::Error& error, const std::string& step, cons
                "[precision] precision = \"bf16-true\" (the whole model in bf16)");
 }
 
-/// A field of /proc/self/status in kB ("VmRSS", "VmHWM"); 0 where it cannot be read.
-std::int64_t proc_status_kb(const std::string& field) {
-  std::ifstream in("/proc/self/status");
-  for (std::string line; std::getline(in, line);)
-    if (line.rfind(field + ":", 0) == 0) return std::strtoll(line.c_str() + field.size() + 1, nullptr, 10);
-  return 0;
-}
-
-/// Lowers the kernel's peak-RSS mark (VmHWM, getrusage's ru_maxrss) to the current RSS, so
-/// that the peak of one phase can be read; false where the kernel does not allow it.
-bool reset_peak_rss() {
-  std::ofstream out("/proc/self/clear_refs");
-  out << "5";
-  out.flush();
-  return out.good();
-}
-
 }  // namespace
 
 template <typename Step>
@@ -182,14 +143,6 @@ Trainer::Trainer(Config config, const sdk::ClusterInfo& cluster, RunLog& log)
 
 Trainer::~Trainer() {
   if (strategy_) strategy_->teardown();
-}
-
-template <typename Hook>
-void Trainer::call(const char* name, Hook&& hook) {
-  for (auto& [callback_name, callback] : callbacks_) {
-    core::trace::Span span("hook", core::trace::enabled() ? "[Callback]" + callback_name + "." + name : "");
-    hook(*callback);
-  }
 }
 
 void Trainer::setup(const std::string& stage) {
@@ -230,8 +183,8 @@ void Trainer::setup(const std::string& stage) {
   check_data_against_model(stage);
   log_.info("tessera " + stage + ": strategy " + config_.plugin_names.at("strategy") + ", precision " +
             precision_->precision() + ", model " + config_.plugin_names.at("model") + " (" +
-            format(static_cast<double>(parameters) / 1e6, 4) + "M parameters" +
-            (frozen > 0 ? ", " + format(static_cast<double>(frozen) / 1e6, 4) + "M frozen by [trainer] freeze" : "") +
+            RunLog::number(static_cast<double>(parameters) / 1e6, 4) + "M parameters" +
+            (frozen > 0 ? ", " + RunLog::number(static_cast<double>(frozen) / 1e6, 4) + "M frozen by [trainer] freeze" : "") +
             "), data " +
             config_.plugin_names.at("data") + ", " + std::to_string(cluster_.world_size) + " rank(s) [" +
             cluster_.environment + "] on " + strategy_->root_device().str() +
@@ -377,233 +330,6 @@ void Trainer::stop(const std::string& reason) {
   should_stop_ = true;
 }
 
-void Trainer::save_checkpoint(const std::string& path, bool weights_only) {
-  core::trace::Span span("hook", "[Trainer]save_checkpoint");
-  core::LedgerPhase phase("save_checkpoint");  // collectives here wait up to [launch] checkpoint_timeout_s
-  maybe_inject_fault(global_step_, /*saving=*/true);
-  sdk::Checkpoint checkpoint = sdk::make_checkpoint();
-  checkpoint.insert("state_dict", core::to_ivalue(strategy_->lightning_module_state_dict()));
-  if (weights_only) {
-    checkpoint.insert(kWeightsOnlyKey, true);
-  } else {  // what resuming needs besides the weights
-    c10::impl::GenericList optimizer_states(c10::AnyType::get());
-    optimizer_states.push_back(strategy_->optimizer_state());
-    checkpoint.insert("optimizer_states", optimizer_states);
-    checkpoint.insert("precision_plugin", precision_->state_dict());
-    c10::impl::GenericList lr_schedulers(c10::AnyType::get());
-    lr_schedulers.push_back(schedule_->state_dict(global_step_));
-    checkpoint.insert("lr_schedulers", lr_schedulers);
-    checkpoint.insert("rng_state", at::detail::getDefaultCPUGenerator().get_state());
-    if (strategy_->root_device().is_cuda())
-      checkpoint.insert("cuda_rng_state", at::globalContext().defaultGenerator(strategy_->root_device()).get_state());
-  }
-  checkpoint.insert("global_step", global_step_);
-  checkpoint.insert("epoch", epoch_);
-  checkpoint.insert("batch_in_epoch", next_batch_);
-  checkpoint.insert("hyper_parameters", model_->hyper_parameters());
-  sdk::Checkpoint callback_states = sdk::make_checkpoint();  // Lightning's "callbacks": state_key -> state
-  for (const auto& [name, callback] : callbacks_)
-    if (std::string key = callback->state_key(); !key.empty()) callback_states.insert(key, callback->state_dict());
-  checkpoint.insert("callbacks", callback_states);
-  checkpoint.insert("tessera_version", std::string(TESSERA_VERSION));
-  checkpoint.insert("save_id", core::agree_on_save_id(*strategy_));
-  call("on_save_checkpoint", [&](sdk::Callback& c) { c.on_save_checkpoint(*this, checkpoint); });
-  const auto start = std::chrono::steady_clock::now();
-  strategy_->save_checkpoint(checkpoint, path);
-  log_.info("checkpoint saved: " + path + " (step " + std::to_string(global_step_) +
-            (weights_only ? ", weights only" : "") + ", training paused " +
-            format(std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count(), 3) + " s)");
-}
-
-void Trainer::check_resumable(const std::string& checkpoint) {
-  refuse_weights_only(core::read_trainer_state(checkpoint), checkpoint);
-}
-
-void Trainer::remove_checkpoint(const std::string& path) {
-  strategy_->remove_checkpoint(path);
-  log_.to_file("checkpoint removed: " + path);
-}
-
-std::string Trainer::initial_weights(const Config& config, const std::string& checkpoint) {
-  const std::string& path = config.trainer.init_from;
-  if (!checkpoint.empty() || path.empty()) return "";
-  TESSERA_CHECK(std::filesystem::exists(path), "[trainer] init_from = \"", path, "\" does not exist: give a checkpoint ",
-                "(a .ckpt file, a sharded checkpoint folder or a `last` link to one), a torch.save'd state dict or a ",
-                ".safetensors file; relative paths are taken from the working directory");
-  try {
-    (void)core::read_trainer_state(path);  // a format tessera reads; the tensors are compared at load
-  } catch (const sdk::Error& e) {
-    TESSERA_FAIL("[trainer] init_from = \"", path, "\": ", e.what());
-  }
-  return path;
-}
-
-void Trainer::check_weights_given(const std::string& command, const std::string& checkpoint,
-                                  const std::string& initial) {
-  TESSERA_CHECK((command != "validate" && command != "test") || !checkpoint.empty() || !initial.empty(), command,
-                " needs --ckpt-path last|best|PATH or [trainer] init_from: without either it would evaluate the ",
-                "model's random initial weights");
-}
-
-void Trainer::restore(const std::string& path, Restore what) {
-  const bool with_training_state = what == Restore::training_state;
-  core::LedgerPhase phase("load_checkpoint");
-  // The memory a load costs (the busiest rank's peak above what it held before): about its
-  // shard under a sharding strategy, whatever the checkpoint's format.
-  earlier_peak_rss_kb_ = std::max(earlier_peak_rss_kb_, proc_status_kb("VmHWM"));
-  const bool peak_measured = reset_peak_rss();
-  const std::int64_t rss_before_kb = proc_status_kb("VmRSS");
-  const auto start = std::chrono::steady_clock::now();
-  sdk::Checkpoint checkpoint = sdk::make_checkpoint();
-  if (what == Restore::initial_weights && !config_.trainer.init_from_strict) {
-    load_matching_weights(path);
-  } else {
-    try {
-      checkpoint = strategy_->load_checkpoint(path);
-      sdk::StateDict state =
-          core::state_dict_from(core::checkpoint_get(checkpoint, "state_dict"), "checkpoint " + path + " [state_dict]");
-      strategy_->load_model_state_dict(with_training_state ? state : without_wrapper_prefix(state, path), /*strict=*/true);
-    } catch (const sdk::Error& e) {
-      if (what != Restore::initial_weights) throw;
-      TESSERA_FAIL("[trainer] init_from = \"", path, "\": ", e.what(), "; if the model differs from the checkpoint's on ",
-                   "purpose (a new head, added layers), [trainer] init_from_strict = false loads the tensors that ",
-                   "match by name and shape and keeps the model's initialisation for the others");
-    }
-  }
-  if (with_training_state) {
-    refuse_weights_only(checkpoint, path);
-    auto optimizer_states = core::checkpoint_get(checkpoint, "optimizer_states").toListRef();
-    TESSERA_CHECK(!optimizer_states.empty(), "checkpoint ", path, " has no optimizer state");
-    strategy_->load_optimizer_state(core::checkpoint_dict(optimizer_states[0], "checkpoint optimizer_states[0]"));
-    precision_->load_state_dict(core::checkpoint_dict(core::checkpoint_get(checkpoint, "precision_plugin"),
-                                                      "checkpoint precision_plugin"));
-    global_step_ = core::checkpoint_get(checkpoint, "global_step").toInt();
-    epoch_ = core::checkpoint_get(checkpoint, "epoch").toInt();
-    next_batch_ = core::checkpoint_get(checkpoint, "batch_in_epoch").toInt();
-    at::Generator generator = at::detail::getDefaultCPUGenerator();
-    generator.set_state(core::checkpoint_get(checkpoint, "rng_state").toTensor());
-    if (strategy_->root_device().is_cuda() && checkpoint.contains("cuda_rng_state")) {
-      at::Generator cuda_generator = at::globalContext().defaultGenerator(strategy_->root_device());
-      cuda_generator.set_state(core::checkpoint_get(checkpoint, "cuda_rng_state").toTensor());
-    }
-    if (checkpoint.contains("lr_schedulers")) {  // absent from checkpoints written before the schedule state was saved
-      auto schedulers = core::checkpoint_get(checkpoint, "lr_schedulers").toListRef();
-      TESSERA_CHECK(schedulers.size() == 1, "checkpoint ", path, " [lr_schedulers] has ", schedulers.size(),
-                    " entries; tessera writes exactly one");
-      restored_schedule_ = core::checkpoint_dict(schedulers[0], "checkpoint " + path + " [lr_schedulers][0]");
-      restored_from_ = path;
-    }
-    if (checkpoint.contains("callbacks")) {
-      sdk::Checkpoint states = core::checkpoint_dict(checkpoint.at("callbacks"), "checkpoint " + path + " [callbacks]");
-      for (const auto& [name, callback] : callbacks_)
-        if (std::string key = callback->state_key(); !key.empty() && states.contains(key))
-          callback->load_state_dict(core::checkpoint_dict(states.at(key), "checkpoint [callbacks][" + key + "]"));
-    }
-  }
-  if (what != Restore::initial_weights)
-    call("on_load_checkpoint", [&](sdk::Callback& c) { c.on_load_checkpoint(*this, checkpoint); });
-  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-  checkpoint = sdk::make_checkpoint();  // what the load left mapped or allocated goes before the peak is read
-  const double load_peak_mb =
-      static_cast<double>(std::max<std::int64_t>(0, proc_status_kb("VmHWM") - rss_before_kb)) / 1024.0;
-  at::Tensor busiest = at::full({}, peak_measured ? load_peak_mb : -1.0, at::kFloat).to(strategy_->root_device());
-  const double busiest_mb = strategy_->reduce(busiest, sdk::ReduceOp::max).to(at::kCPU).item<double>();
-  log_.info((what == Restore::initial_weights ? "weights initialized from " : "restored ") + path +
-            (with_training_state ? " (resuming at step " + std::to_string(global_step_) + ")" : "") +
-            (what == Restore::initial_weights ? " ([trainer] init_from)" : "") +
-            " in " + format(seconds, 3) + " s" +
-            (busiest_mb >= 0 ? ", load peak +" + std::to_string(std::llround(busiest_mb)) + " MB RSS per rank" : ""));
-}
-
-sdk::StateDict Trainer::without_wrapper_prefix(const sdk::StateDict& state, const std::string& path) {
-  sdk::StateDict out = state;
-  std::string dropped;
-  auto names_a_model_tensor = [&] {
-    for (const auto& item : out)
-      if (model_shapes_.count(item.key())) return true;
-    return false;
-  };
-  while (!out.is_empty() && !names_a_model_tensor()) {
-    const std::string& first = out.begin()->key();
-    const std::size_t dot = first.find('.');
-    if (dot == std::string::npos) break;
-    const std::string prefix = first.substr(0, dot + 1);
-    sdk::StateDict stripped;
-    for (const auto& item : out) {
-      if (item.key().rfind(prefix, 0) != 0) return state;  // not one wrapper's: compared as saved
-      stripped.insert(item.key().substr(prefix.size()), item.value());
-    }
-    out = std::move(stripped);
-    dropped += prefix;
-  }
-  if (dropped.empty() || !names_a_model_tensor()) return state;
-  log_.info("checkpoint " + path + ": every tensor's name starts with '" + dropped +
-            "' (a wrapper's: PyTorch DDP's module., torch.compile's _orig_mod., a LightningModule's attribute), " +
-            "which is dropped to match the model's names");
-  return out;
-}
-
-std::vector<std::string> Trainer::matching_weights(const std::map<std::string, std::vector<std::int64_t>>& file,
-                                                   const std::string& path) {
-  auto shape = [](at::IntArrayRef sizes) {
-    std::ostringstream out;
-    out << sizes;
-    return out.str();
-  };
-  std::vector<std::string> matching, unused, kept;
-  for (const auto& [name, sizes] : file) {
-    auto it = model_shapes_.find(name);
-    if (it == model_shapes_.end()) unused.push_back(name);
-    else if (sizes != it->second) kept.push_back(name + " (the file's " + shape(sizes) + ", the model's " + shape(it->second) + ")");
-    else matching.push_back(name);
-  }
-  for (const auto& [name, sizes] : model_shapes_)
-    if (!file.count(name)) kept.push_back(name + " (not in the file)");
-  TESSERA_CHECK(!matching.empty(), "[trainer] init_from = \"", path, "\": none of its ", file.size(),
-                " tensors has the name and shape of one of model '", config_.plugin_names.at("model"), "' (",
-                model_shapes_.size(), " tensors): is it a checkpoint of this model?");
-  log_.info("[trainer] init_from_strict = false: " + std::to_string(matching.size()) + " of the model's " +
-            std::to_string(model_shapes_.size()) + " tensors loaded from " + path +
-            (kept.empty() ? "" : "; keeping their initialisation: " + sdk::join(kept)) +
-            (unused.empty() ? "" : "; not used from the file: " + sdk::join(unused)));
-  return matching;
-}
-
-void Trainer::load_matching_weights(const std::string& path) {
-  std::map<std::string, std::vector<std::int64_t>> shapes;
-  if (core::is_sharded_checkpoint(path)) {
-    // The strategy reads a sharded folder as the pieces its rank owns, every one of which must be
-    // there. The matching tensors are read whole instead, about 256 MiB at a time (a rank holds
-    // that beside the model), each batch loaded alone: a state dict that leaves tensors out
-    // leaves them as they are.
-    core::ShardedReader reader(core::read_manifest(path));
-    TESSERA_CHECK(!core::holds_rank_local_state(reader.manifest()), "[trainer] init_from = \"", path,
-                  "\" holds rank-local state (fsdp state_dict_type = \"local\"), not the model's tensors");
-    for (const auto& [name, t] : reader.manifest().tensors)
-      if (name.rfind("state_dict/", 0) == 0) shapes.emplace(name.substr(11), t.global_shape);
-    const std::vector<std::string> names = matching_weights(shapes, path);
-    sdk::StateDict batch;
-    std::size_t bytes = 0;
-    for (std::size_t i = 0; i < names.size(); ++i) {
-      at::Tensor t = reader.read("state_dict/" + names[i], core::TensorPiece::whole(shapes.at(names[i])));
-      bytes += t.nbytes();
-      batch.insert(names[i], std::move(t));
-      if (bytes < (std::size_t{256} << 20) && i + 1 < names.size()) continue;
-      strategy_->load_model_state_dict(batch, /*strict=*/false);
-      batch.clear();
-      bytes = 0;
-    }
-    return;
-  }
-  sdk::Checkpoint checkpoint = strategy_->load_checkpoint(path);  // a file: mapped, a rank reads what it keeps
-  sdk::StateDict state = without_wrapper_prefix(
-      core::state_dict_from(core::checkpoint_get(checkpoint, "state_dict"), "checkpoint " + path + " [state_dict]"), path);
-  for (const auto& item : state) shapes.emplace(item.key(), item.value().sizes().vec());
-  sdk::StateDict matching;
-  for (const std::string& name : matching_weights(shapes, path)) matching.insert(name, state[name]);
-  strategy_->load_model_state_dict(matching, /*strict=*/false);
-}
-
 namespace {
 // Test-only: TESSERA_FAULT_INJECT="rank=1,step=3,kind=exit|kill|hang|sigint|error|slow_save|nan_grad
 // [,seconds=N][,param=NAME]"; empty when unset.
@@ -735,6 +461,128 @@ void Trainer::validate_during_fit(const std::string& when) {
   call("on_validation_end", [&](sdk::Callback& c) { c.on_validation_end(*this); });
 }
 
+Trainer::TrainedStep Trainer::train_step(core::DataLoader& loader, std::int64_t accumulate) {
+  const TrainerSettings& t = config_.trainer;
+  TrainedStep step;
+  for (std::int64_t m = 0; m < accumulate; ++m) {
+    const std::int64_t batch_idx = next_batch_ + m;
+    core::ledger_set_step(global_step_ + 1, m);
+    sdk::Batch batch;
+    {
+      core::trace::Span span("hook", "[DataLoader]next");
+      batch = loader.batch(batch_idx);
+    }
+    call("on_train_batch_start", [&](sdk::Callback& c) { c.on_train_batch_start(*this, batch, batch_idx); });
+    check_trainable_unchanged();
+    sdk::StepOutput out;
+    {
+      core::trace::Span span("hook", "[Strategy]training_step");
+      out = run_step("training_step", [&] { return strategy_->training_step(batch, batch_idx); });
+    }
+    {
+      core::trace::Span span("hook", "[Strategy]backward");
+      run_step("backward", [&] {
+        strategy_->backward(out.loss / static_cast<double>(accumulate), /*sync_gradients=*/m == accumulate - 1);
+      });
+    }
+    const at::Tensor loss = out.loss.detach().to(at::kFloat);
+    step.loss_sum = step.loss_sum.defined() ? step.loss_sum + loss : loss;
+    step.items += out.items;
+    if (m < accumulate - 1) {
+      call("on_train_batch_end", [&](sdk::Callback& c) { c.on_train_batch_end(*this, out, batch, batch_idx); });
+    } else {  // its hook runs after the optimizer step, as Lightning's
+      step.last_out = std::move(out);
+      step.last_batch = std::move(batch);
+    }
+  }
+  if (t.detect_anomaly) {
+    core::trace::Span span("hook", "[Trainer]detect_anomaly");
+    AnomalyReport anomaly =
+        check_finite_step(*strategy_, *model_, step.loss_sum, cluster_.global_rank, cluster_.world_size);
+    TESSERA_CHECK(anomaly.finite || anomaly.scaler_skips, "step ", global_step_ + 1, " ([trainer] detect_anomaly): ",
+                  anomaly.message);
+  }
+  core::trace::Span span("hook", "[Strategy]optimizer_step");
+  if (t.gradient_clip_algorithm == "value") {
+    // Lightning's order: unscaled first (the scaler has then seen any inf), clamped, then
+    // stepped; the strategy's own unscale is a no-op for the rest of the step.
+    precision_->unscale_gradients(strategy_->optimizer(), *strategy_);
+    core::clip_grad_value(strategy_->optimizer(), t.gradient_clip_val);
+    step.result = strategy_->optimizer_step(/*gradient_clip_val=*/0.0, t.norm_type);
+  } else {
+    step.result = strategy_->optimizer_step(t.gradient_clip_val, t.norm_type);
+  }
+  return step;
+}
+
+Trainer::StepSync Trainer::synchronise_step(const at::Tensor& loss_sum, std::int64_t accumulate, bool out_of_time,
+                                            std::int64_t window_items) {
+  // Built on the device by kernels only: a host-to-device copy would wait for the step as well.
+  const auto on_root = at::TensorOptions().dtype(at::kFloat).device(strategy_->root_device());
+  std::vector<at::Tensor> parts{(loss_sum.to(on_root) / static_cast<double>(accumulate)).reshape({})};
+  for (const bool flag : {g_signal != 0, out_of_time, should_stop_}) parts.push_back(at::full({}, flag ? 1.0 : 0.0, on_root));
+  parts.push_back(at::full({}, static_cast<double>(window_items), on_root));
+  const at::Tensor sum = strategy_->reduce(at::stack(parts), sdk::ReduceOp::sum).to(at::kCPU);
+  return {sum[0].item<double>() / static_cast<double>(cluster_.world_size), sum[1].item<double>() > 0,
+          sum[2].item<double>() > 0, sum[3].item<double>() > 0, sum[4].item<double>()};
+}
+
+void Trainer::report_step(const StepSync& sync, const sdk::StepResult& result, double lr, FitClock& clock) {
+  const TrainerSettings& t = config_.trainer;
+  const bool log_now =
+      global_step_ % t.log_every_n_steps == 0 || global_step_ == total_steps_ || global_step_ == clock.start_step + 1;
+  const double per_step = std::chrono::duration<double>(Clock::now() - clock.run_start).count() /
+                          static_cast<double>(global_step_ - clock.start_step);
+  const std::string eta = duration(per_step * static_cast<double>(total_steps_ - global_step_));
+  const std::string bar = "epoch " + std::to_string(epoch_) + " " +
+                          RunLog::bar(static_cast<double>(global_step_) / static_cast<double>(total_steps_)) + " " +
+                          std::to_string(global_step_) + "/" + std::to_string(total_steps_) + "  loss " +
+                          RunLog::number(sync.loss) + "  lr " + RunLog::number(lr, 3) + "  ETA " + eta;
+  if (!log_now) {
+    log_.progress(bar, "", false);
+    return;
+  }
+  // Throughput of the whole job: every data-parallel rank's items since the last log line.
+  const double elapsed = std::chrono::duration<double>(Clock::now() - clock.window_start).count();
+  const double rate = sync.items * static_cast<double>(clock.data_ranks) / static_cast<double>(cluster_.world_size) /
+                      std::max(elapsed, 1e-9);
+  const std::string unit = data_->item_unit();
+  std::map<std::string, double> metrics = {{"train_loss", sync.loss}, {unit + "_per_s", rate}};
+  if (result.grad_norm >= 0) metrics["grad_norm"] = result.grad_norm;
+  if (skipped_steps_ > 0) metrics["skipped_steps"] = static_cast<double>(skipped_steps_);
+  const std::string line = "epoch " + std::to_string(epoch_) + " step " + std::to_string(global_step_) + "/" +
+                           std::to_string(total_steps_) + "  loss " + RunLog::number(sync.loss) + "  lr " +
+                           RunLog::number(lr, 3) + "  " + RunLog::number(rate, 5) + " " + unit + "/s  ETA " + eta;
+  log_.progress(bar + "  " + RunLog::number(rate, 5) + " " + unit + "/s", line, true);
+  log_stage_metrics(metrics, "train");
+  clock.window_items = 0;
+  clock.window_start = Clock::now();
+}
+
+void Trainer::log_peak_memory() {
+  auto max_over_ranks = [&](double value) {
+    at::Tensor t = at::full({}, value, at::kFloat).to(strategy_->root_device());
+    return strategy_->reduce(t, sdk::ReduceOp::max).item<double>();
+  };
+  // Peak resident memory of the busiest rank: the figure FSDP is meant to lower.
+  rusage usage{};
+  ::getrusage(RUSAGE_SELF, &usage);
+  const double peak_mb =
+      max_over_ranks(static_cast<double>(std::max<std::int64_t>(usage.ru_maxrss, earlier_peak_rss_kb_)) / 1024.0);
+  log_.info("peak RSS per rank (max over ranks): " + RunLog::number(peak_mb, 5) + " MB");
+  log_stage_metrics({{"peak_rss_mb", peak_mb}}, "train");
+#if TESSERA_WITH_CUDA
+  // And the peak of tensor memory on the GPU (what cpu_offload and sharding lower there).
+  if (strategy_->root_device().is_cuda()) {
+    const auto stats = c10::cuda::CUDACachingAllocator::getDeviceStats(strategy_->root_device().index());
+    const auto peak = stats.allocated_bytes[0].peak;  // [0]: StatType::AGGREGATE (its namespace moved in LibTorch 2)
+    const double cuda_mb = max_over_ranks(static_cast<double>(peak) / 1048576.0);
+    log_.info("peak CUDA tensor memory per rank (max over ranks): " + RunLog::number(cuda_mb, 5) + " MB");
+    log_stage_metrics({{"peak_cuda_mb", cuda_mb}}, "train");
+  }
+#endif
+}
+
 void Trainer::fit(const std::string& ckpt_path) {
   const std::string checkpoint = resolve_checkpoint(config_, ckpt_path, /*fit=*/true);  // before a new run folder exists
   if (ckpt_path == "last" && checkpoint.empty())
@@ -793,13 +641,8 @@ void Trainer::fit(const std::string& ckpt_path) {
               " training step(s) and validation batch(es), no loggers, no checkpoints");
 
   StopSignals signals;
-  const std::string unit = data_->item_unit();
-  auto window_start = Clock::now();
-  auto run_start = Clock::now();
-  std::int64_t window_items = 0, start_step = global_step_;
-  std::string status = "success";
-  auto network = model_->network();
-  network->train(true);
+  FitClock clock{Clock::now(), Clock::now(), global_step_, 0, data_ranks};
+  model_->network()->train(true);
   maybe_inject_gradient_fault();
   try {
     call("on_fit_start", [&](sdk::Callback& c) { c.on_fit_start(*this); });
@@ -811,113 +654,26 @@ void Trainer::fit(const std::string& ckpt_path) {
       while (next_batch_ + accumulate <= epoch_batches && global_step_ < total_steps_ && !should_stop_) {
         const double lr = schedule_->lr(global_step_);
         for (auto& group : strategy_->optimizer().param_groups()) group.options().set_lr(lr);
-        at::Tensor loss_sum;  // on the loss's device: read once, by the step's one all-reduce
-        sdk::StepOutput last_out;
-        sdk::Batch last_batch;
-        for (std::int64_t m = 0; m < accumulate; ++m) {
-          const std::int64_t batch_idx = next_batch_ + m;
-          core::ledger_set_step(global_step_ + 1, m);
-          sdk::Batch batch;
-          {
-            core::trace::Span span("hook", "[DataLoader]next");
-            batch = loader.batch(batch_idx);
-          }
-          call("on_train_batch_start", [&](sdk::Callback& c) { c.on_train_batch_start(*this, batch, batch_idx); });
-          check_trainable_unchanged();
-          sdk::StepOutput out;
-          {
-            core::trace::Span span("hook", "[Strategy]training_step");
-            out = run_step("training_step", [&] { return strategy_->training_step(batch, batch_idx); });
-          }
-          {
-            core::trace::Span span("hook", "[Strategy]backward");
-            run_step("backward", [&] {
-              strategy_->backward(out.loss / static_cast<double>(accumulate), /*sync_gradients=*/m == accumulate - 1);
-            });
-          }
-          const at::Tensor loss = out.loss.detach().to(at::kFloat);
-          loss_sum = loss_sum.defined() ? loss_sum + loss : loss;
-          window_items += out.items;
-          if (m < accumulate - 1) {
-            call("on_train_batch_end", [&](sdk::Callback& c) { c.on_train_batch_end(*this, out, batch, batch_idx); });
-          } else {
-            last_out = std::move(out);
-            last_batch = std::move(batch);
-          }
-        }
-        if (t.detect_anomaly) {
-          core::trace::Span span("hook", "[Trainer]detect_anomaly");
-          AnomalyReport anomaly =
-              check_finite_step(*strategy_, *model_, loss_sum, cluster_.global_rank, cluster_.world_size);
-          TESSERA_CHECK(anomaly.finite || anomaly.scaler_skips, "step ", global_step_ + 1,
-                        " ([trainer] detect_anomaly): ", anomaly.message);
-        }
-        sdk::StepResult result;
-        {
-          core::trace::Span span("hook", "[Strategy]optimizer_step");
-          if (t.gradient_clip_algorithm == "value") {
-            // Lightning's order: unscaled first (the scaler has then seen any inf), clamped,
-            // then stepped; the strategy's own unscale is a no-op for the rest of the step.
-            precision_->unscale_gradients(strategy_->optimizer(), *strategy_);
-            core::clip_grad_value(strategy_->optimizer(), t.gradient_clip_val);
-            result = strategy_->optimizer_step(/*gradient_clip_val=*/0.0, t.norm_type);
-          } else {
-            result = strategy_->optimizer_step(t.gradient_clip_val, t.norm_type);
-          }
-        }
+        TrainedStep step = train_step(loader, accumulate);
         next_batch_ += accumulate;
         ++global_step_;
-        if (!result.stepped) {  // the grad scaler saw inf/NaN: expected now and then, counted, not a failure
+        clock.window_items += step.items;
+        if (!step.result.stepped) {  // the grad scaler saw inf/NaN: expected now and then, counted, not a failure
           ++skipped_steps_;
           const auto scale = precision_->state_dict();
           log_.info("step " + std::to_string(global_step_) + ": the grad scaler skipped the optimizer step (inf/NaN " +
-                    "gradients); loss scale now " + (scale.contains("scale") ? format(scale.at("scale").toDouble(), 6)
-                                                                             : std::string("?")) +
+                    "gradients); loss scale now " +
+                    (scale.contains("scale") ? RunLog::number(scale.at("scale").toDouble(), 6) : std::string("?")) +
                     ", " + std::to_string(skipped_steps_) + " step(s) skipped so far");
         }
         maybe_inject_fault(global_step_);
 
-        // One all-reduce per step and the step's one wait for the device: the global loss (the
-        // bar shows what the log shows), whether any rank must stop (a signal, max_time, a
-        // callback) and the items since the last log line. Built on the device by kernels
-        // only: a host-to-device copy would wait for the step as well.
-        const double elapsed_total = std::chrono::duration<double>(Clock::now() - run_start).count();
-        const auto on_root = at::TensorOptions().dtype(at::kFloat).device(strategy_->root_device());
-        std::vector<at::Tensor> parts{(loss_sum.to(on_root) / static_cast<double>(accumulate)).reshape({})};
-        for (const bool flag : {g_signal != 0, t.max_time_s > 0 && elapsed_total >= t.max_time_s, should_stop_})
-          parts.push_back(at::full({}, flag ? 1.0 : 0.0, on_root));
-        parts.push_back(at::full({}, static_cast<double>(window_items), on_root));
-        at::Tensor sync = strategy_->reduce(at::stack(parts), sdk::ReduceOp::sum).to(at::kCPU);
-        const double loss = sync[0].item<double>() / static_cast<double>(cluster_.world_size);
-        callback_metrics_["train_loss"] = loss;
-
-        const bool log_now = global_step_ % t.log_every_n_steps == 0 || global_step_ == total_steps_ ||
-                             global_step_ == start_step + 1;
-        double elapsed = std::chrono::duration<double>(Clock::now() - window_start).count();
-        double per_step = elapsed_total / static_cast<double>(global_step_ - start_step);
-        const std::string eta = duration(per_step * static_cast<double>(total_steps_ - global_step_));
-        std::string bar = "epoch " + std::to_string(epoch_) + " " +
-                          RunLog::bar(static_cast<double>(global_step_) / static_cast<double>(total_steps_)) + " " +
-                          std::to_string(global_step_) + "/" + std::to_string(total_steps_) + "  loss " +
-                          format(loss) + "  lr " + format(lr, 3) + "  ETA " + eta;
-        if (log_now) {
-          std::map<std::string, double> metrics = {{"train_loss", loss}};
-          // Throughput of the whole job: every rank's items since the last log line.
-          double rate = sync[4].item<double>() * static_cast<double>(data_ranks) /
-                        static_cast<double>(cluster_.world_size) / std::max(elapsed, 1e-9);
-          metrics[unit + "_per_s"] = rate;
-          if (result.grad_norm >= 0) metrics["grad_norm"] = result.grad_norm;
-          if (skipped_steps_ > 0) metrics["skipped_steps"] = static_cast<double>(skipped_steps_);
-          std::string line = "epoch " + std::to_string(epoch_) + " step " + std::to_string(global_step_) + "/" +
-                             std::to_string(total_steps_) + "  loss " + format(loss) + "  lr " + format(lr, 3) + "  " +
-                             format(rate, 5) + " " + unit + "/s  ETA " + eta;
-          log_.progress(bar + "  " + format(rate, 5) + " " + unit + "/s", line, true);
-          log_stage_metrics(metrics, "train");
-          window_items = 0;
-          window_start = Clock::now();
-        } else {
-          log_.progress(bar, "", false);
-        }
+        // The step's one all-reduce and its one wait for the device.
+        const double elapsed = std::chrono::duration<double>(Clock::now() - clock.run_start).count();
+        const StepSync sync =
+            synchronise_step(step.loss_sum, accumulate, t.max_time_s > 0 && elapsed >= t.max_time_s, clock.window_items);
+        callback_metrics_["train_loss"] = sync.loss;
+        report_step(sync, step.result, lr, clock);
         const std::int64_t epoch_step = next_batch_ / accumulate;  // steps done in this epoch
         if (t.val_check_interval > 0 ? global_step_ % t.val_check_interval == 0
                                      : fraction_steps > 0 && epoch_step % fraction_steps == 0 &&
@@ -925,24 +681,23 @@ void Trainer::fit(const std::string& ckpt_path) {
           validate_during_fit("at step " + std::to_string(global_step_));
         const std::int64_t last_idx = next_batch_ - 1;
         call("on_train_batch_end",
-             [&](sdk::Callback& c) { c.on_train_batch_end(*this, last_out, last_batch, last_idx); });
+             [&](sdk::Callback& c) { c.on_train_batch_end(*this, step.last_out, step.last_batch, last_idx); });
 
-        if (sync[1].item<double>() > 0) {  // SIGINT / SIGTERM on some rank
+        if (sync.signalled) {  // SIGINT / SIGTERM on some rank
           const int signal = g_signal != 0 ? static_cast<int>(g_signal) : SIGTERM;
           const std::string path = log_dir_ + "/checkpoints/last.ckpt";
           save_checkpoint(path);
-          status = "interrupted";
           exit_code_ = 128 + signal;
           log_.info(std::string("interrupted by ") + (g_signal != 0 ? strsignal(signal) : "a signal on another rank") +
                     " at step " + std::to_string(global_step_) + ": checkpoint saved to " + path +
                     "; resume with --ckpt-path last");
           sdk::Error error("fit interrupted at step " + std::to_string(global_step_));
           call("on_exception", [&](sdk::Callback& c) { c.on_exception(*this, error); });
-          finish(status);
+          finish("interrupted");
           return;
         }
-        if (sync[2].item<double>() > 0 && !should_stop_) stop("max_time " + format(t.max_time_s, 6) + " s reached");
-        if (sync[3].item<double>() > 0 && !should_stop_) stop("a callback on another rank asked to stop");
+        if (sync.out_of_time && !should_stop_) stop("max_time " + RunLog::number(t.max_time_s, 6) + " s reached");
+        if (sync.callback_stop && !should_stop_) stop("a callback on another rank asked to stop");
         if (should_stop_) log_.info("stopping at step " + std::to_string(global_step_) + ": " + stop_reason_);
       }
       if (next_batch_ + accumulate > epoch_batches) {  // the epoch is complete
@@ -958,29 +713,10 @@ void Trainer::fit(const std::string& ckpt_path) {
     finish("failed");
     throw;
   }
-  auto max_over_ranks = [&](double value) {
-    at::Tensor t = at::full({}, value, at::kFloat).to(strategy_->root_device());
-    return strategy_->reduce(t, sdk::ReduceOp::max).item<double>();
-  };
-  // Peak resident memory of the busiest rank: the figure FSDP is meant to lower.
-  rusage usage{};
-  ::getrusage(RUSAGE_SELF, &usage);
-  double peak_mb = max_over_ranks(static_cast<double>(std::max<std::int64_t>(usage.ru_maxrss, earlier_peak_rss_kb_)) / 1024.0);
-  log_.info("peak RSS per rank (max over ranks): " + format(peak_mb, 5) + " MB");
-  log_stage_metrics({{"peak_rss_mb", peak_mb}}, "train");
-#if TESSERA_WITH_CUDA
-  // And the peak of tensor memory on the GPU (what cpu_offload and sharding lower there).
-  if (strategy_->root_device().is_cuda()) {
-    const auto stats = c10::cuda::CUDACachingAllocator::getDeviceStats(strategy_->root_device().index());
-    const auto peak = stats.allocated_bytes[0].peak;  // [0]: StatType::AGGREGATE (its namespace moved in LibTorch 2)
-    double cuda_mb = max_over_ranks(static_cast<double>(peak) / 1048576.0);
-    log_.info("peak CUDA tensor memory per rank (max over ranks): " + format(cuda_mb, 5) + " MB");
-    log_stage_metrics({{"peak_cuda_mb", cuda_mb}}, "train");
-  }
-#endif
+  log_peak_memory();
   call("on_train_end", [&](sdk::Callback& c) { c.on_train_end(*this); });
   call("on_fit_end", [&](sdk::Callback& c) { c.on_fit_end(*this); });
-  finish(status);
+  finish("success");
   if (t.predict_after_fit) {
     log_.info("sample from the trained model:");
     predict_batches(BatchLimit{false, 1.0});

@@ -1,6 +1,7 @@
 #pragma once
 // The trainer: creates the plugins and callbacks, wires them like Lightning's Trainer, and
 // runs fit, validate, test or predict on this rank, with a run folder per fit/validate/test.
+#include <chrono>
 #include <limits>
 #include <memory>
 #include <optional>
@@ -14,9 +15,14 @@
 #include "lr_schedule.hpp"
 #include "run_log.hpp"
 #include "tessera/core/plugin_loader.hpp"
+#include "tessera/core/trace.hpp"
 #include "tessera/sdk/callback.hpp"
 #include "tessera/sdk/data.hpp"
 #include "tessera/sdk/strategy.hpp"
+
+namespace tessera::core {
+class DataLoader;
+}
 
 namespace tessera::host {
 
@@ -109,10 +115,11 @@ class Trainer final : public sdk::Trainer {
   /// init_from_strict = false: loads those of `path`'s tensors (a file, or a sharded folder
   /// streamed one tensor at a time); the model's others keep their initialisation.
   void load_matching_weights(const std::string& path);
-  /// A file saved from a wrapper of the model (PyTorch DDP's "module.", torch.compile's
-  /// "_orig_mod.", a LightningModule's attribute such as "model.") prefixes every name: while no
-  /// name is one of the model's and all share a leading component, it is dropped (logged).
-  sdk::StateDict without_wrapper_prefix(const sdk::StateDict& state, const std::string& path);
+  /// The model weights of `checkpoint`, read from `path`. A file saved from a wrapper of the
+  /// model (PyTorch DDP's "module.", torch.compile's "_orig_mod.", a LightningModule's attribute
+  /// such as "model.") prefixes every name: while no name is one of the model's and all share a
+  /// leading component, it is dropped (logged).
+  sdk::StateDict model_weights(const sdk::Checkpoint& checkpoint, const std::string& path);
   struct Evaluation {
     std::map<std::string, double> metrics;  ///< averaged over batches and ranks
     std::int64_t batches = 0;               ///< run on each rank
@@ -147,6 +154,35 @@ class Trainer final : public sdk::Trainer {
   /// Runs one step, explaining LibTorch's dtype errors under autocast (explain_step_failure).
   template <typename Step>
   auto run_step(const char* name, Step&& step);
+  /// One optimizer step's work, from micro-batch next_batch_ of `loader`: `accumulate`
+  /// micro-batches forward and backward, the anomaly check, clipping, the optimizer step.
+  struct TrainedStep {
+    at::Tensor loss_sum;       ///< the micro-batches' losses summed, on the loss's device
+    std::int64_t items = 0;    ///< tokens or samples this rank trained on
+    sdk::StepOutput last_out;  ///< the last micro-batch's: its on_train_batch_end runs after the step
+    sdk::Batch last_batch;
+    sdk::StepResult result;
+  };
+  TrainedStep train_step(core::DataLoader& loader, std::int64_t accumulate);
+  /// What every rank learns after a step, from one all-reduce: the global loss (the bar shows
+  /// what the log shows), whether any rank must stop, and the items since the last log line.
+  struct StepSync {
+    double loss = 0;
+    bool signalled = false, out_of_time = false, callback_stop = false;
+    double items = 0;
+  };
+  StepSync synchronise_step(const at::Tensor& loss_sum, std::int64_t accumulate, bool out_of_time,
+                            std::int64_t window_items);
+  /// fit's clock: the ETA, and the throughput since the last log line.
+  struct FitClock {
+    std::chrono::steady_clock::time_point run_start, window_start;
+    std::int64_t start_step = 0, window_items = 0;
+    std::int64_t data_ranks = 1;  ///< ranks that read distinct batches
+  };
+  /// The progress bar and, every log_every_n_steps, the log line and the train metrics.
+  void report_step(const StepSync& sync, const sdk::StepResult& result, double lr, FitClock& clock);
+  /// The busiest rank's peak RSS (and CUDA tensor memory), logged and a metric. Collective.
+  void log_peak_memory();
   void maybe_inject_fault(std::int64_t step, bool saving = false) const;
   void maybe_inject_gradient_fault();
 
@@ -175,7 +211,6 @@ class Trainer final : public sdk::Trainer {
   std::int64_t skipped_steps_ = 0;  ///< optimizer steps the grad scaler skipped in this run
   std::unique_ptr<LRSchedule> schedule_;
   std::optional<sdk::Checkpoint> restored_schedule_;  ///< from --ckpt-path, checked against the config
-  std::optional<sdk::Checkpoint> restored_callbacks_;
   std::string restored_from_;
   std::int64_t earlier_peak_rss_kb_ = 0;  ///< the peak RSS before a restore reset the kernel's mark
   /// The model's parameters and buffers as configure_model built them (full shapes, before the
@@ -188,5 +223,13 @@ class Trainer final : public sdk::Trainer {
   /// model) would train differently under each strategy, or not at all: it stops the run.
   void check_trainable_unchanged() const;
 };
+
+template <typename Hook>
+void Trainer::call(const char* name, Hook&& hook) {
+  for (auto& [callback_name, callback] : callbacks_) {
+    core::trace::Span span("hook", core::trace::enabled() ? "[Callback]" + callback_name + "." + name : "");
+    hook(*callback);
+  }
+}
 
 }  // namespace tessera::host

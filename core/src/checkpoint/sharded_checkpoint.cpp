@@ -33,6 +33,8 @@ using c10::IValue;
 
 namespace {
 
+constexpr std::string_view kModelTensorPrefix = "state_dict/";
+
 std::string file_name(std::int64_t rank, std::int64_t world) {
   return "rank-" + std::to_string(rank) + "-of-" + std::to_string(world) + ".safetensors";
 }
@@ -245,7 +247,7 @@ void write_shard(const sdk::Checkpoint& checkpoint, const std::string& path, std
     if (!pieces) {  // rank-local tensors: stored as they are
     } else if (p.size() == 2 && p[0] == "state_dict") {
       param = p[1];
-      name = "state_dict/" + param;
+      name = model_tensor_key(param);
     } else if (p.size() == 5 && p[0] == "optimizer_states" && p[1] == "0" && p[2] == "state" && p[4] != "step") {
       const std::size_t index = std::stoul(p[3]);
       TESSERA_CHECK(index < param_names.size(), "optimizer state of parameter index ", index, " but 'param_names' has ",
@@ -375,10 +377,16 @@ bool is_sharded_checkpoint(const std::string& path) {
   return fs::is_directory(path, ec) && fs::exists(fs::path(path) / kManifestName, ec);
 }
 
-bool holds_rank_local_state(const Manifest& manifest) {
-  return std::none_of(manifest.tensors.begin(), manifest.tensors.end(),
-                      [](const auto& t) { return t.first.rfind("state_dict/", 0) == 0; });
+std::string model_tensor_key(const std::string& name) { return std::string(kModelTensorPrefix) + name; }
+
+std::map<std::string, const ManifestTensor*> model_tensors(const Manifest& manifest) {
+  std::map<std::string, const ManifestTensor*> out;
+  for (const auto& [key, tensor] : manifest.tensors)
+    if (key.rfind(kModelTensorPrefix, 0) == 0) out.emplace(key.substr(kModelTensorPrefix.size()), &tensor);
+  return out;
 }
+
+bool holds_rank_local_state(const Manifest& manifest) { return model_tensors(manifest).empty(); }
 
 Manifest read_manifest(const std::string& path) {
   const fs::path file = fs::path(path) / kManifestName;
@@ -489,9 +497,9 @@ sdk::Checkpoint load_sharded(const std::string& path, const std::map<std::string
 sdk::Checkpoint load_sharded(const std::string& path, const std::map<std::string, StackedPieces>& wanted,
                              std::int64_t rank) {
   const Manifest m = read_manifest(path);
+  const auto weights = model_tensors(m);
   std::map<std::string, std::vector<std::int64_t>> saved;
-  for (const auto& [name, t] : m.tensors)
-    if (name.rfind("state_dict/", 0) == 0) saved.emplace(name.substr(11), t.global_shape);
+  for (const auto& [name, t] : weights) saved.emplace(name, t->global_shape);
   TESSERA_CHECK(!holds_rank_local_state(m) || wanted.empty(), "checkpoint ", path, " holds rank-local state (fsdp state_dict_type = ",
                 "\"local\"): it loads only into the same world size, strategy and model");
   std::map<std::string, TensorPiece> first_pieces;  // for the names and global shapes
@@ -533,10 +541,9 @@ sdk::Checkpoint load_sharded(const std::string& path, const std::map<std::string
   sdk::Checkpoint out = checkpoint_dict(decode(tree, [&](const std::string& n) { return mine.read(n); }), path);
 
   sdk::StateDict state;
-  for (const auto& name : order) state.insert(name, assemble("state_dict/" + name, wanted.at(name)));
-  for (const auto& [name, t] : m.tensors)  // (none in a checkpoint tessera wrote: every rank saves every name)
-    if (name.rfind("state_dict/", 0) == 0 && !state.contains(name.substr(11)))
-      state.insert(name.substr(11), assemble(name, wanted.at(name.substr(11))));
+  for (const auto& name : order) state.insert(name, assemble(model_tensor_key(name), wanted.at(name)));
+  for (const auto& [name, t] : weights)  // (none in a checkpoint tessera wrote: every rank saves every name)
+    if (!state.contains(name)) state.insert(name, assemble(model_tensor_key(name), wanted.at(name)));
   out.insert_or_assign("state_dict", to_ivalue(state));
 
   if (!optimizer.is_null()) {
@@ -596,14 +603,14 @@ sdk::Checkpoint load_shard(const std::string& path, std::int64_t rank) {
   }
   sdk::Checkpoint out = checkpoint_dict(decode(tree, [&](const std::string& n) { return reader.read(n); }), full);
   std::map<std::string, TensorPiece> pieces;
-  for (const auto& [name, t] : m.tensors)
-    if (name.rfind("state_dict/", 0) == 0)
-      for (const ManifestPiece& p : t.pieces) {
-        if (p.file != file) continue;
-        TESSERA_CHECK(p.key == name, "checkpoint ", path, " holds ", name, " as stacked pieces (tensor parallelism): ",
-                      "it loads re-cut (state_dict_type = \"sharded\"), not as a rank's own state");
-        pieces.emplace(name.substr(11), p.piece);
-      }
+  for (const auto& [name, t] : model_tensors(m))
+    for (const ManifestPiece& p : t->pieces) {
+      if (p.file != file) continue;
+      TESSERA_CHECK(p.key == model_tensor_key(name), "checkpoint ", path, " holds ", p.key,
+                    " as stacked pieces (tensor parallelism): it loads re-cut (state_dict_type = \"sharded\"), ",
+                    "not as a rank's own state");
+      pieces.emplace(name, p.piece);
+    }
   if (!pieces.empty()) out.insert(kTensorPiecesKey, pieces_to_ivalue(pieces));
   return out;
 }

@@ -75,8 +75,13 @@ struct Manifest {
 bool is_sharded_checkpoint(const std::string& path);
 /// Reads and checks the manifest: format, a version this build reads, every field present.
 Manifest read_manifest(const std::string& path);
-/// Whether the save holds no model tensors (no "state_dict/<name>"): fsdp's state_dict_type =
-/// "local", flat shards that only the same world size, strategy and model read.
+/// The model's tensors in the manifest, by their names in the model ("w" for "state_dict/w"),
+/// pointing into `manifest`.
+std::map<std::string, const ManifestTensor*> model_tensors(const Manifest& manifest);
+/// The manifest's and the files' name of model tensor `name` ("state_dict/<name>").
+std::string model_tensor_key(const std::string& name);
+/// Whether the save holds no model tensors: fsdp's state_dict_type = "local", flat shards that
+/// only the same world size, strategy and model read.
 bool holds_rank_local_state(const Manifest& manifest);
 
 /// Reads pieces of a committed checkpoint's tensors as byte ranges of its files: each block
