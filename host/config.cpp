@@ -175,7 +175,7 @@ Config Config::load(const std::string& path, const std::vector<std::string>& ove
   }
   config.resolved = root;
 
-  std::vector<std::string> sections = {"trainer", "optimizer", "lr_scheduler", "launch", "logger", "callbacks"};
+  std::vector<std::string> sections = {"trainer", "optimizer", "lr_scheduler", "lr_find", "launch", "logger", "callbacks"};
   sections.insert(sections.end(), kPluginSections.begin(), kPluginSections.end());
   for (const auto& [key, node] : root) {
     std::string name(key.str());
@@ -336,6 +336,19 @@ Config Config::load(const std::string& path, const std::vector<std::string>& ove
   for (const char* key : {"schedule", "warmup_steps", "min_lr"}) o.mark_used(key), ls.mark_used(key);
   o.check_all_used();
   ls.check_all_used();
+
+  sdk::Options lf = section("lr_find");
+  LrFindSettings& find = config.lr_find;
+  find.min_lr = lf.get_double("min_lr", find.min_lr, 0.0, kMaxFloat);
+  find.max_lr = lf.get_double("max_lr", find.max_lr, 0.0, kMaxFloat);
+  find.num_training = lf.get_int("num_training", find.num_training, 2, 1000000);
+  find.mode = lf.get_choice("mode", find.mode, {"exponential", "linear"});
+  find.early_stop_threshold = lf.get_double("early_stop_threshold", find.early_stop_threshold, 0.0, kMaxFloat);
+  TESSERA_CHECK(find.max_lr > find.min_lr, lf.locate("max_lr"), " = ", find.max_lr, " is not above min_lr = ",
+                find.min_lr, ": the range test raises the learning rate from min_lr to max_lr");
+  TESSERA_CHECK(find.mode == "linear" || find.min_lr > 0, lf.locate("min_lr"),
+                " = 0: an exponential range starts above 0 (e.g. 1e-8); or mode = \"linear\"");
+  lf.check_all_used();
 
   sdk::Options l = section("launch");
   LaunchSettings& la = config.launch;

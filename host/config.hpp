@@ -75,6 +75,15 @@ struct ScheduleSettings {
   double min_lr = 0.0;
 };
 
+/// `tessera lr-find` (Lightning's Tuner.lr_find): the learning-rate range test.
+struct LrFindSettings {
+  double min_lr = 1e-8;
+  double max_lr = 1.0;
+  std::int64_t num_training = 100;   ///< optimizer steps, from min_lr to max_lr
+  std::string mode = "exponential";  ///< or "linear": how the lr rises from step to step
+  double early_stop_threshold = 4.0;  ///< stop once the smoothed loss exceeds this x its best; 0: never
+};
+
 struct LaunchSettings {
   std::int64_t devices = 1;
   std::int64_t nodes = 1;
@@ -118,6 +127,7 @@ class Config {
   TrainerSettings trainer;
   sdk::OptimizerSettings optimizer;
   ScheduleSettings schedule;
+  LrFindSettings lr_find;
   LaunchSettings launch;
   DataSettings data;
   LoggerSettings logger;

@@ -1,4 +1,4 @@
-// The `tessera` command line: fit | validate | test | predict | plugins.
+// The `tessera` command line: fit | validate | test | predict | lr-find | plan | plugins | checkpoint.
 #include <fcntl.h>
 #include <unistd.h>
 
@@ -34,6 +34,7 @@ using namespace tessera;
 
 constexpr const char* kUsage = R"(usage:
   tessera fit|validate|test|predict --config FILE.toml [--set section.key=value ...] [--ckpt-path last|best|PATH]
+  tessera lr-find --config FILE.toml [--set section.key=value ...]
   tessera plan --config FILE.toml [--set section.key=value ...] [--json]
   tessera plugins [--config FILE.toml]
   tessera checkpoint inspect|verify|export PATH [--to FILE.safetensors|FILE.ckpt]
@@ -44,6 +45,8 @@ constexpr const char* kUsage = R"(usage:
   validate   run the validation loop (weights from --ckpt-path, or [trainer] init_from)
   test       run the test loop (weights from --ckpt-path, or [trainer] init_from)
   predict    run predict_step and print its output (e.g. text generated from [data] prompt)
+  lr-find    the learning-rate range test: train while the lr rises over [lr_find] min_lr..max_lr,
+             write lr_find.csv and suggest a learning rate (saves nothing)
   plan       print each rank's memory budget, the bytes it sends per step and the largest batch
              that fits, without training
              (fit prints a warning before any work when the plan exceeds the machine's memory)
@@ -63,7 +66,7 @@ struct Arguments {
 Arguments parse(int argc, char** argv) {
   Arguments args;
   std::vector<std::string> words(argv + 1, argv + argc);
-  const std::vector<std::string> commands = {"fit", "validate", "test", "predict", "plan", "plugins"};
+  const std::vector<std::string> commands = {"fit", "validate", "test", "predict", "lr-find", "plan", "plugins"};
   for (std::size_t i = 0; i < words.size(); ++i) {
     const std::string& w = words[i];
     auto value = [&](const std::string& flag) -> std::string {
@@ -88,6 +91,9 @@ Arguments parse(int argc, char** argv) {
   TESSERA_CHECK(!args.command.empty(), "no command given");
   TESSERA_CHECK(args.command == "plugins" || !args.config.empty(), args.command, " needs --config FILE.toml");
   TESSERA_CHECK(!args.json || args.command == "plan", "--json applies to `tessera plan` only");
+  TESSERA_CHECK(args.ckpt_path.empty() || (args.command != "lr-find" && args.command != "plan"), "--ckpt-path does not ",
+                "apply to `tessera ", args.command, "`", args.command == "lr-find" ? ": to test learning rates from a "
+                "checkpoint's weights, set [trainer] init_from" : "");
   return args;
 }
 
@@ -272,8 +278,10 @@ int main(int argc, char** argv) {
       const std::string checkpoint = host::Trainer::resolve_checkpoint(config, args.ckpt_path, args.command == "fit");
       if (args.command == "fit" && !checkpoint.empty()) host::Trainer::check_resumable(checkpoint);
       host::Trainer::check_weights_given(args.command, checkpoint, host::Trainer::initial_weights(config, checkpoint));
+      TESSERA_CHECK(args.command != "lr-find" || config.trainer.fast_dev_run == 0, "[trainer] fast_dev_run runs ",
+                    "every loop for a few batches; lr-find trains [lr_find] num_training steps: remove one of them");
       check_plugins(config);
-      if (args.command == "fit") warn_about_memory(config);
+      if (args.command == "fit" || args.command == "lr-find") warn_about_memory(config);
     }
     configuring = false;
     core::set_fatal_reporter(report_failure);
@@ -285,6 +293,7 @@ int main(int argc, char** argv) {
     if (args.command == "fit") trainer.fit(args.ckpt_path);
     else if (args.command == "validate") trainer.validate(args.ckpt_path);
     else if (args.command == "test") trainer.test(args.ckpt_path);
+    else if (args.command == "lr-find") trainer.lr_find();
     else trainer.predict(args.ckpt_path);
     return trainer.exit_code();
   } catch (const std::exception& e) {

@@ -31,6 +31,7 @@
 #include "tessera/sdk/build_config.hpp"  // TESSERA_WITH_CUDA, before the #if below
 #include "tessera/sdk/error.hpp"
 #include "tessera/sdk/sync_batch_norm.hpp"
+#include "lr_find.hpp"
 #include "lr_schedule.hpp"
 
 #if TESSERA_WITH_CUDA
@@ -145,7 +146,7 @@ Trainer::~Trainer() {
   if (strategy_) strategy_->teardown();
 }
 
-void Trainer::setup(const std::string& stage) {
+void Trainer::setup(const std::string& stage, const std::string& command) {
   using sdk::PluginKind;
   stage_ = stage;
   auto create = [&](const std::string& section, PluginKind kind) {
@@ -181,7 +182,7 @@ void Trainer::setup(const std::string& stage) {
     trainable_at_setup_.emplace_back(item.key(), item.value(), item.value().requires_grad());
   data_->setup(stage);
   check_data_against_model(stage);
-  log_.info("tessera " + stage + ": strategy " + config_.plugin_names.at("strategy") + ", precision " +
+  log_.info("tessera " + (command.empty() ? stage : command) + ": strategy " + config_.plugin_names.at("strategy") + ", precision " +
             precision_->precision() + ", model " + config_.plugin_names.at("model") + " (" +
             RunLog::number(static_cast<double>(parameters) / 1e6, 4) + "M parameters" +
             (frozen > 0 ? ", " + RunLog::number(static_cast<double>(frozen) / 1e6, 4) + "M frozen by [trainer] freeze" : "") +
@@ -461,6 +462,30 @@ void Trainer::validate_during_fit(const std::string& when) {
   call("on_validation_end", [&](sdk::Callback& c) { c.on_validation_end(*this); });
 }
 
+Trainer::TrainingData Trainer::prepare_training() {
+  const TrainerSettings& t = config_.trainer;
+  sdk::DataLoaderSpec spec;
+  spec.batch_size = config_.data.batch_size;
+  spec.shuffle = config_.data.shuffle;
+  spec.drop_last = true;
+  spec.seed = t.seed;
+  const sdk::DataLoaderSpec sampled = strategy_->process_dataloader(spec);
+  TrainingData data;
+  data.loader = std::make_unique<core::DataLoader>(data_->train_dataset(), sampled);
+  // Ranks that read distinct batches (tensor-parallel ranks share theirs): the global batch
+  // and the throughput count each sample once.
+  data.data_ranks = std::max<std::int64_t>(1, sampled.num_replicas);
+  if (t.sync_batchnorm) synchronise_batch_norms(data.data_ranks);
+  const std::int64_t all_batches = data.loader->num_batches();
+  data.epoch_batches = t.limit_train_batches.of(all_batches);
+  TESSERA_CHECK(data.epoch_batches >= t.accumulate_grad_batches, "the training set gives this rank ",
+                data.epoch_batches, " batches per epoch",
+                (data.epoch_batches < all_batches ? " ([trainer] limit_train_batches)" : ""),
+                ", fewer than [trainer] accumulate_grad_batches = ", t.accumulate_grad_batches,
+                ": lower [data] batch_size or accumulate_grad_batches");
+  return data;
+}
+
 Trainer::TrainedStep Trainer::train_step(core::DataLoader& loader, std::int64_t accumulate) {
   const TrainerSettings& t = config_.trainer;
   TrainedStep step;
@@ -597,24 +622,11 @@ void Trainer::fit(const std::string& ckpt_path) {
   if (!initial.empty()) restore(initial, Restore::initial_weights);
   begin_run();
   const TrainerSettings& t = config_.trainer;
-  sdk::DataLoaderSpec spec;
-  spec.batch_size = config_.data.batch_size;
-  spec.shuffle = config_.data.shuffle;
-  spec.drop_last = true;
-  spec.seed = t.seed;
-  const sdk::DataLoaderSpec sampled = strategy_->process_dataloader(spec);
-  core::DataLoader loader(data_->train_dataset(), sampled);
-  // Ranks that read distinct batches (tensor-parallel ranks share theirs): the global batch
-  // and the throughput count each sample once.
-  const std::int64_t data_ranks = std::max<std::int64_t>(1, sampled.num_replicas);
-  if (t.sync_batchnorm) synchronise_batch_norms(data_ranks);
+  TrainingData data = prepare_training();
+  core::DataLoader& loader = *data.loader;
+  const std::int64_t data_ranks = data.data_ranks, epoch_batches = data.epoch_batches;
   const std::int64_t accumulate = t.accumulate_grad_batches;
-  const std::int64_t epoch_batches = t.limit_train_batches.of(loader.num_batches());
   const std::int64_t steps_per_epoch = epoch_batches / accumulate;
-  TESSERA_CHECK(steps_per_epoch > 0, "the training set gives this rank ", epoch_batches, " batches per epoch",
-                (epoch_batches < loader.num_batches() ? " ([trainer] limit_train_batches)" : ""),
-                ", fewer than [trainer] accumulate_grad_batches = ", accumulate,
-                ": lower [data] batch_size or accumulate_grad_batches");
   // val_check_interval as a fraction of an epoch: validate every this many steps of it.
   const std::int64_t fraction_steps =
       t.val_check_fraction < 1.0
@@ -721,6 +733,73 @@ void Trainer::fit(const std::string& ckpt_path) {
     log_.info("sample from the trained model:");
     predict_batches(BatchLimit{false, 1.0});
   }
+}
+
+void Trainer::lr_find() {
+  const std::string initial = initial_weights(config_, "");
+  setup("fit", "lr-find");
+  if (!initial.empty()) restore(initial, Restore::initial_weights);
+  callbacks_.clear();  // fit's: nothing is checkpointed, nothing but divergence stops the test
+  open_run_directory();
+  const LrFindSettings& settings = config_.lr_find;
+  const std::int64_t accumulate = config_.trainer.accumulate_grad_batches;
+  TrainingData data = prepare_training();
+  total_steps_ = settings.num_training;
+  log_.info("lr-find: " + std::to_string(total_steps_) + " optimizer steps of " +
+            std::to_string(config_.data.batch_size * data.data_ranks * accumulate) + " samples, the learning rate " +
+            "rising " + (settings.mode == "linear" ? "linearly" : "exponentially") + " from " +
+            RunLog::number(settings.min_lr, 3) + " to " + RunLog::number(settings.max_lr, 3) +
+            (settings.early_stop_threshold > 0
+                 ? "; stops once the smoothed loss exceeds " + RunLog::number(settings.early_stop_threshold, 3) +
+                       " x its best"
+                 : ""));
+  LrRangeTest test(settings);
+  FitClock clock{Clock::now(), Clock::now(), 0, 0, data.data_ranks};
+  model_->network()->train(true);
+  data.loader->set_epoch(epoch_);
+  try {
+    for (std::int64_t step = 0; step < settings.num_training; ++step) {
+      if (next_batch_ + accumulate > data.epoch_batches) {  // more steps than an epoch holds: the next epoch
+        ++epoch_;
+        next_batch_ = 0;
+        data.loader->set_epoch(epoch_);
+      }
+      const double lr = test.lr(step);
+      for (auto& group : strategy_->optimizer().param_groups()) group.options().set_lr(lr);
+      TrainedStep trained = train_step(*data.loader, accumulate);
+      next_batch_ += accumulate;
+      ++global_step_;
+      clock.window_items += trained.items;
+      const StepSync sync = synchronise_step(trained.loss_sum, accumulate, /*out_of_time=*/false, clock.window_items);
+      const bool go_on = test.record(sync.loss);  // the global loss: every rank decides alike
+      report_step(sync, trained.result, lr, clock);
+      if (!go_on) {
+        log_.info("lr-find: stopped after step " + std::to_string(global_step_) + " at lr " + RunLog::number(lr, 3) +
+                  ": the smoothed loss " + RunLog::number(test.smoothed().back()) +
+                  (std::isfinite(test.smoothed().back())
+                       ? " exceeds " + RunLog::number(settings.early_stop_threshold, 3) + " x its best"
+                       : " is not finite") +
+                  " (diverged)");
+        break;
+      }
+    }
+  } catch (const std::exception&) {
+    finish("failed");
+    throw;
+  }
+  const std::string csv = log_dir_ + "/lr_find.csv";
+  if (cluster_.global_rank == 0) test.write_csv(csv);
+  if (const std::optional<std::int64_t> best = test.suggestion()) {
+    const std::string lr = RunLog::number(test.lr(*best), 3);
+    log_.info("lr-find: suggested lr " + lr + " (where the smoothed loss falls the fastest, step " +
+              std::to_string(*best + 1) + " of " + std::to_string(test.steps()) + "); train with --set optimizer.lr=" +
+              lr + " (or a little lower); the curve: " + csv);
+  } else {
+    log_.info("lr-find: no suggestion: " + std::to_string(test.steps()) + " step(s) leave fewer than 2 points " +
+              "once the first 10 and the last are skipped; raise [lr_find] num_training or lower max_lr; the " +
+              "curve: " + csv);
+  }
+  finish("success");
 }
 
 void Trainer::finish(const std::string& status) {

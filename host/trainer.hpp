@@ -38,6 +38,11 @@ class Trainer final : public sdk::Trainer {
   void validate(const std::string& ckpt_path);
   void test(const std::string& ckpt_path);
   void predict(const std::string& ckpt_path);
+  /// The learning-rate range test ([lr_find], lr_find.hpp): trains from the model's initial
+  /// weights (or [trainer] init_from) through the strategy, as fit, while the learning rate
+  /// rises; writes lr_find.csv in the run folder and logs the suggested learning rate. No
+  /// callback runs and nothing is saved, as in Lightning's Tuner.lr_find.
+  void lr_find();
   /// The process exit code for the run: 0, or 128 + signal when fit was interrupted.
   int exit_code() const { return exit_code_; }
 
@@ -92,7 +97,9 @@ class Trainer final : public sdk::Trainer {
   bool is_global_zero() const override { return cluster_.global_rank == 0; }
 
  private:
-  void setup(const std::string& stage);
+  /// Creates every plugin and sets the model up under the strategy; `stage` is the data's and
+  /// the callbacks' ("fit", "validate", ...), `command` the one the log names when it differs.
+  void setup(const std::string& stage, const std::string& command = "");
   /// validate, test, predict: setup, then the weights of --ckpt-path, else of [trainer] init_from.
   void setup_with_weights(const std::string& stage, const std::string& ckpt_path);
   /// Before any step: the data's sequence length against the model's context (check_sequence_length).
@@ -154,6 +161,14 @@ class Trainer final : public sdk::Trainer {
   /// Runs one step, explaining LibTorch's dtype errors under autocast (explain_step_failure).
   template <typename Step>
   auto run_step(const char* name, Step&& step);
+  /// fit's and lr-find's batches: the strategy's sampler over the training set (and the
+  /// model's batch norms synchronised, under sync_batchnorm). Checks that an epoch holds a step.
+  struct TrainingData {
+    std::unique_ptr<core::DataLoader> loader;
+    std::int64_t data_ranks = 1;     ///< ranks that read distinct batches
+    std::int64_t epoch_batches = 0;  ///< this rank's batches per epoch, after limit_train_batches
+  };
+  TrainingData prepare_training();
   /// One optimizer step's work, from micro-batch next_batch_ of `loader`: `accumulate`
   /// micro-batches forward and backward, the anomaly check, clipping, the optimizer step.
   struct TrainedStep {

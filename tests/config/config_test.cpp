@@ -7,6 +7,7 @@
 #include <fstream>
 
 #include "config.hpp"
+#include "lr_find.hpp"
 #include "lr_schedule.hpp"
 #include "tessera/core/checkpoint.hpp"
 #include "tessera/core/plugin_loader.hpp"
@@ -186,7 +187,7 @@ TEST(Config, InvalidTomlNamesFileLineAndColumn) {
 TEST(Config, UnknownSectionSuggestsTheClosest) {
   std::string e = load_error("[trainer]\nmax_steps = 3\n\n[optimiser]\nlr = 0.1\n");
   EXPECT_CONTAINS(e, ":4: unknown section [optimiser] (did you mean 'optimizer'?)");
-  EXPECT_CONTAINS(e, "valid sections: trainer, optimizer, lr_scheduler, launch, logger, callbacks, strategy, precision");
+  EXPECT_CONTAINS(e, "valid sections: trainer, optimizer, lr_scheduler, lr_find, launch, logger, callbacks, strategy, precision");
 }
 
 TEST(Config, TopLevelKeysOtherThanPluginDirsAreErrors) {
@@ -454,6 +455,97 @@ TEST(LRSchedule, StateDictHasLambdaLRKeysAndComparesAfterAReload) {
   EXPECT_THROW(schedule.compare(loaded, 4, "ckpt"), tessera::sdk::Error);
   LRSchedule longer(s, 0.01, 16);
   EXPECT_CONTAINS(longer.compare(loaded, 3, "ckpt"), "total_steps 8 -> 16");
+}
+
+using tessera::host::LrFindSettings;
+using tessera::host::LrRangeTest;
+
+TEST(LrRangeTest, RisesFromMinToMaxGeometricallyOrLinearly) {
+  LrFindSettings s;
+  s.min_lr = 1e-6;
+  s.max_lr = 1.0;
+  s.num_training = 7;
+  LrRangeTest exponential(s);
+  for (std::int64_t i = 0; i < 7; ++i) EXPECT_NEAR(exponential.lr(i), std::pow(10.0, -6.0 + i), 1e-12 * std::pow(10.0, i)) << i;
+  s.mode = "linear";
+  s.min_lr = 0.0;
+  s.max_lr = 0.6;
+  LrRangeTest linear(s);
+  for (std::int64_t i = 0; i < 7; ++i) EXPECT_NEAR(linear.lr(i), 0.1 * static_cast<double>(i), 1e-12) << i;
+}
+
+TEST(LrRangeTest, SmoothsTheLossAndStopsOnceItDivergesOrIsNotFinite) {
+  LrFindSettings s;
+  LrRangeTest test(s);
+  // Lightning's bias-corrected moving average (beta 0.98): equal losses smooth to themselves.
+  EXPECT_TRUE(test.record(2.0));
+  EXPECT_TRUE(test.record(2.0));
+  EXPECT_NEAR(test.smoothed()[1], 2.0, 1e-12);
+  EXPECT_TRUE(test.record(1.0));
+  const double average = (0.98 * 0.98 * 0.02 * 2 + 0.98 * 0.02 * 2 + 0.02 * 1.0) / (1 - std::pow(0.98, 3));
+  EXPECT_NEAR(test.smoothed()[2], average, 1e-12);
+  // The best smoothed loss so far is ~1.97: a smoothed loss above 4 x that stops the test.
+  bool go_on = true;
+  while (go_on && test.steps() < 50) go_on = test.record(1000.0);
+  EXPECT_FALSE(go_on);
+  EXPECT_GT(test.smoothed().back(), 4 * average);
+  EXPECT_LT(test.smoothed()[test.steps() - 2], 4 * average) << "it should stop at the first step above";
+  LrRangeTest nan_loss(s);
+  EXPECT_TRUE(nan_loss.record(3.0));
+  EXPECT_FALSE(nan_loss.record(std::nan("")));
+  s.early_stop_threshold = 0;  // never stops for a high loss; a non-finite one still ends it
+  LrRangeTest never(s);
+  for (int i = 0; i < 20; ++i) EXPECT_TRUE(never.record(i == 0 ? 1.0 : 1e6)) << i;
+  EXPECT_FALSE(never.record(INFINITY));
+}
+
+TEST(LrRangeTest, SuggestsTheSteepestFallAgainstLogLrSkippingTheStartAndTheEnd) {
+  LrFindSettings s;
+  s.num_training = 60;
+  s.early_stop_threshold = 0;
+  // A loss that falls as a logistic in log(lr), steepest at step 40, then rises past step 50.
+  // A noisy dip at step 3 (skipped) and a cliff at the last step (skipped) do not count.
+  LrRangeTest test(s);
+  for (std::int64_t i = 0; i < 60; ++i) {
+    double loss = 3.0 - 2.0 / (1.0 + std::exp(-(static_cast<double>(i) - 40.0) / 3.0));
+    if (i == 3) loss -= 50;
+    if (i > 50) loss += 0.5 * static_cast<double>(i - 50);
+    if (i == 59) loss = -1e6;
+    test.record(loss);
+  }
+  // The smoothing delays the curve by a few steps: the steepest smoothed fall comes after step 40.
+  const std::optional<std::int64_t> best = test.suggestion();
+  ASSERT_TRUE(best.has_value());
+  EXPECT_GE(*best, 40);
+  EXPECT_LE(*best, 50);
+  std::int64_t steepest = 11;  // recomputed here: central differences in log(lr), i.e. in steps
+  for (std::int64_t i = 11; i < 58; ++i)
+    if (test.smoothed()[i + 1] - test.smoothed()[i - 1] < test.smoothed()[steepest + 1] - test.smoothed()[steepest - 1])
+      steepest = i;
+  EXPECT_EQ(*best, steepest);
+  // Fewer than 2 points once the first 10 steps and the last are skipped: no suggestion.
+  LrRangeTest short_test(s);
+  for (int i = 0; i < 12; ++i) short_test.record(1.0 - 0.01 * i);
+  EXPECT_FALSE(short_test.suggestion().has_value());
+  short_test.record(0.8);
+  EXPECT_TRUE(short_test.suggestion().has_value());
+}
+
+TEST(Config, LrFindSectionIsCheckedBeforeAnyWork) {
+  std::string path = write_toml("[lr_find]\nmin_lr = 1e-6\nmax_lr = 0.1\nnum_training = 40\nmode = \"linear\"\n"
+                                "early_stop_threshold = 0\n");
+  Config c = Config::load(path, {});
+  EXPECT_DOUBLE_EQ(c.lr_find.min_lr, 1e-6);
+  EXPECT_DOUBLE_EQ(c.lr_find.max_lr, 0.1);
+  EXPECT_EQ(c.lr_find.num_training, 40);
+  EXPECT_EQ(c.lr_find.mode, "linear");
+  EXPECT_DOUBLE_EQ(c.lr_find.early_stop_threshold, 0.0);
+  EXPECT_CONTAINS(load_error("[lr_find]\nmin_lr = 0.1\nmax_lr = 0.01\n"),
+                  ":3: [lr_find] max_lr = 0.01 is not above min_lr = 0.1");
+  EXPECT_CONTAINS(load_error("[lr_find]\nmin_lr = 0.0\n"), "an exponential range starts above 0");
+  EXPECT_CONTAINS(load_error("[lr_find]\nnum_trainng = 5\n"), "(did you mean 'num_training'?)");
+  EXPECT_CONTAINS(load_error("[lr_find]\nmode = \"cosine\"\n"), "valid: exponential, linear");
+  EXPECT_CONTAINS(load_error("[lr_find]\nnum_training = 1\n"), "[lr_find] num_training = 1 is out of range [2, ");
 }
 
 }  // namespace

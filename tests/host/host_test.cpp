@@ -561,6 +561,91 @@ TEST(Predict, OutputHoldsEveryPredictionInDatasetOrderOnAnyWorldSize) {
   EXPECT_EQ(std::system(command.c_str()), 0);
 }
 
+/// lr_find.csv as columns: "step", "lr", "loss", "smoothed_loss" -> one value per row.
+std::map<std::string, std::vector<double>> read_lr_find(const std::string& path) {
+  std::ifstream in(path);
+  std::string line;
+  std::getline(in, line);
+  EXPECT_EQ(line, "step,lr,loss,smoothed_loss") << path;
+  std::map<std::string, std::vector<double>> columns;
+  while (std::getline(in, line)) {
+    std::stringstream row(line);
+    std::string cell;
+    for (const char* name : {"step", "lr", "loss", "smoothed_loss"}) {
+      std::getline(row, cell, ',');
+      columns[name].push_back(std::stod(cell));
+    }
+  }
+  return columns;
+}
+
+// tessera lr-find (Lightning's Tuner.lr_find): the same global batch gives one device's loss
+// curve and suggestion under fsdp, ddp and fsdp2 with tensor parallelism; a diverging loss
+// stops the test early; nothing is saved and no callback runs; init_from sets its start.
+TEST(LrFind, EveryStrategyTracesTheOneDeviceCurveAndSuggestsTheSameLr) {
+  const std::string dir = tessera::testing::fresh_dir("lr-find");
+  const std::string config = write_config(dir, "[lr_find]\nnum_training = 24\nmin_lr = 1e-5\nmax_lr = 0.05\n");
+  const std::string common = " --set model.dropout=0.0 --set data.shuffle=false";
+  std::map<std::string, std::map<std::string, std::vector<double>>> curves;
+  std::map<std::string, std::string> suggested;
+  int version = 0;
+  for (const auto& [name, sets] : std::vector<std::pair<std::string, std::string>>{
+           {"one", " --set data.batch_size=6"},
+           {"fsdp-3", " --set launch.devices=3 --set strategy.plugin=fsdp --set data.batch_size=2"},
+           {"ddp-2", " --set launch.devices=2 --set strategy.plugin=ddp --set data.batch_size=3"},
+           {"fsdp2-tp2", " --set launch.devices=2 --set strategy.plugin=fsdp2 --set strategy.tensor_parallel_size=2 "
+                         "--set data.batch_size=6"}}) {
+    auto r = run_tessera("lr-find --config " + config + common + sets);
+    ASSERT_EQ(r.exit_code, 0) << name << "\n" << r.output;
+    const std::string run = dir + "/version_" + std::to_string(version++);
+    EXPECT_NE(r.output.find("tessera lr-find: strategy"), std::string::npos) << r.output;
+    EXPECT_NE(r.output.find("lr-find: 24 optimizer steps of 6 samples"), std::string::npos) << name << "\n" << r.output;
+    const auto at = r.output.find("lr-find: suggested lr ");
+    ASSERT_NE(at, std::string::npos) << name << "\n" << r.output;
+    suggested[name] = r.output.substr(at, r.output.find(' ', at + 22) - at);
+    EXPECT_NE(r.output.find("the curve: " + run + "/lr_find.csv"), std::string::npos) << r.output;
+    curves[name] = read_lr_find(run + "/lr_find.csv");
+    EXPECT_FALSE(fs::exists(run + "/checkpoints")) << name << ": lr-find saved a checkpoint";
+    ASSERT_EQ(curves[name]["lr"].size(), 24u) << name;
+    EXPECT_NEAR(curves[name]["lr"].front(), 1e-5, 1e-12);
+    EXPECT_NEAR(curves[name]["lr"].back(), 0.05, 1e-9);
+    for (std::size_t i = 0; i < 24; ++i) {
+      EXPECT_NEAR(curves[name]["lr"][i], curves["one"]["lr"][i], 1e-9 * curves["one"]["lr"][i]) << name << " step " << i;
+      EXPECT_NEAR(curves[name]["loss"][i], curves["one"]["loss"][i], 1e-4) << name << " step " << i;
+    }
+    EXPECT_EQ(suggested[name], suggested["one"]) << name;
+  }
+  // The loss falls over the range on this model: the test trained.
+  EXPECT_LT(curves["one"]["loss"].back(), curves["one"]["loss"].front() - 0.5);
+
+  // A learning rate far too high diverges: the test stops early and says why.
+  auto r = run_tessera("lr-find --config " + config + common + " --set lr_find.max_lr=1000 --set lr_find.num_training=60");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("(diverged)"), std::string::npos) << r.output;
+  const auto diverged = read_lr_find(dir + "/version_" + std::to_string(version++) + "/lr_find.csv");
+  EXPECT_LT(diverged.at("step").size(), 60u);
+
+  // From a trained checkpoint's weights ([trainer] init_from), the curve starts lower.
+  ASSERT_EQ(run_tessera("fit --config " + config + common + " --set trainer.max_steps=8").exit_code, 0);
+  const std::string trained = dir + "/version_" + std::to_string(version++) + "/checkpoints/last.ckpt";
+  r = run_tessera("lr-find --config " + config + common + " --set data.batch_size=6 --set trainer.init_from=\"" +
+                  trained + "\"");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("weights initialized from " + trained), std::string::npos) << r.output;
+  const auto from_trained = read_lr_find(dir + "/version_" + std::to_string(version++) + "/lr_find.csv");
+  EXPECT_LT(from_trained.at("loss").front(), curves["one"]["loss"].front() - 0.3);
+
+  // What does not apply is refused before any rank starts.
+  r = run_tessera("lr-find --config " + config + " --ckpt-path last");
+  EXPECT_EQ(r.exit_code, 2);
+  EXPECT_NE(r.output.find("--ckpt-path does not apply to `tessera lr-find`: to test learning rates from a checkpoint's "
+                          "weights, set [trainer] init_from"), std::string::npos) << r.output;
+  r = run_tessera("lr-find --config " + config + " --set trainer.fast_dev_run=true");
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_NE(r.output.find("[trainer] fast_dev_run runs every loop"), std::string::npos) << r.output;
+  EXPECT_FALSE(fs::exists(dir + "/version_" + std::to_string(version))) << "a refused lr-find left a run folder";
+}
+
 TEST(Predict, PrintsGeneratedTextFromThePrompt) {
   std::string dir = tessera::testing::fresh_dir("predict");
   ASSERT_EQ(run_tessera("fit --config " + write_config(dir) + " --set trainer.max_steps=2").exit_code, 0);
