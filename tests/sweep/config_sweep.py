@@ -8,7 +8,7 @@ size (1-4, several not dividing the parameters), precision and options for 4 ste
 `fit --ckpt-path last` for 2 more steps under another random strategy, world size and
 precision; one of validate / test / predict on the checkpoint under a third; `checkpoint export`;
 `fit` of a new run from its weights ([trainer] init_from) under a fourth (sometimes a GPT grown
-by a block, with init_from_strict = false). A command may be
+by a block, with init_from_strict = false); sometimes `lr-find` under a fifth. A command may be
 refused (exit 1 with an error naming a config section or the checkpoint, as for a mesh that
 does not fit the world); what counts is a CRASH: a signal, a timeout, or a failure whose error
 names neither (LibTorch's own errors, internal asserts). Several ranks are started by tessera's
@@ -22,7 +22,8 @@ split over the data-parallel ranks) and is compared with one device on that batc
 steps under a random strategy and world size, resumed for 2 more under another, against 6 steps
 on one device; each logged train and val loss, the final weights (exported to .ckpt and read
 with torch.load) and `validate` of the final checkpoint under a third strategy must agree
-within a tolerance by precision. A difference is a MISMATCH.
+within a tolerance by precision; sometimes `lr-find` under a fourth strategy must trace one
+device's loss curve. A difference is a MISMATCH.
 """
 import argparse
 import csv
@@ -278,6 +279,10 @@ def main():
             tuned.update({"model.n_layer": keep["model.n_layer"] + 1, "trainer.init_from_strict": "false"})
         run(f"{args.seed}-{i} init_from", tessera("fit", tuned, *common))
         shutil.rmtree(root + "-tuned", ignore_errors=True)
+        if maybe(0.4):  # the learning-rate range test under a fifth
+            found = {**keep, **strategy_options(rng, pick, maybe, model), "lr_find.num_training": pick(12, 30),
+                     "lr_find.max_lr": pick(0.1, 1000), "lr_find.mode": pick("exponential", "linear")}
+            run(f"{args.seed}-{i} lr-find", tessera("lr-find", found, *common))
 
     def parity_run(i, common, root):
         model = model_options(rng, pick)
@@ -328,7 +333,19 @@ def main():
         if wrong:
             counts["MISMATCH"] += 1
             print(f"MISMATCH {args.seed}-{i}:{commands}\n    " + "\n    ".join(wrong[:6]), flush=True)
-        for suffix in ("-one", "-validate"):
+        if maybe(0.4):  # lr-find under a fourth strategy: one device's loss curve
+            finder = {"lr_find.num_training": 12, "lr_find.max_lr": 0.1}
+            if not (run(f"{args.seed}-{i} lr-find one device", [args.binary, "lr-find", "--config", config, "--set",
+                                                             f"trainer.default_root_dir={root}-lr-one", *sets({**baseline, **finder})])
+                    or run(f"{args.seed}-{i} lr-find", tessera("lr-find", {**strategy(), **finder}, "--config", config,
+                                                               "--set", f"trainer.default_root_dir={root}-lr"))):
+                curve = lambda r: [float(row["loss"]) for row in csv.DictReader(open(glob.glob(r + "/version_0/lr_find.csv")[0]))]  # noqa: E731
+                expected, found = curve(root + "-lr-one"), curve(root + "-lr")
+                compared["losses"] += len(expected)
+                if len(found) != len(expected) or any(abs(a - b) > tolerance * abs(b) for a, b in zip(found, expected)):
+                    counts["MISMATCH"] += 1
+                    print(f"MISMATCH {args.seed}-{i} lr-find: {found} vs {expected} on one device", flush=True)
+        for suffix in ("-one", "-validate", "-lr-one", "-lr"):
             shutil.rmtree(root + suffix, ignore_errors=True)
 
     for i in range(args.runs):
