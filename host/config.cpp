@@ -344,6 +344,10 @@ Config Config::load(const std::string& path, const std::vector<std::string>& ove
   find.num_training = lf.get_int("num_training", find.num_training, 2, 1000000);
   find.mode = lf.get_choice("mode", find.mode, {"exponential", "linear"});
   find.early_stop_threshold = lf.get_double("early_stop_threshold", find.early_stop_threshold, 0.0, kMaxFloat);
+  find.before_fit = lf.get_bool("before_fit", false);
+  TESSERA_CHECK(!find.before_fit || config.trainer.fast_dev_run == 0, lf.locate("before_fit"),
+                " = true runs [lr_find] num_training steps before fit; [trainer] fast_dev_run runs a few batches of ",
+                "each loop: remove one of them");
   TESSERA_CHECK(find.max_lr > find.min_lr, lf.locate("max_lr"), " = ", find.max_lr, " is not above min_lr = ",
                 find.min_lr, ": the range test raises the learning rate from min_lr to max_lr");
   TESSERA_CHECK(find.mode == "linear" || find.min_lr > 0, lf.locate("min_lr"),

@@ -82,6 +82,7 @@ struct LrFindSettings {
   std::int64_t num_training = 100;   ///< optimizer steps, from min_lr to max_lr
   std::string mode = "exponential";  ///< or "linear": how the lr rises from step to step
   double early_stop_threshold = 4.0;  ///< stop once the smoothed loss exceeds this x its best; 0: never
+  bool before_fit = false;  ///< fit runs the test first and trains with the suggested lr
 };
 
 struct LaunchSettings {

@@ -639,6 +639,10 @@ void Trainer::fit(const std::string& ckpt_path) {
     std::string change = schedule_->compare(*restored_schedule_, global_step_, restored_from_ + " [lr_schedulers][0]");
     if (!change.empty()) log_.info(change);
   }
+  if (config_.lr_find.before_fit && !checkpoint.empty())
+    log_.info("[lr_find] before_fit is not applied: resuming from " + checkpoint + " keeps the run's learning rate");
+  else if (config_.lr_find.before_fit)
+    tune_learning_rate(data);
   log_.info("global batch = " + std::to_string(config_.data.batch_size) + " per rank x " + std::to_string(data_ranks) +
             (data_ranks == cluster_.world_size ? " ranks" : " data-parallel rank(s) (tensor-parallel ranks share a batch)") + " x " +
             std::to_string(accumulate) + " accumulated = " +
@@ -739,11 +743,26 @@ void Trainer::lr_find() {
   const std::string initial = initial_weights(config_, "");
   setup("fit", "lr-find");
   if (!initial.empty()) restore(initial, Restore::initial_weights);
-  callbacks_.clear();  // fit's: nothing is checkpointed, nothing but divergence stops the test
   open_run_directory();
+  TrainingData data = prepare_training();
+  try {
+    (void)run_lr_range_test(data);
+  } catch (const std::exception&) {
+    finish("failed");
+    throw;
+  }
+  finish("success");
+}
+
+std::optional<double> Trainer::run_lr_range_test(TrainingData& data) {
+  // As Lightning's: no callback runs (nothing is checkpointed, nothing but divergence stops the
+  // test) and nothing is logged; lr_find.csv holds the curve.
+  std::vector<NamedCallback> callbacks = std::move(callbacks_);
+  std::vector<std::unique_ptr<Logger>> loggers = std::move(loggers_);
+  callbacks_.clear();
+  loggers_.clear();
   const LrFindSettings& settings = config_.lr_find;
   const std::int64_t accumulate = config_.trainer.accumulate_grad_batches;
-  TrainingData data = prepare_training();
   total_steps_ = settings.num_training;
   log_.info("lr-find: " + std::to_string(total_steps_) + " optimizer steps of " +
             std::to_string(config_.data.batch_size * data.data_ranks * accumulate) + " samples, the learning rate " +
@@ -754,52 +773,82 @@ void Trainer::lr_find() {
                        " x its best"
                  : ""));
   LrRangeTest test(settings);
-  FitClock clock{Clock::now(), Clock::now(), 0, 0, data.data_ranks};
+  FitClock clock{Clock::now(), Clock::now(), global_step_, 0, data.data_ranks};
   model_->network()->train(true);
   data.loader->set_epoch(epoch_);
-  try {
-    for (std::int64_t step = 0; step < settings.num_training; ++step) {
-      if (next_batch_ + accumulate > data.epoch_batches) {  // more steps than an epoch holds: the next epoch
-        ++epoch_;
-        next_batch_ = 0;
-        data.loader->set_epoch(epoch_);
-      }
-      const double lr = test.lr(step);
-      for (auto& group : strategy_->optimizer().param_groups()) group.options().set_lr(lr);
-      TrainedStep trained = train_step(*data.loader, accumulate);
-      next_batch_ += accumulate;
-      ++global_step_;
-      clock.window_items += trained.items;
-      const StepSync sync = synchronise_step(trained.loss_sum, accumulate, /*out_of_time=*/false, clock.window_items);
-      const bool go_on = test.record(sync.loss);  // the global loss: every rank decides alike
-      report_step(sync, trained.result, lr, clock);
-      if (!go_on) {
-        log_.info("lr-find: stopped after step " + std::to_string(global_step_) + " at lr " + RunLog::number(lr, 3) +
-                  ": the smoothed loss " + RunLog::number(test.smoothed().back()) +
-                  (std::isfinite(test.smoothed().back())
-                       ? " exceeds " + RunLog::number(settings.early_stop_threshold, 3) + " x its best"
-                       : " is not finite") +
-                  " (diverged)");
-        break;
-      }
+  for (std::int64_t step = 0; step < settings.num_training; ++step) {
+    if (next_batch_ + accumulate > data.epoch_batches) {  // more steps than an epoch holds: the next epoch
+      ++epoch_;
+      next_batch_ = 0;
+      data.loader->set_epoch(epoch_);
     }
-  } catch (const std::exception&) {
-    finish("failed");
-    throw;
+    const double lr = test.lr(step);
+    for (auto& group : strategy_->optimizer().param_groups()) group.options().set_lr(lr);
+    TrainedStep trained = train_step(*data.loader, accumulate);
+    next_batch_ += accumulate;
+    ++global_step_;
+    clock.window_items += trained.items;
+    const StepSync sync = synchronise_step(trained.loss_sum, accumulate, /*out_of_time=*/false, clock.window_items);
+    const bool go_on = test.record(sync.loss);  // the global loss: every rank decides alike
+    report_step(sync, trained.result, lr, clock);
+    if (!go_on) {
+      log_.info("lr-find: stopped after step " + std::to_string(step + 1) + " at lr " + RunLog::number(lr, 3) +
+                ": the smoothed loss " + RunLog::number(test.smoothed().back()) +
+                (std::isfinite(test.smoothed().back())
+                     ? " exceeds " + RunLog::number(settings.early_stop_threshold, 3) + " x its best"
+                     : " is not finite") +
+                " (diverged)");
+      break;
+    }
   }
+  callbacks_ = std::move(callbacks);
+  loggers_ = std::move(loggers);
   const std::string csv = log_dir_ + "/lr_find.csv";
   if (cluster_.global_rank == 0) test.write_csv(csv);
-  if (const std::optional<std::int64_t> best = test.suggestion()) {
-    const std::string lr = RunLog::number(test.lr(*best), 3);
-    log_.info("lr-find: suggested lr " + lr + " (where the smoothed loss falls the fastest, step " +
-              std::to_string(*best + 1) + " of " + std::to_string(test.steps()) + "); train with --set optimizer.lr=" +
-              lr + " (or a little lower); the curve: " + csv);
-  } else {
+  const std::optional<std::int64_t> best = test.suggestion();
+  if (!best) {
     log_.info("lr-find: no suggestion: " + std::to_string(test.steps()) + " step(s) leave fewer than 2 points " +
               "once the first 10 and the last are skipped; raise [lr_find] num_training or lower max_lr; the " +
               "curve: " + csv);
+    return std::nullopt;
   }
-  finish("success");
+  // Three significant digits: the lr a user would type, so that `--set optimizer.lr=` repeats it.
+  const std::string lr = RunLog::number(test.lr(*best), 3);
+  log_.info("lr-find: suggested lr " + lr + " (where the smoothed loss falls the fastest, step " +
+            std::to_string(*best + 1) + " of " + std::to_string(test.steps()) + "); train with --set optimizer.lr=" +
+            lr + " (or a little lower); the curve: " + csv);
+  return std::stod(lr);
+}
+
+void Trainer::tune_learning_rate(TrainingData& data) {
+  // The test trains the model: what fit starts from is saved first and restored after, as
+  // Lightning's LearningRateFinder does, so that fit trains as a run started with that lr.
+  const std::string start = log_dir_ + "/lr_find_start.ckpt";
+  const std::int64_t total_steps = total_steps_;
+  std::vector<NamedCallback> callbacks = std::move(callbacks_);  // neither hooks nor their state
+  callbacks_.clear();
+  save_checkpoint(start);
+  const std::optional<double> lr = run_lr_range_test(data);
+  strategy_->optimizer().state().clear();  // the test's moments: the start has none (no step yet)
+  restore(start, Restore::training_state);  // weights, grad scaler, RNG, step 0
+  restored_schedule_.reset();
+  skipped_steps_ = 0;
+  total_steps_ = total_steps;
+  strategy_->remove_checkpoint(start);
+  callbacks_ = std::move(callbacks);
+  const double configured = config_.optimizer.lr;
+  if (lr && *lr >= config_.schedule.min_lr) {
+    config_.optimizer.lr = *lr;
+    schedule_ = std::make_unique<LRSchedule>(config_.schedule, *lr, total_steps_);
+  }
+  log_.info("[lr_find] before_fit: " +
+            (!lr ? "fit keeps [optimizer] lr = " + RunLog::number(configured, 6)
+             : *lr < config_.schedule.min_lr
+                 ? "the suggestion is below [lr_scheduler] min_lr = " + RunLog::number(config_.schedule.min_lr, 6) +
+                       ": fit keeps [optimizer] lr = " + RunLog::number(configured, 6)
+                 : "fit trains with lr " + RunLog::number(*lr, 6) + " instead of [optimizer] lr = " +
+                       RunLog::number(configured, 6) + ", from the weights, optimizer and RNG state it had before " +
+                       "the test (as a run with --set optimizer.lr=" + RunLog::number(*lr, 6) + ")"));
 }
 
 void Trainer::finish(const std::string& status) {

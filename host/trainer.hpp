@@ -169,6 +169,12 @@ class Trainer final : public sdk::Trainer {
     std::int64_t epoch_batches = 0;  ///< this rank's batches per epoch, after limit_train_batches
   };
   TrainingData prepare_training();
+  /// The learning-rate range test over `data` from where training stands (lr_find.hpp), without
+  /// callbacks or loggers; writes lr_find.csv and returns the suggested lr, if any.
+  std::optional<double> run_lr_range_test(TrainingData& data);
+  /// [lr_find] before_fit: the range test, then fit's starting state restored, and
+  /// [optimizer] lr and the schedule set to the suggestion (Lightning's LearningRateFinder).
+  void tune_learning_rate(TrainingData& data);
   /// One optimizer step's work, from micro-batch next_batch_ of `loader`: `accumulate`
   /// micro-batches forward and backward, the anomaly check, clipping, the optimizer step.
   struct TrainedStep {

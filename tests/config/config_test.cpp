@@ -545,6 +545,8 @@ TEST(Config, LrFindSectionIsCheckedBeforeAnyWork) {
   EXPECT_CONTAINS(load_error("[lr_find]\nmin_lr = 0.0\n"), "an exponential range starts above 0");
   EXPECT_CONTAINS(load_error("[lr_find]\nnum_trainng = 5\n"), "(did you mean 'num_training'?)");
   EXPECT_CONTAINS(load_error("[lr_find]\nmode = \"cosine\"\n"), "valid: exponential, linear");
+  EXPECT_CONTAINS(load_error("[trainer]\nfast_dev_run = true\n[lr_find]\nbefore_fit = true\n"),
+                  ":4: [lr_find] before_fit = true runs [lr_find] num_training steps before fit");
   EXPECT_CONTAINS(load_error("[lr_find]\nnum_training = 1\n"), "[lr_find] num_training = 1 is out of range [2, ");
 }
 

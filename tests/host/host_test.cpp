@@ -646,6 +646,48 @@ TEST(LrFind, EveryStrategyTracesTheOneDeviceCurveAndSuggestsTheSameLr) {
   EXPECT_FALSE(fs::exists(dir + "/version_" + std::to_string(version))) << "a refused lr-find left a run folder";
 }
 
+// [lr_find] before_fit (Lightning's LearningRateFinder): fit runs the range test, restores the
+// weights, optimizer, grad scaler and RNG it started from, and trains exactly as a run started
+// with the suggested lr (dropout on: the RNG is restored too); under fsdp as on one device.
+TEST(LrFind, BeforeFitTrainsExactlyAsARunStartedWithTheSuggestedLr) {
+  const std::string dir = tessera::testing::fresh_dir("lr-find-fit");
+  const std::string config =
+      write_config(dir, "[lr_find]\nnum_training = 24\nmin_lr = 1e-5\nmax_lr = 0.05\nbefore_fit = true\n");
+  auto suggested_lr = [](const std::string& output) {
+    const std::string head = "[lr_find] before_fit: fit trains with lr ";
+    const auto at = output.find(head);
+    return at == std::string::npos ? std::string() : output.substr(at + head.size(), output.find(' ', at + head.size()) - at - head.size());
+  };
+  int version = 0;
+  for (const auto& [name, sets] : std::vector<std::pair<std::string, std::string>>{
+           {"one, dropout", " --set data.batch_size=6"},
+           {"fsdp-3", " --set launch.devices=3 --set strategy.plugin=fsdp --set data.batch_size=2 --set model.dropout=0.0"}}) {
+    auto tuned = run_tessera("fit --config " + config + sets);
+    ASSERT_EQ(tuned.exit_code, 0) << name << "\n" << tuned.output;
+    const std::string lr = suggested_lr(tuned.output);
+    ASSERT_FALSE(lr.empty()) << name << "\n" << tuned.output;
+    const std::string tuned_run = dir + "/version_" + std::to_string(version++);
+    EXPECT_TRUE(fs::exists(tuned_run + "/lr_find.csv")) << name;
+    EXPECT_FALSE(fs::exists(tuned_run + "/lr_find_start.ckpt")) << name << ": the test's start was left behind";
+    EXPECT_TRUE(fs::exists(tuned_run + "/checkpoints/step=4.ckpt")) << name;
+    auto plain = run_tessera("fit --config " + config + " --set lr_find.before_fit=false --set optimizer.lr=" + lr +
+                             " --set data.batch_size=6" + (name == "fsdp-3" ? " --set model.dropout=0.0" : ""));
+    ASSERT_EQ(plain.exit_code, 0) << plain.output;
+    const std::string plain_run = dir + "/version_" + std::to_string(version++);
+    const auto expected = metric_series(plain_run + "/metrics.csv", "train", "train_loss");
+    const auto found = metric_series(tuned_run + "/metrics.csv", "train", "train_loss");
+    ASSERT_EQ(found.size(), 8u) << name << ": the test's steps are not fit's (nothing of them is logged)";
+    ASSERT_EQ(expected.size(), 8u);
+    const double tolerance = name == "fsdp-3" ? 1e-5 : 0.0;  // one device against itself: bitwise
+    expect_losses_equal(found, expected, 1, 8, tolerance);
+  }
+  // Resuming keeps the run's learning rate: no test.
+  auto resumed = run_tessera("fit --config " + config + " --ckpt-path last --set trainer.max_steps=10");
+  ASSERT_EQ(resumed.exit_code, 0) << resumed.output;
+  EXPECT_NE(resumed.output.find("[lr_find] before_fit is not applied: resuming from"), std::string::npos) << resumed.output;
+  EXPECT_EQ(resumed.output.find("lr-find: "), std::string::npos) << resumed.output;
+}
+
 TEST(Predict, PrintsGeneratedTextFromThePrompt) {
   std::string dir = tessera::testing::fresh_dir("predict");
   ASSERT_EQ(run_tessera("fit --config " + write_config(dir) + " --set trainer.max_steps=2").exit_code, 0);
