@@ -8,7 +8,8 @@ size (1-4, several not dividing the parameters), precision and options for 4 ste
 `fit --ckpt-path last` for 2 more steps under another random strategy, world size and
 precision; one of validate / test / predict on the checkpoint under a third; `checkpoint export`;
 `fit` of a new run from its weights ([trainer] init_from) under a fourth (sometimes a GPT grown
-by a block, with init_from_strict = false); sometimes `lr-find` under a fifth. A command may be
+by a block, with init_from_strict = false); sometimes `lr-find` under a fifth, and sometimes the
+first fit runs it before training ([lr_find] before_fit). A command may be
 refused (exit 1 with an error naming a config section or the checkpoint, as for a mesh that
 does not fit the world); what counts is a CRASH: a signal, a timeout, or a failure whose error
 names neither (LibTorch's own errors, internal asserts). Several ranks are started by tessera's
@@ -260,6 +261,8 @@ def main():
     def crash_run(i, common, root):
         model = model_options(rng, pick)
         first = {**model, **strategy_options(rng, pick, maybe, model), **trainer_options(rng, pick, maybe)}
+        if maybe(0.15):  # the range test first, then training with its lr
+            first.update({"lr_find.before_fit": "true", "lr_find.num_training": 12})
         run(f"{args.seed}-{i} plan", [args.binary, "plan", *common, *sets(first), *pick([], ["--json"])])
         if run(f"{args.seed}-{i} fit", tessera("fit", first, *common)) != 0:
             return
