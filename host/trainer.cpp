@@ -95,6 +95,21 @@ class StopSignals {
   struct sigaction old_int_ {}, old_term_ {};
 };
 
+/// Takes what `slot` holds out of it for its lifetime (an empty one in its place) and puts it
+/// back after, on an exception too: the range test runs without callbacks and loggers.
+template <typename T>
+class HeldOut {
+ public:
+  explicit HeldOut(T& slot) : slot_(slot), held_(std::move(slot)) { slot_.clear(); }
+  ~HeldOut() { slot_ = std::move(held_); }
+  HeldOut(const HeldOut&) = delete;
+  HeldOut& operator=(const HeldOut&) = delete;
+
+ private:
+  T& slot_;
+  T held_;
+};
+
 std::string metrics_line(const std::string& head, const std::map<std::string, double>& metrics, int precision = 4) {
   std::string line = head;
   for (const auto& [name, value] : metrics) line += "  " + name + " " + RunLog::number(value, precision);
@@ -757,10 +772,8 @@ void Trainer::lr_find() {
 std::optional<double> Trainer::run_lr_range_test(TrainingData& data) {
   // As Lightning's: no callback runs (nothing is checkpointed, nothing but divergence stops the
   // test) and nothing is logged; lr_find.csv holds the curve.
-  std::vector<NamedCallback> callbacks = std::move(callbacks_);
-  std::vector<std::unique_ptr<Logger>> loggers = std::move(loggers_);
-  callbacks_.clear();
-  loggers_.clear();
+  HeldOut no_callbacks(callbacks_);
+  HeldOut no_loggers(loggers_);
   const LrFindSettings& settings = config_.lr_find;
   const std::int64_t accumulate = config_.trainer.accumulate_grad_batches;
   total_steps_ = settings.num_training;
@@ -801,8 +814,6 @@ std::optional<double> Trainer::run_lr_range_test(TrainingData& data) {
       break;
     }
   }
-  callbacks_ = std::move(callbacks);
-  loggers_ = std::move(loggers);
   const std::string csv = log_dir_ + "/lr_find.csv";
   if (cluster_.global_rank == 0) test.write_csv(csv);
   const std::optional<std::int64_t> best = test.suggestion();
@@ -825,17 +836,18 @@ void Trainer::tune_learning_rate(TrainingData& data) {
   // Lightning's LearningRateFinder does, so that fit trains as a run started with that lr.
   const std::string start = log_dir_ + "/lr_find_start.ckpt";
   const std::int64_t total_steps = total_steps_;
-  std::vector<NamedCallback> callbacks = std::move(callbacks_);  // neither hooks nor their state
-  callbacks_.clear();
-  save_checkpoint(start);
-  const std::optional<double> lr = run_lr_range_test(data);
-  strategy_->optimizer().state().clear();  // the test's moments: the start has none (no step yet)
-  restore(start, Restore::training_state);  // weights, grad scaler, RNG, step 0
+  std::optional<double> lr;
+  {
+    HeldOut no_callbacks(callbacks_);  // neither their hooks nor their state
+    save_checkpoint(start);
+    lr = run_lr_range_test(data);
+    strategy_->optimizer().state().clear();  // the test's moments: the start has none (no step yet)
+    restore(start, Restore::training_state);  // weights, grad scaler, RNG, step 0
+  }
   restored_schedule_.reset();
   skipped_steps_ = 0;
   total_steps_ = total_steps;
   strategy_->remove_checkpoint(start);
-  callbacks_ = std::move(callbacks);
   const double configured = config_.optimizer.lr;
   if (lr && *lr >= config_.schedule.min_lr) {
     config_.optimizer.lr = *lr;
