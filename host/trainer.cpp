@@ -818,9 +818,11 @@ std::optional<double> Trainer::run_lr_range_test(TrainingData& data) {
   if (cluster_.global_rank == 0) test.write_csv(csv);
   const std::optional<std::int64_t> best = test.suggestion();
   if (!best) {
+    const bool stopped = test.steps() < settings.num_training;
     log_.info("lr-find: no suggestion: " + std::to_string(test.steps()) + " step(s) leave fewer than 2 points " +
-              "once the first 10 and the last are skipped; raise [lr_find] num_training or lower max_lr; the " +
-              "curve: " + csv);
+              "once the first 10 and the last are skipped; " +
+              (stopped ? "the loss diverged that early: lower [lr_find] max_lr (and min_lr, if it diverges from the start)"
+                       : "raise [lr_find] num_training") + "; the curve: " + csv);
     return std::nullopt;
   }
   // Three significant digits: the lr a user would type, so that `--set optimizer.lr=` repeats it.
