@@ -821,8 +821,10 @@ std::optional<double> Trainer::run_lr_range_test(TrainingData& data) {
     const bool stopped = test.steps() < settings.num_training;
     log_.info("lr-find: no suggestion: " + std::to_string(test.steps()) + " step(s) leave fewer than 2 points " +
               "once the first 10 and the last are skipped; " +
-              (stopped ? "the loss diverged that early: lower [lr_find] max_lr (and min_lr, if it diverges from the start)"
-                       : "raise [lr_find] num_training") + "; the curve: " + csv);
+              (stopped ? "the loss diverged that early: lower [lr_find] max_lr (and min_lr, if it diverges "
+                         "from the start)"
+                       : "raise [lr_find] num_training") +
+              "; the curve: " + csv);
     return std::nullopt;
   }
   // Three significant digits: the lr a user would type, so that `--set optimizer.lr=` repeats it.
