@@ -1,9 +1,11 @@
 #include "config.hpp"
 
 #include <algorithm>
+#include <charconv>
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
+#include <functional>
 #include <sstream>
 
 #include "tessera/sdk/error.hpp"
@@ -35,7 +37,11 @@ const std::map<std::string, std::string> kDefaultPlugins = {
 BatchLimit read_limit(const sdk::Options& options, const std::string& key, BatchLimit fallback) {
   const toml::node* node = options.table().get(key);
   options.mark_used(key);
-  if (node == nullptr) return fallback;
+  if (node == nullptr) {
+    if (fallback.fraction) options.note_default(key, toml::value<double>(fallback.value));
+    else options.note_default(key, toml::value<std::int64_t>(static_cast<std::int64_t>(fallback.value)));
+    return fallback;
+  }
   if (node->is_integer()) return {false, static_cast<double>(options.get_int(key, 0, 0))};
   if (node->is_floating_point()) return {true, options.get_double(key, 1.0, 0.0, 1.0)};
   TESSERA_FAIL(options.locate(key), " must be an integer (a number of batches, 0 skips the loop) or a float in ",
@@ -389,6 +395,96 @@ Config Config::load(const std::string& path, const std::vector<std::string>& ove
     config.plugins.emplace(name, std::move(options));
   }
   return config;
+}
+
+namespace {
+
+/// A TOML value as written in a config: floats in their shortest exact form (3e-4, not
+/// 0.00029999999999999997), the rest as TOML++ writes them.
+std::string toml_value(const toml::node& value) {
+  if (const auto* number = value.as_floating_point()) {
+    const double v = number->get();
+    if (std::isnan(v)) return "nan";
+    if (std::isinf(v)) return v < 0 ? "-inf" : "inf";
+    char text[32];
+    const auto end = std::to_chars(text, text + sizeof(text), v).ptr;
+    std::string out(text, end);
+    return out.find_first_of(".e") == std::string::npos ? out + ".0" : out;
+  }
+  if (const auto* items = value.as_array()) {
+    std::vector<std::string> out;
+    for (const toml::node& item : *items) out.push_back(toml_value(item));
+    return "[" + sdk::join(out) + "]";
+  }
+  toml::table one;
+  value.visit([&](const auto& v) { one.insert("k", v); });
+  std::ostringstream out;
+  out << toml::toml_formatter(one, toml::format_flags::none);
+  return out.str().substr(4);  // after "k = "
+}
+
+/// `key = value` and a newline.
+std::string toml_line(const std::string& key, const toml::node& value) {
+  toml::table one;
+  one.insert(key, 0);
+  std::ostringstream name;
+  name << toml::toml_formatter(one, toml::format_flags::none);  // the key, quoted where TOML needs it
+  const std::string line = name.str();
+  return line.substr(0, line.rfind(" = ")) + " = " + toml_value(value) + "\n";
+}
+
+}  // namespace
+
+namespace {
+std::map<std::string, toml::table>& noted_defaults() {  // section -> key -> default
+  static std::map<std::string, toml::table> defaults;
+  return defaults;
+}
+}  // namespace
+
+void note_defaults() {
+  sdk::Options::observe_defaults([](const sdk::Options& options, const std::string& key, const toml::node& value) {
+    value.visit([&](const auto& v) { noted_defaults()[options.section()].insert_or_assign(key, v); });
+  });
+}
+
+std::string list_config(const Config& config) {
+  const std::map<std::string, toml::table>& defaults = noted_defaults();
+  // Sections in the order the README's table gives them, each followed by its sub-tables.
+  std::vector<std::string> order = {"trainer", "optimizer", "lr_scheduler", "lr_find", "launch", "logger"};
+  order.insert(order.end(), kPluginSections.begin(), kPluginSections.end());
+  order.push_back("callbacks");
+  std::vector<std::string> sections;
+  std::function<void(const std::string&, const toml::table*)> add = [&](const std::string& name, const toml::table* t) {
+    if (std::find(sections.begin(), sections.end(), name) == sections.end()) sections.push_back(name);
+    if (t != nullptr)
+      for (const auto& [key, node] : *t)
+        if (node.is_table()) add(name + "." + std::string(key.str()), node.as_table());
+    for (const auto& [section, table] : defaults)
+      if (section.rfind(name + ".", 0) == 0 && section.find('.', name.size() + 1) == std::string::npos)
+        add(section, nullptr);
+  };
+  for (const std::string& name : order) add(name, config.resolved[name].as_table());
+  std::ostringstream out;
+  out << "# " << config.path() << " as tessera reads it: every key of the host and of the selected plugins,\n"
+      << "# the file's and --set's values as they are, each default commented out.\n";
+  if (const toml::node* dirs = config.resolved.get("plugin_dirs")) out << toml_line("plugin_dirs", *dirs);
+  for (const std::string& section : sections) {
+    const toml::table* set = config.resolved.at_path(section).as_table();
+    const auto noted = defaults.find(section);
+    std::string body;
+    if (set != nullptr)
+      for (const auto& [key, node] : *set)
+        if (!node.is_table()) body += toml_line(std::string(key.str()), node);
+    if (noted != defaults.end())
+      for (const auto& [key, node] : noted->second)
+        if (set == nullptr || !set->contains(key.str())) body += "# " + toml_line(std::string(key.str()), node);
+    const bool has_subsections = std::any_of(sections.begin(), sections.end(), [&](const std::string& other) {
+      return other.rfind(section + ".", 0) == 0;
+    });
+    if (!body.empty() || (set != nullptr && !has_subsections)) out << "\n[" << section << "]\n" << body;
+  }
+  return out.str();
 }
 
 }  // namespace tessera::host

@@ -146,6 +146,14 @@ class Config {
   std::string path_;
 };
 
+/// From now on, notes the default of every key that sdk::Options hands out (observe_defaults),
+/// for list_config: a config loaded and its plugins created after this call are listed whole.
+void note_defaults();
+/// `tessera config` and each run's config.toml: every key that the host and the selected
+/// plugins read, as TOML: the file's and --set's values as they are, each default (as noted)
+/// commented out (`# key = value`), so that the listing is a config equivalent to this one.
+std::string list_config(const Config& config);
+
 /// A duration key as Lightning writes it: "DD:HH:MM:SS", or a number of seconds; 0 when absent.
 double read_duration(const sdk::Options& options, const std::string& key);
 

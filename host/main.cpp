@@ -1,4 +1,4 @@
-// The `tessera` command line: fit | validate | test | predict | lr-find | plan | plugins | checkpoint.
+// The `tessera` command line: fit | validate | test | predict | lr-find | plan | config | plugins | checkpoint.
 #include <fcntl.h>
 #include <unistd.h>
 
@@ -36,6 +36,7 @@ constexpr const char* kUsage = R"(usage:
   tessera fit|validate|test|predict --config FILE.toml [--set section.key=value ...] [--ckpt-path last|best|PATH]
   tessera lr-find --config FILE.toml [--set section.key=value ...]
   tessera plan --config FILE.toml [--set section.key=value ...] [--json]
+  tessera config --config FILE.toml [--set section.key=value ...]
   tessera plugins [--config FILE.toml]
   tessera checkpoint inspect|verify|export PATH [--to FILE.safetensors|FILE.ckpt]
   tessera --help | --version
@@ -50,6 +51,8 @@ constexpr const char* kUsage = R"(usage:
   plan       print each rank's memory budget, the bytes it sends per step and the largest batch
              that fits, without training
              (fit prints a warning before any work when the plan exceeds the machine's memory)
+  config     print the configuration as tessera reads it: every key of the host and of the selected
+             plugins, the defaults commented out
   plugins    list every plugin found: kind, name, version, ABI, path (and refused files)
 
   --set section.key=value overrides the config; values are TOML (numbers, true/false,
@@ -66,7 +69,7 @@ struct Arguments {
 Arguments parse(int argc, char** argv) {
   Arguments args;
   std::vector<std::string> words(argv + 1, argv + argc);
-  const std::vector<std::string> commands = {"fit", "validate", "test", "predict", "lr-find", "plan", "plugins"};
+  const std::vector<std::string> commands = {"fit", "validate", "test", "predict", "lr-find", "plan", "config", "plugins"};
   for (std::size_t i = 0; i < words.size(); ++i) {
     const std::string& w = words[i];
     auto value = [&](const std::string& flag) -> std::string {
@@ -91,7 +94,8 @@ Arguments parse(int argc, char** argv) {
   TESSERA_CHECK(!args.command.empty(), "no command given");
   TESSERA_CHECK(args.command == "plugins" || !args.config.empty(), args.command, " needs --config FILE.toml");
   TESSERA_CHECK(!args.json || args.command == "plan", "--json applies to `tessera plan` only");
-  TESSERA_CHECK(args.ckpt_path.empty() || (args.command != "lr-find" && args.command != "plan"), "--ckpt-path does not ",
+  TESSERA_CHECK(args.ckpt_path.empty() || (args.command != "lr-find" && args.command != "plan" && args.command != "config"),
+                "--ckpt-path does not ",
                 "apply to `tessera ", args.command, "`", args.command == "lr-find" ? ": to test learning rates from a "
                 "checkpoint's weights, set [trainer] init_from" : "");
   return args;
@@ -251,7 +255,8 @@ int main(int argc, char** argv) {
     return 2;
   }
 
-  if (args.command != "plan" && args.command != "plugins") host::settle_worker_threads(argv);
+  if (args.command != "plan" && args.command != "config" && args.command != "plugins")
+    host::settle_worker_threads(argv);
   std::unique_ptr<host::RunLog> log;
   bool configuring = true;  // until the configuration is checked: errors may come from a --set
   try {
@@ -260,7 +265,13 @@ int main(int argc, char** argv) {
       if (!args.config.empty()) dirs = host::Config::load(args.config, args.overrides).plugin_dirs;
       return list_plugins(dirs);
     }
+    host::note_defaults();  // for `tessera config` and the run folder's config.toml
     host::Config config = host::Config::load(args.config, args.overrides);
+    if (args.command == "config") {
+      check_plugins(config);  // each plugin notes its keys' defaults
+      std::cout << host::list_config(config);
+      return 0;
+    }
     const std::string root = config.trainer.default_root_dir;
     sdk::ClusterInfo cluster;
     core::set_comm_settings({static_cast<double>(config.launch.rendezvous_timeout_s),

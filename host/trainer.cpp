@@ -290,9 +290,7 @@ void Trainer::open_run_directory() {
   log_dir_ = run_directory(parent, version);
   if (cluster_.global_rank == 0) {
     std::filesystem::create_directories(log_dir_);
-    std::ofstream out(log_dir_ + "/config.toml");
-    out << "# The resolved configuration of this run: " << config_.path() << " with --set applied.\n"
-        << config_.resolved << "\n";
+    std::ofstream(log_dir_ + "/config.toml") << list_config(config_);  // every key, defaults included
     for (const auto& name : config_.logger.loggers)
       loggers_.push_back(name == "csv" ? make_csv_logger(log_dir_) : make_tensorboard_logger(log_dir_));
     HyperParameters hparams;

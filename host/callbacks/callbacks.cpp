@@ -51,8 +51,11 @@ std::vector<NamedCallback> make_callbacks(const Config& config, core::PluginLoad
     table.insert("save_top_k", -1);
     table.insert("save_last", config.trainer.save_last);
     if (config.trainer.checkpoint_every_n_steps == 0) table.insert("every_n_epochs", 0);
+    // Its keys' defaults are the callback's, not [trainer]'s: kept out of `tessera config`.
+    sdk::Options::DefaultObserver observer = sdk::Options::observe_defaults(nullptr);
     checkpointing.emplace_back("model_checkpoint",
                                make_model_checkpoint(sdk::Options("trainer", config.path(), std::move(table))));
+    sdk::Options::observe_defaults(std::move(observer));
   }
   callbacks.insert(callbacks.end(), checkpointing.begin(), checkpointing.end());
   return callbacks;

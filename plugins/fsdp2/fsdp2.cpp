@@ -31,7 +31,10 @@ namespace fsdp = core::fsdp;
 std::int64_t int_or_auto(const sdk::Options& o, const std::string& key) {
   o.mark_used(key);
   const toml::node* node = o.table().get(key);
-  if (node == nullptr) return -1;
+  if (node == nullptr) {
+    o.note_default(key, toml::value<std::string>("auto"));
+    return -1;
+  }
   if (node->is_string() && node->as_string()->get() == "auto") return -1;
   TESSERA_CHECK(node->is_integer() && node->as_integer()->get() >= 1, o.locate(key),
                 " must be \"auto\" or a positive integer");
@@ -286,6 +289,7 @@ class FSDP2Strategy final : public fsdp::ShardedStrategy, public sdk::StrategyCh
     reshard_key_ = o.locate(key);
     const toml::node* node = o.table().get(key);
     bool reshard = true;
+    if (node == nullptr) o.note_default(key, toml::value<bool>(true));
     if (node != nullptr) {
       TESSERA_CHECK(node->is_boolean() || node->is_integer(), reshard_key_,
                     " must be true (free the gathered parameters after forward), false (keep them until backward) ",

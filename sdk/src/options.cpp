@@ -1,6 +1,7 @@
 #include "tessera/sdk/options.hpp"
 
 #include <cstdlib>
+#include <utility>
 
 #include "tessera/sdk/error.hpp"
 
@@ -11,6 +12,33 @@ Options::Options(std::string section, std::string source, toml::table table)
 Options::Options() : Options("", "<defaults>", toml::table{}) {}
 
 bool Options::has(const std::string& key) const { return table_.contains(key); }
+
+namespace {
+Options::DefaultObserver& default_observer() {
+  static Options::DefaultObserver observer;
+  return observer;
+}
+
+/// `fallback` as a TOML value, for the observer.
+toml::array as_array(const std::vector<std::string>& items) {
+  toml::array out;
+  for (const auto& item : items) out.push_back(item);
+  return out;
+}
+toml::array as_array(const std::vector<double>& items) {
+  toml::array out;
+  for (double item : items) out.push_back(item);
+  return out;
+}
+}  // namespace
+
+Options::DefaultObserver Options::observe_defaults(DefaultObserver observer) {
+  return std::exchange(default_observer(), std::move(observer));
+}
+
+void Options::note_default(const std::string& key, const toml::node& value) const {
+  if (default_observer() && !table_.contains(key)) default_observer()(*this, key, value);
+}
 
 const toml::node* Options::find(const std::string& key) const {
   used_.insert(key);
@@ -36,7 +64,10 @@ void Options::wrong_type(const std::string& key, const char* expected, const std
 
 std::int64_t Options::get_int(const std::string& key, std::int64_t fallback, std::int64_t min, std::int64_t max) const {
   const toml::node* node = find(key);
-  if (node == nullptr) return fallback;
+  if (node == nullptr) {
+    if (default_observer()) note_default(key, toml::value<std::int64_t>(fallback));
+    return fallback;
+  }
   if (!node->is_integer()) wrong_type(key, "an integer");
   std::int64_t value = node->as_integer()->get();
   TESSERA_CHECK(value >= min && value <= max, locate(key), " = ", value, " is out of range [", min, ", ", max, "]");
@@ -45,7 +76,10 @@ std::int64_t Options::get_int(const std::string& key, std::int64_t fallback, std
 
 double Options::get_double(const std::string& key, double fallback, double min, double max) const {
   const toml::node* node = find(key);
-  if (node == nullptr) return fallback;
+  if (node == nullptr) {
+    if (default_observer()) note_default(key, toml::value<double>(fallback));
+    return fallback;
+  }
   if (!node->is_number()) {
     // A quoted number, e.g. norm_type = "inf": TOML's numbers (inf and nan too) go unquoted.
     std::string hint;
@@ -64,14 +98,20 @@ double Options::get_double(const std::string& key, double fallback, double min, 
 
 bool Options::get_bool(const std::string& key, bool fallback) const {
   const toml::node* node = find(key);
-  if (node == nullptr) return fallback;
+  if (node == nullptr) {
+    if (default_observer()) note_default(key, toml::value<bool>(fallback));
+    return fallback;
+  }
   if (!node->is_boolean()) wrong_type(key, "true or false");
   return node->as_boolean()->get();
 }
 
 std::string Options::get_string(const std::string& key, const std::string& fallback) const {
   const toml::node* node = find(key);
-  if (node == nullptr) return fallback;
+  if (node == nullptr) {
+    if (default_observer()) note_default(key, toml::value<std::string>(fallback));
+    return fallback;
+  }
   if (!node->is_string()) wrong_type(key, "a string");
   return node->as_string()->get();
 }
@@ -86,7 +126,10 @@ std::string Options::get_choice(const std::string& key, const std::string& fallb
 
 std::vector<std::string> Options::get_string_list(const std::string& key, const std::vector<std::string>& fallback) const {
   const toml::node* node = find(key);
-  if (node == nullptr) return fallback;
+  if (node == nullptr) {
+    if (default_observer()) note_default(key, as_array(fallback));
+    return fallback;
+  }
   if (node->is_string()) return {node->as_string()->get()};
   if (!node->is_array()) wrong_type(key, "an array of strings");
   std::vector<std::string> out;
@@ -99,7 +142,10 @@ std::vector<std::string> Options::get_string_list(const std::string& key, const 
 
 std::vector<double> Options::get_double_list(const std::string& key, const std::vector<double>& fallback) const {
   const toml::node* node = find(key);
-  if (node == nullptr) return fallback;
+  if (node == nullptr) {
+    if (default_observer()) note_default(key, as_array(fallback));
+    return fallback;
+  }
   if (!node->is_array()) wrong_type(key, "an array of numbers");
   std::vector<double> out;
   for (const toml::node& item : *node->as_array()) {

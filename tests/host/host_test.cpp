@@ -688,6 +688,49 @@ TEST(LrFind, BeforeFitTrainsExactlyAsARunStartedWithTheSuggestedLr) {
   EXPECT_EQ(resumed.output.find("lr-find: "), std::string::npos) << resumed.output;
 }
 
+// tessera config: every key the host and the selected plugins read, the set ones as set and each
+// default commented out, for any plugin (fsdp's keys after --set strategy.plugin=fsdp, a
+// callback's, a sub-table's); the listing is itself an equivalent config (it lists itself, and
+// trains as the original).
+TEST(ConfigListing, EveryKeyWithItsDefaultAndTheListingIsAnEquivalentConfig) {
+  const std::string dir = tessera::testing::fresh_dir("config-listing");
+  const std::string config = write_config(dir, "[callbacks.early_stopping]\nmonitor = \"val_loss\"\n");
+  auto r = run_tessera("config --config " + config + " --set strategy.plugin=fsdp --set optimizer.lr=3e-4");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  const std::string listing = r.output;
+  for (const char* line : {"\nlog_every_n_steps = 1\nmax_steps = 8\n", "\nlr = 3e-04\n",
+                           "\n# accumulate_grad_batches = 1\n", "\n# limit_train_batches = 1.0\n",
+                           "\n[strategy]\nplugin = \"fsdp\"\n", "\n# sharding_strategy = \"FULL_SHARD\"\n",
+                           "\n# limit_all_gathers = true\n", "\n# tie_embeddings = true\n",
+                           "\n[callbacks.early_stopping]\nmonitor = \"val_loss\"\n", "\n# patience = 3\n",
+                           "\n[lr_find]\n# before_fit = false\n", "\n# init_scale = 65536.0\n"})
+    EXPECT_NE(listing.find(line), std::string::npos) << "no '" << line << "' in:\n" << listing;
+  // The trainer's own checkpoint callback (from [trainer]'s keys) adds none of its keys to [trainer].
+  const std::size_t trainer_at = listing.find("\n[trainer]\n");
+  const std::string trainer = listing.substr(trainer_at, listing.find("\n[", trainer_at + 1) - trainer_at);
+  for (const char* key : {"# monitor", "# save_top_k", "# every_n_train_steps"})
+    EXPECT_EQ(trainer.find(key), std::string::npos) << key << " in:\n" << trainer;
+  // fsdp2's "auto" keys and sub-table, noted by the plugin itself.
+  r = run_tessera("config --config " + config + " --set strategy.plugin=fsdp2");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("\n# tensor_parallel_size = \"auto\"\n"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("\n[strategy.mp_policy]\n# cast_forward_inputs = true\n"), std::string::npos) << r.output;
+  // The listing as a config: it lists itself, and a run from it trains as one from the original.
+  std::ofstream(dir + "/listed.toml") << listing;
+  r = run_tessera("config --config " + dir + "/listed.toml");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_EQ(r.output.substr(r.output.find('\n')), listing.substr(listing.find('\n')));
+  ASSERT_EQ(run_tessera("fit --config " + config + " --set strategy.plugin=fsdp --set optimizer.lr=3e-4 --set "
+                        "trainer.max_steps=3").exit_code, 0);
+  ASSERT_EQ(run_tessera("fit --config " + dir + "/listed.toml --set trainer.max_steps=3").exit_code, 0);
+  expect_losses_equal(metric_series(dir + "/version_1/metrics.csv", "train", "train_loss"),
+                      metric_series(dir + "/version_0/metrics.csv", "train", "train_loss"), 1, 3, 0.0);
+  // Errors name the key as for any command.
+  r = run_tessera("config --config " + config + " --set trainer.max_stepz=3");
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_NE(r.output.find("(did you mean 'max_steps'?)"), std::string::npos) << r.output;
+}
+
 TEST(Predict, PrintsGeneratedTextFromThePrompt) {
   std::string dir = tessera::testing::fresh_dir("predict");
   ASSERT_EQ(run_tessera("fit --config " + write_config(dir) + " --set trainer.max_steps=2").exit_code, 0);
@@ -1242,10 +1285,12 @@ TEST(RunDirectory, VersionFoldersConfigHparamsAndLast) {
     std::string run = dir + "/version_" + std::to_string(i);
     EXPECT_TRUE(fs::exists(run + "/checkpoints/last.ckpt")) << run;
     EXPECT_EQ(metric_series(run + "/metrics.csv", "train", "train_loss").size(), 2u + i) << "one run's rows each";
-    // The resolved configuration: the file's keys with --set applied.
+    // The resolved configuration: the file's keys with --set applied, every default commented out.
     std::string saved = slurp(run + "/config.toml");
-    EXPECT_NE(saved.find("max_steps = " + std::to_string(2 + i)), std::string::npos) << saved;
-    EXPECT_NE(saved.find("n_embd = 32"), std::string::npos) << saved;
+    EXPECT_NE(saved.find("\nmax_steps = " + std::to_string(2 + i) + "\n"), std::string::npos) << saved;
+    EXPECT_NE(saved.find("\nn_embd = 32\n"), std::string::npos) << saved;
+    EXPECT_NE(saved.find("\n# accumulate_grad_batches = 1\n"), std::string::npos) << saved;
+    EXPECT_NE(saved.find("\n# tie_embeddings = true\n"), std::string::npos) << saved;
     std::string hparams = slurp(run + "/hparams.yaml");
     EXPECT_NE(hparams.find("n_layer: 2"), std::string::npos) << hparams;
     EXPECT_NE(hparams.find("strategy: \"single_device\""), std::string::npos) << hparams;

@@ -2,6 +2,7 @@
 /// A plugin's TOML table, as handed to its factory. Typed getters validate and remember
 /// which keys were read; the host rejects any key no one read ("unknown key, did you mean").
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <set>
@@ -46,6 +47,15 @@ class TESSERA_SDK_API Options {
 
   /// "file.toml:12: [strategy] key" — for messages about a key's value.
   std::string locate(const std::string& key) const;
+
+  /// Reports the value a key absent from the table takes (the getters do, with their
+  /// fallback): a factory that parses a key itself (a string or an integer, say) calls it, so
+  /// that `tessera config` lists the key with its default.
+  void note_default(const std::string& key, const toml::node& value) const;
+  /// While set, receives every default noted by any Options (tessera config's listing);
+  /// returns the observer it replaces.
+  using DefaultObserver = std::function<void(const Options& options, const std::string& key, const toml::node& value)>;
+  static DefaultObserver observe_defaults(DefaultObserver observer);
 
  private:
   const toml::node* find(const std::string& key) const;

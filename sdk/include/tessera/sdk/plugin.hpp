@@ -29,9 +29,10 @@ namespace tessera::sdk {
 inline constexpr std::uint32_t kAbiMajor = 3;  // 3: multi-argument units, Module::fsdp_wrap_policy,
                                                //    TOML++ in the fingerprint, descriptor sdk_version, callback plugins,
                                                //    Module::parallelize
-inline constexpr std::uint32_t kAbiMinor = 5;  // 1: sdk::has_fused_adam, sdk::optimizer_state_key; 2: sdk::SyncBatchNorm2d;
+inline constexpr std::uint32_t kAbiMinor = 6;  // 1: sdk::has_fused_adam, sdk::optimizer_state_key; 2: sdk::SyncBatchNorm2d;
                                                // 3: sdk::for_each_autograd_node; 4: sdk::batched_matmul;
-                                               // 5: sdk::autocast_enabled/autocast_dtype/set_autocast, sdk::openblas
+                                               // 5: sdk::autocast_enabled/autocast_dtype/set_autocast, sdk::openblas;
+                                               // 6: Options::note_default/observe_defaults
 
 enum class PluginKind : std::uint32_t { strategy = 1, precision, checkpoint_io, model, data, callback };
 TESSERA_SDK_API const char* to_string(PluginKind kind);
