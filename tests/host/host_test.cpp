@@ -678,7 +678,7 @@ TEST(LrFind, BeforeFitTrainsExactlyAsARunStartedWithTheSuggestedLr) {
     const auto found = metric_series(tuned_run + "/metrics.csv", "train", "train_loss");
     ASSERT_EQ(found.size(), 8u) << name << ": the test's steps are not fit's (nothing of them is logged)";
     ASSERT_EQ(expected.size(), 8u);
-    const double tolerance = name == "fsdp-3" ? 1e-4 : 0.0;  // one device against itself: bitwise
+    const double tolerance = name == "fsdp-3" ? 2e-4 : 0.0;  // one device against itself: bitwise
     expect_losses_equal(found, expected, 1, 8, tolerance);
   }
   // Resuming keeps the run's learning rate: no test.
