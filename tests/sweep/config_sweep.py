@@ -3,7 +3,7 @@
 
     /usr/bin/python3 tests/sweep/config_sweep.py [--seed S] [--runs N] [--parity] [--verbose] [--binary build/bin/tessera]
 
-Each run: `plan`, then `fit` of a small model (gpt, cnn or mlp) under a random strategy, world
+Each run: `plan` (sometimes `config`), then `fit` of a small model (gpt, cnn or mlp) under a random strategy, world
 size (1-4, several not dividing the parameters), precision and options for 4 steps; then
 `fit --ckpt-path last` for 2 more steps under another random strategy, world size and
 precision; one of validate / test / predict on the checkpoint under a third; `checkpoint export`;
@@ -264,6 +264,8 @@ def main():
         if maybe(0.15):  # the range test first, then training with its lr
             first.update({"lr_find.before_fit": "true", "lr_find.num_training": 12})
         run(f"{args.seed}-{i} plan", [args.binary, "plan", *common, *sets(first), *pick([], ["--json"])])
+        if maybe(0.3):
+            run(f"{args.seed}-{i} config", [args.binary, "config", *common, *sets(first)])
         if run(f"{args.seed}-{i} fit", tessera("fit", first, *common)) != 0:
             return
         keep = {k: v for k, v in first.items() if k.startswith(("model.", "data.", "optimizer.", "trainer.freeze"))}
