@@ -94,10 +94,11 @@ Arguments parse(int argc, char** argv) {
   TESSERA_CHECK(!args.command.empty(), "no command given");
   TESSERA_CHECK(args.command == "plugins" || !args.config.empty(), args.command, " needs --config FILE.toml");
   TESSERA_CHECK(!args.json || args.command == "plan", "--json applies to `tessera plan` only");
-  TESSERA_CHECK(args.ckpt_path.empty() || (args.command != "lr-find" && args.command != "plan" && args.command != "config"),
-                "--ckpt-path does not ",
-                "apply to `tessera ", args.command, "`", args.command == "lr-find" ? ": to test learning rates from a "
-                "checkpoint's weights, set [trainer] init_from" : "");
+  const bool reads_checkpoint = args.command == "fit" || args.command == "validate" || args.command == "test" ||
+                                args.command == "predict";
+  TESSERA_CHECK(args.ckpt_path.empty() || reads_checkpoint, "--ckpt-path does not apply to `tessera ", args.command, "`",
+                args.command == "lr-find" ? ": to test learning rates from a checkpoint's weights, set [trainer] init_from"
+                                          : "");
   return args;
 }
 
