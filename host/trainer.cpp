@@ -652,6 +652,7 @@ void Trainer::fit(const std::string& ckpt_path) {
     std::string change = schedule_->compare(*restored_schedule_, global_step_, restored_from_ + " [lr_schedulers][0]");
     if (!change.empty()) log_.info(change);
   }
+  StopSignals signals;  // a Ctrl-C during [lr_find] before_fit's test ends it, and fit after one step
   if (config_.lr_find.before_fit && !checkpoint.empty())
     log_.info("[lr_find] before_fit is not applied: resuming from " + checkpoint + " keeps the run's learning rate");
   else if (config_.lr_find.before_fit)
@@ -669,7 +670,6 @@ void Trainer::fit(const std::string& ckpt_path) {
     log_.info("fast_dev_run = " + std::to_string(t.fast_dev_run) + ": " + std::to_string(t.fast_dev_run) +
               " training step(s) and validation batch(es), no loggers, no checkpoints");
 
-  StopSignals signals;
   FitClock clock{Clock::now(), Clock::now(), global_step_, 0, data_ranks};
   model_->network()->train(true);
   maybe_inject_gradient_fault();
@@ -758,16 +758,17 @@ void Trainer::lr_find() {
   if (!initial.empty()) restore(initial, Restore::initial_weights);
   open_run_directory();
   TrainingData data = prepare_training();
+  StopSignals signals;  // a Ctrl-C ends the test: the curve so far is written, with its suggestion
   try {
-    (void)run_lr_range_test(data);
+    if (run_lr_range_test(data).interrupted) exit_code_ = 128 + (g_signal != 0 ? static_cast<int>(g_signal) : SIGTERM);
   } catch (const std::exception&) {
     finish("failed");
     throw;
   }
-  finish("success");
+  finish(exit_code_ == 0 ? "success" : "interrupted");
 }
 
-std::optional<double> Trainer::run_lr_range_test(TrainingData& data) {
+Trainer::RangeTestResult Trainer::run_lr_range_test(TrainingData& data) {
   // As Lightning's: no callback runs (nothing is checkpointed, nothing but divergence stops the
   // test) and nothing is logged; lr_find.csv holds the curve.
   HeldOut no_callbacks(callbacks_);
@@ -784,6 +785,7 @@ std::optional<double> Trainer::run_lr_range_test(TrainingData& data) {
                        " x its best"
                  : ""));
   LrRangeTest test(settings);
+  RangeTestResult result;
   FitClock clock{Clock::now(), Clock::now(), global_step_, 0, data.data_ranks};
   model_->network()->train(true);
   data.loader->set_epoch(epoch_);
@@ -799,9 +801,16 @@ std::optional<double> Trainer::run_lr_range_test(TrainingData& data) {
     next_batch_ += accumulate;
     ++global_step_;
     clock.window_items += trained.items;
+    maybe_inject_fault(global_step_);
     const StepSync sync = synchronise_step(trained.loss_sum, accumulate, /*out_of_time=*/false, clock.window_items);
     const bool go_on = test.record(sync.loss);  // the global loss: every rank decides alike
     report_step(sync, trained.result, lr, clock);
+    if (sync.signalled) {  // SIGINT / SIGTERM on some rank
+      log_.info("lr-find: interrupted after step " + std::to_string(step + 1) + " of " +
+                std::to_string(settings.num_training));
+      result.interrupted = true;
+      break;
+    }
     if (!go_on) {
       log_.info("lr-find: stopped after step " + std::to_string(step + 1) + " at lr " + RunLog::number(lr, 3) +
                 ": the smoothed loss " + RunLog::number(test.smoothed().back()) +
@@ -816,21 +825,22 @@ std::optional<double> Trainer::run_lr_range_test(TrainingData& data) {
   if (cluster_.global_rank == 0) test.write_csv(csv);
   const std::optional<std::int64_t> best = test.suggestion();
   if (!best) {
-    const bool stopped = test.steps() < settings.num_training;
+    const bool stopped = test.steps() < settings.num_training && !result.interrupted;
     log_.info("lr-find: no suggestion: " + std::to_string(test.steps()) + " step(s) leave fewer than 2 points " +
               "once the first 10 and the last are skipped; " +
               (stopped ? "the loss diverged that early: lower [lr_find] max_lr (and min_lr, if it diverges "
                          "from the start)"
                        : "raise [lr_find] num_training") +
               "; the curve: " + csv);
-    return std::nullopt;
+    return result;
   }
   // Three significant digits: the lr a user would type, so that `--set optimizer.lr=` repeats it.
   const std::string lr = RunLog::number(test.lr(*best), 3);
   log_.info("lr-find: suggested lr " + lr + " (where the smoothed loss falls the fastest, step " +
             std::to_string(*best + 1) + " of " + std::to_string(test.steps()) + "); train with --set optimizer.lr=" +
             lr + " (or a little lower); the curve: " + csv);
-  return std::stod(lr);
+  result.lr = std::stod(lr);
+  return result;
 }
 
 void Trainer::tune_learning_rate(TrainingData& data) {
@@ -842,7 +852,8 @@ void Trainer::tune_learning_rate(TrainingData& data) {
   {
     HeldOut no_callbacks(callbacks_);  // neither their hooks nor their state
     save_checkpoint(start);
-    lr = run_lr_range_test(data);
+    const RangeTestResult result = run_lr_range_test(data);
+    if (!result.interrupted) lr = result.lr;  // else fit stops after its first step, as after any signal
     strategy_->optimizer().state().clear();  // the test's moments: the start has none (no step yet)
     restore(start, Restore::training_state);  // weights, grad scaler, RNG, step 0
   }

@@ -170,8 +170,13 @@ class Trainer final : public sdk::Trainer {
   };
   TrainingData prepare_training();
   /// The learning-rate range test over `data` from where training stands (lr_find.hpp), without
-  /// callbacks or loggers; writes lr_find.csv and returns the suggested lr, if any.
-  std::optional<double> run_lr_range_test(TrainingData& data);
+  /// callbacks or loggers; writes lr_find.csv and returns the suggested lr, if any. A signal on
+  /// any rank ends it early (`interrupted`), the curve so far written.
+  struct RangeTestResult {
+    std::optional<double> lr;
+    bool interrupted = false;
+  };
+  RangeTestResult run_lr_range_test(TrainingData& data);
   /// [lr_find] before_fit: the range test, then fit's starting state restored, and
   /// [optimizer] lr and the schedule set to the suggestion (Lightning's LearningRateFinder).
   void tune_learning_rate(TrainingData& data);

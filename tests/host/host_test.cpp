@@ -635,6 +635,13 @@ TEST(LrFind, EveryStrategyTracesTheOneDeviceCurveAndSuggestsTheSameLr) {
   const auto from_trained = read_lr_find(dir + "/version_" + std::to_string(version++) + "/lr_find.csv");
   EXPECT_LT(from_trained.at("loss").front(), curves["one"]["loss"].front() - 0.3);
 
+  // A Ctrl-C (on rank 1 of 2) ends the test at that step: the curve so far is written, exit 130.
+  r = run_tessera("lr-find --config " + config + common + " --set launch.devices=2 --set strategy.plugin=fsdp",
+                  "TESSERA_FAULT_INJECT=rank=1,step=5,kind=sigint");
+  EXPECT_EQ(r.exit_code, 130) << r.output;
+  EXPECT_NE(r.output.find("lr-find: interrupted after step 5 of 24"), std::string::npos) << r.output;
+  EXPECT_EQ(read_lr_find(dir + "/version_" + std::to_string(version++) + "/lr_find.csv").at("step").size(), 5u);
+
   // What does not apply is refused before any rank starts.
   r = run_tessera("lr-find --config " + config + " --ckpt-path last");
   EXPECT_EQ(r.exit_code, 2);
@@ -686,6 +693,13 @@ TEST(LrFind, BeforeFitTrainsExactlyAsARunStartedWithTheSuggestedLr) {
   ASSERT_EQ(resumed.exit_code, 0) << resumed.output;
   EXPECT_NE(resumed.output.find("[lr_find] before_fit is not applied: resuming from"), std::string::npos) << resumed.output;
   EXPECT_EQ(resumed.output.find("lr-find: "), std::string::npos) << resumed.output;
+  // A Ctrl-C during the test ends it; fit keeps its lr, stops after its first step and saves.
+  auto interrupted = run_tessera("fit --config " + config, "TESSERA_FAULT_INJECT=rank=0,step=5,kind=sigint");
+  EXPECT_EQ(interrupted.exit_code, 130) << interrupted.output;
+  EXPECT_NE(interrupted.output.find("lr-find: interrupted after step 5 of 24"), std::string::npos) << interrupted.output;
+  EXPECT_NE(interrupted.output.find("[lr_find] before_fit: fit keeps [optimizer] lr = 0.003"), std::string::npos)
+      << interrupted.output;
+  EXPECT_NE(interrupted.output.find("at step 1: checkpoint saved to"), std::string::npos) << interrupted.output;
 }
 
 // tessera config: every key the host and the selected plugins read, the set ones as set and each
