@@ -1,8 +1,10 @@
 #include "lr_find.hpp"
 
+#include <algorithm>
 #include <cmath>
 #include <fstream>
 #include <iomanip>
+#include <sstream>
 
 #include <ATen/ATen.h>
 
@@ -61,6 +63,57 @@ void LrRangeTest::write_csv(const std::string& path) const {
   for (std::int64_t i = 0; i < steps(); ++i)
     out << i << "," << lr(i) << "," << losses_[i] << "," << smoothed_[i] << "\n";
   TESSERA_CHECK(out.good(), "cannot write ", path);
+}
+
+std::string LrRangeTest::plot(int width, int height) const {
+  const std::int64_t n = steps();
+  if (n < 2) return "";
+  // y from the lowest smoothed loss to the first one (a loss that diverges goes off the top).
+  double low = smoothed_[0], high = smoothed_[0];
+  for (double v : smoothed_)
+    if (std::isfinite(v)) low = std::min(low, v);
+  if (!(high > low)) high = low + 1.0;
+  const int columns = static_cast<int>(std::min<std::int64_t>(width, n));
+  const std::optional<std::int64_t> best = suggestion();
+  auto column_of = [&](std::int64_t step) {
+    return static_cast<int>(std::llround(static_cast<double>(step) * (columns - 1) / static_cast<double>(n - 1)));
+  };
+  std::vector<std::string> grid(static_cast<std::size_t>(height), std::string(static_cast<std::size_t>(columns), ' '));
+  for (std::int64_t step = 0; step < n; ++step) {
+    const double v = smoothed_[static_cast<std::size_t>(step)];
+    const int row = !std::isfinite(v) || v > high
+                        ? 0
+                        : static_cast<int>(std::llround((high - v) / (high - low) * (height - 1)));
+    char& cell = grid[static_cast<std::size_t>(row)][static_cast<std::size_t>(column_of(step))];
+    const char mark = best && step == *best ? 'o' : !std::isfinite(v) || v > high ? '^' : '*';
+    if (cell != 'o') cell = mark;
+  }
+  auto number = [](double v) {
+    std::ostringstream out;
+    out << std::setprecision(3) << v;
+    return out.str();
+  };
+  const std::string top = number(high), bottom = number(low);
+  const std::size_t margin = std::max(top.size(), bottom.size());
+  std::ostringstream out;
+  for (int row = 0; row < height; ++row) {
+    const std::string label = row == 0 ? top : row == height - 1 ? bottom : "";
+    out << std::string(margin - label.size(), ' ') << label << " |" << grid[static_cast<std::size_t>(row)] << "\n";
+  }
+  out << std::string(margin + 1, ' ') << '+' << std::string(static_cast<std::size_t>(columns), '-') << "\n";
+  const std::string left = number(lr(0)), right = number(lr(n - 1));
+  const std::string axis = settings_.mode == "linear" ? "lr" : "lr (log scale)";
+  const int gap = std::max(1, columns - static_cast<int>(left.size() + right.size()));
+  std::string under = left + std::string(static_cast<std::size_t>(gap), ' ') + right;
+  const std::size_t middle = (under.size() - axis.size()) / 2;
+  if (under.size() > axis.size() + 2 &&
+      under.substr(middle - 1, axis.size() + 2).find_first_not_of(' ') == std::string::npos)
+    under.replace(middle, axis.size(), axis);
+  out << std::string(margin + 2, ' ') << under;
+  if (best)
+    out << "\n" << std::string(margin + 2 + static_cast<std::size_t>(column_of(*best)), ' ') << "^ o: suggested lr "
+        << number(lr(*best));
+  return out.str();
 }
 
 }  // namespace tessera::host

@@ -36,6 +36,11 @@ class LrRangeTest {
   /// step,lr,loss,smoothed_loss: one line per step.
   void write_csv(const std::string& path) const;
 
+  /// The smoothed loss against lr as text (`width` x `height` cells, axes and the suggestion
+  /// below; Lightning's plot()): '*' the curve, 'o' the suggested point, '^' a value above the
+  /// top (the first step's loss: a divergence beyond it is clipped); "" before 2 steps.
+  std::string plot(int width = 60, int height = 10) const;
+
  private:
   LrFindSettings settings_;
   std::vector<double> losses_, smoothed_;

@@ -823,6 +823,8 @@ Trainer::RangeTestResult Trainer::run_lr_range_test(TrainingData& data) {
   }
   const std::string csv = log_dir_ + "/lr_find.csv";
   if (cluster_.global_rank == 0) test.write_csv(csv);
+  if (const std::string chart = test.plot(); !chart.empty())
+    log_.info("lr-find: the smoothed loss against the learning rate\n" + chart);
   const std::optional<std::int64_t> best = test.suggestion();
   if (!best) {
     const bool stopped = test.steps() < settings.num_training && !result.interrupted;

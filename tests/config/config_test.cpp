@@ -5,6 +5,8 @@
 #include <cmath>
 #include <filesystem>
 #include <fstream>
+#include <iomanip>
+#include <sstream>
 
 #include "config.hpp"
 #include "lr_find.hpp"
@@ -529,6 +531,36 @@ TEST(LrRangeTest, SuggestsTheSteepestFallAgainstLogLrSkippingTheStartAndTheEnd) 
   EXPECT_FALSE(short_test.suggestion().has_value());
   short_test.record(0.8);
   EXPECT_TRUE(short_test.suggestion().has_value());
+}
+
+TEST(LrRangeTest, PlotsTheCurveWithTheSuggestionAndClipsADivergence) {
+  LrFindSettings s;
+  s.num_training = 40;
+  s.min_lr = 1e-6;
+  s.max_lr = 1.0;
+  s.early_stop_threshold = 0;
+  LrRangeTest test(s);
+  for (int i = 0; i < 40; ++i) test.record(i < 38 ? 3.0 - 2.0 / (1.0 + std::exp(-(i - 25.0) / 2.0)) : 1e3);
+  const std::string chart = test.plot(40, 8);
+  std::vector<std::string> lines;
+  for (std::stringstream in(chart); lines.emplace_back(), std::getline(in, lines.back());) {}
+  lines.pop_back();
+  ASSERT_EQ(lines.size(), 8u + 3u) << chart;  // 8 rows, the axis, its labels, the suggestion
+  EXPECT_EQ(lines[0].substr(lines[0].find_first_not_of(' ')).rfind("3 |", 0), 0u) << chart;  // the first loss on top
+  EXPECT_NE(lines[0].find('^'), std::string::npos) << "the divergence is clipped at the top\n" << chart;
+  EXPECT_NE(lines[9].find("1e-06"), std::string::npos) << chart;
+  EXPECT_NE(lines[9].find("lr (log scale)"), std::string::npos) << chart;
+  const std::optional<std::int64_t> best = test.suggestion();
+  ASSERT_TRUE(best.has_value());
+  std::ostringstream suggested;
+  suggested << std::setprecision(3) << test.lr(*best);
+  EXPECT_NE(lines[10].find("^ o: suggested lr " + suggested.str()), std::string::npos) << chart;
+  // The suggestion's column holds the 'o', straight above the '^' of the last line.
+  const std::size_t column = lines[10].find('^');
+  int marks = 0;
+  for (int row = 0; row < 8; ++row) marks += lines[static_cast<std::size_t>(row)][column] == 'o';
+  EXPECT_EQ(marks, 1) << chart;
+  EXPECT_EQ(LrRangeTest(s).plot(), "");
 }
 
 TEST(Config, LrFindSectionIsCheckedBeforeAnyWork) {
