@@ -827,12 +827,13 @@ Trainer::RangeTestResult Trainer::run_lr_range_test(TrainingData& data) {
     log_.info("lr-find: the smoothed loss against the learning rate\n" + chart);
   const std::optional<std::int64_t> best = test.suggestion();
   if (!best) {
-    const bool stopped = test.steps() < settings.num_training && !result.interrupted;
+    const bool diverged = test.steps() < settings.num_training && !result.interrupted;
     log_.info("lr-find: no suggestion: " + std::to_string(test.steps()) + " step(s) leave fewer than 2 points " +
-              "once the first 10 and the last are skipped; " +
-              (stopped ? "the loss diverged that early: lower [lr_find] max_lr (and min_lr, if it diverges "
-                         "from the start)"
-                       : "raise [lr_find] num_training") +
+              "once the first 10 and the last are skipped" +
+              (result.interrupted ? std::string()
+               : diverged ? "; the loss diverged that early: lower [lr_find] max_lr (and min_lr, if it diverges "
+                            "from the start)"
+                          : "; raise [lr_find] num_training") +
               "; the curve: " + csv);
     return result;
   }
