@@ -635,10 +635,12 @@ TEST(LrFind, EveryStrategyTracesTheOneDeviceCurveAndSuggestsTheSameLr) {
   const auto from_trained = read_lr_find(dir + "/version_" + std::to_string(version++) + "/lr_find.csv");
   EXPECT_LT(from_trained.at("loss").front(), curves["one"]["loss"].front() - 0.3);
 
-  // A Ctrl-C (on rank 1 of 2) ends the test at that step: the curve so far is written, exit 130.
+  // A Ctrl-C (on rank 1 of 2) ends the test at that step: the curve so far is written, and the
+  // job exits 128 + SIGINT (rank 1's) or 128 + SIGTERM (rank 0's, told by the step's all-reduce),
+  // whichever rank the launcher sees end first, as fit does.
   r = run_tessera("lr-find --config " + config + common + " --set launch.devices=2 --set strategy.plugin=fsdp",
                   "TESSERA_FAULT_INJECT=rank=1,step=5,kind=sigint");
-  EXPECT_EQ(r.exit_code, 130) << r.output;
+  EXPECT_TRUE(r.exit_code == 130 || r.exit_code == 143) << r.exit_code << "\n" << r.output;
   EXPECT_NE(r.output.find("lr-find: interrupted after step 5 of 24"), std::string::npos) << r.output;
   EXPECT_EQ(read_lr_find(dir + "/version_" + std::to_string(version++) + "/lr_find.csv").at("step").size(), 5u);
 
