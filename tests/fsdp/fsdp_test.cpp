@@ -843,7 +843,7 @@ TEST(CUDA, CPUOffloadMatchesOnTheGPUAndHalfPrecisionsTrain) {
   auto fit = [](const std::string& name, const std::string& sets) {
     std::string dir = tessera::testing::fresh_dir(name);
     auto r = run_tessera("fit --config " + write_config(dir) + " --set strategy.accelerator=cuda --set model.n_embd=128" +
-                         " --set model.n_head=4 --set checkpoint_io.plugin=torch" + sets);
+                         " --set model.n_head=4 --set checkpoint_io.plugin=torch" + sets, tessera::testing::visible_gpus());
     EXPECT_EQ(r.exit_code, 0) << name << "\n" << r.output;
     auto peak = metric_series(tessera::testing::run_dir(dir) + "/metrics.csv", "train", "peak_cuda_mb");
     return Run{metric_series(tessera::testing::run_dir(dir) + "/metrics.csv", "train", "train_loss"), peak.empty() ? 0.0 : peak.rbegin()->second};
@@ -884,9 +884,10 @@ class OneDevice : public ::testing::TestWithParam<std::string> {};
 TEST_P(OneDevice, EveryStrategyComputesTheCPUSingleDeviceRun) {
   const std::string accelerator = GetParam();
   if (accelerator == "cuda" && !at::hasCUDA()) GTEST_SKIP() << "SKIPPED: no CUDA device";
-  auto losses = [](const std::string& name, const std::string& sets) {
+  auto losses = [&](const std::string& name, const std::string& sets) {
     std::string dir = tessera::testing::fresh_dir(name);
-    auto r = run_tessera("fit --config " + write_config(dir) + " --set checkpoint_io.plugin=torch" + sets);
+    auto r = run_tessera("fit --config " + write_config(dir) + " --set checkpoint_io.plugin=torch" + sets,
+                         accelerator == "cuda" ? tessera::testing::visible_gpus() : "");
     EXPECT_EQ(r.exit_code, 0) << name << "\n" << r.output;
     return metric_series(tessera::testing::run_dir(dir) + "/metrics.csv", "train", "train_loss");
   };

@@ -2,6 +2,8 @@
 
 #include "tessera/core/checkpoint_folder.hpp"  // remove_tree
 
+#include <torch/cuda.h>
+
 #include <fcntl.h>
 #include <netinet/in.h>
 #include <signal.h>
@@ -166,6 +168,16 @@ CommandResult run_tessera(const std::string& arguments, const std::string& envir
   const std::string gpus = environment.find("CUDA_VISIBLE_DEVICES=") == std::string::npos ? "CUDA_VISIBLE_DEVICES= " : "";
   return run_command(gpus + environment + " timeout -k 5 " + std::to_string(timeout_s) + " " + TESSERA_BINARY + " " +
                      arguments + " 2>&1");
+}
+
+std::string visible_gpus() {
+  std::string devices;
+  if (const char* set = std::getenv("CUDA_VISIBLE_DEVICES")) {
+    devices = set;
+  } else {
+    for (std::size_t d = 0; d < torch::cuda::device_count(); ++d) devices += (d ? "," : "") + std::to_string(d);
+  }
+  return "CUDA_VISIBLE_DEVICES=" + devices;
 }
 
 CommandResult run_command(const std::string& command) {

@@ -43,6 +43,10 @@ CommandResult run_command(const std::string& command);
 /// visible to it unless `environment` sets CUDA_VISIBLE_DEVICES.
 CommandResult run_tessera(const std::string& arguments, const std::string& environment = "", int timeout_s = 300);
 
+/// The environment assignment that shows run_tessera's binary the GPUs this test process sees
+/// (CUDA_VISIBLE_DEVICES as set, else every device), for the tests that mean CUDA.
+std::string visible_gpus();
+
 /// The build tree's `tessera` executable.
 const char* tessera_binary();
 
