@@ -15,10 +15,12 @@
 #include "tessera/sdk/build_config.hpp"  // TESSERA_WITH_CUDA, before the #if below
 
 #include <ATen/ATen.h>
+#include <torch/version.h>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 #if TESSERA_WITH_CUDA
+#include <c10/cuda/CUDAFunctions.h>
 #include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
 #endif
 
@@ -235,6 +237,11 @@ class Monitor {
   void remove(std::uint64_t id) {
     std::lock_guard<std::mutex> lock(mutex_);
     entries_.erase(id);
+  }
+  /// Drops the collectives the device has finished: all of them once it is synchronised.
+  void prune() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    prune_finished_on_device();
   }
   /// The rank's stream waits for `id` but its host went on: from now on `watched` (the work
   /// without its tensors, see watchable()) stands for it until the device finishes it; pruned at
@@ -483,11 +490,14 @@ class C10dCommunicator final : public Communicator {
     // After a timeout the backend's worker thread may still sit in the collective, and the
     // backend's destructor would join it: leave it to the process's exit.
     if (shared().poisoned) (void)backend_.release();
+    else shut_down();
   }
 
   std::int64_t rank() const override { return rank_; }
   std::int64_t size() const override { return size_; }
   const CommStats& stats() const override { return stats_; }
+  /// Ends the backend at a normal exit (NCCL: below; Gloo's destructor does all it needs).
+  void shut_down() {}
   std::string transport() const {
     if (!is_gloo_) return "NCCL";
     if (!shm_) return "Gloo";
@@ -671,12 +681,31 @@ c10::intrusive_ptr<c10d::ProcessGroupNCCL> make_nccl(const c10::intrusive_ptr<c1
   // Waits are stream-ordered (C10dHandle), so the host runs ahead of the device. c10d then keeps
   // a collective's tensors until its wait (its stash) rather than marking them used on NCCL's
   // stream (record_stream), which would hold every freed unit buffer back from reuse until the
-  // device caught up: as many gathered units as the host queued. A user's setting wins.
+  // device caught up: as many gathered units as the host queued. A user's setting wins. From
+  // LibTorch 2.8 the stash is c10d's default, and the variable only draws a deprecation warning.
+#if TORCH_VERSION_MAJOR < 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR < 8)
   setenv("TORCH_NCCL_AVOID_RECORD_STREAMS", "1", /*overwrite=*/0);
+#endif
   auto options = c10d::ProcessGroupNCCL::Options::create();
   // NCCL's own watchdog aborts without naming the collective: our waits and Monitor fire first.
   options->timeout = std::chrono::milliseconds(static_cast<std::int64_t>((timeout_s + kNcclExtraTimeoutS) * 1000));
   return c10::make_intrusive<c10d::ProcessGroupNCCL>(store, static_cast<int>(rank), static_cast<int>(size), options);
+}
+
+// Without shutdown() ProcessGroupNCCL's destructor aborts its communicators, cutting off any
+// collective still queued, and warns "destroy_process_group() was not called before program
+// exit" (PyTorch's destroy_process_group calls shutdown()). shutdown() lets them finish. The
+// device finishes this group's collectives first so that the Monitor lets go of them: it would
+// otherwise ask the destroyed communicators whether they are done.
+template <>
+void C10dCommunicator<c10d::ProcessGroupNCCL>::shut_down() {
+  try {
+    c10::cuda::device_synchronize();
+    monitor_->prune();
+    backend_->shutdown();
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "tessera: warning: shutting down NCCL (%s): %s\n", name_.c_str(), e.what());
+  }
 }
 
 template <>
