@@ -558,11 +558,19 @@ Trainer::StepSync Trainer::synchronise_step(const at::Tensor& loss_sum, std::int
   // Built on the device by kernels only: a host-to-device copy would wait for the step as well.
   const auto on_root = at::TensorOptions().dtype(at::kFloat).device(strategy_->root_device());
   std::vector<at::Tensor> parts{(loss_sum.to(on_root) / static_cast<double>(accumulate)).reshape({})};
-  for (const bool flag : {g_signal != 0, out_of_time, should_stop_}) parts.push_back(at::full({}, flag ? 1.0 : 0.0, on_root));
+  for (const bool flag : {g_signal == SIGINT, g_signal == SIGTERM, out_of_time, should_stop_})
+    parts.push_back(at::full({}, flag ? 1.0 : 0.0, on_root));
   parts.push_back(at::full({}, static_cast<double>(window_items), on_root));
   const at::Tensor sum = strategy_->reduce(at::stack(parts), sdk::ReduceOp::sum).to(at::kCPU);
-  return {sum[0].item<double>() / static_cast<double>(cluster_.world_size), sum[1].item<double>() > 0,
-          sum[2].item<double>() > 0, sum[3].item<double>() > 0, sum[4].item<double>()};
+  StepSync sync;
+  sync.loss = sum[0].item<double>() / static_cast<double>(cluster_.world_size);
+  // A Ctrl-C reaches one rank or all of them; the job ends with its signal on every rank, so
+  // that the launcher reports 128 + SIGINT whichever rank it sees end first.
+  sync.signal = sum[1].item<double>() > 0 ? SIGINT : sum[2].item<double>() > 0 ? SIGTERM : 0;
+  sync.out_of_time = sum[3].item<double>() > 0;
+  sync.callback_stop = sum[4].item<double>() > 0;
+  sync.items = sum[5].item<double>();
+  return sync;
 }
 
 void Trainer::report_step(const StepSync& sync, const sdk::StepResult& result, double lr, FitClock& clock) {
@@ -712,12 +720,11 @@ void Trainer::fit(const std::string& ckpt_path) {
         call("on_train_batch_end",
              [&](sdk::Callback& c) { c.on_train_batch_end(*this, step.last_out, step.last_batch, last_idx); });
 
-        if (sync.signalled) {  // SIGINT / SIGTERM on some rank
-          const int signal = g_signal != 0 ? static_cast<int>(g_signal) : SIGTERM;
+        if (sync.signal != 0) {  // SIGINT / SIGTERM on some rank
           const std::string path = log_dir_ + "/checkpoints/last.ckpt";
           save_checkpoint(path);
-          exit_code_ = 128 + signal;
-          log_.info(std::string("interrupted by ") + (g_signal != 0 ? strsignal(signal) : "a signal on another rank") +
+          exit_code_ = 128 + sync.signal;
+          log_.info(std::string("interrupted by ") + strsignal(sync.signal) + (g_signal != 0 ? "" : " on another rank") +
                     " at step " + std::to_string(global_step_) + ": checkpoint saved to " + path +
                     "; resume with --ckpt-path last");
           sdk::Error error("fit interrupted at step " + std::to_string(global_step_));
@@ -760,7 +767,7 @@ void Trainer::lr_find() {
   TrainingData data = prepare_training();
   StopSignals signals;  // a Ctrl-C ends the test: the curve so far is written, with its suggestion
   try {
-    if (run_lr_range_test(data).interrupted) exit_code_ = 128 + (g_signal != 0 ? static_cast<int>(g_signal) : SIGTERM);
+    if (const int signal = run_lr_range_test(data).signal) exit_code_ = 128 + signal;
   } catch (const std::exception&) {
     finish("failed");
     throw;
@@ -805,10 +812,10 @@ Trainer::RangeTestResult Trainer::run_lr_range_test(TrainingData& data) {
     const StepSync sync = synchronise_step(trained.loss_sum, accumulate, /*out_of_time=*/false, clock.window_items);
     const bool go_on = test.record(sync.loss);  // the global loss: every rank decides alike
     report_step(sync, trained.result, lr, clock);
-    if (sync.signalled) {  // SIGINT / SIGTERM on some rank
+    if (sync.signal != 0) {  // SIGINT / SIGTERM on some rank
       log_.info("lr-find: interrupted after step " + std::to_string(step + 1) + " of " +
                 std::to_string(settings.num_training));
-      result.interrupted = true;
+      result.signal = sync.signal;
       break;
     }
     if (!go_on) {
@@ -827,10 +834,10 @@ Trainer::RangeTestResult Trainer::run_lr_range_test(TrainingData& data) {
     log_.info("lr-find: the smoothed loss against the learning rate\n" + chart);
   const std::optional<std::int64_t> best = test.suggestion();
   if (!best) {
-    const bool diverged = test.steps() < settings.num_training && !result.interrupted;
+    const bool diverged = test.steps() < settings.num_training && result.signal == 0;
     log_.info("lr-find: no suggestion: " + std::to_string(test.steps()) + " step(s) leave fewer than 2 points " +
               "once the first 10 and the last are skipped" +
-              (result.interrupted ? std::string()
+              (result.signal != 0 ? std::string()
                : diverged ? "; the loss diverged that early: lower [lr_find] max_lr (and min_lr, if it diverges "
                             "from the start)"
                           : "; raise [lr_find] num_training") +
@@ -856,7 +863,7 @@ void Trainer::tune_learning_rate(TrainingData& data) {
     HeldOut no_callbacks(callbacks_);  // neither their hooks nor their state
     save_checkpoint(start);
     const RangeTestResult result = run_lr_range_test(data);
-    if (!result.interrupted) lr = result.lr;  // else fit stops after its first step, as after any signal
+    if (result.signal == 0) lr = result.lr;  // else fit stops after its first step, as after any signal
     strategy_->optimizer().state().clear();  // the test's moments: the start has none (no step yet)
     restore(start, Restore::training_state);  // weights, grad scaler, RNG, step 0
   }

@@ -171,10 +171,10 @@ class Trainer final : public sdk::Trainer {
   TrainingData prepare_training();
   /// The learning-rate range test over `data` from where training stands (lr_find.hpp), without
   /// callbacks or loggers; writes lr_find.csv and returns the suggested lr, if any. A signal on
-  /// any rank ends it early (`interrupted`), the curve so far written.
+  /// any rank ends it early (`signal`), the curve so far written.
   struct RangeTestResult {
     std::optional<double> lr;
-    bool interrupted = false;
+    int signal = 0;  ///< the signal that ended it early (StepSync::signal), 0 if none
   };
   RangeTestResult run_lr_range_test(TrainingData& data);
   /// [lr_find] before_fit: the range test, then fit's starting state restored, and
@@ -194,7 +194,8 @@ class Trainer final : public sdk::Trainer {
   /// what the log shows), whether any rank must stop, and the items since the last log line.
   struct StepSync {
     double loss = 0;
-    bool signalled = false, out_of_time = false, callback_stop = false;
+    int signal = 0;  ///< SIGINT if any rank got one, else SIGTERM if any did: every rank exits alike
+    bool out_of_time = false, callback_stop = false;
     double items = 0;
   };
   StepSync synchronise_step(const at::Tensor& loss_sum, std::int64_t accumulate, bool out_of_time,
