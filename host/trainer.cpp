@@ -499,8 +499,9 @@ Trainer::TrainingData Trainer::prepare_training() {
   return data;
 }
 
-Trainer::TrainedStep Trainer::train_step(core::DataLoader& loader, std::int64_t accumulate) {
+Trainer::TrainedStep Trainer::train_step(core::DataLoader& loader, std::int64_t accumulate, double lr) {
   const TrainerSettings& t = config_.trainer;
+  for (auto& group : strategy_->optimizer().param_groups()) group.options().set_lr(lr);
   TrainedStep step;
   for (std::int64_t m = 0; m < accumulate; ++m) {
     const std::int64_t batch_idx = next_batch_ + m;
@@ -690,8 +691,7 @@ void Trainer::fit(const std::string& ckpt_path) {
       if (next_batch_ == 0) call("on_train_epoch_start", [&](sdk::Callback& c) { c.on_train_epoch_start(*this); });
       while (next_batch_ + accumulate <= epoch_batches && global_step_ < total_steps_ && !should_stop_) {
         const double lr = schedule_->lr(global_step_);
-        for (auto& group : strategy_->optimizer().param_groups()) group.options().set_lr(lr);
-        TrainedStep step = train_step(loader, accumulate);
+        TrainedStep step = train_step(loader, accumulate, lr);
         next_batch_ += accumulate;
         ++global_step_;
         clock.window_items += step.items;
@@ -803,8 +803,7 @@ Trainer::RangeTestResult Trainer::run_lr_range_test(TrainingData& data) {
       data.loader->set_epoch(epoch_);
     }
     const double lr = test.lr(step);
-    for (auto& group : strategy_->optimizer().param_groups()) group.options().set_lr(lr);
-    TrainedStep trained = train_step(*data.loader, accumulate);
+    TrainedStep trained = train_step(*data.loader, accumulate, lr);
     next_batch_ += accumulate;
     ++global_step_;
     clock.window_items += trained.items;

@@ -180,7 +180,7 @@ class Trainer final : public sdk::Trainer {
   /// [lr_find] before_fit: the range test, then fit's starting state restored, and
   /// [optimizer] lr and the schedule set to the suggestion (Lightning's LearningRateFinder).
   void tune_learning_rate(TrainingData& data);
-  /// One optimizer step's work, from micro-batch next_batch_ of `loader`: `accumulate`
+  /// One optimizer step at learning rate `lr`, from micro-batch next_batch_ of `loader`: `accumulate`
   /// micro-batches forward and backward, the anomaly check, clipping, the optimizer step.
   struct TrainedStep {
     at::Tensor loss_sum;       ///< the micro-batches' losses summed, on the loss's device
@@ -189,7 +189,7 @@ class Trainer final : public sdk::Trainer {
     sdk::Batch last_batch;
     sdk::StepResult result;
   };
-  TrainedStep train_step(core::DataLoader& loader, std::int64_t accumulate);
+  TrainedStep train_step(core::DataLoader& loader, std::int64_t accumulate, double lr);
   /// What every rank learns after a step, from one all-reduce: the global loss (the bar shows
   /// what the log shows), whether any rank must stop, and the items since the last log line.
   struct StepSync {

@@ -42,20 +42,22 @@ sdk::Checkpoint param_state_dict(const torch::optim::OptimizerParamState& state)
   return out;
 }
 
+/// Adam's and AdamW's options: the same fields in two classes with no common base.
+template <class AdamOptions>
+void insert_adam_options(sdk::Checkpoint& out, const AdamOptions& o) {
+  out.insert("lr", o.lr());
+  out.insert("betas", c10::ivalue::Tuple::create({std::get<0>(o.betas()), std::get<1>(o.betas())}));
+  out.insert("eps", o.eps());
+  out.insert("weight_decay", o.weight_decay());
+  out.insert("amsgrad", o.amsgrad());
+}
+
 sdk::Checkpoint group_options(const torch::optim::OptimizerOptions& options) {
   sdk::Checkpoint out = sdk::make_checkpoint();
   if (auto* o = dynamic_cast<const torch::optim::AdamWOptions*>(&options)) {
-    out.insert("lr", o->lr());
-    out.insert("betas", c10::ivalue::Tuple::create({std::get<0>(o->betas()), std::get<1>(o->betas())}));
-    out.insert("eps", o->eps());
-    out.insert("weight_decay", o->weight_decay());
-    out.insert("amsgrad", o->amsgrad());
+    insert_adam_options(out, *o);
   } else if (auto* o = dynamic_cast<const torch::optim::AdamOptions*>(&options)) {
-    out.insert("lr", o->lr());
-    out.insert("betas", c10::ivalue::Tuple::create({std::get<0>(o->betas()), std::get<1>(o->betas())}));
-    out.insert("eps", o->eps());
-    out.insert("weight_decay", o->weight_decay());
-    out.insert("amsgrad", o->amsgrad());
+    insert_adam_options(out, *o);
   } else if (auto* o = dynamic_cast<const torch::optim::SGDOptions*>(&options)) {
     out.insert("lr", o->lr());
     out.insert("momentum", o->momentum());
