@@ -6,6 +6,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <functional>
+#include <optional>
 #include <sstream>
 
 #include "tessera/sdk/error.hpp"
@@ -60,11 +61,22 @@ void read_validation_schedule(const sdk::Options& t, TrainerSettings& tr) {
   } else {
     tr.val_check_interval = t.get_int("val_check_interval", 0, 0);
   }
-  tr.check_val_every_n_epoch = t.get_int("check_val_every_n_epoch", 1, 1);
+  // Read only where it applies, so that tessera config lists it only there.
+  if (tr.val_check_interval == 0) tr.check_val_every_n_epoch = t.get_int("check_val_every_n_epoch", 1, 1);
   TESSERA_CHECK(tr.val_check_interval == 0 || !t.has("check_val_every_n_epoch"), t.locate("val_check_interval"), " = ",
                 tr.val_check_interval, " counts steps over the whole run, across epochs, so ",
                 t.locate("check_val_every_n_epoch"), " cannot apply: remove one of them, or give val_check_interval ",
                 "as a fraction of an epoch (e.g. 0.5)");
+}
+
+/// The name of the [callbacks.NAME] table that is a model_checkpoint (its plugin key, or its name
+/// without one), if any: the user's checkpoint callback, which replaces the default one.
+std::optional<std::string> model_checkpoint_callback(toml::table& root) {
+  if (const toml::table* callbacks = root["callbacks"].as_table())
+    for (const auto& [key, node] : *callbacks)
+      if (const toml::table* table = node.as_table())
+        if ((*table)["plugin"].value_or(std::string(key.str())) == "model_checkpoint") return std::string(key.str());
+  return std::nullopt;
 }
 
 /// Lightning's fast_dev_run: true (one batch) or a number of batches; false or 0 is off.
@@ -224,8 +236,11 @@ Config Config::load(const std::string& path, const std::vector<std::string>& ove
   tr.max_epochs = t.get_int("max_epochs", tr.max_steps > 0 ? 1000000 : tr.max_epochs, 1);
   tr.accumulate_grad_batches = t.get_int("accumulate_grad_batches", 1, 1);
   tr.gradient_clip_val = t.get_double("gradient_clip_val", 0.0, 0.0, kMaxFloat);
-  tr.gradient_clip_algorithm = t.get_choice("gradient_clip_algorithm", "norm", {"norm", "value"});
-  tr.norm_type = t.get_double("norm_type", 2.0, 1e-6, INFINITY);
+  // Each read only where it applies, so that tessera config lists it only there.
+  if (tr.gradient_clip_val > 0)
+    tr.gradient_clip_algorithm = t.get_choice("gradient_clip_algorithm", "norm", {"norm", "value"});
+  if (tr.gradient_clip_val > 0 && tr.gradient_clip_algorithm == "norm")
+    tr.norm_type = t.get_double("norm_type", 2.0, 1e-6, INFINITY);
   for (const char* key : {"gradient_clip_algorithm", "norm_type"})
     TESSERA_CHECK(tr.gradient_clip_val > 0 || !t.has(key), t.locate(key), " is set but nothing is clipped (",
                   t.has("gradient_clip_val") ? t.locate("gradient_clip_val") + " = 0" : "no [trainer] gradient_clip_val",
@@ -266,12 +281,21 @@ Config Config::load(const std::string& path, const std::vector<std::string>& ove
   tr.log_every_n_steps = t.get_int("log_every_n_steps", 10, 1);
   tr.seed = t.get_int("seed", 0, 0);
   tr.default_root_dir = read_path(t, "default_root_dir", tr.default_root_dir);
-  tr.checkpoint_every_n_steps = t.get_int("checkpoint_every_n_steps", 0, 0);
-  tr.save_last = t.get_bool("save_last", true);
+  // The default checkpoint callback's two keys, read (and listed by tessera config) only where
+  // that callback is made: checkpointing on, and no [callbacks.NAME] model_checkpoint of the user's.
   tr.enable_checkpointing = t.get_bool("enable_checkpointing", true);
-  for (const char* key : {"checkpoint_every_n_steps", "save_last"})
+  const std::optional<std::string> own_checkpoint = model_checkpoint_callback(root);
+  for (const char* key : {"checkpoint_every_n_steps", "save_last"}) {
     TESSERA_CHECK(tr.enable_checkpointing || !t.has(key), t.locate("enable_checkpointing"), " = false, but ",
                   t.locate(key), " configures checkpoints: remove one of them");
+    TESSERA_CHECK(!own_checkpoint || !t.has(key), path, ": [callbacks.", own_checkpoint.value_or(""), "] and ",
+                  t.locate(key), " both configure checkpointing: move it into [callbacks.",
+                  own_checkpoint.value_or(""), "] as ", key == std::string("save_last") ? "save_last" : "every_n_train_steps");
+  }
+  if (tr.enable_checkpointing && !own_checkpoint) {
+    tr.checkpoint_every_n_steps = t.get_int("checkpoint_every_n_steps", 0, 0);
+    tr.save_last = t.get_bool("save_last", true);
+  }
   tr.enable_model_summary = t.get_bool("enable_model_summary", true);
   if (t.has("enable_progress_bar") && t.table().get("enable_progress_bar")->is_boolean())
     tr.enable_progress_bar = t.get_bool("enable_progress_bar", true) ? "true" : "false";
@@ -279,7 +303,7 @@ Config Config::load(const std::string& path, const std::vector<std::string>& ove
     tr.enable_progress_bar = t.get_choice("enable_progress_bar", "auto", {"auto", "true", "false"});
   tr.predict_after_fit = t.get_bool("predict_after_fit", false);
   if (t.has("init_from")) tr.init_from = read_path(t, "init_from", "runs/pretrain/version_0/checkpoints/last");
-  tr.init_from_strict = t.get_bool("init_from_strict", true);
+  if (t.has("init_from")) tr.init_from_strict = t.get_bool("init_from_strict", true);  // listed only where it applies
   TESSERA_CHECK(!t.has("init_from_strict") || t.has("init_from"), t.locate("init_from_strict"),
                 " is set but no [trainer] init_from is: set init_from = PATH or remove init_from_strict");
   tr.freeze = t.get_string_list("freeze", {});

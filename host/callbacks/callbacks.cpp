@@ -12,8 +12,6 @@ bool is_better(double candidate, double reference, const std::string& mode, doub
 
 std::vector<NamedCallback> make_callbacks(const Config& config, core::PluginLoader& loader) {
   std::vector<NamedCallback> callbacks, checkpointing;
-  const toml::table* trainer = config.resolved["trainer"].as_table();
-  const bool trainer_keys = trainer && (trainer->contains("checkpoint_every_n_steps") || trainer->contains("save_last"));
   bool have_checkpoint = false;
   for (const auto& [name, options] : config.callbacks) {
     std::string plugin = options.get_string("plugin", name);
@@ -35,8 +33,6 @@ std::vector<NamedCallback> make_callbacks(const Config& config, core::PluginLoad
     if (plugin == "model_checkpoint") {
       TESSERA_CHECK(config.trainer.enable_checkpointing, config.path(), ": [callbacks.", name,
                     "] is a model_checkpoint, but [trainer] enable_checkpointing = false: remove one of them");
-      TESSERA_CHECK(!trainer_keys, config.path(), ": [callbacks.", name, "] and [trainer] checkpoint_every_n_steps / save_last both configure ",
-                    "checkpointing: move those keys into [callbacks.", name, "] (every_n_train_steps, save_last)");
       have_checkpoint = true;
       checkpointing.emplace_back(name, callback);
     } else {

@@ -1,5 +1,6 @@
 #include "tessera/sdk/options.hpp"
 
+#include <cmath>
 #include <cstdlib>
 #include <utility>
 
@@ -70,7 +71,10 @@ std::int64_t Options::get_int(const std::string& key, std::int64_t fallback, std
   }
   if (!node->is_integer()) wrong_type(key, "an integer");
   std::int64_t value = node->as_integer()->get();
-  TESSERA_CHECK(value >= min && value <= max, locate(key), " = ", value, " is out of range [", min, ", ", max, "]");
+  // A key may always be set to its default, e.g. a NaN that means "not set" (as listed by tessera config).
+  const bool is_default = value == fallback || (std::isnan(value) && std::isnan(fallback));
+  TESSERA_CHECK(is_default || (value >= min && value <= max), locate(key), " = ", value, " is out of range [", min, ", ",
+                max, "]");
   return value;
 }
 
@@ -92,7 +96,10 @@ double Options::get_double(const std::string& key, double fallback, double min, 
     wrong_type(key, "a number", hint);
   }
   double value = node->is_integer() ? static_cast<double>(node->as_integer()->get()) : node->as_floating_point()->get();
-  TESSERA_CHECK(value >= min && value <= max, locate(key), " = ", value, " is out of range [", min, ", ", max, "]");
+  // A key may always be set to its default, e.g. a NaN that means "not set" (as listed by tessera config).
+  const bool is_default = value == fallback || (std::isnan(value) && std::isnan(fallback));
+  TESSERA_CHECK(is_default || (value >= min && value <= max), locate(key), " = ", value, " is out of range [", min, ", ",
+                max, "]");
   return value;
 }
 

@@ -1,5 +1,7 @@
 #include <gtest/gtest.h>
 
+#include <cmath>
+
 #include "tessera/sdk/error.hpp"
 #include "tessera/sdk/options.hpp"
 #include "errors.hpp"
@@ -34,6 +36,12 @@ TEST(Options, OutOfRangeNamesTheRange) {
   Options o = parse("n = -1\n");
   std::string message = error_of([&] { o.get_int("n", 0, 1, 8); });
   EXPECT_NE(message.find("[strategy] n = -1 is out of range [1, 8]"), std::string::npos) << message;
+  // A key's own default is always accepted, a NaN ("not set") too, as tessera config lists it;
+  // any other NaN is out of range.
+  Options nan = parse("threshold = nan\nother = nan\n");
+  EXPECT_TRUE(std::isnan(nan.get_double("threshold", NAN)));
+  message = error_of([&] { nan.get_double("other", 0.0); });
+  EXPECT_NE(message.find("[strategy] other = nan is out of range"), std::string::npos) << message;
 }
 
 TEST(Options, ChoiceListsValidValuesWithSuggestion) {
