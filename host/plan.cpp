@@ -94,6 +94,15 @@ MemoryPlan make_plan(const PlanInputs& in) {
       in.optimizer + ": " + std::to_string(moments) + " moment(s) x " + std::to_string(l.optimizer_numel) +
           " elements",
       state_on_device);
+  if (in.weight_averaging) {
+    const bool low = l.optimizer_dtype == at::kHalf || l.optimizer_dtype == at::kBFloat16;
+    const double average_bytes = static_cast<double>(l.optimizer_numel) *
+                                 static_cast<double>(low ? 4 : c10::elementSize(l.optimizer_dtype));
+    add("weight average", average_bytes + in.averaged_buffer_bytes,
+        std::string("a copy of what the optimizer steps") + (low ? " in fp32" : "") +
+            (in.averaged_buffer_bytes > 0 ? " and of the buffers" : ""),
+        state_on_device);
+  }
   if (l.persistent_buffer_bytes > 0)
     add("gradient buckets", l.persistent_buffer_bytes, "DDP's flat all-reduce buffers", in.cuda);
   if (l.gathered_bytes > 0 || l.units > 0)

@@ -35,6 +35,10 @@ struct PlanInputs {
   /// the two do not peak together, so the device peak counts the larger of them only.
   bool gradients_freed_after_step = false;
   double cublas_workspace_bytes = 0;  ///< one of a CUDA job's two workspaces (cublas_workspace_bytes())
+  /// [callbacks] weight_averaging / ema_weight_averaging: the average is a copy of what the
+  /// optimizer steps (fp32 for 16-bit) plus, with use_buffers, of the network's buffers.
+  bool weight_averaging = false;
+  double averaged_buffer_bytes = 0;
 };
 
 /// One cuBLAS workspace. LibTorch 2 takes one from its caching allocator for each cuBLAS handle

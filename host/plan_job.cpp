@@ -379,6 +379,15 @@ PlannedJob plan_job(const Config& config, bool trace_activations) {
     model->configure_model();
   });
   job_setup([&] { Trainer::freeze_parameters(config, *model->network()); });  // no gradient, no moments
+  for (const auto& [name, options] : config.callbacks) {
+    const toml::table& table = options.table();
+    const std::string plugin = table["plugin"].value_or(name);
+    if (plugin != "weight_averaging" && plugin != "ema_weight_averaging") continue;
+    in.weight_averaging = true;
+    if (table["use_buffers"].value_or(true))
+      for (const auto& b : model->network()->buffers())
+        in.averaged_buffer_bytes += static_cast<double>(b.numel()) * static_cast<double>(b.element_size());
+  }
   std::string trace_problem;
   std::int64_t traced_samples = 0;
   try {

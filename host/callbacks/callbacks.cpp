@@ -11,6 +11,8 @@ bool is_better(double candidate, double reference, const std::string& mode, doub
 }
 
 std::vector<NamedCallback> make_callbacks(const Config& config, core::PluginLoader& loader) {
+  const std::vector<std::string> kBuiltIn = {"model_checkpoint", "early_stopping", "lr_monitor", "weight_averaging",
+                                             "ema_weight_averaging"};
   std::vector<NamedCallback> callbacks, checkpointing;
   bool have_checkpoint = false;
   for (const auto& [name, options] : config.callbacks) {
@@ -19,14 +21,15 @@ std::vector<NamedCallback> make_callbacks(const Config& config, core::PluginLoad
     if (plugin == "model_checkpoint") callback = make_model_checkpoint(options);
     else if (plugin == "early_stopping") callback = make_early_stopping(options);
     else if (plugin == "lr_monitor") callback = make_lr_monitor(options);
+    else if (plugin == "weight_averaging" || plugin == "ema_weight_averaging")
+      callback = make_weight_averaging(options, plugin == "ema_weight_averaging");
     else {
       try {
         callback = loader.create_as<sdk::Callback>(sdk::PluginKind::callback, plugin, options);
       } catch (const sdk::Error& e) {
         if (std::string(e.what()).find("no callback plugin named") == std::string::npos) throw;
         TESSERA_FAIL(config.path(), ": [callbacks.", name, "]: '", plugin, "' is neither a built-in callback",
-                     sdk::did_you_mean(plugin, {"model_checkpoint", "early_stopping", "lr_monitor"}),
-                     " (model_checkpoint, early_stopping, lr_monitor) nor a callback plugin: ", e.what());
+                     sdk::did_you_mean(plugin, kBuiltIn), " (", sdk::join(kBuiltIn), ") nor a callback plugin: ", e.what());
       }
     }
     options.check_all_used({"plugin"});

@@ -1,6 +1,6 @@
 #pragma once
 // The [callbacks.NAME] tables made into callbacks: Lightning's built-ins (model_checkpoint,
-// early_stopping, lr_monitor) implemented in the host, anything else a `callback` plugin.
+// early_stopping, lr_monitor, weight_averaging, ema_weight_averaging) implemented in the host, anything else a `callback` plugin.
 #include <memory>
 #include <string>
 #include <utility>
@@ -22,6 +22,8 @@ std::vector<NamedCallback> make_callbacks(const Config& config, core::PluginLoad
 std::shared_ptr<sdk::Callback> make_model_checkpoint(const sdk::Options& options);
 std::shared_ptr<sdk::Callback> make_early_stopping(const sdk::Options& options);
 std::shared_ptr<sdk::Callback> make_lr_monitor(const sdk::Options& options);
+/// weight_averaging (equal weights) or, with `ema`, ema_weight_averaging (weight_averaging.hpp).
+std::shared_ptr<sdk::Callback> make_weight_averaging(const sdk::Options& options, bool ema);
 
 /// The monitored-metric comparison of ModelCheckpoint and EarlyStopping: "min" or "max".
 bool is_better(double candidate, double reference, const std::string& mode, double min_delta = 0.0);

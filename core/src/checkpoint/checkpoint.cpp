@@ -524,4 +524,8 @@ sdk::Checkpoint snapshot_to_host(const sdk::Checkpoint& checkpoint) {
   return snapshot_value(checkpoint).toGenericDict();
 }
 
+bool is_model_shaped_key(const std::string& key) {
+  return std::find(kModelShapedKeys.begin(), kModelShapedKeys.end(), key) != kModelShapedKeys.end();
+}
+
 }  // namespace tessera::core

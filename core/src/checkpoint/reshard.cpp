@@ -60,8 +60,9 @@ sdk::Checkpoint read_resharded_checkpoint(sdk::CheckpointIO& io, const std::stri
   // Tessera's sharded format: only the byte ranges of the wanted pieces are read.
   if (is_sharded_checkpoint(path)) return load_sharded(path, wanted, 0);
   sdk::Checkpoint out = sdk::make_checkpoint();
-  std::vector<std::string> order;  // shard 0's state_dict order
-  std::map<std::string, Assembled> params;
+  std::map<std::string, std::vector<std::string>> orders;  // shard 0's order of each model-shaped dict
+  std::map<std::string, std::map<std::string, Assembled>> dicts;  // "state_dict" (and "current_model_state")
+  orders["state_dict"];  // always in the result, even empty
   std::map<std::string, std::map<std::string, Assembled>> optim;  // name -> key -> moment
   std::map<std::string, std::map<std::string, c10::IValue>> optim_scalars;  // name -> key -> "step", ...
   c10::IValue param_groups, param_names;
@@ -71,16 +72,21 @@ sdk::Checkpoint read_resharded_checkpoint(sdk::CheckpointIO& io, const std::stri
     sdk::StateDict state = state_dict_from(checkpoint_get(shard, "state_dict"), where + " [state_dict]");
     std::map<std::string, TensorPiece> pieces = stored_pieces(shard, state, where);
     check_stored_against_wanted(pieces, state, wanted, where);
-    if (r == 0) {
+    if (r == 0)
       for (const auto& entry : shard) {
         const std::string& key = entry.key().toStringRef();
-        if (key != "state_dict" && key != "optimizer_states" && key != kTensorPiecesKey && key != kLegacyShardMetadataKey)
+        if (!is_model_shaped_key(key) && key != "optimizer_states" && key != kTensorPiecesKey &&
+            key != kLegacyShardMetadataKey)
           out.insert(entry.key(), entry.value());
       }
-      for (const auto& item : state) order.push_back(item.key());
+    for (const char* dict : kModelShapedKeys) {  // each cut as the weights are
+      if (!shard.contains(dict)) continue;
+      for (const auto& item : state_dict_from(shard.at(dict), where + " [" + dict + "]")) {
+        TESSERA_CHECK(pieces.count(item.key()), where, " [", dict, "] holds '", item.key(), "', which [state_dict] has not");
+        if (r == 0) orders[dict].push_back(item.key());
+        dicts[dict][item.key()].place(pieces.at(item.key()), item.value(), wanted.at(item.key()));
+      }
     }
-    for (const auto& item : state)
-      params[item.key()].place(pieces.at(item.key()), item.value(), wanted.at(item.key()));
 
     if (!shard.contains("optimizer_states")) continue;
     auto states = shard.at("optimizer_states").toListRef();
@@ -119,12 +125,14 @@ sdk::Checkpoint read_resharded_checkpoint(sdk::CheckpointIO& io, const std::stri
     TESSERA_CHECK(have == a.value.numel(), "sharded checkpoint ", path, ": the shards cover ", have, " of ",
                   a.value.numel(), " wanted elements of ", what, "; a shard file is missing or from another save");
   };
-  sdk::StateDict state;
-  for (const auto& name : order) {
-    check_covered(params.at(name), "'" + name + "'");
-    state.insert(name, params.at(name).value);
+  for (const auto& [dict, order] : orders) {
+    sdk::StateDict state;
+    for (const auto& name : order) {
+      check_covered(dicts[dict].at(name), "'" + name + "'" + (dict == "state_dict" ? "" : " of [" + dict + "]"));
+      state.insert(name, dicts[dict].at(name).value);
+    }
+    out.insert(dict, to_ivalue(state));
   }
-  out.insert("state_dict", to_ivalue(state));
   if (!param_names.isNone()) {
     c10::impl::GenericDict opt_state(c10::IntType::get(), c10::AnyType::get());
     auto names = param_names.toListRef();

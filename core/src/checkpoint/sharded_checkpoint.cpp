@@ -245,9 +245,9 @@ void write_shard(const sdk::Checkpoint& checkpoint, const std::string& path, std
     std::string name = sdk::join(p, "/");
     std::string param;
     if (!pieces) {  // rank-local tensors: stored as they are
-    } else if (p.size() == 2 && p[0] == "state_dict") {
+    } else if (p.size() == 2 && is_model_shaped_key(p[0])) {
       param = p[1];
-      name = model_tensor_key(param);
+      name = model_tensor_key(param, p[0]);
     } else if (p.size() == 5 && p[0] == "optimizer_states" && p[1] == "0" && p[2] == "state" && p[4] != "step") {
       const std::size_t index = std::stoul(p[3]);
       TESSERA_CHECK(index < param_names.size(), "optimizer state of parameter index ", index, " but 'param_names' has ",
@@ -377,7 +377,7 @@ bool is_sharded_checkpoint(const std::string& path) {
   return fs::is_directory(path, ec) && fs::exists(fs::path(path) / kManifestName, ec);
 }
 
-std::string model_tensor_key(const std::string& name) { return std::string(kModelTensorPrefix) + name; }
+std::string model_tensor_key(const std::string& name, const std::string& dict) { return dict + "/" + name; }
 
 std::map<std::string, const ManifestTensor*> model_tensors(const Manifest& manifest) {
   std::map<std::string, const ManifestTensor*> out;
@@ -534,17 +534,28 @@ sdk::Checkpoint load_sharded(const std::string& path, const std::map<std::string
     for (const auto& n : optimizer.at("param_names")) param_names.push_back(n.get<std::string>());
     tree["optimizer_states"] = json::array();
   }
-  std::vector<std::string> order;  // the model's order, as saved
-  if (tree.contains("state_dict"))
-    for (const auto& [name, ref] : tree["state_dict"].items()) order.push_back(name);
-  tree.erase("state_dict");
+  std::map<std::string, std::vector<std::string>> orders;  // each model-shaped dict's names in the model's order, as saved
+  for (const char* dict : kModelShapedKeys) {
+    if (!tree.contains(dict)) continue;
+    for (const auto& [name, ref] : tree[dict].items()) orders[dict].push_back(name);
+    tree.erase(dict);
+  }
   sdk::Checkpoint out = checkpoint_dict(decode(tree, [&](const std::string& n) { return mine.read(n); }), path);
 
   sdk::StateDict state;
-  for (const auto& name : order) state.insert(name, assemble(model_tensor_key(name), wanted.at(name)));
+  for (const auto& name : orders["state_dict"]) state.insert(name, assemble(model_tensor_key(name), wanted.at(name)));
   for (const auto& [name, t] : weights)  // (none in a checkpoint tessera wrote: every rank saves every name)
     if (!state.contains(name)) state.insert(name, assemble(model_tensor_key(name), wanted.at(name)));
   out.insert_or_assign("state_dict", to_ivalue(state));
+  for (const auto& [dict, names] : orders) {  // the others, cut as the weights are
+    if (dict == "state_dict") continue;
+    sdk::StateDict other;
+    for (const auto& name : names) {
+      TESSERA_CHECK(wanted.count(name), "checkpoint ", path, " [", dict, "] holds '", name, "', which the model does not have");
+      other.insert(name, assemble(model_tensor_key(name, dict), wanted.at(name)));
+    }
+    out.insert_or_assign(dict, to_ivalue(other));
+  }
 
   if (!optimizer.is_null()) {
     // Moments from the manifest (every piece of every wanted parameter), scalars ("step") from

@@ -2,6 +2,7 @@
 /// Checkpoint building blocks shared by strategies and checkpoint IO plugins: state dicts
 /// inside checkpoint dictionaries, optimizer state in PyTorch's format (plus parameter
 /// names, so it can be re-keyed by name), and atomic, torch.load-compatible files.
+#include <array>
 #include <functional>
 #include <map>
 #include <string>
@@ -86,6 +87,11 @@ void save_pickle(const c10::IValue& value, const std::string& path);
 c10::IValue load_pickle(const std::string& path);
 /// Marks a checkpoint that holds the model's weights and no training state to resume from.
 constexpr const char* kWeightsOnlyKey = "weights_only";
+/// The checkpoint entries shaped like the model, each a state dict that a sharded save cuts
+/// as it cuts the weights: "state_dict", and weight averaging's "current_model_state" (the
+/// trained weights, while "state_dict" holds their average, as Lightning's WeightAveraging).
+constexpr std::array<const char*, 2> kModelShapedKeys{"state_dict", "current_model_state"};
+bool is_model_shaped_key(const std::string& key);
 /// A checkpoint file, whatever wrote it: a full checkpoint (load_pickle's dict, as is); a bare
 /// state dict (Python's `torch.save(model.state_dict(), f)`), a safetensors file (tessera's
 /// export, `safetensors.torch.save_file`) or the index of several (`*.safetensors.index.json`,

@@ -78,8 +78,9 @@ Manifest read_manifest(const std::string& path);
 /// The model's tensors in the manifest, by their names in the model ("w" for "state_dict/w"),
 /// pointing into `manifest`.
 std::map<std::string, const ManifestTensor*> model_tensors(const Manifest& manifest);
-/// The manifest's and the files' name of model tensor `name` ("state_dict/<name>").
-std::string model_tensor_key(const std::string& name);
+/// The manifest's and the files' name of model tensor `name` ("state_dict/<name>"), or of its
+/// entry in another model-shaped dict (kModelShapedKeys: "current_model_state/<name>").
+std::string model_tensor_key(const std::string& name, const std::string& dict = "state_dict");
 /// Whether the save holds no model tensors: fsdp's state_dict_type = "local", flat shards that
 /// only the same world size, strategy and model read.
 bool holds_rank_local_state(const Manifest& manifest);
