@@ -15,14 +15,19 @@ std::vector<NamedCallback> make_callbacks(const Config& config, core::PluginLoad
                                              "ema_weight_averaging"};
   std::vector<NamedCallback> callbacks, checkpointing;
   bool have_checkpoint = false;
+  std::string averaging;  // the one weight-averaging callback: two would swap each other's weights
   for (const auto& [name, options] : config.callbacks) {
     std::string plugin = options.get_string("plugin", name);
     std::shared_ptr<sdk::Callback> callback;
     if (plugin == "model_checkpoint") callback = make_model_checkpoint(options);
     else if (plugin == "early_stopping") callback = make_early_stopping(options);
     else if (plugin == "lr_monitor") callback = make_lr_monitor(options);
-    else if (plugin == "weight_averaging" || plugin == "ema_weight_averaging")
+    else if (plugin == "weight_averaging" || plugin == "ema_weight_averaging") {
+      TESSERA_CHECK(averaging.empty(), config.path(), ": [callbacks.", averaging, "] and [callbacks.", name,
+                    "] both average the weights: keep one");
+      averaging = name;
       callback = make_weight_averaging(options, plugin == "ema_weight_averaging");
+    }
     else {
       try {
         callback = loader.create_as<sdk::Callback>(sdk::PluginKind::callback, plugin, options);

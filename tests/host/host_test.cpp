@@ -926,6 +926,10 @@ TEST(WeightAveraging, IsTorchsEmaAndEqualAverageOfTheUpdatedWeights) {
   r = run_tessera("fit --config " + write_config(bad, "[callbacks.swa]\nplugin = \"weight_averaging\"\ndecay = 0.9\n"));
   EXPECT_NE(r.exit_code, 0);
   EXPECT_NE(r.output.find("decay is not a known key"), std::string::npos) << r.output;
+  r = run_tessera("fit --config " + write_config(bad, kEma + "[callbacks.swa]\nplugin = \"weight_averaging\"\n"));
+  EXPECT_NE(r.exit_code, 0);
+  EXPECT_NE(r.output.find("[callbacks.ema] and [callbacks.swa] both average the weights: keep one"), std::string::npos)
+      << r.output;
   EXPECT_FALSE(fs::exists(bad + "/version_0")) << "a refused run left a run folder";
   // tessera plan counts the average's copy.
   r = run_tessera("plan --config " + write_config(bad, kEma) + " --set strategy.plugin=fsdp --set launch.devices=2");

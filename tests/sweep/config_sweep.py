@@ -151,6 +151,12 @@ def trainer_options(rng, pick, maybe):
         s["callbacks.model_checkpoint.monitor"] = '"val_loss"'
         s["callbacks.model_checkpoint.save_top_k"] = 2
         s["callbacks.model_checkpoint.save_last"] = "true"
+    if maybe(0.25):  # validated on, saved and resumed with every strategy's shards
+        s["callbacks.averaging.plugin"] = pick('"ema_weight_averaging"', '"weight_averaging"')
+        if s["callbacks.averaging.plugin"] == '"ema_weight_averaging"':
+            s["callbacks.averaging.decay"] = pick(0.5, 0.9)
+        if maybe():
+            s["callbacks.averaging.update_starting_at_step"] = pick(1, 3)
     return s
 
 
