@@ -126,6 +126,9 @@ class Trainer final : public sdk::Trainer {
   /// model (PyTorch DDP's "module.", torch.compile's "_orig_mod.", a LightningModule's attribute
   /// such as "model.") prefixes every name: while no name is one of the model's and all share a
   /// leading component, it is dropped (logged).
+  /// Resuming without a weight-averaging callback from a checkpoint saved with one: the model
+  /// gets the trained weights ("current_model_state"), not their average ("state_dict").
+  void resume_trained_weights(const sdk::Checkpoint& checkpoint, const std::string& path);
   sdk::StateDict model_weights(const sdk::Checkpoint& checkpoint, const std::string& path);
   struct Evaluation {
     std::map<std::string, double> metrics;  ///< averaged over batches and ranks

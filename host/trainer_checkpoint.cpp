@@ -6,6 +6,7 @@
 #include <ATen/CPUGeneratorImpl.h>
 
 #include "trainer.hpp"
+#include "callbacks/weight_averaging.hpp"
 #include "tessera/core/checkpoint.hpp"
 #include "tessera/core/checkpoint_folder.hpp"
 #include "tessera/core/comm.hpp"
@@ -87,6 +88,19 @@ void Trainer::save_checkpoint(const std::string& path, bool weights_only) {
             RunLog::number(std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count(), 3) + " s)");
 }
 
+void Trainer::resume_trained_weights(const sdk::Checkpoint& checkpoint, const std::string& path) {
+  // A weight-averaging run saved its average as "state_dict" and the trained weights beside it.
+  // Its callback restores both; without one, fit goes on from the trained weights.
+  if (!checkpoint.contains("current_model_state")) return;
+  for (const auto& [name, callback] : callbacks_)
+    if (dynamic_cast<WeightAveraging*>(callback.get()) != nullptr) return;
+  strategy_->load_model_state_dict(
+      core::state_dict_from(checkpoint.at("current_model_state"), "checkpoint " + path + " [current_model_state]"),
+      /*strict=*/true);
+  log_.info("checkpoint " + path + " holds weights and their average (weight averaging): without a weight-averaging "
+            "callback, fit goes on from the weights and the average is not continued");
+}
+
 void Trainer::check_resumable(const std::string& checkpoint) {
   refuse_weights_only(core::read_trainer_state(checkpoint), checkpoint);
 }
@@ -142,6 +156,7 @@ void Trainer::restore(const std::string& path, Restore what) {
   }
   if (with_training_state) {
     refuse_weights_only(checkpoint, path);
+    resume_trained_weights(checkpoint, path);
     auto optimizer_states = core::checkpoint_get(checkpoint, "optimizer_states").toListRef();
     TESSERA_CHECK(!optimizer_states.empty(), "checkpoint ", path, " has no optimizer state");
     strategy_->load_optimizer_state(core::checkpoint_dict(optimizer_states[0], "checkpoint optimizer_states[0]"));

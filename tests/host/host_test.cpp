@@ -964,6 +964,15 @@ TEST(WeightAveraging, ResumesExactlyFromFullAndShardedCheckpoints) {
       full_run = whole;
       expect_state_near(saved(part + "/checkpoints/last.ckpt", "state_dict"),
                         saved(whole + "/checkpoints/last.ckpt", "state_dict"), 0.0, "average after resuming");
+      // Without the callback, fit goes on from the trained weights: the same training losses.
+      const std::string plain = tessera::testing::fresh_dir("wa-resume-plain");
+      auto r = run_tessera("fit --config " + write_config(plain) + kValidate + fsdp3 + " --ckpt-path " + whole +
+                           "/checkpoints/step=4.ckpt");
+      ASSERT_EQ(r.exit_code, 0) << r.output;
+      EXPECT_NE(r.output.find("without a weight-averaging callback, fit goes on from the weights"), std::string::npos)
+          << r.output;
+      expect_losses_equal(metric_series(run_dir(plain) + "/metrics.csv", "train", "train_loss"),
+                          metric_series(whole + "/metrics.csv", "train", "train_loss"), 5, 8, 0.0);
       continue;
     }
     auto other = run_tessera("fit --config " + config + kValidate + sharded +
