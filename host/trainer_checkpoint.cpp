@@ -91,11 +91,11 @@ void Trainer::save_checkpoint(const std::string& path, bool weights_only) {
 void Trainer::resume_trained_weights(const sdk::Checkpoint& checkpoint, const std::string& path) {
   // A weight-averaging run saved its average as "state_dict" and the trained weights beside it.
   // Its callback restores both; without one, fit goes on from the trained weights.
-  if (!checkpoint.contains("current_model_state")) return;
+  if (!checkpoint.contains(core::kCurrentModelStateKey)) return;
   for (const auto& [name, callback] : callbacks_)
     if (dynamic_cast<WeightAveraging*>(callback.get()) != nullptr) return;
   strategy_->load_model_state_dict(
-      core::state_dict_from(checkpoint.at("current_model_state"), "checkpoint " + path + " [current_model_state]"),
+      core::state_dict_from(checkpoint.at(core::kCurrentModelStateKey), "checkpoint " + path + " [current_model_state]"),
       /*strict=*/true);
   log_.info("checkpoint " + path + " holds weights and their average (weight averaging): without a weight-averaging "
             "callback, fit goes on from the weights and the average is not continued");

@@ -13,8 +13,6 @@ namespace tessera::host {
 
 namespace {
 
-constexpr const char* kCurrentModelState = "current_model_state";  // Lightning's key for the trained weights
-
 /// The average of a 16-bit tensor is kept in fp32: in bf16 an update of (1 - decay) x the
 /// difference would mostly round away.
 at::Tensor average_storage(const at::Tensor& t) {
@@ -132,11 +130,11 @@ void WeightAveraging::on_save_checkpoint(sdk::Trainer& trainer, sdk::Checkpoint&
   };
   const bool weights_only = checkpoint.contains(core::kWeightsOnlyKey) && checkpoint.at(core::kWeightsOnlyKey).toBool();
   if (!kept_.empty()) {  // saved during validation: "state_dict" is the average already
-    if (!weights_only) checkpoint.insert_or_assign(kCurrentModelState, other_weights());
+    if (!weights_only) checkpoint.insert_or_assign(core::kCurrentModelStateKey, other_weights());
     return;
   }
   // A weights-only file cannot resume, so it keeps the average alone.
-  if (!weights_only) checkpoint.insert_or_assign(kCurrentModelState, checkpoint.at("state_dict"));
+  if (!weights_only) checkpoint.insert_or_assign(core::kCurrentModelStateKey, checkpoint.at("state_dict"));
   checkpoint.insert_or_assign("state_dict", other_weights());
 }
 
@@ -145,14 +143,14 @@ void WeightAveraging::on_load_checkpoint(sdk::Trainer& trainer, const sdk::Check
   // The trainer loaded "state_dict" (the average) into the model.
   const std::int64_t averaged = averaged_;
   start(trainer);
-  if (!checkpoint.contains(kCurrentModelState)) {
+  if (!checkpoint.contains(core::kCurrentModelStateKey)) {
     trainer.print("weight averaging: the checkpoint holds no average (no current_model_state): the average starts "
                   "from its weights");
     return;
   }
   averaged_ = averaged;  // as saved (load_state_dict ran first)
   trainer.strategy().load_model_state_dict(
-      core::state_dict_from(checkpoint.at(kCurrentModelState), std::string("checkpoint [") + kCurrentModelState + "]"),
+      core::state_dict_from(checkpoint.at(core::kCurrentModelStateKey), std::string("checkpoint [") + core::kCurrentModelStateKey + "]"),
       /*strict=*/true);
 }
 

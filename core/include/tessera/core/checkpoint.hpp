@@ -90,7 +90,8 @@ constexpr const char* kWeightsOnlyKey = "weights_only";
 /// The checkpoint entries shaped like the model, each a state dict that a sharded save cuts
 /// as it cuts the weights: "state_dict", and weight averaging's "current_model_state" (the
 /// trained weights, while "state_dict" holds their average, as Lightning's WeightAveraging).
-constexpr std::array<const char*, 2> kModelShapedKeys{"state_dict", "current_model_state"};
+constexpr const char* kCurrentModelStateKey = "current_model_state";
+constexpr std::array<const char*, 2> kModelShapedKeys{"state_dict", kCurrentModelStateKey};
 bool is_model_shaped_key(const std::string& key);
 /// A checkpoint file, whatever wrote it: a full checkpoint (load_pickle's dict, as is); a bare
 /// state dict (Python's `torch.save(model.state_dict(), f)`), a safetensors file (tessera's
