@@ -1,0 +1,7 @@
+#include "tessera/toolkit/tokenizer.hpp"
+
+namespace tessera::toolkit {
+
+Tokenizer::~Tokenizer() = default;
+
+}  // namespace tessera::toolkit
