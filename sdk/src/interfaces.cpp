@@ -3,6 +3,7 @@
 #include "tessera/sdk/data.hpp"
 #include "tessera/sdk/error.hpp"
 #include "tessera/sdk/guard.hpp"
+#include "tessera/sdk/huggingface.hpp"
 #include "tessera/sdk/module.hpp"
 #include "tessera/sdk/precision.hpp"
 #include "tessera/sdk/checkpoint_io.hpp"
@@ -19,6 +20,7 @@ Module::~Module() = default;
 Precision::~Precision() = default;
 CheckpointIO::~CheckpointIO() = default;
 Strategy::~Strategy() = default;
+HuggingFaceModel::~HuggingFaceModel() = default;
 
 std::unique_ptr<torch::optim::Optimizer> Module::configure_optimizers(const std::vector<NamedParameter>& params,
                                                                       const OptimizerSettings& settings) {
