@@ -7,7 +7,7 @@
 # The tessera binary links jemalloc as its malloc (host/CMakeLists.txt): with glibc's malloc,
 # whose mmap threshold grows to the largest block freed, freed activation and collective
 # buffers stayed resident and RSS overstated what is live (2 ranks: 987 MB above the baseline
-# instead of ~740); README has the figures of both.
+# instead of ~740); docs/performance.md has the figures of both.
 # The last rows show limit_all_gathers with forward prefetch on 4 ranks.
 #   bash bench/training/memory.sh [build-dir]        (~3 minutes on 2 cores)
 set -euo pipefail
