@@ -1,7 +1,50 @@
 #include "tessera/toolkit/tokenizer.hpp"
 
+#include <fstream>
+#include <sstream>
+
+#include "tessera/sdk/error.hpp"
+
 namespace tessera::toolkit {
+namespace fs = std::filesystem;
 
 Tokenizer::~Tokenizer() = default;
+
+namespace {
+
+std::string read_file(const fs::path& path) {
+  std::ifstream in(path, std::ios::binary);
+  TESSERA_CHECK(in, "cannot read tokenizer file ", path.string());
+  std::ostringstream bytes;
+  bytes << in.rdbuf();
+  return bytes.str();
+}
+
+fs::path file_in_directory(const fs::path& dir) {
+  for (const char* name : {"tokenizer.json", "tokenizer.model"}) {
+    if (fs::is_regular_file(dir / name)) return dir / name;
+  }
+  TESSERA_FAIL("tokenizer directory ", dir.string(),
+               " holds neither tokenizer.json (Hugging Face) nor tokenizer.model (SentencePiece)");
+}
+
+}  // namespace
+
+std::unique_ptr<Tokenizer> load_tokenizer(const fs::path& given) {
+  TESSERA_CHECK(fs::exists(given), "tokenizer ", given.string(),
+                " does not exist (give a SentencePiece tokenizer.model, a Hugging Face tokenizer.json, or a "
+                "directory holding one)");
+  const fs::path path = fs::is_directory(given) ? file_in_directory(given) : given;
+  const std::string bytes = read_file(path);
+  const auto first = bytes.find_first_not_of(" \t\r\n");
+  // JSON is told by its first byte: a ModelProto starts with a protobuf field tag, never '{'.
+  if (first != std::string::npos && bytes[first] == '{') {
+    std::string config;
+    const fs::path config_path = path.parent_path() / "tokenizer_config.json";
+    if (fs::is_regular_file(config_path)) config = read_file(config_path);
+    return parse_huggingface_tokenizer(bytes, path.string(), config);
+  }
+  return parse_sentencepiece_tokenizer(bytes, path.string());
+}
 
 }  // namespace tessera::toolkit

@@ -1,0 +1,1311 @@
+// Hugging Face tokenizer.json with a BPE model, following the Rust `tokenizers` crate step for
+// step (added-token extraction, normalizer, pre-tokenizer, BPE, post-processor; decoders), so
+// ids equal the reference library's. Each component reads its JSON strictly: a type or key we
+// do not implement is refused by its JSON path, never skipped.
+#define PCRE2_CODE_UNIT_WIDTH 8
+#include <pcre2.h>
+#include <unicode/normalizer2.h>
+#include <unicode/bytestream.h>
+
+#include <algorithm>
+#include <atomic>
+#include <nlohmann/json.hpp>
+#include <queue>
+#include <set>
+#include <unordered_map>
+
+#include "tessera/sdk/error.hpp"
+#include "tessera/toolkit/tokenizer.hpp"
+#include "utf8.hpp"
+
+namespace tessera::toolkit {
+namespace {
+
+using json = nlohmann::json;
+
+// Where a component sits in the file, for messages: "tokenizer.json: pre_tokenizer.pretokenizers[1]".
+struct Where {
+  const std::string& file;
+  std::string path;
+  Where at(const std::string& key) const { return {file, path.empty() ? key : path + "." + key}; }
+  Where at(std::size_t index) const { return {file, path + "[" + std::to_string(index) + "]"}; }
+  std::string str() const { return file + ": " + path; }
+};
+
+const json& require(const json& object, const char* key, const Where& where) {
+  TESSERA_CHECK(object.is_object() && object.contains(key), "Hugging Face tokenizer ", where.str(), " has no \"", key,
+                "\"");
+  return object.at(key);
+}
+
+// Refuses keys this reader does not know, so a setting is never silently dropped.
+void check_keys(const json& object, std::initializer_list<const char*> known, const Where& where) {
+  TESSERA_CHECK(object.is_object(), "Hugging Face tokenizer ", where.str(), " is not a JSON object");
+  for (const auto& item : object.items()) {
+    const bool ok = std::any_of(known.begin(), known.end(), [&](const char* k) { return item.key() == k; });
+    TESSERA_CHECK(ok, "Hugging Face tokenizer ", where.at(item.key()).str(),
+                  " is not supported by Tessera's tokenizer.json reader (known keys here: ",
+                  sdk::join(std::vector<std::string>(known.begin(), known.end())), ")");
+  }
+}
+
+template <typename T>
+T get_or(const json& object, const char* key, T fallback) {
+  const auto it = object.find(key);
+  return it == object.end() || it->is_null() ? fallback : it->get<T>();
+}
+
+// ---------------------------------------------------------------------------------------------
+// Regexes (PCRE2 with UTF and Unicode properties, JIT-compiled): the crate uses Oniguruma for
+// the same Perl-style patterns.
+
+class Regex {
+ public:
+  Regex(const std::string& pattern, const Where& where) {
+    int error = 0;
+    PCRE2_SIZE offset = 0;
+    code_ = pcre2_compile(reinterpret_cast<PCRE2_SPTR>(pattern.data()), pattern.size(), PCRE2_UTF | PCRE2_UCP, &error,
+                          &offset, nullptr);
+    if (code_ == nullptr) {
+      PCRE2_UCHAR message[256];
+      pcre2_get_error_message(error, message, sizeof message);
+      TESSERA_FAIL("Hugging Face tokenizer ", where.str(), ": regex ", json(pattern).dump(), " does not compile (",
+                   reinterpret_cast<const char*>(message), " at offset ", offset, ")");
+    }
+    pcre2_jit_compile(code_, PCRE2_JIT_COMPLETE);  // falls back to the interpreter where JIT is absent
+  }
+  static Regex literal(const std::string& text, const Where& where) {
+    std::string escaped;
+    for (const char c : text) {
+      if (static_cast<unsigned char>(c) < 0x80 && !std::isalnum(static_cast<unsigned char>(c))) escaped += '\\';
+      escaped += c;
+    }
+    return Regex(escaped, where);
+  }
+  Regex(Regex&& other) noexcept : code_(std::exchange(other.code_, nullptr)) {}
+  Regex(const Regex&) = delete;
+  ~Regex() { pcre2_code_free(code_); }
+
+  /// Non-overlapping matches (start, end) left to right; empty matches are skipped.
+  std::vector<std::pair<std::size_t, std::size_t>> find_all(std::string_view text) const {
+    std::vector<std::pair<std::size_t, std::size_t>> found;
+    pcre2_match_data* data = pcre2_match_data_create_from_pattern(code_, nullptr);
+    const auto* subject = reinterpret_cast<PCRE2_SPTR>(text.data());
+    std::size_t pos = 0;
+    while (pos <= text.size()) {
+      const int rc = pcre2_match(code_, subject, text.size(), pos, PCRE2_NO_UTF_CHECK, data, nullptr);
+      if (rc < 0) break;
+      const PCRE2_SIZE* ovector = pcre2_get_ovector_pointer(data);
+      if (ovector[1] == ovector[0]) {
+        if (ovector[0] >= text.size()) break;
+        pos = ovector[0] + utf8_length(static_cast<unsigned char>(text[ovector[0]]));
+        continue;
+      }
+      found.emplace_back(ovector[0], ovector[1]);
+      pos = ovector[1];
+    }
+    pcre2_match_data_free(data);
+    return found;
+  }
+
+  /// The crate's `Pattern::find_matches`: the whole text as (range, is_match) pieces.
+  std::vector<std::tuple<std::size_t, std::size_t, bool>> pieces(std::string_view text) const {
+    std::vector<std::tuple<std::size_t, std::size_t, bool>> out;
+    if (text.empty()) {
+      out.emplace_back(0, 0, false);
+      return out;
+    }
+    std::size_t prev = 0;
+    for (const auto& [start, end] : find_all(text)) {
+      if (prev != start) out.emplace_back(prev, start, false);
+      out.emplace_back(start, end, true);
+      prev = end;
+    }
+    if (prev != text.size()) out.emplace_back(prev, text.size(), false);
+    return out;
+  }
+
+  std::string replace_all(std::string_view text, std::string_view content) const {
+    std::string out;
+    for (const auto& [start, end, is_match] : pieces(text)) {
+      if (is_match) {
+        out += content;
+      } else {
+        out += text.substr(start, end - start);
+      }
+    }
+    return out;
+  }
+
+ private:
+  pcre2_code* code_ = nullptr;
+};
+
+// A Replace/Split "pattern": {"String": "..."} or {"Regex": "..."}.
+Regex pattern_regex(const json& pattern, const Where& where) {
+  TESSERA_CHECK(pattern.is_object() && pattern.size() == 1, "Hugging Face tokenizer ", where.str(),
+                " must be {\"String\": ...} or {\"Regex\": ...}");
+  if (pattern.contains("String")) return Regex::literal(pattern.at("String").get<std::string>(), where);
+  TESSERA_CHECK(pattern.contains("Regex"), "Hugging Face tokenizer ", where.str(),
+                " must be {\"String\": ...} or {\"Regex\": ...}");
+  return Regex(pattern.at("Regex").get<std::string>(), where);
+}
+
+// ---------------------------------------------------------------------------------------------
+// GPT-2's byte-level alphabet: every byte as a printable character.
+
+struct ByteAlphabet {
+  std::string byte_to_char[256];
+  std::unordered_map<std::uint32_t, unsigned char> char_to_byte;  // code point -> byte
+  ByteAlphabet() {
+    int extra = 0;
+    for (int b = 0; b < 256; ++b) {
+      const bool printable = (b >= '!' && b <= '~') || (b >= 0xA1 && b <= 0xAC) || (b >= 0xAE && b <= 0xFF);
+      const std::uint32_t cp = printable ? b : 256 + extra++;
+      std::string utf8;
+      if (cp < 0x80) {
+        utf8 += static_cast<char>(cp);
+      } else {
+        utf8 += static_cast<char>(0xC0 | (cp >> 6));
+        utf8 += static_cast<char>(0x80 | (cp & 0x3F));
+      }
+      byte_to_char[b] = utf8;
+      char_to_byte[cp] = static_cast<unsigned char>(b);
+    }
+  }
+};
+const ByteAlphabet& byte_alphabet() {
+  static const ByteAlphabet alphabet;
+  return alphabet;
+}
+
+// Decodes one UTF-8 character at `i` (valid input), advancing `i`.
+std::uint32_t next_code_point(std::string_view s, std::size_t& i) {
+  const auto lead = static_cast<unsigned char>(s[i]);
+  const std::size_t n = utf8_length(lead);
+  std::uint32_t cp = n == 1 ? lead : n == 2 ? lead & 0x1F : n == 3 ? lead & 0x0F : lead & 0x07;
+  for (std::size_t k = 1; k < n; ++k) cp = (cp << 6) | (static_cast<unsigned char>(s[i + k]) & 0x3F);
+  i += n;
+  return cp;
+}
+
+std::string single_char(const json& value, const Where& where) {
+  const auto s = value.get<std::string>();
+  std::size_t i = 0;
+  TESSERA_CHECK(!s.empty() && (next_code_point(s, i), i == s.size()), "Hugging Face tokenizer ", where.str(),
+                " must be one character");
+  return s;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Normalizers: text -> text.
+
+class Normalizer {
+ public:
+  virtual ~Normalizer() = default;
+  virtual void apply(std::string& text) const = 0;
+};
+
+class SequenceNormalizer final : public Normalizer {
+ public:
+  explicit SequenceNormalizer(std::vector<std::unique_ptr<Normalizer>> steps) : steps_(std::move(steps)) {}
+  void apply(std::string& text) const override {
+    for (const auto& step : steps_) step->apply(text);
+  }
+
+ private:
+  std::vector<std::unique_ptr<Normalizer>> steps_;
+};
+
+class UnicodeNormalizer final : public Normalizer {
+ public:
+  UnicodeNormalizer(const std::string& form, const Where& where) {
+    UErrorCode status = U_ZERO_ERROR;
+    normalizer_ = form == "NFC"    ? icu::Normalizer2::getNFCInstance(status)
+                  : form == "NFD"  ? icu::Normalizer2::getNFDInstance(status)
+                  : form == "NFKC" ? icu::Normalizer2::getNFKCInstance(status)
+                                   : icu::Normalizer2::getNFKDInstance(status);
+    TESSERA_CHECK(U_SUCCESS(status), "Hugging Face tokenizer ", where.str(), ": ICU has no ", form, " normalizer");
+  }
+  void apply(std::string& text) const override {
+    UErrorCode status = U_ZERO_ERROR;
+    if (normalizer_->isNormalizedUTF8(text, status) && U_SUCCESS(status)) return;
+    status = U_ZERO_ERROR;
+    std::string out;
+    icu::StringByteSink<std::string> sink(&out);
+    normalizer_->normalizeUTF8(0, text, sink, nullptr, status);
+    TESSERA_CHECK(U_SUCCESS(status), "Unicode normalization failed: ", u_errorName(status));
+    text = std::move(out);
+  }
+
+ private:
+  const icu::Normalizer2* normalizer_ = nullptr;
+};
+
+class PrependNormalizer final : public Normalizer {
+ public:
+  explicit PrependNormalizer(std::string prefix) : prefix_(std::move(prefix)) {}
+  void apply(std::string& text) const override {
+    if (!text.empty()) text.insert(0, prefix_);
+  }
+
+ private:
+  std::string prefix_;
+};
+
+class ReplaceNormalizer final : public Normalizer {
+ public:
+  ReplaceNormalizer(Regex pattern, std::string content) : pattern_(std::move(pattern)), content_(std::move(content)) {}
+  void apply(std::string& text) const override { text = pattern_.replace_all(text, content_); }
+
+ private:
+  Regex pattern_;
+  std::string content_;
+};
+
+std::unique_ptr<Normalizer> make_normalizer(const json& spec, const Where& where) {
+  const std::string type = require(spec, "type", where).get<std::string>();
+  if (type == "Sequence") {
+    check_keys(spec, {"type", "normalizers"}, where);
+    std::vector<std::unique_ptr<Normalizer>> steps;
+    const auto& list = require(spec, "normalizers", where);
+    for (std::size_t i = 0; i < list.size(); ++i) steps.push_back(make_normalizer(list[i], where.at("normalizers").at(i)));
+    return std::make_unique<SequenceNormalizer>(std::move(steps));
+  }
+  if (type == "NFC" || type == "NFD" || type == "NFKC" || type == "NFKD") {
+    check_keys(spec, {"type"}, where);
+    return std::make_unique<UnicodeNormalizer>(type, where);
+  }
+  if (type == "Prepend") {
+    check_keys(spec, {"type", "prepend"}, where);
+    return std::make_unique<PrependNormalizer>(require(spec, "prepend", where).get<std::string>());
+  }
+  if (type == "Replace") {
+    check_keys(spec, {"type", "pattern", "content"}, where);
+    return std::make_unique<ReplaceNormalizer>(pattern_regex(require(spec, "pattern", where), where.at("pattern")),
+                                               require(spec, "content", where).get<std::string>());
+  }
+  TESSERA_FAIL("Hugging Face tokenizer ", where.str(), ": normalizer type \"", type,
+               "\" is not supported (supported: Sequence, NFC, NFD, NFKC, NFKD, Prepend, Replace)");
+}
+
+// ---------------------------------------------------------------------------------------------
+// Pre-tokenizers: split a piece of text into words (each word then goes through BPE alone).
+
+struct Piece {
+  std::string text;
+  bool at_start;  // begins at offset 0 of the original text (Metaspace's prepend_scheme "first")
+};
+
+enum class SplitBehavior { removed, isolated, merged_with_previous, merged_with_next, contiguous };
+
+// The crate's NormalizedString::split: pieces of `text` by (range, is_match) and a behavior.
+void split_pieces(const Piece& piece, std::vector<std::tuple<std::size_t, std::size_t, bool>> matches,
+                  SplitBehavior behavior, std::vector<Piece>& out) {
+  std::vector<std::tuple<std::size_t, std::size_t, bool>> kept;  // (start, end, remove)
+  switch (behavior) {
+    case SplitBehavior::isolated:
+      for (auto& [s, e, m] : matches) kept.emplace_back(s, e, false);
+      break;
+    case SplitBehavior::removed:
+      kept = matches;
+      break;
+    case SplitBehavior::contiguous: {
+      bool previous_match = false;
+      for (auto& [s, e, m] : matches) {
+        if (m == previous_match && !kept.empty()) {
+          std::get<1>(kept.back()) = e;
+        } else {
+          kept.emplace_back(s, e, false);
+        }
+        previous_match = m;
+      }
+      break;
+    }
+    case SplitBehavior::merged_with_previous: {
+      bool previous_match = false;
+      for (auto& [s, e, m] : matches) {
+        if (m && !previous_match && !kept.empty()) {
+          std::get<1>(kept.back()) = e;
+        } else {
+          kept.emplace_back(s, e, false);
+        }
+        previous_match = m;
+      }
+      break;
+    }
+    case SplitBehavior::merged_with_next: {
+      bool previous_match = false;
+      for (auto it = matches.rbegin(); it != matches.rend(); ++it) {
+        auto& [s, e, m] = *it;
+        if (m && !previous_match && !kept.empty()) {
+          std::get<0>(kept.back()) = s;
+        } else {
+          kept.emplace_back(s, e, false);
+        }
+        previous_match = m;
+      }
+      std::reverse(kept.begin(), kept.end());
+      break;
+    }
+  }
+  for (const auto& [s, e, remove] : kept) {
+    if (remove || s == e) continue;
+    out.push_back({piece.text.substr(s, e - s), piece.at_start && s == 0});
+  }
+}
+
+class PreTokenizer {
+ public:
+  virtual ~PreTokenizer() = default;
+  virtual void apply(std::vector<Piece>& pieces) const = 0;
+  /// True when the words it yields are GPT-2 byte-level characters.
+  virtual bool byte_level() const { return false; }
+};
+
+class SequencePreTokenizer final : public PreTokenizer {
+ public:
+  explicit SequencePreTokenizer(std::vector<std::unique_ptr<PreTokenizer>> steps) : steps_(std::move(steps)) {}
+  void apply(std::vector<Piece>& pieces) const override {
+    for (const auto& step : steps_) step->apply(pieces);
+  }
+  bool byte_level() const override {
+    return std::any_of(steps_.begin(), steps_.end(), [](const auto& s) { return s->byte_level(); });
+  }
+
+ private:
+  std::vector<std::unique_ptr<PreTokenizer>> steps_;
+};
+
+class SplitPreTokenizer final : public PreTokenizer {
+ public:
+  SplitPreTokenizer(Regex pattern, SplitBehavior behavior, bool invert)
+      : pattern_(std::move(pattern)), behavior_(behavior), invert_(invert) {}
+  void apply(std::vector<Piece>& pieces) const override {
+    std::vector<Piece> out;
+    out.reserve(pieces.size() * 4);
+    for (const auto& piece : pieces) {
+      auto matches = pattern_.pieces(piece.text);
+      if (invert_) {
+        for (auto& m : matches) std::get<2>(m) = !std::get<2>(m);
+      }
+      split_pieces(piece, std::move(matches), behavior_, out);
+    }
+    pieces = std::move(out);
+  }
+
+ private:
+  Regex pattern_;
+  SplitBehavior behavior_;
+  bool invert_;
+};
+
+// GPT-2's pattern, which ByteLevel applies when use_regex is true.
+constexpr const char* kGpt2Pattern = R"('s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+)";
+
+class ByteLevelPreTokenizer final : public PreTokenizer {
+ public:
+  ByteLevelPreTokenizer(bool add_prefix_space, bool use_regex, const Where& where)
+      : add_prefix_space_(add_prefix_space) {
+    if (use_regex) regex_.emplace(kGpt2Pattern, where);
+  }
+  void apply(std::vector<Piece>& pieces) const override {
+    std::vector<Piece> out;
+    out.reserve(pieces.size() * 4);
+    for (auto& piece : pieces) {
+      if (add_prefix_space_ && !piece.text.empty() && piece.text[0] != ' ') piece.text.insert(0, " ");
+      if (regex_) {
+        auto matches = regex_->pieces(piece.text);
+        split_pieces(piece, std::move(matches), SplitBehavior::isolated, out);
+      } else {
+        out.push_back(std::move(piece));
+      }
+    }
+    const auto& alphabet = byte_alphabet();
+    for (auto& piece : out) {
+      std::string mapped;
+      mapped.reserve(piece.text.size() * 2);
+      for (const char c : piece.text) mapped += alphabet.byte_to_char[static_cast<unsigned char>(c)];
+      piece.text = std::move(mapped);
+    }
+    pieces = std::move(out);
+  }
+  bool byte_level() const override { return true; }
+
+ private:
+  bool add_prefix_space_;
+  std::optional<Regex> regex_;
+};
+
+class MetaspacePreTokenizer final : public PreTokenizer {
+ public:
+  enum class Prepend { always, first, never };
+  MetaspacePreTokenizer(std::string replacement, Prepend prepend, bool split, const Where& where)
+      : replacement_(std::move(replacement)),
+        prepend_(prepend),
+        split_(split),
+        space_(Regex::literal(" ", where)),
+        marker_(Regex::literal(replacement_, where)) {}
+  void apply(std::vector<Piece>& pieces) const override {
+    std::vector<Piece> out;
+    for (auto& piece : pieces) {
+      piece.text = space_.replace_all(piece.text, replacement_);
+      const bool starts = piece.text.compare(0, replacement_.size(), replacement_) == 0;
+      if (!starts && !piece.text.empty() && (prepend_ == Prepend::always || (prepend_ == Prepend::first && piece.at_start))) {
+        piece.text.insert(0, replacement_);
+      }
+      if (split_) {
+        split_pieces(piece, marker_.pieces(piece.text), SplitBehavior::merged_with_next, out);
+      } else {
+        out.push_back(std::move(piece));
+      }
+    }
+    pieces = std::move(out);
+  }
+
+ private:
+  std::string replacement_;
+  Prepend prepend_;
+  bool split_;
+  Regex space_, marker_;
+};
+
+SplitBehavior split_behavior(const std::string& name, const Where& where) {
+  if (name == "Removed") return SplitBehavior::removed;
+  if (name == "Isolated") return SplitBehavior::isolated;
+  if (name == "MergedWithPrevious") return SplitBehavior::merged_with_previous;
+  if (name == "MergedWithNext") return SplitBehavior::merged_with_next;
+  if (name == "Contiguous") return SplitBehavior::contiguous;
+  TESSERA_FAIL("Hugging Face tokenizer ", where.str(), ": split behavior \"", name,
+               "\" is not one of Removed, Isolated, MergedWithPrevious, MergedWithNext, Contiguous");
+}
+
+std::unique_ptr<PreTokenizer> make_pre_tokenizer(const json& spec, const Where& where) {
+  const std::string type = require(spec, "type", where).get<std::string>();
+  if (type == "Sequence") {
+    check_keys(spec, {"type", "pretokenizers"}, where);
+    std::vector<std::unique_ptr<PreTokenizer>> steps;
+    const auto& list = require(spec, "pretokenizers", where);
+    for (std::size_t i = 0; i < list.size(); ++i) {
+      steps.push_back(make_pre_tokenizer(list[i], where.at("pretokenizers").at(i)));
+    }
+    return std::make_unique<SequencePreTokenizer>(std::move(steps));
+  }
+  if (type == "Split") {
+    check_keys(spec, {"type", "pattern", "behavior", "invert"}, where);
+    return std::make_unique<SplitPreTokenizer>(
+        pattern_regex(require(spec, "pattern", where), where.at("pattern")),
+        split_behavior(require(spec, "behavior", where).get<std::string>(), where.at("behavior")),
+        get_or(spec, "invert", false));
+  }
+  if (type == "ByteLevel") {
+    // trim_offsets only moves offsets, which Tessera does not report.
+    check_keys(spec, {"type", "add_prefix_space", "trim_offsets", "use_regex"}, where);
+    return std::make_unique<ByteLevelPreTokenizer>(get_or(spec, "add_prefix_space", true),
+                                                   get_or(spec, "use_regex", true), where);
+  }
+  if (type == "Metaspace") {
+    check_keys(spec, {"type", "replacement", "prepend_scheme", "split", "add_prefix_space", "str_rep"}, where);
+    const std::string scheme = get_or<std::string>(spec, "prepend_scheme",
+                                                   get_or(spec, "add_prefix_space", true) ? "always" : "never");
+    TESSERA_CHECK(scheme == "always" || scheme == "first" || scheme == "never", "Hugging Face tokenizer ",
+                  where.at("prepend_scheme").str(), " is \"", scheme, "\", not always, first or never");
+    return std::make_unique<MetaspacePreTokenizer>(
+        single_char(require(spec, "replacement", where), where.at("replacement")),
+        scheme == "always"  ? MetaspacePreTokenizer::Prepend::always
+        : scheme == "first" ? MetaspacePreTokenizer::Prepend::first
+                            : MetaspacePreTokenizer::Prepend::never,
+        get_or(spec, "split", true), where);
+  }
+  if (type == "Digits") {
+    check_keys(spec, {"type", "individual_digits"}, where);
+    return std::make_unique<SplitPreTokenizer>(
+        Regex(R"(\p{N})", where),
+        get_or(spec, "individual_digits", false) ? SplitBehavior::isolated : SplitBehavior::contiguous, false);
+  }
+  TESSERA_FAIL("Hugging Face tokenizer ", where.str(), ": pre_tokenizer type \"", type,
+               "\" is not supported (supported: Sequence, Split, ByteLevel, Metaspace, Digits)");
+}
+
+// ---------------------------------------------------------------------------------------------
+// Decoders: a chain of token strings -> token strings, joined at the end.
+
+class Decoder {
+ public:
+  virtual ~Decoder() = default;
+  virtual std::vector<std::string> decode_chain(std::vector<std::string> tokens) const = 0;
+};
+
+class SequenceDecoder final : public Decoder {
+ public:
+  explicit SequenceDecoder(std::vector<std::unique_ptr<Decoder>> steps) : steps_(std::move(steps)) {}
+  std::vector<std::string> decode_chain(std::vector<std::string> tokens) const override {
+    for (const auto& step : steps_) tokens = step->decode_chain(std::move(tokens));
+    return tokens;
+  }
+
+ private:
+  std::vector<std::unique_ptr<Decoder>> steps_;
+};
+
+class ByteLevelDecoder final : public Decoder {
+ public:
+  std::vector<std::string> decode_chain(std::vector<std::string> tokens) const override {
+    const auto& alphabet = byte_alphabet();
+    std::string bytes;
+    for (const auto& token : tokens) {
+      std::string mapped;
+      bool all_mapped = true;
+      for (std::size_t i = 0; i < token.size();) {
+        const auto it = alphabet.char_to_byte.find(next_code_point(token, i));
+        if (it == alphabet.char_to_byte.end()) {
+          all_mapped = false;
+          break;
+        }
+        mapped += static_cast<char>(it->second);
+      }
+      bytes += all_mapped ? mapped : token;  // a token outside the alphabet (an added token) stays as written
+    }
+    return {utf8_lossy(bytes)};
+  }
+};
+
+class ByteFallbackDecoder final : public Decoder {
+ public:
+  std::vector<std::string> decode_chain(std::vector<std::string> tokens) const override {
+    std::vector<std::string> out;
+    std::string pending;
+    std::size_t pending_count = 0;
+    const auto flush = [&] {
+      if (pending_count == 0) return;
+      if (utf8_lossy(pending) == pending) {
+        out.push_back(pending);
+      } else {
+        for (std::size_t i = 0; i < pending_count; ++i) out.emplace_back("\xEF\xBF\xBD");
+      }
+      pending.clear();
+      pending_count = 0;
+    };
+    for (auto& token : tokens) {
+      if (token.size() == 6 && token.compare(0, 3, "<0x") == 0 && token[5] == '>' && std::isxdigit(token[3]) &&
+          std::isxdigit(token[4])) {
+        pending += static_cast<char>(std::stoi(token.substr(3, 2), nullptr, 16));
+        ++pending_count;
+      } else {
+        flush();
+        out.push_back(std::move(token));
+      }
+    }
+    flush();
+    return out;
+  }
+};
+
+class FuseDecoder final : public Decoder {
+ public:
+  std::vector<std::string> decode_chain(std::vector<std::string> tokens) const override {
+    std::string all;
+    for (const auto& t : tokens) all += t;
+    return {all};
+  }
+};
+
+class StripDecoder final : public Decoder {
+ public:
+  StripDecoder(std::uint32_t content, std::size_t start, std::size_t stop)
+      : content_(content), start_(start), stop_(stop) {}
+  std::vector<std::string> decode_chain(std::vector<std::string> tokens) const override {
+    for (auto& token : tokens) {
+      std::vector<std::pair<std::size_t, std::uint32_t>> chars;  // (byte offset, code point)
+      for (std::size_t i = 0; i < token.size();) {
+        const std::size_t at = i;
+        chars.emplace_back(at, next_code_point(token, i));
+      }
+      std::size_t start_cut = 0;
+      for (std::size_t i = 0; i < std::min(start_, chars.size()) && chars[i].second == content_; ++i) start_cut = i + 1;
+      std::size_t stop_cut = chars.size();
+      for (std::size_t i = 0; i < stop_ && i < chars.size(); ++i) {
+        const std::size_t index = chars.size() - i - 1;
+        if (chars[index].second != content_) break;
+        stop_cut = index;
+      }
+      if (start_cut >= stop_cut) {
+        token.clear();
+        continue;
+      }
+      const std::size_t from = chars[start_cut].first;
+      const std::size_t to = stop_cut == chars.size() ? token.size() : chars[stop_cut].first;
+      token = token.substr(from, to - from);
+    }
+    return tokens;
+  }
+
+ private:
+  std::uint32_t content_;
+  std::size_t start_, stop_;
+};
+
+class ReplaceDecoder final : public Decoder {
+ public:
+  ReplaceDecoder(Regex pattern, std::string content) : pattern_(std::move(pattern)), content_(std::move(content)) {}
+  std::vector<std::string> decode_chain(std::vector<std::string> tokens) const override {
+    for (auto& token : tokens) token = pattern_.replace_all(token, content_);
+    return tokens;
+  }
+
+ private:
+  Regex pattern_;
+  std::string content_;
+};
+
+class MetaspaceDecoder final : public Decoder {
+ public:
+  MetaspaceDecoder(std::uint32_t replacement, bool strip_first) : replacement_(replacement), strip_first_(strip_first) {}
+  std::vector<std::string> decode_chain(std::vector<std::string> tokens) const override {
+    for (std::size_t t = 0; t < tokens.size(); ++t) {
+      std::string out;
+      const std::string& token = tokens[t];
+      for (std::size_t i = 0; i < token.size();) {
+        const std::size_t at = i;
+        if (next_code_point(token, i) == replacement_) {
+          if (!(t == 0 && strip_first_)) out += ' ';
+        } else {
+          out.append(token, at, i - at);
+        }
+      }
+      tokens[t] = std::move(out);
+    }
+    return tokens;
+  }
+
+ private:
+  std::uint32_t replacement_;
+  bool strip_first_;
+};
+
+std::uint32_t code_point_of(const std::string& one_char) {
+  std::size_t i = 0;
+  return next_code_point(one_char, i);
+}
+
+std::unique_ptr<Decoder> make_decoder(const json& spec, const Where& where) {
+  const std::string type = require(spec, "type", where).get<std::string>();
+  if (type == "Sequence") {
+    check_keys(spec, {"type", "decoders"}, where);
+    std::vector<std::unique_ptr<Decoder>> steps;
+    const auto& list = require(spec, "decoders", where);
+    for (std::size_t i = 0; i < list.size(); ++i) steps.push_back(make_decoder(list[i], where.at("decoders").at(i)));
+    return std::make_unique<SequenceDecoder>(std::move(steps));
+  }
+  if (type == "ByteLevel") {
+    // The ByteLevel decoder ignores these (they configure the pre-tokenizer half of ByteLevel).
+    check_keys(spec, {"type", "add_prefix_space", "trim_offsets", "use_regex"}, where);
+    return std::make_unique<ByteLevelDecoder>();
+  }
+  if (type == "ByteFallback") {
+    check_keys(spec, {"type"}, where);
+    return std::make_unique<ByteFallbackDecoder>();
+  }
+  if (type == "Fuse") {
+    check_keys(spec, {"type"}, where);
+    return std::make_unique<FuseDecoder>();
+  }
+  if (type == "Strip") {
+    check_keys(spec, {"type", "content", "start", "stop"}, where);
+    return std::make_unique<StripDecoder>(code_point_of(single_char(require(spec, "content", where), where.at("content"))),
+                                          require(spec, "start", where).get<std::size_t>(),
+                                          require(spec, "stop", where).get<std::size_t>());
+  }
+  if (type == "Replace") {
+    check_keys(spec, {"type", "pattern", "content"}, where);
+    return std::make_unique<ReplaceDecoder>(pattern_regex(require(spec, "pattern", where), where.at("pattern")),
+                                            require(spec, "content", where).get<std::string>());
+  }
+  if (type == "Metaspace") {
+    check_keys(spec, {"type", "replacement", "prepend_scheme", "split", "add_prefix_space", "str_rep"}, where);
+    const std::string scheme = get_or<std::string>(spec, "prepend_scheme",
+                                                   get_or(spec, "add_prefix_space", true) ? "always" : "never");
+    return std::make_unique<MetaspaceDecoder>(
+        code_point_of(single_char(require(spec, "replacement", where), where.at("replacement"))), scheme != "never");
+  }
+  TESSERA_FAIL("Hugging Face tokenizer ", where.str(), ": decoder type \"", type,
+               "\" is not supported (supported: Sequence, ByteLevel, ByteFallback, Fuse, Strip, Replace, Metaspace)");
+}
+
+// ---------------------------------------------------------------------------------------------
+// The BPE model.
+
+class Bpe {
+ public:
+  Bpe(const json& spec, const Where& where) : cache_id_(next_cache_id_++) {
+    check_keys(spec, {"type", "dropout", "unk_token", "continuing_subword_prefix", "end_of_word_suffix", "fuse_unk",
+                      "byte_fallback", "ignore_merges", "vocab", "merges"},
+               where);
+    const json* dropout = spec.contains("dropout") ? &spec.at("dropout") : nullptr;
+    TESSERA_CHECK(dropout == nullptr || dropout->is_null() || dropout->get<double>() == 0.0, "Hugging Face tokenizer ",
+                  where.at("dropout").str(),
+                  " is set: BPE dropout (random merges, for training-time regularization) is not supported; set it "
+                  "to null");
+    unk_token_ = get_or<std::string>(spec, "unk_token", "");
+    has_unk_ = spec.contains("unk_token") && !spec.at("unk_token").is_null();
+    prefix_ = get_or<std::string>(spec, "continuing_subword_prefix", "");
+    suffix_ = get_or<std::string>(spec, "end_of_word_suffix", "");
+    fuse_unk_ = get_or(spec, "fuse_unk", false);
+    byte_fallback_ = get_or(spec, "byte_fallback", false);
+    ignore_merges_ = get_or(spec, "ignore_merges", false);
+
+    const auto& vocab = require(spec, "vocab", where);
+    TESSERA_CHECK(vocab.is_object(), "Hugging Face tokenizer ", where.at("vocab").str(), " is not an object");
+    vocab_.reserve(vocab.size());
+    for (const auto& [token, id] : vocab.items()) {
+      const auto value = id.get<std::int64_t>();
+      TESSERA_CHECK(value >= 0 && value < (std::int64_t{1} << 31), "Hugging Face tokenizer ", where.at("vocab").str(),
+                    ": id ", value, " of ", json(token).dump(), " is out of range");
+      vocab_[token] = static_cast<TokenId>(value);
+      if (static_cast<std::size_t>(value) >= id_to_token_.size()) id_to_token_.resize(value + 1);
+      id_to_token_[value] = token;
+    }
+    if (byte_fallback_) {
+      for (int b = 0; b < 256; ++b) {
+        char code[8];
+        std::snprintf(code, sizeof code, "<0x%02X>", b);
+        const auto it = vocab_.find(code);
+        byte_ids_[b] = it == vocab_.end() ? -1 : it->second;
+      }
+    }
+    if (has_unk_) {
+      const auto it = vocab_.find(unk_token_);
+      unk_id_ = it == vocab_.end() ? -1 : it->second;
+    }
+
+    const auto& merges = require(spec, "merges", where);
+    merges_.reserve(merges.size());
+    for (std::size_t rank = 0; rank < merges.size(); ++rank) {
+      const auto& merge = merges[rank];
+      std::string a, b;
+      if (merge.is_string()) {  // "a b"
+        const auto s = merge.get<std::string>();
+        const auto space = s.find(' ');
+        TESSERA_CHECK(space != std::string::npos && s.find(' ', space + 1) == std::string::npos,
+                      "Hugging Face tokenizer ", where.at("merges").at(rank).str(), " is not \"a b\": ", merge.dump());
+        a = s.substr(0, space);
+        b = s.substr(space + 1);
+      } else {  // ["a", "b"]
+        TESSERA_CHECK(merge.is_array() && merge.size() == 2 && merge[0].is_string() && merge[1].is_string(),
+                      "Hugging Face tokenizer ", where.at("merges").at(rank).str(), " is not [\"a\", \"b\"]: ",
+                      merge.dump());
+        a = merge[0].get<std::string>();
+        b = merge[1].get<std::string>();
+      }
+      const std::string joined = a + b.substr(std::min(prefix_.size(), b.size()));
+      const auto ia = vocab_.find(a), ib = vocab_.find(b), ij = vocab_.find(joined);
+      TESSERA_CHECK(ia != vocab_.end() && ib != vocab_.end() && ij != vocab_.end(), "Hugging Face tokenizer ",
+                    where.at("merges").at(rank).str(), ": merge ", merge.dump(), " names a token not in the vocab");
+      merges_[pair_key(ia->second, ib->second)] = {static_cast<std::uint32_t>(rank), ij->second};
+    }
+  }
+
+  /// Appends the ids of one pre-tokenized word.
+  void tokenize(const std::string& word, std::vector<TokenId>& out) const {
+    if (word.empty()) return;
+    if (ignore_merges_) {
+      const auto it = vocab_.find(word);
+      if (it != vocab_.end()) {
+        out.push_back(it->second);
+        return;
+      }
+    }
+    // Per-thread cache (as the crate keeps one): no locks on the hot path of `data prepare`.
+    thread_local Cache cache;
+    if (cache.owner != cache_id_) {
+      cache.words.clear();
+      cache.owner = cache_id_;
+    }
+    const auto hit = cache.words.find(word);
+    if (hit != cache.words.end()) {
+      out.insert(out.end(), hit->second.begin(), hit->second.end());
+      return;
+    }
+    std::vector<TokenId> ids = merge_word(word);
+    out.insert(out.end(), ids.begin(), ids.end());
+    if (word.size() < kMaxCachedLength && cache.words.size() < kCacheCapacity) cache.words.emplace(word, std::move(ids));
+  }
+
+  const std::vector<std::string>& id_to_token() const { return id_to_token_; }
+  std::optional<TokenId> token_id(const std::string& token) const {
+    const auto it = vocab_.find(token);
+    return it == vocab_.end() ? std::nullopt : std::optional<TokenId>(it->second);
+  }
+
+ private:
+  struct Cache {
+    std::uint64_t owner = 0;
+    std::unordered_map<std::string, std::vector<TokenId>> words;
+  };
+  static constexpr std::size_t kCacheCapacity = 1 << 18;
+  static constexpr std::size_t kMaxCachedLength = 256;
+  struct Symbol {
+    TokenId id;
+    int prev, next;
+    bool removed;
+  };
+  struct Merge {
+    std::uint32_t rank;
+    TokenId new_id;
+  };
+  struct Candidate {
+    std::size_t pos;
+    std::uint32_t rank;
+    TokenId new_id;
+    bool operator<(const Candidate& other) const {  // max-heap order: lowest rank, then leftmost, on top
+      return rank != other.rank ? rank > other.rank : pos > other.pos;
+    }
+  };
+  static std::uint64_t pair_key(TokenId a, TokenId b) {
+    return (static_cast<std::uint64_t>(static_cast<std::uint32_t>(a)) << 32) | static_cast<std::uint32_t>(b);
+  }
+
+  // The crate's BPE::merge_word + Word::merge_all.
+  std::vector<TokenId> merge_word(const std::string& word) const {
+    std::vector<TokenId> initial;
+    std::optional<TokenId> unk;
+    std::string key;
+    for (std::size_t i = 0; i < word.size();) {
+      const std::size_t n = std::min(utf8_length(static_cast<unsigned char>(word[i])), word.size() - i);
+      const bool first = i == 0, last = i + n == word.size();
+      key.clear();
+      if (!first) key += prefix_;
+      key.append(word, i, n);
+      if (last) key += suffix_;
+      i += n;
+      const auto it = vocab_.find(key);
+      if (it != vocab_.end()) {
+        if (unk) initial.push_back(*std::exchange(unk, std::nullopt));
+        initial.push_back(it->second);
+        continue;
+      }
+      if (byte_fallback_) {
+        const bool all = std::all_of(key.begin(), key.end(), [&](char c) { return byte_ids_[static_cast<unsigned char>(c)] >= 0; });
+        if (all) {
+          for (const char c : key) initial.push_back(byte_ids_[static_cast<unsigned char>(c)]);
+          continue;
+        }
+      }
+      if (has_unk_) {
+        TESSERA_CHECK(unk_id_ >= 0, "the unk_token ", json(unk_token_).dump(), " is not in the vocab");
+        if (unk && !fuse_unk_) initial.push_back(*unk);
+        unk = unk_id_;
+      }
+      // Without an unk_token the crate drops a character it cannot represent; so do we.
+    }
+    if (unk) initial.push_back(*unk);
+
+    std::vector<Symbol> symbols(initial.size());
+    for (std::size_t i = 0; i < initial.size(); ++i) {
+      symbols[i] = {initial[i], static_cast<int>(i) - 1,
+                    i + 1 < initial.size() ? static_cast<int>(i) + 1 : -1, false};
+    }
+    std::priority_queue<Candidate> queue;
+    for (std::size_t i = 0; i + 1 < symbols.size(); ++i) {
+      const auto it = merges_.find(pair_key(symbols[i].id, symbols[i + 1].id));
+      if (it != merges_.end()) queue.push({i, it->second.rank, it->second.new_id});
+    }
+    while (!queue.empty()) {
+      const Candidate top = queue.top();
+      queue.pop();
+      Symbol& left = symbols[top.pos];
+      if (left.removed || left.next == -1) continue;
+      const int next_pos = left.next;
+      const Symbol right = symbols[next_pos];
+      const auto current = merges_.find(pair_key(left.id, right.id));
+      if (current == merges_.end() || current->second.new_id != top.new_id) continue;  // stale entry
+      left.id = top.new_id;
+      left.next = right.next;
+      symbols[next_pos].removed = true;
+      if (right.next >= 0) symbols[right.next].prev = static_cast<int>(top.pos);
+      if (left.prev >= 0) {
+        const auto it = merges_.find(pair_key(symbols[left.prev].id, left.id));
+        if (it != merges_.end()) queue.push({static_cast<std::size_t>(left.prev), it->second.rank, it->second.new_id});
+      }
+      if (left.next >= 0) {
+        const auto it = merges_.find(pair_key(left.id, symbols[left.next].id));
+        if (it != merges_.end()) queue.push({top.pos, it->second.rank, it->second.new_id});
+      }
+    }
+    std::vector<TokenId> ids;
+    ids.reserve(symbols.size());
+    for (const auto& s : symbols) {
+      if (!s.removed) ids.push_back(s.id);
+    }
+    return ids;
+  }
+
+  static inline std::atomic<std::uint64_t> next_cache_id_{1};
+  std::uint64_t cache_id_;
+  std::unordered_map<std::string, TokenId> vocab_;
+  std::vector<std::string> id_to_token_;
+  std::unordered_map<std::uint64_t, Merge> merges_;
+  std::string unk_token_, prefix_, suffix_;
+  bool has_unk_ = false, fuse_unk_ = false, byte_fallback_ = false, ignore_merges_ = false;
+  TokenId unk_id_ = -1;
+  TokenId byte_ids_[256];
+};
+
+// ---------------------------------------------------------------------------------------------
+// Added tokens: matched in the text before normalization (normalized=false) or in each
+// normalized piece (normalized=true), leftmost-longest, as the crate's AddedVocabulary does.
+
+struct AddedToken {
+  std::string content;
+  TokenId id;
+  bool special, single_word, lstrip, rstrip, normalized;
+};
+
+class AddedMatcher {
+ public:
+  void add(std::string pattern, std::size_t token) {
+    if (pattern.empty()) return;
+    by_first_byte_[static_cast<unsigned char>(pattern[0])].emplace_back(std::move(pattern), token);
+  }
+  void finish() {
+    for (auto& list : by_first_byte_) {
+      std::stable_sort(list.begin(), list.end(), [](const auto& a, const auto& b) { return a.first.size() > b.first.size(); });
+    }
+  }
+  bool empty() const {
+    return std::all_of(std::begin(by_first_byte_), std::end(by_first_byte_), [](const auto& l) { return l.empty(); });
+  }
+  /// Leftmost-longest non-overlapping matches: (start, end, token index).
+  std::vector<std::tuple<std::size_t, std::size_t, std::size_t>> find(std::string_view text) const {
+    std::vector<std::tuple<std::size_t, std::size_t, std::size_t>> found;
+    for (std::size_t i = 0; i < text.size();) {
+      const auto& candidates = by_first_byte_[static_cast<unsigned char>(text[i])];
+      bool matched = false;
+      for (const auto& [pattern, token] : candidates) {  // longest first
+        if (text.compare(i, pattern.size(), pattern) == 0) {
+          found.emplace_back(i, i + pattern.size(), token);
+          i += pattern.size();
+          matched = true;
+          break;
+        }
+      }
+      if (!matched) ++i;
+    }
+    return found;
+  }
+
+ private:
+  std::vector<std::pair<std::string, std::size_t>> by_first_byte_[256];
+};
+
+// Unicode \w and \s at the edges of a string, for single_word / lstrip / rstrip.
+struct EdgeRegexes {
+  Regex starts_with_word, ends_with_word, space_at_start, space_at_end;
+  explicit EdgeRegexes(const Where& where)
+      : starts_with_word(R"(^\w)", where),
+        ends_with_word(R"(\w$)", where),
+        space_at_start(R"(^\s*)", where),
+        space_at_end(R"(\s*$)", where) {}
+};
+
+// ---------------------------------------------------------------------------------------------
+
+struct TemplatePiece {
+  bool is_sequence;
+  std::vector<TokenId> ids;  // the special token's ids
+};
+
+class HuggingFaceTokenizer final : public Tokenizer {
+ public:
+  HuggingFaceTokenizer(const json& root, const std::string& source, std::string_view config_json)
+      : source_(source), edges_(Where{source_, "added_tokens"}) {
+    const Where top{source_, ""};
+    check_keys(root, {"version", "truncation", "padding", "added_tokens", "normalizer", "pre_tokenizer", "model",
+                      "post_processor", "decoder"},
+               top);
+    for (const char* key : {"truncation", "padding"}) {
+      TESSERA_CHECK(!root.contains(key) || root.at(key).is_null(), "Hugging Face tokenizer ", top.at(key).str(),
+                    " is set: Tessera encodes whole documents without truncation or padding; set it to null");
+    }
+    const auto& model = require(root, "model", top);
+    const std::string type = model.contains("type") ? model.at("type").get<std::string>()
+                             : model.contains("merges") ? "BPE"
+                                                        : "(untyped)";
+    TESSERA_CHECK(type == "BPE", "Hugging Face tokenizer ", top.at("model.type").str(), " is \"", type,
+                  "\": only BPE models are supported (SentencePiece-based Unigram files load from their "
+                  "tokenizer.model instead)");
+    bpe_.emplace(model, top.at("model"));
+    if (root.contains("normalizer") && !root.at("normalizer").is_null()) {
+      normalizer_ = make_normalizer(root.at("normalizer"), top.at("normalizer"));
+    }
+    if (root.contains("pre_tokenizer") && !root.at("pre_tokenizer").is_null()) {
+      pre_tokenizer_ = make_pre_tokenizer(root.at("pre_tokenizer"), top.at("pre_tokenizer"));
+    }
+    if (root.contains("decoder") && !root.at("decoder").is_null()) {
+      decoder_ = make_decoder(root.at("decoder"), top.at("decoder"));
+    }
+    vocab_size_ = static_cast<std::int64_t>(bpe_->id_to_token().size());
+    read_added_tokens(root, top);
+    if (root.contains("post_processor") && !root.at("post_processor").is_null()) {
+      read_post_processor(root.at("post_processor"), top.at("post_processor"));
+    }
+    read_special_ids(config_json);
+  }
+
+  std::vector<TokenId> encode(std::string_view text, bool add_special_tokens) const override {
+    check_utf8(text, source_);
+    std::vector<TokenId> ids;
+    ids.reserve(text.size() / 3 + 4);
+    if (add_special_tokens) append_template(ids, true);
+    // 1. Added tokens that match the raw text.
+    for (const auto& [segment, token] : split_added(text, raw_matcher_)) {
+      if (token) {
+        ids.push_back(added_[*token].id);
+        continue;
+      }
+      // 2. Normalize the rest, then match the normalized added tokens in it.
+      std::string normalized(segment.text);
+      if (normalizer_) normalizer_->apply(normalized);
+      for (const auto& [piece, inner] : split_added(normalized, normalized_matcher_)) {
+        if (inner) {
+          ids.push_back(added_[*inner].id);
+          continue;
+        }
+        // 3. Pre-tokenize into words, 4. BPE each word.
+        std::vector<Piece> words{{std::string(piece.text), segment.at_start && piece.at_start}};
+        if (pre_tokenizer_) pre_tokenizer_->apply(words);
+        for (const auto& word : words) bpe_->tokenize(word.text, ids);
+      }
+    }
+    if (add_special_tokens) append_template(ids, false);
+    return ids;
+  }
+
+  std::string decode(const std::vector<TokenId>& ids, bool skip_special_tokens) const override {
+    std::vector<std::string> tokens;
+    tokens.reserve(ids.size());
+    const auto& model_tokens = bpe_->id_to_token();
+    for (const TokenId id : ids) {
+      TESSERA_CHECK(id >= 0 && id < vocab_size_, "token id ", id, " is outside Hugging Face tokenizer ", source_,
+                    "'s vocabulary [0, ", vocab_size_, ")");
+      const auto added = added_by_id_.find(id);
+      if (added != added_by_id_.end()) {
+        const AddedToken& token = added_[added->second];
+        if (skip_special_tokens && special_contents_.count(token.content) > 0) continue;
+        tokens.push_back(token.content);
+      } else if (static_cast<std::size_t>(id) < model_tokens.size() && !model_tokens[id].empty()) {
+        if (skip_special_tokens && special_contents_.count(model_tokens[id]) > 0) continue;
+        tokens.push_back(model_tokens[id]);
+      }
+      // An id in range with no token (a hole in the vocab) is dropped, as the crate does.
+    }
+    if (!decoder_) return sdk::join(tokens, " ");
+    std::string text;
+    for (const auto& piece : decoder_->decode_chain(std::move(tokens))) text += piece;
+    return text;
+  }
+
+  std::int64_t vocab_size() const override { return vocab_size_; }
+  std::optional<TokenId> bos_id() const override { return bos_; }
+  std::optional<TokenId> eos_id() const override { return eos_; }
+  std::optional<TokenId> pad_id() const override { return pad_; }
+  std::vector<std::string> special_tokens() const override {
+    std::vector<std::string> out;
+    for (const auto& token : added_) {
+      if (token.special) out.push_back(token.content);
+    }
+    return out;
+  }
+  std::string kind() const override { return "huggingface"; }
+
+ private:
+  struct Segment {
+    std::string_view text;
+    bool at_start;
+  };
+
+  // The crate's AddedVocabulary::find_matches: the text as segments, each plain or one added token.
+  std::vector<std::pair<Segment, std::optional<std::size_t>>> split_added(std::string_view text,
+                                                                          const AddedMatcher& matcher) const {
+    std::vector<std::pair<Segment, std::optional<std::size_t>>> out;
+    if (text.empty() || matcher.empty()) {
+      out.push_back({{text, true}, std::nullopt});
+      return out;
+    }
+    std::size_t start_offset = 0;
+    for (auto [start, stop, index] : matcher.find(text)) {
+      const AddedToken& token = added_[index];
+      if (token.single_word) {
+        const bool start_space = start == 0 || !matches(edges_.ends_with_word, text.substr(0, start));
+        const bool stop_space = stop == text.size() || !matches(edges_.starts_with_word, text.substr(stop));
+        if (!start_space || !stop_space) continue;
+      }
+      if (token.lstrip) {
+        const auto found = edges_.space_at_end.find_all(text.substr(0, start));
+        const std::size_t new_start = found.empty() ? start : found.front().first;
+        start = std::max(new_start, start_offset);
+      }
+      if (token.rstrip) {
+        const auto found = edges_.space_at_start.find_all(text.substr(stop));
+        if (!found.empty()) stop += found.front().second;
+      }
+      if (start_offset < start) out.push_back({{text.substr(start_offset, start - start_offset), start_offset == 0}, std::nullopt});
+      out.push_back({{text.substr(start, stop - start), start == 0}, index});
+      start_offset = stop;
+    }
+    if (start_offset != text.size()) {
+      out.push_back({{text.substr(start_offset), start_offset == 0}, std::nullopt});
+    }
+    return out;
+  }
+
+  static bool matches(const Regex& regex, std::string_view text) { return !regex.find_all(text).empty(); }
+
+  void read_added_tokens(const json& root, const Where& top) {
+    if (!root.contains("added_tokens") || root.at("added_tokens").is_null()) return;
+    const auto& list = root.at("added_tokens");
+    for (std::size_t i = 0; i < list.size(); ++i) {
+      const Where where = top.at("added_tokens").at(i);
+      const auto& entry = list[i];
+      check_keys(entry, {"id", "content", "single_word", "lstrip", "rstrip", "normalized", "special"}, where);
+      AddedToken token{require(entry, "content", where).get<std::string>(),
+                       require(entry, "id", where).get<TokenId>(),
+                       get_or(entry, "special", false),
+                       get_or(entry, "single_word", false),
+                       get_or(entry, "lstrip", false),
+                       get_or(entry, "rstrip", false),
+                       get_or(entry, "normalized", !get_or(entry, "special", false))};
+      TESSERA_CHECK(token.id >= 0, "Hugging Face tokenizer ", where.str(), " has a negative id");
+      vocab_size_ = std::max<std::int64_t>(vocab_size_, token.id + 1);
+      if (token.special) special_contents_.insert(token.content);
+      added_by_id_[token.id] = added_.size();
+      added_.push_back(std::move(token));
+    }
+    for (std::size_t i = 0; i < added_.size(); ++i) {
+      const AddedToken& token = added_[i];
+      if (!token.normalized) {
+        raw_matcher_.add(token.content, i);
+      } else {
+        std::string pattern = token.content;
+        if (normalizer_) normalizer_->apply(pattern);
+        normalized_matcher_.add(std::move(pattern), i);
+      }
+    }
+    raw_matcher_.finish();
+    normalized_matcher_.finish();
+  }
+
+  void read_post_processor(const json& spec, const Where& where) {
+    const std::string type = require(spec, "type", where).get<std::string>();
+    if (type == "Sequence") {
+      check_keys(spec, {"type", "processors"}, where);
+      const auto& list = require(spec, "processors", where);
+      for (std::size_t i = 0; i < list.size(); ++i) read_post_processor(list[i], where.at("processors").at(i));
+      return;
+    }
+    if (type == "ByteLevel") {  // only moves offsets
+      check_keys(spec, {"type", "add_prefix_space", "trim_offsets", "use_regex"}, where);
+      return;
+    }
+    TESSERA_CHECK(type == "TemplateProcessing", "Hugging Face tokenizer ", where.str(), ": post_processor type \"", type,
+                  "\" is not supported (supported: TemplateProcessing, ByteLevel, Sequence)");
+    // "pair" is the template for two sequences, which Tessera never encodes.
+    check_keys(spec, {"type", "single", "pair", "special_tokens"}, where);
+    TESSERA_CHECK(template_.empty(), "Hugging Face tokenizer ", where.str(), ": a second TemplateProcessing");
+    const auto& specials = require(spec, "special_tokens", where);
+    const auto& single = require(spec, "single", where);
+    for (std::size_t i = 0; i < single.size(); ++i) {
+      const auto& piece = single[i];
+      if (piece.contains("Sequence")) {
+        template_.push_back({true, {}});
+      } else {
+        const auto name = require(require(piece, "SpecialToken", where.at("single").at(i)), "id", where).get<std::string>();
+        TESSERA_CHECK(specials.contains(name), "Hugging Face tokenizer ", where.at("single").at(i).str(),
+                      " names special token ", json(name).dump(), " missing from special_tokens");
+        template_.push_back({false, specials.at(name).at("ids").get<std::vector<TokenId>>()});
+      }
+    }
+  }
+
+  // The template's special tokens before (leading) or after the sequence.
+  void append_template(std::vector<TokenId>& ids, bool leading) const {
+    bool before = true;
+    for (const auto& piece : template_) {
+      if (piece.is_sequence) {
+        before = false;
+      } else if (before == leading) {
+        ids.insert(ids.end(), piece.ids.begin(), piece.ids.end());
+      }
+    }
+  }
+
+  std::optional<TokenId> id_of(const std::string& content) const {
+    for (const auto& token : added_) {
+      if (token.content == content) return token.id;
+    }
+    return bpe_->token_id(content);
+  }
+
+  // BOS/EOS/PAD live in tokenizer_config.json, not tokenizer.json: read it when it is beside the
+  // file, else take the template's leading token as BOS and the usual names.
+  void read_special_ids(std::string_view config_json) {
+    json config;
+    if (!config_json.empty()) {
+      config = json::parse(config_json, nullptr, false);
+      if (config.is_discarded()) config = json::object();
+    }
+    const auto from_config = [&](const char* key) -> std::optional<TokenId> {
+      if (!config.is_object() || !config.contains(key)) return std::nullopt;
+      const auto& v = config.at(key);
+      if (v.is_string()) return id_of(v.get<std::string>());
+      if (v.is_object() && v.contains("content")) return id_of(v.at("content").get<std::string>());
+      return std::nullopt;
+    };
+    const auto first_known = [&](std::initializer_list<const char*> names) -> std::optional<TokenId> {
+      for (const char* name : names) {
+        if (special_contents_.count(name) > 0) return id_of(name);
+      }
+      return std::nullopt;
+    };
+    bos_ = from_config("bos_token");
+    if (!bos_ && !template_.empty() && !template_.front().is_sequence && template_.front().ids.size() == 1) {
+      bos_ = template_.front().ids[0];
+    }
+    if (!bos_) bos_ = first_known({"<s>", "<|begin_of_text|>", "<bos>", "<|startoftext|>"});
+    eos_ = from_config("eos_token");
+    if (!eos_) eos_ = first_known({"</s>", "<|end_of_text|>", "<|endoftext|>", "<eos>"});
+    pad_ = from_config("pad_token");
+    if (!pad_) pad_ = first_known({"<pad>", "<|pad|>", "[PAD]"});
+  }
+
+  std::string source_;
+  EdgeRegexes edges_;
+  std::optional<Bpe> bpe_;
+  std::unique_ptr<Normalizer> normalizer_;
+  std::unique_ptr<PreTokenizer> pre_tokenizer_;
+  std::unique_ptr<Decoder> decoder_;
+  std::vector<AddedToken> added_;
+  std::unordered_map<TokenId, std::size_t> added_by_id_;
+  std::set<std::string> special_contents_;
+  AddedMatcher raw_matcher_, normalized_matcher_;
+  std::vector<TemplatePiece> template_;
+  std::int64_t vocab_size_ = 0;
+  std::optional<TokenId> bos_, eos_, pad_;
+};
+
+}  // namespace
+
+std::unique_ptr<Tokenizer> parse_huggingface_tokenizer(std::string_view bytes, const std::string& source,
+                                                       std::string_view config_json) {
+  json root = json::parse(bytes, nullptr, false);
+  TESSERA_CHECK(!root.is_discarded() && root.is_object(), "tokenizer ", source,
+                " is not valid JSON (expected a Hugging Face tokenizer.json)");
+  try {
+    return std::make_unique<HuggingFaceTokenizer>(root, source, config_json);
+  } catch (const json::exception& e) {
+    // A value of the wrong JSON type somewhere (e.g. a number where a string belongs).
+    TESSERA_FAIL("Hugging Face tokenizer ", source, " is malformed: ", e.what());
+  }
+}
+
+}  // namespace tessera::toolkit
