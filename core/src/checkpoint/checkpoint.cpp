@@ -289,8 +289,13 @@ IValue unpickle(const std::string& path, const std::shared_ptr<MappedFile>& file
     // torch.save and pickle_save store records uncompressed, 64-byte aligned.
     caffe2::serialize::PyTorchStreamReader reader(std::make_shared<MappedAdapter>(file));
     auto [record, record_size] = reader.getRecord("data.pkl");
+    std::vector<std::string> globals;
     const std::string pickle =
-        detail::readable_by_libtorch(std::string_view(static_cast<const char*>(record.get()), record_size));
+        detail::readable_by_libtorch(std::string_view(static_cast<const char*>(record.get()), record_size), &globals);
+    for (const std::string& global : globals)
+      TESSERA_CHECK(detail::allowed_global(global), path, ": its pickle asks for the Python global ", global,
+                    ", which no checkpoint needs (torch.save writes tensors, storages and containers only): refused. ",
+                    "Python's torch.load would run it (code execution); do not open this file with torch.load either");
     std::size_t consumed = 0;
     auto read = [&, n = pickle.size()](char* out, std::size_t len) {
       len = std::min(len, n - std::min(consumed, n));

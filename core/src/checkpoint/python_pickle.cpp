@@ -30,7 +30,7 @@ using Rewrite = std::vector<Edit>;
 
 /// Where the rewrite goes, from one scan that tracks where each value on the unpickler's stack
 /// began; nullopt on an opcode it does not know or a malformed stream.
-std::optional<Rewrite> scan(std::string_view p) {
+std::optional<Rewrite> scan(std::string_view p, std::vector<std::string>* globals) {
   enum class Kind { other, ordered_dict_class, empty_tuple, ordered_dict };
   struct Slot {
     std::size_t start;
@@ -102,6 +102,11 @@ std::optional<Rewrite> scan(std::string_view p) {
           const std::size_t end = p.find('\n', at);
           if (end == std::string_view::npos) return std::nullopt;
           at = end + 1;
+        }
+        if (globals) {
+          std::string name(p.substr(op_at + 1, at - op_at - 2));
+          std::replace(name.begin(), name.end(), '\n', '.');
+          globals->push_back(name);
         }
         push(op_at, p.substr(op_at, at - op_at) == kOrderedDict ? Kind::ordered_dict_class : Kind::other);
         break;
@@ -175,8 +180,33 @@ std::optional<Rewrite> scan(std::string_view p) {
 
 }  // namespace
 
-std::string readable_by_libtorch(std::string_view pickle) {
-  auto found = scan(pickle);
+bool allowed_global(const std::string& name) {
+  // What torch.save writes for tensors, storages and containers: the allowlist of PyTorch's
+  // weights-only unpickler (torch/_weights_only_unpickler.py) for these.
+  // LibTorch's own pickle_save (older Tessera checkpoints, C++ torch::save) also writes typed
+  // lists and type tags through torch.jit._pickle: constructors of containers, nothing more.
+  static const char* const kExact[] = {"collections.OrderedDict", "torch.device", "torch.Size", "builtins.set",
+                                       "builtins.complex", "_codecs.encode", "torch.jit._pickle.build_intlist",
+                                       "torch.jit._pickle.build_doublelist", "torch.jit._pickle.build_boollist",
+                                       "torch.jit._pickle.build_tensorlist", "torch.jit._pickle.restore_type_tag"};
+  for (const char* allowed : kExact)
+    if (name == allowed) return true;
+  auto starts = [&](std::string_view prefix) { return name.rfind(prefix, 0) == 0; };
+  auto ends = [&](std::string_view suffix) {
+    return name.size() >= suffix.size() && name.compare(name.size() - suffix.size(), suffix.size(), suffix) == 0;
+  };
+  static const char* const kDtypes[] = {"float32", "float", "float64", "double", "float16", "half", "bfloat16",
+                                        "int8", "int16", "short", "int32", "int", "int64", "long", "uint8", "bool",
+                                        "complex64", "cfloat", "complex128", "cdouble"};
+  for (const char* dtype : kDtypes)  // a torch.dtype value, as the weights-only unpickler allows
+    if (name == std::string("torch.") + dtype) return true;
+  const bool storage = starts("torch.") && ends("Storage") && name.find('.', 6) == std::string::npos;
+  const bool rebuild = starts("torch._utils._rebuild_") && name.find('.', 13) == std::string::npos;
+  return storage || rebuild;
+}
+
+std::string readable_by_libtorch(std::string_view pickle, std::vector<std::string>* globals) {
+  auto found = scan(pickle, globals);
   if (!found || found->empty()) return std::string(pickle);
   Rewrite& edits = *found;
   // In stream order; at one position the insertions (MARKs) go before the replaced opcode.

@@ -2,6 +2,7 @@
 // Python's pickles as LibTorch's unpickler reads them.
 #include <string>
 #include <string_view>
+#include <vector>
 
 namespace tessera::core::detail {
 
@@ -18,7 +19,14 @@ namespace tessera::core::detail {
 ///   `state_dict` failed to load.
 /// Returned unchanged where it holds an opcode this scan does not know (LibTorch then reads or
 /// refuses it as before).
-std::string readable_by_libtorch(std::string_view pickle);
+/// `globals`, when given, receives the Python globals ("module.name") of the GLOBAL opcodes the
+/// scan read.
+std::string readable_by_libtorch(std::string_view pickle, std::vector<std::string>* globals = nullptr);
+
+/// Whether a checkpoint's pickle may name the Python global `name` ("module.name"): the tensor,
+/// storage and container types torch.save writes, PyTorch's weights-only allowlist for them.
+/// Anything else (os.system, builtins.eval, ...) would run code in Python's torch.load.
+bool allowed_global(const std::string& name);
 
 /// The key an OrderedDict's attributes are kept under (the loader drops it).
 constexpr std::string_view kOrderedDictAttributes = "tessera: OrderedDict attributes";
