@@ -1,113 +1,150 @@
 #!/usr/bin/env bash
-# On the lent GPU machine, after bench/gpu/build.sh: Tessera's CUDA/NCCL path against PyTorch's
-# own FSDP2 (`fully_shard`, eager) on the same GPT and batch, all in this one run; prints the
-# ratios. World size 1: NCCL cannot put two ranks on one GPU. Writes $OUT/gpu-bench.txt.
+# On the lent GPU machine, after bench/gpu/build.sh: Tessera's CUDA path against the strongest
+# eager PyTorch doing the same work (issue 48), in this one run. Writes $OUT/gpu-bench.txt.
 #   bash bench/gpu/run.sh [steps]
-# Shapes (issue 13 item 5): "small" 6 x 384, batch 8 x 128 tokens (where per-op host overhead
-# dominates); "1.3B" 26 x 2048, 16 heads, batch 4 x 512 tokens (1.31B parameters; the GPU
-# dominates). ACCELERATOR=cpu SHAPES=small rehearses the whole run on a CPU build, PyTorch's rows
-# on Gloo where python3-torch has fully_shard (Debian sid's 2.14 runs it on the CPU; 2.6's records
-# events on a CPU stream and fails).
+# Shapes (GPU-bound: 16K tokens per step): "llama-1b" (16 layers, 2048 wide, 16 heads, 8 KV heads,
+# SwiGLU 5632, vocabulary 32000, sequence 2048) and "gpt-1.3b" (26 x 2048, 16 heads, sequence
+# 2048). BATCH_<shape> overrides the batch (default 8 sequences). Every row runs twice, in the
+# order A B ... B A, and each row's figure is the median of its runs: a drift of the machine
+# during the call weighs on both sides alike.
+# PyTorch rows (bench/gpu/pytorch_baseline.py): plain (no FSDP, the honest world-size-1 row),
+# FSDP2 with Tessera's bf16-mixed (autocast, fp32 master, bf16 reduce), FSDP2 with
+# MixedPrecisionPolicy(param_dtype=bf16), fused AdamW (foreach as an extra row), SDPA flash
+# attention, and torch.compile of each block (for information; not an "eager" row).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 out="${OUT:-/tmp/out}"; mkdir -p "$out"
 tessera="${TESSERA:-build-gpu/bin/tessera}"
-steps="${1:-40}"
-accelerator="${ACCELERATOR:-cuda}"
+steps="${1:-20}"
 work="$(mktemp -d)"; trap '[ -n "${KEEP:-}" ] || rm -rf "$work"' EXIT
-# layers, width, heads, tokens per sequence, sequences per step
-declare -A dims=([small]="6 384 6 128 8" [1.3B]="26 2048 16 512 4")
+python=${PYTHON:-python3}
+# model layers width heads kv_heads intermediate vocab seq
+declare -A dims=([llama-1b]="llama 16 2048 16 8 5632 32000 2048" [gpt-1.3b]="gpt 26 2048 16 16 8192 256 2048")
 
-# One tessera run: shape, strategy, precision, extra --set arguments. Prints tokens/s (mean of
-# the logged windows after the first two), the peak CUDA tensor memory and, for the shapes in
-# PLAN_SHAPES (default small: planning the 1.3B traces its forward on the CPU), what
-# `tessera plan` predicted for it.
-tessera_row() {
-  local name="tessera $2 $3" dir="$work/$1-$2-$3" strategy="$2" precision="$3" layers embd heads block batch
-  read -r layers embd heads block batch <<< "${dims[$1]}"
-  local shape_name="$1"; shift 3
-  cat > "$dir.toml" <<TOML
+tessera_config() {  # shape strategy -> a config on stdout
+  local model layers embd heads kv inter vocab seq batch_var="BATCH_${1//[-.]/_}"
+  read -r model layers embd heads kv inter vocab seq <<< "${dims[$1]}"
+  local batch="${!batch_var:-8}"
+  cat <<TOML
 [trainer]
-max_steps = $steps
+max_steps = $((steps + 5))
 log_every_n_steps = 5
 enable_progress_bar = false
-save_last = false
-default_root_dir = "$dir"
+enable_checkpointing = false
+num_sanity_val_steps = 0
+limit_val_batches = 0
+default_root_dir = "$work/$1-$2"
 [launch]
 devices = 1
 [strategy]
-plugin = "$strategy"
-accelerator = "$accelerator"
+plugin = "$2"
+accelerator = "cuda"
 [precision]
 plugin = "fsdp-precision"
-precision = "$precision"
+precision = "bf16-mixed"
 [optimizer]
 lr = 3e-4
 schedule = "constant"
-[model]
-plugin = "gpt"
-n_layer = $layers
-n_head = $heads
-n_embd = $embd
-block_size = $block
 [data]
 plugin = "text"
-block_size = $block
+block_size = $seq
 batch_size = $batch
 ${FORTUNES:+path = \"$FORTUNES\"}
 TOML
-  local planned=""
-  if [[ " ${PLAN_SHAPES-small} " == *" $shape_name "* ]]; then
-    planned=$(timeout 120 "$tessera" plan --json --config "$dir.toml" "$@" 2> /dev/null | python3 -c '
-import json, sys
-text = sys.stdin.read(); plan = json.loads(text[text.index("{"):])
-if plan["cuda"]: print(round(plan["peak_cuda_per_rank_bytes"] / 2**20))' 2> /dev/null)
-  fi
-  "$tessera" fit --config "$dir.toml" "$@" > "$dir.log" 2>&1
-  local rc=$? csv="$dir/version_0/metrics.csv"
-  local tps loss mem
-  tps=$(awk -F, '$4=="tokens_per_s" {n++; if (n > 2) {s+=$5; c++}} END {if (c) printf "%.0f", s/c}' "$csv" 2>/dev/null)
-  loss=$(awk -F, '$4=="train_loss" {l=$5} END {printf "%.3f", l}' "$csv" 2>/dev/null)
-  mem=$(awk -F, '$4=="peak_cuda_mb" {printf "%.0f", $5}' "$csv" 2>/dev/null)
-  echo "$shape_name | $name | rc=$rc tokens_per_s=${tps:-?} peak_cuda_mb=${mem:-?}${planned:+ planned_cuda_mb=$planned$(
-    awk -v p="$planned" -v m="${mem:-0}" 'BEGIN { if (m > 0) printf " (plan/measured %.2f)", p / m }')} loss=${loss:-?}"
-  [ $rc -eq 0 ] || tail -5 "$dir.log"
-}
-
-pytorch_row() {
-  local name="$1" precision="$2" layers embd heads block batch; shift 2
-  read -r layers embd heads block batch <<< "${dims[$name]}"
-  echo "$name | pytorch fsdp2 $precision$([ $# -gt 0 ] && echo " fused-adamw") | $(PYTHONUNBUFFERED=1 python3 \
-    bench/gpu/pytorch_fsdp2_gpt.py --device "$accelerator" --steps "$steps" --precision "$precision" --n-layer "$layers" --n-embd "$embd" \
-    --n-head "$heads" --block-size "$block" --batch-size "$batch" "$@" 2>&1 | tail -1)"
-}
-
-# tessera / pytorch for one shape and precision: tokens/s and peak CUDA memory, against
-# PyTorch's default AdamW (foreach) and, where run, its fused one.
-ratios() {
-  awk -F' [|] ' -v shape="$1" -v precision="$2" '
-    function field(s, k) { return match(s, k "=[0-9.]+") ? substr(s, RSTART + length(k) + 1, RLENGTH - length(k) - 1) : "" }
-    $1 == shape && index($2, "pytorch fsdp2 " precision) == 1 { ref[++m] = $2; rtps[m] = field($3, "tokens_per_s"); rmem[m] = field($3, "peak_cuda_mb") }
-    $1 == shape && $2 ~ "^tessera .* " precision "$" { name[++n] = $2; tps[n] = field($3, "tokens_per_s"); mem[n] = field($3, "peak_cuda_mb") }
-    END { for (j = 1; j <= m; j++) for (i = 1; i <= n; i++) if (rtps[j] > 0 && tps[i] > 0)
-            printf "%s | %s / %s: %.2fx tokens/s%s\n", shape, name[i], ref[j], tps[i] / rtps[j],
-                   (rmem[j] > 0 && mem[i] > 0 ? sprintf(", %.2fx peak CUDA memory", mem[i] / rmem[j]) : "") }' "$out/gpu-bench.txt"
-}
-
-: > "$out/gpu-bench.txt"
-for shape in ${SHAPES:-small 1.3B}; do
-  if [ "$shape" = small ]; then
-    runs="fsdp:32-true fsdp:bf16-mixed fsdp:16-mixed fsdp:16-true fsdp_cpu_offload:32-true fsdp2:32-true fsdp2:bf16-mixed"
+  if [ "$model" = llama ]; then
+    cat <<TOML
+[model]
+plugin = "llama"
+num_hidden_layers = $layers
+hidden_size = $embd
+num_attention_heads = $heads
+num_key_value_heads = $kv
+intermediate_size = $inter
+vocab_size = $vocab
+max_position_embeddings = $seq
+TOML
   else
-    runs="fsdp:bf16-mixed fsdp2:bf16-mixed"
+    cat <<TOML
+[model]
+plugin = "gpt"
+n_layer = $layers
+n_embd = $embd
+n_head = $heads
+block_size = $seq
+TOML
   fi
-  for run in $runs; do
-    strategy=${run%%:*}; precision=${run#*:}
-    tessera_row "$shape" "$strategy" "$precision" $([ "$precision" = 16-true ] && echo --set optimizer.eps=1e-4)
-  done | tee -a "$out/gpu-bench.txt"
-  if [ "$accelerator" = cuda ] || python3 -c 'from torch.distributed.fsdp import fully_shard' 2> /dev/null; then
-    { for precision in $([ "$shape" = small ] && echo 32-true) bf16-mixed; do pytorch_row "$shape" "$precision"; done
-      pytorch_row "$shape" bf16-mixed --fused-adamw; } | tee -a "$out/gpu-bench.txt"
-  fi
-done
-for shape in ${SHAPES:-small 1.3B}; do ratios "$shape" bf16-mixed; ratios "$shape" 32-true; done | tee -a "$out/gpu-bench.txt"
+}
+
+tessera_row() {  # shape strategy: tokens/s over the logged windows after the first (warm-up)
+  local dir="$work/$1-$2"; rm -rf "$dir"
+  tessera_config "$1" "$2" > "$dir.toml"
+  "$tessera" fit --config "$dir.toml" > "$dir.log" 2>&1
+  local rc=$? csv; csv=$(ls "$dir"/version_*/metrics.csv 2> /dev/null | tail -1)
+  local tps mem
+  tps=$(awk -F, '$4=="tokens_per_s" {n++; if (n > 1) {s+=$5; c++}} END {if (c) printf "%.0f", s/c}' "$csv" 2>/dev/null)
+  mem=$(awk -F, '$4=="peak_cuda_mb" {printf "%.0f", $5}' "$csv" 2>/dev/null)
+  echo "$1 | tessera $2 bf16-mixed | rc=$rc tokens_per_s=${tps:-?} peak_cuda_mb=${mem:-?}"
+  [ $rc -eq 0 ] || tail -5 "$dir.log" >&2
+}
+
+pytorch_row() {  # shape label args...
+  local shape="$1" model layers embd heads kv inter vocab seq batch_var="BATCH_${1//[-.]/_}"; shift
+  read -r model layers embd heads kv inter vocab seq <<< "${dims[$shape]}"
+  local line
+  line=$(PYTHONUNBUFFERED=1 timeout 300 $python bench/gpu/pytorch_baseline.py --model "$model" --steps "$steps" \
+    --n-layer "$layers" --n-embd "$embd" --n-head "$heads" --n-kv-head "$kv" --intermediate "$inter" \
+    --vocab-size "$vocab" --seq "$seq" --batch "${!batch_var:-8}" "$@" 2>&1 | tail -1)
+  echo "$shape | ${line%% tokens_per_s=*} | tokens_per_s=${line#* tokens_per_s=}"
+}
+
+rows=(
+  "tessera fsdp" "tessera fsdp2"
+  "pytorch --mode plain --mp autocast" "pytorch --mode fsdp2 --mp autocast" "pytorch --mode fsdp2 --mp param"
+  "pytorch --mode fsdp2 --mp autocast --optimizer foreach" "pytorch --mode plain --mp autocast --compile"
+)
+run_row() {  # shape row
+  read -r who rest <<< "$2"
+  if [ "$who" = tessera ]; then tessera_row "$1" "$rest"; else pytorch_row "$1" $rest; fi
+}
+
+{ $python bench/gpu/pytorch_baseline.py --versions; nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader; } \
+  | tee "$out/gpu-bench.txt"
+for shape in ${SHAPES:-llama-1b gpt-1.3b}; do
+  for ((i = 0; i < ${#rows[@]}; i++)); do run_row "$shape" "${rows[$i]}"; done
+  for ((i = ${#rows[@]} - 1; i >= 0; i--)); do run_row "$shape" "${rows[$i]}"; done
+done | tee -a "$out/gpu-bench.txt"
+
+# Medians per row, MFU for Tessera's rows (the same model, so PyTorch's flops_per_token), and
+# Tessera against every PyTorch row and the strongest eager one.
+$python - "$out/gpu-bench.txt" <<'PY' | tee -a "$out/gpu-bench.txt"
+import re, statistics, sys
+from collections import defaultdict
+runs, flops = defaultdict(list), {}
+gpu = open(sys.argv[1]).readline()
+peak = next((v for k, v in {"H100": 989.0, "H200": 989.0, "A100": 312.0}.items() if k in gpu), 0.0)
+for line in open(sys.argv[1]):
+    parts = [p.strip() for p in line.split("|")]
+    if len(parts) != 3:
+        continue
+    fields = dict(re.findall(r"(\w+)=([0-9.]+)", parts[2]))
+    if "tokens_per_s" in fields:
+        runs[(parts[0], parts[1])].append(fields)
+    if "flops_per_token" in fields:
+        flops[parts[0]] = float(fields["flops_per_token"])
+for shape in dict.fromkeys(s for s, _ in runs):
+    med = {}
+    for (s, row), rs in runs.items():
+        if s == shape:
+            med[row] = {k: statistics.median(float(r[k]) for r in rs if k in r) for k in ("tokens_per_s", "peak_cuda_mb") if any(k in r for r in rs)}
+    for row, m in med.items():
+        mfu = flops.get(shape, 0) * m.get("tokens_per_s", 0) / (peak * 1e12) if peak else 0
+        print(f"{shape} | median {row} | tokens_per_s={m.get('tokens_per_s', 0):.0f} peak_cuda_mb={m.get('peak_cuda_mb', 0):.0f} mfu={mfu:.3f}")
+    eager = {r: m for r, m in med.items() if r.startswith("pytorch") and "compiled" not in r and m.get("tokens_per_s")}
+    strongest = max(eager, key=lambda r: eager[r]["tokens_per_s"], default=None)
+    for t in (r for r in med if r.startswith("tessera") and med[r].get("tokens_per_s")):
+        for r, m in med.items():
+            if r.startswith("pytorch") and m.get("tokens_per_s"):
+                mem = (f", {med[t]['peak_cuda_mb'] / m['peak_cuda_mb']:.2f}x peak" if m.get("peak_cuda_mb") and med[t].get("peak_cuda_mb") else "")
+                tag = " (strongest eager)" if r == strongest else ""
+                print(f"{shape} | {t} / {r}{tag}: {med[t]['tokens_per_s'] / m['tokens_per_s']:.2f}x tokens/s{mem}")
+PY
