@@ -28,8 +28,7 @@ class FSDPStrategy : public fsdp::ShardedStrategy {
     options_.auto_wrap_policy =
         o.get_choice("auto_wrap_policy", "transformer", {"transformer", "size", "custom", "none"});
     options_.min_num_params = o.get_int("min_num_params", 100000000, 0);
-    options_.backward_prefetch = fsdp::parse_backward_prefetch(
-        o.get_choice("backward_prefetch", "BACKWARD_PRE", {"BACKWARD_PRE", "BACKWARD_POST", "none"}));
+    options_.backward_prefetch = fsdp::read_backward_prefetch(o);
     options_.forward_prefetch = o.get_bool("forward_prefetch", false);
     // PyTorch's rate limiter: the running unit and one prefetched unit at most (counted by
     // the scheduler; a prefetch beyond it waits until its unit runs).
@@ -39,6 +38,9 @@ class FSDPStrategy : public fsdp::ShardedStrategy {
     options_.rank0_only = o.get_bool("rank0_only", true);
     options_.ignored_modules = o.get_string_list("ignored_modules", {});
     options_.sharding_strategy = fsdp::parse_sharding_strategy(sharding_strategy_);
+    if (options_.cpu_offload)
+      refuse_offload_on_cpu(o.has("cpu_offload") ? o.locate("cpu_offload") + " = true"
+                                                 : std::string("[strategy] plugin = \"fsdp_cpu_offload\" (use \"fsdp\")"));
     TESSERA_CHECK(sharding_strategy_ == "HYBRID_SHARD" || hybrid_group_size_ == 0, o.locate("hybrid_shard_group_size"),
                   " applies to sharding_strategy = \"HYBRID_SHARD\" only");
     TESSERA_CHECK(!(deferred_init_ && sync_module_states_), o.locate("sync_module_states"),

@@ -72,10 +72,11 @@ class FSDP2Strategy final : public fsdp::ShardedStrategy, public sdk::StrategyCh
     options_.activation_checkpointing = o.get_string_list("activation_checkpointing", {});
     options_.rank0_only = o.get_bool("rank0_only", true);
     options_.cpu_offload = o.get_choice("offload_policy", "none", {"none", "cpu"}) == "cpu";
-    // FSDP2 prefetches the next unit's all-gather in forward and the previous one in backward.
+    if (options_.cpu_offload) refuse_offload_on_cpu(o.locate("offload_policy") + " = \"cpu\"");
+    // FSDP2 prefetches the next unit's all-gather in forward and the previous one in backward
+    // (backward_prefetch: the same vocabulary as fsdp's).
     options_.forward_prefetch = o.get_bool("forward_prefetch", true);
-    options_.backward_prefetch = o.get_bool("backward_prefetch", true) ? fsdp::BackwardPrefetch::BACKWARD_PRE
-                                                                        : fsdp::BackwardPrefetch::NONE;
+    options_.backward_prefetch = fsdp::read_backward_prefetch(o);
     reshard_after_forward(o);
     mixed_precision(sub_table(o, "mp_policy"));
     prefetch_lists(sub_table(o, "modules_to_forward_prefetch"), forward_prefetch_);

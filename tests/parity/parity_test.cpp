@@ -3,6 +3,7 @@
 // launcher, real Gloo on loopback, models whose parameter sizes do not divide by 2, 3 or 4.
 #include <gtest/gtest.h>
 
+#include <filesystem>
 #include <fstream>
 
 #include <ATen/ATen.h>
@@ -109,7 +110,25 @@ TEST(Parity, FSDPGradientAccumulationNoSync) { check_parity("fsdp", "", "gpt", /
 TEST(Parity, FSDPGradientAccumulationReduceEveryMicroBatch) {
   check_parity("fsdp", "--set strategy.reduce_every_micro_batch=true", "mlp", /*accumulate=*/2);
 }
-TEST(Parity, FSDPCPUOffload) { check_parity("fsdp_cpu_offload", "", "mlp"); }
+// Offloading moves a CUDA device's state to host memory; on the CPU it would do nothing, so each
+// way of asking for it is refused before any rank starts, naming the setting (the GPU run of
+// fsdp_cpu_offload is tests/fsdp's CUDA test).
+TEST(Parity, CPUOffloadOnTheCPUIsRefused) {
+  const std::string dir = tessera::testing::fresh_dir("cpu-offload-refused");
+  std::ofstream(dir + "/run.toml") << "[trainer]\nmax_steps = 1\ndefault_root_dir = \"" << dir << "\"\n"
+                                   << model_config("mlp");
+  for (const auto& [sets, named] : std::vector<std::pair<std::string, std::string>>{
+           {"--set strategy.plugin=fsdp_cpu_offload", "[strategy] plugin = \"fsdp_cpu_offload\" (use \"fsdp\")"},
+           {"--set strategy.plugin=fsdp --set strategy.cpu_offload=true", "cpu_offload = true"},
+           {"--set strategy.plugin=fsdp2 --set strategy.offload_policy=cpu", "offload_policy = \"cpu\""}}) {
+    auto result = run_tessera("fit --config " + dir + "/run.toml --set launch.devices=2 " + sets, "", 60);
+    EXPECT_NE(result.exit_code, 0) << sets << "\n" << result.output;
+    EXPECT_NE(result.output.find(named), std::string::npos) << sets << "\n" << result.output;
+    EXPECT_NE(result.output.find("this run is on the CPU, where they are host memory already"), std::string::npos)
+        << sets << "\n" << result.output;
+    EXPECT_FALSE(std::filesystem::exists(dir + "/version_0/checkpoints")) << sets << ": refused before any work";
+  }
+}
 TEST(Parity, FSDPGradientClipping) {
   check_parity("fsdp", "", "gpt", 1, {1, 2, 3, 4}, "--set trainer.gradient_clip_val=0.05");
 }

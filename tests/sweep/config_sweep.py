@@ -74,10 +74,10 @@ def model_options(rng, pick):
 
 
 def strategy_options(rng, pick, maybe, model):
-    strat = pick("fsdp", "fsdp2", "ddp", "single_device", "fsdp_cpu_offload")
+    strat = pick("fsdp", "fsdp2", "ddp", "single_device")  # offloading is refused on the CPU
     s = {"strategy.plugin": strat, "launch.devices": 1 if strat == "single_device" else pick(1, 2, 3, 4)}
     gpt = model["model.plugin"] == "gpt"
-    if strat in ("fsdp", "fsdp_cpu_offload"):
+    if strat == "fsdp":
         s["strategy.sharding_strategy"] = pick("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD")
         if s["strategy.sharding_strategy"] == "HYBRID_SHARD" and s["launch.devices"] == 4 and maybe(0.5):
             s["strategy.hybrid_shard_group_size"] = 2
@@ -108,7 +108,7 @@ def strategy_options(rng, pick, maybe, model):
         if maybe(0.2):
             s["strategy.mp_policy.reduce_dtype"] = pick("float32", "bfloat16")
         for key, values in (("forward_prefetch", ("true", "false")), ("backward_prefetch", ("true", "false")),
-                            ("offload_policy", ("cpu",)), ("deferred_init", ("true",))):
+                            ("deferred_init", ("true",))):
             if maybe():
                 s["strategy." + key] = pick(*values)
         if gpt and s["strategy.parallelize_fn"] == "transformer" and maybe():

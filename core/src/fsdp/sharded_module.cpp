@@ -38,11 +38,14 @@ ShardingStrategy parse_sharding_strategy(const std::string& name) {
   TESSERA_FAIL("unknown sharding_strategy '", name, "'");
 }
 
-BackwardPrefetch parse_backward_prefetch(const std::string& name) {
-  if (name == "BACKWARD_PRE") return BackwardPrefetch::BACKWARD_PRE;
+BackwardPrefetch read_backward_prefetch(const sdk::Options& options) {
+  if (const toml::node* value = options.table().get("backward_prefetch"); value && value->is_boolean()) {
+    options.mark_used("backward_prefetch");
+    return value->as_boolean()->get() ? BackwardPrefetch::BACKWARD_PRE : BackwardPrefetch::NONE;
+  }
+  const std::string name = options.get_choice("backward_prefetch", "BACKWARD_PRE", {"BACKWARD_PRE", "BACKWARD_POST", "none"});
   if (name == "BACKWARD_POST") return BackwardPrefetch::BACKWARD_POST;
-  if (name == "none" || name == "NONE") return BackwardPrefetch::NONE;
-  TESSERA_FAIL("unknown backward_prefetch '", name, "'");
+  return name == "none" ? BackwardPrefetch::NONE : BackwardPrefetch::BACKWARD_PRE;
 }
 
 ShardedModule::ShardedModule(std::shared_ptr<torch::nn::Module> network, const FSDPOptions& options,

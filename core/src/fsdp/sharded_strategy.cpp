@@ -214,6 +214,12 @@ void ShardedStrategy::check_unit_classes(const torch::nn::Module& network, const
                   sdk::join(options.unit_classes));
 }
 
+void ShardedStrategy::refuse_offload_on_cpu(const std::string& setting) const {
+  TESSERA_CHECK(trains_on_cuda(), setting, " offloads a CUDA device's shards, gradients and optimizer state to pinned host ",
+                "memory, but this run is on the CPU, where they are host memory already: nothing would be offloaded. ",
+                "Remove it (or train on a GPU with [strategy] accelerator = \"cuda\")");
+}
+
 bool ShardedStrategy::offloads_state_to_cpu() const {
   return trains_on_cuda() && planned_options(sdk::MixedPrecisionPolicy{}).cpu_offload;
 }

@@ -1,7 +1,8 @@
 #pragma once
 /// Fully sharded data parallelism over a torch::nn::Module tree, without module hooks: the
 /// sharding core's front object. It plans the units (fsdp/wrap.hpp), lays out each unit's
-/// parameters (fsdp/layout.hpp; today the flat layout of fsdp/flat_param.hpp, PyTorch FSDP1),
+/// parameters (fsdp/layout.hpp: fsdp's flat layout, fsdp/flat_param.hpp, PyTorch FSDP1; or fsdp2's
+/// per-parameter one, fsdp/param_group.hpp, PyTorch's fully_shard),
 /// schedules gathers and reductions (fsdp/scheduler.hpp) through the autograd seam
 /// (fsdp/autograd_seam.hpp), and converts state dicts and optimizer state against "the piece
 /// of each tensor this rank owns" (UnitLayout::owned_range).

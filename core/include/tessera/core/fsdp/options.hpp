@@ -10,6 +10,7 @@
 #include <torch/nn/module.h>
 
 #include "tessera/core/comm.hpp"
+#include "tessera/sdk/options.hpp"
 #include "tessera/sdk/precision.hpp"
 
 namespace tessera::core::fsdp {
@@ -18,7 +19,10 @@ enum class ShardingStrategy { FULL_SHARD, SHARD_GRAD_OP, NO_SHARD, HYBRID_SHARD 
 enum class BackwardPrefetch { NONE, BACKWARD_PRE, BACKWARD_POST };
 
 ShardingStrategy parse_sharding_strategy(const std::string& name);
-BackwardPrefetch parse_backward_prefetch(const std::string& name);
+/// [strategy] backward_prefetch, one vocabulary for fsdp and fsdp2: "BACKWARD_PRE" (default),
+/// "BACKWARD_POST" or "none", or a boolean (true = BACKWARD_PRE, false = none), so a config
+/// written for either strategy runs under the other.
+BackwardPrefetch read_backward_prefetch(const sdk::Options& options);
 
 /// Decides, per module path, whether a module becomes an FSDP unit (PyTorch's lambda /
 /// CustomPolicy): the "custom" auto_wrap_policy.

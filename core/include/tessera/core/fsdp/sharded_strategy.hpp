@@ -106,6 +106,10 @@ class ShardedStrategy : public StrategyBase, public sdk::StrategyMemoryLayout {
   virtual std::map<std::string, StackedPieces> owned_pieces();
   /// Throws (naming `key`) when a unit class of `options` is not in the network.
   void check_unit_classes(const FSDPOptions& options, const std::string& key) const;
+  /// Offloading keeps a CUDA device's shards, gradients and optimizer state in pinned host
+  /// memory; on the CPU they are host memory already, so `setting` (the key or plugin that asked
+  /// for it) is refused rather than accepted and ignored.
+  void refuse_offload_on_cpu(const std::string& setting) const;
   void check_unit_classes(const torch::nn::Module& network, const FSDPOptions& options, const std::string& key) const;
 
   bool loaded_sharded() const { return loaded_ == "sharded"; }
