@@ -11,6 +11,7 @@
 #include <ATen/ATen.h>
 
 #include "tessera/core/checkpoint.hpp"
+#include "tessera/core/checkpoint_folder.hpp"
 #include "tessera/core/safetensors.hpp"
 #include "tessera/core/sharded_checkpoint.hpp"
 #include "tessera/sdk/error.hpp"
@@ -27,9 +28,13 @@ constexpr const char* kToolUsage = R"(usage:
   tessera checkpoint export PATH --to FILE.safetensors|FILE.ckpt
                                                      the weights as safetensors (streamed: one tensor
                                                      in memory at a time), or a full checkpoint
+  tessera checkpoint gc ROOT [--dry-run]             lists and removes what interrupted saves left
+                                                     anywhere under ROOT (a default_root_dir): only
+                                                     those whose writer is gone (clean: the same)
 PATH is a full .ckpt file, a sharded checkpoint folder (or a `last` link to either), a torch.save'd
 state dict or a safetensors file.
 )";
+
 
 std::string shape_of(const std::vector<std::int64_t>& dims) {
   std::ostringstream out;
@@ -42,6 +47,31 @@ std::string megabytes(double bytes) {
   out.precision(3);
   out << bytes / 1e6 << " MB";
   return out.str();
+}
+
+/// `checkpoint gc ROOT`: every leftover of an interrupted save under ROOT, removed unless its
+/// writer still runs (or `dry_run`).
+void collect_garbage(const std::string& root, bool dry_run) {
+  const std::vector<core::Leftover> found = core::find_leftovers(root);
+  std::uintmax_t freed = 0;
+  std::size_t removed = 0;
+  for (const core::Leftover& leftover : found) {
+    const std::string size = megabytes(static_cast<double>(leftover.bytes));
+    if (leftover.in_use) {
+      std::cout << "kept     " << leftover.path << " (" << size << "): a running save still writes it\n";
+      continue;
+    }
+    if (!dry_run) {
+      std::error_code ec;
+      core::remove_tree(leftover.path, ec);
+      TESSERA_CHECK(!ec, "cannot remove ", leftover.path, ": ", ec.message());
+    }
+    std::cout << (dry_run ? "would remove " : "removed  ") << leftover.path << " (" << size << ")\n";
+    freed += leftover.bytes, ++removed;
+  }
+  if (found.empty()) std::cout << "no leftovers of interrupted saves under " << root << "\n";
+  else std::cout << (dry_run ? "would free " : "freed ") << megabytes(static_cast<double>(freed)) << " in " << removed
+                 << " leftover(s)\n";
 }
 
 void inspect(const std::string& path) {
@@ -149,10 +179,15 @@ void export_to(const std::string& path, const std::string& to) {
 int checkpoint_tool(int argc, char** argv) {
   std::vector<std::string> words(argv + 1, argv + argc);
   std::string command, path, to;
+  bool dry_run = false;
   try {
     for (std::size_t i = 0; i < words.size(); ++i) {
       const std::string& w = words[i];
       if (w == "--help" || w == "-h") return std::cout << kToolUsage, 0;
+      if (w == "--dry-run") {
+        dry_run = true;
+        continue;
+      }
       if (w == "--to" || w.rfind("--to=", 0) == 0) {
         if (w.size() > 5) to = w.substr(5);
         else {
@@ -160,7 +195,7 @@ int checkpoint_tool(int argc, char** argv) {
           to = words[++i];
         }
       } else if (command.empty()) {
-        const std::vector<std::string> commands{"inspect", "verify", "export"};
+        const std::vector<std::string> commands{"inspect", "verify", "export", "gc", "clean"};
         TESSERA_CHECK(std::find(commands.begin(), commands.end(), w) != commands.end(), "unknown checkpoint command '",
                       w, "'", sdk::did_you_mean(w, commands), "; valid: ", sdk::join(commands));
         command = w;
@@ -172,6 +207,7 @@ int checkpoint_tool(int argc, char** argv) {
     }
     TESSERA_CHECK(!command.empty() && !path.empty(), "checkpoint needs a command and a PATH");
     TESSERA_CHECK(command == "export" || to.empty(), "--to is for export only");
+    TESSERA_CHECK(command == "gc" || command == "clean" || !dry_run, "--dry-run is for gc only");
     TESSERA_CHECK(command != "export" || !to.empty(), "export needs --to FILE.safetensors or --to FILE.ckpt");
   } catch (const sdk::Error& e) {
     std::cerr << "tessera checkpoint: " << e.what() << "\n\n" << kToolUsage;
@@ -179,6 +215,11 @@ int checkpoint_tool(int argc, char** argv) {
   }
   try {
     std::error_code ec;
+    if (command == "gc" || command == "clean") {
+      TESSERA_CHECK(fs::is_directory(path, ec), path, " is not a folder: pass a run root (a [trainer] default_root_dir)");
+      collect_garbage(path, dry_run);
+      return 0;
+    }
     TESSERA_CHECK(fs::exists(path, ec), "checkpoint ", path, " does not exist");
     if (command == "inspect") inspect(path);
     else if (command == "verify") verify(path);

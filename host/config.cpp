@@ -233,6 +233,11 @@ Config Config::load(const std::string& path, const std::vector<std::string>& ove
   sdk::Options t = section("trainer");
   TrainerSettings& tr = config.trainer;
   tr.max_steps = t.get_int("max_steps", tr.max_steps, -1);
+  // Lightning's max_steps = 0 trains nothing and exits successfully; a run that trains nothing
+  // is refused here instead, before any work (validate / test run without training).
+  TESSERA_CHECK(tr.max_steps != 0, t.locate("max_steps"), " = 0 would train nothing: set the number of optimizer ",
+                "steps to train, or -1 (the default) to train [trainer] max_epochs epochs; to evaluate a checkpoint ",
+                "without training, run `tessera validate` or `tessera test` with --ckpt-path");
   tr.max_epochs = t.get_int("max_epochs", tr.max_steps > 0 ? 1000000 : tr.max_epochs, 1);
   tr.accumulate_grad_batches = t.get_int("accumulate_grad_batches", 1, 1);
   tr.gradient_clip_val = t.get_double("gradient_clip_val", 0.0, 0.0, kMaxFloat);
@@ -311,6 +316,8 @@ Config Config::load(const std::string& path, const std::vector<std::string>& ove
   tr.profiler = t.get_choice("profiler", "", {"", "simple", "trace"});
   tr.detect_anomaly = t.get_bool("detect_anomaly", false);
   tr.sync_batchnorm = t.get_bool("sync_batchnorm", false);
+  tr.skip_memory_check = t.get_bool("skip_memory_check", false);
+  tr.resume_changed_hparams = t.get_string_list("resume_changed_hparams", {});
   t.check_all_used();
 
   sdk::Options lg = section("logger");

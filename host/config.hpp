@@ -60,6 +60,11 @@ struct TrainerSettings {
   std::string profiler;                      ///< "" (none), "simple" or "trace"
   bool sync_batchnorm = false;  ///< the model's sdk::SyncBatchNorm2d layers normalise over every data-parallel rank
   bool detect_anomaly = false;  ///< check the loss and the reduced gradients for NaN/Inf before each optimizer step
+  /// true: fit starts a job whose memory plan exceeds the machine (a warning instead of a refusal).
+  bool skip_memory_check = false;
+  /// Model hyper-parameters that may differ from a resumed checkpoint's record (fit --ckpt-path
+  /// refuses any other difference, naming each key).
+  std::vector<std::string> resume_changed_hparams;
 };
 
 /// [logger]: where a run's files go (Lightning's loggers make the version folders).

@@ -176,7 +176,6 @@ std::optional<int> launch_or_join(const LaunchSettings& settings, const std::str
   for (std::int64_t i = 0; i < local; ++i) {
     std::int64_t rank = settings.node_rank * local + i;
     logs[i] = log_dir + "/rank-" + std::to_string(rank) + ".log";
-    std::ofstream(logs[i], std::ios::trunc);  // a fresh log per run
     core::Environment child = env;
     child["TESSERA_LAUNCHED"] = "1";
     child["RANK"] = std::to_string(rank);
@@ -272,7 +271,7 @@ std::optional<int> launch_or_join(const LaunchSettings& settings, const std::str
   auto stop_all = [&] {
     if (stopping) return;
     stopping = true;
-    ::kill(-group, SIGTERM);
+    ::kill(-group, g_interrupted == SIGINT ? SIGINT : SIGTERM);  // a Ctrl-C reaches the ranks as one
     kill_at = Clock::now() + kGracePeriod;
   };
   while (remaining > 0) {

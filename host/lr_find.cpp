@@ -2,13 +2,13 @@
 
 #include <algorithm>
 #include <cmath>
-#include <fstream>
 #include <iomanip>
 #include <sstream>
 
 #include <ATen/ATen.h>
 
 #include "tessera/sdk/error.hpp"
+#include "record_file.hpp"
 
 namespace tessera::host {
 
@@ -57,12 +57,11 @@ std::optional<std::int64_t> LrRangeTest::suggestion() const {
 }
 
 void LrRangeTest::write_csv(const std::string& path) const {
-  std::ofstream out(path);
-  TESSERA_CHECK(out.good(), "cannot write ", path);
+  std::ostringstream out;
   out << "step,lr,loss,smoothed_loss\n" << std::setprecision(10);
   for (std::int64_t i = 0; i < steps(); ++i)
     out << i << "," << lr(i) << "," << losses_[i] << "," << smoothed_[i] << "\n";
-  TESSERA_CHECK(out.good(), "cannot write ", path);
+  write_record(path, out.str());
 }
 
 std::string LrRangeTest::plot(int width, int height) const {

@@ -18,10 +18,12 @@
 #include "checkpoint_tool.hpp"
 #include "config.hpp"
 #include "launcher.hpp"
+#include "loggers/run_directory.hpp"
 #include "worker_threads.hpp"
 #include "plan_job.hpp"
 #include "plugin_keys.hpp"
 #include "run_log.hpp"
+#include "tessera/core/checkpoint_folder.hpp"
 #include "tessera/core/comm.hpp"
 #include "tessera/core/plugin_loader.hpp"
 #include "tessera/sdk/error.hpp"
@@ -162,11 +164,12 @@ void check_plugins(const host::Config& config) {
   host::make_callbacks(config, loader);
 }
 
-/// fit, before any work: a warning (never an error: the user may know better) when the memory
-/// plan of this machine's ranks exceeds what the kernel says is available, or a CUDA job's
-/// device rows exceed its GPUs' memory. Under torchrun, Slurm or MPI only each node's local
-/// rank 0 plans.
-void warn_about_memory(const host::Config& config) {
+/// fit, before any work: refuses the job (with the plan's table and the largest batch that
+/// fits) when the memory plan of this machine's ranks exceeds what the kernel says is
+/// available, or a CUDA job's device rows exceed its GPUs' memory; [trainer] skip_memory_check
+/// = true makes it a warning (the user may know better). Under torchrun, Slurm or MPI only each
+/// node's local rank 0 plans.
+void check_memory(const host::Config& config) {
   if (host::planned_cluster(config.launch).local_rank != 0) return;
   // A CUDA job's activations are device memory, and tracing a GPU-sized model's forward on the
   // CPU would delay its start: its host rows are whole without them, its device rows are a
@@ -182,10 +185,38 @@ void warn_about_memory(const host::Config& config) {
     return;
   }
   const double available = host::memory_available_bytes();
+  std::vector<std::string> problems;
   for (const std::string& warning :
        {host::memory_warning(job.plan, available, job.local_ranks),
         cuda ? host::device_memory_warning(job.plan, host::cuda_memory_bytes(config, job.local_ranks), false) : ""})
-    if (!warning.empty()) std::cerr << "tessera: " << warning << "\n";
+    if (!warning.empty()) problems.push_back(warning);
+  if (problems.empty()) return;
+  if (config.trainer.skip_memory_check) {
+    for (const std::string& warning : problems) std::cerr << "tessera: " << warning << "\n";
+    return;
+  }
+  // Refused before any rank starts: a rank that outgrows the machine is ended by the kernel's
+  // OOM killer, after minutes, with no word from tessera.
+  std::string reasons;
+  for (const std::string& warning : problems)
+    reasons += (reasons.empty() ? "" : "\n") + warning.substr(warning.rfind("warning: ", 0) == 0 ? 9 : 0);
+  TESSERA_FAIL(reasons, "\nfit refuses a job that does not fit the machine before any rank starts; the plan (as ",
+               "`tessera plan` prints it):\n", host::format_plan(job.plan, job.world_size, job.local_ranks),
+               "to start it anyway, set [trainer] skip_memory_check = true");
+}
+
+/// Local ranks beyond what the host can run: each rank is a process with at least one thread,
+/// and ranks that share a core train in turn; more than kRanksPerCore per core is a typo (devices
+/// = 1024), refused before a thousand processes start.
+void check_local_ranks(const host::Config& config) {
+  constexpr std::int64_t kRanksPerCore = 4;
+  if (host::planned_cluster(config.launch).environment != "local") return;
+  const std::int64_t cores = std::max(1u, std::thread::hardware_concurrency());
+  const std::string key = config.launch.devices_key.empty() ? "[launch] devices" : config.launch.devices_key;
+  TESSERA_CHECK(config.launch.devices <= kRanksPerCore * cores, key, " = ", config.launch.devices,
+                " local ranks, but this host has ", cores, " core(s): at most ", kRanksPerCore * cores, " (",
+                kRanksPerCore, " per core) start here; set devices to at most that, or spread the job over more ",
+                "nodes ([launch] nodes)");
 }
 
 std::string json_string(const std::string& text) {
@@ -235,6 +266,39 @@ void report_failure(const std::string& message) {
     stamp = std::max(stamp, core::wall_ms() / 1000);
   }
   write_error_file(error_file, message, stamp, /*exclusive=*/false);
+}
+
+/// fit, before any rank starts: what interrupted saves left anywhere under the run root (a
+/// resume writes into a new run folder, so the first save's own sweep never sees the old one's),
+/// only those whose writer is gone (another fit in the same root may be saving).
+void remove_save_leftovers(const std::string& root) {
+  const std::vector<core::Leftover> removed = core::remove_leftovers(root);
+  if (removed.empty()) return;
+  std::uintmax_t bytes = 0;
+  std::vector<std::string> paths;
+  for (const core::Leftover& leftover : removed) bytes += leftover.bytes, paths.push_back(leftover.path);
+  std::cerr << "tessera: removed " << removed.size() << " leftover(s) of interrupted saves (" << bytes / 1048576.0
+            << " MB) under " << root << ": " << sdk::join(paths) << "\n";
+}
+
+/// Once per job, before any rank starts: when every rank of the job starts on this host, its
+/// run folder is chosen now (TESSERA_RUN_DIR) and the rank logs go to its logs/ folder
+/// (TESSERA_LOG_DIR), so a requeue or a second fit in the same root never truncates or shares
+/// another run's logs. Otherwise (torchrun, Slurm, mpirun, several nodes) rank 0 chooses the
+/// run folder and each rank's log follows it there.
+void choose_log_directory(const std::string& command, const host::Config& config) {
+  ::unsetenv("TESSERA_RUN_DIR");
+  ::unsetenv("TESSERA_LOG_DIR");
+  const sdk::ClusterInfo planned = host::planned_cluster(config.launch);
+  if (config.launch.nodes != 1 || (planned.environment != "single" && planned.environment != "local")) return;
+  const std::string& root = config.trainer.default_root_dir;
+  if (command == "predict") {
+    ::setenv("TESSERA_LOG_DIR", host::job_log_directory(root, command).c_str(), 1);
+    return;
+  }
+  const std::string run = host::create_job_run_directory(root, config.logger);
+  ::setenv("TESSERA_RUN_DIR", run.c_str(), 1);
+  ::setenv("TESSERA_LOG_DIR", (run + "/logs").c_str(), 1);
 }
 
 }  // namespace
@@ -293,14 +357,22 @@ int main(int argc, char** argv) {
       TESSERA_CHECK(args.command != "lr-find" || config.trainer.fast_dev_run == 0, "[trainer] fast_dev_run runs ",
                     "every loop for a few batches; lr-find trains [lr_find] num_training steps: remove one of them");
       check_plugins(config);
-      if (args.command == "fit" || args.command == "lr-find") warn_about_memory(config);
+      check_local_ranks(config);
+      if (args.command == "fit" || args.command == "lr-find") check_memory(config);
+      if (args.command == "fit") remove_save_leftovers(root);
+      choose_log_directory(args.command, config);
     }
     configuring = false;
     core::set_fatal_reporter(report_failure);
-    if (auto code = host::launch_or_join(config.launch, root + "/logs", argc, argv, cluster)) return *code;
+    // Rank logs go to the run folder's logs/ (chosen above); a multi-node launcher captures its
+    // ranks' output in a folder of its own, and they log into the run folder once it is chosen.
+    const char* log_dir = std::getenv("TESSERA_LOG_DIR");
+    const std::string capture = log_dir ? log_dir : host::job_log_directory(root, "node-" + std::to_string(config.launch.node_rank));
+    if (auto code = host::launch_or_join(config.launch, capture, argc, argv, cluster)) return *code;
     host::configure_threads(config.launch, cluster);
     host::keep_freed_pages(/*oversize_blocks_too=*/cluster.world_size == 1);
-    log = std::make_unique<host::RunLog>(root, cluster.global_rank, config.trainer.enable_progress_bar);
+    log = std::make_unique<host::RunLog>(log_dir ? log_dir : "", cluster.global_rank,
+                                         config.trainer.enable_progress_bar);
     host::Trainer trainer(std::move(config), cluster, *log);
     if (args.command == "fit") trainer.fit(args.ckpt_path);
     else if (args.command == "validate") trainer.validate(args.ckpt_path);
@@ -315,6 +387,12 @@ int main(int argc, char** argv) {
     if (configuring) message += overrides_note(message, args.overrides);
     // Under tessera's own launcher stderr already lands in this rank's log file.
     if (log && std::getenv("TESSERA_LAUNCHED") == nullptr) log->to_file("error: " + message);
+    std::cerr << "tessera: error: " << message << "\n";
+    report_failure(message);
+    return 1;
+  } catch (...) {  // only plugin code throws what is not a std::exception: never std::terminate
+    const std::string message = "plugin code threw " + core::describe_current_exception() +
+                                "; plugins report errors as tessera::sdk::Error (TESSERA_CHECK)";
     std::cerr << "tessera: error: " << message << "\n";
     report_failure(message);
     return 1;

@@ -241,7 +241,11 @@ Trace trace_forward(sdk::Module& model, sdk::Precision& precision, sdk::DataModu
   Trace trace;
   std::shared_ptr<sdk::Dataset> dataset = data.train_dataset();
   TESSERA_CHECK(dataset && dataset->size() > 0, "the data plugin has no training data to trace a forward with");
-  const std::int64_t n = trace.samples = std::min<std::int64_t>(batch_size, dataset->size());
+  // A huge batch is traced on kMaxTracedSamples and scaled (what autograd keeps is per sample, as
+  // largest_batch_size assumes): tracing [data] batch_size = 100000 would itself outgrow the machine.
+  constexpr std::int64_t kMaxTracedSamples = 256;
+  trace.samples = std::min<std::int64_t>(batch_size, dataset->size());
+  const std::int64_t n = std::min(trace.samples, kMaxTracedSamples);
   std::vector<std::int64_t> indices;
   for (std::int64_t i = 0; i < n; ++i) indices.push_back(i);
   sdk::Batch batch = dataset->get_batch(indices);
@@ -266,7 +270,8 @@ Trace trace_forward(sdk::Module& model, sdk::Precision& precision, sdk::DataModu
   }
   counter.stop();
   trace.method = "autograd's saved tensors after one traced forward of " + std::to_string(n) + " sample(s)" +
-                 (n < batch_size ? " (the whole training set)" : "");
+                 (trace.samples < batch_size ? " (the whole training set)" : "") +
+                 (n < trace.samples ? ", scaled to " + std::to_string(trace.samples) : "");
   trace.recomputed = probe->recomputed();
   const std::vector<double>& internals = probe->internals();
   if (!internals.empty()) {
@@ -281,6 +286,15 @@ Trace trace_forward(sdk::Module& model, sdk::Precision& precision, sdk::DataModu
   if (!unit_extras.empty())  // as their internals: one recomputed unit's at a time
     trace.cuda_autocast.bytes += *std::max_element(unit_extras.begin(), unit_extras.end()) -
                                  std::accumulate(unit_extras.begin(), unit_extras.end(), 0.0);
+  if (n < trace.samples) {
+    const double scale = static_cast<double>(trace.samples) / static_cast<double>(n);
+    trace.saved *= scale;
+    trace.cuda_autocast.bytes *= scale;
+    for (sdk::TensorParallelTraffic* traffic : {&trace.tensor_parallel, &trace.recomputed}) {
+      traffic->forward_all_reduce_bytes *= scale;
+      traffic->backward_all_reduce_bytes *= scale;
+    }
+  }
   return trace;
 }
 

@@ -4,11 +4,41 @@
 #include <map>
 #include <set>
 
+#include "tessera/sdk/callback.hpp"
+#include "tessera/sdk/checkpoint_io.hpp"
+#include "tessera/sdk/data.hpp"
 #include "tessera/sdk/error.hpp"
+#include "tessera/sdk/module.hpp"
+#include "tessera/sdk/precision.hpp"
+#include "tessera/sdk/strategy.hpp"
 
 namespace tessera::host {
 
 namespace {
+
+/// The object a plugin created implements the interface of its kind (the host casts to it).
+void check_interface(core::PluginLoader& loader, sdk::PluginKind kind, const std::string& section,
+                     const std::string& name, sdk::PluginObject& object) {
+  const char* interface = nullptr;
+  bool right = true;
+  switch (kind) {
+    case sdk::PluginKind::strategy: right = dynamic_cast<sdk::Strategy*>(&object), interface = "Strategy"; break;
+    case sdk::PluginKind::precision: right = dynamic_cast<sdk::Precision*>(&object), interface = "Precision"; break;
+    case sdk::PluginKind::checkpoint_io:
+      right = dynamic_cast<sdk::CheckpointIO*>(&object), interface = "CheckpointIO";
+      break;
+    case sdk::PluginKind::model: right = dynamic_cast<sdk::Module*>(&object), interface = "Module"; break;
+    case sdk::PluginKind::data: right = dynamic_cast<sdk::DataModule*>(&object), interface = "DataModule"; break;
+    case sdk::PluginKind::callback: right = dynamic_cast<sdk::Callback*>(&object), interface = "Callback"; break;
+  }
+  if (right) return;
+  std::string path = "?";
+  for (const core::PluginInfo& info : loader.plugins())
+    if (info.kind == kind && info.name == name) path = info.path.string();
+  TESSERA_FAIL("[", section, "] plugin = \"", name, "\" (", path, ") created an object that is not a tessera::sdk::",
+               interface, ": its factory returns the wrong class for a ", sdk::to_string(kind),
+               " plugin (fix the plugin's TESSERA_PLUGIN entry, or choose another [", section, "] plugin)");
+}
 
 /// The keys of `options` that no getter read. sdk::Options keeps its read set to itself; a key
 /// is unread when check_all_used fails with every other key declared known.
@@ -63,6 +93,7 @@ std::shared_ptr<sdk::PluginObject> create_plugin(core::PluginLoader& loader, sdk
   const sdk::Options& options = config.plugins.at(section);
   const std::string& name = config.plugin_names.at(section);
   std::shared_ptr<sdk::PluginObject> object = loader.create(kind, name, options);
+  check_interface(loader, kind, section, name, *object);
   const std::vector<std::string> unread = unread_keys(options);
   if (unread.empty()) return object;
 

@@ -2,12 +2,12 @@
 
 #include <algorithm>
 #include <cstdio>
-#include <fstream>
 #include <map>
 
 #include <nlohmann/json.hpp>
 
 #include "tessera/sdk/error.hpp"
+#include "record_file.hpp"
 
 namespace tessera::host {
 
@@ -78,9 +78,7 @@ void write_chrome_trace(const std::string& path, std::int64_t rank, const std::v
       }
     }
   }
-  std::ofstream out(path);
-  out << json{{"traceEvents", trace_events}, {"displayTimeUnit", "ms"}}.dump() << "\n";
-  TESSERA_CHECK(out.good(), "cannot write the profiler trace ", path);
+  write_record(path, json{{"traceEvents", trace_events}, {"displayTimeUnit", "ms"}}.dump() + "\n");
 }
 
 }  // namespace tessera::host

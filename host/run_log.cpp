@@ -10,6 +10,7 @@
 #include <iomanip>
 #include <iostream>
 #include <sstream>
+#include <utility>
 
 namespace tessera::host {
 
@@ -25,12 +26,24 @@ bool RunLog::stdout_is_user_terminal() {
   return parent_tty;
 }
 
-RunLog::RunLog(const std::string& root_dir, std::int64_t rank, const std::string& progress_bar)
+RunLog::RunLog(const std::string& log_dir, std::int64_t rank, const std::string& progress_bar)
     : rank_(rank),
-      terminal_(rank == 0 && (progress_bar == "true" || (progress_bar == "auto" && stdout_is_user_terminal()))),
-      log_path_(root_dir + "/logs/rank-" + std::to_string(rank) + ".log") {
-  std::filesystem::create_directories(root_dir + "/logs");
-  log_.open(log_path_, std::ios::app);
+      terminal_(rank == 0 && (progress_bar == "true" || (progress_bar == "auto" && stdout_is_user_terminal()))) {
+  if (!log_dir.empty()) attach(log_dir);
+}
+
+void RunLog::attach(const std::string& log_dir) {
+  if (log_dir == log_dir_) return;
+  std::filesystem::create_directories(log_dir);
+  log_dir_ = log_dir;
+  log_path_ = log_dir + "/rank-" + std::to_string(rank_) + ".log";
+  log_ = RecordFile(log_path_, RecordFile::Mode::append);
+  log_.write(std::exchange(held_, {}));
+}
+
+void RunLog::write_file(const std::string& line) {
+  if (log_dir_.empty()) held_ += line + "\n";
+  else log_.write(line + "\n");
 }
 
 RunLog::~RunLog() { end_bar(); }
@@ -55,16 +68,16 @@ void RunLog::end_bar() {
 }
 
 void RunLog::info(const std::string& line) {
-  log_ << line << "\n" << std::flush;
+  write_file(line);
   if (rank_ != 0) return;
   end_bar();
   std::cout << line << "\n" << std::flush;
 }
 
-void RunLog::to_file(const std::string& line) { log_ << line << "\n" << std::flush; }
+void RunLog::to_file(const std::string& line) { write_file(line); }
 
 void RunLog::progress(const std::string& bar, const std::string& line, bool force_line) {
-  if (force_line) log_ << line << "\n" << std::flush;
+  if (force_line) write_file(line);
   if (rank_ != 0) return;
   if (terminal_) {
     std::cout << "\r\033[K" << bar << std::flush;

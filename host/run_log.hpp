@@ -1,16 +1,26 @@
 #pragma once
-// What a rank tells the user: its log file (every rank: default_root_dir/logs/rank-K.log)
+// What a rank tells the user: its log file (every rank: the run folder's logs/rank-K.log)
 // and the terminal (rank 0 only: a live progress bar on a terminal, plain lines otherwise).
-// Metrics go to the run's loggers (loggers/).
-#include <fstream>
+// Metrics go to the run's loggers (loggers/). Every write to the log file is checked
+// (record_file.hpp): a full disk ends the run with an error naming the file.
+#include <cstdint>
 #include <string>
+
+#include "record_file.hpp"
 
 namespace tessera::host {
 
 class RunLog {
  public:
-  RunLog(const std::string& root_dir, std::int64_t rank, const std::string& progress_bar);
+  /// `log_dir`: the folder of rank-K.log (the run folder's logs/). Empty when the run folder is
+  /// not known yet (started by torchrun, Slurm or mpirun, or on several nodes): lines are then
+  /// held until attach().
+  RunLog(const std::string& log_dir, std::int64_t rank, const std::string& progress_bar);
   ~RunLog();
+
+  /// Opens `log_dir`/rank-K.log (appending) and writes the lines held so far; no-op when the
+  /// log is already in `log_dir`.
+  void attach(const std::string& log_dir);
 
   /// A line for the log file and (rank 0) the terminal.
   void info(const std::string& line);
@@ -33,12 +43,14 @@ class RunLog {
 
  private:
   void end_bar();
+  void write_file(const std::string& line);
 
   std::int64_t rank_;
   bool terminal_;
   bool bar_open_ = false;
-  std::string log_path_;
-  std::ofstream log_;
+  std::string log_dir_, log_path_;
+  RecordFile log_;
+  std::string held_;  ///< lines written before attach()
 };
 
 }  // namespace tessera::host

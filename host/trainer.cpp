@@ -21,6 +21,7 @@
 #include "model_summary.hpp"
 #include "plugin_keys.hpp"
 #include "profiler.hpp"
+#include "record_file.hpp"
 #include "tessera/core/checkpoint.hpp"
 #include "tessera/core/clip_grad.hpp"
 #include "tessera/core/comm.hpp"
@@ -29,6 +30,7 @@
 #include "tessera/core/ledger.hpp"
 #include "tessera/core/trace.hpp"
 #include "tessera/sdk/build_config.hpp"  // TESSERA_WITH_CUDA, before the #if below
+#include "tessera/sdk/checkpoint_io_features.hpp"
 #include "tessera/sdk/error.hpp"
 #include "tessera/sdk/sync_batch_norm.hpp"
 #include "callbacks/weight_averaging.hpp"
@@ -52,16 +54,19 @@ std::string duration(double seconds) {
   return out.str();
 }
 
-/// Averages named scalar metrics over ranks with a single all-reduce.
-std::map<std::string, double> reduce_mean(sdk::Strategy& strategy, const std::map<std::string, double>& local) {
-  std::vector<double> values;
-  for (const auto& [name, value] : local) values.push_back(value);
-  if (values.empty()) return {};
+/// sum over ranks of `sums` / sum over ranks of `weight`, for every metric, in one all-reduce
+/// (in fp32, as every strategy's collectives take it: ~7 digits, ample for a mean).
+std::map<std::string, double> weighted_mean(sdk::Strategy& strategy, const std::map<std::string, double>& sums,
+                                            double weight) {
+  if (sums.empty()) return {};
+  std::vector<double> values{weight};
+  for (const auto& [name, value] : sums) values.push_back(value);
   at::Tensor packed = at::tensor(values, at::kDouble).to(at::kFloat).to(strategy.root_device());
-  at::Tensor reduced = strategy.reduce(packed, sdk::ReduceOp::mean).to(at::kCPU).to(at::kDouble);
+  at::Tensor reduced = strategy.reduce(packed, sdk::ReduceOp::sum).to(at::kCPU).to(at::kDouble);
+  const double total = std::max(reduced[0].item<double>(), 1.0);
   std::map<std::string, double> out;
-  std::size_t i = 0;
-  for (const auto& [name, value] : local) out[name] = reduced[static_cast<std::int64_t>(i++)].item<double>();
+  std::int64_t i = 1;
+  for (const auto& [name, value] : sums) out[name] = reduced[i++].item<double>() / total;
   return out;
 }
 
@@ -281,17 +286,21 @@ void Trainer::begin_run() {
 void Trainer::open_run_directory() {
   const std::string parent = versions_parent(config_.trainer.default_root_dir, config_.logger);
   std::string version = config_.logger.version;
-  if (version.empty()) {
-    at::Tensor n = at::zeros({1}, at::kLong);
-    if (cluster_.global_rank == 0) n.fill_(create_next_version(parent));
-    at::Tensor on_device = n.to(strategy_->root_device());
-    strategy_->broadcast(on_device, 0);
-    version = std::to_string(on_device.to(at::kCPU).item<std::int64_t>());
+  if (const char* chosen = std::getenv("TESSERA_RUN_DIR")) {  // chosen before the ranks started (main.cpp)
+    log_dir_ = chosen;
+  } else {
+    if (version.empty()) {
+      at::Tensor n = at::zeros({1}, at::kLong);
+      if (cluster_.global_rank == 0) n.fill_(create_next_version(parent));
+      at::Tensor on_device = n.to(strategy_->root_device());
+      strategy_->broadcast(on_device, 0);
+      version = std::to_string(on_device.to(at::kCPU).item<std::int64_t>());
+    }
+    log_dir_ = run_directory(parent, version);
   }
-  log_dir_ = run_directory(parent, version);
   if (cluster_.global_rank == 0) {
     std::filesystem::create_directories(log_dir_);
-    std::ofstream(log_dir_ + "/config.toml") << list_config(config_);  // every key, defaults included
+    write_record(log_dir_ + "/config.toml", list_config(config_));  // every key, defaults included
     for (const auto& name : config_.logger.loggers)
       loggers_.push_back(name == "csv" ? make_csv_logger(log_dir_) : make_tensorboard_logger(log_dir_));
     HyperParameters hparams;
@@ -305,6 +314,7 @@ void Trainer::open_run_directory() {
     for (auto& logger : loggers_) logger->log_hyperparams(hparams);
   }
   strategy_->barrier("run directory");
+  log_.attach(log_dir_ + "/logs");
   log_.info("run directory: " + log_dir_);
 }
 
@@ -404,21 +414,25 @@ Trainer::Evaluation Trainer::evaluate(const std::string& stage, const BatchLimit
   if (batches == 0) return {};
   auto network = model_->network();
   network->train(false);
+  // Each batch's metrics weighted by its size (as Lightning's): a short last batch counts for
+  // its samples, and the result is the per-sample mean over every rank's batches.
   std::map<std::string, double> sums;
+  double samples = 0;
   const std::string title = stage == "test" ? "testing    " : "validation ";
   for (std::int64_t i = 0; i < batches; ++i) {
     sdk::Batch batch = loader.batch(i);
     sdk::StepOutput out = run_step(stage == "test" ? "test_step" : "validation_step", [&] {
       return stage == "test" ? strategy_->test_step(batch, i) : strategy_->validation_step(batch, i);
     });
-    for (const auto& [name, value] : out.metrics) sums[stage + "_" + name] += value.item<double>();
+    const double weight = static_cast<double>(std::max<std::int64_t>(1, batch.size()));
+    samples += weight;
+    for (const auto& [name, value] : out.metrics) sums[stage + "_" + name] += value.item<double>() * weight;
     log_.progress(title + RunLog::bar(static_cast<double>(i + 1) / static_cast<double>(batches)) + "  " +
                       std::to_string(i + 1) + "/" + std::to_string(batches),
                   "", false);
   }
   network->train(true);
-  for (auto& [name, value] : sums) value /= static_cast<double>(std::max<std::int64_t>(1, batches));
-  return {reduce_mean(*strategy_, sums), batches};
+  return {weighted_mean(*strategy_, sums, samples), batches};
 }
 
 void Trainer::sanity_check() {
@@ -708,6 +722,7 @@ void Trainer::fit(const std::string& ckpt_path) {
                     ", " + std::to_string(skipped_steps_) + " step(s) skipped so far");
         }
         maybe_inject_fault(global_step_);
+        report_committed_saves(/*wait=*/false);
 
         // The step's one all-reduce and its one wait for the device.
         const double elapsed = std::chrono::duration<double>(Clock::now() - clock.run_start).count();
@@ -727,8 +742,13 @@ void Trainer::fit(const std::string& ckpt_path) {
         if (sync.signal != 0) {  // SIGINT / SIGTERM on some rank
           const std::string path = log_dir_ + "/checkpoints/last.ckpt";
           save_checkpoint(path);
+          report_committed_saves(/*wait=*/true);  // "saved to" below only once it is
           exit_code_ = 128 + sync.signal;
-          log_.info(std::string("interrupted by ") + strsignal(sync.signal) + (g_signal != 0 ? "" : " on another rank") +
+          // Under tessera's launcher a Ctrl-C reaches the ranks as the signal the launcher got.
+          const std::string by = sync.signal == SIGINT    ? "Ctrl-C (SIGINT)"
+                                 : sync.signal == SIGTERM ? "a stop request (SIGTERM: kill, a scheduler's preemption)"
+                                                          : strsignal(sync.signal);
+          log_.info("interrupted by " + by + (g_signal != 0 ? "" : " on another rank") +
                     " at step " + std::to_string(global_step_) + ": checkpoint saved to " + path +
                     "; resume with --ckpt-path last");
           sdk::Error error("fit interrupted at step " + std::to_string(global_step_));
@@ -890,15 +910,32 @@ void Trainer::tune_learning_rate(TrainingData& data) {
 }
 
 void Trainer::finish(const std::string& status) {
+  if (status == "failed") {
+    try {  // the error that ends the run is reported; a background save's own failure too
+      report_committed_saves(/*wait=*/true);
+    } catch (const std::exception& e) {
+      log_.info(std::string("error: ") + e.what());
+    }
+  } else {
+    report_committed_saves(/*wait=*/true);  // a failed background save fails the run
+  }
   call("teardown", [&](sdk::Callback& c) { c.teardown(*this, stage_); });
   for (auto& logger : loggers_) logger->finalize(status);
+  if (status != "failed" && !log_dir_.empty()) {  // after a failure the error says what and where
+    std::vector<std::string> records;
+    std::error_code ec;
+    for (const char* name : {"config.toml", "hparams.yaml", "metrics.csv", "lr_find.csv", "checkpoints/"})
+      if (std::filesystem::exists(log_dir_ + "/" + name, ec)) records.push_back(name);
+    records.push_back("logs/rank-*.log");
+    log_.info("run records in " + log_dir_ + "/: " + sdk::join(records));
+  }
   if (!config_.trainer.profiler.empty()) {
     std::vector<core::trace::Event> events = core::trace::events();
     if (config_.trainer.profiler == "simple") {
       std::string table = simple_profile(events);
       if (cluster_.global_rank == 0) {
         log_.info(table);
-        std::ofstream(log_dir_ + "/profiler.txt") << table;
+        write_record(log_dir_ + "/profiler.txt", table);
       }
     } else {
       std::string path = log_dir_ + "/trace-rank-" + std::to_string(cluster_.global_rank) + ".json";

@@ -89,6 +89,12 @@ class Trainer final : public sdk::Trainer {
   /// step and the callbacks' state (what --ckpt-path best reads), without the optimizer, grad
   /// scaler, schedule and RNG states: a third of an Adam checkpoint; fit cannot resume from it.
   void save_checkpoint(const std::string& path, bool weights_only);
+  /// A background-saving IO's commits since the last call, each logged "checkpoint saved"
+  /// (`wait`: after every queued save ends); a failed background save throws, naming the file.
+  void report_committed_saves(bool wait);
+  /// fit --ckpt-path: refuses model hyper-parameters that differ from the checkpoint's record,
+  /// naming each, unless [trainer] resume_changed_hparams lists it.
+  void check_resumed_hyper_parameters(const sdk::Checkpoint& checkpoint, const std::string& path) const;
   void remove_checkpoint(const std::string& path) override;
   /// Refuses (sdk::Error) to resume fit from a weights-only checkpoint: before any rank starts.
   static void check_resumable(const std::string& checkpoint);

@@ -1,17 +1,23 @@
 // The trainer's checkpoints: what a save holds, resuming from one, and starting a run from a
 // checkpoint's weights (init_from, strict or by matching name and shape).
+#include <algorithm>
 #include <chrono>
 #include <fstream>
 
+#include <nlohmann/json.hpp>
+
 #include <ATen/CPUGeneratorImpl.h>
+#include <c10/util/Exception.h>
 
 #include "trainer.hpp"
+#include "loggers/logger.hpp"
 #include "callbacks/weight_averaging.hpp"
 #include "tessera/core/checkpoint.hpp"
 #include "tessera/core/checkpoint_folder.hpp"
 #include "tessera/core/comm.hpp"
 #include "tessera/core/ledger.hpp"
 #include "tessera/core/sharded_checkpoint.hpp"
+#include "tessera/sdk/checkpoint_io_features.hpp"
 #include "tessera/sdk/error.hpp"
 
 namespace tessera::host {
@@ -83,9 +89,20 @@ void Trainer::save_checkpoint(const std::string& path, bool weights_only) {
   call("on_save_checkpoint", [&](sdk::Callback& c) { c.on_save_checkpoint(*this, checkpoint); });
   const auto start = std::chrono::steady_clock::now();
   strategy_->save_checkpoint(checkpoint, path);
-  log_.info("checkpoint saved: " + path + " (step " + std::to_string(global_step_) +
-            (weights_only ? ", weights only" : "") + ", training paused " +
-            RunLog::number(std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count(), 3) + " s)");
+  auto* async = dynamic_cast<sdk::AsyncCheckpointIO*>(checkpoint_io_.get());
+  const bool queued = async != nullptr && async->saves_async();
+  log_.info(std::string(queued ? "checkpoint queued: " : "checkpoint saved: ") + path + " (step " +
+            std::to_string(global_step_) + (weights_only ? ", weights only" : "") + ", training paused " +
+            RunLog::number(std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count(), 3) + " s" +
+            (queued ? "; written in the background: \"checkpoint saved\" follows once it is committed" : "") + ")");
+  if (queued) report_committed_saves(/*wait=*/false);
+}
+
+void Trainer::report_committed_saves(bool wait) {
+  auto* async = dynamic_cast<sdk::AsyncCheckpointIO*>(checkpoint_io_.get());
+  if (async == nullptr || !async->saves_async()) return;
+  for (const std::string& path : wait ? async->wait_committed() : async->poll_committed())
+    log_.info("checkpoint saved: " + path + " (committed in the background)");
 }
 
 void Trainer::resume_trained_weights(const sdk::Checkpoint& checkpoint, const std::string& path) {
@@ -99,6 +116,40 @@ void Trainer::resume_trained_weights(const sdk::Checkpoint& checkpoint, const st
       /*strict=*/true);
   log_.info("checkpoint " + path + " holds weights and their average (weight averaging): without a weight-averaging "
             "callback, fit goes on from the weights and the average is not continued");
+}
+
+void Trainer::check_resumed_hyper_parameters(const sdk::Checkpoint& checkpoint, const std::string& path) const {
+  if (!checkpoint.contains("hyper_parameters") || !checkpoint.at("hyper_parameters").isGenericDict()) return;
+  HyperParameters recorded, now;
+  flatten_hyperparameters(checkpoint.at("hyper_parameters").toGenericDict(), "", recorded);
+  flatten_hyperparameters(model_->hyper_parameters(), "", now);
+  auto text = [](const HyperParameters::mapped_type& value) {
+    return std::visit([](const auto& v) { return nlohmann::json(v).dump(); }, value);
+  };
+  const std::vector<std::string>& allowed = config_.trainer.resume_changed_hparams;
+  std::vector<std::string> changed, keys;
+  for (const auto& [key, value] : now) {
+    // Keys only one side has: a plugin that gained or lost one, not a change of this run's.
+    if (!recorded.count(key) || recorded.at(key) == value) continue;
+    const std::string line = "[model] " + key + " = " + text(value) + ", the checkpoint's model has " + text(recorded.at(key));
+    if (std::find(allowed.begin(), allowed.end(), key) != allowed.end()) {
+      log_.info("note: resuming with a changed hyper-parameter ([trainer] resume_changed_hparams): " + line);
+      continue;
+    }
+    changed.push_back(line);
+    keys.push_back("\"" + key + "\"");
+  }
+  TESSERA_CHECK(changed.empty(), "fit --ckpt-path ", path, ": the model's hyper-parameters differ from those the ",
+                "checkpoint was trained with:\n  ", sdk::join(changed, "\n  "), "\nresume with the checkpoint's values ",
+                "(its run folder's config.toml has them), start a new run from its weights with [trainer] init_from, ",
+                "or, if the change is meant, list the keys in [trainer] resume_changed_hparams = [", sdk::join(keys), "]");
+  for (const std::string& key : allowed)
+    TESSERA_CHECK(now.count(key), "[trainer] resume_changed_hparams names \"", key, "\", which is not a hyper-parameter ",
+                  "of model '", config_.plugin_names.at("model"), "'", sdk::did_you_mean(key, [&] {
+                    std::vector<std::string> names;
+                    for (const auto& item : now) names.push_back(item.first);
+                    return names;
+                  }()));
 }
 
 void Trainer::check_resumable(const std::string& checkpoint) {
@@ -146,10 +197,18 @@ void Trainer::restore(const std::string& path, Restore what) {
   } else {
     try {
       checkpoint = strategy_->load_checkpoint(path);
+      if (with_training_state) check_resumed_hyper_parameters(checkpoint, path);  // before shapes can disagree
       strategy_->load_model_state_dict(model_weights(checkpoint, path), /*strict=*/true);
-    } catch (const sdk::Error& e) {
-      if (what != Restore::initial_weights) throw;
-      TESSERA_FAIL("[trainer] init_from = \"", path, "\": ", e.what(), "; if the model differs from the checkpoint's on ",
+    } catch (const std::exception& e) {
+      const auto* torch_error = dynamic_cast<const c10::Error*>(&e);
+      const std::string message = torch_error ? torch_error->what_without_backtrace() : e.what();
+      if (what != Restore::initial_weights && message.find(path) != std::string::npos) throw;  // names its file
+      if (what != Restore::initial_weights)
+        TESSERA_FAIL("checkpoint ", path, ": ", message, "; it does not fit model '", config_.plugin_names.at("model"),
+                     "' as configured: pass a checkpoint of this model, use the [model] settings it was trained with ",
+                     "(its run folder's config.toml), or start a new run from its matching weights with [trainer] ",
+                     "init_from and init_from_strict = false");
+      TESSERA_FAIL("[trainer] init_from = \"", path, "\": ", message, "; if the model differs from the checkpoint's on ",
                    "purpose (a new head, added layers), [trainer] init_from_strict = false loads the tensors that ",
                    "match by name and shape and keeps the model's initialisation for the others");
     }
@@ -159,7 +218,15 @@ void Trainer::restore(const std::string& path, Restore what) {
     resume_trained_weights(checkpoint, path);
     auto optimizer_states = core::checkpoint_get(checkpoint, "optimizer_states").toListRef();
     TESSERA_CHECK(!optimizer_states.empty(), "checkpoint ", path, " has no optimizer state");
-    strategy_->load_optimizer_state(core::checkpoint_dict(optimizer_states[0], "checkpoint optimizer_states[0]"));
+    try {
+      strategy_->load_optimizer_state(core::checkpoint_dict(optimizer_states[0], "checkpoint optimizer_states[0]"));
+    } catch (const std::exception& e) {
+      const auto* torch_error = dynamic_cast<const c10::Error*>(&e);
+      TESSERA_FAIL("checkpoint ", path, " [optimizer_states][0] does not fit this run's optimizer ([optimizer] name = \"",
+                   config_.optimizer.name, "\"): ", torch_error ? torch_error->what_without_backtrace() : e.what(),
+                   "; resume with the optimizer the checkpoint was saved with (its run folder's config.toml), or ",
+                   "start a new run from its weights with [trainer] init_from");
+    }
     precision_->load_state_dict(core::checkpoint_dict(core::checkpoint_get(checkpoint, "precision_plugin"),
                                                       "checkpoint precision_plugin"));
     global_step_ = core::checkpoint_get(checkpoint, "global_step").toInt();

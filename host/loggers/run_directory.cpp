@@ -1,6 +1,9 @@
 #include "run_directory.hpp"
 
+#include <unistd.h>
+
 #include <algorithm>
+#include <ctime>
 #include <filesystem>
 #include <optional>
 #include <vector>
@@ -44,6 +47,29 @@ std::int64_t create_next_version(const std::string& parent) {
     if (auto n = version_number(entry.path()); n && entry.is_directory()) next = std::max(next, *n + 1);
   while (!fs::create_directory(fs::path(parent) / ("version_" + std::to_string(next)))) ++next;
   return next;
+}
+
+std::string create_job_run_directory(const std::string& default_root_dir, const LoggerSettings& logger) {
+  const std::string parent = versions_parent(default_root_dir, logger);
+  try {
+    std::string version = logger.version;
+    if (version.empty()) version = std::to_string(create_next_version(parent));
+    const std::string dir = run_directory(parent, version);
+    fs::create_directories(dir);
+    return dir;
+  } catch (const fs::filesystem_error& e) {
+    TESSERA_FAIL("[trainer] default_root_dir = \"", default_root_dir, "\": cannot create a run folder in ", parent, ": ",
+                 e.code().message(), " (", e.path1().string(), "): choose a folder this user can write to");
+  }
+}
+
+std::string job_log_directory(const std::string& default_root_dir, const std::string& what) {
+  const std::time_t now = std::time(nullptr);
+  char stamp[32];
+  std::tm utc{};
+  ::gmtime_r(&now, &utc);
+  std::strftime(stamp, sizeof(stamp), "%Y%m%d-%H%M%S", &utc);
+  return default_root_dir + "/logs/" + what + "-" + stamp + "-" + std::to_string(::getpid());
 }
 
 std::string run_directory(const std::string& parent, const std::string& version) {

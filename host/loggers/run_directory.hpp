@@ -16,6 +16,16 @@ std::string versions_parent(const std::string& default_root_dir, const LoggerSet
 /// returns N. Called by rank 0 only; the others get N by broadcast.
 std::int64_t create_next_version(const std::string& parent);
 
+/// The run folder of a job whose ranks all start on this host, chosen once before any rank
+/// starts (so that its rank logs can go to its logs/ folder): the next free version_N, or the
+/// fixed [logger] version. Created; returned as a path.
+std::string create_job_run_directory(const std::string& default_root_dir, const LoggerSettings& logger);
+
+/// Where a job's rank logs go when no run folder is known before its ranks start (predict, or
+/// a job on several nodes, whose ranks then log into the run folder once it is chosen):
+/// default_root_dir/logs/`what`-YYYYmmdd-HHMMSS-PID, a folder no other job shares.
+std::string job_log_directory(const std::string& default_root_dir, const std::string& what);
+
 /// The run folder for `version` ("N" -> version_N; other text -> that folder name).
 std::string run_directory(const std::string& parent, const std::string& version);
 

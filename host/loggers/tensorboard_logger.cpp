@@ -3,11 +3,11 @@
 #include <unistd.h>
 
 #include <chrono>
-#include <fstream>
 
 #include <boost/crc.hpp>
 
 #include "logger.hpp"
+#include "record_file.hpp"
 #include "tensorboard/compat/proto/event.pb.h"
 #include "tensorboard/plugins/hparams/plugin_data.pb.h"
 #include "tessera/sdk/error.hpp"
@@ -34,8 +34,7 @@ class TensorBoardLogger final : public Logger {
     ::gethostname(host, sizeof(host) - 1);
     path_ = dir + "/events.out.tfevents." + std::to_string(static_cast<std::int64_t>(now_s())) + "." + host + "." +
             std::to_string(::getpid()) + ".0";
-    out_.open(path_, std::ios::binary);
-    TESSERA_CHECK(out_.good(), "cannot write the TensorBoard event file ", path_);
+    out_ = RecordFile(path_, RecordFile::Mode::truncate);
     tensorboard::Event first;
     first.set_wall_time(now_s());
     first.set_file_version("brain.Event:2");
@@ -84,7 +83,7 @@ class TensorBoardLogger final : public Logger {
     end.mutable_session_end_info()->set_status(status == "success" ? tensorboard::hparams::STATUS_SUCCESS
                                                                    : tensorboard::hparams::STATUS_FAILURE);
     write_hparams("_hparams_/session_end_info", end);
-    out_.flush();
+    out_.close();
   }
 
  private:
@@ -103,20 +102,20 @@ class TensorBoardLogger final : public Logger {
     std::string length(8, '\0');
     std::uint64_t n = data.size();
     for (int i = 0; i < 8; ++i) length[i] = static_cast<char>((n >> (8 * i)) & 0xff);  // little-endian
-    auto put32 = [&](std::uint32_t x) {
-      char b[4] = {static_cast<char>(x), static_cast<char>(x >> 8), static_cast<char>(x >> 16), static_cast<char>(x >> 24)};
-      out_.write(b, 4);
+    auto put32 = [](std::string& out, std::uint32_t x) {
+      const char b[4] = {static_cast<char>(x), static_cast<char>(x >> 8), static_cast<char>(x >> 16),
+                         static_cast<char>(x >> 24)};
+      out.append(b, 4);
     };
-    out_.write(length.data(), 8);
-    put32(masked_crc32c(length));
-    out_.write(data.data(), static_cast<std::streamsize>(data.size()));
-    put32(masked_crc32c(data));
-    out_.flush();  // TensorBoard follows the file while the run goes on
-    TESSERA_CHECK(out_.good(), "cannot write the TensorBoard event file ", path_);
+    std::string record = length;
+    put32(record, masked_crc32c(length));
+    record += data;
+    put32(record, masked_crc32c(data));
+    out_.write(record);  // one checked write per event: TensorBoard follows the file while the run goes on
   }
 
   std::string path_;
-  std::ofstream out_;
+  RecordFile out_;
 };
 
 }  // namespace

@@ -19,6 +19,8 @@
 #include <mutex>
 #include <set>
 #include <thread>
+#include <utility>
+#include <vector>
 
 #include <boost/property_tree/json_parser.hpp>
 #include <boost/property_tree/ptree.hpp>
@@ -67,10 +69,11 @@ class BackgroundWriter {
     wake_.notify_all();
     if (thread_.joinable()) thread_.join();
   }
-  void submit(std::function<void()> job) {
+  /// `path`: the checkpoint the job writes, named by its error.
+  void submit(std::function<void()> job, const std::string& path) {
     std::lock_guard<std::mutex> lock(mutex_);
     if (!thread_.joinable()) thread_ = std::thread([this] { loop(); });
-    jobs_.push_back(std::move(job));
+    jobs_.push_back({std::move(job), path});
     wake_.notify_all();
   }
   /// Blocks until every submitted job is done; rethrows the first error.
@@ -79,6 +82,11 @@ class BackgroundWriter {
     done_.wait(lock, [&] { return jobs_.empty() && !busy_; });
     if (error_) std::rethrow_exception(std::exchange(error_, nullptr));
   }
+  /// Rethrows the first error, if a job failed; never blocks on a job.
+  void rethrow() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (error_ && jobs_.empty() && !busy_) std::rethrow_exception(std::exchange(error_, nullptr));
+  }
 
  private:
   void loop() {
@@ -86,16 +94,22 @@ class BackgroundWriter {
     for (;;) {
       wake_.wait(lock, [&] { return stop_ || !jobs_.empty(); });
       if (jobs_.empty()) return;
-      auto job = std::move(jobs_.front());
+      auto [job, path] = std::move(jobs_.front());
       jobs_.pop_front();
       busy_ = true;
       lock.unlock();
       std::exception_ptr failed;
-      if (!error_) {  // after a failure the rest of that save is skipped
+      if (!error_) {  // after a failure the rest of that save is skipped: `last` never moves to it
         try {
           job();
+        } catch (const std::exception& e) {
+          failed = std::make_exception_ptr(tessera::sdk::Error(
+              "the background save of checkpoint " + path + " failed: " +
+              std::string(e.what()).substr(0, std::string(e.what()).find('\n')) +  // not LibTorch's backtrace
+              "; it was not committed (`last` still names the previous checkpoint)"));
         } catch (...) {
-          failed = std::current_exception();
+          failed = std::make_exception_ptr(tessera::sdk::Error("the background save of checkpoint " + path +
+                                                               " failed (a non-standard exception); it was not committed"));
         }
       }
       lock.lock();
@@ -106,7 +120,7 @@ class BackgroundWriter {
   }
   std::mutex mutex_;
   std::condition_variable wake_, done_;
-  std::deque<std::function<void()>> jobs_;
+  std::deque<std::pair<std::function<void()>, std::string>> jobs_;
   std::exception_ptr error_;
   bool busy_ = false, stop_ = false;
   std::thread thread_;
@@ -114,7 +128,9 @@ class BackgroundWriter {
 
 /// Saves the whole checkpoint as one file; reads that and the sharded folders that
 /// DistributedCheckpointIO writes.
-class TorchCheckpointIO : public tessera::sdk::CheckpointIO, public tessera::sdk::CheckpointIOFeatures {
+class TorchCheckpointIO : public tessera::sdk::CheckpointIO,
+                          public tessera::sdk::CheckpointIOFeatures,
+                          public tessera::sdk::AsyncCheckpointIO {
  public:
   explicit TorchCheckpointIO(const tessera::sdk::Options& options)
       : keep_last_k_(options.get_int("keep_last_k", 0, 0)), async_(options.get_bool("async", false)) {}
@@ -128,12 +144,22 @@ class TorchCheckpointIO : public tessera::sdk::CheckpointIO, public tessera::sdk
     sweep_once(path, "");
     if (!async_) return write_full(checkpoint, path);
     Checkpoint snapshot = tessera::core::snapshot_to_host(checkpoint);
-    writer_.submit([snapshot, path] { write_full(snapshot, path); });
+    writer_.submit([snapshot, path] { write_full(snapshot, path); }, path);
   }
   /// Rank 0, once the checkpoint at `path` is complete: `last` points at it, then keep_last_k prunes.
   void finalize_checkpoint(const std::string& path, const ShardInfo&) override {
-    if (async_) return writer_.submit([this, path] { committed(path); });
+    if (async_) return writer_.submit([this, path] { committed(path); }, path);
     committed(path);
+  }
+
+  bool saves_async() const override { return async_; }
+  std::vector<std::string> poll_committed() override {
+    writer_.rethrow();
+    return take_committed();
+  }
+  std::vector<std::string> wait_committed() override {
+    writer_.wait();
+    return take_committed();
   }
 
   // A run that switches IOs resumes from the other's checkpoints (as Lightning's FSDP loads a
@@ -170,6 +196,13 @@ class TorchCheckpointIO : public tessera::sdk::CheckpointIO, public tessera::sdk
   void committed(const std::string& path) {
     tessera::core::update_last(path);
     tessera::core::prune_checkpoints(folder_of(path), keep_last_k_);
+    if (!async_) return;
+    std::lock_guard<std::mutex> lock(committed_mutex_);
+    committed_.push_back(path);
+  }
+  std::vector<std::string> take_committed() {
+    std::lock_guard<std::mutex> lock(committed_mutex_);
+    return std::exchange(committed_, {});
   }
   /// Optimizer state in the model's parameter order (what Python's optimizers expect), every
   /// tensor's checksum inside.
@@ -185,6 +218,8 @@ class TorchCheckpointIO : public tessera::sdk::CheckpointIO, public tessera::sdk
   std::int64_t keep_last_k_;
   bool async_;
   std::set<std::string> swept_;
+  std::mutex committed_mutex_;
+  std::vector<std::string> committed_;  // async commits not yet reported (poll_committed)
   BackgroundWriter writer_;  // last: joined before the members its jobs use go
 
  private:
@@ -247,7 +282,7 @@ class DistributedCheckpointIO final : public TorchCheckpointIO {
     Checkpoint snapshot = tessera::core::snapshot_to_host(checkpoint);
     writer_.submit([snapshot, path, shard, save_id] {
       tessera::core::write_shard(snapshot, path, shard.rank, shard.world_size, save_id);
-    });
+    }, path);
   }
 
   /// Rank 0: commits once every rank's part is written (async: waits for them in the background).
@@ -262,7 +297,7 @@ class DistributedCheckpointIO final : public TorchCheckpointIO {
       tessera::core::commit_shards(path, world, save_id, wait_s);
       committed(path);
     };
-    if (async_) return writer_.submit(commit);
+    if (async_) return writer_.submit(commit, path);
     commit();
   }
 

@@ -3,6 +3,7 @@
 // fixed offsets, so the sampler alone decides the order (and N ranks see exactly what one
 // device sees).
 #include <algorithm>
+#include <cerrno>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -178,7 +179,16 @@ class Text final : public sdk::DataModule {
     std::string text;
     for (const auto& file : files) {
       std::ifstream in(file, std::ios::binary);
-      text.append(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+      int error = in.is_open() ? 0 : errno;
+      bool failed = !in.is_open();
+      try {
+        if (!failed) text.append(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+      } catch (const std::exception&) {  // libstdc++ throws from a failed read(2) (a /proc file, an I/O error)
+        failed = true, error = errno;
+      }
+      TESSERA_CHECK(!failed && !in.bad(), options_.locate("path"), " = \"", path_, "\": cannot read ", file.string(),
+                    error != 0 ? std::string(": ") + std::strerror(error) : std::string(),
+                    ": give a text file or a directory of text files");
     }
     return text;
   }

@@ -95,7 +95,7 @@ TEST(CheckpointTool, InspectVerifyAndExportASharded2RankCheckpoint) {
   // the other rank, which then fails in a collective, as the first to fail).
   std::string logs = resume.output;
   for (const char* log : {"/logs/rank-0.log", "/logs/rank-1.log"}) {
-    std::ifstream in(dir + log);
+    std::ifstream in(tessera::testing::run_dir(dir) + log);
     logs.append((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
   }
   EXPECT_NE(logs.find(rank1.string() + ": checksum mismatch"), std::string::npos) << logs;

@@ -83,7 +83,7 @@ TEST(Launcher, EveryRankLogsAndOnlyRankZeroTalks) {
   EXPECT_NE(r.output.find("launched 2 local rank(s)"), std::string::npos) << r.output;
   EXPECT_NE(r.output.find("[local]"), std::string::npos) << "the environment is printed at start\n" << r.output;
   for (int rank : {0, 1}) {
-    std::string log = slurp(dir + "/logs/rank-" + std::to_string(rank) + ".log");
+    std::string log = slurp(dir + "/version_0/logs/rank-" + std::to_string(rank) + ".log");
     EXPECT_NE(log.find("step"), std::string::npos) << "rank " << rank << " log:\n" << log;
   }
 }
@@ -122,7 +122,7 @@ TEST(Launcher, ExitingRankIsReportedWithItsStatusAndLogTail) {
 TEST(Launcher, InterruptStopsEveryRank) {
   std::string dir = tessera::testing::fresh_dir("launch-interrupt");
   pid_t launcher = start_fit(dir, write_config(dir, 100000), "--set launch.devices=2");
-  ASSERT_TRUE(wait_for_text(dir + "/logs/rank-1.log", "step", 90)) << slurp(dir + "/launcher.out");
+  ASSERT_TRUE(wait_for_text(dir + "/version_0/logs/rank-1.log", "step", 90)) << slurp(dir + "/launcher.out");
   auto start = Clock::now();
   ::kill(launcher, SIGTERM);
   int status = 0;
@@ -137,7 +137,7 @@ TEST(Launcher, InterruptStopsEveryRank) {
 TEST(Launcher, KilledLauncherLeavesNoOrphans) {
   std::string dir = tessera::testing::fresh_dir("launch-sigkill");
   pid_t launcher = start_fit(dir, write_config(dir, 100000), "--set launch.devices=2");
-  ASSERT_TRUE(wait_for_text(dir + "/logs/rank-1.log", "step", 90)) << slurp(dir + "/launcher.out");
+  ASSERT_TRUE(wait_for_text(dir + "/version_0/logs/rank-1.log", "step", 90)) << slurp(dir + "/launcher.out");
   ::kill(launcher, SIGKILL);
   ::waitpid(launcher, nullptr, 0);
   EXPECT_TRUE(all_gone_within(dir, 5)) << "ranks survived their launcher (PR_SET_PDEATHSIG)";

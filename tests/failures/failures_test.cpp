@@ -163,7 +163,7 @@ TEST_P(BadInputs, AreRefusedBeforeWorkNamingTheKey) {
   EXPECT_CONTAINS(r.output, expected);
   if (c.before_launch) {
     EXPECT_EQ(r.output.find("launched"), std::string::npos) << "no rank may start for a bad input\n" << r.output;
-    EXPECT_FALSE(fs::exists(dir + "/logs")) << "work started: " << r.output;
+    EXPECT_FALSE(fs::exists(dir + "/logs") || fs::exists(dir + "/version_0")) << "work started: " << r.output;
   }
   EXPECT_LT(seconds, 30);
 }
@@ -290,7 +290,7 @@ TEST(Hang, AStoppedRankIsNamedWithItsCollectiveWhileTheOtherWaits) {
     ::_exit(127);
   }
   auto until = Clock::now() + std::chrono::seconds(90);
-  while (Clock::now() < until && slurp(dir + "/logs/rank-1.log").find("step 1/") == std::string::npos)
+  while (Clock::now() < until && slurp(dir + "/version_0/logs/rank-1.log").find("step 1/") == std::string::npos)
     std::this_thread::sleep_for(std::chrono::milliseconds(100));
   std::this_thread::sleep_for(std::chrono::seconds(2));  // well into training: its ledger shows a unit's collective
   pid_t victim = rank_pid(launcher, 1);
@@ -388,7 +388,7 @@ TEST_P(Anomaly, ANaNInOneUnitsGradientOnOneRankIsNamedByUnitAndParameterOnEveryR
   const std::string sharded_origin = "unit 'blocks.1', parameter 'blocks.1.attn.weight' (1 NaN, 0 Inf of 768";
   const std::string origin = strategy == "ddp" ? "parameter 'blocks.1.attn.weight' (1 NaN, 0 Inf of 768" : sharded_origin;
   for (int rank : {0, 1}) {
-    const std::string log = slurp(dir + "/logs/rank-" + std::to_string(rank) + ".log");
+    const std::string log = slurp(dir + "/version_0/logs/rank-" + std::to_string(rank) + ".log");
     EXPECT_CONTAINS(log, "step 3 ([trainer] detect_anomaly)");
     EXPECT_CONTAINS(log, "it appeared first in backward in " + origin);
     EXPECT_CONTAINS(log, "1 parameter(s) have non-finite gradients");

@@ -486,7 +486,8 @@ TEST(InitFrom, WhatCannotStartARunIsRefusedBeforeWork) {
   EXPECT_NE(r.exit_code, 0);
   EXPECT_NE(r.output.find("the checkpoint was written for a different model configuration"), std::string::npos) << r.output;
   EXPECT_EQ(r.output.find("step 1/"), std::string::npos) << r.output;
-  EXPECT_FALSE(fs::exists(other + "/version_0")) << "a run that failed to load its weights left a run folder";
+  // Its folder holds the attempt's rank logs only (issue 46: they explain the failure), no records.
+  EXPECT_FALSE(fs::exists(other + "/version_0/config.toml")) << "a run that failed to load its weights wrote records";
   // Weights only: fit cannot resume from them, and says how to start from them instead.
   r = run_tessera("fit --config " + config + " --ckpt-path " + weights);
   EXPECT_NE(r.exit_code, 0);
@@ -1005,10 +1006,18 @@ TEST(BadInput, WrongShapesInACheckpointAreRefusedAndTheCheckpointKept) {
   std::string before = file_bytes(dir + "/version_0/checkpoints/last.ckpt");
   auto r = run_tessera("fit --config " + dir + "/run.toml --ckpt-path last --set model.n_embd=48");
   EXPECT_NE(r.exit_code, 0);
-  EXPECT_NE(r.output.find("has shape [256, 32]"), std::string::npos) << r.output;
-  EXPECT_NE(r.output.find("different model configuration"), std::string::npos) << r.output;
+  // The recorded hyper-parameters say it before any shape is compared (issue 46).
+  EXPECT_NE(r.output.find("[model] n_embd = 48, the checkpoint's model has 32"), std::string::npos) << r.output;
   EXPECT_EQ(file_bytes(dir + "/version_0/checkpoints/last.ckpt"), before) << "the existing checkpoint was modified";
-  EXPECT_FALSE(fs::exists(dir + "/version_1")) << "a run that failed to restore left a run folder";
+  // The attempt's folder holds its logs only (they explain the failure): no records, no checkpoints.
+  EXPECT_FALSE(fs::exists(dir + "/version_1/checkpoints")) << "a run that failed to restore saved";
+  EXPECT_FALSE(fs::exists(dir + "/version_1/config.toml")) << "a run that failed to restore wrote its records";
+  // Shapes that differ without a recorded hyper-parameter saying so: the message names the file.
+  auto weights = run_tessera("validate --config " + dir + "/run.toml --ckpt-path " + dir +
+                             "/version_0/checkpoints/last.ckpt --set model.n_embd=48");
+  EXPECT_NE(weights.exit_code, 0);
+  EXPECT_NE(weights.output.find("has shape [256, 32]"), std::string::npos) << weights.output;
+  EXPECT_NE(weights.output.find("different model configuration"), std::string::npos) << weights.output;
 }
 
 TEST(BadInput, MissingCheckpointNamesThePath) {
@@ -1221,7 +1230,7 @@ TEST(Cli, TrainingKeepsFreedPagesShardedJobsReturnOversizeBlocks) {
   auto two = run_tessera("fit --config " + write_config(dir2) + " --set trainer.max_steps=1 --set launch.devices=2 "
                          "--set strategy.plugin=fsdp", "MALLOC_CONF=stats_print:true");
   EXPECT_EQ(two.exit_code, 0) << two.output;
-  const std::string rank1 = file_bytes(dir2 + "/logs/rank-1.log");
+  const std::string rank1 = file_bytes(dir2 + "/version_0/logs/rank-1.log");
   EXPECT_NE(rank1.find("(arenas.dirty_decay_ms: -1)"), std::string::npos) << rank1;
   EXPECT_EQ(arena_decay(rank1, oversize_arena), "0") << rank1;
   // A decay the user sets wins.
@@ -1241,7 +1250,7 @@ TEST(Cli, RanksOfOneHostCollectThroughSharedMemoryUnlessTurnedOff) {
                            "--set strategy.plugin=fsdp --set launch.shared_memory_collectives=" +
                            (shared ? "true" : "false --set strategy.process_group_backend=gloo"));
     ASSERT_EQ(run.exit_code, 0) << run.output;
-    const std::string rank1 = file_bytes(dir + "/logs/rank-1.log");
+    const std::string rank1 = file_bytes(dir + "/version_0/logs/rank-1.log");
     const std::string expected = shared ? "collectives: shared memory among the 2 ranks of this host" : "collectives: Gloo\n";
     EXPECT_NE(rank1.find(expected), std::string::npos) << rank1;
     auto loss = tessera::testing::metric_series(tessera::testing::run_dir(dir) + "/metrics.csv", "train", "train_loss");
@@ -1263,7 +1272,7 @@ TEST(Cli, AFullDevShmLeavesTheCollectivesToGloo) {
                          "unshare -m sh -c 'mount -t tmpfs -o size=1m tmpfs /dev/shm && exec \"$@\"' sh");
   ASSERT_EQ(run.exit_code, 0) << run.output;
   for (const char* rank : {"0", "1"}) {
-    const std::string log = file_bytes(dir + "/logs/rank-" + rank + ".log");
+    const std::string log = file_bytes(dir + "/version_0/logs/rank-" + rank + ".log");
     EXPECT_NE(log.find("collectives: Gloo\n"), std::string::npos) << "rank " << rank << "\n" << log;
   }
   auto loss = tessera::testing::metric_series(tessera::testing::run_dir(dir) + "/metrics.csv", "train", "train_loss");
@@ -1294,7 +1303,7 @@ TEST(Cli, TrainingProcessesKeepIdleWorkersFromSpinning) {
   auto two = run_tessera("fit --config " + write_config(dir2) + " --set trainer.max_steps=1 --set launch.devices=2 "
                          "--set strategy.plugin=ddp", clean_env);
   EXPECT_EQ(two.exit_code, 0) << two.output;
-  const std::string rank1 = file_bytes(dir2 + "/logs/rank-1.log");
+  const std::string rank1 = file_bytes(dir2 + "/version_0/logs/rank-1.log");
   EXPECT_EQ(count(rank1, "GOMP_SPINCOUNT ="), 1u) << rank1;
   EXPECT_EQ(count(rank1, "GOMP_SPINCOUNT = '10000'"), 1u) << rank1;
   auto chosen = run_tessera("fit --config " + write_config(dir) + " --set trainer.max_steps=1",
@@ -1369,7 +1378,7 @@ TEST(Trainer, ProgressBarLogLinesAndMetricsCsv) {
   EXPECT_EQ(header, "step,epoch,stage,metric,value");
   EXPECT_EQ(metric_series(run_dir(plain_dir) + "/metrics.csv", "train", "train_loss").size(), 3u);
   EXPECT_GT(metric_series(run_dir(plain_dir) + "/metrics.csv", "train", "tokens_per_s").at(3), 0.0);
-  EXPECT_TRUE(fs::exists(plain_dir + "/logs/rank-0.log"));
+  EXPECT_TRUE(fs::exists(run_dir(plain_dir) + "/logs/rank-0.log"));
 }
 
 TEST(Trainer, GradientAccumulationEqualsTheLargerBatch) {
@@ -1922,7 +1931,7 @@ TEST(Stopping, SigintSavesACheckpointThatResumesExactly) {
   std::string dir = tessera::testing::fresh_dir("sigint");
   auto r = run_tessera("fit --config " + write_config(dir), "TESSERA_FAULT_INJECT=rank=0,step=3,kind=sigint");
   EXPECT_EQ(r.exit_code, 130) << r.output;
-  EXPECT_NE(r.output.find("interrupted by Interrupt at step 3: checkpoint saved to " + dir +
+  EXPECT_NE(r.output.find("interrupted by Ctrl-C (SIGINT) at step 3: checkpoint saved to " + dir +
                           "/version_0/checkpoints/last.ckpt; resume with --ckpt-path last"),
             std::string::npos) << r.output;
   auto c = run_tessera("fit --config " + dir + "/run.toml --ckpt-path last");
@@ -1938,7 +1947,7 @@ TEST(Stopping, SigintSavesACheckpointThatResumesExactly) {
     auto t = run_tessera("fit --config " + write_config(two) + " --set launch.devices=2 --set strategy.plugin=fsdp",
                          "TESSERA_FAULT_INJECT=rank=1,step=3,kind=sigint");
     EXPECT_EQ(t.exit_code, 130) << t.output;
-    EXPECT_NE(t.output.find("interrupted by Interrupt on another rank at step 3: checkpoint saved"), std::string::npos)
+    EXPECT_NE(t.output.find("interrupted by Ctrl-C (SIGINT) on another rank at step 3: checkpoint saved"), std::string::npos)
         << t.output;
   }
 }
@@ -1952,7 +1961,7 @@ TEST(Stopping, CtrlCOnTheLauncherCheckpointsEveryRankThenExits) {
                                     << config << " --set trainer.max_steps=100000 --set launch.devices=2"
                                     << " --set strategy.plugin=ddp --set data.batch_size=2 > out.txt 2>&1 &\n"
                                     << " echo $! > pid; wait $!; echo $? > rc) &\n"
-                                    << "for i in $(seq 600); do grep -q 'step 20/' logs/rank-0.log 2>/dev/null && break;"
+                                    << "for i in $(seq 600); do grep -q 'step 20/' version_0/logs/rank-0.log 2>/dev/null && break;"
                                     << " sleep 0.1; done\nkill -INT $(cat pid)\n"
                                     << "for i in $(seq 600); do [ -f rc ] && break; sleep 0.1; done\n";
   ASSERT_EQ(std::system(("timeout 120 bash " + dir + "/ctrlc.sh").c_str()), 0);

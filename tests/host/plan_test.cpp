@@ -474,14 +474,19 @@ TEST(PlanBadInput, BehavesAsFit) {
   EXPECT_NE(json.output.find("--json applies to `tessera plan` only"), std::string::npos) << json.output;
 }
 
-TEST(PlanInFit, WarnsBeforeAnyWorkWhenThePlanExceedsTheMachine) {
+TEST(PlanInFit, RefusesBeforeAnyWorkWhenThePlanExceedsTheMachine) {
   const std::string dir = tessera::testing::fresh_dir("plan-warning");
   std::ofstream(dir + "/small.toml") << "[trainer]\nmax_steps = 1\nenable_progress_bar = false\nsave_last = false\n"
                                      << "default_root_dir = \"" << dir << "\"\n"
                                      << "[model]\nplugin = \"gpt\"\nn_layer = 1\nn_head = 2\nn_embd = 32\nblock_size = 32\n"
                                      << "[data]\nplugin = \"text\"\nblock_size = 32\nbatch_size = 2\n";
-  auto fit = run_tessera("fit --config " + dir + "/small.toml", "TESSERA_MEMORY_AVAILABLE_MB=1");
-  EXPECT_EQ(fit.exit_code, 0) << fit.output;  // a warning, not an error
+  auto refused = run_tessera("fit --config " + dir + "/small.toml", "TESSERA_MEMORY_AVAILABLE_MB=1");
+  EXPECT_NE(refused.exit_code, 0) << refused.output;  // refused before any rank starts (issue 46)
+  EXPECT_NE(refused.output.find("tessera: error: the memory plan needs"), std::string::npos) << refused.output;
+  EXPECT_NE(refused.output.find("set [trainer] skip_memory_check = true"), std::string::npos) << refused.output;
+  auto fit = run_tessera("fit --config " + dir + "/small.toml --set trainer.skip_memory_check=true",
+                         "TESSERA_MEMORY_AVAILABLE_MB=1");
+  EXPECT_EQ(fit.exit_code, 0) << fit.output;  // skip_memory_check: a warning, not an error
   EXPECT_NE(fit.output.find("warning: the memory plan needs"), std::string::npos) << fit.output;
   EXPECT_NE(fit.output.find("only 1 MB is available"), std::string::npos) << fit.output;
   EXPECT_NE(fit.output.find("lower [data] batch_size (even 1 does not fit)"), std::string::npos) << fit.output;
@@ -506,7 +511,8 @@ TEST(PlanInFit, ACudaJobIsCheckedForHostAndDeviceMemory) {
     const std::size_t at = output.find(start);
     return at == std::string::npos ? std::string() : output.substr(at, output.find('\n', at) - at);
   };
-  auto fit = run_tessera("fit --config " + dir + "/small.toml", "TESSERA_MEMORY_AVAILABLE_MB=1");
+  auto fit = run_tessera("fit --config " + dir + "/small.toml --set trainer.skip_memory_check=true",
+                         "TESSERA_MEMORY_AVAILABLE_MB=1");
   const std::string host = line_of(fit.output, "warning: the memory plan needs");
   ASSERT_FALSE(host.empty()) << fit.output;
   EXPECT_NE(host.find("on this machine"), std::string::npos) << host;
@@ -515,7 +521,8 @@ TEST(PlanInFit, ACudaJobIsCheckedForHostAndDeviceMemory) {
   if (fit.exit_code != 0)  // this machine has no GPU (or this build no CUDA): refused, and said why
     EXPECT_NE(fit.output.find("accelerator = \"cuda\""), std::string::npos) << fit.output;
 
-  fit = run_tessera("fit --config " + dir + "/small.toml", "TESSERA_DEVICE_MEMORY_MB=0.01");
+  fit = run_tessera("fit --config " + dir + "/small.toml --set trainer.skip_memory_check=true",
+                    "TESSERA_DEVICE_MEMORY_MB=0.01");
   const std::string device = line_of(fit.output, "warning: the memory plan needs at least");
   ASSERT_FALSE(device.empty()) << fit.output;
   for (const char* part : {"of CUDA memory per rank (parameters", "activations not counted", "but the GPU has 0 MB"})

@@ -165,6 +165,55 @@ TEST(PluginLoader, BrokenLibrariesAreReportedNextToGoodOnes) {
   EXPECT_NE(message.find("refused " + toy_file("wrong_abi").string()), std::string::npos) << message;
 }
 
+// Every library in the plugin path is scanned in a child process: one whose static constructor
+// aborts, or hangs, is named and skipped; the good one beside it still works, and the host
+// (this test process) lives on. Neither is ever loaded here.
+TEST(PluginLoader, ACrashingOrHangingLibraryIsNamedAndSkipped) {
+  setenv("TESSERA_PLUGIN_SCAN_TIMEOUT_S", "3", 1);
+  PluginLoader loader({toy_dir("aborting_constructor"), toy_dir("hanging_constructor"), toy_dir("good")});
+  const auto& plugins = loader.plugins();
+  unsetenv("TESSERA_PLUGIN_SCAN_TIMEOUT_S");
+  ASSERT_EQ(plugins.size(), 2u);
+  EXPECT_EQ(plugins[0].name, "toy_good");
+  ASSERT_EQ(loader.rejected().size(), 2u);
+  EXPECT_EQ(loader.rejected()[0].path, toy_file("aborting_constructor"));
+  EXPECT_NE(loader.rejected()[0].reason.find("crashed while being loaded (killed by signal 6 (Aborted)"),
+            std::string::npos) << loader.rejected()[0].reason;
+  EXPECT_NE(loader.rejected()[0].reason.find("it printed: toy: aborting in a static constructor"), std::string::npos)
+      << loader.rejected()[0].reason;
+  EXPECT_EQ(loader.rejected()[1].path, toy_file("hanging_constructor"));
+  EXPECT_NE(loader.rejected()[1].reason.find("did not finish loading within 3 s"), std::string::npos)
+      << loader.rejected()[1].reason;
+  EXPECT_FALSE(is_loaded(toy_file("aborting_constructor")));
+  EXPECT_FALSE(is_loaded(toy_file("hanging_constructor")));
+  EXPECT_NE(loader.create(PluginKind::model, "toy_good", Options()), nullptr);
+  std::string message = error_of([&] { loader.create(PluginKind::model, "toy_aborting_constructor", Options()); });
+  EXPECT_NE(message.find("refused " + toy_file("aborting_constructor").string() + ": "), std::string::npos) << message;
+}
+
+// A factory that throws what is not a std::exception: caught at the boundary, named.
+TEST(PluginLoader, AFactoryThrowingAnIntIsReportedWithThePluginsName) {
+  PluginLoader loader({toy_dir("int_factory")});
+  std::string message = error_of([&] { loader.create(PluginKind::model, "toy_int_factory", Options()); });
+  EXPECT_NE(message.find("model plugin 'toy_int_factory' (" + toy_file("int_factory").string() +
+                         ") failed while creating its object: an exception of type 'int'"),
+            std::string::npos)
+      << message;
+}
+
+// What the dynamic linker says (not Boost.DLL's "Bad file descriptor"), and a kind this tessera
+// does not know (not "is a unknown plugin").
+TEST(PluginLoader, AnUndefinedSymbolAndAnUnknownKindAreNamed) {
+  PluginLoader loader({});
+  std::string message = error_of([&] { loader.inspect(toy_file("undefined_symbol")); });
+  EXPECT_NE(message.find("cannot load plugin " + toy_file("undefined_symbol").string() + ": "), std::string::npos)
+      << message;
+  EXPECT_NE(message.find("undefined symbol: tessera_toy_defined_nowhere"), std::string::npos) << message;
+  EXPECT_NE(message.find("rebuild it against this tessera's SDK"), std::string::npos) << message;
+  message = error_of([&] { loader.inspect(toy_file("unknown_kind")); });
+  EXPECT_NE(message.find("declares kind 99, which this tessera does not know"), std::string::npos) << message;
+}
+
 TEST(PluginLoader, SearchPathOrderIsConfigThenEnvironmentThenDefault) {
   setenv("TESSERA_PLUGIN_PATH", "/env/a:/env/b", 1);
   auto dirs = PluginLoader::search_path({"/config"});

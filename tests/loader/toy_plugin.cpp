@@ -1,6 +1,9 @@
 // One source, compiled into several deliberately good and broken plugins (see CMakeLists.txt):
 // TOY_MODE selects what is wrong with the resulting library.
 #include <cstddef>
+#include <cstdio>
+#include <cstdlib>
+#include <unistd.h>
 
 #include "tessera/sdk/error.hpp"
 #include "tessera/sdk/plugin.hpp"
@@ -13,6 +16,15 @@
 #define TOY_NULL_CREATE 5
 #define TOY_OLD_DESCRIPTOR 6
 #define TOY_SHORT_DESCRIPTOR 7
+#define TOY_ABORTING_CONSTRUCTOR 8
+#define TOY_HANGING_CONSTRUCTOR 9
+#define TOY_INT_FACTORY 10
+#define TOY_UNDEFINED_SYMBOL 11
+#define TOY_UNKNOWN_KIND 12
+
+#if TOY_MODE == TOY_UNDEFINED_SYMBOL
+extern "C" void tessera_toy_defined_nowhere();
+#endif
 
 namespace {
 
@@ -22,6 +34,10 @@ class Toy final : public tessera::sdk::PluginObject {
   explicit Toy(const tessera::sdk::Options& options) : greeting_(options.get_string("greeting", "hello")) {
 #if TOY_MODE == TOY_THROWING_FACTORY
     TESSERA_FAIL("toy factory refuses: [model] greeting = \"", greeting_, "\"");
+#elif TOY_MODE == TOY_INT_FACTORY
+    throw 42;  // not a std::exception: the host must still name the plugin, never std::terminate
+#elif TOY_MODE == TOY_UNDEFINED_SYMBOL
+    tessera_toy_defined_nowhere();  // linked as a MODULE, resolved (and missed) only by dlopen
 #endif
   }
   const std::string& greeting() const { return greeting_; }
@@ -30,11 +46,26 @@ class Toy final : public tessera::sdk::PluginObject {
   std::string greeting_;
 };
 
+#if TOY_MODE == TOY_ABORTING_CONSTRUCTOR
+// Runs when the library is loaded, before any descriptor is read.
+const int toy_abort_on_load = [] {
+  std::fprintf(stderr, "toy: aborting in a static constructor\n");
+  std::abort();
+  return 0;
+}();
+#elif TOY_MODE == TOY_HANGING_CONSTRUCTOR
+const int toy_hang_on_load = [] {
+  for (;;) ::pause();
+  return 0;
+}();
+#endif
+
 }  // namespace
 
 #if TOY_MODE == TOY_NO_ENTRY
 extern "C" __attribute__((visibility("default"))) int toy_not_a_plugin() { return 42; }
-#elif TOY_MODE == TOY_WRONG_ABI || TOY_MODE == TOY_WRONG_FINGERPRINT || TOY_MODE == TOY_NULL_CREATE
+#elif TOY_MODE == TOY_WRONG_ABI || TOY_MODE == TOY_WRONG_FINGERPRINT || TOY_MODE == TOY_NULL_CREATE || \
+    TOY_MODE == TOY_UNKNOWN_KIND
 // Written by hand: TESSERA_PLUGIN cannot produce these mistakes.
 namespace {
 const tessera::sdk::PluginEntry toy_entries[] = {
@@ -52,7 +83,11 @@ const tessera::sdk::PluginDescriptor toy_descriptor = {
 #endif
     0,
     sizeof(tessera::sdk::PluginDescriptor),
+#if TOY_MODE == TOY_UNKNOWN_KIND
+    static_cast<tessera::sdk::PluginKind>(99),  // a kind from a newer SDK, or garbage
+#else
     tessera::sdk::PluginKind::model,
+#endif
     "0.0.1",
 #if TOY_MODE == TOY_WRONG_FINGERPRINT
     tessera::sdk::BuildFingerprint{__VERSION__, TESSERA_CXX11_ABI, "0.1.0", TESSERA_WITH_CUDA, TESSERA_TOML_VERSION},

@@ -1,4 +1,5 @@
 #include "tessera/core/checkpoint.hpp"
+#include "tessera/core/checkpoint_folder.hpp"
 
 #include <fcntl.h>
 #include <sys/mman.h>
@@ -27,6 +28,7 @@
 
 #include "python_pickle.hpp"
 #include "tessera/core/safetensors.hpp"
+#include "tessera/core/sharded_checkpoint.hpp"  // kManifestName
 #include "tessera/sdk/error.hpp"
 
 namespace tessera::core {
@@ -224,7 +226,12 @@ namespace {
 std::shared_ptr<MappedFile> map_file(const std::string& path) {
   std::error_code ec;
   TESSERA_CHECK(fs::exists(path, ec), "checkpoint ", path, " does not exist");
-  TESSERA_CHECK(fs::is_regular_file(path, ec), "checkpoint ", path, " is not a regular file");
+  TESSERA_CHECK(!fs::is_directory(path, ec), "checkpoint ", path, " is a folder without ", kManifestName,
+                ": not a committed sharded checkpoint (an interrupted save, or not a checkpoint folder); pass a .ckpt ",
+                "file, or a folder tessera's distributed checkpoint_io committed (its checkpoints/last link names the ",
+                "newest)");
+  TESSERA_CHECK(fs::is_regular_file(path, ec), "checkpoint ", path, " is not a regular file (a device, FIFO or ",
+                "socket): pass a .ckpt file or a sharded checkpoint folder");
   const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
   TESSERA_CHECK(fd >= 0, "cannot open checkpoint ", path, ": ", std::strerror(errno));
   struct stat st {};
@@ -481,6 +488,7 @@ void atomic_write_file(const std::string& path, const std::function<void(const s
   fs::path temp = dir / ("." + target.filename().string() + ".tmp-" + std::to_string(::getpid()) + "-" +
                          std::to_string(counter++));
   try {
+    const WriterLock lock(temp.string(), /*create=*/true);  // a sweep leaves this temporary alone until we are done
     write(temp.string());
     fs::rename(temp, target, ec);
     TESSERA_CHECK(!ec, "cannot rename ", temp.string(), " to ", path, ": ", ec.message());

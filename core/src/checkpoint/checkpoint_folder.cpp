@@ -1,14 +1,20 @@
 // A run's checkpoint folder: the `last` pointer, the sweep of interrupted saves, keep_last_k.
 #include <fcntl.h>
 #include <ftw.h>
+#include <signal.h>
+#include <sys/file.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <map>
+#include <mutex>
 #include <random>
+#include <utility>
 
 #include <ATen/ATen.h>
 
@@ -101,20 +107,113 @@ std::string resolve_last(const std::string& folder) {
   return target.string();
 }
 
+WriterLock::WriterLock(const std::string& path, bool create) {
+  fd_ = ::open(path.c_str(), create ? O_WRONLY | O_CREAT | O_CLOEXEC : O_RDONLY | O_CLOEXEC, 0644);
+  TESSERA_CHECK(fd_ >= 0, "cannot ", create ? "create " : "open ", path, ": ", std::strerror(errno));
+  while (::flock(fd_, LOCK_SH) != 0 && errno == EINTR) {
+  }
+}
+
+WriterLock::WriterLock(WriterLock&& other) noexcept : fd_(std::exchange(other.fd_, -1)) {}
+
+WriterLock& WriterLock::operator=(WriterLock&& other) noexcept {
+  if (this != &other) {
+    if (fd_ >= 0) ::close(fd_);
+    fd_ = std::exchange(other.fd_, -1);
+  }
+  return *this;
+}
+
+WriterLock::~WriterLock() {
+  if (fd_ >= 0) ::close(fd_);
+}
+
+namespace {
+std::mutex g_held_mutex;
+std::map<std::string, WriterLock>& held_locks() {
+  static auto* held = new std::map<std::string, WriterLock>();  // never destroyed: an async save may end late
+  return *held;
+}
+}  // namespace
+
+void hold_writer_lock(const std::string& path) {
+  WriterLock lock(path);
+  std::lock_guard<std::mutex> guard(g_held_mutex);
+  held_locks()[path] = std::move(lock);
+}
+
+void release_writer_lock(const std::string& path) {
+  std::lock_guard<std::mutex> guard(g_held_mutex);
+  held_locks().erase(path);
+}
+
+bool is_save_leftover(const std::string& name) {
+  const bool temporary = !name.empty() && name.front() == '.' && name.find(".tmp-") != std::string::npos;
+  const bool staging = name.size() > 8 && name.compare(name.size() - 8, 8, ".staging") == 0;  // the old format's
+  return temporary || staging;
+}
+
+bool writer_alive(const std::string& path) {
+  const std::string name = fs::path(path).filename().string();
+  const std::string pointer = "." + std::string(kLastPointer) + ".tmp-";
+  if (name.rfind(pointer, 0) == 0) {  // a symlink, written in one step by the process its name says
+    const pid_t pid = static_cast<pid_t>(std::atoll(name.c_str() + pointer.size()));
+    return pid > 0 && (::kill(pid, 0) == 0 || errno == EPERM);
+  }
+  const int fd = ::open(path.c_str(), O_RDONLY | O_NOFOLLOW | O_CLOEXEC | O_NONBLOCK);
+  if (fd < 0) return false;
+  const bool locked = ::flock(fd, LOCK_EX | LOCK_NB) != 0 && errno == EWOULDBLOCK;
+  ::close(fd);
+  return locked;
+}
+
 std::vector<std::string> sweep_interrupted(const std::string& folder, const std::string& keep_save_id) {
   std::vector<std::string> removed;
   std::error_code ec;
   if (!fs::is_directory(folder, ec)) return removed;
   for (const auto& entry : fs::directory_iterator(folder, ec)) {
     const std::string name = entry.path().filename().string();
-    const bool temporary = name.front() == '.' && name.find(".tmp-") != std::string::npos;
-    const bool staging = name.size() > 8 && name.compare(name.size() - 8, 8, ".staging") == 0;  // the old format's
-    if (!temporary && !staging) continue;
+    if (!is_save_leftover(name)) continue;
     if (!keep_save_id.empty() && name.size() > keep_save_id.size() &&
         name.compare(name.size() - keep_save_id.size(), keep_save_id.size(), keep_save_id) == 0)
       continue;
+    if (writer_alive(entry.path().string())) continue;  // another run's save in progress
     remove_tree(entry.path().string(), ec);
     if (!ec) removed.push_back(entry.path().string());
+  }
+  return removed;
+}
+
+std::vector<Leftover> find_leftovers(const std::string& root) {
+  std::vector<Leftover> found;
+  std::error_code ec;
+  if (!fs::is_directory(root, ec)) return found;
+  fs::recursive_directory_iterator it(root, fs::directory_options::skip_permission_denied, ec), end;
+  for (; !ec && it != end; it.increment(ec)) {
+    const fs::path& path = it->path();
+    if (!is_save_leftover(path.filename().string())) continue;
+    Leftover leftover{path.string(), 0, writer_alive(path.string())};
+    std::error_code size_ec;
+    if (it->is_directory(size_ec) && !it->is_symlink(size_ec)) {
+      for (fs::recursive_directory_iterator inner(path, size_ec), inner_end; !size_ec && inner != inner_end;
+           inner.increment(size_ec))
+        if (inner->is_regular_file(size_ec)) leftover.bytes += inner->file_size(size_ec);
+      it.disable_recursion_pending();  // its contents are part of it
+    } else if (it->is_regular_file(size_ec)) {
+      leftover.bytes = it->file_size(size_ec);
+    }
+    found.push_back(leftover);
+  }
+  return found;
+}
+
+std::vector<Leftover> remove_leftovers(const std::string& root) {
+  std::vector<Leftover> removed;
+  for (const Leftover& leftover : find_leftovers(root)) {
+    if (leftover.in_use) continue;
+    std::error_code ec;
+    remove_tree(leftover.path, ec);
+    if (!ec) removed.push_back(leftover);
   }
   return removed;
 }

@@ -183,6 +183,10 @@ SafetensorsReader::SafetensorsReader(std::string path, const FileDigest* expecte
   ::fstat(fd_, &st);
   size_ = st.st_size;
   try {
+    TESSERA_CHECK(S_ISREG(st.st_mode), path_, " is ", S_ISDIR(st.st_mode) ? "a directory" : "not a regular file",
+                  ", not a safetensors file", expected_ ? " (the manifest lists a shard file there): the checkpoint is "
+                                                          "damaged; restore the file, or resume from another checkpoint"
+                                                        : "");
     if (expected_)
       TESSERA_CHECK(size_ == expected_->size, path_, " has ", size_, " bytes but the manifest says ", expected_->size,
                     ": the file is truncated or was replaced");

@@ -21,7 +21,7 @@
 #include <nlohmann/json.hpp>
 
 #include "tessera/core/checkpoint.hpp"
-#include "tessera/core/checkpoint_folder.hpp"  // remove_tree
+#include "tessera/core/checkpoint_folder.hpp"  // remove_tree, WriterLock
 #include "tessera/sdk/build_config.hpp"  // TESSERA_VERSION
 #include "tessera/sdk/error.hpp"
 
@@ -292,6 +292,9 @@ void write_shard(const sdk::Checkpoint& checkpoint, const std::string& path, std
   std::error_code ec;
   fs::create_directories(folder, ec);
   TESSERA_CHECK(!ec, "cannot create ", folder.string(), ": ", ec.message());
+  // While a rank writes its part (and rank 0 until it commits) no sweep takes the folder.
+  const WriterLock lock(folder.string());
+  if (rank == 0) hold_writer_lock(folder.string());
   const std::map<std::string, std::string> metadata{{"format", kShardedFormatName},
                                                     {"format_version", std::to_string(kShardedFormatVersion)},
                                                     {"save_id", save_id},
@@ -305,13 +308,20 @@ void write_shard(const sdk::Checkpoint& checkpoint, const std::string& path, std
     if (rank == 0) record["tree"] = tree;
     write_json(folder / record_name(rank, world), record);  // last: its presence means this rank is done
   } catch (...) {
-    if (rank == 0) remove_tree(folder.string(), ec);  // this save cannot commit; (others' leftovers: the sweep)
+    if (rank == 0) {  // this save cannot commit; (others' leftovers: the sweep)
+      release_writer_lock(folder.string());
+      remove_tree(folder.string(), ec);
+    }
     throw;
   }
 }
 
 void commit_shards(const std::string& path, std::int64_t world, const std::string& save_id, std::int64_t wait_s) {
   const fs::path folder = temporary_folder(path, save_id);
+  struct Release {  // rank 0's lock on the folder, taken in write_shard
+    std::string folder;
+    ~Release() { release_writer_lock(folder); }
+  } release{folder.string()};
   std::error_code ec;
   try {
     // An asynchronous save: the other ranks may still be writing; their records come last.

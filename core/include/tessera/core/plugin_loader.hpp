@@ -1,6 +1,8 @@
 #pragma once
-/// Finds plugins by kind and name in the plugin directories, checks each descriptor before
-/// calling any plugin code, and creates objects whose libraries stay loaded for as long
+/// Finds plugins by kind and name in the plugin directories (each library scanned in a child
+/// process first, so that one whose loading crashes or hangs cannot take the host down), checks
+/// each descriptor before calling any plugin code, catches any exception from a plugin's
+/// factory at the boundary (naming the plugin), and creates objects whose libraries stay loaded for as long
 /// as any object made by them lives (a shared_ptr to the library rides in the deleter).
 #include <filesystem>
 #include <memory>
@@ -65,6 +67,11 @@ class PluginLoader {
   /// Loads one file and checks it, throwing the reason it is not a usable plugin.
   /// Exposed for `tessera plugins` and the loader tests.
   std::vector<PluginInfo> inspect(const std::filesystem::path& file);
+  /// As inspect, in a child process (what the scan of the plugin directories does): a library
+  /// whose loading crashes or hangs (TESSERA_PLUGIN_SCAN_TIMEOUT_S, default 30 s) is refused
+  /// naming it, and the host never loads it.
+  std::vector<PluginInfo> probe(const std::filesystem::path& file);
+  static double scan_timeout_s();
 
  private:
   struct Library;
@@ -79,6 +86,10 @@ class PluginLoader {
   std::vector<RejectedPlugin> skipped_dirs_;
   std::vector<std::shared_ptr<Library>> libraries_;  // kept until the loader dies; objects hold their own ref
 };
+
+/// The exception being handled (call inside a catch block), as a message: what() for a
+/// std::exception (without LibTorch's backtrace), else its type ("an exception of type 'int'").
+std::string describe_current_exception();
 
 /// The host's build fingerprint (what every plugin must match).
 sdk::BuildFingerprint host_fingerprint();
