@@ -1,4 +1,4 @@
-// The `tessera` command line: fit | validate | test | predict | lr-find | plan | config | plugins | checkpoint.
+// The `tessera` command line: fit | validate | test | predict | lr-find | plan | config | plugins | checkpoint | tokenizer.
 #include <fcntl.h>
 #include <unistd.h>
 
@@ -16,6 +16,7 @@
 
 #include "allocator.hpp"
 #include "checkpoint_tool.hpp"
+#include "tokenizer_tool.hpp"
 #include "config.hpp"
 #include "launcher.hpp"
 #include "worker_threads.hpp"
@@ -39,6 +40,7 @@ constexpr const char* kUsage = R"(usage:
   tessera config --config FILE.toml [--set section.key=value ...]
   tessera plugins [--config FILE.toml]
   tessera checkpoint inspect|verify|export PATH [--to FILE.safetensors|FILE.ckpt]
+  tessera tokenizer train|encode|decode|info|bench ...   (tessera tokenizer --help)
   tessera --help | --version
 
   fit        train (resume with --ckpt-path last or a .ckpt path; start from another run's weights
@@ -241,6 +243,7 @@ void report_failure(const std::string& message) {
 
 int main(int argc, char** argv) {
   if (argc > 1 && std::string(argv[1]) == "checkpoint") return host::checkpoint_tool(argc - 1, argv + 1);
+  if (argc > 1 && std::string(argv[1]) == "tokenizer") return host::tokenizer_tool(argc - 1, argv + 1);
   Arguments args;
   try {
     for (int i = 1; i < argc; ++i) {
