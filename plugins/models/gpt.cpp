@@ -16,10 +16,10 @@
 #include <torch/nn/modules/normalization.h>
 
 #include "models.hpp"
-#include "tessera/sdk/batched_matmul.hpp"
 #include "tessera/sdk/error.hpp"
 #include "tessera/sdk/tensor_parallel.hpp"
 #include "tessera/sdk/unit.hpp"
+#include "tessera/toolkit/attention.hpp"
 
 #define XXH_INLINE_ALL  // header-only: plugins link the SDK alone
 #include <xxhash.h>
@@ -58,16 +58,13 @@ class BlockImpl : public torch::nn::Module {
     const std::int64_t B = x.size(0), T = x.size(1), C = x.size(2), D = C / n_head_;
     const std::int64_t H = n_head_ / tp_size(), local = H * D;
     auto qkv = attn.forward<at::Tensor>(ln_1(x)).split(local, 2);
-    auto heads = [&](const at::Tensor& t) { return t.view({B, T, H, D}).transpose(1, 2).reshape({B * H, T, D}); };
-    at::Tensor q = heads(qkv[0]), k = heads(qkv[1]), v = heads(qkv[2]);
-    // mask + q k^T / sqrt(D) in one batched GEMM: the same values as scaling and masking the
-    // scores after it, without two passes over them in forward and two in backward (a block's
-    // attention on the bench GPT, alone: 14.4 -> 11.3 ms per step; the whole DDP step: ~1%).
-    // sdk::batched_matmul: at::baddbmm's values, each head's product on its own thread on the CPU.
-    at::Tensor att = sdk::batched_matmul(q, k.transpose(1, 2), causal_bias(T, q.options()),
-                                         /*alpha=*/1.0 / std::sqrt(static_cast<double>(D)));
-    att = attention_dropout(at::softmax(att, -1).view({B, H, T, T}));
-    at::Tensor y = sdk::batched_matmul(att.view({B * H, T, T}), v).view({B, H, T, D});
+    auto heads = [&](const at::Tensor& t) { return t.view({B, T, H, D}).transpose(1, 2); };
+    // The toolkit's causal attention (SDPA on LibTorch 2, the query-blocked kernel on 1.13 past
+    // 128 positions); attention dropout needs the probabilities, so it takes the math path.
+    toolkit::CausalAttentionOptions attention;
+    if (dropout->is_training() && dropout->options.p() > 0.0)
+      attention.dropout = [this](const at::Tensor& probs) { return attention_dropout(probs); };
+    at::Tensor y = toolkit::causal_attention(heads(qkv[0]), heads(qkv[1]), heads(qkv[2]), attention);
     y = y.transpose(1, 2).contiguous().view({B, T, local});
     at::Tensor h = x + dropout(proj.forward<at::Tensor>(y));
     return h + dropout(fc_proj.forward<at::Tensor>(F::gelu(fc.forward<at::Tensor>(ln_2(h)))));
@@ -105,18 +102,7 @@ class BlockImpl : public torch::nn::Module {
     return att * full_shape_mask.narrow(1, tp_->rank() * att.size(1), att.size(1));
   }
 
-  // -inf above the diagonal (the future), 0 elsewhere, in the scores' dtype. Kept out of the
-  // module's buffers so that it is neither checkpointed nor sharded; rebuilt when the length,
-  // the device or the dtype changes.
-  const at::Tensor& causal_bias(std::int64_t T, const at::TensorOptions& options) {
-    if (!causal_.defined() || causal_.size(0) != T || causal_.device() != options.device() ||
-        causal_.scalar_type() != c10::typeMetaToScalarType(options.dtype()))
-      causal_ = at::full({T, T}, -std::numeric_limits<float>::infinity(), options).triu(1);
-    return causal_;
-  }
-
   std::int64_t n_head_;
-  at::Tensor causal_;
   std::shared_ptr<sdk::TensorParallelGroup> tp_;
 
  public:
