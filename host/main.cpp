@@ -17,6 +17,7 @@
 #include "allocator.hpp"
 #include "checkpoint_tool.hpp"
 #include "tokenizer_tool.hpp"
+#include "data_tool.hpp"
 #include "config.hpp"
 #include "launcher.hpp"
 #include "worker_threads.hpp"
@@ -41,6 +42,7 @@ constexpr const char* kUsage = R"(usage:
   tessera plugins [--config FILE.toml]
   tessera checkpoint inspect|verify|export PATH [--to FILE.safetensors|FILE.ckpt]
   tessera tokenizer train|encode|decode|info|bench ...   (tessera tokenizer --help)
+  tessera data prepare --tokenizer T --input FILES|DIRS|GLOBS --output DIR [...]   (data prepare --help)
   tessera --help | --version
 
   fit        train (resume with --ckpt-path last or a .ckpt path; start from another run's weights
@@ -244,6 +246,7 @@ void report_failure(const std::string& message) {
 int main(int argc, char** argv) {
   if (argc > 1 && std::string(argv[1]) == "checkpoint") return host::checkpoint_tool(argc - 1, argv + 1);
   if (argc > 1 && std::string(argv[1]) == "tokenizer") return host::tokenizer_tool(argc - 1, argv + 1);
+  if (argc > 1 && std::string(argv[1]) == "data") return host::data_tool(argc - 1, argv + 1);
   Arguments args;
   try {
     for (int i = 1; i < argc; ++i) {

@@ -73,6 +73,7 @@ void Trainer::save_checkpoint(const std::string& path, bool weights_only) {
   checkpoint.insert("global_step", global_step_);
   checkpoint.insert("epoch", epoch_);
   checkpoint.insert("batch_in_epoch", next_batch_);
+  if (samples_per_batch_ > 0) checkpoint.insert("samples_per_batch", samples_per_batch_);
   checkpoint.insert("hyper_parameters", model_->hyper_parameters());
   sdk::Checkpoint callback_states = sdk::make_checkpoint();  // Lightning's "callbacks": state_key -> state
   for (const auto& [name, callback] : callbacks_)
@@ -165,6 +166,8 @@ void Trainer::restore(const std::string& path, Restore what) {
     global_step_ = core::checkpoint_get(checkpoint, "global_step").toInt();
     epoch_ = core::checkpoint_get(checkpoint, "epoch").toInt();
     next_batch_ = core::checkpoint_get(checkpoint, "batch_in_epoch").toInt();
+    restored_samples_per_batch_ =  // absent from checkpoints written before it was saved
+        checkpoint.contains("samples_per_batch") ? core::checkpoint_get(checkpoint, "samples_per_batch").toInt() : 0;
     at::Generator generator = at::detail::getDefaultCPUGenerator();
     generator.set_state(core::checkpoint_get(checkpoint, "rng_state").toTensor());
     if (strategy_->root_device().is_cuda() && checkpoint.contains("cuda_rng_state")) {

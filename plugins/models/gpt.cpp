@@ -32,12 +32,13 @@ using sdk::StepOutput;
 
 namespace {
 
-constexpr std::int64_t kVocab = 256;  // bytes
+constexpr std::int64_t kByteVocab = 256;  // the default: bytes (the `text` data plugin)
 
 struct GPTConfig {
   std::int64_t n_layer, n_head, n_embd, block_size;
   double dropout;
   bool bias, tie_embeddings;
+  std::int64_t vocab_size;  // ids 0 .. vocab_size - 1 (a tokenizer's, or bytes)
 };
 
 class BlockImpl : public torch::nn::Module {
@@ -117,7 +118,7 @@ TORCH_MODULE(Block);
 class GPTNetImpl : public torch::nn::Module {
  public:
   GPTNetImpl(const GPTConfig& c, std::uint64_t init_seed) : torch::nn::Module("GPT"), config(c) {
-    wte = register_module("wte", torch::nn::Embedding(kVocab, c.n_embd));
+    wte = register_module("wte", torch::nn::Embedding(c.vocab_size, c.n_embd));
     wpe = register_module("wpe", torch::nn::Embedding(c.block_size, c.n_embd));
     drop = register_module("drop", torch::nn::Dropout(c.dropout));
     blocks = register_module("blocks", torch::nn::ModuleList());
@@ -127,7 +128,7 @@ class GPTNetImpl : public torch::nn::Module {
     }
     ln_f = register_module("ln_f", torch::nn::LayerNorm(torch::nn::LayerNormOptions({c.n_embd})));
     if (!c.tie_embeddings)
-      lm_head = register_module("lm_head", torch::nn::Linear(torch::nn::LinearOptions(c.n_embd, kVocab).bias(false)));
+      lm_head = register_module("lm_head", torch::nn::Linear(torch::nn::LinearOptions(c.n_embd, c.vocab_size).bias(false)));
     for (auto& item : named_parameters()) init_parameter(item.key(), item.value(), c.n_layer, init_seed);
   }
 
@@ -185,10 +186,10 @@ class GPT final : public sdk::Module {
   explicit GPT(const sdk::Options& o)
       : config_{o.get_int("n_layer", 4, 1), o.get_int("n_head", 4, 1),      o.get_int("n_embd", 128, 1),
                 o.get_int("block_size", 128, 1), o.get_double("dropout", 0.0, 0.0, 1.0), o.get_bool("bias", true),
-                o.get_bool("tie_embeddings", true)},
+                o.get_bool("tie_embeddings", true), o.get_int("vocab_size", kByteVocab, 1, INT32_MAX)},
         max_new_tokens_(o.get_int("max_new_tokens", 200, 1, 65536)),
         temperature_(o.get_double("temperature", 0.8, 1e-6)),
-        top_k_(o.get_int("top_k", 40, 0, kVocab)),
+        top_k_(o.get_int("top_k", 40, 0, config_.vocab_size)),
         weight_decay_norms_and_biases_(o.get_bool("weight_decay_norms_and_biases", true)),
         n_head_key_(o.locate("n_head")) {
     TESSERA_CHECK(config_.n_embd % config_.n_head == 0, o.locate("n_embd"), " = ", config_.n_embd,
@@ -292,14 +293,14 @@ class GPT final : public sdk::Module {
     h.insert("temperature", temperature_);
     h.insert("top_k", top_k_);
     h.insert("weight_decay_norms_and_biases", weight_decay_norms_and_biases_);
-    h.insert("vocab_size", kVocab);
+    h.insert("vocab_size", config_.vocab_size);
     return h;
   }
 
  private:
   StepOutput lm_loss(const Batch& batch) {
     at::Tensor logits = net_->forward(batch.input);
-    at::Tensor loss = F::cross_entropy(logits.reshape({-1, kVocab}).to(at::kFloat), batch.target.reshape({-1}));
+    at::Tensor loss = F::cross_entropy(logits.reshape({-1, config_.vocab_size}).to(at::kFloat), batch.target.reshape({-1}));
     return StepOutput{loss, {{"loss", loss.detach()}}, batch.input.numel()};
   }
 
@@ -317,7 +318,7 @@ class GPT final : public sdk::Module {
 }  // namespace
 
 sdk::PluginEntry gpt_entry() {
-  return sdk::plugin_entry<GPT>("gpt", "byte-level decoder-only transformer; its Blocks are FSDP units");
+  return sdk::plugin_entry<GPT>("gpt", "decoder-only transformer over vocab_size ids (bytes by default); its Blocks are FSDP units");
 }
 
 }  // namespace tessera::models
