@@ -1539,7 +1539,7 @@ TEST(Cli, PluginsListsEveryShippedPlugin) {
   auto r = run_tessera("plugins");
   ASSERT_EQ(r.exit_code, 0) << r.output;
   for (const char* name : {"single_device", "ddp", "fsdp", "fsdp_cpu_offload", "precision", "fsdp-precision",
-                           "torch", "distributed", "gpt", "llama", "mlp", "cnn", "text", "fashion_mnist"})
+                           "torch", "distributed", "gpt", "llama", "mlp", "cnn", "text", "fashion_mnist", "tokens"})
     EXPECT_NE(r.output.find(std::string(" ") + name + " "), std::string::npos) << name << "\n" << r.output;
 }
 
