@@ -59,6 +59,15 @@ std::string describe_status(int status) {
   return "exit status " + std::to_string(WEXITSTATUS(status));
 }
 
+/// A stopped process (SIGSTOP, a debugger) cannot act on SIGTERM, nor report anything.
+bool is_stopped(pid_t pid) {
+  std::ifstream stat("/proc/" + std::to_string(pid) + "/stat");
+  std::string text;
+  if (!std::getline(stat, text)) return false;
+  std::size_t paren = text.rfind(')');
+  return paren != std::string::npos && paren + 2 < text.size() && (text[paren + 2] == 'T' || text[paren + 2] == 't');
+}
+
 volatile sig_atomic_t g_interrupted = 0;
 void on_signal(int signal) { g_interrupted = signal; }
 
@@ -273,7 +282,14 @@ std::optional<int> launch_or_join(const LaunchSettings& settings, const std::str
     if (stopping) return;
     stopping = true;
     ::kill(-group, SIGTERM);
+    for (std::int64_t i = 0; i < local; ++i)  // no grace for a process that cannot act on it
+      if (!done[i] && is_stopped(pids[i])) ::kill(pids[i], SIGKILL);
     kill_at = Clock::now() + kGracePeriod;
+  };
+  auto all_left_stopped = [&] {
+    for (std::int64_t i = 0; i < local; ++i)
+      if (!done[i] && !is_stopped(pids[i])) return false;
+    return true;
   };
   while (remaining > 0) {
     pump(50);
@@ -293,7 +309,7 @@ std::optional<int> launch_or_join(const LaunchSettings& settings, const std::str
         settle_until = Clock::now() + kSettlePeriod;
       }
     }
-    if (settling && !stopping && (remaining == 0 || Clock::now() >= settle_until)) stop_all();
+    if (settling && !stopping && (remaining == 0 || Clock::now() >= settle_until || all_left_stopped())) stop_all();
     if (g_interrupted && !stopping) {
       report = std::string("tessera: interrupted by ") + strsignal(g_interrupted) + "; stopping all ranks\n";
       exit_code = 128 + g_interrupted;
@@ -306,8 +322,23 @@ std::optional<int> launch_or_join(const LaunchSettings& settings, const std::str
   }
   if (!failed.empty() && report.empty()) {
     std::map<std::int64_t, core::FailureRecord> records;
-    if (store) records = store->failures(world);
-    else records = core::AgentStore(settings.master_addr, port, false, 5.0).failures(world);
+    std::vector<std::optional<core::LedgerEntry>> ledgers;
+    {
+      std::unique_ptr<core::AgentStore> client;
+      core::AgentStore* reader = store.get();
+      if (reader == nullptr) {
+        try {
+          client = std::make_unique<core::AgentStore>(settings.master_addr, port, false, 5.0);
+          reader = client.get();
+        } catch (const std::exception&) {  // node 0's launcher (and its store) is gone
+        }
+      }
+      if (reader != nullptr) {
+        records = reader->failures(world);
+        ledgers = reader->ledgers(world);
+      }
+    }
+    ledgers.resize(static_cast<std::size_t>(world));
     // The root cause: the earliest failure of a rank's own (an error it reported, a signal, an
     // exit without a report), not the first process reaped; failures caused by another rank
     // (a broken or timed-out collective) are consequences.
@@ -325,27 +356,54 @@ std::optional<int> launch_or_join(const LaunchSettings& settings, const std::str
       if (blamed < 0) root = &failed.front();
     }
     auto log_of = [&](std::int64_t rank) { return log_dir + "/rank-" + std::to_string(rank) + ".log"; };
+    // "rank 1 (pid 123)", with the node and host once the job spans several.
+    auto who = [&](std::int64_t rank, pid_t pid) {
+      std::string s = "rank " + std::to_string(rank) + " (pid " + std::to_string(pid);
+      if (settings.nodes > 1) s += ", node " + std::to_string(settings.node_rank) + " " + core::host_name();
+      return s + ")";
+    };
+    auto at_step = [&](std::int64_t rank) {
+      const auto& l = ledgers[static_cast<std::size_t>(rank)];
+      if (!l) return std::string(" before it joined the job");
+      return l->step >= 0 ? " at step " + std::to_string(l->step) : std::string(" before training");
+    };
     if (root != nullptr) {
       exit_code = WIFEXITED(root->status) ? WEXITSTATUS(root->status) : 128 + WTERMSIG(root->status);
-      report = "tessera: rank " + std::to_string(root->rank) + " (pid " + std::to_string(root->pid) +
-               ") failed first: " + describe_status(root->status) + "; stopping the other ranks\n  last lines of " +
-               log_of(root->rank) + ":\n" + tail(log_of(root->rank), 15);
+      if (records.count(root->rank))  // it reported its own error
+        report = "tessera: " + who(root->rank, root->pid) + " failed first: " + describe_status(root->status) +
+                 at_step(root->rank) + "; stopping the other ranks\n";
+      else  // it died without a word: killed, crashed, or exited
+        report = "tessera: " + who(root->rank, root->pid) + " exited: " + describe_status(root->status) +
+                 at_step(root->rank) + " without reporting an error; it failed first, stopping the other ranks\n";
+      report += "  last lines of " + log_of(root->rank) + ":\n" + tail(log_of(root->rank), 15);
     } else {
       const Failed& first = *namer;
+      const core::FailureRecord& named_by = records.at(first.rank);
       exit_code = WIFEXITED(first.status) ? WEXITSTATUS(first.status) : 128 + WTERMSIG(first.status);
       std::int64_t local_index = blamed - settings.node_rank * local;
-      std::string pid = local_index >= 0 && local_index < local ? " (pid " + std::to_string(pids[local_index]) + ")" : "";
-      report = "tessera: rank " + std::to_string(blamed) + pid + " failed first: named by rank " +
-               std::to_string(first.rank) + "'s hang report (it did not exit by itself; stopped by the launcher)\n" +
-               "  rank " + std::to_string(first.rank) + " reported: " + records.at(first.rank).message + "\n";
-      if (local_index >= 0 && local_index < local)
-        report += "  last lines of " + log_of(blamed) + ":\n" + tail(log_of(blamed), 15);
+      const bool here = local_index >= 0 && local_index < local;
+      const std::string summary = named_by.root_summary.empty() ? std::string() : ": " + named_by.root_summary;
+      if (here)  // alive when the launcher stopped it: hung, stopped, or stuck
+        report = "tessera: " + who(blamed, pids[local_index]) + " failed first" + summary + " (named by rank " +
+                 std::to_string(first.rank) + "'s hang report; it did not exit by itself: stopped by the launcher)\n";
+      else  // on another node: its own launcher reports how it ended
+        report = "tessera: " + core::rank_name(blamed, ledgers) + " on another node failed first" + summary +
+                 " (named by rank " + std::to_string(first.rank) + "'s hang report)\n";
+      report += "  rank " + std::to_string(first.rank) + " reported: " + named_by.message + "\n";
+      if (here) report += "  last lines of " + log_of(blamed) + ":\n" + tail(log_of(blamed), 15);
     }
-    for (const Failed& f : failed) {
-      if (&f == root) continue;
-      report += "  as a consequence: rank " + std::to_string(f.rank) + " (pid " + std::to_string(f.pid) + ") " +
-                describe_status(f.status) +
-                (records.count(f.rank) ? ": " + first_line(records.at(f.rank).message) : std::string()) + "\n";
+    // The others in the order they failed: a consequence only where its own report says so.
+    std::vector<const Failed*> others;
+    for (const Failed& f : failed)
+      if (&f != root) others.push_back(&f);
+    std::stable_sort(others.begin(), others.end(),
+                     [&](const Failed* x, const Failed* y) { return time_of(*x) < time_of(*y); });
+    for (const Failed* f : others) {
+      const bool consequence = records.count(f->rank) && records.at(f->rank).consequence;
+      const char* label = consequence ? "  as a consequence: " : records.count(f->rank) ? "  also failed, by itself: " : "  also failed: ";
+      report += std::string(label) + who(f->rank, f->pid) +
+                " " + describe_status(f->status) +
+                (records.count(f->rank) ? ": " + first_line(records.at(f->rank).message) : std::string()) + "\n";
     }
   }
   while (err_read >= 0) pump(100);

@@ -283,7 +283,9 @@ int main(int argc, char** argv) {
     sdk::ClusterInfo cluster;
     core::set_comm_settings({static_cast<double>(config.launch.rendezvous_timeout_s),
                              static_cast<double>(config.launch.checkpoint_timeout_s),
-                             config.launch.shared_memory_collectives});
+                             config.launch.shared_memory_collectives, config.launch.interface});
+    // [trainer] resume = "auto": fit goes on from the newest committed checkpoint, if any.
+    if (args.command == "fit" && args.ckpt_path.empty() && config.trainer.resume == "auto") args.ckpt_path = "last";
     if (args.command == "plan") {
       check_plugins(config);
       host::PlannedJob job = host::plan_job(config);

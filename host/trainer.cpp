@@ -369,7 +369,7 @@ void Trainer::stop(const std::string& reason) {
 
 namespace {
 // Test-only: TESSERA_FAULT_INJECT="rank=1,step=3,kind=exit|kill|hang|sigint|error|slow_save|nan_grad
-// [,seconds=N][,param=NAME]"; empty when unset.
+// [,seconds=N][,param=NAME][,attempt=N]"; empty when unset.
 std::map<std::string, std::string> fault_spec() {
   std::map<std::string, std::string> fields;
   const char* spec = std::getenv("TESSERA_FAULT_INJECT");
@@ -404,6 +404,8 @@ void Trainer::maybe_inject_fault(std::int64_t step, bool saving) const {
   if (fields.empty() || fields["kind"] == "nan_grad" || std::stoll(fields["rank"]) != cluster_.global_rank ||
       std::stoll(fields["step"]) != step || (fields["kind"] == "slow_save") != saving)
     return;
+  const char* attempt = std::getenv("TORCHELASTIC_RESTART_COUNT");  // attempt=N: only torchrun's N-th attempt
+  if (fields.count("attempt") && fields["attempt"] != (attempt ? attempt : "0")) return;
   log_.info("fault injection: rank " + std::to_string(cluster_.global_rank) + " " + fields["kind"] + " at step " +
             std::to_string(step));
   if (fields["kind"] == "sigint") return void(::raise(SIGINT));  // as Ctrl-C: handled at the step's end
