@@ -61,11 +61,8 @@ std::string describe_status(int status) {
 
 /// A stopped process (SIGSTOP, a debugger) cannot act on SIGTERM, nor report anything.
 bool is_stopped(pid_t pid) {
-  std::ifstream stat("/proc/" + std::to_string(pid) + "/stat");
-  std::string text;
-  if (!std::getline(stat, text)) return false;
-  std::size_t paren = text.rfind(')');
-  return paren != std::string::npos && paren + 2 < text.size() && (text[paren + 2] == 'T' || text[paren + 2] == 't');
+  const char state = core::process_state(pid);
+  return state == 'T' || state == 't';
 }
 
 volatile sig_atomic_t g_interrupted = 0;
@@ -339,6 +336,9 @@ std::optional<int> launch_or_join(const LaunchSettings& settings, const std::str
       }
     }
     ledgers.resize(static_cast<std::size_t>(world));
+    // Every rank that joined published a ledger: none at all means the store could not be read
+    // (node 0 is gone or unreachable), and nothing can be said of records or steps.
+    const bool store_read = std::any_of(ledgers.begin(), ledgers.end(), [](const auto& l) { return l.has_value(); });
     // The root cause: the earliest failure of a rank's own (an error it reported, a signal, an
     // exit without a report), not the first process reaped; failures caused by another rank
     // (a broken or timed-out collective) are consequences.
@@ -364,12 +364,17 @@ std::optional<int> launch_or_join(const LaunchSettings& settings, const std::str
     };
     auto at_step = [&](std::int64_t rank) {
       const auto& l = ledgers[static_cast<std::size_t>(rank)];
+      if (!store_read) return std::string();
       if (!l) return std::string(" before it joined the job");
       return l->step >= 0 ? " at step " + std::to_string(l->step) : std::string(" before training");
     };
     if (root != nullptr) {
       exit_code = WIFEXITED(root->status) ? WEXITSTATUS(root->status) : 128 + WTERMSIG(root->status);
-      if (records.count(root->rank))  // it reported its own error
+      if (!store_read)
+        report = "tessera: " + who(root->rank, root->pid) + " failed first: " + describe_status(root->status) +
+                 " (the rendezvous store at " + settings.master_addr + ":" + std::to_string(port) +
+                 " could not be read for the other ranks' reports); stopping the other ranks\n";
+      else if (records.count(root->rank))  // it reported its own error
         report = "tessera: " + who(root->rank, root->pid) + " failed first: " + describe_status(root->status) +
                  at_step(root->rank) + "; stopping the other ranks\n";
       else  // it died without a word: killed, crashed, or exited

@@ -197,7 +197,7 @@ TEST_F(OnTwoHosts, AHostWhoseNameResolvesOnlyToLoopbackIsRefusedBeforeTraining) 
   EXPECT_CONTAINS(b.output, "[launch] interface = \"" + hosts_.interface(1) + "\"");
   // Host a stops as soon as host b's refusal is in the store, not at the rendezvous timeout.
   EXPECT_NE(a.exit_code, 0) << a.output;
-  EXPECT_CONTAINS(a.output, "failed: node 1 (tessera-b, rank 2)");
+  EXPECT_CONTAINS(a.output, "failed: node 1 (tessera-b, rank ");  // rank 2's or rank 3's refusal, whichever came first
   EXPECT_LT(seconds, 55) << a.output;
   EXPECT_FALSE(fs::exists(dir + "/version_0/metrics.csv") && !losses(dir).empty()) << "it trained";
 }

@@ -9,7 +9,6 @@
 
 #include <chrono>
 #include <atomic>
-#include <fstream>
 #include <condition_variable>
 #include <functional>
 #include <future>
@@ -34,6 +33,7 @@
 
 #include "shared_memory_channel.hpp"
 #include "store_text.hpp"
+#include "tessera/core/cluster.hpp"
 #include "tessera/core/comm.hpp"
 #include "tessera/core/trace.hpp"
 #include "tessera/sdk/error.hpp"
@@ -184,12 +184,8 @@ bool is_loopback(const std::string& address) { return address.rfind("127.", 0) =
 
 /// False once `pid` is gone or a zombie (its launcher has not reaped it yet).
 bool process_alive(std::int64_t pid) {
-  std::ifstream stat("/proc/" + std::to_string(pid) + "/stat");
-  std::string text;
-  if (!std::getline(stat, text)) return false;
-  std::size_t paren = text.rfind(')');
-  if (paren == std::string::npos || paren + 2 >= text.size()) return true;
-  return text[paren + 2] != 'Z' && text[paren + 2] != 'X';
+  const char state = process_state(pid);
+  return state != 0 && state != 'Z' && state != 'X';
 }
 
 /// The ranks of this host (by ledger) whose process is gone.
