@@ -466,16 +466,7 @@ class Monitor {
                               std::to_string(static_cast<std::int64_t>(stuck.timeout_s)) +
                               (stuck.on_device ? " s; the device never finished it" : " s; this rank never waited for it") +
                               "). Hang report: " + d.text;
-        std::fprintf(stderr, "tessera: error: %s\n", message.c_str());
-        std::fflush(stderr);
-        std::function<void(const std::string&)> reporter;
-        {
-          std::lock_guard<std::mutex> guard(shared().mutex);
-          reporter = shared().fatal_reporter;
-        }
-        if (reporter) reporter(message);
-        else report_failure(message);
-        std::_Exit(124);
+        end_rank(message, 124);
       }
     }
   }
