@@ -109,6 +109,7 @@ TEST(Reports, AHostWhoseRanksAllStoppedIsNamedByNodeAndHost) {
 TEST(Reports, ARankWhoseProcessIsGoneIsNamedExitedNotStuck) {
   const std::int64_t now = 1'000'000;
   std::vector<std::optional<LedgerEntry>> ledgers = {entry(0, now, 40, "hosta", 0), entry(1, now - 100, 0, "hosta", 0)};
+  ledgers[1]->issued = 39;  // behind rank 0, outside any collective
   auto stuck = tessera::core::diagnose(0, ledgers, {}, now, 2.0);  // alive: it is stuck outside collectives
   EXPECT_EQ(stuck.cause, "stuck");
   auto gone = tessera::core::diagnose(0, ledgers, {}, now, 2.0, {1});
