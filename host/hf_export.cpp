@@ -85,12 +85,14 @@ std::string generation_config_json(const std::string& config_json) {
 }  // namespace
 
 void export_hf(const HfExportRequest& request) {
-  const auto [checkpoint, config_path] = locate(request);
+  const std::pair<std::string, std::string> located = locate(request);
+  const std::string& checkpoint = located.first;
+  const std::string& config_path = located.second;
   std::vector<core::TensorSpec> specs;
   std::function<at::Tensor(std::size_t)> read;
   std::unique_ptr<core::ShardedReader> sharded;
   std::vector<at::Tensor> mapped;
-  sdk::Checkpoint file;
+  sdk::Checkpoint file = sdk::make_checkpoint();
   if (core::is_sharded_checkpoint(checkpoint)) {
     sharded = std::make_unique<core::ShardedReader>(core::read_manifest(checkpoint));
     TESSERA_CHECK(!core::holds_rank_local_state(sharded->manifest()), "checkpoint ", checkpoint,

@@ -87,7 +87,7 @@ class HfTiny final : public tessera::sdk::Module, public tessera::sdk::HuggingFa
   }
 
   std::string hf_config_json() const override {
-    return nlohmann::ordered_json{{"architectures", {"HfTinyForCausalLM"}},
+    return nlohmann::ordered_json{{"architectures", nlohmann::ordered_json::array({"HfTinyForCausalLM"})},
                                   {"model_type", "tessera_hf_tiny"},
                                   {"hidden_size", hidden_},
                                   {"intermediate_size", intermediate_},

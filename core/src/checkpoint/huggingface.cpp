@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <cstdio>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -12,6 +13,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "tessera/core/checkpoint.hpp"
 #include "tessera/core/checkpoint_folder.hpp"
 #include "tessera/core/sharded_checkpoint.hpp"
 #include "tessera/sdk/error.hpp"
@@ -247,7 +249,7 @@ HfExport write_hf_directory(const std::string& dir, const std::vector<TensorSpec
     };
     write_text(kHfConfigName, config_json + "\n");
     write_text(kHfGenerationConfigName, generation_config_json + "\n");
-    json weight_map = json::object();
+    std::map<std::string, std::string> weight_map;
     char name[64];
     for (std::size_t s = 0; s < shards.size(); ++s) {
       if (shards.size() == 1) std::snprintf(name, sizeof name, "%s", kHfWeightsName);
@@ -262,10 +264,8 @@ HfExport write_hf_directory(const std::string& dir, const std::vector<TensorSpec
       result.files.emplace_back(name);
     }
     if (shards.size() > 1) {
-      // save_pretrained's index: total_size, then the weight map sorted by tensor name.
-      nlohmann::json sorted = nlohmann::json::object();
-      for (const auto& [tensor, file] : weight_map.items()) sorted[tensor] = file;
-      nlohmann::ordered_json index = {{"metadata", {{"total_size", result.total_bytes}}}, {"weight_map", sorted}};
+      // save_pretrained's index: total_size, then the weight map sorted by tensor name (nlohmann::json sorts keys).
+      nlohmann::json index = {{"metadata", {{"total_size", result.total_bytes}}}, {"weight_map", weight_map}};
       write_text(kHfIndexName, index.dump(2));
     }
     fsync_path(temp.string(), true);
