@@ -330,7 +330,7 @@ TEST(HfImport, EachRankHoldsAboutItsShardWhileLoading) {
     auto r = run_tessera("validate --config " + write_config(run, model) + " --set launch.devices=" +
                              std::to_string(ranks) + " --set strategy.plugin=fsdp --set trainer.limit_val_batches=1" +
                              " --set trainer.init_from=" + dir + "/src",
-                         "", 600);
+                         "", 180);
     ASSERT_EQ(r.exit_code, 0) << r.output;
     std::smatch m;
     ASSERT_TRUE(std::regex_search(r.output, m, std::regex(R"(load peak \+([0-9]+) MB RSS per rank)")))
