@@ -300,7 +300,7 @@ TEST(Restart, AJobWhoseRankDiesIsRestartedByTorchrunAndEndsWithTheUninterruptedL
   const tessera::testing::ReservedPort port;
   // Rank 1 is killed at step 5 of the first attempt only; the second resumes from step 4's save.
   std::string command = "TESSERA_FAULT_INJECT=rank=1,step=5,kind=kill,attempt=0 CUDA_VISIBLE_DEVICES= timeout -k 5 240 "
-                        "/usr/bin/python3 -m torch.distributed.run --nproc_per_node=2 --max-restarts=1 "
+                        "/usr/bin/python3 -m torch.distributed.run --nproc_per_node=2 --max_restarts=1 "
                         "--redirects 2 --tee 2 --monitor_interval 1 --master_port=" +
                         std::to_string(port.port()) + " --no_python " + tessera::testing::tessera_binary() +
                         " fit --config " + config(dir) + " 2>&1";
