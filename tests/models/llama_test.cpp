@@ -148,8 +148,9 @@ TEST(LlamaPredict, GreedyTokensUnderEveryStrategy) {
                                      << "[data]\nplugin = \"text\"\nprompt = \"Q: \"\n";
     const auto r = tessera::testing::run_tessera("predict --config " + dir + "/run.toml " + sets, "", 120);
     ASSERT_EQ(r.exit_code, 0) << r.output;
-    const auto file = tessera::core::load_checkpoint_file(dir + "/predictions.pt");
-    const at::Tensor got = file.at("predictions").toTensor();
+    const std::string path = dir + "/predictions.pt";  // {"predictions", "indices"}: a plain pickle, no checkpoint
+    const auto file = tessera::core::checkpoint_dict(tessera::core::load_pickle(path), path);
+    const at::Tensor got = tessera::core::checkpoint_get(file, "predictions").toTensor();
     EXPECT_TRUE(got.equal(want)) << got << "\nexpected\n" << want;
   }
 }
