@@ -306,9 +306,11 @@ TEST(Restart, AJobWhoseRankDiesIsRestartedByTorchrunAndEndsWithTheUninterruptedL
                         " fit --config " + config(dir) + " 2>&1";
   auto r = tessera::testing::run_command(command);
   ASSERT_EQ(r.exit_code, 0) << r.output;
-  EXPECT_CONTAINS(r.output, "fault injection: rank 1 kill at step 5");
   EXPECT_TRUE(fs::exists(dir + "/version_1")) << "the restarted attempt is a run of its own\n" << r.output;
   auto first = tessera::testing::metric_series(dir + "/version_0/metrics.csv", "train", "train_loss");
+  // The first attempt died (rank 1 killed at step 5; torchrun tees stderr only, so the injection's
+  // log line is not in this output): its run never reached the last step.
+  EXPECT_FALSE(first.count(8)) << "the first attempt was not interrupted\n" << r.output;
   auto resumed = tessera::testing::metric_series(dir + "/version_1/metrics.csv", "train", "train_loss");
   auto expected = tessera::testing::metric_series(reference_dir + "/version_0/metrics.csv", "train", "train_loss");
   ASSERT_EQ(expected.size(), 8u) << reference.output;
