@@ -4,14 +4,17 @@
 #include <filesystem>
 #include <iostream>
 #include <map>
+#include <optional>
 #include <sstream>
 #include <string>
 #include <vector>
 
 #include <ATen/ATen.h>
 
+#include "hf_export.hpp"
 #include "tessera/core/checkpoint.hpp"
 #include "tessera/core/checkpoint_folder.hpp"
+#include "tessera/core/huggingface.hpp"
 #include "tessera/core/safetensors.hpp"
 #include "tessera/core/sharded_checkpoint.hpp"
 #include "tessera/sdk/error.hpp"
@@ -28,11 +31,17 @@ constexpr const char* kToolUsage = R"(usage:
   tessera checkpoint export PATH --to FILE.safetensors|FILE.ckpt
                                                      the weights as safetensors (streamed: one tensor
                                                      in memory at a time), or a full checkpoint
+  tessera checkpoint export RUN_OR_CKPT --to DIR --format hf [--max-shard-size 5GB] [--dtype bf16|fp32|fp16]
+                           [--config RUN/config.toml]
+                                                     a Hugging Face model folder (config.json from the
+                                                     model, generation_config.json, safetensors shards
+                                                     of at most --max-shard-size with their index),
+                                                     streamed; the model must speak Hugging Face's names
   tessera checkpoint gc ROOT [--dry-run]             lists and removes what interrupted saves left
                                                      anywhere under ROOT (a default_root_dir): only
                                                      those whose writer is gone (clean: the same)
 PATH is a full .ckpt file, a sharded checkpoint folder (or a `last` link to either), a torch.save'd
-state dict or a safetensors file.
+state dict or a safetensors file; RUN_OR_CKPT is also a run folder (its checkpoints/last).
 )";
 
 
@@ -174,12 +183,29 @@ void export_to(const std::string& path, const std::string& to) {
   std::cout << "exported " << path << " to " << to << "\n";
 }
 
+HfExportRequest hf_request(const std::string& path, const std::string& to,
+                           const std::map<std::string, std::string>& options) {
+  HfExportRequest request{path, to};
+  if (auto it = options.find("--config"); it != options.end()) request.config = it->second;
+  if (auto it = options.find("--max-shard-size"); it != options.end())
+    request.max_shard_bytes = core::parse_byte_size(it->second, "--max-shard-size");
+  if (auto it = options.find("--dtype"); it != options.end()) {
+    const std::map<std::string, at::ScalarType> dtypes{{"fp32", at::kFloat}, {"bf16", at::kBFloat16}, {"fp16", at::kHalf}};
+    auto d = dtypes.find(it->second);
+    TESSERA_CHECK(d != dtypes.end(), "--dtype ", it->second, " is not one of fp32, bf16, fp16");
+    request.dtype = d->second;
+  }
+  return request;
+}
+
 }  // namespace
 
 int checkpoint_tool(int argc, char** argv) {
   std::vector<std::string> words(argv + 1, argv + argc);
   std::string command, path, to;
   bool dry_run = false;
+  std::map<std::string, std::string> hf_options;  // --format, --max-shard-size, --dtype, --config
+  std::optional<HfExportRequest> hf;
   try {
     for (std::size_t i = 0; i < words.size(); ++i) {
       const std::string& w = words[i];
@@ -188,12 +214,16 @@ int checkpoint_tool(int argc, char** argv) {
         dry_run = true;
         continue;
       }
-      if (w == "--to" || w.rfind("--to=", 0) == 0) {
-        if (w.size() > 5) to = w.substr(5);
+      const std::string option = w.substr(0, w.find('='));
+      if (option == "--to" || option == "--format" || option == "--max-shard-size" || option == "--dtype" ||
+          option == "--config") {
+        std::string value;
+        if (option.size() < w.size()) value = w.substr(option.size() + 1);
         else {
-          TESSERA_CHECK(i + 1 < words.size(), "--to needs a file name");
-          to = words[++i];
+          TESSERA_CHECK(i + 1 < words.size(), option, " needs a value");
+          value = words[++i];
         }
+        (option == "--to" ? to : hf_options[option]) = value;
       } else if (command.empty()) {
         const std::vector<std::string> commands{"inspect", "verify", "export", "gc", "clean"};
         TESSERA_CHECK(std::find(commands.begin(), commands.end(), w) != commands.end(), "unknown checkpoint command '",
@@ -208,7 +238,15 @@ int checkpoint_tool(int argc, char** argv) {
     TESSERA_CHECK(!command.empty() && !path.empty(), "checkpoint needs a command and a PATH");
     TESSERA_CHECK(command == "export" || to.empty(), "--to is for export only");
     TESSERA_CHECK(command == "gc" || command == "clean" || !dry_run, "--dry-run is for gc only");
-    TESSERA_CHECK(command != "export" || !to.empty(), "export needs --to FILE.safetensors or --to FILE.ckpt");
+    TESSERA_CHECK(command != "export" || !to.empty(), "export needs --to FILE.safetensors, --to FILE.ckpt or ",
+                  "--to DIR --format hf");
+    if (!hf_options.empty()) {
+      TESSERA_CHECK(command == "export", hf_options.begin()->first, " is for export only");
+      TESSERA_CHECK(hf_options.count("--format") && hf_options.at("--format") == "hf",
+                    hf_options.count("--format") ? "--format " + hf_options.at("--format") + " is not a format export writes (hf)"
+                                                 : hf_options.begin()->first + " applies to --format hf only");
+      hf = hf_request(path, to, hf_options);
+    }
   } catch (const sdk::Error& e) {
     std::cerr << "tessera checkpoint: " << e.what() << "\n\n" << kToolUsage;
     return 2;
@@ -223,7 +261,8 @@ int checkpoint_tool(int argc, char** argv) {
     TESSERA_CHECK(fs::exists(path, ec), "checkpoint ", path, " does not exist");
     if (command == "inspect") inspect(path);
     else if (command == "verify") verify(path);
-    else export_to(path, to);
+    else if (!hf) export_to(path, to);
+    else export_hf(*hf);
     return 0;
   } catch (const std::exception& e) {
     std::cerr << "tessera checkpoint " << command << ": error: " << e.what() << "\n";

@@ -311,6 +311,7 @@ Config Config::load(const std::string& path, const std::vector<std::string>& ove
   if (t.has("init_from")) tr.init_from_strict = t.get_bool("init_from_strict", true);  // listed only where it applies
   TESSERA_CHECK(!t.has("init_from_strict") || t.has("init_from"), t.locate("init_from_strict"),
                 " is set but no [trainer] init_from is: set init_from = PATH or remove init_from_strict");
+  tr.resume = t.get_choice("resume", "never", {"never", "auto"});
   tr.freeze = t.get_string_list("freeze", {});
   tr.max_time_s = read_duration(t, "max_time");
   tr.profiler = t.get_choice("profiler", "", {"", "simple", "trace"});
@@ -407,6 +408,7 @@ Config Config::load(const std::string& path, const std::vector<std::string>& ove
   la.rendezvous_timeout_s = l.get_int("rendezvous_timeout_s", 600, 1, kMaxTimeoutS);
   la.checkpoint_timeout_s = l.get_int("checkpoint_timeout_s", 1800, 1, kMaxTimeoutS);
   la.shared_memory_collectives = l.get_bool("shared_memory_collectives", true);
+  la.interface = l.get_string("interface", "");
   l.check_all_used();
 
   for (const auto& name : kPluginSections) {

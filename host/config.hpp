@@ -54,6 +54,10 @@ struct TrainerSettings {
   /// false: init_from loads the tensors whose name and shape are the model's; the others keep
   /// the model's initialisation (a new head, added adapters), listed in the log.
   bool init_from_strict = true;
+  /// "auto": fit resumes from the newest committed checkpoint under default_root_dir when one
+  /// exists (as --ckpt-path last), so a job restarted by torchrun --max-restarts or a requeue
+  /// goes on where it stopped; "never": only --ckpt-path resumes.
+  std::string resume = "never";
   /// Parameter names or module paths whose parameters do not train (requires_grad false).
   std::vector<std::string> freeze;
   double max_time_s = 0;                     ///< stop fit after this long (0: no limit); "DD:HH:MM:SS" in TOML
@@ -105,6 +109,9 @@ struct LaunchSettings {
   std::int64_t rendezvous_timeout_s = 600;   ///< joining the store and creating the process groups
   std::int64_t checkpoint_timeout_s = 1800;  ///< collectives while a checkpoint is saved or loaded
   bool shared_memory_collectives = true;     ///< CPU ranks of one host reduce and gather through shared memory
+  /// The network interface every process group binds (GLOO_SOCKET_IFNAME when empty; neither:
+  /// the interface that reaches master_addr).
+  std::string interface;
 };
 
 struct DataSettings {

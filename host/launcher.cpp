@@ -59,6 +59,12 @@ std::string describe_status(int status) {
   return "exit status " + std::to_string(WEXITSTATUS(status));
 }
 
+/// A stopped process (SIGSTOP, a debugger) cannot act on SIGTERM, nor report anything.
+bool is_stopped(pid_t pid) {
+  const char state = core::process_state(pid);
+  return state == 'T' || state == 't';
+}
+
 volatile sig_atomic_t g_interrupted = 0;
 void on_signal(int signal) { g_interrupted = signal; }
 
@@ -272,7 +278,14 @@ std::optional<int> launch_or_join(const LaunchSettings& settings, const std::str
     if (stopping) return;
     stopping = true;
     ::kill(-group, g_interrupted == SIGINT ? SIGINT : SIGTERM);  // a Ctrl-C reaches the ranks as one
+    for (std::int64_t i = 0; i < local; ++i)  // no grace for a process that cannot act on it
+      if (!done[i] && is_stopped(pids[i])) ::kill(pids[i], SIGKILL);
     kill_at = Clock::now() + kGracePeriod;
+  };
+  auto all_left_stopped = [&] {
+    for (std::int64_t i = 0; i < local; ++i)
+      if (!done[i] && !is_stopped(pids[i])) return false;
+    return true;
   };
   while (remaining > 0) {
     pump(50);
@@ -292,7 +305,7 @@ std::optional<int> launch_or_join(const LaunchSettings& settings, const std::str
         settle_until = Clock::now() + kSettlePeriod;
       }
     }
-    if (settling && !stopping && (remaining == 0 || Clock::now() >= settle_until)) stop_all();
+    if (settling && !stopping && (remaining == 0 || Clock::now() >= settle_until || all_left_stopped())) stop_all();
     if (g_interrupted && !stopping) {
       report = std::string("tessera: interrupted by ") + strsignal(g_interrupted) + "; stopping all ranks\n";
       exit_code = 128 + g_interrupted;
@@ -305,8 +318,26 @@ std::optional<int> launch_or_join(const LaunchSettings& settings, const std::str
   }
   if (!failed.empty() && report.empty()) {
     std::map<std::int64_t, core::FailureRecord> records;
-    if (store) records = store->failures(world);
-    else records = core::AgentStore(settings.master_addr, port, false, 5.0).failures(world);
+    std::vector<std::optional<core::LedgerEntry>> ledgers;
+    {
+      std::unique_ptr<core::AgentStore> client;
+      core::AgentStore* reader = store.get();
+      if (reader == nullptr) {
+        try {
+          client = std::make_unique<core::AgentStore>(settings.master_addr, port, false, 5.0);
+          reader = client.get();
+        } catch (const std::exception&) {  // node 0's launcher (and its store) is gone
+        }
+      }
+      if (reader != nullptr) {
+        records = reader->failures(world);
+        ledgers = reader->ledgers(world);
+      }
+    }
+    ledgers.resize(static_cast<std::size_t>(world));
+    // Every rank that joined published a ledger: none at all means the store could not be read
+    // (node 0 is gone or unreachable), and nothing can be said of records or steps.
+    const bool store_read = std::any_of(ledgers.begin(), ledgers.end(), [](const auto& l) { return l.has_value(); });
     // The root cause: the earliest failure of a rank's own (an error it reported, a signal, an
     // exit without a report), not the first process reaped; failures caused by another rank
     // (a broken or timed-out collective) are consequences.
@@ -324,27 +355,59 @@ std::optional<int> launch_or_join(const LaunchSettings& settings, const std::str
       if (blamed < 0) root = &failed.front();
     }
     auto log_of = [&](std::int64_t rank) { return log_dir + "/rank-" + std::to_string(rank) + ".log"; };
+    // "rank 1 (pid 123)", with the node and host once the job spans several.
+    auto who = [&](std::int64_t rank, pid_t pid) {
+      std::string s = "rank " + std::to_string(rank) + " (pid " + std::to_string(pid);
+      if (settings.nodes > 1) s += ", node " + std::to_string(settings.node_rank) + " " + core::host_name();
+      return s + ")";
+    };
+    auto at_step = [&](std::int64_t rank) {
+      const auto& l = ledgers[static_cast<std::size_t>(rank)];
+      if (!store_read) return std::string();
+      if (!l) return std::string(" before it joined the job");
+      return l->step >= 0 ? " at step " + std::to_string(l->step) : std::string(" before training");
+    };
     if (root != nullptr) {
       exit_code = WIFEXITED(root->status) ? WEXITSTATUS(root->status) : 128 + WTERMSIG(root->status);
-      report = "tessera: rank " + std::to_string(root->rank) + " (pid " + std::to_string(root->pid) +
-               ") failed first: " + describe_status(root->status) + "; stopping the other ranks\n  last lines of " +
-               log_of(root->rank) + ":\n" + tail(log_of(root->rank), 15);
+      if (!store_read)
+        report = "tessera: " + who(root->rank, root->pid) + " failed first: " + describe_status(root->status) +
+                 " (the rendezvous store at " + settings.master_addr + ":" + std::to_string(port) +
+                 " could not be read for the other ranks' reports); stopping the other ranks\n";
+      else if (records.count(root->rank))  // it reported its own error
+        report = "tessera: " + who(root->rank, root->pid) + " failed first: " + describe_status(root->status) +
+                 at_step(root->rank) + "; stopping the other ranks\n";
+      else  // it died without a word: killed, crashed, or exited
+        report = "tessera: " + who(root->rank, root->pid) + " exited: " + describe_status(root->status) +
+                 at_step(root->rank) + " without reporting an error; it failed first, stopping the other ranks\n";
+      report += "  last lines of " + log_of(root->rank) + ":\n" + tail(log_of(root->rank), 15);
     } else {
       const Failed& first = *namer;
+      const core::FailureRecord& named_by = records.at(first.rank);
       exit_code = WIFEXITED(first.status) ? WEXITSTATUS(first.status) : 128 + WTERMSIG(first.status);
       std::int64_t local_index = blamed - settings.node_rank * local;
-      std::string pid = local_index >= 0 && local_index < local ? " (pid " + std::to_string(pids[local_index]) + ")" : "";
-      report = "tessera: rank " + std::to_string(blamed) + pid + " failed first: named by rank " +
-               std::to_string(first.rank) + "'s hang report (it did not exit by itself; stopped by the launcher)\n" +
-               "  rank " + std::to_string(first.rank) + " reported: " + records.at(first.rank).message + "\n";
-      if (local_index >= 0 && local_index < local)
-        report += "  last lines of " + log_of(blamed) + ":\n" + tail(log_of(blamed), 15);
+      const bool here = local_index >= 0 && local_index < local;
+      const std::string summary = named_by.root_summary.empty() ? std::string() : ": " + named_by.root_summary;
+      if (here)  // alive when the launcher stopped it: hung, stopped, or stuck
+        report = "tessera: " + who(blamed, pids[local_index]) + " failed first" + summary + " (named by rank " +
+                 std::to_string(first.rank) + "'s hang report; it did not exit by itself: stopped by the launcher)\n";
+      else  // on another node: its own launcher reports how it ended
+        report = "tessera: " + core::rank_name(blamed, ledgers) + " on another node failed first" + summary +
+                 " (named by rank " + std::to_string(first.rank) + "'s hang report)\n";
+      report += "  rank " + std::to_string(first.rank) + " reported: " + named_by.message + "\n";
+      if (here) report += "  last lines of " + log_of(blamed) + ":\n" + tail(log_of(blamed), 15);
     }
-    for (const Failed& f : failed) {
-      if (&f == root) continue;
-      report += "  as a consequence: rank " + std::to_string(f.rank) + " (pid " + std::to_string(f.pid) + ") " +
-                describe_status(f.status) +
-                (records.count(f.rank) ? ": " + first_line(records.at(f.rank).message) : std::string()) + "\n";
+    // The others in the order they failed: a consequence only where its own report says so.
+    std::vector<const Failed*> others;
+    for (const Failed& f : failed)
+      if (&f != root) others.push_back(&f);
+    std::stable_sort(others.begin(), others.end(),
+                     [&](const Failed* x, const Failed* y) { return time_of(*x) < time_of(*y); });
+    for (const Failed* f : others) {
+      const bool consequence = records.count(f->rank) && records.at(f->rank).consequence;
+      const char* label = consequence ? "  as a consequence: " : records.count(f->rank) ? "  also failed, by itself: " : "  also failed: ";
+      report += std::string(label) + who(f->rank, f->pid) +
+                " " + describe_status(f->status) +
+                (records.count(f->rank) ? ": " + first_line(records.at(f->rank).message) : std::string()) + "\n";
     }
   }
   while (err_read >= 0) pump(100);

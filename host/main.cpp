@@ -1,4 +1,4 @@
-// The `tessera` command line: fit | validate | test | predict | lr-find | plan | config | plugins | checkpoint.
+// The `tessera` command line: fit | validate | test | predict | lr-find | plan | config | plugins | checkpoint | tokenizer.
 #include <fcntl.h>
 #include <unistd.h>
 
@@ -16,6 +16,8 @@
 
 #include "allocator.hpp"
 #include "checkpoint_tool.hpp"
+#include "tokenizer_tool.hpp"
+#include "data_tool.hpp"
 #include "config.hpp"
 #include "launcher.hpp"
 #include "loggers/run_directory.hpp"
@@ -41,6 +43,8 @@ constexpr const char* kUsage = R"(usage:
   tessera config --config FILE.toml [--set section.key=value ...]
   tessera plugins [--config FILE.toml]
   tessera checkpoint inspect|verify|export PATH [--to FILE.safetensors|FILE.ckpt]
+  tessera tokenizer train|encode|decode|info|bench ...   (tessera tokenizer --help)
+  tessera data prepare --tokenizer T --input FILES|DIRS|GLOBS --output DIR [...]   (data prepare --help)
   tessera --help | --version
 
   fit        train (resume with --ckpt-path last or a .ckpt path; start from another run's weights
@@ -305,6 +309,8 @@ void choose_log_directory(const std::string& command, const host::Config& config
 
 int main(int argc, char** argv) {
   if (argc > 1 && std::string(argv[1]) == "checkpoint") return host::checkpoint_tool(argc - 1, argv + 1);
+  if (argc > 1 && std::string(argv[1]) == "tokenizer") return host::tokenizer_tool(argc - 1, argv + 1);
+  if (argc > 1 && std::string(argv[1]) == "data") return host::data_tool(argc - 1, argv + 1);
   Arguments args;
   try {
     for (int i = 1; i < argc; ++i) {
@@ -341,7 +347,9 @@ int main(int argc, char** argv) {
     sdk::ClusterInfo cluster;
     core::set_comm_settings({static_cast<double>(config.launch.rendezvous_timeout_s),
                              static_cast<double>(config.launch.checkpoint_timeout_s),
-                             config.launch.shared_memory_collectives});
+                             config.launch.shared_memory_collectives, config.launch.interface});
+    // [trainer] resume = "auto": fit goes on from the newest committed checkpoint, if any.
+    if (args.command == "fit" && args.ckpt_path.empty() && config.trainer.resume == "auto") args.ckpt_path = "last";
     if (args.command == "plan") {
       check_plugins(config);
       host::PlannedJob job = host::plan_job(config);

@@ -406,7 +406,9 @@ PlannedJob plan_job(const Config& config, bool trace_activations) {
   std::int64_t traced_samples = 0;
   try {
     if (sharded) {
-      in.layout = sharded->memory_layout(*model, cluster, in.accumulate_grad_batches);
+      // The layout applies the model's tensor-parallel plan, whose refusals (a tp size that does
+      // not split the heads) every rank would meet in setup: the job's errors, before it starts.
+      job_setup([&] { in.layout = sharded->memory_layout(*model, cluster, in.accumulate_grad_batches); });
       in.layout_of_micro_batches = true;
     } else if (auto* layout = dynamic_cast<sdk::StrategyMemoryLayout*>(strategy.get()))
       in.layout = layout->memory_layout(*model, cluster);

@@ -33,6 +33,7 @@
 #include "tessera/sdk/checkpoint_io_features.hpp"
 #include "tessera/sdk/error.hpp"
 #include "tessera/sdk/sync_batch_norm.hpp"
+#include "tessera/sdk/token_data.hpp"
 #include "callbacks/weight_averaging.hpp"
 #include "lr_find.hpp"
 #include "lr_schedule.hpp"
@@ -262,6 +263,7 @@ std::string Trainer::check_sequence_length(const Config& config, const sdk::Chec
 }
 
 void Trainer::check_data_against_model(const std::string& stage) {
+  check_vocabulary();
   if (stage == "predict") return;  // a prompt of any length: generation crops it to the context
   std::shared_ptr<sdk::Dataset> dataset = stage == "fit"        ? data_->train_dataset()
                                           : stage == "validate" ? data_->val_dataset()
@@ -276,6 +278,26 @@ void Trainer::check_data_against_model(const std::string& stage) {
                                                     : "the [data] plugin's " + stage + " batches";
   std::string note = check_sequence_length(config_, model_->hyper_parameters(), sample.input.size(1), source);
   if (!note.empty()) log_.info(note);
+}
+
+void Trainer::check_vocabulary() const {
+  // Token data against the model's embedding: an id at or above the model's vocab_size would
+  // index past it at some step; refused here, on every rank, before any step.
+  const auto* vocabulary = dynamic_cast<const sdk::TokenVocabulary*>(data_.get());
+  const sdk::Checkpoint hparams = model_->hyper_parameters();
+  if (!vocabulary || vocabulary->vocab_size() <= 0 || !hparams.contains("vocab_size") || !hparams.at("vocab_size").isInt())
+    return;
+  const std::int64_t model_vocab = hparams.at("vocab_size").toInt(), data_vocab = vocabulary->vocab_size();
+  const sdk::Options& model = config_.plugins.at("model");
+  const std::string model_key = model.has("vocab_size") ? model.locate("vocab_size")
+                                                        : "[model] vocab_size (the model's default)";
+  TESSERA_CHECK(data_vocab <= model_vocab, vocabulary->vocab_source(), " holds token ids up to ", data_vocab - 1,
+                " (vocab_size ", data_vocab, "), more than the model's ", model_key, " = ", model_vocab,
+                ": set [model] vocab_size = ", data_vocab);
+  if (data_vocab < model_vocab)
+    log_.info("note: " + vocabulary->vocab_source() + " has vocab_size " + std::to_string(data_vocab) + ", the model's " +
+              model_key + " = " + std::to_string(model_vocab) + ": ids " + std::to_string(data_vocab) + ".." +
+              std::to_string(model_vocab - 1) + " are never trained");
 }
 
 void Trainer::begin_run() {
@@ -357,7 +379,7 @@ void Trainer::stop(const std::string& reason) {
 
 namespace {
 // Test-only: TESSERA_FAULT_INJECT="rank=1,step=3,kind=exit|kill|hang|sigint|error|slow_save|nan_grad
-// [,seconds=N][,param=NAME]"; empty when unset.
+// [,seconds=N][,param=NAME][,attempt=N]"; empty when unset.
 std::map<std::string, std::string> fault_spec() {
   std::map<std::string, std::string> fields;
   const char* spec = std::getenv("TESSERA_FAULT_INJECT");
@@ -392,6 +414,8 @@ void Trainer::maybe_inject_fault(std::int64_t step, bool saving) const {
   if (fields.empty() || fields["kind"] == "nan_grad" || std::stoll(fields["rank"]) != cluster_.global_rank ||
       std::stoll(fields["step"]) != step || (fields["kind"] == "slow_save") != saving)
     return;
+  const char* attempt = std::getenv("TORCHELASTIC_RESTART_COUNT");  // attempt=N: only torchrun's N-th attempt
+  if (fields.count("attempt") && fields["attempt"] != (attempt ? attempt : "0")) return;
   log_.info("fault injection: rank " + std::to_string(cluster_.global_rank) + " " + fields["kind"] + " at step " +
             std::to_string(step));
   if (fields["kind"] == "sigint") return void(::raise(SIGINT));  // as Ctrl-C: handled at the step's end
@@ -503,6 +527,9 @@ Trainer::TrainingData Trainer::prepare_training() {
   // Ranks that read distinct batches (tensor-parallel ranks share theirs): the global batch
   // and the throughput count each sample once.
   data.data_ranks = std::max<std::int64_t>(1, sampled.num_replicas);
+  samples_per_batch_ = config_.data.batch_size * data.data_ranks;
+  resume_sample_position(restored_samples_per_batch_);
+  restored_samples_per_batch_ = 0;
   if (t.sync_batchnorm) synchronise_batch_norms(data.data_ranks);
   const std::int64_t all_batches = data.loader->num_batches();
   data.epoch_batches = t.limit_train_batches.of(all_batches);
@@ -512,6 +539,24 @@ Trainer::TrainingData Trainer::prepare_training() {
                 ", fewer than [trainer] accumulate_grad_batches = ", t.accumulate_grad_batches,
                 ": lower [data] batch_size or accumulate_grad_batches");
   return data;
+}
+
+void Trainer::resume_sample_position(std::int64_t saved_samples_per_batch) {
+  // The sampler is a pure function of (seed, epoch, position in the epoch's order), and micro-batch
+  // i covers positions [i * samples_per_batch, (i + 1) * samples_per_batch) at any world size: a
+  // checkpoint resumes at another world size with the same global batch as is; with another global
+  // batch, at the same position when it falls on a batch boundary.
+  if (saved_samples_per_batch <= 0 || saved_samples_per_batch == samples_per_batch_ || next_batch_ == 0) return;
+  const std::int64_t position = next_batch_ * saved_samples_per_batch;
+  TESSERA_CHECK(position % samples_per_batch_ == 0, "the checkpoint stopped ", position, " samples into epoch ", epoch_,
+                " (", next_batch_, " batches of ", saved_samples_per_batch, " samples over all ranks); batches of ",
+                samples_per_batch_, " (", config_.data.batch_size, " per rank x ", samples_per_batch_ / config_.data.batch_size,
+                " ranks) cannot resume there exactly: choose [data] batch_size so that the global batch divides ",
+                position, " (e.g. the checkpoint's ", saved_samples_per_batch, ")");
+  log_.info("resuming " + std::to_string(position) + " samples into epoch " + std::to_string(epoch_) + " with batches of " +
+            std::to_string(samples_per_batch_) + " samples (the checkpoint's: " + std::to_string(saved_samples_per_batch) +
+            "): batch " + std::to_string(position / samples_per_batch_) + " of the epoch comes next");
+  next_batch_ = position / samples_per_batch_;
 }
 
 Trainer::TrainedStep Trainer::train_step(core::DataLoader& loader, std::int64_t accumulate, double lr) {

@@ -110,6 +110,8 @@ class Trainer final : public sdk::Trainer {
   void setup_with_weights(const std::string& stage, const std::string& ckpt_path);
   /// Before any step: the data's sequence length against the model's context (check_sequence_length).
   void check_data_against_model(const std::string& stage);
+  /// Token data (sdk::TokenVocabulary) against the model's vocab_size hyper-parameter.
+  void check_vocabulary() const;
   /// After setup (and restore): the run folder, then the callbacks' setup hook.
   void begin_run();
   /// Creates this run's folder (rank 0 picks version_N, the others learn it by broadcast)
@@ -178,6 +180,9 @@ class Trainer final : public sdk::Trainer {
     std::int64_t epoch_batches = 0;  ///< this rank's batches per epoch, after limit_train_batches
   };
   TrainingData prepare_training();
+  /// A checkpoint saved with `saved_samples_per_batch` samples per micro-batch, resumed with
+  /// samples_per_batch_: next_batch_ at the same sample position of the epoch, or an error.
+  void resume_sample_position(std::int64_t saved_samples_per_batch);
   /// The learning-rate range test over `data` from where training stands (lr_find.hpp), without
   /// callbacks or loggers; writes lr_find.csv and returns the suggested lr, if any. A signal on
   /// any rank ends it early (`signal`), the curve so far written.
@@ -243,6 +248,11 @@ class Trainer final : public sdk::Trainer {
   std::int64_t global_step_ = 0;
   std::int64_t epoch_ = 0;
   std::int64_t next_batch_ = 0;
+  /// Samples in one micro-batch over all data-parallel ranks (batch_size x data ranks): with
+  /// next_batch_ it says how far into the epoch's sample order training stands, whatever the
+  /// world size (saved as "samples_per_batch"; 0 until known).
+  std::int64_t samples_per_batch_ = 0;
+  std::int64_t restored_samples_per_batch_ = 0;
   std::int64_t total_steps_ = 0;
   std::int64_t skipped_steps_ = 0;  ///< optimizer steps the grad scaler skipped in this run
   std::unique_ptr<LRSchedule> schedule_;

@@ -15,10 +15,12 @@
 #include "tessera/core/checkpoint.hpp"
 #include "tessera/core/checkpoint_folder.hpp"
 #include "tessera/core/comm.hpp"
+#include "tessera/core/huggingface.hpp"
 #include "tessera/core/ledger.hpp"
 #include "tessera/core/sharded_checkpoint.hpp"
 #include "tessera/sdk/checkpoint_io_features.hpp"
 #include "tessera/sdk/error.hpp"
+#include "tessera/sdk/huggingface.hpp"
 
 namespace tessera::host {
 
@@ -79,6 +81,7 @@ void Trainer::save_checkpoint(const std::string& path, bool weights_only) {
   checkpoint.insert("global_step", global_step_);
   checkpoint.insert("epoch", epoch_);
   checkpoint.insert("batch_in_epoch", next_batch_);
+  if (samples_per_batch_ > 0) checkpoint.insert("samples_per_batch", samples_per_batch_);
   checkpoint.insert("hyper_parameters", model_->hyper_parameters());
   sdk::Checkpoint callback_states = sdk::make_checkpoint();  // Lightning's "callbacks": state_key -> state
   for (const auto& [name, callback] : callbacks_)
@@ -165,9 +168,19 @@ std::string Trainer::initial_weights(const Config& config, const std::string& ch
   const std::string& path = config.trainer.init_from;
   if (!checkpoint.empty() || path.empty()) return "";
   TESSERA_CHECK(std::filesystem::exists(path), "[trainer] init_from = \"", path, "\" does not exist: give a checkpoint ",
-                "(a .ckpt file, a sharded checkpoint folder or a `last` link to one), a torch.save'd state dict or a ",
-                ".safetensors file; relative paths are taken from the working directory");
+                "(a .ckpt file, a sharded checkpoint folder or a `last` link to one), a torch.save'd state dict, a ",
+                ".safetensors file or a Hugging Face model folder; relative paths are taken from the working directory");
   try {
+    if (core::is_hf_directory(path)) {
+      (void)core::read_hf_directory(path);  // the index, every file and header; the names and shapes at load
+      return path;
+    }
+    std::error_code ec;
+    if (std::filesystem::is_directory(path, ec) && !core::is_sharded_checkpoint(path))
+      for (const char* name : {core::kHfConfigName, core::kHfWeightsName, core::kHfIndexName})
+        TESSERA_CHECK(!std::filesystem::exists(std::filesystem::path(path) / name, ec), "it holds ", name,
+                      " but is not a Hugging Face model folder: that needs ", core::kHfConfigName, " and ",
+                      core::kHfWeightsName, " or ", core::kHfIndexName);
     (void)core::read_trainer_state(path);  // a format tessera reads; the tensors are compared at load
   } catch (const sdk::Error& e) {
     TESSERA_FAIL("[trainer] init_from = \"", path, "\": ", e.what());
@@ -192,13 +205,31 @@ void Trainer::restore(const std::string& path, Restore what) {
   const std::int64_t rss_before_kb = proc_status_kb("VmRSS");
   const auto start = std::chrono::steady_clock::now();
   sdk::Checkpoint checkpoint = sdk::make_checkpoint();
+  std::string file = path;  // what the strategy loads: a Hugging Face folder's weights file or index
+  if (what == Restore::initial_weights && core::is_hf_directory(path)) {
+    const bool strict = config_.trainer.init_from_strict;
+    try {
+      const core::HfDirectory hf = core::read_hf_directory(path);
+      // Tensors first: a shape error names the tensor, its file and both shapes.
+      if (strict) core::check_hf_against_model(hf, model_shapes_, /*strict=*/true);
+      if (const auto* model = dynamic_cast<const sdk::HuggingFaceModel*>(model_.get()))
+        core::check_hf_config(hf.config_json, model->hf_config_json(),
+                              (std::filesystem::path(path) / core::kHfConfigName).string(), /*model_type_only=*/!strict);
+      file = hf.weights;
+    } catch (const sdk::Error& e) {
+      TESSERA_FAIL("[trainer] init_from = \"", path, "\": ", e.what(),
+                   strict ? "; if the model differs from the folder's on purpose (a new head, added layers), [trainer] "
+                            "init_from_strict = false loads the tensors that match by name and shape"
+                          : "");
+    }
+  }
   if (what == Restore::initial_weights && !config_.trainer.init_from_strict) {
-    load_matching_weights(path);
+    load_matching_weights(file);
   } else {
     try {
-      checkpoint = strategy_->load_checkpoint(path);
-      if (with_training_state) check_resumed_hyper_parameters(checkpoint, path);  // before shapes can disagree
-      strategy_->load_model_state_dict(model_weights(checkpoint, path), /*strict=*/true);
+      checkpoint = strategy_->load_checkpoint(file);
+      if (with_training_state) check_resumed_hyper_parameters(checkpoint, file);  // before shapes can disagree
+      strategy_->load_model_state_dict(model_weights(checkpoint, file), /*strict=*/true);
     } catch (const std::exception& e) {
       const auto* torch_error = dynamic_cast<const c10::Error*>(&e);
       const std::string message = torch_error ? torch_error->what_without_backtrace() : e.what();
@@ -232,6 +263,8 @@ void Trainer::restore(const std::string& path, Restore what) {
     global_step_ = core::checkpoint_get(checkpoint, "global_step").toInt();
     epoch_ = core::checkpoint_get(checkpoint, "epoch").toInt();
     next_batch_ = core::checkpoint_get(checkpoint, "batch_in_epoch").toInt();
+    restored_samples_per_batch_ =  // absent from checkpoints written before it was saved
+        checkpoint.contains("samples_per_batch") ? core::checkpoint_get(checkpoint, "samples_per_batch").toInt() : 0;
     at::Generator generator = at::detail::getDefaultCPUGenerator();
     generator.set_state(core::checkpoint_get(checkpoint, "rng_state").toTensor());
     if (strategy_->root_device().is_cuda() && checkpoint.contains("cuda_rng_state")) {

@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
-"""PyTorch's own DDP (Gloo, CPU) or FSDP on the same byte-level GPT Tessera trains: the reference
-Tessera's throughput is compared against in bench/training/run.sh. Prints one line:
+"""PyTorch's own DDP (Gloo, CPU) or FSDP on the same byte-level GPT Tessera trains (or, with
+--model llama, the same Llama: Hugging Face's LlamaForCausalLM as Tessera's llama plugin computes
+it): the reference Tessera's throughput is compared against in bench/training/run.sh. Prints one line:
   pytorch <strategy> ranks=N tokens_per_s=X peak_rss_mb=Y
 Each rank gets the threads Tessera gives it: cores / ranks, LibTorch's pool and OpenBLAS's.
 Run with Debian's python3-torch: /usr/bin/python3 pytorch_ddp_gpt.py --ranks 2 --steps 20
@@ -15,6 +16,10 @@ import time
 def arguments():
     p = argparse.ArgumentParser()
     p.add_argument("--strategy", choices=["ddp", "fsdp"], default="ddp")
+    p.add_argument("--model", choices=["gpt", "llama"], default="gpt")
+    # --model llama: bench/training/llama.toml's shapes (n_layer, n_head and n_embd as above)
+    p.add_argument("--kv-heads", type=int, default=2)
+    p.add_argument("--intermediate", type=int, default=1024)
     p.add_argument("--ranks", type=int, default=2)
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--warmup", type=int, default=3)
@@ -90,12 +95,93 @@ class GPT(nn.Module):
         return self.ln_f(x) @ self.wte.weight.t()
 
 
+class RMSNorm(nn.Module):
+    def __init__(self, n):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(n))
+
+    def forward(self, x):
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-5)
+        return self.weight * h.to(x.dtype)
+
+
+def rotate_half(x):
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class LlamaLayer(nn.Module):
+    """Hugging Face's LlamaDecoderLayer; attention as Tessera's toolkit computes it at 128
+    positions (its math path: scale and mask in the scores' GEMM, keys and values repeated)."""
+
+    def __init__(self, n_embd, n_head, kv_heads, intermediate):
+        super().__init__()
+        self.H, self.Hkv, self.D = n_head, kv_heads, n_embd // n_head
+        self.input_layernorm = RMSNorm(n_embd)
+        self.q_proj = nn.Linear(n_embd, n_head * self.D, bias=False)
+        self.k_proj = nn.Linear(n_embd, kv_heads * self.D, bias=False)
+        self.v_proj = nn.Linear(n_embd, kv_heads * self.D, bias=False)
+        self.o_proj = nn.Linear(n_head * self.D, n_embd, bias=False)
+        self.post_attention_layernorm = RMSNorm(n_embd)
+        self.gate_proj = nn.Linear(n_embd, intermediate, bias=False)
+        self.up_proj = nn.Linear(n_embd, intermediate, bias=False)
+        self.down_proj = nn.Linear(intermediate, n_embd, bias=False)
+
+    def forward(self, x, cos, sin):
+        B, T, C = x.shape
+        h = self.input_layernorm(x)
+        q = self.q_proj(h).view(B, T, -1, self.D).transpose(1, 2)
+        k = self.k_proj(h).view(B, T, -1, self.D).transpose(1, 2)
+        v = self.v_proj(h).view(B, T, -1, self.D).transpose(1, 2)
+        q = q * cos + rotate_half(q) * sin
+        k = k * cos + rotate_half(k) * sin
+        g = self.H // self.Hkv
+        k = k[:, :, None].expand(B, self.Hkv, g, T, self.D).reshape(B * self.H, T, self.D)
+        v = v[:, :, None].expand(B, self.Hkv, g, T, self.D).reshape(B * self.H, T, self.D)
+        bias = torch.full((T, T), float("-inf"), dtype=q.dtype, device=x.device).triu(1)
+        att = torch.baddbmm(bias, q.reshape(B * self.H, T, self.D), k.transpose(1, 2),
+                            alpha=1.0 / math.sqrt(self.D)).softmax(-1)
+        y = torch.bmm(att, v).view(B, self.H, T, self.D).transpose(1, 2).reshape(B, T, C)
+        x = x + self.o_proj(y)
+        h = self.post_attention_layernorm(x)
+        return x + self.down_proj(F.silu(self.gate_proj(h)) * self.up_proj(h))
+
+
+class Llama(nn.Module):
+    """A byte-level LlamaForCausalLM with tied embeddings, initialised as Hugging Face does."""
+
+    def __init__(self, n_layer, n_head, n_embd, kv_heads, intermediate):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(256, n_embd)
+        self.layers = nn.ModuleList(LlamaLayer(n_embd, n_head, kv_heads, intermediate) for _ in range(n_layer))
+        self.norm = RMSNorm(n_embd)
+        d = n_embd // n_head
+        self.inv_freq = 1.0 / (10000.0 ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+        with torch.no_grad():
+            for name, p in self.named_parameters():
+                if "norm" not in name:
+                    p.normal_(0.0, 0.02)
+
+    def forward(self, idx):
+        x = self.embed_tokens(idx)
+        freqs = torch.arange(idx.size(1), dtype=torch.float)[:, None] * self.inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), -1)
+        cos, sin = emb.cos(), emb.sin()
+        for layer in self.layers:
+            x = layer(x, cos, sin)
+        return self.norm(x) @ self.embed_tokens.weight.t()
+
+
 def worker(rank, args):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(args.port))
     torch.set_num_threads(max(1, os.cpu_count() // args.ranks))
     dist.init_process_group("gloo", rank=rank, world_size=args.ranks)
     torch.manual_seed(0)
-    model = GPT(args.n_layer, args.n_head, args.n_embd, args.block_size)
+    if args.model == "llama":
+        model = Llama(args.n_layer, args.n_head, args.n_embd, args.kv_heads, args.intermediate)
+    else:
+        model = GPT(args.n_layer, args.n_head, args.n_embd, args.block_size)
     if args.strategy == "ddp":
         model = nn.parallel.DistributedDataParallel(model)
     else:

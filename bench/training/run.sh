@@ -10,6 +10,10 @@
 # pairs of back-to-back runs in alternating order (A B, B A, ...: a host that drifts favours
 # neither side) and prints every pair's ratio and their median (~2.5 minutes a pair on 2 cores).
 # ONLY=regex (with PAIRS) keeps the comparisons whose label matches, e.g. ONLY="PyTorch DDP".
+# The llama rows: a byte-level Llama (Hugging Face's LlamaForCausalLM: 8 layers, 384 wide, 6 query
+# and 2 key-value heads, SwiGLU 1024, tied embeddings, 12.7M parameters), 128 tokens, batch 8 per
+# rank, fsdp2 on 2 ranks against PyTorch's DDP on the same Llama (pytorch_ddp_gpt.py --model llama):
+#   PAIRS=3 ONLY=llama bash bench/training/run.sh
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 steps="${1:-30}"
@@ -36,11 +40,36 @@ plugin = "text"
 block_size = 128
 TOML
 
+cat > "$out/llama.toml" <<TOML
+[trainer]
+max_steps = $steps
+log_every_n_steps = 5
+enable_progress_bar = false
+save_last = false
+[optimizer]
+lr = 3e-4
+schedule = "constant"
+[model]
+plugin = "llama"
+vocab_size = 256
+hidden_size = 384
+intermediate_size = 1024
+num_hidden_layers = 8
+num_attention_heads = 6
+num_key_value_heads = 2
+rms_norm_eps = 1e-5
+tie_word_embeddings = true
+[data]
+plugin = "text"
+block_size = 128
+TOML
+
 # tokens/s averaged over the logged windows after the first two (warm-up), and peak RSS.
+# CONFIG: the run's config (default: the GPT's).
 run() {
   local name="$1"; shift
   local dir="$out/$name-$round"
-  $tessera fit --config "$out/gpt.toml" --set trainer.default_root_dir="$dir" "$@" > "$dir.log" 2>&1 \
+  $tessera fit --config "${CONFIG:-$out/gpt.toml}" --set trainer.default_root_dir="$dir" "$@" > "$dir.log" 2>&1 \
     || { echo "$name failed:"; tail -20 "$dir.log"; exit 1; }
   local tps rss
   tps=$(awk -F, '$4=="tokens_per_s" {n++; if (n > 2) {s+=$5; c++}} END {printf "%.0f", s/c}' "$dir/version_0/metrics.csv")
@@ -65,6 +94,8 @@ pytorch_tuned="PYTORCH_ENV='GOMP_SPINCOUNT=10000 OPENBLAS_THREAD_TIMEOUT=20' pyt
 ddp="run ddp_2 --set launch.devices=2 --set strategy.plugin=ddp --set data.batch_size=8"
 pytorch_ddp="pytorch pytorch_ddp_2 --ranks 2"
 fsdp="run fsdp_full_shard_2 --set launch.devices=2 --set strategy.plugin=fsdp --set data.batch_size=8"
+llama_fsdp2="CONFIG=$out/llama.toml run llama_fsdp2_2 --set launch.devices=2 --set strategy.plugin=fsdp2 --set data.batch_size=8"
+pytorch_ddp_llama="pytorch pytorch_ddp_llama_2 --ranks 2 --model llama --n-layer 8"
 
 if [ "${PAIRS:-0}" -gt 0 ]; then
   comparison=0
@@ -88,6 +119,7 @@ if [ "${PAIRS:-0}" -gt 0 ]; then
   pairs "tessera DDP / PyTorch DDP" "$ddp" "$pytorch_ddp"
   pairs "FSDP FULL_SHARD / tessera DDP" "$fsdp" "$ddp"
   pairs "FSDP FULL_SHARD / PyTorch DDP" "$fsdp" "$pytorch_ddp"
+  pairs "llama fsdp2 / PyTorch DDP" "$llama_fsdp2" "$pytorch_ddp_llama"
   exit 0
 fi
 
@@ -119,6 +151,8 @@ run fsdp2_tp2 --set launch.devices=2 --set strategy.plugin=fsdp2 --set strategy.
 run ddp_4 --set launch.devices=4 --set strategy.plugin=ddp --set data.batch_size=4
 run fsdp_4 --set launch.devices=4 --set strategy.plugin=fsdp --set data.batch_size=4
 run fsdp2_4 --set launch.devices=4 --set strategy.plugin=fsdp2 --set data.batch_size=4
+eval "$llama_fsdp2"
+eval "$pytorch_ddp_llama"
 done
 
 # Each row's median run by tokens/s over the rounds (the upper middle one of an even count), with its RSS.
@@ -151,6 +185,7 @@ awk '{tps[$1]=$2; rss[$1]=$3}
        printf "  tp 2 / dp 2 (fsdp2, 2 ranks)       %.2fx tokens/s, %.2fx peak RSS\n", tps["fsdp2_tp2"]/tps["fsdp2_2"], rss["fsdp2_tp2"]/rss["fsdp2_2"];
        printf "  4 ranks: fsdp / ddp                %.2fx tokens/s, %.2fx peak RSS\n", tps["fsdp_4"]/tps["ddp_4"], rss["fsdp_4"]/rss["ddp_4"];
        printf "  4 ranks: fsdp2 / fsdp              %.2fx tokens/s, %.2fx peak RSS\n", tps["fsdp2_4"]/tps["fsdp_4"], rss["fsdp2_4"]/rss["fsdp_4"];
+       printf "  llama fsdp2 / PyTorch DDP          %.2fx tokens/s, %.2fx peak RSS\n", tps["llama_fsdp2_2"]/tps["pytorch_ddp_llama_2"], rss["llama_fsdp2_2"]/rss["pytorch_ddp_llama_2"];
      }' "$out/medians"
 
 # The issue's comparisons round by round (the two rows of a pair run one after the other, so a

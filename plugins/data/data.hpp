@@ -6,4 +6,5 @@
 namespace tessera::data {
 sdk::PluginEntry text_entry();
 sdk::PluginEntry fashion_mnist_entry();
+sdk::PluginEntry tokens_entry();
 }  // namespace tessera::data

@@ -16,10 +16,10 @@
 #include <torch/nn/modules/normalization.h>
 
 #include "models.hpp"
-#include "tessera/sdk/batched_matmul.hpp"
 #include "tessera/sdk/error.hpp"
 #include "tessera/sdk/tensor_parallel.hpp"
 #include "tessera/sdk/unit.hpp"
+#include "tessera/toolkit/attention.hpp"
 
 #define XXH_INLINE_ALL  // header-only: plugins link the SDK alone
 #include <xxhash.h>
@@ -32,12 +32,13 @@ using sdk::StepOutput;
 
 namespace {
 
-constexpr std::int64_t kVocab = 256;  // bytes
+constexpr std::int64_t kByteVocab = 256;  // the default: bytes (the `text` data plugin)
 
 struct GPTConfig {
   std::int64_t n_layer, n_head, n_embd, block_size;
   double dropout;
   bool bias, tie_embeddings;
+  std::int64_t vocab_size;  // ids 0 .. vocab_size - 1 (a tokenizer's, or bytes)
 };
 
 class BlockImpl : public torch::nn::Module {
@@ -58,16 +59,13 @@ class BlockImpl : public torch::nn::Module {
     const std::int64_t B = x.size(0), T = x.size(1), C = x.size(2), D = C / n_head_;
     const std::int64_t H = n_head_ / tp_size(), local = H * D;
     auto qkv = attn.forward<at::Tensor>(ln_1(x)).split(local, 2);
-    auto heads = [&](const at::Tensor& t) { return t.view({B, T, H, D}).transpose(1, 2).reshape({B * H, T, D}); };
-    at::Tensor q = heads(qkv[0]), k = heads(qkv[1]), v = heads(qkv[2]);
-    // mask + q k^T / sqrt(D) in one batched GEMM: the same values as scaling and masking the
-    // scores after it, without two passes over them in forward and two in backward (a block's
-    // attention on the bench GPT, alone: 14.4 -> 11.3 ms per step; the whole DDP step: ~1%).
-    // sdk::batched_matmul: at::baddbmm's values, each head's product on its own thread on the CPU.
-    at::Tensor att = sdk::batched_matmul(q, k.transpose(1, 2), causal_bias(T, q.options()),
-                                         /*alpha=*/1.0 / std::sqrt(static_cast<double>(D)));
-    att = attention_dropout(at::softmax(att, -1).view({B, H, T, T}));
-    at::Tensor y = sdk::batched_matmul(att.view({B * H, T, T}), v).view({B, H, T, D});
+    auto heads = [&](const at::Tensor& t) { return t.view({B, T, H, D}).transpose(1, 2); };
+    // The toolkit's causal attention (SDPA on LibTorch 2, the query-blocked kernel on 1.13 past
+    // 128 positions); attention dropout needs the probabilities, so it takes the math path.
+    toolkit::CausalAttentionOptions attention;
+    if (dropout->is_training() && dropout->options.p() > 0.0)
+      attention.dropout = [this](const at::Tensor& probs) { return attention_dropout(probs); };
+    at::Tensor y = toolkit::causal_attention(heads(qkv[0]), heads(qkv[1]), heads(qkv[2]), attention);
     y = y.transpose(1, 2).contiguous().view({B, T, local});
     at::Tensor h = x + dropout(proj.forward<at::Tensor>(y));
     return h + dropout(fc_proj.forward<at::Tensor>(F::gelu(fc.forward<at::Tensor>(ln_2(h)))));
@@ -105,18 +103,7 @@ class BlockImpl : public torch::nn::Module {
     return att * full_shape_mask.narrow(1, tp_->rank() * att.size(1), att.size(1));
   }
 
-  // -inf above the diagonal (the future), 0 elsewhere, in the scores' dtype. Kept out of the
-  // module's buffers so that it is neither checkpointed nor sharded; rebuilt when the length,
-  // the device or the dtype changes.
-  const at::Tensor& causal_bias(std::int64_t T, const at::TensorOptions& options) {
-    if (!causal_.defined() || causal_.size(0) != T || causal_.device() != options.device() ||
-        causal_.scalar_type() != c10::typeMetaToScalarType(options.dtype()))
-      causal_ = at::full({T, T}, -std::numeric_limits<float>::infinity(), options).triu(1);
-    return causal_;
-  }
-
   std::int64_t n_head_;
-  at::Tensor causal_;
   std::shared_ptr<sdk::TensorParallelGroup> tp_;
 
  public:
@@ -131,7 +118,7 @@ TORCH_MODULE(Block);
 class GPTNetImpl : public torch::nn::Module {
  public:
   GPTNetImpl(const GPTConfig& c, std::uint64_t init_seed) : torch::nn::Module("GPT"), config(c) {
-    wte = register_module("wte", torch::nn::Embedding(kVocab, c.n_embd));
+    wte = register_module("wte", torch::nn::Embedding(c.vocab_size, c.n_embd));
     wpe = register_module("wpe", torch::nn::Embedding(c.block_size, c.n_embd));
     drop = register_module("drop", torch::nn::Dropout(c.dropout));
     blocks = register_module("blocks", torch::nn::ModuleList());
@@ -141,7 +128,7 @@ class GPTNetImpl : public torch::nn::Module {
     }
     ln_f = register_module("ln_f", torch::nn::LayerNorm(torch::nn::LayerNormOptions({c.n_embd})));
     if (!c.tie_embeddings)
-      lm_head = register_module("lm_head", torch::nn::Linear(torch::nn::LinearOptions(c.n_embd, kVocab).bias(false)));
+      lm_head = register_module("lm_head", torch::nn::Linear(torch::nn::LinearOptions(c.n_embd, c.vocab_size).bias(false)));
     for (auto& item : named_parameters()) init_parameter(item.key(), item.value(), c.n_layer, init_seed);
   }
 
@@ -199,10 +186,10 @@ class GPT final : public sdk::Module {
   explicit GPT(const sdk::Options& o)
       : config_{o.get_int("n_layer", 4, 1), o.get_int("n_head", 4, 1),      o.get_int("n_embd", 128, 1),
                 o.get_int("block_size", 128, 1), o.get_double("dropout", 0.0, 0.0, 1.0), o.get_bool("bias", true),
-                o.get_bool("tie_embeddings", true)},
+                o.get_bool("tie_embeddings", true), o.get_int("vocab_size", kByteVocab, 1, INT32_MAX)},
         max_new_tokens_(o.get_int("max_new_tokens", 200, 1, 65536)),
         temperature_(o.get_double("temperature", 0.8, 1e-6)),
-        top_k_(o.get_int("top_k", 40, 0, kVocab)),
+        top_k_(o.get_int("top_k", 40, 0, config_.vocab_size)),
         weight_decay_norms_and_biases_(o.get_bool("weight_decay_norms_and_biases", true)),
         n_head_key_(o.locate("n_head")) {
     TESSERA_CHECK(config_.n_embd % config_.n_head == 0, o.locate("n_embd"), " = ", config_.n_embd,
@@ -306,14 +293,14 @@ class GPT final : public sdk::Module {
     h.insert("temperature", temperature_);
     h.insert("top_k", top_k_);
     h.insert("weight_decay_norms_and_biases", weight_decay_norms_and_biases_);
-    h.insert("vocab_size", kVocab);
+    h.insert("vocab_size", config_.vocab_size);
     return h;
   }
 
  private:
   StepOutput lm_loss(const Batch& batch) {
     at::Tensor logits = net_->forward(batch.input);
-    at::Tensor loss = F::cross_entropy(logits.reshape({-1, kVocab}).to(at::kFloat), batch.target.reshape({-1}));
+    at::Tensor loss = F::cross_entropy(logits.reshape({-1, config_.vocab_size}).to(at::kFloat), batch.target.reshape({-1}));
     return StepOutput{loss, {{"loss", loss.detach()}}, batch.input.numel()};
   }
 
@@ -331,7 +318,7 @@ class GPT final : public sdk::Module {
 }  // namespace
 
 sdk::PluginEntry gpt_entry() {
-  return sdk::plugin_entry<GPT>("gpt", "byte-level decoder-only transformer; its Blocks are FSDP units");
+  return sdk::plugin_entry<GPT>("gpt", "decoder-only transformer over vocab_size ids (bytes by default); its Blocks are FSDP units");
 }
 
 }  // namespace tessera::models

@@ -5,6 +5,7 @@
 
 namespace tessera::models {
 sdk::PluginEntry gpt_entry();
+sdk::PluginEntry llama_entry();
 sdk::PluginEntry mlp_entry();
 sdk::PluginEntry cnn_entry();
 }  // namespace tessera::models

@@ -650,10 +650,12 @@ TEST(PlanOutput, ACudaJobsPlanHasADevicePeak) {
   }
 }
 
-// CUDA's autocast computes softmax in fp32 where the CPU trace kept bf16: a CUDA plan keeps its
-// fp32 output besides the bf16 copy the attention's matmul takes, 4 bytes more per element of
-// each layer's attention probabilities (1 x 12 heads x 64 x 64 here); the CPU plan counts none.
-TEST(PlanOutput, ACudaAutocastPlanKeepsTheSoftmaxOutputsInFp32) {
+// The toolkit's causal attention computes its softmax in fp32 on every device (as Hugging Face's
+// models do), so the CPU trace already holds the fp32 probabilities that CUDA's autocast would
+// add: a CUDA bf16-mixed plan counts exactly the CPU plan's activations, checkpointed or not, and
+// notes no softmax outputs of its own. (Before the toolkit's attention, gpt's softmax ran in bf16
+// and a CUDA plan added 4 bytes per element of each layer's probabilities.)
+TEST(PlanOutput, ACudaAutocastPlanAddsNothingForAnFp32Softmax) {
   const std::string dir = tessera::testing::fresh_dir("plan-cuda-autocast");
   const std::string config = write_config(dir);
   const std::string bf16 = " --set strategy.plugin=fsdp --set data.batch_size=1 --set precision.plugin=fsdp-precision "
@@ -666,14 +668,11 @@ TEST(PlanOutput, ACudaAutocastPlanKeepsTheSoftmaxOutputsInFp32) {
   };
   const double cpu = activations("cpu", bf16);
   EXPECT_GT(cpu, 0);
-  EXPECT_NEAR(activations("cuda", bf16) - cpu, 6 * 12 * 64 * 64 * 4.0, 2) << "6 layers' softmax outputs";
-  // Checkpointed blocks keep their inputs and outputs only; backward recomputes one at a time.
+  EXPECT_NEAR(activations("cuda", bf16), cpu, 2);
   const std::string checkpointed = bf16 + " --set 'strategy.activation_checkpointing=[\"Block\"]'";
-  EXPECT_NEAR(activations("cuda", checkpointed) - activations("cpu", checkpointed), 12 * 64 * 64 * 4.0, 2)
-      << "one layer's";
+  EXPECT_NEAR(activations("cuda", checkpointed), activations("cpu", checkpointed), 2);
   auto table = run_tessera("plan --config " + config + bf16 + " --set strategy.accelerator='\"cuda\"'");
-  EXPECT_NE(table.output.find("for the 6 softmax / log_softmax output(s) CUDA's autocast computes in fp32"),
-            std::string::npos)
+  EXPECT_EQ(table.output.find("softmax / log_softmax output(s) CUDA's autocast computes in fp32"), std::string::npos)
       << table.output;
   // Without autocast (32-true) nothing is added.
   auto fp32 = run_tessera("plan --json --config " + config + " --set strategy.plugin=fsdp --set data.batch_size=1 "

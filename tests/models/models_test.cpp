@@ -1,4 +1,4 @@
-// The shipped model plugins (gpt, mlp, cnn), created through the real plugin loader: one
+// The shipped model plugins (gpt, mlp, cnn; llama in llama_test.cpp), created through the real plugin loader: one
 // step's loss and gradients against hand-written LibTorch references with the same weights,
 // tied embeddings, FSDP units run through sdk::invoke, sampling and bf16 autocast.
 #include <algorithm>

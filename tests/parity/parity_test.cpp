@@ -32,12 +32,19 @@ std::string model_config(const std::string& model) {
   if (model == "cnn_bn")  // BatchNorm in both conv units; 5 and 7 channels divide by no world size
     return "[model]\nplugin = \"cnn\"\nchannels1 = 5\nchannels2 = 7\nhidden = 33\nbatch_norm = true\n"
            "[data]\nplugin = \"fashion_mnist\"\ntrain_limit = 600\nval_size = 100\ntest_limit = 100\n";
+  if (model == "llama")  // GQA (6 query heads over 2 key-value heads), q/k/v/o biases, untied head
+    return "[model]\nplugin = \"llama\"\nvocab_size = 256\nhidden_size = 36\nintermediate_size = 50\n"
+           "num_hidden_layers = 2\nnum_attention_heads = 6\nnum_key_value_heads = 2\nattention_bias = true\n"
+           "rms_norm_eps = 1e-5\n"
+           "[data]\nplugin = \"text\"\nblock_size = 16\nstride = 61\n";
   return "[model]\nplugin = \"gpt\"\nn_layer = 2\nn_head = 3\nn_embd = 36\nblock_size = 16\n"
          "[data]\nplugin = \"text\"\nblock_size = 16\nstride = 61\n";
 }
 
+/// `dp`: the data-parallel ranks (default: all; fewer under tensor parallelism, whose ranks read
+/// the same batch), which share the global micro-batch.
 Run fit(const std::string& name, const std::string& model, int world, const std::string& strategy_sets,
-        int accumulate = 1) {
+        int accumulate = 1, int dp = 0) {
   std::string dir = tessera::testing::fresh_dir(name + "-" + std::to_string(world));
   std::ofstream(dir + "/run.toml") << "[trainer]\nmax_steps = 6\nlog_every_n_steps = 1\nseed = 7\n"
                                    << "accumulate_grad_batches = " << accumulate << "\n"
@@ -45,7 +52,7 @@ Run fit(const std::string& name, const std::string& model, int world, const std:
                                    << "[optimizer]\nname = \"sgd\"\nlr = 0.05\nmomentum = 0.9\nschedule = \"constant\"\n"
                                    << model_config(model);
   std::string args = "fit --config " + dir + "/run.toml --set launch.devices=" + std::to_string(world) +
-                     " --set data.batch_size=" + std::to_string(kMicroBatch / world) + " " +
+                     " --set data.batch_size=" + std::to_string(kMicroBatch / (dp > 0 ? dp : world)) + " " +
                      strategy_sets;
   auto result = run_tessera(args, "", 240);
   EXPECT_EQ(result.exit_code, 0) << result.output;
@@ -159,6 +166,26 @@ TEST(Parity, FSDP2GradientAccumulationNoSync) { check_parity("fsdp2", "", "gpt",
 // per-rank sums (BatchNorm's input gradient is mean-free over the global batch, not over a
 // rank's, and the images' mean multiplies it), so float summation order shows as ~1e-5 of that
 // gradient and ~3e-5 in its weights after 6 steps; every other tensor and the losses agree to ~1e-7.
+// The llama (Hugging Face's LlamaForCausalLM; tests/models/llama_test.cpp checks it against Hugging
+// Face's modeling code): every strategy equals one device, its decoder layers as FSDP units.
+TEST(Parity, DDPLlama) { check_parity("ddp", "", "llama", 1, {2}); }
+TEST(Parity, FSDPLlamaWithActivationCheckpointing) {
+  check_parity("fsdp", "--set strategy.activation_checkpointing=LlamaDecoderLayer", "llama", 1, {3});
+}
+TEST(Parity, FSDP2LlamaDeferredInit) {
+  // Deferred init builds the layers unit by unit and draws each parameter by its name: the
+  // eager single-device model's weights, so the runs train alike from step 1.
+  check_parity("fsdp2", "--set strategy.deferred_init=true", "llama", 1, {2});
+}
+TEST(Parity, FSDP2LlamaDp2Tp2) {
+  const auto reference = fit("reference-llama-tp", "llama", 1, "--set strategy.plugin=single_device");
+  const auto run = fit("fsdp2-tp2-llama", "llama", 4,
+                      "--set strategy.plugin=fsdp2 --set strategy.tensor_parallel_size=2 "
+                      "--set strategy.activation_checkpointing=LlamaDecoderLayer",
+                      1, /*dp=*/2);
+  expect_same(reference, run, "fsdp2 dp 2 x tp 2", 2e-5);
+}
+
 const std::string kSyncBatchNorm = "--set trainer.sync_batchnorm=true";
 constexpr double kSyncBatchNormTol = 1e-4;
 TEST(Parity, DDPSyncBatchNormCNN) {

@@ -27,6 +27,7 @@
 #include <c10/util/strides.h>
 
 #include "python_pickle.hpp"
+#include "tessera/core/huggingface.hpp"
 #include "tessera/core/safetensors.hpp"
 #include "tessera/core/sharded_checkpoint.hpp"  // kManifestName
 #include "tessera/sdk/error.hpp"
@@ -348,21 +349,14 @@ constexpr const char kSafetensorsIndex[] = ".safetensors.index.json";
 /// the index's {"weight_map": {tensor: file}} names each tensor's file, beside the index. Every
 /// file is mapped, as one safetensors file is.
 sdk::StateDict map_safetensors_index(const std::string& path) {
-  std::ifstream in(path);
-  TESSERA_CHECK(in.good(), "checkpoint ", path, " does not exist or cannot be read");
-  const auto index = nlohmann::ordered_json::parse(in, nullptr, /*allow_exceptions=*/false);
-  TESSERA_CHECK(!index.is_discarded() && index.is_object() && index.contains("weight_map") &&
-                    index.at("weight_map").is_object(),
-                "checkpoint ", path, " is not a safetensors index: it needs {\"weight_map\": {tensor name: file}}");
   const fs::path folder = fs::path(path).parent_path();
   std::map<std::string, sdk::StateDict> files;
   sdk::StateDict state;
-  for (const auto& [name, file] : index.at("weight_map").items()) {
-    TESSERA_CHECK(file.is_string(), path, ": weight_map[\"", name, "\"] is not a file name");
-    auto it = files.find(file.get<std::string>());
+  for (const auto& [name, file] : read_safetensors_index(path)) {
+    auto it = files.find(file);
     if (it == files.end()) {
-      const std::string full = (folder / file.get<std::string>()).string();
-      it = files.emplace(file.get<std::string>(), map_safetensors(full, map_file(full))).first;
+      const std::string full = (folder / file).string();
+      it = files.emplace(file, map_safetensors(full, map_file(full))).first;
     }
     const at::Tensor* tensor = it->second.find(name);
     TESSERA_CHECK(tensor != nullptr, path, " puts '", name, "' in ", it->first, ", which has no tensor of that name");

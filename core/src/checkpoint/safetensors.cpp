@@ -6,6 +6,8 @@
 #include <xxhash.h>
 
 #include <cerrno>
+#include <algorithm>
+#include <climits>
 #include <cstring>
 #include <filesystem>
 
@@ -175,6 +177,84 @@ FileDigest digest_file(const std::string& path) {
   return digest.finish();
 }
 
+std::uint64_t safetensors_header_length(const char* first8, std::int64_t file_size, const std::string& where) {
+  TESSERA_CHECK(file_size >= 8, where, " is not a safetensors file: it has only ", file_size, " bytes");
+  std::uint64_t length = 0;
+  std::memcpy(&length, first8, 8);
+  TESSERA_CHECK(length <= static_cast<std::uint64_t>(file_size - 8) && length <= kMaxSafetensorsHeader, where,
+                " is not a safetensors file: its header length ", length, " does not fit in its ", file_size,
+                " bytes");
+  return length;
+}
+
+SafetensorsHeader parse_safetensors_header(std::string_view bytes, std::int64_t file_size, const std::string& where) {
+  TESSERA_CHECK(bytes.size() >= 8, where, " is not a safetensors file: it has only ", bytes.size(), " bytes");
+  const std::uint64_t length = safetensors_header_length(bytes.data(), file_size, where);
+  TESSERA_CHECK(bytes.size() - 8 >= length, where, ": only ", bytes.size(), " of its header's ", 8 + length,
+                " bytes were given");
+  SafetensorsHeader out;
+  out.data_start = 8 + static_cast<std::int64_t>(length);
+  const std::int64_t data_bytes = file_size - out.data_start;
+  json header;
+  try {
+    header = json::parse(bytes.data() + 8, bytes.data() + 8 + length);
+  } catch (const std::exception& e) {
+    TESSERA_FAIL(where, " is not a safetensors file: its header is not JSON (", e.what(), ")");
+  }
+  TESSERA_CHECK(header.is_object(), where, " is not a safetensors file: its header is not a JSON object");
+  std::vector<std::pair<std::int64_t, std::int64_t>> ranges;  // data offsets, for the tiling check
+  for (const auto& [name, value] : header.items()) {
+    if (name == "__metadata__") {
+      TESSERA_CHECK(value.is_object(), where, ": __metadata__ is not an object");
+      for (const auto& [key, item] : value.items()) {
+        TESSERA_CHECK(item.is_string(), where, ": __metadata__['", key, "'] is not a string");
+        out.metadata[key] = item.get<std::string>();
+      }
+      continue;
+    }
+    const std::string entry = where + " tensor '" + name + "'";
+    TESSERA_CHECK(value.is_object() && value.contains("dtype") && value.at("dtype").is_string() &&
+                      value.contains("shape") && value.at("shape").is_array() && value.contains("data_offsets") &&
+                      value.at("data_offsets").is_array(),
+                  entry, ": malformed header entry (it needs \"dtype\": string, \"shape\": [dims], ",
+                  "\"data_offsets\": [begin, end])");
+    SafetensorsEntry e{scalar_type_of(value.at("dtype").get<std::string>(), entry), {}};
+    std::int64_t bytes_needed = static_cast<std::int64_t>(c10::elementSize(e.dtype));
+    for (const auto& d : value.at("shape")) {
+      TESSERA_CHECK(d.is_number_unsigned() || (d.is_number_integer() && d.get<std::int64_t>() >= 0), entry,
+                    ": shape ", value.at("shape").dump(), " holds something other than a non-negative integer");
+      TESSERA_CHECK(!d.is_number_unsigned() || d.get<std::uint64_t>() <= std::uint64_t{INT64_MAX}, entry,
+                    ": dimension ", d.dump(), " is too large");
+      e.shape.push_back(d.get<std::int64_t>());
+      TESSERA_CHECK(!__builtin_mul_overflow(bytes_needed, e.shape.back(), &bytes_needed), entry, ": shape ",
+                    value.at("shape").dump(), " has more bytes than a file can hold");
+    }
+    const auto& offsets = value.at("data_offsets");
+    TESSERA_CHECK(offsets.size() == 2 && offsets[0].is_number_integer() && offsets[1].is_number_integer() &&
+                      offsets[0].get<std::int64_t>() >= 0 && offsets[1].get<std::int64_t>() >= offsets[0].get<std::int64_t>(),
+                  entry, ": data_offsets ", offsets.dump(), " is not [begin, end] with 0 <= begin <= end");
+    const std::int64_t begin = offsets[0].get<std::int64_t>(), end = offsets[1].get<std::int64_t>();
+    TESSERA_CHECK(end - begin == bytes_needed && end <= data_bytes, entry, ": data_offsets [", begin, ", ", end,
+                  ") do not hold its ", bytes_needed, " bytes within the file's ", data_bytes,
+                  " bytes of data (truncated?)");
+    e.begin = out.data_start + begin;
+    e.end = out.data_start + end;
+    ranges.emplace_back(begin, end);
+    out.tensors.emplace(name, std::move(e));
+  }
+  // The reference reader's rule: the tensors cover the data exactly, in some order.
+  std::sort(ranges.begin(), ranges.end());
+  std::int64_t covered = 0;
+  for (const auto& [begin, end] : ranges) {
+    TESSERA_CHECK(begin == covered, where, ": ", begin < covered ? "two tensors share" : "no tensor holds",
+                  " the data bytes from ", std::min(begin, covered), " on (data_offsets overlap or leave a gap)");
+    covered = end;
+  }
+  TESSERA_CHECK(covered == data_bytes, where, ": ", data_bytes - covered, " bytes after the last tensor's data ",
+                "belong to no tensor");
+  return out;
+}
+
 SafetensorsReader::SafetensorsReader(std::string path, const FileDigest* expected)
     : path_(std::move(path)), expected_(expected) {
   fd_ = ::open(path_.c_str(), O_RDONLY | O_CLOEXEC);
@@ -195,52 +275,16 @@ SafetensorsReader::SafetensorsReader(std::string path, const FileDigest* expecte
     // verify_header() and every data read check the blocks they touch.
     const FileDigest* expected = expected_;
     expected_ = nullptr;
-    std::uint64_t length = 0;
-    read_bytes(0, 8, &length);
-    TESSERA_CHECK(length <= static_cast<std::uint64_t>(size_ - 8) && length < (std::uint64_t{1} << 30), path_,
-                  " is not a safetensors file: its header length ", length, " does not fit in its ", size_, " bytes");
-    std::string text(length, '\0');
-    read_bytes(8, static_cast<std::int64_t>(length), text.data());
-    json header;
-    try {
-      header = json::parse(text);
-    } catch (const std::exception& e) {
-      TESSERA_FAIL(path_, " is not a safetensors file: its header is not JSON (", e.what(), ")");
-    }
-    TESSERA_CHECK(header.is_object(), path_, " is not a safetensors file: its header is not a JSON object");
+    std::string bytes(8, '\0');
+    read_bytes(0, 8, bytes.data());
+    const std::uint64_t length = safetensors_header_length(bytes.data(), size_, path_);
+    bytes.resize(8 + length);
+    read_bytes(8, static_cast<std::int64_t>(length), bytes.data() + 8);
+    SafetensorsHeader header = parse_safetensors_header(bytes, size_, path_);
     expected_ = expected;
-    const std::int64_t data_start = 8 + static_cast<std::int64_t>(length);
-    data_start_ = data_start;
-    for (const auto& [name, value] : header.items()) {
-      const std::string where = path_ + " tensor '" + name + "'";
-      if (name == "__metadata__") {
-        TESSERA_CHECK(value.is_object(), path_, ": __metadata__ is not an object");
-        for (const auto& [key, item] : value.items()) {
-          TESSERA_CHECK(item.is_string(), path_, ": __metadata__['", key, "'] is not a string");
-          metadata_[key] = item.get<std::string>();
-        }
-        continue;
-      }
-      try {
-        Entry e{scalar_type_of(value.at("dtype").get<std::string>(), where),
-                value.at("shape").get<std::vector<std::int64_t>>()};
-        auto offsets = value.at("data_offsets").get<std::vector<std::int64_t>>();
-        TESSERA_CHECK(offsets.size() == 2, where, ": data_offsets must be [begin, end]");
-        std::int64_t numel = 1;
-        for (auto d : e.shape) {
-          TESSERA_CHECK(d >= 0, where, ": negative dimension");
-          numel *= d;
-        }
-        e.begin = data_start + offsets[0];
-        e.end = data_start + offsets[1];
-        TESSERA_CHECK(offsets[0] >= 0 && offsets[1] - offsets[0] == numel * c10::elementSize(e.dtype) && e.end <= size_,
-                      where, ": data_offsets [", offsets[0], ", ", offsets[1], ") do not hold its ", numel,
-                      " elements within the file's ", size_, " bytes (truncated?)");
-        tensors_.emplace(name, std::move(e));
-      } catch (const nlohmann::json::exception& e) {
-        TESSERA_FAIL(where, ": malformed header entry (", e.what(), ")");
-      }
-    }
+    data_start_ = header.data_start;
+    tensors_ = std::move(header.tensors);
+    metadata_ = std::move(header.metadata);
   } catch (...) {
     ::close(fd_);
     throw;

@@ -9,6 +9,7 @@
 
 #include <algorithm>
 #include <cctype>
+#include <fstream>
 
 #include "tessera/sdk/error.hpp"
 
@@ -213,6 +214,14 @@ Environment process_environment() {
     if (eq != std::string::npos) env.emplace(entry.substr(0, eq), entry.substr(eq + 1));
   }
   return env;
+}
+
+char process_state(std::int64_t pid) {
+  std::ifstream stat("/proc/" + std::to_string(pid) + "/stat");
+  std::string text;
+  if (!std::getline(stat, text)) return 0;
+  std::size_t paren = text.rfind(')');  // the command name may hold spaces and parentheses
+  return paren != std::string::npos && paren + 2 < text.size() ? text[paren + 2] : 'R';
 }
 
 ReservedPort::ReservedPort() : fd_(::socket(AF_INET, SOCK_STREAM, 0)) {

@@ -1,5 +1,12 @@
 // The one place Tessera calls c10d. Compiles against LibTorch 1.13 (ProcessGroupGloo is a
 // ProcessGroup) and 2.x (it is a Backend with the same collective methods).
+#include <arpa/inet.h>
+#include <ifaddrs.h>
+#include <netdb.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
 #include <chrono>
 #include <atomic>
 #include <condition_variable>
@@ -26,6 +33,7 @@
 
 #include "shared_memory_channel.hpp"
 #include "store_text.hpp"
+#include "tessera/core/cluster.hpp"
 #include "tessera/core/comm.hpp"
 #include "tessera/core/trace.hpp"
 #include "tessera/sdk/error.hpp"
@@ -81,6 +89,11 @@ struct Shared {
   std::function<void(const std::string&)> fatal_reporter;
   std::atomic<bool> poisoned{false};  ///< a collective timed out: its Gloo thread may still be inside it
   std::string world_transport;        ///< what carries the world group's collectives (for the log)
+  std::vector<std::string> group_transports;  ///< split groups whose path differs from the world's
+  /// Where every Gloo group of this process binds (the world group and its splits alike): a
+  /// named interface, else the local address that reaches the master.
+  std::string gloo_interface;
+  std::string gloo_address = "127.0.0.1";
 };
 
 Shared& shared() {
@@ -133,6 +146,7 @@ c10::intrusive_ptr<c10d::Store> open_client(const StoreAddress& a, double timeou
 }
 
 std::string ledger_key(std::int64_t rank) { return "tessera/ledger/" + std::to_string(rank); }
+const std::string kFailureCount = "tessera/failures";
 std::string failure_key(std::int64_t rank) { return "tessera/failure/" + std::to_string(rank); }
 
 using detail::to_bytes;
@@ -164,6 +178,25 @@ std::map<std::int64_t, FailureRecord> read_failures(c10d::Store& store, std::int
   for (std::int64_t r = 0; r < world; ++r)
     if (store.check({failure_key(r)})) failures[r] = FailureRecord::parse(to_string(store.get(failure_key(r))));
   return failures;
+}
+
+bool is_loopback(const std::string& address) { return address.rfind("127.", 0) == 0 || address == "::1"; }
+
+/// False once `pid` is gone or a zombie (its launcher has not reaped it yet).
+bool process_alive(std::int64_t pid) {
+  const char state = process_state(pid);
+  return state != 0 && state != 'Z' && state != 'X';
+}
+
+/// The ranks of this host (by ledger) whose process is gone.
+std::vector<std::int64_t> exited_ranks(const std::vector<std::optional<LedgerEntry>>& ledgers, std::int64_t me) {
+  std::vector<std::int64_t> gone;
+  const std::string here = host_name();
+  for (std::size_t r = 0; r < ledgers.size(); ++r)
+    if (static_cast<std::int64_t>(r) != me && ledgers[r] && ledgers[r]->host == here && ledgers[r]->pid > 0 &&
+        !process_alive(ledgers[r]->pid))
+      gone.push_back(static_cast<std::int64_t>(r));
+  return gone;
 }
 
 struct StoreView {
@@ -203,11 +236,138 @@ Diagnosis diagnose_now(std::int64_t me, bool timed_out) {
     LedgerEntry mine = ledger_snapshot();
     mine.published_ms = wall_ms();
     view->ledgers[static_cast<std::size_t>(me)] = mine;
-    d = diagnose(me, view->ledgers, view->failures, wall_ms(), kStaleS);
-    if (d.root >= 0) return d;
+    d = diagnose(me, view->ledgers, view->failures, wall_ms(), kStaleS, exited_ranks(view->ledgers, me));
+    // A broken connection is a peer that died: one on another host still looks alive (or stuck
+    // outside collectives) until its heartbeat goes stale, so only a firm cause is taken at once.
+    const bool firm = d.cause == "reported" || d.cause == "exited" || d.cause == "lost";
+    if (d.root >= 0 && (timed_out || firm || attempt == 1)) return d;
     if (attempt == 0) std::this_thread::sleep_for(std::chrono::duration<double>(kStaleS + kPublishIntervalS));
   }
   return d;
+}
+
+/// Ends this rank the way the collective watchdog does: the message on stderr, the host's
+/// reporter (torchrun's error file and the failure record), exit code `code`. For a rank
+/// whose Gloo thread is still inside a connect or collective that will never finish.
+[[noreturn]] void end_rank(const std::string& message, int code) {
+  std::fprintf(stderr, "tessera: error: %s\n", message.c_str());
+  std::fflush(stderr);
+  std::function<void(const std::string&)> reporter;
+  {
+    std::lock_guard<std::mutex> guard(shared().mutex);
+    reporter = shared().fatal_reporter;
+  }
+  if (reporter) reporter(message);
+  else report_failure(message);
+  std::_Exit(code);
+}
+
+std::string joined_key(const std::string& group, std::int64_t rank) {
+  return "tessera/joined/" + group + "/" + std::to_string(rank);
+}
+
+/// Creates a process group with `make` (Gloo connects every pair of ranks; the shared-memory
+/// channel maps its segment) on its own thread, bounded by [launch] rendezvous_timeout_s.
+/// Each member marks its arrival in the store; when the time is up, or as soon as another
+/// rank records a failure, this rank ends, naming the group, the phase and the ranks (with
+/// their hosts) it waited for. `members` are the group's global ranks.
+template <typename T>
+T create_group(std::function<T()> make, const std::string& group, const std::vector<std::int64_t>& members,
+               std::int64_t me) {
+  const double timeout_s = current_settings().rendezvous_s;
+  std::optional<StoreAddress> address = store_address();
+  if (!address) return make();
+  c10::intrusive_ptr<c10d::Store> client;
+  try {
+    client = open_client(*address, 5.0);
+    client->set(joined_key(group, me), to_bytes("1"));
+  } catch (const std::exception&) {
+    client.reset();  // the store is gone: Gloo's own connect reports it
+  }
+  auto promise = std::make_shared<std::promise<T>>();
+  std::future<T> future = promise->get_future();
+  std::thread([promise, make = std::move(make)] {
+    try {
+      promise->set_value(make());
+    } catch (...) {
+      promise->set_exception(std::current_exception());
+    }
+  }).detach();
+  const std::string what = "creating process group " + group + " (" + ranks_text(members) + ")";
+  const Clock::time_point start = Clock::now();
+  while (future.wait_for(std::chrono::milliseconds(250)) != std::future_status::ready) {
+    if (!client) {
+      if (std::chrono::duration<double>(Clock::now() - start).count() < timeout_s) continue;
+      shared().poisoned = true;
+      end_rank("rank " + std::to_string(me) + ": " + what + " did not finish within [launch] rendezvous_timeout_s = " +
+                   std::to_string(static_cast<std::int64_t>(timeout_s)) + " s, and the rendezvous store does not answer",
+               1);
+    }
+    const bool expired = std::chrono::duration<double>(Clock::now() - start).count() >= timeout_s;
+    // One key counts the failure records (report_failure), so that waiting costs one read.
+    std::optional<std::int64_t> failed = bounded<std::int64_t>([client] { return client->add(kFailureCount, 0); }, kStoreReadS);
+    if (!expired && (!failed || *failed == 0)) continue;
+    StoreAddress a = *address;
+    std::optional<StoreView> view = bounded<StoreView>([client, a] {
+      StoreView v;
+      v.ledgers.resize(static_cast<std::size_t>(a.world));
+      for (std::int64_t r = 0; r < a.world; ++r)
+        if (client->check({ledger_key(r)})) v.ledgers[r] = LedgerEntry::parse(to_string(client->get(ledger_key(r))));
+      v.failures = read_failures(*client, a.world);
+      return v;
+    }, kStoreReadS);
+    if (!view) continue;
+    view->failures.erase(me);
+    if (view->failures.empty() && !expired) continue;
+    Diagnosis d;
+    std::string text;
+    if (!view->failures.empty()) {  // another rank already failed: no reason to wait out the timeout
+      const FailureRecord* first = nullptr;
+      for (const auto& [r, f] : view->failures)
+        if (first == nullptr || f.time_ms < first->time_ms) first = &f;
+      d.root = first->rank;
+      text = rank_name(first->rank, view->ledgers) + " failed: " + first->message.substr(0, first->message.find('\n'));
+    } else {
+      std::vector<std::string> missing;
+      const std::int64_t now = wall_ms();
+      for (std::int64_t r : members) {
+        if (r == me) continue;
+        bool joined = false;
+        try {
+          joined = client->check({joined_key(group, r)});
+        } catch (const std::exception&) {
+        }
+        if (joined) continue;
+        if (d.root < 0) d.root = r;
+        const auto& l = view->ledgers[static_cast<std::size_t>(r)];
+        std::string state = !l ? " never reached the rendezvous store"
+                            : now - l->published_ms > kStaleS * 1000 ? " stopped responding before it joined"
+                                                                     : " is alive but has not joined (phase " + l->phase + ")";
+        missing.push_back(rank_name(r, view->ledgers) + state);
+      }
+      text = "waited for ";
+      for (std::size_t i = 0; i < missing.size(); ++i) text += (i ? "; " : "") + missing[i];
+      if (missing.empty()) text = "every rank joined, but the connections between them did not form (a firewall, or "
+                                  "an address another host cannot reach: see [launch] interface)";
+    }
+    d.text = text;
+    {
+      std::lock_guard<std::mutex> lock(shared().mutex);
+      shared().last_failure = d;
+    }
+    shared().poisoned = true;
+    end_rank("rank " + std::to_string(me) + ": " + what + (expired ? " timed out after " : " stopped after ") +
+                 std::to_string(static_cast<std::int64_t>(std::chrono::duration<double>(Clock::now() - start).count())) +
+                 " s ([launch] rendezvous_timeout_s = " + std::to_string(static_cast<std::int64_t>(timeout_s)) +
+                 "): " + text,
+             1);
+  }
+  try {
+    return future.get();
+  } catch (const std::exception& e) {
+    std::string reason = e.what();
+    TESSERA_FAIL("rank ", me, ": ", what, " failed: ", reason.substr(0, reason.find('\n')));
+  }
 }
 
 /// Every collective in flight in this process (world group and its splits), and the ledger
@@ -306,16 +466,7 @@ class Monitor {
                               std::to_string(static_cast<std::int64_t>(stuck.timeout_s)) +
                               (stuck.on_device ? " s; the device never finished it" : " s; this rank never waited for it") +
                               "). Hang report: " + d.text;
-        std::fprintf(stderr, "tessera: error: %s\n", message.c_str());
-        std::fflush(stderr);
-        std::function<void(const std::string&)> reporter;
-        {
-          std::lock_guard<std::mutex> guard(shared().mutex);
-          reporter = shared().fatal_reporter;
-        }
-        if (reporter) reporter(message);
-        else report_failure(message);
-        std::_Exit(124);
+        end_rank(message, 124);
       }
     }
   }
@@ -496,11 +647,17 @@ class C10dCommunicator final : public Communicator {
   std::int64_t rank() const override { return rank_; }
   std::int64_t size() const override { return size_; }
   const CommStats& stats() const override { return stats_; }
+  /// The group's ranks in the world group (the world group itself: 0..size-1).
+  void set_members(std::vector<std::int64_t> members) { members_ = std::move(members); }
   /// Ends the backend at a normal exit (NCCL: below; Gloo's destructor does all it needs).
   void shut_down() {}
   std::string transport() const {
     if (!is_gloo_) return "NCCL";
-    if (!shm_) return "Gloo";
+    if (!shm_) {
+      std::lock_guard<std::mutex> lock(shared().mutex);
+      if (!shared().gloo_interface.empty()) return "Gloo over " + shared().gloo_interface;
+      return is_loopback(shared().gloo_address) ? std::string("Gloo") : "Gloo over " + shared().gloo_address;
+    }
     return "shared memory among the " + std::to_string(size_) + " ranks of this host (Gloo for broadcasts and barriers)";
   }
 
@@ -612,10 +769,22 @@ class C10dCommunicator final : public Communicator {
       auto store = c10::make_intrusive<c10d::PrefixStore>(prefix, store_);
       std::int64_t group_rank = it - members.begin();
       std::int64_t group_size = static_cast<std::int64_t>(members.size());
-      return std::make_shared<C10dCommunicator<Backend>>(store, make_backend(store, group_rank, group_size),
-                                                         group_rank, group_size, global_rank_, timeout_s_,
-                                                         backend_timeout_s_, is_gloo_, prefix, monitor_,
-                                                         current_settings().shared_memory);
+      std::vector<std::int64_t> global;  // the members' ranks in the world group, for reports
+      for (std::int64_t m : members) global.push_back(m < static_cast<std::int64_t>(members_.size()) ? members_[m] : m);
+      auto made = create_group<std::shared_ptr<C10dCommunicator<Backend>>>([this, store, group_rank, group_size, prefix] {
+        return std::make_shared<C10dCommunicator<Backend>>(store, make_backend(store, group_rank, group_size),
+                                                           group_rank, group_size, global_rank_, timeout_s_,
+                                                           backend_timeout_s_, is_gloo_, prefix, monitor_,
+                                                           current_settings().shared_memory);
+      }, prefix, global, global_rank_);
+      made->set_members(global);
+      {  // the log names each group whose path differs from the world group's
+        std::string path = made->transport();
+        std::lock_guard<std::mutex> lock(shared().mutex);
+        if (path != shared().world_transport)
+          shared().group_transports.push_back("group " + ranks_text(global) + ": " + path);
+      }
+      return made;
     }
     TESSERA_FAIL("split(): rank ", rank_, " is in none of the ", groups.size(), " groups");
   }
@@ -650,29 +819,140 @@ class C10dCommunicator final : public Communicator {
   bool is_gloo_;
   std::string name_;
   std::int64_t split_count_ = 0;
+  std::vector<std::int64_t> members_;
   std::shared_ptr<Monitor> monitor_;
   CommStats stats_;
   std::shared_ptr<ReceiveBufferPool> receive_pool_ = std::make_shared<ReceiveBufferPool>();
   std::unique_ptr<detail::SharedMemoryChannel> shm_;  ///< null: Gloo carries every collective
 };
 
+/// Every address `name` resolves to (IPv4 and IPv6), as text.
+std::vector<std::string> resolve(const std::string& name) {
+  addrinfo hints{};
+  hints.ai_family = AF_UNSPEC;
+  hints.ai_socktype = SOCK_STREAM;
+  addrinfo* found = nullptr;
+  std::vector<std::string> addresses;
+  if (::getaddrinfo(name.c_str(), nullptr, &hints, &found) != 0) return addresses;
+  for (addrinfo* a = found; a != nullptr; a = a->ai_next) {
+    char text[INET6_ADDRSTRLEN] = {0};
+    const void* raw = a->ai_family == AF_INET ? static_cast<const void*>(&reinterpret_cast<sockaddr_in*>(a->ai_addr)->sin_addr)
+                                              : static_cast<const void*>(&reinterpret_cast<sockaddr_in6*>(a->ai_addr)->sin6_addr);
+    if (::inet_ntop(a->ai_family, raw, text, sizeof(text)) != nullptr &&
+        std::find(addresses.begin(), addresses.end(), text) == addresses.end())
+      addresses.emplace_back(text);
+  }
+  ::freeaddrinfo(found);
+  return addresses;
+}
+
+/// The local address the kernel routes to `host` from (a UDP connect sends nothing), or "".
+std::string route_to(const std::string& host, std::int64_t port) {
+  addrinfo hints{};
+  hints.ai_family = AF_INET;
+  hints.ai_socktype = SOCK_DGRAM;
+  addrinfo* found = nullptr;
+  if (::getaddrinfo(host.c_str(), std::to_string(port).c_str(), &hints, &found) != 0 || found == nullptr) return "";
+  std::string local;
+  int fd = ::socket(AF_INET, SOCK_DGRAM, 0);
+  if (fd >= 0 && ::connect(fd, found->ai_addr, found->ai_addrlen) == 0) {
+    sockaddr_in mine{};
+    socklen_t length = sizeof(mine);
+    char text[INET_ADDRSTRLEN] = {0};
+    if (::getsockname(fd, reinterpret_cast<sockaddr*>(&mine), &length) == 0 &&
+        ::inet_ntop(AF_INET, &mine.sin_addr, text, sizeof(text)) != nullptr)
+      local = text;
+  }
+  if (fd >= 0) ::close(fd);
+  ::freeaddrinfo(found);
+  return local;
+}
+
+/// The name of the interface that holds IPv4 `address`, or "".
+std::string interface_of(const std::string& address) {
+  ifaddrs* list = nullptr;
+  if (::getifaddrs(&list) != 0) return "";
+  std::string name;
+  for (ifaddrs* i = list; i != nullptr && name.empty(); i = i->ifa_next) {
+    if (i->ifa_addr == nullptr || i->ifa_addr->sa_family != AF_INET) continue;
+    char text[INET_ADDRSTRLEN] = {0};
+    if (::inet_ntop(AF_INET, &reinterpret_cast<sockaddr_in*>(i->ifa_addr)->sin_addr, text, sizeof(text)) != nullptr &&
+        address == text)
+      name = i->ifa_name;
+  }
+  ::freeifaddrs(list);
+  return name;
+}
+
+/// Picks where this process's Gloo groups bind: [launch] interface, else GLOO_SOCKET_IFNAME,
+/// else the local address that reaches the master. In a job across several hosts, a host
+/// whose own name resolves only to loopback is refused unless an interface is named: other
+/// tools of the job (torchrun's rendezvous, Gloo's default device, the reports) go by the name.
+void choose_gloo_address(const sdk::ClusterInfo& cluster, const CommSettings& settings) {
+  const char* env = std::getenv("GLOO_SOCKET_IFNAME");
+  std::string interface = !settings.interface.empty() ? settings.interface : env != nullptr ? env : "";
+  std::string address = route_to(cluster.master_addr, cluster.master_port);
+  const std::string host = host_name();
+  const std::string where = "node " + std::to_string(cluster.node_rank) + " (" + host + ", rank " +
+                            std::to_string(cluster.global_rank) + ")";
+  if (!interface.empty()) {
+    ifaddrs* list = nullptr;
+    bool exists = false;
+    if (::getifaddrs(&list) == 0) {
+      for (ifaddrs* i = list; i != nullptr; i = i->ifa_next) exists = exists || interface == i->ifa_name;
+      ::freeifaddrs(list);
+    }
+    TESSERA_CHECK(exists, where, ": ", (settings.interface.empty() ? "GLOO_SOCKET_IFNAME" : "[launch] interface"),
+                  " = \"", interface, "\" is no network interface of this host",
+                  (address.empty() || interface_of(address).empty()
+                       ? std::string()
+                       : " (the one that reaches the master " + cluster.master_addr + " is \"" + interface_of(address) +
+                             "\")"));
+  } else if (cluster.num_nodes > 1) {
+    // A master on loopback means every node runs on this machine: nothing to check.
+    TESSERA_CHECK(!address.empty(), where, ": the master address '", cluster.master_addr, "' does not resolve to a ",
+                  "reachable IPv4 address from this host: set [launch] master_addr (or MASTER_ADDR) to node 0's ",
+                  "network address, the same on every node");
+    std::vector<std::string> own = resolve(host);
+    bool usable = is_loopback(address);
+    for (const auto& a : own) usable = usable || !is_loopback(a);
+    std::string listed;
+    for (const auto& a : own) listed += (listed.empty() ? "" : ", ") + a;
+    const std::string fix = interface_of(address).empty()
+                                ? std::string("[launch] interface = \"<the interface that reaches the other hosts>\"")
+                                : "[launch] interface = \"" + interface_of(address) +
+                                      "\" (the interface that reaches the master " + cluster.master_addr + ")";
+    TESSERA_CHECK(usable, where, ": this host's name '", host, "' resolves ",
+                  (own.empty() ? std::string("to no address") : "only to loopback (" + listed + ")"), " in a job across ",
+                  cluster.num_nodes, " nodes; the other hosts could not connect to it. Map '", host,
+                  "' to this host's network address in /etc/hosts (or DNS), or set ", fix, " or GLOO_SOCKET_IFNAME");
+  }
+  std::lock_guard<std::mutex> lock(shared().mutex);
+  shared().gloo_interface = interface;
+  shared().gloo_address = address.empty() ? std::string("127.0.0.1") : address;
+}
+
 c10::intrusive_ptr<c10d::ProcessGroupGloo> make_gloo(const c10::intrusive_ptr<c10d::Store>& store, std::int64_t rank,
-                                                     std::int64_t size, double timeout_s, const std::string& host) {
+                                                     std::int64_t size, double timeout_s) {
   auto options = c10d::ProcessGroupGloo::Options::create(
       std::chrono::milliseconds(static_cast<std::int64_t>(timeout_s * 1000)));
-  if (const char* ifname = std::getenv("GLOO_SOCKET_IFNAME"))
-    options->devices.push_back(c10d::ProcessGroupGloo::createDeviceForInterface(ifname));
-  else if (host == "127.0.0.1" || host == "localhost")
-    options->devices.push_back(c10d::ProcessGroupGloo::createDeviceForHostname("127.0.0.1"));
-  else
-    options->devices.push_back(c10d::ProcessGroupGloo::createDefaultDevice());
+  std::string interface, address;
+  {
+    std::lock_guard<std::mutex> lock(shared().mutex);
+    interface = shared().gloo_interface;
+    address = shared().gloo_address;
+  }
+  // Every group binds where the world group does: a split on loopback could not be reached
+  // from another host (Gloo's pair connects to the address each rank publishes).
+  if (!interface.empty()) options->devices.push_back(c10d::ProcessGroupGloo::createDeviceForInterface(interface));
+  else options->devices.push_back(c10d::ProcessGroupGloo::createDeviceForHostname(address));
   return c10::make_intrusive<c10d::ProcessGroupGloo>(store, static_cast<int>(rank), static_cast<int>(size), options);
 }
 
 template <>
 c10::intrusive_ptr<c10d::ProcessGroupGloo> C10dCommunicator<c10d::ProcessGroupGloo>::make_backend(
     const c10::intrusive_ptr<c10d::Store>& store, std::int64_t rank, std::int64_t size) const {
-  return make_gloo(store, rank, size, backend_timeout_s_, "127.0.0.1");
+  return make_gloo(store, rank, size, backend_timeout_s_);
 }
 
 #if TESSERA_WITH_CUDA
@@ -788,7 +1068,7 @@ CommunicatorPtr make_communicator(const sdk::ClusterInfo& cluster, const c10::De
     const char* attempt = std::getenv("TORCHELASTIC_RESTART_COUNT");
     address.prefix = "/worker/attempt_" + std::string(attempt ? attempt : "0");
   }
-  detail::ledger_set_rank(cluster.global_rank);
+  detail::ledger_set_rank(cluster.global_rank, cluster.node_rank);
 
   c10d::TCPStoreOptions options;
   options.port = static_cast<std::uint16_t>(cluster.master_port);
@@ -820,9 +1100,18 @@ CommunicatorPtr make_communicator(const sdk::ClusterInfo& cluster, const c10::De
     std::lock_guard<std::mutex> lock(shared().mutex);
     shared().store = address;
   }
+  {  // the first heartbeat, before any group exists: a rank that never gets further is named with its host
+    LedgerEntry entry = ledger_snapshot();
+    entry.published_ms = wall_ms();
+    store->set(ledger_key(cluster.global_rank), to_bytes(entry.serialize()));
+  }
+  if (!device.is_cuda()) choose_gloo_address(cluster, settings);
+  std::vector<std::int64_t> everyone(static_cast<std::size_t>(cluster.world_size));
+  for (std::int64_t r = 0; r < cluster.world_size; ++r) everyone[static_cast<std::size_t>(r)] = r;
   auto remember = [](const auto& world) {
+    std::string path = world->transport();  // takes the lock itself
     std::lock_guard<std::mutex> lock(shared().mutex);
-    shared().world_transport = world->transport();
+    shared().world_transport = path;
     return world;
   };
   if (device.is_cuda()) {
@@ -835,15 +1124,23 @@ CommunicatorPtr make_communicator(const sdk::ClusterInfo& cluster, const c10::De
     TESSERA_FAIL("CUDA tensors need NCCL, but this tessera was built without CUDA");
 #endif
   }
-  return remember(std::make_shared<C10dCommunicator<c10d::ProcessGroupGloo>>(
-      store, make_gloo(store, cluster.global_rank, cluster.world_size, backend_timeout_s, cluster.master_addr),
-      cluster.global_rank, cluster.world_size, cluster.global_rank, timeout_s, backend_timeout_s, true, "world",
-      std::make_shared<Monitor>(cluster.global_rank, kGlooBackstopS, address), settings.shared_memory));
+  using Gloo = C10dCommunicator<c10d::ProcessGroupGloo>;
+  auto world = create_group<std::shared_ptr<Gloo>>([=] {
+    return std::make_shared<Gloo>(store, make_gloo(store, cluster.global_rank, cluster.world_size, backend_timeout_s),
+                                  cluster.global_rank, cluster.world_size, cluster.global_rank, timeout_s,
+                                  backend_timeout_s, true, "world",
+                                  std::make_shared<Monitor>(cluster.global_rank, kGlooBackstopS, address),
+                                  settings.shared_memory);
+  }, "world", everyone, cluster.global_rank);
+  world->set_members(everyone);
+  return remember(world);
 }
 
 std::string world_transport() {
   std::lock_guard<std::mutex> lock(shared().mutex);
-  return shared().world_transport;
+  std::string text = shared().world_transport;
+  for (const auto& group : shared().group_transports) text += "; " + group;
+  return text;
 }
 
 bool shared_memory_collectives(const sdk::ClusterInfo& cluster) {
@@ -879,13 +1176,16 @@ FailureRecord report_failure(const std::string& message) {
   if (std::optional<Diagnosis> d = last_collective_failure()) {
     record.consequence = d->root != record.rank;
     record.root = d->root;
+    record.root_summary = d->root_summary.empty() ? d->text : d->root_summary;
   }
   if (std::optional<StoreAddress> a = store_address()) {
     std::string text = record.serialize();
     std::int64_t rank = record.rank;
     StoreAddress address = *a;
     bounded<bool>([address, text, rank] {
-      open_client(address, 2.0)->set(failure_key(rank), to_bytes(text));
+      auto store = open_client(address, 2.0);
+      store->set(failure_key(rank), to_bytes(text));
+      store->add(kFailureCount, 1);
       return true;
     }, kStoreReadS);
   }
@@ -920,6 +1220,18 @@ AgentStore::AgentStore(const std::string& host, std::int64_t port, bool server, 
 AgentStore::~AgentStore() = default;
 
 std::int64_t AgentStore::port() const { return impl_->address.port; }
+
+std::vector<std::optional<LedgerEntry>> AgentStore::ledgers(std::int64_t world_size) {
+  StoreAddress a = impl_->address;
+  auto found = bounded<std::vector<std::optional<LedgerEntry>>>([a, world_size] {
+    auto store = open_client(a, 2.0);
+    std::vector<std::optional<LedgerEntry>> ledgers(static_cast<std::size_t>(world_size));
+    for (std::int64_t r = 0; r < world_size; ++r)
+      if (store->check({ledger_key(r)})) ledgers[r] = LedgerEntry::parse(to_string(store->get(ledger_key(r))));
+    return ledgers;
+  }, kStoreReadS);
+  return found ? *found : std::vector<std::optional<LedgerEntry>>(static_cast<std::size_t>(world_size));
+}
 
 std::map<std::int64_t, FailureRecord> AgentStore::failures(std::int64_t world_size) {
   StoreAddress a = impl_->address;

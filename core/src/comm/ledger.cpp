@@ -68,6 +68,16 @@ std::string ranks_list(const std::vector<std::int64_t>& ranks) {
   return s;
 }
 
+bool several_hosts(const std::vector<std::optional<LedgerEntry>>& ledgers) {
+  std::string first;
+  for (const auto& l : ledgers) {
+    if (!l || l->host.empty()) continue;
+    if (first.empty()) first = l->host;
+    else if (l->host != first) return true;
+  }
+  return false;
+}
+
 struct State {
   std::mutex mutex;
   LedgerEntry entry;
@@ -84,6 +94,30 @@ State& state() {
 
 }  // namespace
 
+std::string ranks_text(const std::vector<std::int64_t>& ranks) {
+  std::string s = ranks.size() == 1 ? "rank " : "ranks ";
+  bool contiguous = ranks.size() > 2;
+  for (std::size_t i = 1; i < ranks.size() && contiguous; ++i) contiguous = ranks[i] == ranks[i - 1] + 1;
+  if (contiguous || (ranks.size() == 2 && ranks[1] == ranks[0] + 1))
+    return s + std::to_string(ranks.front()) + "-" + std::to_string(ranks.back());
+  for (std::size_t i = 0; i < ranks.size(); ++i) s += (i ? ", " : "") + std::to_string(ranks[i]);
+  return s;
+}
+
+std::string rank_name(std::int64_t rank, const std::vector<std::optional<LedgerEntry>>& ledgers) {
+  std::string s = "rank " + std::to_string(rank);
+  if (rank < 0 || rank >= static_cast<std::int64_t>(ledgers.size()) || !several_hosts(ledgers)) return s;
+  const auto& l = ledgers[static_cast<std::size_t>(rank)];
+  if (!l || l->host.empty()) return s;
+  return s + " (node " + std::to_string(l->node) + ", " + l->host + ")";
+}
+
+std::string host_name() {
+  char name[256] = {0};
+  if (::gethostname(name, sizeof(name) - 1) != 0 || name[0] == 0) return "?";
+  return name;
+}
+
 std::int64_t wall_ms() {
   return std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::system_clock::now().time_since_epoch())
       .count();
@@ -94,7 +128,7 @@ std::string LedgerEntry::serialize() const {
   out << "rank=" << rank << "\npid=" << pid << "\npublished_ms=" << published_ms << "\nstep=" << step
       << "\nmicro_batch=" << micro_batch << "\nphase=" << phase << "\nissued=" << issued << "\nissued_tag=" << issued_tag
       << "\nwaiting=" << waiting << "\nwaiting_tag=" << waiting_tag << "\nwaiting_since_ms=" << waiting_since_ms
-      << "\nerror_file=" << error_file << "\n";
+      << "\nerror_file=" << error_file << "\nhost=" << host << "\nnode=" << node << "\n";
   return out.str();
 }
 
@@ -113,13 +147,17 @@ LedgerEntry LedgerEntry::parse(const std::string& text) {
   e.waiting_tag = field(f, "waiting_tag");
   e.waiting_since_ms = field_int(f, "waiting_since_ms");
   e.error_file = field(f, "error_file");
+  e.host = field(f, "host");
+  e.node = field_int(f, "node");
   return e;
 }
 
 std::string FailureRecord::serialize() const {
   std::ostringstream out;
+  std::string summary = root_summary;
+  std::replace(summary.begin(), summary.end(), '\n', ' ');
   out << "rank=" << rank << "\ntime_ms=" << time_ms << "\nconsequence=" << (consequence ? 1 : 0) << "\nroot=" << root
-      << "\nmessage=" << message;
+      << "\nroot_summary=" << summary << "\nmessage=" << message;
   return out.str();
 }
 
@@ -130,16 +168,20 @@ FailureRecord FailureRecord::parse(const std::string& text) {
   r.time_ms = field_int(f, "time_ms");
   r.consequence = field_int(f, "consequence") != 0;
   r.root = field(f, "root").empty() ? -1 : field_int(f, "root");
+  r.root_summary = field(f, "root_summary");
   r.message = field(f, "message");
   return r;
 }
 
 Diagnosis diagnose(std::int64_t me, const std::vector<std::optional<LedgerEntry>>& ledgers,
-                   const std::map<std::int64_t, FailureRecord>& failures, std::int64_t now_ms, double stale_s) {
+                   const std::map<std::int64_t, FailureRecord>& failures, std::int64_t now_ms, double stale_s,
+                   const std::vector<std::int64_t>& exited) {
   const auto world = static_cast<std::int64_t>(ledgers.size());
+  auto gone = [&](std::int64_t r) { return std::find(exited.begin(), exited.end(), r) != exited.end(); };
   auto stale = [&](std::int64_t r) {
     return r != me && ledgers[r] && static_cast<double>(now_ms - ledgers[r]->published_ms) > stale_s * 1000.0;
   };
+  auto name = [&](std::int64_t r) { return rank_name(r, ledgers); };
   Diagnosis d;
   std::string root_text;
   // 1. the earliest failure a rank reported as its own
@@ -150,9 +192,19 @@ Diagnosis diagnose(std::int64_t me, const std::vector<std::optional<LedgerEntry>
     d.root = first->rank;
     d.root_reported = true;
     d.root_time_ms = first->time_ms;
-    root_text = "rank " + std::to_string(first->rank) + " failed: " + one_line(first->message);
+    d.cause = "reported";
+    root_text = name(first->rank) + " failed: " + one_line(first->message);
   }
-  // 2. a rank that stopped responding (the most behind first)
+  // 2. a rank whose process is gone (it cannot be stuck: it exited without a report)
+  for (std::int64_t r : exited) {
+    if (d.root >= 0 || r == me || failures.count(r)) continue;
+    d.root = r;
+    d.cause = "exited";
+    root_text = name(r) + " exited " + (ledgers[r] ? where(*ledgers[r]) : std::string("before it published a ledger")) +
+                " without a report (its process is gone)";
+    if (ledgers[r]) d.root_time_ms = ledgers[r]->published_ms;
+  }
+  // 3. a rank that stopped responding (the most behind first): a whole node lost is named as the node
   for (std::int64_t r = 0; r < world && d.root < 0; ++r) {
     if (!stale(r) || failures.count(r)) continue;
     std::int64_t best = r;
@@ -161,37 +213,52 @@ Diagnosis diagnose(std::int64_t me, const std::vector<std::optional<LedgerEntry>
     const LedgerEntry& e = *ledgers[best];
     d.root = best;
     d.root_time_ms = e.published_ms;
-    root_text = "rank " + std::to_string(best) + " stopped responding " + where(e) + " (no heartbeat for " +
+    d.cause = "lost";
+    root_text = name(best) + " stopped responding " + where(e) + " (no heartbeat for " +
                 std::to_string((now_ms - e.published_ms) / 1000) + " s; " + last_collective(e) +
                 (e.waiting > 0 ? ", waiting at " + collective(e.waiting, e.waiting_tag) : "") + ")";
+    if (several_hosts(ledgers)) {
+      std::vector<std::int64_t> node_ranks;
+      bool whole = true;
+      for (std::int64_t s = 0; s < world; ++s) {
+        if (!ledgers[s] || ledgers[s]->host != e.host || ledgers[s]->node != e.node) continue;
+        node_ranks.push_back(s);
+        whole = whole && s != me && (stale(s) || gone(s));
+      }
+      if (whole)
+        root_text = "node " + std::to_string(e.node) + " (" + e.host + "): " + ranks_text(node_ranks) + " lost " +
+                    where(e) + " (no heartbeat for " + std::to_string((now_ms - e.published_ms) / 1000) +
+                    " s: the host is down or unreachable; " + last_collective(e) + ")";
+    }
   }
-  // 3. a rank that never published its ledger
+  // 4. a rank that never published its ledger
   for (std::int64_t r = 0; r < world && d.root < 0; ++r) {
     if (r == me || ledgers[r] || failures.count(r)) continue;
     d.root = r;
+    d.cause = "unpublished";
     root_text = "rank " + std::to_string(r) + " never reported where it is (not started, or the store is unreachable)";
   }
-  // 4. a live rank outside any collective while others wait for a later one
+  // 5. a live rank outside any collective while others wait for a later one
   std::int64_t max_waiting = 0;
   for (std::int64_t r = 0; r < world; ++r)
     if (ledgers[r] && ledgers[r]->waiting > 0) max_waiting = std::max(max_waiting, ledgers[r]->waiting);
   for (std::int64_t r = 0; r < world && d.root < 0; ++r) {
-    if (r == me || !ledgers[r] || stale(r) || failures.count(r)) continue;
+    if (r == me || !ledgers[r] || stale(r) || failures.count(r) || gone(r)) continue;
     const LedgerEntry& e = *ledgers[r];
     if (e.waiting == 0 && e.issued < max_waiting) {
       d.root = r;
-      root_text = "rank " + std::to_string(r) + " is stuck outside any collective " + where(e) + " (" +
-                  last_collective(e) + ")";
+      d.cause = "stuck";
+      root_text = name(r) + " is stuck outside any collective " + where(e) + " (" + last_collective(e) + ")";
     }
   }
-  // 5. a rank waiting on an earlier collective than the others (they disagree on the order)
+  // 6. a rank waiting on an earlier collective than the others (they disagree on the order)
   for (std::int64_t r = 0; r < world && d.root < 0; ++r) {
-    if (!ledgers[r] || stale(r) || failures.count(r)) continue;
+    if (!ledgers[r] || stale(r) || failures.count(r) || gone(r)) continue;
     const LedgerEntry& e = *ledgers[r];
     if (e.waiting > 0 && e.waiting < max_waiting) {
       d.root = r;
-      root_text = "rank " + std::to_string(r) + " is behind: it waits at " + collective(e.waiting, e.waiting_tag) +
-                  " " + where(e);
+      d.cause = "behind";
+      root_text = name(r) + " is behind: it waits at " + collective(e.waiting, e.waiting_tag) + " " + where(e);
     }
   }
 
@@ -202,17 +269,18 @@ Diagnosis diagnose(std::int64_t me, const std::vector<std::optional<LedgerEntry>
     if (r == d.root) continue;
     auto f = failures.find(r);
     if (f != failures.end() && r != me) {
-      others.push_back("rank " + std::to_string(r) + (f->second.consequence ? " failed as a consequence: " : " failed: ") +
+      others.push_back(name(r) + (f->second.consequence ? " failed as a consequence: " : " failed: ") +
                        one_line(f->second.message));
+    } else if (gone(r) && r != me) {
+      others.push_back(name(r) + " also exited " + (ledgers[r] ? where(*ledgers[r]) : std::string()));
     } else if (!ledgers[r]) {
       others.push_back("rank " + std::to_string(r) + ": no ledger");
     } else if (stale(r)) {
-      others.push_back("rank " + std::to_string(r) + " also stopped responding " + where(*ledgers[r]));
+      others.push_back(name(r) + " also stopped responding " + where(*ledgers[r]));
     } else if (ledgers[r]->waiting > 0) {
       waiting[{ledgers[r]->waiting, ledgers[r]->waiting_tag}].push_back(r);
     } else {
-      others.push_back("rank " + std::to_string(r) + " runs " + where(*ledgers[r]) + " (" +
-                       last_collective(*ledgers[r]) + ")");
+      others.push_back(name(r) + " runs " + where(*ledgers[r]) + " (" + last_collective(*ledgers[r]) + ")");
     }
   }
   for (const auto& [key, ranks] : waiting)
@@ -287,10 +355,12 @@ void ledger_done() {
   s.entry.waiting_tag.clear();
 }
 
-void ledger_set_rank(std::int64_t rank) {
+void ledger_set_rank(std::int64_t rank, std::int64_t node) {
   State& s = state();
   std::lock_guard<std::mutex> lock(s.mutex);
   s.entry.rank = rank;
+  s.entry.node = node;
+  s.entry.host = host_name();
   if (const char* f = std::getenv("TORCHELASTIC_ERROR_FILE")) s.entry.error_file = f;
 }
 

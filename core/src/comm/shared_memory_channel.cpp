@@ -28,6 +28,7 @@
 #include <c10/util/Half.h>
 
 #include "store_text.hpp"
+#include "tessera/core/cluster.hpp"
 #include "tessera/sdk/error.hpp"
 
 namespace tessera::core::detail {
@@ -82,13 +83,8 @@ std::string host_identity() {
 
 /// False once `pid` is gone or a zombie (its launcher has not reaped it yet).
 bool alive(pid_t pid) {
-  std::ifstream stat("/proc/" + std::to_string(pid) + "/stat");
-  std::string text;
-  if (!std::getline(stat, text)) return false;
-  std::size_t paren = text.rfind(')');
-  if (paren == std::string::npos || paren + 2 >= text.size()) return true;
-  char state = text[paren + 2];
-  return state != 'Z' && state != 'X';
+  const char state = core::process_state(pid);
+  return state != 0 && state != 'Z' && state != 'X';
 }
 
 void wake(std::atomic<std::uint32_t>& word) {

@@ -9,6 +9,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cctype>
 #include <nlohmann/json.hpp>
 #include <queue>
 #include <set>
@@ -93,8 +94,14 @@ class Regex {
     const auto* subject = reinterpret_cast<PCRE2_SPTR>(text.data());
     std::size_t pos = 0;
     while (pos <= text.size()) {
-      const int rc = pcre2_match(code_, subject, text.size(), pos, PCRE2_NO_UTF_CHECK, data, nullptr);
-      if (rc < 0) break;
+      const int rc = pcre2_match(code_, subject, text.size(), pos, PCRE2_NO_UTF_CHECK, data, match_context());
+      if (rc == PCRE2_ERROR_NOMATCH) break;
+      if (rc < 0) {
+        pcre2_match_data_free(data);
+        PCRE2_UCHAR message[256];
+        pcre2_get_error_message(rc, message, sizeof message);
+        TESSERA_FAIL("regex matching failed on a text of ", text.size(), " bytes: ", reinterpret_cast<const char*>(message));
+      }
       const PCRE2_SIZE* ovector = pcre2_get_ovector_pointer(data);
       if (ovector[1] == ovector[0]) {
         if (ovector[0] >= text.size()) break;
@@ -138,6 +145,21 @@ class Regex {
   }
 
  private:
+  // A per-thread JIT stack larger than PCRE2's 32 KiB default, so long whitespace or symbol runs
+  // (the patterns' lookaheads backtrack over them) match instead of failing.
+  static pcre2_match_context* match_context() {
+    thread_local struct Context {
+      pcre2_match_context* context = pcre2_match_context_create(nullptr);
+      pcre2_jit_stack* stack = pcre2_jit_stack_create(64 * 1024, 64 * 1024 * 1024, nullptr);
+      Context() { pcre2_jit_stack_assign(context, nullptr, stack); }
+      ~Context() {
+        pcre2_jit_stack_free(stack);
+        pcre2_match_context_free(context);
+      }
+    } context;
+    return context.context;
+  }
+
   pcre2_code* code_ = nullptr;
 };
 
@@ -587,8 +609,8 @@ class ByteFallbackDecoder final : public Decoder {
       pending_count = 0;
     };
     for (auto& token : tokens) {
-      if (token.size() == 6 && token.compare(0, 3, "<0x") == 0 && token[5] == '>' && std::isxdigit(token[3]) &&
-          std::isxdigit(token[4])) {
+      if (token.size() == 6 && token.compare(0, 3, "<0x") == 0 && token[5] == '>' && std::isxdigit(static_cast<unsigned char>(token[3])) &&
+          std::isxdigit(static_cast<unsigned char>(token[4]))) {
         pending += static_cast<char>(std::stoi(token.substr(3, 2), nullptr, 16));
         ++pending_count;
       } else {
@@ -842,7 +864,7 @@ class Bpe {
     std::uint64_t owner = 0;
     std::unordered_map<std::string, std::vector<TokenId>> words;
   };
-  static constexpr std::size_t kCacheCapacity = 1 << 18;
+  static constexpr std::size_t kCacheCapacity = 1 << 16;
   static constexpr std::size_t kMaxCachedLength = 256;
   struct Symbol {
     TokenId id;

@@ -47,6 +47,10 @@ std::vector<std::int64_t> slurm_tasks_per_node(const std::string& value);
 /// This process's environment variables.
 Environment process_environment();
 
+/// The state letter of process `pid` from /proc (R, S, D, T stopped, t traced, Z zombie, ...),
+/// or 0 when there is no such process. Alive means neither 0 nor Z nor X.
+char process_state(std::int64_t pid);
+
 /// A free TCP port held until a rendezvous store listens on it, in this process or another:
 /// bound and never listening, with SO_REUSEADDR, so that c10d's TCPStore (which binds with
 /// SO_REUSEADDR) can take it while no other bind or outgoing connection is given it. Asking

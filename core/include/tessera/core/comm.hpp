@@ -89,6 +89,9 @@ struct CommSettings {
   /// CPU groups whose ranks share a host move all-gathers, reduce-scatters and all-reduces
   /// through shared memory (comm/shared_memory_channel.hpp); Gloo carries the rest.
   bool shared_memory = true;
+  /// The network interface every Gloo group binds ([launch] interface; GLOO_SOCKET_IFNAME when
+  /// empty; neither: the one that reaches the master).
+  std::string interface;
 };
 void set_comm_settings(const CommSettings& settings);
 
@@ -109,8 +112,9 @@ double shared_memory_segment_bytes(std::int64_t ranks);
 /// the hang report built from every rank's ledger (see ledger.hpp).
 CommunicatorPtr make_communicator(const sdk::ClusterInfo& cluster, const c10::Device& device);
 
-/// What carries the collectives of the world group make_communicator made ("Gloo", "NCCL",
-/// "shared memory among the 2 ranks of this host ..."); empty before it (and on one device).
+/// What carries the collectives of the world group make_communicator made ("Gloo", "Gloo over
+/// 10.0.0.5", "NCCL", "shared memory among the 2 ranks of this host ..."), then each split group
+/// whose path differs ("; group ranks 0-1: shared memory among ..."); empty before it.
 std::string world_transport();
 
 /// The diagnosis made by this process's last failed collective, if any.
@@ -136,6 +140,8 @@ class AgentStore {
   std::int64_t port() const;
   /// The failure records of ranks 0..world_size-1 found in the store (bounded).
   std::map<std::int64_t, FailureRecord> failures(std::int64_t world_size);
+  /// The last published ledger of ranks 0..world_size-1 (nullopt: none), bounded.
+  std::vector<std::optional<LedgerEntry>> ledgers(std::int64_t world_size);
 
  private:
   struct Impl;

@@ -27,6 +27,8 @@ struct LedgerEntry {
   std::string waiting_tag;
   std::int64_t waiting_since_ms = 0;
   std::string error_file;         ///< its TORCHELASTIC_ERROR_FILE, if any
+  std::string host;               ///< its host name (reports name the host once a job spans several)
+  std::int64_t node = 0;          ///< its node rank
 
   std::string serialize() const;
   /// Throws sdk::Error on a malformed record.
@@ -41,6 +43,7 @@ struct FailureRecord {
   bool consequence = false;
   std::int64_t root = -1;
   std::string message;
+  std::string root_summary;  ///< a consequence: what its hang report said of the root ("node 1 (hostb): ranks 2-3 lost ...")
 
   std::string serialize() const;
   static FailureRecord parse(const std::string& text);
@@ -54,6 +57,9 @@ struct Diagnosis {
   bool root_reported = false;      ///< the root wrote its own failure record
   std::int64_t root_time_ms = 0;   ///< when the root failed or was last heard of
   std::string root_error_file;     ///< the root's TORCHELASTIC_ERROR_FILE, from its ledger
+  /// How the root was found: "reported" (its own failure record), "exited" (its process is gone),
+  /// "lost" (no heartbeat), "unpublished", "stuck" (alive outside collectives), "behind"; empty: none.
+  std::string cause;
 };
 
 /// Diagnoses a collective that failed or timed out on rank `me`: `ledgers[r]` is rank r's
@@ -63,8 +69,21 @@ struct Diagnosis {
 /// stuck outside collectives or behind the others. Example text: "rank 1 stopped responding
 /// at step 20 (no heartbeat for 6 s; last collective #412 backward reduce-scatter of
 /// blocks.3); rank 0 waits at #413 forward all-gather of blocks.2".
+/// `exited` lists ranks known to be gone (their process exited: this host's ranks are checked
+/// by pid), named as such before any other rule but a reported failure. Once the ledgers show
+/// more than one host, every rank is named with its node and host ("rank 2 (node 1, hostb)"),
+/// and a node whose every rank is lost or gone is named as the root ("node 1 (hostb): ranks
+/// 2-3 lost at step 18").
 Diagnosis diagnose(std::int64_t me, const std::vector<std::optional<LedgerEntry>>& ledgers,
-                   const std::map<std::int64_t, FailureRecord>& failures, std::int64_t now_ms, double stale_s);
+                   const std::map<std::int64_t, FailureRecord>& failures, std::int64_t now_ms, double stale_s,
+                   const std::vector<std::int64_t>& exited = {});
+
+/// "rank 2" in a one-host job, "rank 2 (node 1, hostb)" once `ledgers` show several hosts.
+std::string rank_name(std::int64_t rank, const std::vector<std::optional<LedgerEntry>>& ledgers);
+/// "ranks 2-3", "ranks 0, 2", "rank 1".
+std::string ranks_text(const std::vector<std::int64_t>& ranks);
+/// This machine's host name (gethostname), "?" when it has none.
+std::string host_name();
 
 /// Milliseconds since the epoch (comparable across processes of one host).
 std::int64_t wall_ms();
@@ -99,7 +118,7 @@ namespace detail {
 std::int64_t ledger_issue(const std::string& tag);
 void ledger_wait(std::int64_t seq, const std::string& tag);
 void ledger_done();
-void ledger_set_rank(std::int64_t rank);
+void ledger_set_rank(std::int64_t rank, std::int64_t node = 0);
 }  // namespace detail
 
 }  // namespace tessera::core

@@ -9,6 +9,7 @@
 #include <functional>
 #include <map>
 #include <string>
+#include <string_view>
 #include <utility>
 #include <vector>
 
@@ -44,15 +45,34 @@ FileDigest write_safetensors(const std::string& path, const std::vector<TensorSp
 /// The xxh64 digest of a whole file as write_safetensors computes it (for verification).
 FileDigest digest_file(const std::string& path);
 
+/// A safetensors header, parsed: each tensor's dtype, shape and byte range in the file.
+struct SafetensorsEntry {
+  at::ScalarType dtype;
+  std::vector<std::int64_t> shape;
+  std::int64_t begin = 0, end = 0;  ///< byte offsets in the file
+};
+struct SafetensorsHeader {
+  std::int64_t data_start = 0;  ///< 8 + the header's length (where offset 0 of data_offsets is)
+  std::map<std::string, SafetensorsEntry> tensors;
+  std::map<std::string, std::string> metadata;
+};
+/// The largest header a reader accepts (the Rust reference's limit).
+constexpr std::uint64_t kMaxSafetensorsHeader = 100'000'000;
+/// The 8-byte header length at the start of a file of `file_size` bytes, checked against it.
+std::uint64_t safetensors_header_length(const char* first8, std::int64_t file_size, const std::string& where);
+/// Parses the start of an untrusted file of `file_size` bytes: `bytes` holds at least its
+/// first 8 + header-length bytes. Strict, as the format's reference reader: a header length
+/// within the file and kMaxSafetensorsHeader, a JSON object, known dtypes, non-negative dims
+/// whose byte count does not overflow, data_offsets [begin, end] matching it, and tensors that
+/// tile the data exactly (no overlap, no gap, nothing after the last). Throws sdk::Error naming
+/// `where` on anything else; never reads outside `bytes`.
+SafetensorsHeader parse_safetensors_header(std::string_view bytes, std::int64_t file_size, const std::string& where);
+
 /// Reads tensors from one safetensors file; with an expected digest, the size is checked at
 /// open and every block read is checked against it (a mismatch throws naming the file).
 class SafetensorsReader {
  public:
-  struct Entry {
-    at::ScalarType dtype;
-    std::vector<std::int64_t> shape;
-    std::int64_t begin = 0, end = 0;  ///< byte offsets in the file
-  };
+  using Entry = SafetensorsEntry;
   /// Opens `path` and parses its header (with `expected`: after checking the file's size; the
   /// header's checksum is checked by verify_header() or the first read of its block).
   explicit SafetensorsReader(std::string path, const FileDigest* expected = nullptr);

@@ -1,0 +1,476 @@
+#include "data_tool.hpp"
+
+#include <glob.h>
+#include <signal.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <functional>
+#include <mutex>
+#include <optional>
+#include <iostream>
+#include <set>
+#include <sstream>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "tessera/sdk/error.hpp"
+#include "tessera/toolkit/token_shards.hpp"
+#include "tessera/toolkit/tokenizer.hpp"
+
+namespace tessera::host {
+
+namespace {
+
+namespace fs = std::filesystem;
+using json = nlohmann::json;
+using Clock = std::chrono::steady_clock;
+
+constexpr const char* kDataUsage = R"(usage:
+  tessera data prepare --tokenizer T --input FILES|DIRS|GLOBS... --output DIR
+                       [--text-key text] [--split file|blank-line|percent|line] [--jobs N]
+                       [--shard-size 256M]
+
+  --tokenizer   a SentencePiece tokenizer.model, a Hugging Face tokenizer.json, or a folder with one
+  --input       files, folders (read recursively; hidden and binary files skipped) or quoted globs;
+                several after one --input, or --input repeated. *.jsonl / *.ndjson files are JSON
+                Lines (one document per line, its text under --text-key); any other file is text
+  --split       how a text file holds documents: the whole file (file, the default), records
+                between blank lines (blank-line), between lines holding only `%` (percent, the
+                fortune format), or one per line (line)
+  --jobs        tokenizing threads (default: every core)
+  --shard-size  input text per shard (K, M, G suffixes; default 256M)
+Every document gets the tokenizer's EOS id appended. DIR receives manifest.json and
+shard_NNNNN.bin (token ids) + shard_NNNNN.idx (document offsets); the `tokens` data plugin reads
+it ([data] plugin = "tokens", path = "DIR"). Rerunning after an interruption skips finished shards.
+)";
+
+struct Settings {
+  fs::path tokenizer, output;
+  std::vector<std::string> inputs;
+  std::string text_key = "text", split = "file";
+  std::int64_t jobs = 0, shard_bytes = std::int64_t{256} << 20;
+};
+
+std::int64_t parse_size(const std::string& text) {
+  std::size_t used = 0;
+  double value = 0;
+  try {
+    value = std::stod(text, &used);
+  } catch (const std::exception&) {
+    TESSERA_FAIL("--shard-size ", text, " is not a size (e.g. 256M)");
+  }
+  std::string suffix = text.substr(used);
+  double scale = 1;
+  if (suffix == "K" || suffix == "k") scale = 1 << 10;
+  else if (suffix == "M" || suffix == "m") scale = 1 << 20;
+  else if (suffix == "G" || suffix == "g") scale = 1 << 30;
+  else TESSERA_CHECK(suffix.empty(), "--shard-size ", text, ": unknown suffix '", suffix, "' (K, M or G)");
+  TESSERA_CHECK(value * scale >= 1, "--shard-size ", text, " must be positive");
+  return static_cast<std::int64_t>(value * scale);
+}
+
+Settings parse(int argc, char** argv) {
+  Settings s;
+  TESSERA_CHECK(argc >= 2 && std::string(argv[1]) == "prepare", "unknown data command",
+                argc >= 2 ? " '" + std::string(argv[1]) + "'" : std::string(), ": the one command is `data prepare`");
+  for (int i = 2; i < argc; ++i) {
+    const std::string flag = argv[i];
+    auto value = [&]() -> std::string {
+      TESSERA_CHECK(i + 1 < argc, flag, " needs a value");
+      return argv[++i];
+    };
+    if (flag == "--tokenizer") s.tokenizer = value();
+    else if (flag == "--output") s.output = value();
+    else if (flag == "--text-key") s.text_key = value();
+    else if (flag == "--split") s.split = value();
+    else if (flag == "--jobs") s.jobs = std::stoll(value());
+    else if (flag == "--shard-size") s.shard_bytes = parse_size(value());
+    else if (flag == "--input") {
+      s.inputs.push_back(value());
+      while (i + 1 < argc && std::string(argv[i + 1]).rfind("--", 0) != 0) s.inputs.push_back(argv[++i]);
+    } else {
+      TESSERA_FAIL("unknown option ", flag);
+    }
+  }
+  TESSERA_CHECK(!s.tokenizer.empty(), "--tokenizer is required");
+  TESSERA_CHECK(!s.inputs.empty(), "--input is required");
+  TESSERA_CHECK(!s.output.empty(), "--output is required");
+  const std::set<std::string> splits{"file", "blank-line", "percent", "line"};
+  TESSERA_CHECK(splits.count(s.split), "--split ", s.split, ": valid: file, blank-line, percent, line");
+  TESSERA_CHECK(s.jobs >= 0, "--jobs must be at least 1");
+  if (s.jobs == 0) s.jobs = std::max(1u, std::thread::hardware_concurrency());
+  return s;
+}
+
+/// A NUL byte in the first 8 KiB: binary, as git and grep decide (e.g. strfile's *.dat indexes).
+bool is_binary(const fs::path& file) {
+  std::ifstream in(file, std::ios::binary);
+  char buffer[8192];
+  in.read(buffer, sizeof buffer);
+  return std::find(buffer, buffer + in.gcount(), '\0') != buffer + in.gcount();
+}
+
+bool hidden(const fs::path& p) { return p.filename().string().rfind('.', 0) == 0; }
+
+/// Each input expanded in order (a glob's and a folder's files sorted), each file once.
+std::vector<fs::path> expand_inputs(const std::vector<std::string>& inputs, std::int64_t& skipped_binary) {
+  std::vector<fs::path> files;
+  std::set<fs::path> seen;
+  auto add = [&](const fs::path& file, bool from_walk) {
+    if (from_walk && (hidden(file) || is_binary(file))) {
+      skipped_binary += hidden(file) ? 0 : 1;
+      return;
+    }
+    const fs::path canonical = fs::weakly_canonical(file);
+    if (seen.insert(canonical).second) files.push_back(file);
+  };
+  for (const auto& input : inputs) {
+    std::error_code ec;
+    std::vector<fs::path> found;
+    bool walk = false;
+    if (input.find_first_of("*?[") != std::string::npos && !fs::exists(input, ec)) {
+      glob_t g{};
+      const int rc = ::glob(input.c_str(), 0, nullptr, &g);
+      for (std::size_t k = 0; rc == 0 && k < g.gl_pathc; ++k) found.emplace_back(g.gl_pathv[k]);
+      ::globfree(&g);
+      TESSERA_CHECK(!found.empty(), "--input ", input, ": the pattern matches no file");
+      walk = true;
+    } else if (fs::is_directory(input, ec)) {
+      for (auto it = fs::recursive_directory_iterator(input); it != fs::recursive_directory_iterator(); ++it) {
+        if (hidden(it->path()) && it->is_directory()) {
+          it.disable_recursion_pending();
+          continue;
+        }
+        if (!it->is_symlink() && it->is_regular_file()) found.push_back(it->path());
+      }
+      walk = true;
+    } else {
+      TESSERA_CHECK(fs::exists(input, ec), "--input ", input, ": no such file or directory");
+      TESSERA_CHECK(fs::is_regular_file(input, ec), "--input ", input, " is not a regular file or a directory");
+      found.emplace_back(input);
+    }
+    std::sort(found.begin(), found.end());
+    for (const auto& f : found) {
+      if (fs::is_directory(f, ec)) continue;
+      add(f, walk);
+    }
+  }
+  return files;
+}
+
+bool is_json_lines(const fs::path& file) {
+  const std::string ext = file.extension().string();
+  return ext == ".jsonl" || ext == ".ndjson";
+}
+
+/// Calls `emit(text)` for every non-empty document of `file`, in order.
+void read_documents(const fs::path& file, const Settings& s, const std::function<void(std::string&&)>& emit) {
+  std::ifstream in(file, std::ios::binary);
+  TESSERA_CHECK(in, "cannot open ", file);
+  if (is_json_lines(file)) {
+    std::string line;
+    for (std::int64_t number = 1; std::getline(in, line); ++number) {
+      if (line.find_first_not_of(" \t\r") == std::string::npos) continue;
+      json j;
+      try {
+        j = json::parse(line);
+      } catch (const json::exception& e) {
+        TESSERA_FAIL(file.string(), ":", number, ": not a JSON value (", e.what(), ")");
+      }
+      if (!j.is_object() || !j.contains(s.text_key)) {
+        std::vector<std::string> keys;
+        if (j.is_object())
+          for (auto it = j.begin(); it != j.end(); ++it) keys.push_back(it.key());
+        TESSERA_FAIL(file.string(), ":", number, ": no \"", s.text_key, "\" key in this line",
+                     keys.empty() ? std::string() : " (its keys: " + sdk::join(keys) + ")",
+                     "; choose the key with --text-key");
+      }
+      TESSERA_CHECK(j.at(s.text_key).is_string(), file.string(), ":", number, ": \"", s.text_key,
+                    "\" is not a string");
+      std::string text = j.at(s.text_key).get<std::string>();
+      if (!text.empty()) emit(std::move(text));
+    }
+    return;
+  }
+  if (s.split == "file") {
+    std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+    if (!text.empty()) emit(std::move(text));
+    return;
+  }
+  std::string record, line;
+  auto flush = [&] {
+    while (!record.empty() && record.back() == '\n') record.pop_back();
+    if (!record.empty()) emit(std::move(record));
+    record.clear();
+  };
+  while (std::getline(in, line)) {
+    if (!line.empty() && line.back() == '\r') line.pop_back();
+    const bool separator = s.split == "line" || (s.split == "percent" ? line == "%"
+                                                                       : line.find_first_not_of(" \t") == std::string::npos);
+    if (s.split == "line") {
+      record = line;
+      flush();
+    } else if (separator) {
+      flush();
+    } else {
+      record += line;
+      record += '\n';
+    }
+  }
+  flush();
+}
+
+fs::path tokenizer_file(const fs::path& path) {
+  std::error_code ec;
+  if (!fs::is_directory(path, ec)) return path;
+  for (const char* name : {"tokenizer.json", "tokenizer.model"})  // load_tokenizer's order
+    if (fs::is_regular_file(path / name, ec)) return path / name;
+  return path;
+}
+
+/// What the output was (or is being) prepared from: a rerun resumes only the same preparation.
+json plan_of(const Settings& s, const std::vector<fs::path>& files, const std::string& tokenizer_hash) {
+  json inputs = json::array();
+  for (const auto& f : files) {
+    const auto time = fs::last_write_time(f).time_since_epoch();
+    inputs.push_back({{"path", fs::absolute(f).string()},
+                      {"bytes", fs::file_size(f)},
+                      {"mtime_ns", std::chrono::duration_cast<std::chrono::nanoseconds>(time).count()}});
+  }
+  return {{"tokenizer_xxh64", tokenizer_hash}, {"text_key", s.text_key},    {"split", s.split},
+          {"shard_bytes", s.shard_bytes},      {"inputs", inputs}};
+}
+
+std::string human(double value) {
+  char text[32];
+  if (value >= 1e9) std::snprintf(text, sizeof text, "%.2fG", value / 1e9);
+  else if (value >= 1e6) std::snprintf(text, sizeof text, "%.2fM", value / 1e6);
+  else if (value >= 1e3) std::snprintf(text, sizeof text, "%.1fk", value / 1e3);
+  else std::snprintf(text, sizeof text, "%.0f", value);
+  return text;
+}
+
+class Preparation {
+ public:
+  Preparation(Settings settings, std::vector<fs::path> files, std::int64_t total_bytes)
+      : s_(std::move(settings)), files_(std::move(files)), total_bytes_(total_bytes) {}
+
+  int run() {
+    tokenizer_ = toolkit::load_tokenizer(s_.tokenizer);
+    const fs::path tokenizer_path = tokenizer_file(s_.tokenizer);
+    const std::optional<toolkit::TokenId> eos = tokenizer_->eos_id();
+    TESSERA_CHECK(eos.has_value(), "--tokenizer ", s_.tokenizer, ": the tokenizer has no EOS token, which prepare ",
+                  "appends after every document");
+    manifest_.tokenizer_name = tokenizer_path.filename().string();
+    manifest_.tokenizer_kind = tokenizer_->kind();
+    manifest_.tokenizer_xxh64 = fs::is_regular_file(tokenizer_path) ? toolkit::xxh64_file(tokenizer_path) : "";
+    manifest_.vocab_size = tokenizer_->vocab_size();
+    manifest_.dtype = toolkit::dtype_for(manifest_.vocab_size);
+    manifest_.eos_id = *eos;
+
+    fs::create_directories(s_.output);
+    const json plan = plan_of(s_, files_, manifest_.tokenizer_xxh64);
+    const fs::path plan_path = s_.output / "prepare.json";
+    std::error_code ec;
+    if (fs::exists(plan_path, ec)) {
+      json earlier;
+      try {
+        std::ifstream in(plan_path);
+        earlier = json::parse(in);
+      } catch (const json::exception&) {
+      }
+      TESSERA_CHECK(earlier == plan, s_.output, " holds a preparation of other inputs, tokenizer or settings (",
+                    plan_path, "); nothing there was changed: choose another --output, or delete ", s_.output,
+                    " to prepare again");
+      resuming_ = true;
+    } else {
+      TESSERA_CHECK(!fs::exists(s_.output / toolkit::kManifestName, ec), s_.output, " already holds ",
+                    toolkit::kManifestName, " from another preparation; nothing there was changed: choose another --output");
+      const std::string text = plan.dump(2) + "\n";
+      std::ofstream(plan_path) << text;
+    }
+
+    start_ = Clock::now();
+    for (const auto& file : files_) {
+      read_documents(file, s_, [&](std::string&& doc) {
+        pending_bytes_ += static_cast<std::int64_t>(doc.size());
+        pending_.push_back(std::move(doc));
+        if (pending_bytes_ >= s_.shard_bytes) finish_shard();
+      });
+    }
+    if (!pending_.empty()) finish_shard();
+    if (interactive_) std::cerr << "\n";
+    TESSERA_CHECK(!manifest_.shards.empty(), "the inputs hold no document (", files_.size(), " file(s), all empty",
+                  s_.split == "file" ? "" : " or only separators", "): nothing was written to ", s_.output);
+    toolkit::write_manifest(s_.output, manifest_);
+    for (const auto& entry : fs::directory_iterator(s_.output))  // what a killed run left half-written
+      if (entry.path().extension() == ".tmp") fs::remove(entry.path(), ec);
+    const double seconds = std::chrono::duration<double>(Clock::now() - start_).count();
+    std::cout << "prepared " << s_.output.string() << ": " << manifest_.total_documents() << " documents, "
+              << manifest_.total_tokens() << " tokens (" << toolkit::to_string(manifest_.dtype) << ", vocab_size "
+              << manifest_.vocab_size << ", EOS " << manifest_.eos_id << ") in " << manifest_.shards.size()
+              << " shard(s)" << (skipped_ > 0 ? ", " + std::to_string(skipped_) + " already finished" : "")
+              << "; " << human(static_cast<double>(tokenized_bytes_) / std::max(seconds, 1e-9)) << "B/s of text tokenized in "
+              << seconds << " s with " << s_.jobs << " thread(s)\n";
+    return 0;
+  }
+
+ private:
+  void finish_shard() {
+    char name[32];
+    std::snprintf(name, sizeof name, "shard_%05zu", manifest_.shards.size());
+    const fs::path bin = s_.output / (std::string(name) + ".bin"), idx = s_.output / (std::string(name) + ".idx");
+    std::error_code ec;
+    if (resuming_ && fs::is_regular_file(bin, ec) && fs::is_regular_file(idx, ec)) {
+      // Finished by an earlier run of this same plan (the .bin is renamed last).
+      toolkit::ShardInfo info;
+      info.file = bin.filename().string();
+      info.offsets_file = idx.filename().string();
+      info.tokens = static_cast<std::int64_t>(fs::file_size(bin) / toolkit::dtype_bytes(manifest_.dtype));
+      info.documents = static_cast<std::int64_t>(fs::file_size(idx) / 8) - 1;
+      info.xxh64 = toolkit::xxh64_file(bin);
+      info.offsets_xxh64 = toolkit::xxh64_file(idx);
+      manifest_.shards.push_back(info);
+      ++skipped_;
+      documents_ += info.documents;
+      tokens_ += info.tokens;
+    } else {
+      tokenize_and_write(name);
+    }
+    done_bytes_ += pending_bytes_;
+    pending_.clear();
+    pending_bytes_ = 0;
+    report(/*final_line=*/!interactive_);
+  }
+
+  void tokenize_and_write(const std::string& name) {
+    const std::size_t n = pending_.size();
+    std::vector<std::vector<toolkit::TokenId>> encoded(n);
+    std::atomic<std::size_t> next{0};
+    std::atomic<std::int64_t> bytes{0};
+    std::atomic<bool> failed{false};
+    std::string failure;
+    std::mutex failure_mutex;
+    auto work = [&] {
+      for (;;) {
+        const std::size_t begin = next.fetch_add(16);
+        if (begin >= n || failed) return;
+        for (std::size_t d = begin; d < std::min(n, begin + 16); ++d) {
+          try {
+            encoded[d] = tokenizer_->encode(pending_[d], /*add_special_tokens=*/false);
+          } catch (const std::exception& e) {
+            std::lock_guard<std::mutex> lock(failure_mutex);
+            failure = e.what();
+            failed = true;
+            return;
+          }
+          bytes += static_cast<std::int64_t>(pending_[d].size());
+        }
+      }
+    };
+    std::vector<std::thread> threads;
+    for (std::int64_t t = 0; t < s_.jobs; ++t) threads.emplace_back(work);
+    while (next.load() < n && !failed) {  // progress while the workers run
+      std::this_thread::sleep_for(std::chrono::milliseconds(200));
+      in_shard_bytes_ = bytes.load();
+      if (interactive_) report(false);
+    }
+    for (auto& t : threads) t.join();
+    in_shard_bytes_ = 0;
+    TESSERA_CHECK(!failed, "tokenizing ", name, ": ", failure);
+
+    std::size_t total = n;  // one EOS each
+    for (const auto& e : encoded) total += e.size();
+    std::vector<toolkit::TokenId> tokens;
+    tokens.reserve(total);
+    std::vector<std::uint64_t> offsets{0};
+    offsets.reserve(n + 1);
+    for (auto& e : encoded) {
+      tokens.insert(tokens.end(), e.begin(), e.end());
+      tokens.push_back(manifest_.eos_id);
+      offsets.push_back(tokens.size());
+      std::vector<toolkit::TokenId>().swap(e);
+    }
+    maybe_fail(name);
+    manifest_.shards.push_back(toolkit::write_shard(s_.output, name, manifest_.dtype, tokens, offsets));
+    tokenized_bytes_ += pending_bytes_;
+    documents_ += static_cast<std::int64_t>(n);
+    tokens_ += static_cast<std::int64_t>(tokens.size());
+  }
+
+  /// TESSERA_FAULT_PREPARE=shard_00001: SIGKILL this process while that shard is half written
+  /// (its offsets renamed into place, its tokens still a temporary file): tests of the rerun.
+  void maybe_fail(const std::string& name) {
+    const char* fault = std::getenv("TESSERA_FAULT_PREPARE");
+    if (fault == nullptr || name != fault) return;
+    std::ofstream(s_.output / (name + ".bin.tmp")) << "half-written";
+    std::ofstream(s_.output / (name + ".idx")) << "half-written";
+    std::cerr << "fault injection: prepare killed while writing " << name << "\n";
+    ::raise(SIGKILL);
+  }
+
+  void report(bool final_line) {
+    const double seconds = std::max(1e-9, std::chrono::duration<double>(Clock::now() - start_).count());
+    const double done = static_cast<double>(done_bytes_ + in_shard_bytes_);
+    const double rate = done / seconds;
+    const double left = std::max(0.0, static_cast<double>(total_bytes_) - done);
+    std::ostringstream line;
+    line << "prepare: " << manifest_.shards.size() << " shard(s), " << human(static_cast<double>(documents_))
+         << " documents, " << human(static_cast<double>(tokens_)) << " tokens, " << human(rate) << "B/s, ";
+    if (rate > 0) line << "ETA " << static_cast<std::int64_t>(left / rate) << " s";
+    if (interactive_) std::cerr << "\r" << line.str() << "   " << std::flush;
+    else if (final_line) std::cerr << line.str() << "\n";
+  }
+
+  Settings s_;
+  std::vector<fs::path> files_;
+  std::int64_t total_bytes_;
+  std::unique_ptr<toolkit::Tokenizer> tokenizer_;
+  toolkit::TokenManifest manifest_;
+  bool resuming_ = false;
+  bool interactive_ = ::isatty(STDERR_FILENO) != 0;
+  Clock::time_point start_;
+  std::vector<std::string> pending_;
+  std::int64_t pending_bytes_ = 0, done_bytes_ = 0, in_shard_bytes_ = 0, tokenized_bytes_ = 0;
+  std::int64_t documents_ = 0, tokens_ = 0, skipped_ = 0;
+};
+
+}  // namespace
+
+int data_tool(int argc, char** argv) {
+  Settings settings;
+  try {
+    if (argc >= 2 && (std::string(argv[1]) == "--help" || std::string(argv[1]) == "-h")) return std::cout << kDataUsage, 0;
+    settings = parse(argc, argv);
+  } catch (const std::exception& e) {
+    std::cerr << "tessera data: " << e.what() << "\n\n" << kDataUsage;
+    return 2;
+  }
+  try {
+    std::int64_t skipped_binary = 0;
+    std::vector<fs::path> files = expand_inputs(settings.inputs, skipped_binary);
+    TESSERA_CHECK(!files.empty(), "--input ", sdk::join(settings.inputs), ": no text file found",
+                  skipped_binary > 0 ? " (" + std::to_string(skipped_binary) + " binary file(s) skipped)" : "");
+    std::int64_t total = 0;
+    for (const auto& f : files) total += static_cast<std::int64_t>(fs::file_size(f));
+    std::cerr << "prepare: " << files.size() << " file(s), " << human(static_cast<double>(total)) << "B"
+              << (skipped_binary > 0 ? " (" + std::to_string(skipped_binary) + " binary file(s) skipped)" : "")
+              << ", " << settings.jobs << " thread(s)\n";
+    return Preparation(settings, std::move(files), total).run();
+  } catch (const std::exception& e) {
+    std::cerr << "tessera data: error: " << e.what() << "\n";
+    return 1;
+  }
+}
+
+}  // namespace tessera::host

@@ -1,0 +1,24 @@
+#pragma once
+/// `tessera checkpoint export RUN_OR_CKPT --to DIR --format hf`: a Hugging Face model folder
+/// (config.json from the model's sdk::HuggingFaceModel, generation_config.json, safetensors
+/// shards with their index) from a full or sharded checkpoint, streamed tensor by tensor.
+#include <optional>
+#include <string>
+
+#include <c10/core/ScalarType.h>
+
+namespace tessera::host {
+
+struct HfExportRequest {
+  std::string source;   ///< a run folder (its checkpoints/last), a checkpoint, or a `last` link
+  std::string to;       ///< the folder to create
+  std::string config;   ///< the run's config.toml; "" finds it beside the checkpoint's run
+  std::int64_t max_shard_bytes = 5'000'000'000;  ///< save_pretrained's default "5GB"
+  std::optional<at::ScalarType> dtype;           ///< floating tensors converted to it; none: as stored
+};
+
+/// Writes the folder; throws sdk::Error naming what is missing or refused (a model without
+/// sdk::HuggingFaceModel, rank-local sharded state, no config to build the model from).
+void export_hf(const HfExportRequest& request);
+
+}  // namespace tessera::host

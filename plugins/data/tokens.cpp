@@ -1,0 +1,371 @@
+// `tokens`: language modelling over corpora prepared by `tessera data prepare` (token shards,
+// memory-mapped), one directory or a weighted blend of several (Megatron's). Samples are windows
+// of block_size + 1 tokens: packed across documents, or one per document (document_aligned).
+// Every dataset is an sdk::LargeDataset: the host's sampler shuffles it per index and reads ahead
+// on a background thread, and nothing here holds an array that grows with the corpus (per-shard
+// ranges only; the shards stay on disk, shared between the ranks through the page cache).
+#include <algorithm>
+#include <cmath>
+#include <filesystem>
+#include <numeric>
+
+#include <ATen/ATen.h>
+
+#include "data.hpp"
+#include "tessera/sdk/error.hpp"
+#include "tessera/sdk/token_data.hpp"
+#include "tessera/toolkit/token_shards.hpp"
+#include "tessera/toolkit/tokenizer.hpp"
+
+namespace tessera::data {
+
+namespace {
+
+namespace fs = std::filesystem;
+using toolkit::TokenShards;
+
+/// A run of whole documents of one shard: tokens [begin, end), documents [first, last).
+struct Part {
+  std::int64_t shard, begin, end, first, last;
+};
+
+/// The documents of one prepared directory that belong to one split.
+struct Split {
+  std::shared_ptr<TokenShards> shards;
+  std::vector<Part> parts;  // one per shard at most
+};
+
+/// Windows of block_size + 1 tokens over a split's token stream (its parts back to back), at
+/// multiples of block_size: sample i is tokens [i * block, i * block + block + 1).
+class PackedWindows final : public sdk::Dataset, public sdk::LargeDataset {
+ public:
+  PackedWindows(Split split, std::int64_t block) : split_(std::move(split)), block_(block) {
+    std::int64_t total = 0;
+    for (const auto& p : split_.parts) {
+      starts_.push_back(total);
+      total += p.end - p.begin;
+    }
+    total_ = total;
+  }
+  std::int64_t size() const override { return total_ <= block_ ? 0 : (total_ - 1) / block_; }
+  sdk::Batch get_batch(const std::vector<std::int64_t>& indices) const override {
+    const auto n = static_cast<std::int64_t>(indices.size());
+    at::Tensor windows = at::empty({n, block_ + 1}, at::kLong);
+    std::int64_t* out = windows.data_ptr<std::int64_t>();
+    for (std::int64_t row = 0; row < n; ++row) {
+      const std::int64_t i = indices[row];
+      TESSERA_CHECK(i >= 0 && i < size(), "tokens: sample index ", i, " is out of range [0, ", size(), ")");
+      read(i * block_, block_ + 1, out + row * (block_ + 1));
+    }
+    return sdk::Batch{windows.narrow(1, 0, block_).contiguous(), windows.narrow(1, 1, block_).contiguous()};
+  }
+
+ private:
+  void read(std::int64_t at, std::int64_t count, std::int64_t* out) const {
+    auto k = static_cast<std::size_t>(std::upper_bound(starts_.begin(), starts_.end(), at) - starts_.begin() - 1);
+    while (count > 0) {
+      const Part& p = split_.parts[k];
+      const std::int64_t offset = at - starts_[k], take = std::min(count, p.end - p.begin - offset);
+      split_.shards->read(p.shard, p.begin + offset, take, out);
+      out += take;
+      at += take;
+      count -= take;
+      ++k;
+    }
+  }
+
+  Split split_;
+  std::int64_t block_, total_ = 0;
+  std::vector<std::int64_t> starts_;
+};
+
+/// One sample per document: its first block_size + 1 tokens; a shorter document is padded (the
+/// input with EOS, the target with -100, which cross-entropy ignores).
+class DocumentWindows final : public sdk::Dataset, public sdk::LargeDataset {
+ public:
+  DocumentWindows(Split split, std::int64_t block) : split_(std::move(split)), block_(block) {
+    for (const auto& p : split_.parts) {
+      starts_.push_back(documents_);
+      documents_ += p.last - p.first;
+    }
+  }
+  std::int64_t size() const override { return documents_; }
+  sdk::Batch get_batch(const std::vector<std::int64_t>& indices) const override {
+    const auto n = static_cast<std::int64_t>(indices.size());
+    const std::int64_t eos = split_.shards->manifest().eos_id;
+    at::Tensor input = at::full({n, block_}, eos, at::kLong), target = at::full({n, block_}, -100, at::kLong);
+    std::vector<std::int64_t> window(static_cast<std::size_t>(block_ + 1));
+    for (std::int64_t row = 0; row < n; ++row) {
+      const std::int64_t i = indices[row];
+      TESSERA_CHECK(i >= 0 && i < documents_, "tokens: sample index ", i, " is out of range [0, ", documents_, ")");
+      auto k = static_cast<std::size_t>(std::upper_bound(starts_.begin(), starts_.end(), i) - starts_.begin() - 1);
+      const Part& p = split_.parts[k];
+      const std::int64_t d = p.first + (i - starts_[k]);
+      const std::int64_t begin = split_.shards->document_start(p.shard, d);
+      const std::int64_t length = std::min(split_.shards->document_start(p.shard, d + 1) - begin, block_ + 1);
+      split_.shards->read(p.shard, begin, length, window.data());
+      std::int64_t* in = input[row].data_ptr<std::int64_t>();
+      std::int64_t* tg = target[row].data_ptr<std::int64_t>();
+      for (std::int64_t t = 0; t + 1 < length; ++t) {
+        in[t] = window[t];
+        tg[t] = window[t + 1];
+      }
+    }
+    return sdk::Batch{input, target};
+  }
+
+ private:
+  Split split_;
+  std::int64_t block_, documents_ = 0;
+  std::vector<std::int64_t> starts_;
+};
+
+/// Megatron's blend: the index space [0, sum of sizes) cut into one range per dataset in
+/// proportion to its weight; a dataset smaller than its range repeats (upsampling), a larger
+/// one is cut (downsampling). With the sampler's shuffle each batch draws from the datasets
+/// in proportion to the weights; the mapping is per index, in O(number of datasets).
+class Blend final : public sdk::Dataset, public sdk::LargeDataset {
+ public:
+  Blend(std::vector<std::shared_ptr<sdk::Dataset>> parts, const std::vector<double>& weights)
+      : parts_(std::move(parts)) {
+    std::int64_t total = 0;
+    for (const auto& p : parts_) total += p->size();
+    const double sum = std::accumulate(weights.begin(), weights.end(), 0.0);
+    std::int64_t start = 0;
+    for (std::size_t k = 0; k < parts_.size(); ++k) {
+      starts_.push_back(start);
+      start = k + 1 == parts_.size() ? total
+                                     : start + static_cast<std::int64_t>(std::llround(static_cast<double>(total) *
+                                                                                      weights[k] / sum));
+    }
+    total_ = total;
+  }
+  std::int64_t size() const override { return total_; }
+  sdk::Batch get_batch(const std::vector<std::int64_t>& indices) const override {
+    std::vector<sdk::Batch> rows;
+    for (std::int64_t i : indices) {
+      TESSERA_CHECK(i >= 0 && i < total_, "tokens: sample index ", i, " is out of range [0, ", total_, ")");
+      auto k = static_cast<std::size_t>(std::upper_bound(starts_.begin(), starts_.end(), i) - starts_.begin() - 1);
+      rows.push_back(parts_[k]->get_batch({(i - starts_[k]) % parts_[k]->size()}));
+    }
+    std::vector<at::Tensor> inputs, targets;
+    for (auto& r : rows) {
+      inputs.push_back(r.input);
+      targets.push_back(r.target);
+    }
+    return sdk::Batch{at::cat(inputs), at::cat(targets)};
+  }
+
+ private:
+  std::vector<std::shared_ptr<sdk::Dataset>> parts_;
+  std::vector<std::int64_t> starts_;
+  std::int64_t total_ = 0;
+};
+
+/// One sample: the encoded prompt.
+class Prompt final : public sdk::Dataset {
+ public:
+  explicit Prompt(std::vector<toolkit::TokenId> ids) : ids_(std::move(ids)) {}
+  std::int64_t size() const override { return 1; }
+  sdk::Batch get_batch(const std::vector<std::int64_t>&) const override {
+    at::Tensor input = at::empty({1, static_cast<std::int64_t>(ids_.size())}, at::kLong);
+    std::copy(ids_.begin(), ids_.end(), input.data_ptr<std::int64_t>());
+    return sdk::Batch{input, {}};
+  }
+
+ private:
+  std::vector<toolkit::TokenId> ids_;
+};
+
+class Tokens final : public sdk::DataModule, public sdk::TokenVocabulary {
+ public:
+  explicit Tokens(const sdk::Options& o)
+      : options_(o),
+        paths_(o.get_string_list("path", {})),
+        weights_(o.get_double_list("weights", {})),
+        val_paths_(o.get_string_list("val_path", {})),
+        tokenizer_path_(o.get_string("tokenizer", "")),
+        block_size_(o.get_int("block_size", 128, 1)),
+        document_aligned_(o.get_bool("document_aligned", false)),
+        val_fraction_(o.get_double("val_fraction", val_paths_.empty() ? 0.05 : 0.0, 0.0, 0.5)),
+        verify_(o.get_bool("verify", true)),
+        prompt_(o.get_string("prompt", "")) {
+    TESSERA_CHECK(!paths_.empty(), o.locate("path"), " is required: the directory `tessera data prepare` wrote ",
+                  "(or several, with [data] weights)");
+    if (!weights_.empty()) {
+      TESSERA_CHECK(weights_.size() == paths_.size(), o.locate("weights"), " has ", weights_.size(),
+                    " entries for ", paths_.size(), " directories in ", o.locate("path"), ": give one weight each");
+      for (double w : weights_)
+        TESSERA_CHECK(w > 0 && std::isfinite(w), o.locate("weights"), " holds ", w, ": weights must be positive");
+    } else {
+      TESSERA_CHECK(paths_.size() == 1, o.locate("path"), " names ", paths_.size(),
+                    " directories: blending them needs [data] weights (one positive number each)");
+      weights_ = {1.0};
+    }
+    TESSERA_CHECK(val_paths_.empty() || !o.has("val_fraction") || val_fraction_ == 0.0, o.locate("val_path"),
+                  " and ", o.locate("val_fraction"), " both choose the validation data: keep one");
+  }
+
+  void setup(const std::string& stage) override {
+    if (stage == "predict") return setup_predict();
+    if (train_) return;
+    std::vector<std::shared_ptr<sdk::Dataset>> train, val;
+    for (const auto& path : paths_) {
+      auto shards = open(path, "path");
+      auto [t, v] = split(shards);
+      train.push_back(windows(std::move(t)));
+      TESSERA_CHECK(train.back()->size() > 0, options_.locate("path"), " = \"", path, "\": its training part holds ",
+                    "too few tokens for one window of block_size + 1 = ", block_size_ + 1);
+      if (val_paths_.empty() && val_fraction_ > 0) val.push_back(windows(std::move(v)));
+    }
+    for (const auto& path : val_paths_) {
+      auto shards = open(path, "val_path");
+      val.push_back(windows(Split{shards, whole(shards)}));
+    }
+    train_ = train.size() == 1 ? train[0] : std::make_shared<Blend>(train, weights_);
+    if (!val.empty()) {
+      val.erase(std::remove_if(val.begin(), val.end(), [](const auto& v) { return v->size() == 0; }), val.end());
+      if (val.empty()) val.push_back(std::make_shared<PackedWindows>(Split{}, block_size_));  // refused below
+      std::vector<double> sizes;
+      for (const auto& v : val) sizes.push_back(static_cast<double>(std::max<std::int64_t>(1, v->size())));
+      val_ = val.size() == 1 ? val[0] : std::make_shared<Blend>(val, sizes);  // all of each, back to back
+      TESSERA_CHECK(val_->size() > 0,
+                    val_paths_.empty() ? options_.locate("val_fraction") + " = " + std::to_string(val_fraction_)
+                                       : options_.locate("val_path"),
+                    " leaves no validation window of block_size + 1 = ", block_size_ + 1,
+                    " tokens (the validation split takes whole documents from the end of each shard): raise it, ",
+                    "or set val_fraction = 0");
+    }
+    if (!tokenizer_path_.empty()) load_tokenizer();
+  }
+
+  std::shared_ptr<sdk::Dataset> train_dataset() override { return train_; }
+  std::shared_ptr<sdk::Dataset> val_dataset() override { return val_; }
+  std::shared_ptr<sdk::Dataset> test_dataset() override { return val_; }
+  std::shared_ptr<sdk::Dataset> predict_dataset() override { return prompt_dataset_; }
+
+  std::string describe_prediction(const sdk::Batch&, const at::Tensor& output) const override {
+    at::Tensor ids = output.to(at::kLong).cpu().contiguous();
+    if (ids.dim() < 2) ids = ids.reshape({1, -1});
+    std::string text;
+    for (std::int64_t row = 0; row < ids.size(0); ++row) {
+      if (row > 0) text += "\n---\n";
+      const std::int64_t* p = ids[row].data_ptr<std::int64_t>();
+      std::vector<toolkit::TokenId> tokens(p, p + ids.size(1));
+      text += tokenizer_ ? tokenizer_->decode(tokens, /*skip_special_tokens=*/true) : ids_text(tokens);
+    }
+    return text;
+  }
+  std::string item_unit() const override { return "tokens"; }
+
+  std::int64_t vocab_size() const override { return vocab_size_; }
+  std::string vocab_source() const override { return vocab_source_; }
+
+ private:
+  std::shared_ptr<TokenShards> open(const std::string& path, const std::string& key) {
+    std::error_code ec;
+    TESSERA_CHECK(fs::is_directory(path, ec), options_.locate(key), " = \"", path,
+                  "\": no such directory; prepare one with `tessera data prepare --tokenizer T --input FILES --output ",
+                  path, "`");
+    auto shards = std::make_shared<TokenShards>(path, verify_);
+    const auto& m = shards->manifest();
+    if (vocab_size_ == 0) {
+      vocab_size_ = m.vocab_size;
+      vocab_source_ = (fs::path(path) / toolkit::kManifestName).string();
+      tokenizer_kind_ = m.tokenizer_kind;
+    }
+    TESSERA_CHECK(m.vocab_size == vocab_size_ && m.tokenizer_kind == tokenizer_kind_, (fs::path(path) / toolkit::kManifestName),
+                  " was prepared with a ", m.tokenizer_kind, " tokenizer of ", m.vocab_size, " ids, ", vocab_source_,
+                  " with a ", tokenizer_kind_, " one of ", vocab_size_, ": every directory of a job must share one tokenizer");
+    return shards;
+  }
+
+  std::vector<Part> whole(const std::shared_ptr<TokenShards>& shards) const {
+    std::vector<Part> parts;
+    for (std::int64_t s = 0; s < shards->shards(); ++s)
+      if (shards->documents(s) > 0) parts.push_back(Part{s, 0, shards->tokens(s), 0, shards->documents(s)});
+    return parts;
+  }
+
+  /// By documents: the last val_fraction of each shard's documents (rounded down) validate.
+  std::pair<Split, Split> split(const std::shared_ptr<TokenShards>& shards) const {
+    Split train{shards, {}}, val{shards, {}};
+    for (std::int64_t s = 0; s < shards->shards(); ++s) {
+      const std::int64_t docs = shards->documents(s);
+      const std::int64_t held = val_paths_.empty() ? static_cast<std::int64_t>(std::floor(val_fraction_ * static_cast<double>(docs))) : 0;
+      const std::int64_t cut = shards->document_start(s, docs - held);
+      if (docs - held > 0) train.parts.push_back(Part{s, 0, cut, 0, docs - held});
+      if (held > 0) val.parts.push_back(Part{s, cut, shards->tokens(s), docs - held, docs});
+    }
+    return {std::move(train), std::move(val)};
+  }
+
+  std::shared_ptr<sdk::Dataset> windows(Split split) const {
+    if (document_aligned_) return std::make_shared<DocumentWindows>(std::move(split), block_size_);
+    return std::make_shared<PackedWindows>(std::move(split), block_size_);
+  }
+
+  void load_tokenizer() {
+    if (tokenizer_) return;
+    tokenizer_ = toolkit::load_tokenizer(tokenizer_path_);
+    if (vocab_size_ == 0) return;  // predict without the corpus: nothing to compare with
+    TESSERA_CHECK(tokenizer_->kind() == tokenizer_kind_ && tokenizer_->vocab_size() == vocab_size_,
+                  options_.locate("tokenizer"), " = \"", tokenizer_path_, "\" is a ", tokenizer_->kind(),
+                  " tokenizer of ", tokenizer_->vocab_size(), " ids, but ", vocab_source_, " was prepared with a ",
+                  tokenizer_kind_, " one of ", vocab_size_, ": give the tokenizer the data was prepared with");
+  }
+
+  void setup_predict() {
+    if (prompt_dataset_) return;
+    TESSERA_CHECK(!prompt_.empty(), options_.locate("prompt"), " is needed by predict: the text generation starts from");
+    TESSERA_CHECK(!tokenizer_path_.empty(), options_.locate("tokenizer"),
+                  " is needed by predict: the tokenizer file that turns [data] prompt into ids and the generated ids "
+                  "back into text");
+    // The manifest, when the corpus is there, names the vocabulary the model is checked against.
+    std::error_code ec;
+    if (fs::is_regular_file(fs::path(paths_[0]) / toolkit::kManifestName, ec)) {
+      const auto m = toolkit::read_manifest(paths_[0]);
+      vocab_size_ = m.vocab_size;
+      vocab_source_ = (fs::path(paths_[0]) / toolkit::kManifestName).string();
+      tokenizer_kind_ = m.tokenizer_kind;
+    }
+    load_tokenizer();
+    if (vocab_size_ == 0) {
+      vocab_size_ = tokenizer_->vocab_size();
+      vocab_source_ = tokenizer_path_;
+    }
+    std::vector<toolkit::TokenId> ids = tokenizer_->encode(prompt_, /*add_special_tokens=*/false);
+    TESSERA_CHECK(!ids.empty(), options_.locate("prompt"), " = \"", prompt_, "\" encodes to no token");
+    prompt_dataset_ = std::make_shared<Prompt>(std::move(ids));
+  }
+
+  static std::string ids_text(const std::vector<toolkit::TokenId>& ids) {
+    std::string text = "token ids (no [data] tokenizer to decode them):";
+    for (auto id : ids) text += " " + std::to_string(id);
+    return text;
+  }
+
+  sdk::Options options_;
+  std::vector<std::string> paths_;
+  std::vector<double> weights_;
+  std::vector<std::string> val_paths_;
+  std::string tokenizer_path_;
+  std::int64_t block_size_;
+  bool document_aligned_;
+  double val_fraction_;
+  bool verify_;
+  std::string prompt_;
+  std::int64_t vocab_size_ = 0;
+  std::string vocab_source_, tokenizer_kind_;
+  std::unique_ptr<toolkit::Tokenizer> tokenizer_;
+  std::shared_ptr<sdk::Dataset> train_, val_, prompt_dataset_;
+};
+
+}  // namespace
+
+sdk::PluginEntry tokens_entry() {
+  return sdk::plugin_entry<Tokens>("tokens",
+                                   "token shards written by `tessera data prepare`, memory-mapped (one directory or a blend)");
+}
+
+}  // namespace tessera::data

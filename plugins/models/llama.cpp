@@ -1,0 +1,733 @@
+// `llama`: Hugging Face's LlamaForCausalLM (and Qwen2ForCausalLM, its q/k/v-bias variant), with
+// Hugging Face's parameter names and config.json keys, so checkpoints move in and out without a
+// mapping table. Each LlamaDecoderLayer is an FSDP unit run through sdk::invoke(); parallelize()
+// splits heads and the MLP over a tensor-parallel group; predict_step decodes with a KV cache.
+#include <cmath>
+#include <fstream>
+#include <limits>
+#include <optional>
+
+#include <ATen/ATen.h>
+#include <ATen/CPUGeneratorImpl.h>
+#include <nlohmann/json.hpp>
+#include <torch/nn/functional/loss.h>
+#include <torch/nn/modules/container/any.h>
+#include <torch/nn/modules/container/modulelist.h>
+#include <torch/nn/modules/embedding.h>
+#include <torch/nn/modules/linear.h>
+
+#include "models.hpp"
+#include "tessera/sdk/error.hpp"
+#include "tessera/sdk/huggingface.hpp"
+#include "tessera/sdk/tensor_parallel.hpp"
+#include "tessera/sdk/unit.hpp"
+#include "tessera/toolkit/attention.hpp"
+
+#define XXH_INLINE_ALL  // header-only: plugins link the SDK alone
+#include <xxhash.h>
+
+namespace tessera::models {
+
+namespace F = torch::nn::functional;
+using json = nlohmann::json;
+using sdk::Batch;
+using sdk::StepOutput;
+
+namespace {
+
+const std::vector<std::string> kModelTypes{"llama", "qwen2"};
+const std::vector<std::string> kRopeTypes{"default", "linear", "llama3"};
+
+/// rope_scaling (Hugging Face's rope_type, or the older "type").
+struct RopeScaling {
+  std::string type = "default";
+  double factor = 1.0, low_freq_factor = 1.0, high_freq_factor = 4.0;
+  double original_max_position_embeddings = 8192;
+};
+
+/// config.json's keys, Hugging Face's LlamaConfig defaults.
+struct LlamaConfig {
+  std::string model_type = "llama";
+  std::int64_t vocab_size = 32000, hidden_size = 4096, intermediate_size = 11008, num_hidden_layers = 32,
+               num_attention_heads = 32, num_key_value_heads = 32, head_dim = 128, max_position_embeddings = 2048;
+  double rms_norm_eps = 1e-6, rope_theta = 10000.0, initializer_range = 0.02;
+  bool tie_word_embeddings = false, attention_bias = false, mlp_bias = false;
+  std::optional<RopeScaling> rope_scaling;
+  std::optional<std::int64_t> pad_token_id, bos_token_id;
+  std::vector<std::int64_t> eos_token_id;
+  /// Qwen2 biases q, k and v but not o; Llama's attention_bias biases all four.
+  bool qkv_bias() const { return model_type == "qwen2" || attention_bias; }
+  bool o_bias() const { return model_type == "llama" && attention_bias; }
+};
+
+// --- rotary embeddings (modeling_rope_utils.py) ------------------------------------------------
+
+/// inv_freq [head_dim / 2] (float32, computed as Hugging Face computes it, operation for operation:
+/// Python's `scalar / tensor` is reciprocal() * scalar).
+at::Tensor rope_inv_freq(const LlamaConfig& c) {
+  const auto dim = static_cast<double>(c.head_dim);
+  at::Tensor exponent = at::arange(0, c.head_dim, 2, at::kLong).to(at::kFloat) / dim;
+  at::Tensor inv_freq = at::pow(c.rope_theta, exponent).reciprocal();
+  if (!c.rope_scaling || c.rope_scaling->type == "default") return inv_freq;
+  const RopeScaling& s = *c.rope_scaling;
+  if (s.type == "linear") return inv_freq / s.factor;
+  // llama3 (_compute_llama3_parameters)
+  const double low_freq_wavelen = s.original_max_position_embeddings / s.low_freq_factor;
+  const double high_freq_wavelen = s.original_max_position_embeddings / s.high_freq_factor;
+  at::Tensor wavelen = inv_freq.reciprocal() * (2 * M_PI);
+  at::Tensor inv_freq_llama = at::where(wavelen > low_freq_wavelen, inv_freq / s.factor, inv_freq);
+  at::Tensor smooth_factor =
+      (wavelen.reciprocal() * s.original_max_position_embeddings - s.low_freq_factor) /
+      (s.high_freq_factor - s.low_freq_factor);
+  at::Tensor smoothed_inv_freq = (1 - smooth_factor) * inv_freq_llama / s.factor + smooth_factor * inv_freq_llama;
+  at::Tensor is_medium_freq = (wavelen < high_freq_wavelen).logical_not() * (wavelen > low_freq_wavelen).logical_not();
+  return at::where(is_medium_freq, smoothed_inv_freq, inv_freq_llama);
+}
+
+/// rotate_half: the second half of the last dimension, negated, then the first.
+at::Tensor rotate_half(const at::Tensor& x) {
+  const std::int64_t half = x.size(-1) / 2;
+  return at::cat({-x.narrow(-1, half, half), x.narrow(-1, 0, half)}, -1);
+}
+
+/// One layer's keys and values so far, [B, Hkv, capacity, D] filled up to `length`.
+struct KVCache {
+  at::Tensor k, v;
+  std::int64_t length = 0;
+  std::int64_t capacity = 0;
+
+  std::pair<at::Tensor, at::Tensor> append(const at::Tensor& k_new, const at::Tensor& v_new) {
+    const std::int64_t T = k_new.size(2);
+    if (!k.defined()) {
+      auto sizes = k_new.sizes().vec();
+      sizes[2] = std::max(capacity, T);
+      k = at::empty(sizes, k_new.options());
+      v = at::empty(sizes, v_new.options());
+    }
+    TESSERA_CHECK(length + T <= k.size(2), "llama: the KV cache holds ", k.size(2), " positions; ", length + T, " asked");
+    k.narrow(2, length, T).copy_(k_new);
+    v.narrow(2, length, T).copy_(v_new);
+    length += T;
+    return {k.narrow(2, 0, length), v.narrow(2, 0, length)};
+  }
+};
+
+torch::nn::AnyModule make_linear(torch::nn::Module& parent, const std::string& name, std::int64_t in, std::int64_t out,
+                                 bool bias) {
+  return torch::nn::AnyModule(
+      parent.register_module(name, torch::nn::Linear(torch::nn::LinearOptions(in, out).bias(bias))));
+}
+
+// --- modules (modeling_llama.py) ---------------------------------------------------------------
+
+/// RMSNorm computed in fp32, cast back to the input's dtype before the weight (LlamaRMSNorm).
+class LlamaRMSNormImpl : public torch::nn::Module {
+ public:
+  LlamaRMSNormImpl(std::int64_t hidden_size, double eps) : torch::nn::Module("LlamaRMSNorm"), eps_(eps) {
+    weight = register_parameter("weight", at::ones({hidden_size}));
+  }
+  at::Tensor forward(const at::Tensor& x) {
+    at::Tensor h = x.to(at::kFloat);
+    at::Tensor variance = h.pow(2).mean(-1, /*keepdim=*/true);
+    h = h * at::rsqrt(variance + eps_);
+    return weight * h.to(x.scalar_type());
+  }
+  at::Tensor weight;
+
+ private:
+  double eps_;
+};
+TORCH_MODULE(LlamaRMSNorm);
+
+class LlamaAttentionImpl : public torch::nn::Module {
+ public:
+  LlamaAttentionImpl(const LlamaConfig& c, const toolkit::CausalAttentionOptions& attention)
+      : torch::nn::Module("LlamaAttention"),
+        heads_(c.num_attention_heads),
+        kv_heads_(c.num_key_value_heads),
+        head_dim_(c.head_dim),
+        attention_(attention) {
+    attention_.scale = 1.0 / std::sqrt(static_cast<double>(c.head_dim));  // head_dim ** -0.5
+    q_proj = make_linear(*this, "q_proj", c.hidden_size, heads_ * head_dim_, c.qkv_bias());
+    k_proj = make_linear(*this, "k_proj", c.hidden_size, kv_heads_ * head_dim_, c.qkv_bias());
+    v_proj = make_linear(*this, "v_proj", c.hidden_size, kv_heads_ * head_dim_, c.qkv_bias());
+    o_proj = make_linear(*this, "o_proj", heads_ * head_dim_, c.hidden_size, c.o_bias());
+  }
+
+  /// x [B, T, hidden]; cos, sin [T, head_dim] for the T positions; with a cache, the keys and
+  /// values of the positions before them are read from it and these are appended.
+  at::Tensor forward(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, KVCache* cache) {
+    const std::int64_t B = x.size(0), T = x.size(1);
+    // Under tensor parallelism this rank holds heads / tp query and kv_heads / tp key-value heads.
+    auto heads = [&](const at::Tensor& t) { return t.view({B, T, -1, head_dim_}).transpose(1, 2); };
+    at::Tensor q = heads(q_proj.forward<at::Tensor>(x));
+    at::Tensor k = heads(k_proj.forward<at::Tensor>(x));
+    at::Tensor v = heads(v_proj.forward<at::Tensor>(x));
+    q = q * cos + rotate_half(q) * sin;
+    k = k * cos + rotate_half(k) * sin;
+    if (cache != nullptr) std::tie(k, v) = cache->append(k, v);
+    at::Tensor y = toolkit::causal_attention(q, k, v, attention_);
+    return o_proj.forward<at::Tensor>(y.transpose(1, 2).reshape({B, T, -1}));
+  }
+
+  /// q, k, v column-parallel (each split by head), o row-parallel.
+  void parallelize(const std::shared_ptr<sdk::TensorParallelGroup>& tp) {
+    for (auto* p : {&q_proj, &k_proj, &v_proj}) *p = column(*p, tp);
+    o_proj = torch::nn::AnyModule(
+        replace_module("o_proj", sdk::RowParallelLinear(o_proj.get<torch::nn::LinearImpl>(), tp)));
+  }
+
+  torch::nn::AnyModule q_proj, k_proj, v_proj, o_proj;
+
+ private:
+  torch::nn::AnyModule column(torch::nn::AnyModule& linear, const std::shared_ptr<sdk::TensorParallelGroup>& tp) {
+    std::string name;
+    for (const auto& item : named_children())
+      if (item.value().get() == linear.ptr().get()) name = item.key();
+    return torch::nn::AnyModule(replace_module(name, sdk::ColumnParallelLinear(linear.get<torch::nn::LinearImpl>(), tp)));
+  }
+
+  std::int64_t heads_, kv_heads_, head_dim_;
+  toolkit::CausalAttentionOptions attention_;
+};
+TORCH_MODULE(LlamaAttention);
+
+/// SwiGLU: down(silu(gate(x)) * up(x)).
+class LlamaMLPImpl : public torch::nn::Module {
+ public:
+  explicit LlamaMLPImpl(const LlamaConfig& c) : torch::nn::Module("LlamaMLP") {
+    gate_proj = make_linear(*this, "gate_proj", c.hidden_size, c.intermediate_size, c.mlp_bias);
+    up_proj = make_linear(*this, "up_proj", c.hidden_size, c.intermediate_size, c.mlp_bias);
+    down_proj = make_linear(*this, "down_proj", c.intermediate_size, c.hidden_size, c.mlp_bias);
+  }
+  at::Tensor forward(const at::Tensor& x) {
+    return down_proj.forward<at::Tensor>(at::silu(gate_proj.forward<at::Tensor>(x)) * up_proj.forward<at::Tensor>(x));
+  }
+  /// gate and up column-parallel, down row-parallel.
+  void parallelize(const std::shared_ptr<sdk::TensorParallelGroup>& tp) {
+    gate_proj = torch::nn::AnyModule(
+        replace_module("gate_proj", sdk::ColumnParallelLinear(gate_proj.get<torch::nn::LinearImpl>(), tp)));
+    up_proj = torch::nn::AnyModule(
+        replace_module("up_proj", sdk::ColumnParallelLinear(up_proj.get<torch::nn::LinearImpl>(), tp)));
+    down_proj = torch::nn::AnyModule(
+        replace_module("down_proj", sdk::RowParallelLinear(down_proj.get<torch::nn::LinearImpl>(), tp)));
+  }
+  torch::nn::AnyModule gate_proj, up_proj, down_proj;
+};
+TORCH_MODULE(LlamaMLP);
+
+/// The FSDP unit: pre-norm attention and pre-norm MLP, each added to the residual.
+class LlamaDecoderLayerImpl : public torch::nn::Module {
+ public:
+  LlamaDecoderLayerImpl(const LlamaConfig& c, const toolkit::CausalAttentionOptions& attention)
+      : torch::nn::Module("LlamaDecoderLayer"),
+        self_attn(register_module("self_attn", LlamaAttention(c, attention))),
+        mlp(register_module("mlp", LlamaMLP(c))),
+        input_layernorm(register_module("input_layernorm", LlamaRMSNorm(c.hidden_size, c.rms_norm_eps))),
+        post_attention_layernorm(
+            register_module("post_attention_layernorm", LlamaRMSNorm(c.hidden_size, c.rms_norm_eps))) {}
+
+  at::Tensor forward(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, KVCache* cache) {
+    at::Tensor h = x + self_attn(input_layernorm(x), cos, sin, cache);
+    return h + mlp(post_attention_layernorm(h));
+  }
+
+  LlamaAttention self_attn;
+  LlamaMLP mlp;
+  LlamaRMSNorm input_layernorm, post_attention_layernorm;
+};
+TORCH_MODULE(LlamaDecoderLayer);
+
+/// LlamaModel: embed_tokens, layers, norm.
+class LlamaModelImpl : public torch::nn::Module {
+ public:
+  LlamaModelImpl(const LlamaConfig& c, const toolkit::CausalAttentionOptions& attention)
+      : torch::nn::Module("LlamaModel") {
+    auto embedding = torch::nn::EmbeddingOptions(c.vocab_size, c.hidden_size);
+    if (c.pad_token_id) embedding.padding_idx(*c.pad_token_id);
+    embed_tokens = register_module("embed_tokens", torch::nn::Embedding(embedding));
+    layers = register_module("layers", torch::nn::ModuleList());
+    for (std::int64_t i = 0; i < c.num_hidden_layers; ++i) {
+      units.emplace_back(c, attention);
+      layers->push_back(units.back());
+    }
+    norm = register_module("norm", LlamaRMSNorm(c.hidden_size, c.rms_norm_eps));
+  }
+  torch::nn::Embedding embed_tokens{nullptr};
+  torch::nn::ModuleList layers{nullptr};
+  std::vector<LlamaDecoderLayer> units;
+  LlamaRMSNorm norm{nullptr};
+};
+TORCH_MODULE(LlamaModel);
+
+class LlamaForCausalLMImpl : public torch::nn::Module {
+ public:
+  LlamaForCausalLMImpl(const LlamaConfig& c, const toolkit::CausalAttentionOptions& attention, std::uint64_t seed)
+      : torch::nn::Module(c.model_type == "qwen2" ? "Qwen2ForCausalLM" : "LlamaForCausalLM"),
+        config(c) {
+    model = register_module("model", LlamaModel(c, attention));
+    if (!c.tie_word_embeddings)
+      lm_head = register_module("lm_head",
+                                torch::nn::Linear(torch::nn::LinearOptions(c.hidden_size, c.vocab_size).bias(false)));
+    for (auto& item : named_parameters()) init_parameter(item.key(), item.value(), c, seed);
+  }
+
+  /// Logits [B, T, vocab] of `ids` [B, T] at positions offset .. offset + T - 1; with caches (one
+  /// per layer), the earlier positions' keys and values come from them.
+  at::Tensor forward(const at::Tensor& ids, std::vector<KVCache>* caches = nullptr, std::int64_t offset = 0) {
+    at::Tensor x = model->embed_tokens(ids);
+    // cos and sin in float32 (position * inv_freq, both halves), then in the activations' dtype.
+    at::Tensor positions = at::arange(offset, offset + ids.size(1), at::TensorOptions().dtype(at::kFloat).device(x.device()));
+    // Made at the first forward, not in the constructor: under deferred init every tensor made
+    // while the model is built is scratch memory.
+    if (!inv_freq_.defined()) inv_freq_ = rope_inv_freq(config);
+    if (inv_freq_.device() != x.device()) inv_freq_ = inv_freq_.to(x.device());
+    at::Tensor freqs = positions.unsqueeze(1) * inv_freq_.unsqueeze(0);
+    at::Tensor emb = at::cat({freqs, freqs}, -1);
+    at::Tensor cos = emb.cos().to(x.scalar_type()), sin = emb.sin().to(x.scalar_type());
+    for (std::size_t i = 0; i < model->units.size(); ++i)
+      x = sdk::invoke(model->units[i], x, cos, sin, caches != nullptr ? &(*caches)[i] : static_cast<KVCache*>(nullptr));
+    x = model->norm(x);
+    // Tied: the output head is the token embedding itself (one parameter).
+    return lm_head ? lm_head(x) : at::matmul(x, model->embed_tokens->weight.t());
+  }
+
+  /// One parameter's initialisation by its Hugging Face name (_init_weights): norms 1, biases 0,
+  /// every matrix and the embedding N(0, initializer_range), the embedding's padding row 0. Each
+  /// draws from its own generator seeded by the run's seed and its name, so a deferred build
+  /// (unit by unit) holds the eager build's values.
+  static bool init_parameter(const std::string& name, at::Tensor& p, const LlamaConfig& c, std::uint64_t seed) {
+    torch::NoGradGuard no_grad;
+    const std::string key = name.rfind('.', 0) == 0 ? name.substr(1) : name;  // a root unit's path is ""
+    auto ends_with = [&](const std::string& tail) {
+      return key.size() >= tail.size() && key.compare(key.size() - tail.size(), tail.size(), tail) == 0;
+    };
+    if (ends_with("norm.weight")) {
+      p.fill_(1.0);
+      return true;
+    }
+    if (ends_with(".bias")) {
+      p.zero_();
+      return true;
+    }
+    // Drawn on the CPU whatever the device: CUDA's Philox would give a GPU build other values.
+    at::Generator generator = at::detail::createCPUGenerator(XXH64(key.data(), key.size(), seed));
+    at::Tensor values = p.device().is_cpu() ? p : at::empty(p.sizes(), p.options().device(at::kCPU));
+    values.normal_(0.0, c.initializer_range, generator);
+    if (ends_with("embed_tokens.weight") && c.pad_token_id && *c.pad_token_id < values.size(0))
+      values[*c.pad_token_id].zero_();
+    if (!values.is_same(p)) p.copy_(values);
+    return true;
+  }
+
+  void parallelize(const std::shared_ptr<sdk::TensorParallelGroup>& tp) {
+    for (auto& layer : model->units) {
+      layer->self_attn->parallelize(tp);
+      layer->mlp->parallelize(tp);
+    }
+  }
+
+  LlamaConfig config;
+  LlamaModel model{nullptr};
+  torch::nn::Linear lm_head{nullptr};
+
+ private:
+  at::Tensor inv_freq_;  // not a buffer: neither checkpointed nor sharded (Hugging Face's is non-persistent)
+};
+TORCH_MODULE(LlamaForCausalLM);
+
+// --- configuration -------------------------------------------------------------------------------
+
+/// A TOML value as JSON (rope_scaling tables, eos_token_id lists).
+json toml_to_json(const toml::node& node) {
+  if (auto* t = node.as_table()) {
+    json out = json::object();
+    for (const auto& [k, v] : *t) out[std::string(k.str())] = toml_to_json(v);
+    return out;
+  }
+  if (auto* a = node.as_array()) {
+    json out = json::array();
+    for (const auto& v : *a) out.push_back(toml_to_json(v));
+    return out;
+  }
+  if (auto v = node.value<std::int64_t>(); v && node.is_integer()) return *v;
+  if (auto v = node.value<double>(); v && node.is_floating_point()) return *v;
+  if (auto v = node.value<bool>(); v && node.is_boolean()) return *v;
+  if (auto v = node.value<std::string>()) return *v;
+  return nullptr;
+}
+
+/// The configuration: config.json's values (when [model] config names one) under the TOML keys.
+class ConfigReader {
+ public:
+  explicit ConfigReader(const sdk::Options& o) : o_(o) {
+    path_ = o.get_string("config", "");
+    if (path_.empty()) return;
+    std::ifstream in(path_);
+    TESSERA_CHECK(in.good(), o.locate("config"), " = \"", path_, "\": cannot read it (a Hugging Face config.json)");
+    try {
+      json_ = json::parse(in);
+    } catch (const std::exception& e) {
+      TESSERA_FAIL(o.locate("config"), " = \"", path_, "\" is not JSON: ", e.what());
+    }
+    TESSERA_CHECK(json_.is_object(), o.locate("config"), " = \"", path_, "\" is not a JSON object");
+  }
+
+  /// Where a value came from, for messages.
+  std::string where(const std::string& key) const {
+    return o_.has(key) || path_.empty() || !json_.contains(key) ? o_.locate(key)
+                                                                 : "\"" + path_ + "\": " + key;
+  }
+
+  std::int64_t get_int(const std::string& key, std::int64_t fallback, std::int64_t min = 1) const {
+    return o_.get_int(key, from_json<std::int64_t>(key, fallback), min);
+  }
+  double get_double(const std::string& key, double fallback, double min = -1e300) const {
+    return o_.get_double(key, from_json<double>(key, fallback), min);
+  }
+  bool get_bool(const std::string& key, bool fallback) const { return o_.get_bool(key, from_json<bool>(key, fallback)); }
+  std::string get_string(const std::string& key, const std::string& fallback) const {
+    return o_.get_string(key, from_json<std::string>(key, fallback));
+  }
+  /// The TOML value if set (a table, an array or a scalar), else config.json's; null when neither.
+  json get_json(const std::string& key) const {
+    if (o_.has(key)) {
+      o_.mark_used(key);
+      return toml_to_json(*o_.table().get(key));
+    }
+    return json_.contains(key) ? json_.at(key) : json();
+  }
+  /// Set in the TOML or (not null) in config.json.
+  bool has(const std::string& key) const {
+    return o_.has(key) || (json_.contains(key) && !json_.at(key).is_null());
+  }
+  const json& file() const { return json_; }
+  const std::string& path() const { return path_; }
+
+ private:
+  template <typename T>
+  T from_json(const std::string& key, T fallback) const {
+    if (!json_.contains(key) || json_.at(key).is_null()) return fallback;
+    try {
+      return json_.at(key).get<T>();
+    } catch (const std::exception&) {
+      TESSERA_FAIL("\"", path_, "\": ", key, " = ", json_.at(key).dump(), " has the wrong type");
+    }
+  }
+
+  const sdk::Options& o_;
+  std::string path_;
+  json json_;
+};
+
+std::optional<std::int64_t> optional_id(const json& value, const std::string& what) {
+  if (value.is_null()) return std::nullopt;
+  TESSERA_CHECK(value.is_number_integer(), what, " must be a token id, found ", value.dump());
+  return value.get<std::int64_t>();
+}
+
+LlamaConfig read_config(const ConfigReader& r, const std::string& model_type_where) {
+  LlamaConfig c;
+  c.model_type = r.get_string("model_type", "llama");
+  if (std::find(kModelTypes.begin(), kModelTypes.end(), c.model_type) == kModelTypes.end())
+    TESSERA_FAIL(model_type_where, ": model_type \"", c.model_type, "\" is not supported; supported: \"llama\" ",
+                 "(LlamaForCausalLM), \"qwen2\" (Qwen2ForCausalLM)");
+  c.vocab_size = r.get_int("vocab_size", c.model_type == "qwen2" ? 151936 : 32000);
+  c.hidden_size = r.get_int("hidden_size", 4096);
+  c.intermediate_size = r.get_int("intermediate_size", c.model_type == "qwen2" ? 22016 : 11008);
+  c.num_hidden_layers = r.get_int("num_hidden_layers", 32);
+  c.num_attention_heads = r.get_int("num_attention_heads", 32);
+  c.num_key_value_heads = r.get_int("num_key_value_heads", c.num_attention_heads);
+  TESSERA_CHECK(c.num_attention_heads % c.num_key_value_heads == 0, r.where("num_key_value_heads"), " = ",
+                c.num_key_value_heads, " must divide num_attention_heads = ", c.num_attention_heads,
+                " (each key-value head serves a group of query heads)");
+  // head_dim: explicit, or hidden_size / num_attention_heads (null counts as absent, as in HF).
+  if (!r.has("head_dim"))
+    TESSERA_CHECK(c.hidden_size % c.num_attention_heads == 0, r.where("hidden_size"), " = ", c.hidden_size,
+                  " must be divisible by num_attention_heads = ", c.num_attention_heads, " (or set head_dim)");
+  c.head_dim = r.get_int("head_dim", c.hidden_size / c.num_attention_heads);
+  TESSERA_CHECK(c.head_dim % 2 == 0, r.where("head_dim"), " = ", c.head_dim, " must be even (rotary embeddings)");
+  c.max_position_embeddings = r.get_int("max_position_embeddings", c.model_type == "qwen2" ? 32768 : 2048);
+  c.rms_norm_eps = r.get_double("rms_norm_eps", 1e-6, 0.0);
+  c.rope_theta = r.get_double("rope_theta", 10000.0, 1e-300);
+  c.initializer_range = r.get_double("initializer_range", 0.02, 0.0);
+  c.tie_word_embeddings = r.get_bool("tie_word_embeddings", false);
+  c.attention_bias = r.get_bool("attention_bias", false);
+  c.mlp_bias = r.get_bool("mlp_bias", false);
+  const std::string act = r.get_string("hidden_act", "silu");
+  TESSERA_CHECK(act == "silu", r.where("hidden_act"), " = \"", act, "\" is not supported; supported: \"silu\" (SwiGLU)");
+  const double attention_dropout = r.get_double("attention_dropout", 0.0, 0.0);
+  TESSERA_CHECK(attention_dropout == 0.0, r.where("attention_dropout"), " = ", attention_dropout,
+                " is not supported; supported: 0.0 (as every released Llama)");
+  if (c.model_type == "qwen2") {
+    const bool sliding = r.get_bool("use_sliding_window", false);
+    TESSERA_CHECK(!sliding, r.where("use_sliding_window"), " = true is not supported; supported: false");
+  }
+  // rope_scaling (transformers 4.x) or rope_parameters (5.x, which carries rope_theta too).
+  json scaling = r.get_json("rope_scaling");
+  if (scaling.is_null()) {
+    scaling = r.file().contains("rope_parameters") ? r.file().at("rope_parameters") : json();
+    if (scaling.is_object() && scaling.contains("rope_theta") && !r.file().contains("rope_theta"))
+      c.rope_theta = scaling.at("rope_theta").get<double>();
+  }
+  if (!scaling.is_null()) {
+    const std::string where = r.where("rope_scaling");
+    TESSERA_CHECK(scaling.is_object(), where, " must be a table (rope_type = \"llama3\", factor = ...), found ",
+                  scaling.dump());
+    RopeScaling s;
+    s.type = scaling.value("rope_type", scaling.value("type", std::string("default")));
+    if (std::find(kRopeTypes.begin(), kRopeTypes.end(), s.type) == kRopeTypes.end())
+      TESSERA_FAIL(where, ": rope_scaling type \"", s.type, "\" is not supported; supported: \"default\", \"linear\", ",
+                   "\"llama3\"");
+    auto number = [&](const char* key, double fallback, bool required) {
+      if (!scaling.contains(key)) {
+        TESSERA_CHECK(!required, where, ": rope_scaling type \"", s.type, "\" needs ", key);
+        return fallback;
+      }
+      TESSERA_CHECK(scaling.at(key).is_number(), where, ": rope_scaling ", key, " must be a number, found ",
+                    scaling.at(key).dump());
+      return scaling.at(key).get<double>();
+    };
+    const bool scaled = s.type != "default";
+    s.factor = number("factor", 1.0, scaled);
+    const bool llama3 = s.type == "llama3";
+    s.low_freq_factor = number("low_freq_factor", 1.0, llama3);
+    s.high_freq_factor = number("high_freq_factor", 4.0, llama3);
+    s.original_max_position_embeddings = number("original_max_position_embeddings", 8192, llama3);
+    TESSERA_CHECK(!llama3 || s.high_freq_factor != s.low_freq_factor, where,
+                  ": rope_scaling high_freq_factor must differ from low_freq_factor");
+    c.rope_scaling = s;
+  }
+  c.pad_token_id = optional_id(r.get_json("pad_token_id"), r.where("pad_token_id"));
+  if (c.pad_token_id)
+    TESSERA_CHECK(*c.pad_token_id >= 0 && *c.pad_token_id < c.vocab_size, r.where("pad_token_id"), " = ",
+                  *c.pad_token_id, " is not a token id below vocab_size = ", c.vocab_size);
+  c.bos_token_id = optional_id(r.get_json("bos_token_id"), r.where("bos_token_id"));
+  const json eos = r.get_json("eos_token_id");
+  if (eos.is_array())
+    for (const auto& id : eos) c.eos_token_id.push_back(*optional_id(id, r.where("eos_token_id")));
+  else if (auto id = optional_id(eos, r.where("eos_token_id")))
+    c.eos_token_id.push_back(*id);
+  return c;
+}
+
+class Llama final : public sdk::Module, public sdk::HuggingFaceModel {
+ public:
+  explicit Llama(const sdk::Options& o) {
+    const ConfigReader reader(o);
+    config_ = read_config(reader, reader.where("model_type"));
+    attention_.kernel = toolkit::parse_attention_kernel(o.get_string("attention", "automatic"), o.locate("attention"));
+    attention_.query_block = o.get_int("attention_query_block", 128, 1);
+    predict_logits_ = o.get_choice("predict", "generate", {"generate", "logits"}) == "logits";
+    max_new_tokens_ = o.get_int("max_new_tokens", 64, 1, 1 << 20);
+    temperature_ = o.get_double("temperature", 0.0, 0.0);
+    top_k_ = o.get_int("top_k", 50, 0, config_.vocab_size);
+    top_p_ = o.get_double("top_p", 1.0, 0.0, 1.0);
+    TESSERA_CHECK(top_p_ > 0.0, o.locate("top_p"), " must be in (0, 1]");
+    heads_key_ = reader.where("num_key_value_heads");
+  }
+
+  void configure_model() override {
+    // The seed the host set (trainer.seed), not a draw: a deferred build initialises later.
+    init_seed_ = at::detail::getDefaultCPUGenerator().current_seed();
+    net_ = LlamaForCausalLM(config_, attention_, init_seed_);
+    tp_ = nullptr;
+  }
+  std::shared_ptr<torch::nn::Module> network() override { return net_.ptr(); }
+
+  StepOutput training_step(const Batch& batch, std::int64_t) override { return lm_loss(batch); }
+  StepOutput validation_step(const Batch& batch, std::int64_t) override { return lm_loss(batch); }
+  StepOutput test_step(const Batch& batch, std::int64_t) override { return lm_loss(batch); }
+
+  /// [model] predict = "logits": the logits [B, T, vocab_size] (fp32) of the prompts.
+  /// Otherwise generation with a KV cache: the prompt's keys and values once (prefill), then one position
+  /// per token. Rows that produced an EOS get pad tokens after it; the output is always
+  /// [B, T + max_new_tokens] (predict_output's rows stack). Without sharded or tensor-parallel
+  /// layers it stops as soon as every row ended; with them every rank decodes max_new_tokens
+  /// positions, since each position is a collective over the ranks.
+  at::Tensor predict_step(const Batch& batch, std::int64_t) override {
+    TESSERA_CHECK(batch.input.defined() && batch.input.dim() == 2 && batch.input.size(1) > 0,
+                  "llama: predict needs a batch of token prompts [B, T] with T >= 1, found ",
+                  batch.input.defined() ? batch.input.sizes() : at::IntArrayRef{});
+    torch::NoGradGuard no_grad;
+    at::Tensor prompt = batch.input.to(at::kLong);
+    if (predict_logits_) return net_->forward(prompt).to(at::kFloat);  // [predict] = "logits": scoring
+    const std::int64_t B = prompt.size(0), T = prompt.size(1);
+    TESSERA_CHECK(prompt.min().item<std::int64_t>() >= 0 && prompt.max().item<std::int64_t>() < config_.vocab_size,
+                  "llama: a prompt token is outside [0, vocab_size = ", config_.vocab_size, ")");
+    std::vector<KVCache> caches(net_->model->units.size());
+    for (auto& cache : caches) cache.capacity = T + max_new_tokens_;
+    const std::int64_t pad = config_.pad_token_id ? *config_.pad_token_id
+                                                  : (config_.eos_token_id.empty() ? 0 : config_.eos_token_id[0]);
+    at::Tensor eos = at::tensor(config_.eos_token_id, at::kLong).to(prompt.device());
+    at::Tensor out = at::full({B, T + max_new_tokens_}, pad, prompt.options());
+    out.narrow(1, 0, T).copy_(prompt);
+    at::Tensor finished = at::zeros({B}, prompt.options().dtype(at::kBool));
+    at::Tensor logits = net_->forward(prompt, &caches, 0).select(1, T - 1);
+    for (std::int64_t i = 0; i < max_new_tokens_; ++i) {
+      at::Tensor next = next_token(logits.to(at::kFloat));
+      // Tensor-parallel ranks compute the same row: they must feed the same token on (a draw
+      // from each rank's own generator could differ), so all take tp rank 0's.
+      if (tp_ && temperature_ != 0.0) next = tp_->all_gather(next.contiguous(), 0).narrow(0, 0, B);
+      next = at::where(finished, at::full_like(next, pad), next);
+      out.select(1, T + i).copy_(next);
+      if (eos.numel() > 0) finished = finished.logical_or(at::isin(next, eos));
+      if (i + 1 == max_new_tokens_ || (can_stop_early() && finished.all().item<bool>())) break;
+      logits = net_->forward(next.unsqueeze(1), &caches, T + i).select(1, 0);
+    }
+    return out;
+  }
+
+  std::vector<std::string> fsdp_unit_classes() const override { return {"LlamaDecoderLayer"}; }
+
+  /// Each tp rank takes num_attention_heads / tp query heads, num_key_value_heads / tp key-value
+  /// heads and intermediate_size / tp MLP units.
+  void parallelize(const sdk::ParallelContext& context) override {
+    TESSERA_CHECK(context.tp != nullptr, "llama: parallelize needs a tensor-parallel group (null)");
+    const std::int64_t tp = context.tp->size();
+    if (tp == 1 || context.tp == tp_) return;  // applied once
+    TESSERA_CHECK(net_, "llama: parallelize before configure_model()");
+    TESSERA_CHECK(!tp_, "llama: the network is already split over a tensor-parallel group of ", tp_ ? tp_->size() : 0,
+                  "; configure_model() again before parallelizing over another group");
+    auto splits = [&](std::int64_t d) {
+      return config_.num_key_value_heads % d == 0 && config_.num_attention_heads % d == 0 &&
+             config_.intermediate_size % d == 0;
+    };
+    if (!splits(tp)) {
+      std::vector<std::string> valid;
+      for (std::int64_t d = 1; d <= config_.num_key_value_heads; ++d)
+        if (splits(d)) valid.push_back(std::to_string(d));
+      TESSERA_FAIL(heads_key_, " = ", config_.num_key_value_heads, " (with num_attention_heads = ",
+                   config_.num_attention_heads, ", intermediate_size = ", config_.intermediate_size,
+                   ") does not split over tensor_parallel_size = ", tp,
+                   ": each tp rank takes num_key_value_heads / tp key-value heads, their query heads and "
+                   "intermediate_size / tp MLP units; valid tensor_parallel_size: ",
+                   sdk::join(valid));
+    }
+    net_->parallelize(context.tp);
+    tp_ = context.tp;
+  }
+
+  /// Deferred init: the eager build's values (each parameter's draws depend on its name only).
+  bool init_parameters(const std::string& path, torch::nn::Module& module) override {
+    bool handled = true;
+    for (auto& item : module.named_parameters(/*recurse=*/false))
+      handled = LlamaForCausalLMImpl::init_parameter(path + "." + item.key(), item.value(), config_, init_seed_) && handled;
+    return handled;
+  }
+
+  sdk::Checkpoint hyper_parameters() const override {
+    sdk::Checkpoint h = sdk::make_checkpoint();
+    h.insert("hf_config_json", hf_config_json());
+    h.insert("attention", toolkit::to_string(attention_.kernel));
+    h.insert("predict", std::string(predict_logits_ ? "logits" : "generate"));
+    h.insert("max_new_tokens", max_new_tokens_);
+    h.insert("temperature", temperature_);
+    h.insert("top_k", top_k_);
+    h.insert("top_p", top_p_);
+    h.insert("vocab_size", config_.vocab_size);
+    return h;
+  }
+
+  std::string hf_config_json() const override {
+    const LlamaConfig& c = config_;
+    json j;
+    j["architectures"] = {c.model_type == "qwen2" ? "Qwen2ForCausalLM" : "LlamaForCausalLM"};
+    j["model_type"] = c.model_type;
+    j["vocab_size"] = c.vocab_size;
+    j["hidden_size"] = c.hidden_size;
+    j["intermediate_size"] = c.intermediate_size;
+    j["num_hidden_layers"] = c.num_hidden_layers;
+    j["num_attention_heads"] = c.num_attention_heads;
+    j["num_key_value_heads"] = c.num_key_value_heads;
+    j["head_dim"] = c.head_dim;
+    j["hidden_act"] = "silu";
+    j["max_position_embeddings"] = c.max_position_embeddings;
+    j["initializer_range"] = c.initializer_range;
+    j["rms_norm_eps"] = c.rms_norm_eps;
+    j["rope_theta"] = c.rope_theta;
+    if (c.rope_scaling) {
+      json s;
+      s["rope_type"] = c.rope_scaling->type;
+      if (c.rope_scaling->type != "default") s["factor"] = c.rope_scaling->factor;
+      if (c.rope_scaling->type == "llama3") {
+        s["low_freq_factor"] = c.rope_scaling->low_freq_factor;
+        s["high_freq_factor"] = c.rope_scaling->high_freq_factor;
+        s["original_max_position_embeddings"] = static_cast<std::int64_t>(c.rope_scaling->original_max_position_embeddings);
+      }
+      j["rope_scaling"] = s;
+    } else {
+      j["rope_scaling"] = nullptr;
+    }
+    j["tie_word_embeddings"] = c.tie_word_embeddings;
+    j["attention_bias"] = c.attention_bias;
+    j["attention_dropout"] = 0.0;
+    if (c.model_type == "llama") j["mlp_bias"] = c.mlp_bias;
+    if (c.model_type == "qwen2") j["use_sliding_window"] = false;
+    j["use_cache"] = true;
+    j["pad_token_id"] = c.pad_token_id ? json(*c.pad_token_id) : json();
+    j["bos_token_id"] = c.bos_token_id ? json(*c.bos_token_id) : json();
+    if (c.eos_token_id.size() == 1) j["eos_token_id"] = c.eos_token_id[0];
+    else if (!c.eos_token_id.empty()) j["eos_token_id"] = c.eos_token_id;
+    else j["eos_token_id"] = nullptr;
+    return j.dump(2);
+  }
+
+ private:
+  StepOutput lm_loss(const Batch& batch) {
+    at::Tensor logits = net_->forward(batch.input);
+    // fp32 logits for the loss (Hugging Face's ForCausalLMLoss); -100 targets are ignored.
+    at::Tensor loss = F::cross_entropy(logits.reshape({-1, config_.vocab_size}).to(at::kFloat),
+                                       batch.target.reshape({-1}));
+    return StepOutput{loss, {{"loss", loss.detach()}}, batch.input.numel()};
+  }
+
+  /// Hugging Face's sampling: greedy at temperature 0; else temperature, then top_k, then top_p
+  /// (the smallest set of tokens whose probability reaches top_p, at least one), then a draw.
+  at::Tensor next_token(at::Tensor logits) const {
+    if (temperature_ == 0.0) return logits.argmax(-1);
+    logits = logits / temperature_;
+    const float neg_inf = -std::numeric_limits<float>::infinity();
+    if (top_k_ > 0 && top_k_ < logits.size(-1)) {
+      at::Tensor kth = std::get<0>(logits.topk(top_k_, -1)).narrow(-1, top_k_ - 1, 1);
+      logits = logits.masked_fill(logits < kth, neg_inf);
+    }
+    if (top_p_ < 1.0) {
+      auto [sorted, order] = logits.sort(-1, /*descending=*/false);
+      at::Tensor cumulative = at::softmax(sorted, -1).cumsum(-1);
+      at::Tensor remove = cumulative <= (1.0 - top_p_);
+      remove.select(-1, remove.size(-1) - 1).fill_(false);
+      logits = logits.masked_fill(remove.scatter(-1, order, remove), neg_inf);
+    }
+    return at::multinomial(at::softmax(logits, -1), 1).squeeze(1);
+  }
+
+  /// Whether this rank may stop decoding on its own: no layer runs collectives.
+  bool can_stop_early() const {
+    if (tp_) return false;
+    for (const auto& layer : net_->model->units)
+      if (sdk::unit_runner(*layer) != nullptr) return false;
+    return sdk::unit_runner(*net_) == nullptr;
+  }
+
+  LlamaConfig config_;
+  toolkit::CausalAttentionOptions attention_;
+  bool predict_logits_ = false;
+  std::int64_t max_new_tokens_ = 64;
+  double temperature_ = 0.0;
+  std::int64_t top_k_ = 50;
+  double top_p_ = 1.0;
+  std::string heads_key_;  // where num_key_value_heads came from, for the tensor-parallel size error
+  LlamaForCausalLM net_{nullptr};
+  std::uint64_t init_seed_ = 0;
+  std::shared_ptr<sdk::TensorParallelGroup> tp_;
+};
+
+}  // namespace
+
+sdk::PluginEntry llama_entry() {
+  return sdk::plugin_entry<Llama>(
+      "llama", "Hugging Face's LlamaForCausalLM (and Qwen2): HF names and config.json; LlamaDecoderLayers are FSDP units");
+}
+
+}  // namespace tessera::models

@@ -1,0 +1,60 @@
+#pragma once
+/// Causal self-attention for decoder models: one function every model plugin calls (gpt,
+/// llama), so that the fast and memory-lean kernels are chosen in one place.
+///
+/// Shapes: q [B, Hq, Tq, D]; k and v [B, Hkv, Tk, D] with Hq a multiple of Hkv (grouped-query
+/// attention: query head h reads key/value head h / (Hq / Hkv), Hugging Face's repeat_kv) and
+/// Tk >= Tq. The queries are the last Tq of the Tk positions (a KV cache holds the first
+/// Tk - Tq): query i sees keys 0 .. Tk - Tq + i. Returns [B, Hq, Tq, D] in q's dtype.
+#include <cstdint>
+#include <functional>
+#include <string>
+
+#include <ATen/core/Tensor.h>
+
+namespace tessera::toolkit {
+
+/// Which kernel computes the attention.
+enum class AttentionKernel {
+  /// LibTorch's scaled_dot_product_attention (2.x: flash / memory-efficient kernels on CUDA,
+  /// fused kernels on the CPU) where the LibTorch has it; elsewhere `blocked`.
+  automatic,
+  /// at::scaled_dot_product_attention (LibTorch 2.x only; refused on 1.13), GQA through its
+  /// enable_gqa where the LibTorch has it (2.5+), else keys and values repeated.
+  sdpa,
+  /// Query blocks of `query_block` rows; backward recomputes each block's probabilities from
+  /// the saved log-sum-exp (flash attention's recomputation): no [B, H, Tq, Tk] tensor is kept
+  /// for backward, and a block never materialises more than [B, H, query_block, Tk]. GQA reads
+  /// the Hkv key/value heads directly (no repeated copies). Sequences of at most query_block
+  /// positions take the `math` path (one block: nothing to save).
+  blocked,
+  /// The reference: scores, mask, softmax (fp32) and the weighted sum as Hugging Face's
+  /// "eager" attention computes them, keys and values repeated for GQA; autograd keeps the
+  /// [B, Hq, Tq, Tk] probabilities.
+  math,
+};
+
+struct CausalAttentionOptions {
+  /// Multiplies q k^T; 0 means 1 / sqrt(D).
+  double scale = 0.0;
+  /// Applied to the probabilities [B, Hq, Tq, Tk] before the weighted sum (attention dropout);
+  /// its presence selects the `math` path, the only one that materialises them.
+  std::function<at::Tensor(const at::Tensor&)> dropout;
+  AttentionKernel kernel = AttentionKernel::automatic;
+  /// Query rows per block of the `blocked` path.
+  std::int64_t query_block = 128;
+};
+
+/// softmax(scale q k^T + causal mask) v; differentiable in q, k and v. The blocked and SDPA
+/// paths equal the math path within float rounding (1e-5 in fp32; tests/models).
+at::Tensor causal_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                            const CausalAttentionOptions& options = {});
+
+/// The kernel `causal_attention` runs for these options and shapes (automatic resolved).
+AttentionKernel causal_attention_kernel(const at::Tensor& q, const at::Tensor& k, const CausalAttentionOptions& options);
+
+/// "automatic", "sdpa", "blocked", "math" -> the kernel; an sdk::Error naming `what` and the choices otherwise.
+AttentionKernel parse_attention_kernel(const std::string& name, const std::string& what);
+std::string to_string(AttentionKernel kernel);
+
+}  // namespace tessera::toolkit

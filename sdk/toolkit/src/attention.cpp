@@ -1,0 +1,208 @@
+// Causal attention: LibTorch's SDPA where it exists, a query-blocked kernel with
+// recomputation in backward where it does not (LibTorch 1.13), and the math path.
+#include "tessera/toolkit/attention.hpp"
+
+#include <cmath>
+#include <limits>
+
+#include <ATen/ATen.h>
+#include <torch/csrc/autograd/custom_function.h>
+#include <torch/version.h>
+
+#include "tessera/sdk/batched_matmul.hpp"
+#include "tessera/sdk/error.hpp"
+
+namespace tessera::toolkit {
+
+namespace {
+
+constexpr bool kHasSdpa = TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 1);
+
+double resolved_scale(const at::Tensor& q, double scale) {
+  return scale != 0.0 ? scale : 1.0 / std::sqrt(static_cast<double>(q.size(-1)));
+}
+
+/// -inf where key j is in the future of query row r (j > offset + r), 0 elsewhere: [rows, keys].
+at::Tensor causal_bias(std::int64_t rows, std::int64_t keys, std::int64_t offset, const at::TensorOptions& options) {
+  at::Tensor r = at::arange(rows, options.dtype(at::kLong)).add_(offset).unsqueeze(1);
+  at::Tensor j = at::arange(keys, options.dtype(at::kLong)).unsqueeze(0);
+  return at::zeros({rows, keys}, options).masked_fill_(j > r, -std::numeric_limits<double>::infinity());
+}
+
+/// Hugging Face's repeat_kv: [B, Hkv, T, D] -> [B, Hkv * groups, T, D], head h reading h / groups.
+at::Tensor repeat_kv(const at::Tensor& x, std::int64_t groups) {
+  if (groups == 1) return x;
+  const auto B = x.size(0), H = x.size(1), T = x.size(2), D = x.size(3);
+  return x.unsqueeze(2).expand({B, H, groups, T, D}).reshape({B, H * groups, T, D});
+}
+
+at::Tensor math_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                          const CausalAttentionOptions& options) {
+  const std::int64_t B = q.size(0), H = q.size(1), Tq = q.size(2), D = q.size(3), Tk = k.size(2);
+  const std::int64_t groups = H / k.size(1);
+  at::Tensor kk = repeat_kv(k, groups).reshape({B * H, Tk, D}), vv = repeat_kv(v, groups).reshape({B * H, Tk, D});
+  // mask + scale q k^T in one batched GEMM (the values of scaling and masking after it).
+  at::Tensor scores = sdk::batched_matmul(q.reshape({B * H, Tq, D}), kk.transpose(1, 2),
+                                          Tq > 1 ? causal_bias(Tq, Tk, Tk - Tq, q.options()) : at::Tensor(),
+                                          resolved_scale(q, options.scale));
+  // Softmax in fp32 for low-precision inputs (Hugging Face's eager attention).
+  at::Tensor probs = scores.scalar_type() == at::kFloat || scores.scalar_type() == at::kDouble
+                         ? at::softmax(scores, -1)
+                         : at::softmax(scores, -1, at::kFloat).to(scores.scalar_type());
+  probs = probs.view({B, H, Tq, Tk});
+  if (options.dropout) probs = options.dropout(probs);
+  return sdk::batched_matmul(probs.reshape({B * H, Tq, Tk}), vv).view({B, H, Tq, D});
+}
+
+/// The query-blocked kernel (see AttentionKernel::blocked). Works on [B Hkv, groups, T, D]: a
+/// block's rows are the groups' query heads of each key/value head, so one product per block
+/// reads each key/value head once and the key/value gradients sum over the group in the GEMM.
+class BlockedCausalAttention : public torch::autograd::Function<BlockedCausalAttention> {
+ public:
+  struct Shape {
+    std::int64_t B, H, Hkv, groups, Tq, Tk, D, block;
+    double scale;
+  };
+
+  /// One block's probabilities [B Hkv, groups n, keys] (float) and its inputs: queries
+  /// [B Hkv, groups n, D], keys and values [B Hkv, keys, D]. `lse` given: exp(s - lse) (backward),
+  /// else computed and returned through it (forward).
+  static at::Tensor probabilities(const Shape& s, const at::Tensor& qg, const at::Tensor& kk, std::int64_t t0,
+                                  std::int64_t n, at::Tensor& qb, at::Tensor& lse, bool have_lse) {
+    const std::int64_t BH = s.B * s.Hkv, keys = s.Tk - s.Tq + t0 + n;
+    qb = qg.narrow(2, t0, n).reshape({BH, s.groups * n, s.D});
+    at::Tensor bias;
+    if (n > 1) bias = causal_bias(n, keys, s.Tk - s.Tq + t0, qg.options()).repeat({s.groups, 1});
+    at::Tensor scores = sdk::batched_matmul(qb, kk.narrow(1, 0, keys).transpose(1, 2), bias, s.scale).to(at::kFloat);
+    if (!have_lse) lse = at::logsumexp(scores, -1, /*keepdim=*/true);
+    return scores.sub_(lse).exp_();
+  }
+
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& q, const at::Tensor& k,
+                            const at::Tensor& v, double scale, std::int64_t block) {
+    Shape s{q.size(0), q.size(1), k.size(1), q.size(1) / k.size(1), q.size(2), k.size(2), q.size(3), block, scale};
+    const std::int64_t BH = s.B * s.Hkv;
+    at::Tensor qg = q.contiguous().view({BH, s.groups, s.Tq, s.D});
+    at::Tensor kk = k.contiguous().view({BH, s.Tk, s.D}), vv = v.contiguous().view({BH, s.Tk, s.D});
+    at::Tensor out = at::empty_like(qg);
+    at::Tensor lse_all = at::empty({BH, s.groups, s.Tq}, q.options().dtype(at::kFloat));
+    for (std::int64_t t0 = 0; t0 < s.Tq; t0 += s.block) {
+      const std::int64_t n = std::min(s.block, s.Tq - t0), keys = s.Tk - s.Tq + t0 + n;
+      at::Tensor qb, lse;
+      at::Tensor p = probabilities(s, qg, kk, t0, n, qb, lse, /*have_lse=*/false).to(q.scalar_type());
+      out.narrow(2, t0, n).copy_(sdk::batched_matmul(p, vv.narrow(1, 0, keys)).view({BH, s.groups, n, s.D}));
+      lse_all.narrow(2, t0, n).copy_(lse.view({BH, s.groups, n}));
+    }
+    ctx->save_for_backward({qg, kk, vv, out, lse_all});
+    ctx->saved_data["shape"] = std::vector<std::int64_t>{s.B, s.H, s.Hkv, s.groups, s.Tq, s.Tk, s.D, s.block};
+    ctx->saved_data["scale"] = scale;
+    return out.view({s.B, s.H, s.Tq, s.D});
+  }
+
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    const at::Tensor &qg = saved[0], &kk = saved[1], &vv = saved[2], &out = saved[3], &lse_all = saved[4];
+    const auto d = ctx->saved_data["shape"].toIntVector();
+    Shape s{d[0], d[1], d[2], d[3], d[4], d[5], d[6], d[7], ctx->saved_data["scale"].toDouble()};
+    const std::int64_t BH = s.B * s.Hkv;
+    const auto dtype = qg.scalar_type();
+    at::Tensor dout = grads[0].to(dtype).contiguous().view({BH, s.groups, s.Tq, s.D});
+    // D_i = rowsum(dO * O): the softmax backward's correction term (flash attention's D).
+    at::Tensor delta = (dout.to(at::kFloat) * out.to(at::kFloat)).sum(-1);
+    at::Tensor dq = at::empty_like(qg), dk = at::zeros_like(kk), dv = at::zeros_like(vv);
+    for (std::int64_t t0 = 0; t0 < s.Tq; t0 += s.block) {
+      const std::int64_t n = std::min(s.block, s.Tq - t0), keys = s.Tk - s.Tq + t0 + n;
+      at::Tensor qb, lse = lse_all.narrow(2, t0, n).reshape({BH, s.groups * n, 1});
+      at::Tensor p = probabilities(s, qg, kk, t0, n, qb, lse, /*have_lse=*/true);
+      at::Tensor dob = dout.narrow(2, t0, n).reshape({BH, s.groups * n, s.D});
+      at::Tensor kb = kk.narrow(1, 0, keys), vb = vv.narrow(1, 0, keys);
+      dv.narrow(1, 0, keys).add_(sdk::batched_matmul(p.to(dtype).transpose(1, 2), dob));
+      at::Tensor dp = sdk::batched_matmul(dob, vb.transpose(1, 2)).to(at::kFloat);
+      at::Tensor ds = p.mul_(dp.sub_(delta.narrow(2, t0, n).reshape({BH, s.groups * n, 1}))).mul_(s.scale).to(dtype);
+      dq.narrow(2, t0, n).copy_(sdk::batched_matmul(ds, kb).view({BH, s.groups, n, s.D}));
+      dk.narrow(1, 0, keys).add_(sdk::batched_matmul(ds.transpose(1, 2), qb));
+    }
+    return {dq.view({s.B, s.H, s.Tq, s.D}), dk.view({s.B, s.Hkv, s.Tk, s.D}), dv.view({s.B, s.Hkv, s.Tk, s.D}),
+            at::Tensor(), at::Tensor()};
+  }
+};
+
+#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 1)
+at::Tensor sdpa_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale) {
+  const std::int64_t Tq = q.size(2), Tk = k.size(2), groups = q.size(1) / k.size(1);
+  // SDPA's is_causal aligns the mask top-left; a KV cache needs it bottom-right. One query sees
+  // every key (no mask); a square one is is_causal; otherwise an explicit boolean mask.
+  const bool causal = Tq == Tk && Tq > 1;
+  c10::optional<at::Tensor> mask;  // true: the query may attend to the key
+  if (Tq != Tk && Tq > 1) mask = at::ones({Tq, Tk}, q.options().dtype(at::kBool)).tril(Tk - Tq);
+#if TORCH_VERSION_MAJOR > 2 || TORCH_VERSION_MINOR >= 5
+  return at::scaled_dot_product_attention(q, k, v, mask, 0.0, causal, scale, /*enable_gqa=*/groups > 1);
+#else
+  return at::scaled_dot_product_attention(q, repeat_kv(k, groups), repeat_kv(v, groups), mask, 0.0, causal, scale);
+#endif
+}
+#endif
+
+}  // namespace
+
+AttentionKernel causal_attention_kernel(const at::Tensor& q, const at::Tensor& k, const CausalAttentionOptions& options) {
+  if (options.dropout) return AttentionKernel::math;
+  AttentionKernel kernel = options.kernel;
+  if (kernel == AttentionKernel::automatic) kernel = kHasSdpa ? AttentionKernel::sdpa : AttentionKernel::blocked;
+  // One block is the math path with nothing saved in its place.
+  if (kernel == AttentionKernel::blocked && q.size(2) <= options.query_block) return AttentionKernel::math;
+  (void)k;
+  return kernel;
+}
+
+at::Tensor causal_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                            const CausalAttentionOptions& options) {
+  TESSERA_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, "causal_attention: q, k and v must be [B, H, T, D], found ",
+                q.sizes(), ", ", k.sizes(), ", ", v.sizes());
+  TESSERA_CHECK(k.sizes() == v.sizes() && q.size(0) == k.size(0) && q.size(3) == k.size(3) && k.size(1) > 0 &&
+                    q.size(1) % k.size(1) == 0 && k.size(2) >= q.size(2),
+                "causal_attention: q ", q.sizes(), " with k ", k.sizes(), " and v ", v.sizes(),
+                ": k and v must be alike, with as many batch rows and head dims as q, a number of heads dividing q's "
+                "and at least q's positions");
+  TESSERA_CHECK(options.query_block > 0, "causal_attention: query_block must be positive, found ", options.query_block);
+  const double scale = resolved_scale(q, options.scale);
+  switch (causal_attention_kernel(q, k, options)) {
+    case AttentionKernel::sdpa:
+#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 1)
+      return sdpa_attention(q, k, v, scale);
+#else
+      TESSERA_FAIL("causal_attention: the sdpa kernel needs LibTorch 2.1 or later (this is ", TORCH_VERSION,
+                   "); use \"automatic\" (the blocked kernel here) or \"blocked\"");
+#endif
+    case AttentionKernel::blocked:
+      return BlockedCausalAttention::apply(q, k, v, scale, options.query_block);
+    default: {
+      CausalAttentionOptions math = options;
+      math.scale = scale;
+      return math_attention(q, k, v, math);
+    }
+  }
+}
+
+AttentionKernel parse_attention_kernel(const std::string& name, const std::string& what) {
+  for (AttentionKernel kernel :
+       {AttentionKernel::automatic, AttentionKernel::sdpa, AttentionKernel::blocked, AttentionKernel::math})
+    if (name == to_string(kernel)) {
+      TESSERA_CHECK(kernel != AttentionKernel::sdpa || kHasSdpa, what, " = \"sdpa\" needs LibTorch 2.1 or later (this is ",
+                    TORCH_VERSION, "); valid here: \"automatic\" (the blocked kernel), \"blocked\", \"math\"");
+      return kernel;
+    }
+  TESSERA_FAIL(what, " = \"", name, "\" is not an attention kernel; valid: \"automatic\", \"sdpa\", \"blocked\", \"math\"");
+}
+
+std::string to_string(AttentionKernel kernel) {
+  switch (kernel) {
+    case AttentionKernel::sdpa: return "sdpa";
+    case AttentionKernel::blocked: return "blocked";
+    case AttentionKernel::math: return "math";
+    default: return "automatic";
+  }
+}
+
+}  // namespace tessera::toolkit

@@ -1,0 +1,333 @@
+#include "tessera/toolkit/token_shards.hpp"
+
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstdio>
+#include <cstring>
+#include <fstream>
+
+#include <nlohmann/json.hpp>
+#include <xxhash.h>
+
+#include "tessera/sdk/error.hpp"
+
+namespace tessera::toolkit {
+
+namespace fs = std::filesystem;
+using json = nlohmann::json;
+
+TokenDtype dtype_for(std::int64_t vocab_size) {
+  return vocab_size <= 65536 ? TokenDtype::uint16 : TokenDtype::uint32;
+}
+
+std::size_t dtype_bytes(TokenDtype dtype) { return dtype == TokenDtype::uint16 ? 2 : 4; }
+
+const char* to_string(TokenDtype dtype) { return dtype == TokenDtype::uint16 ? "uint16" : "uint32"; }
+
+std::int64_t TokenManifest::total_tokens() const {
+  std::int64_t n = 0;
+  for (const auto& s : shards) n += s.tokens;
+  return n;
+}
+
+std::int64_t TokenManifest::total_documents() const {
+  std::int64_t n = 0;
+  for (const auto& s : shards) n += s.documents;
+  return n;
+}
+
+namespace {
+
+/// Write `bytes` to `path` through `path`.tmp, fsync'd, then renamed: readers see all or nothing.
+void write_atomically(const fs::path& path, const void* bytes, std::size_t size) {
+  const fs::path temporary = path.string() + ".tmp";
+  const int fd = ::open(temporary.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  TESSERA_CHECK(fd >= 0, "cannot create ", temporary, ": ", std::strerror(errno));
+  const auto* p = static_cast<const char*>(bytes);
+  std::size_t done = 0;
+  while (done < size) {
+    const ssize_t n = ::write(fd, p + done, std::min<std::size_t>(size - done, 1 << 26));
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) {
+      const int error = errno;
+      ::close(fd);
+      TESSERA_FAIL("cannot write ", temporary, ": ", std::strerror(error));
+    }
+    done += static_cast<std::size_t>(n);
+  }
+  const bool synced = ::fsync(fd) == 0;
+  ::close(fd);
+  TESSERA_CHECK(synced, "cannot flush ", temporary, ": ", std::strerror(errno));
+  std::error_code ec;
+  fs::rename(temporary, path, ec);
+  TESSERA_CHECK(!ec, "cannot rename ", temporary, " to ", path, ": ", ec.message());
+}
+
+/// Streams a file through `visit(bytes, size)` with a fixed buffer (pread: nothing mapped).
+template <typename Visit>
+void stream_file(const fs::path& file, Visit&& visit) {
+  const int fd = ::open(file.c_str(), O_RDONLY | O_CLOEXEC);
+  TESSERA_CHECK(fd >= 0, "cannot open ", file, ": ", std::strerror(errno));
+  ::posix_fadvise(fd, 0, 0, POSIX_FADV_SEQUENTIAL);
+  std::vector<char> buffer(std::size_t{1} << 20);
+  for (;;) {
+    const ssize_t n = ::read(fd, buffer.data(), buffer.size());
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0) {
+      const int error = errno;
+      ::close(fd);
+      TESSERA_FAIL("cannot read ", file, ": ", std::strerror(error));
+    }
+    if (n == 0) break;
+    visit(buffer.data(), static_cast<std::size_t>(n));
+  }
+  ::close(fd);
+}
+
+}  // namespace
+
+std::string xxh64_hex(std::uint64_t hash) {
+  char text[17];
+  std::snprintf(text, sizeof text, "%016llx", static_cast<unsigned long long>(hash));
+  return text;
+}
+
+std::string xxh64_file(const fs::path& file) {
+  XXH64_state_t* state = XXH64_createState();
+  XXH64_reset(state, 0);
+  try {
+    stream_file(file, [&](const char* bytes, std::size_t n) { XXH64_update(state, bytes, n); });
+  } catch (...) {
+    XXH64_freeState(state);
+    throw;
+  }
+  const std::uint64_t hash = XXH64_digest(state);
+  XXH64_freeState(state);
+  return xxh64_hex(hash);
+}
+
+TokenManifest read_manifest(const fs::path& dir) {
+  const fs::path path = dir / kManifestName;
+  std::error_code ec;
+  TESSERA_CHECK(fs::is_regular_file(path, ec), path, " does not exist: ", dir,
+                " is not a prepared token directory (write one with `tessera data prepare --tokenizer T --input "
+                "FILES --output ",
+                dir.string(), "`; a prepare that did not finish leaves no manifest, and rerunning it resumes)");
+  json j;
+  try {
+    std::ifstream in(path);
+    j = json::parse(in);
+  } catch (const json::exception& e) {
+    TESSERA_FAIL(path, " is not valid JSON: ", e.what());
+  }
+  TokenManifest m;
+  try {
+    TESSERA_CHECK(j.value("format", std::string()) == "tessera-tokens", path,
+                  ": \"format\" is not \"tessera-tokens\" (not a manifest written by tessera data prepare)");
+    const auto& t = j.at("tokenizer");
+    m.tokenizer_name = t.at("name").get<std::string>();
+    m.tokenizer_kind = t.at("kind").get<std::string>();
+    m.tokenizer_xxh64 = t.value("xxh64", std::string());
+    m.vocab_size = j.at("vocab_size").get<std::int64_t>();
+    const std::string dtype = j.at("dtype").get<std::string>();
+    TESSERA_CHECK(dtype == "uint16" || dtype == "uint32", path, ": \"dtype\" is \"", dtype,
+                  "\"; valid: \"uint16\", \"uint32\"");
+    m.dtype = dtype == "uint16" ? TokenDtype::uint16 : TokenDtype::uint32;
+    m.eos_id = j.at("eos_id").get<std::int64_t>();
+    TESSERA_CHECK(m.vocab_size > 0 && (m.dtype == TokenDtype::uint32 || m.vocab_size <= 65536), path,
+                  ": vocab_size ", m.vocab_size, " does not fit dtype ", dtype);
+    for (const auto& s : j.at("shards")) {
+      ShardInfo info;
+      info.file = s.at("file").get<std::string>();
+      info.tokens = s.at("tokens").get<std::int64_t>();
+      info.documents = s.at("documents").get<std::int64_t>();
+      info.offsets_file = s.at("offsets").get<std::string>();
+      info.xxh64 = s.at("xxh64").get<std::string>();
+      info.offsets_xxh64 = s.at("offsets_xxh64").get<std::string>();
+      TESSERA_CHECK(info.tokens >= 0 && info.documents >= 0, path, ": shard ", info.file,
+                    " has a negative token or document count");
+      m.shards.push_back(std::move(info));
+    }
+  } catch (const json::exception& e) {
+    TESSERA_FAIL(path, " is missing a field or has one of the wrong type: ", e.what());
+  }
+  return m;
+}
+
+void write_manifest(const fs::path& dir, const TokenManifest& m) {
+  json shards = json::array();
+  for (const auto& s : m.shards)
+    shards.push_back({{"file", s.file},
+                      {"tokens", s.tokens},
+                      {"documents", s.documents},
+                      {"offsets", s.offsets_file},
+                      {"xxh64", s.xxh64},
+                      {"offsets_xxh64", s.offsets_xxh64}});
+  json j = {{"format", "tessera-tokens"},
+            {"version", 1},
+            {"tokenizer", {{"name", m.tokenizer_name}, {"kind", m.tokenizer_kind}, {"xxh64", m.tokenizer_xxh64}}},
+            {"vocab_size", m.vocab_size},
+            {"dtype", to_string(m.dtype)},
+            {"eos_id", m.eos_id},
+            {"total_tokens", m.total_tokens()},
+            {"total_documents", m.total_documents()},
+            {"shards", shards}};
+  const std::string text = j.dump(2) + "\n";
+  write_atomically(dir / kManifestName, text.data(), text.size());
+}
+
+ShardInfo write_shard(const fs::path& dir, const std::string& name, TokenDtype dtype,
+                      const std::vector<TokenId>& tokens, const std::vector<std::uint64_t>& offsets) {
+  TESSERA_CHECK(!offsets.empty() && offsets.front() == 0 && offsets.back() == tokens.size(), "shard ", name,
+                ": document offsets do not span its ", tokens.size(), " tokens");
+  const std::int64_t limit = dtype == TokenDtype::uint16 ? 65536 : (std::int64_t{1} << 32);
+  ShardInfo info;
+  info.file = name + ".bin";
+  info.offsets_file = name + ".idx";
+  info.tokens = static_cast<std::int64_t>(tokens.size());
+  info.documents = static_cast<std::int64_t>(offsets.size()) - 1;
+  // Little-endian on disk: this is a little-endian-only build (x86-64, aarch64).
+  static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__, "token shards are little-endian");
+  std::vector<char> bytes(tokens.size() * dtype_bytes(dtype));
+  for (std::size_t i = 0; i < tokens.size(); ++i) {
+    const TokenId id = tokens[i];
+    TESSERA_CHECK(id >= 0 && id < limit, "shard ", name, ": token id ", id, " does not fit ", to_string(dtype));
+    if (dtype == TokenDtype::uint16) {
+      const auto v = static_cast<std::uint16_t>(id);
+      std::memcpy(bytes.data() + 2 * i, &v, 2);
+    } else {
+      const auto v = static_cast<std::uint32_t>(id);
+      std::memcpy(bytes.data() + 4 * i, &v, 4);
+    }
+  }
+  write_atomically(dir / info.offsets_file, offsets.data(), offsets.size() * sizeof(std::uint64_t));
+  write_atomically(dir / info.file, bytes.data(), bytes.size());
+  info.xxh64 = xxh64_hex(XXH64(bytes.data(), bytes.size(), 0));
+  info.offsets_xxh64 = xxh64_hex(XXH64(offsets.data(), offsets.size() * sizeof(std::uint64_t), 0));
+  return info;
+}
+
+MappedFile::MappedFile(const fs::path& path) {
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  TESSERA_CHECK(fd >= 0, "cannot open ", path, ": ", std::strerror(errno));
+  struct stat st {};
+  if (::fstat(fd, &st) != 0) {
+    const int error = errno;
+    ::close(fd);
+    TESSERA_FAIL("cannot stat ", path, ": ", std::strerror(error));
+  }
+  size_ = static_cast<std::size_t>(st.st_size);
+  if (size_ > 0) {
+    void* p = ::mmap(nullptr, size_, PROT_READ, MAP_SHARED, fd, 0);
+    const int error = errno;
+    ::close(fd);
+    TESSERA_CHECK(p != MAP_FAILED, "cannot memory-map ", path, ": ", std::strerror(error));
+    ::madvise(p, size_, MADV_RANDOM);  // windows are read in shuffled order: no read-ahead of neighbours
+    data_ = static_cast<const std::uint8_t*>(p);
+  } else {
+    ::close(fd);
+  }
+}
+
+MappedFile::~MappedFile() {
+  if (data_ != nullptr) ::munmap(const_cast<std::uint8_t*>(data_), size_);
+}
+
+TokenShards::TokenShards(const fs::path& dir, bool verify) : dir_(dir), manifest_(read_manifest(dir)) {
+  const fs::path manifest_path = dir / kManifestName;
+  TESSERA_CHECK(!manifest_.shards.empty() && manifest_.total_tokens() > 0, manifest_path,
+                " lists no tokens: the corpus it was prepared from was empty");
+  const std::size_t width = dtype_bytes(manifest_.dtype);
+  for (const auto& s : manifest_.shards) {
+    const fs::path file = dir / s.file, offsets = dir / s.offsets_file;
+    for (const auto& [path, expected] : {std::pair{file, static_cast<std::uintmax_t>(s.tokens) * width},
+                                         std::pair{offsets, static_cast<std::uintmax_t>(s.documents + 1) * 8}}) {
+      std::error_code ec;
+      TESSERA_CHECK(fs::is_regular_file(path, ec), path, " is missing (listed in ", manifest_path,
+                    "): the prepared directory is incomplete; rerun `tessera data prepare` with the same arguments");
+      const std::uintmax_t size = fs::file_size(path, ec);
+      TESSERA_CHECK(size == expected, path, " holds ", size, " bytes where ", manifest_path, " says ", expected,
+                    size < expected ? " (truncated)" : " (longer)",
+                    ": the file was changed after prepare; rerun `tessera data prepare` into a new directory");
+    }
+    if (verify) {
+      const std::string offsets_hash = xxh64_file(offsets);
+      TESSERA_CHECK(offsets_hash == s.offsets_xxh64, offsets, ": checksum ", offsets_hash, " differs from ",
+                    manifest_path, "'s ", s.offsets_xxh64, " (the file is damaged)");
+      XXH64_state_t* state = XXH64_createState();
+      XXH64_reset(state, 0);
+      std::uint32_t largest = 0;
+      stream_file(file, [&](const char* bytes, std::size_t n) {
+        XXH64_update(state, bytes, n);
+        if (width == 2) {
+          for (std::size_t i = 0; i + 1 < n; i += 2) {
+            std::uint16_t v;
+            std::memcpy(&v, bytes + i, 2);
+            largest = std::max<std::uint32_t>(largest, v);
+          }
+        } else {
+          for (std::size_t i = 0; i + 3 < n; i += 4) {
+            std::uint32_t v;
+            std::memcpy(&v, bytes + i, 4);
+            largest = std::max(largest, v);
+          }
+        }
+      });
+      const std::string hash = xxh64_hex(XXH64_digest(state));
+      XXH64_freeState(state);
+      TESSERA_CHECK(hash == s.xxh64, file, ": checksum ", hash, " differs from ", manifest_path, "'s ", s.xxh64,
+                    " (the file is damaged or was changed after prepare)");
+      TESSERA_CHECK(static_cast<std::int64_t>(largest) < manifest_.vocab_size, file, ": token id ", largest,
+                    " is out of range for vocab_size ", manifest_.vocab_size, " (", manifest_path, ")");
+    }
+    tokens_.push_back(std::make_unique<MappedFile>(file));
+    offsets_.push_back(std::make_unique<MappedFile>(offsets));
+    if (verify) {
+      const auto* o = reinterpret_cast<const std::uint64_t*>(offsets_.back()->data());
+      bool ordered = o[0] == 0 && o[s.documents] == static_cast<std::uint64_t>(s.tokens);
+      for (std::int64_t d = 0; ordered && d < s.documents; ++d) ordered = o[d] <= o[d + 1];
+      TESSERA_CHECK(ordered, offsets, ": the document offsets are not a non-decreasing run from 0 to ", s.tokens);
+    }
+  }
+}
+
+TokenShards::~TokenShards() = default;
+
+fs::path TokenShards::shard_path(std::int64_t shard) const { return dir_ / manifest_.shards[shard].file; }
+
+std::int64_t TokenShards::document_start(std::int64_t shard, std::int64_t d) const {
+  std::uint64_t value;
+  std::memcpy(&value, offsets_[shard]->data() + 8 * d, 8);
+  TESSERA_CHECK(value <= static_cast<std::uint64_t>(tokens(shard)), dir_ / manifest_.shards[shard].offsets_file,
+                ": document ", d, " starts at token ", value, ", past the shard's ", tokens(shard), " tokens");
+  return static_cast<std::int64_t>(value);
+}
+
+void TokenShards::read(std::int64_t shard, std::int64_t begin, std::int64_t count, std::int64_t* out) const {
+  const std::uint8_t* base = tokens_[shard]->data();
+  std::int64_t largest = 0;
+  if (manifest_.dtype == TokenDtype::uint16) {
+    for (std::int64_t i = 0; i < count; ++i) {
+      std::uint16_t v;
+      std::memcpy(&v, base + 2 * (begin + i), 2);
+      out[i] = v;
+      largest = std::max<std::int64_t>(largest, v);
+    }
+  } else {
+    for (std::int64_t i = 0; i < count; ++i) {
+      std::uint32_t v;
+      std::memcpy(&v, base + 4 * (begin + i), 4);
+      out[i] = v;
+      largest = std::max<std::int64_t>(largest, v);
+    }
+  }
+  TESSERA_CHECK(largest < manifest_.vocab_size, shard_path(shard), ": token id ", largest, " near token ", begin,
+                " is out of range for vocab_size ", manifest_.vocab_size, " (", dir_ / kManifestName, ")");
+}
+
+}  // namespace tessera::toolkit

@@ -1,0 +1,326 @@
+// The `llama` model against an independent implementation: llama_reference.py writes random
+// Hugging Face checkpoints (GQA, tied and untied, llama3 rope scaling, attention and MLP biases,
+// explicit head_dim, Qwen2) with what Hugging Face's modeling code computes on them (a PyTorch
+// transcription of modeling_llama.py in the script). Tessera loads each config.json and
+// model.safetensors under Hugging Face's own names, and its logits, loss, every gradient and
+// its greedy tokens (KV cache) must equal the reference's, with each attention kernel. Also:
+// the toolkit's causal attention (blocked vs math, forward and backward, GQA, KV-cache offsets),
+// config.json refusals, the tensor-parallel size check and hf_config_json's round trip.
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <memory>
+#include <string>
+
+#include <gtest/gtest.h>
+
+#include <ATen/ATen.h>
+#include <nlohmann/json.hpp>
+#include <torch/nn/module.h>
+
+#include "multiprocess.hpp"
+#include "tessera/core/checkpoint.hpp"
+#include "tessera/core/plugin_loader.hpp"
+#include "tessera/sdk/error.hpp"
+#include "tessera/sdk/huggingface.hpp"
+#include "tessera/sdk/module.hpp"
+#include "tessera/sdk/tensor_parallel.hpp"
+#include "tessera/toolkit/attention.hpp"
+
+namespace {
+
+using tessera::core::PluginLoader;
+namespace sdk = tessera::sdk;
+namespace toolkit = tessera::toolkit;
+using Tensors = std::map<std::string, at::Tensor>;
+
+PluginLoader& loader() {
+  static PluginLoader instance({tessera::testing::plugin_dir()});
+  return instance;
+}
+
+std::shared_ptr<sdk::Module> make_model(const std::string& toml_text) {
+  sdk::Options options("model", "test.toml", toml::parse(toml_text));
+  auto model = loader().create_as<sdk::Module>(sdk::PluginKind::model, "llama", options);
+  options.check_all_used();
+  model->configure_model();
+  return model;
+}
+
+/// The reference checkpoints, written once per test binary run.
+const std::string& reference_dir() {
+  static const std::string dir = [] {
+    const std::string out = tessera::testing::fresh_dir("llama-reference");
+    const auto r = tessera::testing::run_command("/usr/bin/python3 " TESSERA_SOURCE_DIR
+                                                 "/tests/models/llama_reference.py " + out + " 2>&1");
+    EXPECT_EQ(r.exit_code, 0) << r.output;
+    return out;
+  }();
+  return dir;
+}
+
+Tensors read_tensors(const std::string& path) {
+  Tensors out;
+  auto checkpoint = tessera::core::load_checkpoint_file(path);
+  for (const auto& item : checkpoint.at("state_dict").toGenericDict())
+    out[item.key().toStringRef()] = item.value().toTensor().clone();
+  return out;
+}
+
+/// Copies the Hugging Face state dict into the network: every name must exist on both sides.
+void load_hf_weights(torch::nn::Module& net, const Tensors& weights) {
+  torch::NoGradGuard no_grad;
+  auto params = net.named_parameters();
+  ASSERT_EQ(params.size(), weights.size()) << "the network's parameters are not the checkpoint's";
+  for (const auto& [name, tensor] : weights) {
+    ASSERT_TRUE(params.contains(name)) << "no parameter named " << name;
+    ASSERT_EQ(params[name].sizes(), tensor.sizes()) << name;
+    params[name].copy_(tensor);
+  }
+}
+
+double max_diff(const at::Tensor& a, const at::Tensor& b) { return (a - b).abs().max().item<double>(); }
+
+const char* const kConfigs[] = {"gqa_untied", "tied_llama3", "bias_head_dim", "qwen2"};
+
+/// One configuration with one attention kernel: logits, loss, gradients and greedy tokens.
+void check_against_reference(const std::string& name, const std::string& extra) {
+  SCOPED_TRACE(name + " " + extra);
+  const std::string dir = reference_dir() + "/" + name;
+  const Tensors expected = read_tensors(dir + "/expected.safetensors");
+  auto scorer = make_model("config = \"" + dir + "/config.json\"\npredict = \"logits\"\n" + extra);
+  load_hf_weights(*scorer->network(), read_tensors(dir + "/model.safetensors"));
+  const at::Tensor ids = expected.at("input_ids"), labels = expected.at("labels");
+  const at::Tensor logits = scorer->predict_step(sdk::Batch{ids, {}}, 0);
+  EXPECT_EQ(logits.sizes(), expected.at("logits").sizes());
+  EXPECT_LE(max_diff(logits, expected.at("logits")), 1e-5);
+
+  auto out = scorer->training_step(sdk::Batch{ids, labels}, 0);
+  EXPECT_NEAR(out.loss.item<double>(), expected.at("loss").item<double>(), 1e-5);
+  out.loss.backward();
+  std::size_t grads = 0;
+  for (const auto& item : scorer->network()->named_parameters()) {
+    const at::Tensor& want = expected.at("grad." + item.key());
+    ASSERT_TRUE(item.value().grad().defined()) << item.key();
+    EXPECT_LE(max_diff(item.value().grad(), want), 1e-5 * std::max(1.0, want.abs().max().item<double>()))
+        << "gradient of " << item.key();
+    ++grads;
+  }
+  EXPECT_EQ(grads, scorer->network()->named_parameters().size());
+
+  auto generator = make_model("config = \"" + dir + "/config.json\"\nmax_new_tokens = 8\ntemperature = 0\n" + extra);
+  load_hf_weights(*generator->network(), read_tensors(dir + "/model.safetensors"));
+  const at::Tensor tokens = generator->predict_step(sdk::Batch{expected.at("prompt"), {}}, 0);
+  EXPECT_TRUE(tokens.equal(expected.at("greedy"))) << tokens << "\nexpected\n" << expected.at("greedy");
+}
+
+TEST(LlamaReference, EqualsHuggingFaceModelingCode) {
+  for (const char* name : kConfigs) check_against_reference(name, "");
+}
+
+TEST(LlamaReference, EqualsWithTheMathAndBlockedKernels) {
+  // 13 positions in query blocks of 4: four blocks, the last one partial.
+  for (const char* name : {"gqa_untied", "bias_head_dim"}) {
+    check_against_reference(name, "attention = \"math\"\n");
+    check_against_reference(name, "attention = \"blocked\"\nattention_query_block = 4\n");
+  }
+}
+
+// `tessera predict` from the Python-written checkpoint (init_from its model.safetensors): the
+// KV-cache decoder under each strategy gives Hugging Face's greedy tokens for the prompt "Q: ".
+TEST(LlamaPredict, GreedyTokensUnderEveryStrategy) {
+  const std::string ref = reference_dir() + "/gqa_untied";
+  const at::Tensor want = read_tensors(ref + "/expected.safetensors").at("greedy_text");
+  const std::vector<std::pair<std::string, std::string>> strategies{
+      {"single_device", "--set strategy.plugin=single_device"},
+      {"ddp-2", "--set launch.devices=2 --set strategy.plugin=ddp"},
+      {"fsdp-2", "--set launch.devices=2 --set strategy.plugin=fsdp"},
+      {"fsdp2-tp2", "--set launch.devices=2 --set strategy.plugin=fsdp2 --set strategy.tensor_parallel_size=2"}};
+  for (const auto& [label, sets] : strategies) {
+    SCOPED_TRACE(label);
+    const std::string dir = tessera::testing::fresh_dir("llama-predict-" + label);
+    std::ofstream(dir + "/run.toml") << "[trainer]\ndefault_root_dir = \"" << dir << "\"\nenable_progress_bar = false\n"
+                                     << "init_from = \"" << ref << "/model.safetensors\"\n"
+                                     << "predict_output = \"" << dir << "/predictions.pt\"\n"
+                                     << "[model]\nplugin = \"llama\"\nconfig = \"" << ref << "/config.json\"\n"
+                                     << "max_new_tokens = 8\ntemperature = 0\n"
+                                     << "[data]\nplugin = \"text\"\nprompt = \"Q: \"\n";
+    const auto r = tessera::testing::run_tessera("predict --config " + dir + "/run.toml " + sets, "", 120);
+    ASSERT_EQ(r.exit_code, 0) << r.output;
+    const std::string path = dir + "/predictions.pt";  // {"predictions", "indices"}: a plain pickle, no checkpoint
+    const auto file = tessera::core::checkpoint_dict(tessera::core::load_pickle(path), path);
+    const at::Tensor got = tessera::core::checkpoint_get(file, "predictions").toTensor();
+    EXPECT_TRUE(got.equal(want)) << got << "\nexpected\n" << want;
+  }
+}
+
+TEST(LlamaReference, HuggingFaceNamesAndTiedHead) {
+  auto tied = make_model("config = \"" + reference_dir() + "/tied_llama3/config.json\"\n");
+  auto names = tied->network()->named_parameters().keys();
+  EXPECT_NE(std::find(names.begin(), names.end(), "model.layers.1.self_attn.q_proj.weight"), names.end());
+  EXPECT_NE(std::find(names.begin(), names.end(), "model.layers.0.post_attention_layernorm.weight"), names.end());
+  EXPECT_NE(std::find(names.begin(), names.end(), "model.norm.weight"), names.end());
+  EXPECT_EQ(std::find(names.begin(), names.end(), "lm_head.weight"), names.end()) << "tied: one parameter";
+  auto untied = make_model("config = \"" + reference_dir() + "/tied_llama3/config.json\"\ntie_word_embeddings = false\n");
+  names = untied->network()->named_parameters().keys();
+  EXPECT_NE(std::find(names.begin(), names.end(), "lm_head.weight"), names.end()) << "the TOML key overrides config.json";
+}
+
+TEST(LlamaConfig, HfConfigJsonRoundTrips) {
+  for (const char* name : kConfigs) {
+    auto model = make_model("config = \"" + reference_dir() + "/" + name + "/config.json\"\n");
+    auto* hf = dynamic_cast<sdk::HuggingFaceModel*>(model.get());
+    ASSERT_NE(hf, nullptr);
+    const std::string text = hf->hf_config_json();
+    const auto written = nlohmann::json::parse(text);
+    std::ifstream in(reference_dir() + "/" + name + "/config.json");
+    const auto original = nlohmann::json::parse(in);
+    for (const char* key : {"model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                            "num_attention_heads", "num_key_value_heads", "tie_word_embeddings", "attention_bias",
+                            "rms_norm_eps", "rope_theta", "eos_token_id", "pad_token_id", "architectures"})
+      EXPECT_EQ(written.at(key), original.at(key)) << name << " " << key;
+    if (original.contains("head_dim")) EXPECT_EQ(written.at("head_dim"), original.at("head_dim"));
+    if (!original.at("rope_scaling").is_null())
+      for (const auto& [key, value] : original.at("rope_scaling").items())
+        EXPECT_EQ(written.at("rope_scaling").at(key), value) << name << " rope_scaling." << key;
+    // config.json written by the model builds the same model again
+    const std::string again = tessera::testing::fresh_dir(std::string("llama-config-") + name) + "/config.json";
+    std::ofstream(again) << text;
+    auto rebuilt = make_model("config = \"" + again + "\"\n");
+    EXPECT_EQ(dynamic_cast<sdk::HuggingFaceModel*>(rebuilt.get())->hf_config_json(), text);
+  }
+}
+
+std::string error_of(const std::string& toml_text) {
+  try {
+    make_model(toml_text);
+  } catch (const sdk::Error& e) {
+    return e.what();
+  }
+  return "no error";
+}
+
+TEST(LlamaConfig, RefusalsNameWhatIsSupported) {
+  const std::string dir = tessera::testing::fresh_dir("llama-refusals");
+  std::ofstream(dir + "/mistral.json") << R"({"model_type": "mistral", "hidden_size": 16})";
+  std::string e = error_of("config = \"" + dir + "/mistral.json\"\n");
+  EXPECT_NE(e.find("model_type \"mistral\" is not supported; supported: \"llama\""), std::string::npos) << e;
+  std::ofstream(dir + "/yarn.json")
+      << R"({"model_type": "llama", "hidden_size": 16, "intermediate_size": 8, "num_hidden_layers": 1,
+             "num_attention_heads": 2, "vocab_size": 8, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}})";
+  e = error_of("config = \"" + dir + "/yarn.json\"\n");
+  EXPECT_NE(e.find("rope_scaling type \"yarn\" is not supported; supported: \"default\", \"linear\", \"llama3\""),
+            std::string::npos) << e;
+  e = error_of("hidden_size = 16\nintermediate_size = 8\nnum_hidden_layers = 1\nnum_attention_heads = 4\n"
+               "num_key_value_heads = 3\nvocab_size = 8\n");
+  EXPECT_NE(e.find("num_key_value_heads = 3 must divide num_attention_heads = 4"), std::string::npos) << e;
+  e = error_of("hidden_size = 16\nintermediate_size = 8\nnum_hidden_layers = 1\nnum_attention_heads = 2\n"
+               "vocab_size = 8\nrope_scaling = { rope_type = \"llama3\", factor = 8.0 }\n");
+  EXPECT_NE(e.find("needs low_freq_factor"), std::string::npos) << e;
+  e = error_of("config = \"" + dir + "/none.json\"\n");
+  EXPECT_NE(e.find("none.json\": cannot read it"), std::string::npos) << e;
+  e = error_of("hidden_size = 16\nintermediate_size = 8\nnum_hidden_layers = 1\nnum_attention_heads = 2\n"
+               "vocab_size = 8\nhidden_act = \"gelu\"\n");
+  EXPECT_NE(e.find("hidden_act = \"gelu\" is not supported; supported: \"silu\""), std::string::npos) << e;
+}
+
+class PlaceOnlyGroup final : public sdk::TensorParallelGroup {
+ public:
+  PlaceOnlyGroup(std::int64_t rank, std::int64_t size) : rank_(rank), size_(size) {}
+  std::int64_t rank() const override { return rank_; }
+  std::int64_t size() const override { return size_; }
+  void all_reduce_sum(at::Tensor&) override { ADD_FAILURE() << "unexpected all_reduce_sum"; }
+  at::Tensor all_gather(const at::Tensor& t, std::int64_t) override {
+    ADD_FAILURE() << "unexpected all_gather";
+    return t;
+  }
+
+ private:
+  std::int64_t rank_, size_;
+};
+
+TEST(LlamaTensorParallel, PlanSplitsHeadsAndRefusesATpNotDividingKeyValueHeads) {
+  const std::string toml = "hidden_size = 32\nintermediate_size = 48\nnum_hidden_layers = 1\nnum_attention_heads = 8\n"
+                           "num_key_value_heads = 2\nvocab_size = 64\n";
+  auto model = make_model(toml);
+  try {
+    model->parallelize(sdk::ParallelContext{std::make_shared<PlaceOnlyGroup>(0, 4)});
+    FAIL() << "2 key-value heads over tp 4";
+  } catch (const sdk::Error& e) {
+    const std::string message = e.what();
+    for (const char* part : {"test.toml", "[model] num_key_value_heads = 2", "tensor_parallel_size = 4",
+                             "valid tensor_parallel_size: 1, 2"})
+      EXPECT_NE(message.find(part), std::string::npos) << "missing '" << part << "' in: " << message;
+  }
+  EXPECT_TRUE(sdk::tensor_parallel_placements(*model->network()).empty()) << "nothing changed";
+  model->parallelize(sdk::ParallelContext{std::make_shared<PlaceOnlyGroup>(1, 2)});
+  const auto placements = sdk::tensor_parallel_placements(*model->network());
+  for (const char* name : {"q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"})
+    EXPECT_EQ(placements.at(std::string("model.layers.0.") + (name[0] == 'g' || name[0] == 'u' ? "mlp." : "self_attn.") +
+                            name + ".weight").dim, 0) << name;
+  EXPECT_EQ(placements.at("model.layers.0.self_attn.o_proj.weight").dim, 1);
+  EXPECT_EQ(placements.at("model.layers.0.mlp.down_proj.weight").dim, 1);
+  EXPECT_EQ(model->network()->named_parameters()["model.layers.0.self_attn.k_proj.weight"].sizes(),
+            (at::IntArrayRef{4, 32})) << "one of two key-value heads of 4";
+}
+
+TEST(LlamaTensorParallel, FitRefusesBeforeAnyRankStarts) {
+  const std::string dir = tessera::testing::fresh_dir("llama-tp-refused");
+  std::ofstream(dir + "/run.toml") << "[trainer]\ndefault_root_dir = \"" << dir << "\"\nmax_steps = 1\n"
+                                   << "[model]\nplugin = \"llama\"\nvocab_size = 256\nhidden_size = 32\n"
+                                   << "intermediate_size = 48\nnum_hidden_layers = 1\nnum_attention_heads = 4\n"
+                                   << "num_key_value_heads = 2\n[data]\nplugin = \"text\"\nblock_size = 8\n";
+  const auto r = tessera::testing::run_tessera("fit --config " + dir + "/run.toml --set launch.devices=4 "
+                                               "--set strategy.plugin=fsdp2 --set strategy.tensor_parallel_size=4", "", 120);
+  EXPECT_NE(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("[model] num_key_value_heads = 2"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("valid tensor_parallel_size: 1, 2"), std::string::npos) << r.output;
+  EXPECT_FALSE(std::filesystem::exists(dir + "/logs")) << "a rank started: " << r.output;
+}
+
+// --- the toolkit's causal attention --------------------------------------------------------------
+
+struct Grads {
+  at::Tensor out, dq, dk, dv;
+};
+
+Grads run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& dout,
+          const toolkit::CausalAttentionOptions& options) {
+  at::Tensor q_ = q.clone().requires_grad_(true), k_ = k.clone().requires_grad_(true), v_ = v.clone().requires_grad_(true);
+  at::Tensor out = toolkit::causal_attention(q_, k_, v_, options);
+  out.backward(dout);
+  return {out.detach(), q_.grad(), k_.grad(), v_.grad()};
+}
+
+TEST(CausalAttention, BlockedEqualsMathForwardAndBackward) {
+  at::manual_seed(3);
+  // (heads, kv heads, queries, keys): MHA, GQA, and queries after a cache of 9 positions.
+  for (auto [H, Hkv, Tq, Tk] : std::vector<std::array<std::int64_t, 4>>{{4, 4, 37, 37}, {6, 2, 37, 37}, {6, 3, 21, 30}}) {
+    SCOPED_TRACE("H " + std::to_string(H) + " Hkv " + std::to_string(Hkv) + " Tq " + std::to_string(Tq) + " Tk " +
+                 std::to_string(Tk));
+    at::Tensor q = at::randn({2, H, Tq, 8}), k = at::randn({2, Hkv, Tk, 8}), v = at::randn({2, Hkv, Tk, 8});
+    at::Tensor dout = at::randn({2, H, Tq, 8});
+    toolkit::CausalAttentionOptions math, blocked;
+    math.kernel = toolkit::AttentionKernel::math;
+    blocked.kernel = toolkit::AttentionKernel::blocked;
+    blocked.query_block = 8;
+    ASSERT_EQ(toolkit::causal_attention_kernel(q, k, blocked), toolkit::AttentionKernel::blocked);
+    const Grads a = run(q, k, v, dout, math), b = run(q, k, v, dout, blocked);
+    EXPECT_LE(max_diff(a.out, b.out), 1e-5);
+    EXPECT_LE(max_diff(a.dq, b.dq), 1e-5);
+    EXPECT_LE(max_diff(a.dk, b.dk), 1e-5);
+    EXPECT_LE(max_diff(a.dv, b.dv), 1e-5);
+    // The math path is causal: the first query reads the first visible key's value only.
+    if (Tq == Tk) EXPECT_LE(max_diff(a.out.select(2, 0), at::repeat_interleave(v.select(2, 0), H / Hkv, 1)), 1e-6);
+  }
+}
+
+TEST(CausalAttention, RefusesMismatchedShapes) {
+  at::Tensor q = at::randn({1, 4, 5, 8});
+  EXPECT_THROW(toolkit::causal_attention(q, at::randn({1, 3, 5, 8}), at::randn({1, 3, 5, 8})), sdk::Error);
+  EXPECT_THROW(toolkit::causal_attention(q, at::randn({1, 2, 4, 8}), at::randn({1, 2, 4, 8})), sdk::Error);
+  EXPECT_THROW(toolkit::parse_attention_kernel("flash", "[model] attention"), sdk::Error);
+}
+
+}  // namespace
