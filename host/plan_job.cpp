@@ -22,7 +22,6 @@
 #include "trainer.hpp"
 #include "tessera/sdk/autocast.hpp"
 #include "tessera/core/deferred_init.hpp"
-#include "tessera/core/fsdp/sharded_strategy.hpp"
 #include "tessera/core/plugin_loader.hpp"
 #include "tessera/core/strategy_base.hpp"
 #include "tessera/sdk/autograd_graph.hpp"
@@ -379,14 +378,13 @@ PlannedJob plan_job(const Config& config, bool trace_activations) {
   in.accumulate_grad_batches = config.trainer.accumulate_grad_batches;
   in.cuda = trains_on_cuda(config);
   if (in.cuda) in.cublas_workspace_bytes = cublas_workspace_bytes(std::getenv("CUBLAS_WORKSPACE_CONFIG"), cuda_compute_major(config));
-  auto* sharded = dynamic_cast<core::fsdp::ShardedStrategy*>(strategy.get());
-  // Only the sharded strategies offload (another keeps its state on the device).
-  if (sharded) in.cpu_offload = sharded->offloads_state_to_cpu();
-  // Gradients freed after each step: the engine frees a CUDA job's sharded ones
-  // (Scheduler::zero_grad); LibTorch 2's Optimizer::zero_grad sets ddp's and single_device's to
-  // none (StrategyBase::zero_grad; 1.13's zeroes them).
-  in.gradients_freed_after_step =
-      sharded != nullptr || (TORCH_VERSION_MAJOR >= 2 && (in.strategy == "ddp" || in.strategy == "single_device"));
+  // What the strategy says of its layout (sdk::StrategyMemoryLayout); a strategy without it
+  // gets a plan that says its layout is unknown.
+  auto* layout = dynamic_cast<sdk::StrategyMemoryLayout*>(strategy.get());
+  if (layout) {
+    in.cpu_offload = layout->offloads_state_to_cpu();
+    in.gradients_freed_after_step = layout->frees_gradients_after_step();
+  }
   job_setup([&] {
     sdk::GuardPtr deferred = core::deferred_init_guard();
     sdk::GuardPtr dtype = precision->module_init_context();
@@ -405,17 +403,16 @@ PlannedJob plan_job(const Config& config, bool trace_activations) {
   std::string trace_problem;
   std::int64_t traced_samples = 0;
   try {
-    if (sharded) {
-      // The layout applies the model's tensor-parallel plan, whose refusals (a tp size that does
-      // not split the heads) every rank would meet in setup: the job's errors, before it starts.
-      job_setup([&] { in.layout = sharded->memory_layout(*model, cluster, in.accumulate_grad_batches); });
-      in.layout_of_micro_batches = true;
-    } else if (auto* layout = dynamic_cast<sdk::StrategyMemoryLayout*>(strategy.get()))
-      in.layout = layout->memory_layout(*model, cluster);
+    if (layout) {
+      // The layout may apply the model's tensor-parallel plan, whose refusals (a tp size that
+      // does not split the heads) every rank would meet in setup: the job's errors, before it starts.
+      job_setup([&] { in.layout = layout->memory_layout(*model, cluster, in.accumulate_grad_batches); });
+      in.layout_of_micro_batches = in.layout->counts_micro_batches;
+    }
     Trace trace;
     if (trace_activations) {
       std::vector<std::shared_ptr<torch::nn::Module>> recomputed;
-      if (sharded) recomputed = sharded->checkpointed_units(*model);
+      if (layout) recomputed = layout->checkpointed_units(*model);
       trace = trace_forward(*model, *precision, *data, config.data.batch_size, std::move(recomputed), in.cuda);
     } else {
       trace.method = "not traced";

@@ -34,7 +34,6 @@
 #include "tessera/sdk/error.hpp"
 #include "tessera/sdk/sync_batch_norm.hpp"
 #include "tessera/sdk/token_data.hpp"
-#include "callbacks/weight_averaging.hpp"
 #include "lr_find.hpp"
 #include "lr_schedule.hpp"
 
@@ -755,9 +754,7 @@ void Trainer::fit(const std::string& ckpt_path) {
         next_batch_ += accumulate;
         ++global_step_;
         clock.window_items += step.items;
-        call("after_optimizer_step", [&](sdk::Callback& c) {  // before a validation due at this step
-          if (auto* averaging = dynamic_cast<WeightAveraging*>(&c)) averaging->after_optimizer_step(*this);
-        });
+        call("on_after_optimizer_step", [&](sdk::Callback& c) { c.on_after_optimizer_step(*this); });
         if (!step.result.stepped) {  // the grad scaler saw inf/NaN: expected now and then, counted, not a failure
           ++skipped_steps_;
           const auto scale = precision_->state_dict();

@@ -84,11 +84,8 @@ class Trainer final : public sdk::Trainer {
   void request_stop(const std::string& reason) override;
   bool should_stop() const override { return should_stop_; }
   const std::string& log_dir() const override { return log_dir_; }
-  void save_checkpoint(const std::string& path) override { save_checkpoint(path, /*weights_only=*/false); }
-  /// `weights_only` (model_checkpoint's save_weights_only, Lightning's): the model's state, the
-  /// step and the callbacks' state (what --ckpt-path best reads), without the optimizer, grad
-  /// scaler, schedule and RNG states: a third of an Adam checkpoint; fit cannot resume from it.
-  void save_checkpoint(const std::string& path, bool weights_only);
+  /// `weights_only`: what --ckpt-path best reads, a third of an Adam checkpoint.
+  void save_checkpoint(const std::string& path, bool weights_only = false) override;
   /// A background-saving IO's commits since the last call, each logged "checkpoint saved"
   /// (`wait`: after every queued save ends); a failed background save throws, naming the file.
   void report_committed_saves(bool wait);

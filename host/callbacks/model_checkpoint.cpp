@@ -12,7 +12,6 @@
 
 #include "callbacks.hpp"
 #include "config.hpp"
-#include "trainer.hpp"
 #include "tessera/sdk/error.hpp"
 #include "tessera/sdk/strategy.hpp"
 
@@ -129,10 +128,7 @@ class ModelCheckpoint final : public sdk::Callback {
   }
 
   void write(sdk::Trainer& trainer, const std::string& path) {
-    if (!save_weights_only_) return trainer.save_checkpoint(path);
-    auto* host = dynamic_cast<Trainer*>(&trainer);
-    TESSERA_CHECK(host != nullptr, "model_checkpoint save_weights_only needs tessera's own trainer");
-    host->save_checkpoint(path, /*weights_only=*/true);
+    trainer.save_checkpoint(path, save_weights_only_);
   }
 
   /// `{name}` or `{name:.3f}` -> "name=value" (or just the value without auto insert).

@@ -61,7 +61,7 @@ void WeightAveraging::update(sdk::Trainer& trainer) {
   ++averaged_;
 }
 
-void WeightAveraging::after_optimizer_step(sdk::Trainer& trainer) {
+void WeightAveraging::on_after_optimizer_step(sdk::Trainer& trainer) {
   // Lightning's should_update(step_idx), step_idx = global_step - 1.
   const std::int64_t step_idx = trainer.global_step() - 1;
   if (trainer.global_step() <= latest_update_step_ || average_.empty()) return;

@@ -22,10 +22,8 @@ class WeightAveraging final : public sdk::Callback {
   /// `ema`: ema_weight_averaging (`decay`), else weight_averaging (equal weights).
   WeightAveraging(const sdk::Options& options, bool ema);
 
-  /// After each optimizer step and before a validation due at that step: the trainer calls it
-  /// (Lightning updates in on_train_batch_end, which runs before its validation; here that hook
-  /// runs after it).
-  void after_optimizer_step(sdk::Trainer& trainer);
+  /// Updates the average (Lightning does in on_train_batch_end, before its validation).
+  void on_after_optimizer_step(sdk::Trainer& trainer) override;
 
   void on_fit_start(sdk::Trainer& trainer) override;
   void on_train_epoch_end(sdk::Trainer& trainer) override;

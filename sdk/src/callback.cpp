@@ -17,6 +17,7 @@ void Callback::on_train_epoch_start(Trainer&) {}
 void Callback::on_train_epoch_end(Trainer&) {}
 void Callback::on_train_batch_start(Trainer&, const Batch&, std::int64_t) {}
 void Callback::on_train_batch_end(Trainer&, const StepOutput&, const Batch&, std::int64_t) {}
+void Callback::on_after_optimizer_step(Trainer&) {}
 void Callback::on_validation_start(Trainer&) {}
 void Callback::on_validation_end(Trainer&) {}
 void Callback::on_test_start(Trainer&) {}

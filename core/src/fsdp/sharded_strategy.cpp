@@ -244,13 +244,11 @@ std::vector<std::shared_ptr<torch::nn::Module>> ShardedStrategy::checkpointed_un
   return out;
 }
 
-sdk::MemoryLayout ShardedStrategy::memory_layout(sdk::Module& module, const sdk::ClusterInfo& cluster) {
-  return planned_layout(module, cluster, 1);
-}
-
 sdk::MemoryLayout ShardedStrategy::memory_layout(sdk::Module& module, const sdk::ClusterInfo& cluster,
                                                  std::int64_t micro_batches) {
-  return planned_layout(module, cluster, micro_batches);
+  sdk::MemoryLayout layout = planned_layout(module, cluster, micro_batches);
+  layout.counts_micro_batches = true;
+  return layout;
 }
 
 sdk::MemoryLayout ShardedStrategy::planned_layout(sdk::Module& module, const sdk::ClusterInfo& cluster,

@@ -53,8 +53,10 @@ class TESSERA_SDK_API Trainer {
 
   /// This run's directory (default_root_dir/[name/]version_N), where loggers write.
   virtual const std::string& log_dir() const = 0;
-  /// Saves a full training checkpoint at `path` (collective: call on every rank).
-  virtual void save_checkpoint(const std::string& path) = 0;
+  /// Saves a training checkpoint at `path` (collective: call on every rank). `weights_only`
+  /// (Lightning's): the model's state, the step and the callbacks' state, without the
+  /// optimizer, grad scaler, schedule and RNG states; fit cannot resume from it.
+  virtual void save_checkpoint(const std::string& path, bool weights_only = false) = 0;
   /// Removes a checkpoint written by save_checkpoint (collective).
   virtual void remove_checkpoint(const std::string& path) = 0;
 
@@ -81,6 +83,9 @@ class TESSERA_SDK_API Callback : public PluginObject {
   /// step and after a validation due at this step (callbacks see its metrics).
   virtual void on_train_batch_end(Trainer& trainer, const StepOutput& outputs, const Batch& batch,
                                   std::int64_t batch_idx);
+  /// After each optimizer step, before a validation due at that step (Lightning's callbacks do
+  /// this in on_train_batch_end, which runs before its validation; here that hook runs after).
+  virtual void on_after_optimizer_step(Trainer& trainer);
   virtual void on_validation_start(Trainer& trainer);
   /// The validation metrics are in callback_metrics() by then.
   virtual void on_validation_end(Trainer& trainer);

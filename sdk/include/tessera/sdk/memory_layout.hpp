@@ -4,12 +4,14 @@
 /// the strategy, as configured, would lay a model's parameters, gradients and collective
 /// buffers out over a job of a given size. Queried with dynamic_cast, like StrategyChecks: a
 /// strategy without it gets a plan that says its layout is unknown, never a made-up figure.
-/// Adding it changed no existing vtable (no ABI change).
 #include <cstdint>
 #include <string>
 #include <vector>
 
+#include <memory>
+
 #include <c10/core/ScalarType.h>
+#include <torch/nn/module.h>
 
 #include "tessera/sdk/export.hpp"
 #include "tessera/sdk/types.hpp"
@@ -47,6 +49,9 @@ struct MemoryLayout {
   std::int64_t units = 0;            ///< units (or buckets) the parameters are grouped in
   std::vector<PlannedCollective> collectives;  ///< per optimizer step
   std::string notes;                 ///< what is approximate about this layout
+  /// The layout counts what accumulating micro-batches keeps between them (otherwise the plan
+  /// notes that it laid out one micro-batch).
+  bool counts_micro_batches = false;
 };
 
 class TESSERA_SDK_API StrategyMemoryLayout {
@@ -57,7 +62,17 @@ class TESSERA_SDK_API StrategyMemoryLayout {
   /// its precision, on a job described by `cluster` (world size, local ranks). Called on one
   /// process before any rank starts, instead of setup_environment/setup; must not communicate
   /// nor allocate the model. Throws sdk::Error for a configuration that cannot run.
-  virtual MemoryLayout memory_layout(Module& module, const ClusterInfo& cluster) = 0;
+  /// `micro_batches`: micro-batches per optimizer step ([trainer] accumulate_grad_batches).
+  virtual MemoryLayout memory_layout(Module& module, const ClusterInfo& cluster, std::int64_t micro_batches) = 0;
+  /// Whether the job keeps parameters, gradients and optimizer state in host memory while it
+  /// computes on a device (CPU offload): where the plan puts them. Default: no.
+  virtual bool offloads_state_to_cpu() const;
+  /// Whether the gradients are freed after each optimizer step (and come back in backward), so
+  /// that they are no persistent row. Default: no.
+  virtual bool frees_gradients_after_step() const;
+  /// The modules of `module`'s network whose activations this strategy recomputes in backward
+  /// (activation checkpointing): the plan traces them as such. Default: none.
+  virtual std::vector<std::shared_ptr<torch::nn::Module>> checkpointed_units(Module& module);
 };
 
 }  // namespace tessera::sdk

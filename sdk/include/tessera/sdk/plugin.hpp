@@ -25,14 +25,12 @@ namespace tessera::sdk {
 /// The vtables of the SDK interfaces, and the layout of the strategy API's classes in
 /// tessera/core (StrategyBase, Communicator, DeviceMesh, PrecisionBase), are the ABI: any
 /// change to them bumps the major.
-/// The installed CMake package's version is this ABI: find_package(TesseraSDK 3).
-inline constexpr std::uint32_t kAbiMajor = 3;  // 3: multi-argument units, Module::fsdp_wrap_policy,
-                                               //    TOML++ in the fingerprint, descriptor sdk_version, callback plugins,
-                                               //    Module::parallelize
-inline constexpr std::uint32_t kAbiMinor = 6;  // 1: sdk::has_fused_adam, sdk::optimizer_state_key; 2: sdk::SyncBatchNorm2d;
-                                               // 3: sdk::for_each_autograd_node; 4: sdk::batched_matmul;
-                                               // 5: sdk::autocast_enabled/autocast_dtype/set_autocast, sdk::openblas;
-                                               // 6: Options::note_default/observe_defaults
+/// The installed CMake package's version is this ABI: find_package(TesseraSDK 4).
+inline constexpr std::uint32_t kAbiMajor = 4;  // 4: Callback::on_after_optimizer_step, Trainer::save_checkpoint(path, weights_only),
+                                               //    StrategyMemoryLayout (micro-batches, offload, freed gradients, recomputed units)
+                                               // (3: multi-argument units, Module::fsdp_wrap_policy, TOML++ in the
+                                               // fingerprint, descriptor sdk_version, callback plugins, Module::parallelize)
+inline constexpr std::uint32_t kAbiMinor = 0;
 
 enum class PluginKind : std::uint32_t { strategy = 1, precision, checkpoint_io, model, data, callback };
 TESSERA_SDK_API const char* to_string(PluginKind kind);

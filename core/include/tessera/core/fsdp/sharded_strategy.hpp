@@ -64,18 +64,20 @@ class ShardedStrategy : public StrategyBase, public sdk::StrategyMemoryLayout {
 
   /// `tessera plan`: the units the wrap policy makes of `module`'s network and their shards
   /// on the mesh a job of `cluster` gets (core/fsdp/memory_plan.hpp), without communicating.
-  sdk::MemoryLayout memory_layout(sdk::Module& module, const sdk::ClusterInfo& cluster) final;
-  /// The same for optimizer steps of `micro_batches` micro-batches (accumulate_grad_batches):
-  /// the unsharded gradients every unit keeps between them, or the reductions of each under
+  /// For optimizer steps of `micro_batches` micro-batches (accumulate_grad_batches): the
+  /// unsharded gradients every unit keeps between them, or the reductions of each under
   /// reduce_every_micro_batch.
-  sdk::MemoryLayout memory_layout(sdk::Module& module, const sdk::ClusterInfo& cluster, std::int64_t micro_batches);
+  sdk::MemoryLayout memory_layout(sdk::Module& module, const sdk::ClusterInfo& cluster,
+                                  std::int64_t micro_batches) final;
   /// Whether this job keeps the shards, their gradients and the optimizer state in host memory
   /// while it computes on CUDA (fsdp's cpu_offload, fsdp2's offload_policy = "cpu"; on the CPU
   /// there is nowhere to offload to): where `tessera plan` puts them.
-  bool offloads_state_to_cpu() const;
+  bool offloads_state_to_cpu() const final;
+  /// The engine frees a CUDA job's sharded gradients after each step (Scheduler::zero_grad).
+  bool frees_gradients_after_step() const final { return true; }
   /// The units of `module`'s network this strategy, as configured, recomputes in backward
   /// (activation_checkpointing): `tessera plan` traces them as such.
-  std::vector<std::shared_ptr<torch::nn::Module>> checkpointed_units(sdk::Module& module);
+  std::vector<std::shared_ptr<torch::nn::Module>> checkpointed_units(sdk::Module& module) final;
 
  protected:
   /// The mesh a job of `cluster` gets, as setup_environment/setup_module would build it.
@@ -88,7 +90,7 @@ class ShardedStrategy : public StrategyBase, public sdk::StrategyMemoryLayout {
   /// precision plugin's) and the strategy's own overrides; wrap callbacks are filled by the caller.
   virtual FSDPOptions planned_options(const sdk::MixedPrecisionPolicy& policy) const = 0;
   virtual std::string strategy_name() const = 0;
-  /// Both memory_layout()s: the units of `module`'s network laid out on the planned mesh. A
+  /// memory_layout(): the units of `module`'s network laid out on the planned mesh. A
   /// strategy that changes the network first (tensor parallelism) does so here.
   virtual sdk::MemoryLayout planned_layout(sdk::Module& module, const sdk::ClusterInfo& cluster,
                                            std::int64_t micro_batches);
