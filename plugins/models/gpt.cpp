@@ -2,7 +2,6 @@
 // FSDP unit: the network runs it through sdk::invoke(); parallelize() splits its attention heads
 // and MLP over a tensor-parallel group (Megatron-style).
 #include <cmath>
-#include <limits>
 
 #include <ATen/ATen.h>
 #include <ATen/CPUGeneratorImpl.h>
@@ -20,6 +19,7 @@
 #include "tessera/sdk/tensor_parallel.hpp"
 #include "tessera/sdk/unit.hpp"
 #include "tessera/toolkit/attention.hpp"
+#include "tessera/toolkit/sampling.hpp"
 
 #define XXH_INLINE_ALL  // header-only: plugins link the SDK alone
 #include <xxhash.h>
@@ -218,12 +218,8 @@ class GPT final : public sdk::Module {
     for (std::int64_t i = 0; i < max_new_tokens_; ++i) {
       at::Tensor context = idx.size(1) <= config_.block_size ? idx : idx.narrow(1, idx.size(1) - config_.block_size,
                                                                               config_.block_size);
-      at::Tensor logits = net_->forward(context).select(1, context.size(1) - 1).to(at::kFloat) / temperature_;
-      if (top_k_ > 0) {
-        at::Tensor kth = std::get<0>(logits.topk(top_k_, -1)).narrow(-1, top_k_ - 1, 1);
-        logits = logits.masked_fill(logits < kth, -std::numeric_limits<float>::infinity());
-      }
-      idx = at::cat({idx, at::multinomial(at::softmax(logits, -1), 1)}, 1);
+      at::Tensor logits = net_->forward(context).select(1, context.size(1) - 1).to(at::kFloat);
+      idx = at::cat({idx, toolkit::sample_next_token(logits, {temperature_, top_k_}).unsqueeze(1)}, 1);
     }
     return idx;
   }

@@ -22,6 +22,7 @@
 #include "tessera/sdk/tensor_parallel.hpp"
 #include "tessera/sdk/unit.hpp"
 #include "tessera/toolkit/attention.hpp"
+#include "tessera/toolkit/sampling.hpp"
 
 #define XXH_INLINE_ALL  // header-only: plugins link the SDK alone
 #include <xxhash.h>
@@ -682,24 +683,8 @@ class Llama final : public sdk::Module, public sdk::HuggingFaceModel {
     return StepOutput{loss, {{"loss", loss.detach()}}, batch.input.numel()};
   }
 
-  /// Hugging Face's sampling: greedy at temperature 0; else temperature, then top_k, then top_p
-  /// (the smallest set of tokens whose probability reaches top_p, at least one), then a draw.
-  at::Tensor next_token(at::Tensor logits) const {
-    if (temperature_ == 0.0) return logits.argmax(-1);
-    logits = logits / temperature_;
-    const float neg_inf = -std::numeric_limits<float>::infinity();
-    if (top_k_ > 0 && top_k_ < logits.size(-1)) {
-      at::Tensor kth = std::get<0>(logits.topk(top_k_, -1)).narrow(-1, top_k_ - 1, 1);
-      logits = logits.masked_fill(logits < kth, neg_inf);
-    }
-    if (top_p_ < 1.0) {
-      auto [sorted, order] = logits.sort(-1, /*descending=*/false);
-      at::Tensor cumulative = at::softmax(sorted, -1).cumsum(-1);
-      at::Tensor remove = cumulative <= (1.0 - top_p_);
-      remove.select(-1, remove.size(-1) - 1).fill_(false);
-      logits = logits.masked_fill(remove.scatter(-1, order, remove), neg_inf);
-    }
-    return at::multinomial(at::softmax(logits, -1), 1).squeeze(1);
+  at::Tensor next_token(const at::Tensor& logits) const {
+    return toolkit::sample_next_token(logits, {temperature_, top_k_, top_p_});
   }
 
   /// Whether this rank may stop decoding on its own: no layer runs collectives.
