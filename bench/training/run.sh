@@ -20,7 +20,9 @@ steps="${1:-30}"
 rounds="${2:-1}"
 tessera=build/bin/tessera
 out="$(mktemp -d)"; trap 'rm -rf "$out"' EXIT
-cat > "$out/gpt.toml" <<TOML
+# The run settings both models share, then each model's section.
+common() {
+  cat <<TOML
 [trainer]
 max_steps = $steps
 log_every_n_steps = 5
@@ -29,26 +31,20 @@ save_last = false
 [optimizer]
 lr = 3e-4
 schedule = "constant"
+[data]
+plugin = "text"
+block_size = 128
+TOML
+}
+{ common; cat <<TOML; } > "$out/gpt.toml"
 [model]
 plugin = "gpt"
 n_layer = 6
 n_head = 6
 n_embd = 384
 block_size = 128
-[data]
-plugin = "text"
-block_size = 128
 TOML
-
-cat > "$out/llama.toml" <<TOML
-[trainer]
-max_steps = $steps
-log_every_n_steps = 5
-enable_progress_bar = false
-save_last = false
-[optimizer]
-lr = 3e-4
-schedule = "constant"
+{ common; cat <<TOML; } > "$out/llama.toml"
 [model]
 plugin = "llama"
 vocab_size = 256
@@ -59,9 +55,6 @@ num_attention_heads = 6
 num_key_value_heads = 2
 rms_norm_eps = 1e-5
 tie_word_embeddings = true
-[data]
-plugin = "text"
-block_size = 128
 TOML
 
 # tokens/s averaged over the logged windows after the first two (warm-up), and peak RSS.
