@@ -42,7 +42,7 @@ std::uint32_t big_endian(const std::string& data, std::size_t offset) {
 
 /// Parses an IDX file of unsigned bytes with `dims` dimensions, checking magic and size.
 at::Tensor read_idx(const std::string& path, std::size_t dims, const std::string& key_hint) {
-  std::string data = read_gzip(path, key_hint);
+  const std::string data = read_gzip(path, key_hint);
   const std::size_t header = 4 + 4 * dims;
   TESSERA_CHECK(data.size() >= header, path, " is truncated: ", data.size(), " bytes, less than its IDX header");
   const std::uint32_t magic = big_endian(data, 0);
@@ -61,13 +61,17 @@ at::Tensor read_idx(const std::string& path, std::size_t dims, const std::string
   return out;
 }
 
+/// Images kept as the files' bytes (a quarter of float's memory, and no pass over all 70,000 at
+/// start-up); each batch is normalised as it is taken, with the training set's mean and standard
+/// deviation: [B, 1, 28, 28] float.
 class Images final : public sdk::Dataset {
  public:
   Images(at::Tensor images, at::Tensor labels) : images_(std::move(images)), labels_(std::move(labels)) {}
   std::int64_t size() const override { return images_.size(0); }
   sdk::Batch get_batch(const std::vector<std::int64_t>& indices) const override {
     at::Tensor index = at::tensor(indices, at::kLong);
-    return sdk::Batch{images_.index_select(0, index), labels_.index_select(0, index)};
+    at::Tensor x = images_.index_select(0, index).to(at::kFloat).div_(255.0).sub_(0.2860).div_(0.3530).unsqueeze(1);
+    return sdk::Batch{x, labels_.index_select(0, index)};
   }
 
  private:
@@ -134,9 +138,7 @@ class FashionMNIST final : public sdk::DataModule {
       const std::int64_t max_label = labels.max().item<std::int64_t>();
       TESSERA_CHECK(max_label < 10, labels_path, " holds label ", max_label, "; Fashion-MNIST's classes are 0..9");
     }
-    // Normalised with the training set's mean and standard deviation.
-    at::Tensor x = (images.to(at::kFloat).div_(255.0).sub_(0.2860).div_(0.3530)).unsqueeze(1).contiguous();
-    return {x, labels.to(at::kLong)};
+    return {images, labels.to(at::kLong)};
   }
 
   std::string root_;
