@@ -544,18 +544,19 @@ void Trainer::resume_sample_position(std::int64_t saved_samples_per_batch) {
   // The sampler is a pure function of (seed, epoch, position in the epoch's order), and micro-batch
   // i covers positions [i * samples_per_batch, (i + 1) * samples_per_batch) at any world size: a
   // checkpoint resumes at another world size with the same global batch as is; with another global
-  // batch, at the same position when it falls on a batch boundary.
+  // batch, at the first batch none of whose samples were trained on (an elastic restart must not
+  // fail because its world size changed; a partial batch is skipped, never trained twice).
   if (saved_samples_per_batch <= 0 || saved_samples_per_batch == samples_per_batch_ || next_batch_ == 0) return;
   const std::int64_t position = next_batch_ * saved_samples_per_batch;
-  TESSERA_CHECK(position % samples_per_batch_ == 0, "the checkpoint stopped ", position, " samples into epoch ", epoch_,
-                " (", next_batch_, " batches of ", saved_samples_per_batch, " samples over all ranks); batches of ",
-                samples_per_batch_, " (", config_.data.batch_size, " per rank x ", samples_per_batch_ / config_.data.batch_size,
-                " ranks) cannot resume there exactly: choose [data] batch_size so that the global batch divides ",
-                position, " (e.g. the checkpoint's ", saved_samples_per_batch, ")");
+  next_batch_ = (position + samples_per_batch_ - 1) / samples_per_batch_;
+  const std::int64_t skipped = next_batch_ * samples_per_batch_ - position;
   log_.info("resuming " + std::to_string(position) + " samples into epoch " + std::to_string(epoch_) + " with batches of " +
             std::to_string(samples_per_batch_) + " samples (the checkpoint's: " + std::to_string(saved_samples_per_batch) +
-            "): batch " + std::to_string(position / samples_per_batch_) + " of the epoch comes next");
-  next_batch_ = position / samples_per_batch_;
+            "): batch " + std::to_string(next_batch_) + " of the epoch comes next" +
+            (skipped ? ", skipping the " + std::to_string(skipped) +
+                           " samples before it (choose a global batch that divides " + std::to_string(position) +
+                           " to resume exactly)"
+                     : ""));
 }
 
 Trainer::TrainedStep Trainer::train_step(core::DataLoader& loader, std::int64_t accumulate, double lr) {

@@ -534,6 +534,10 @@ TEST(TokensFit, SameGlobalBatchesAtEveryWorldSizeAndExactMidEpochResume) {
   // Another global batch resumes at the same sample when the position is a whole number of its batches.
   FitRun halves = fit(dir.path(), "resumed_halves", corpus, 2, 6, 4, ckpt);
   EXPECT_MENTIONS(halves.output, "resuming 36 samples into epoch 0 with batches of 6 samples");
+  // Otherwise (an elastic restart at another world size) at the next whole batch, skipping the rest.
+  FitRun eights = fit(dir.path(), "resumed_eights", corpus, 2, 8, 4, ckpt);
+  EXPECT_MENTIONS(eights.output, "batch 5 of the epoch comes next, skipping the 4 samples before it");
+  EXPECT_TRUE(eights.losses.count(4)) << eights.output;
 }
 
 TEST(TokensFit, AVocabularyLargerThanTheModelsIsRefusedBeforeAnyStep) {
