@@ -276,7 +276,7 @@ TEST(LlamaTensorParallel, FitRefusesBeforeAnyRankStarts) {
   EXPECT_NE(r.exit_code, 0) << r.output;
   EXPECT_NE(r.output.find("[model] num_key_value_heads = 2"), std::string::npos) << r.output;
   EXPECT_NE(r.output.find("valid tensor_parallel_size: 1, 2"), std::string::npos) << r.output;
-  EXPECT_FALSE(std::filesystem::exists(dir + "/logs")) << "a rank started: " << r.output;
+  EXPECT_FALSE(std::filesystem::exists(dir + "/version_0")) << "a run started: " << r.output;
 }
 
 // --- the toolkit's causal attention --------------------------------------------------------------

@@ -166,12 +166,12 @@ TEST_P(Parity, TwoHostsOfTwoRanksTrainAsFourRanksOnOneHost) {
   // would have failed to connect across the hosts).
   const auto reference = losses(one), across = losses(two);
   ASSERT_EQ(reference.size(), 3u) << single.output;
-  ASSERT_EQ(across.size(), 3u) << a.output << slurp(two + "/logs/rank-2.log");
+  ASSERT_EQ(across.size(), 3u) << a.output << slurp(two + "/version_0/logs/rank-2.log");
   // metrics.csv keeps 8 digits: equal there (a wrong reduction or shard is off by far more).
   for (const auto& [step, loss] : reference)
     EXPECT_NEAR(across.at(step), loss, 1e-6 * std::abs(loss)) << layout.name << " step " << step;
   // Each group names its path in the log: across hosts Gloo binds the link's address.
-  EXPECT_CONTAINS(slurp(two + "/logs/rank-2.log"), "collectives: Gloo over " + hosts_.address(1));
+  EXPECT_CONTAINS(slurp(two + "/version_0/logs/rank-2.log"), "collectives: Gloo over " + hosts_.address(1));
 }
 
 INSTANTIATE_TEST_SUITE_P(
@@ -231,7 +231,7 @@ std::pair<CommandResult, CommandResult> lose_host(const TwoHosts& hosts, const s
   });
   auto until = Clock::now() + std::chrono::seconds(120);
   while (Clock::now() < until && job.wait_for(std::chrono::milliseconds(200)) != std::future_status::ready &&
-         !std::regex_search(slurp(dir + "/logs/rank-3.log"), std::regex("step [3-9]")))
+         !std::regex_search(slurp(dir + "/version_0/logs/rank-3.log"), std::regex("step [3-9]")))
     ;
   auto start = Clock::now();
   strike();
