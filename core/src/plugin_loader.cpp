@@ -8,6 +8,7 @@
 #include <signal.h>
 #include <sys/prctl.h>
 #include <sys/resource.h>
+#include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -17,6 +18,8 @@
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
+#include <mutex>
+#include <optional>
 #include <sstream>
 
 #include <boost/dll/library_info.hpp>
@@ -268,7 +271,70 @@ double PluginLoader::scan_timeout_s() {
   return value > 0 ? value : 30.0;
 }
 
+namespace {
+
+/// What identifies one version of a library file: a scan's verdict holds while it is unchanged.
+std::string file_identity(const fs::path& file) {
+  struct stat st {};
+  if (::stat(file.c_str(), &st) != 0) return "";
+  return std::to_string(st.st_dev) + ":" + std::to_string(st.st_ino) + ":" + std::to_string(st.st_size) + ":" +
+         std::to_string(st.st_mtim.tv_sec) + "." + std::to_string(st.st_mtim.tv_nsec);
+}
+
+/// The scans' verdicts, shared by every loader of this process and inherited by the processes it
+/// starts (its ranks) through TESSERA_PLUGIN_SCAN: each library is loaded in a child process once
+/// per job, not once per loader and rank. A verdict is used only for the same file, unchanged.
+class ScanCache {
+ public:
+  static ScanCache& instance() {
+    static ScanCache cache;
+    return cache;
+  }
+  std::optional<nlohmann::json> find(const fs::path& file, const std::string& identity) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    const auto it = verdicts_.find(file.string());
+    if (identity.empty() || it == verdicts_.end() || it->at("identity") != identity) return std::nullopt;
+    return it->at("report");
+  }
+  void store(const fs::path& file, const std::string& identity, const nlohmann::json& report) {
+    if (identity.empty()) return;
+    std::lock_guard<std::mutex> lock(mutex_);
+    verdicts_[file.string()] = {{"identity", identity}, {"report", report}};
+    ::setenv(kVariable, verdicts_.dump().c_str(), 1);
+  }
+
+ private:
+  static constexpr const char* kVariable = "TESSERA_PLUGIN_SCAN";
+  ScanCache() {
+    if (const char* text = std::getenv(kVariable)) {
+      verdicts_ = nlohmann::json::parse(text, nullptr, /*allow_exceptions=*/false);
+      if (!verdicts_.is_object()) verdicts_ = nlohmann::json::object();
+    }
+  }
+  std::mutex mutex_;
+  nlohmann::json verdicts_ = nlohmann::json::object();
+};
+
+}  // namespace
+
 std::vector<PluginInfo> PluginLoader::probe(const fs::path& file) {
+  const std::string identity = file_identity(file);
+  std::optional<nlohmann::json> report = ScanCache::instance().find(file, identity);
+  if (!report) {
+    report = nlohmann::json::parse(probe_in_child(file));
+    ScanCache::instance().store(file, identity, *report);
+  }
+  TESSERA_CHECK(!report->contains("error"), report->value("error", std::string()));
+  std::vector<PluginInfo> infos;
+  for (const auto& e : report->at("entries"))
+    infos.push_back(PluginInfo{file, static_cast<sdk::PluginKind>(e.at("kind").get<int>()),
+                               e.at("name").get<std::string>(), e.at("description").get<std::string>(),
+                               e.at("version").get<std::string>(), e.at("abi_major").get<std::uint32_t>(),
+                               e.at("abi_minor").get<std::uint32_t>(), e.at("sdk_version").get<std::string>()});
+  return infos;
+}
+
+std::string PluginLoader::probe_in_child(const fs::path& file) {
   // A library runs code when it is loaded (static constructors): a crashing or hanging one would
   // take the host down. A child process loads it and reports its descriptor (or why it is not a
   // plugin); the host loads only what it creates, vetted here.
@@ -346,15 +412,7 @@ std::vector<PluginInfo> PluginLoader::probe(const fs::path& file) {
   TESSERA_CHECK(WIFEXITED(status) && WEXITSTATUS(status) == 0 && !reply.empty(), file.string(),
                 " crashed while being loaded (", describe_wait_status(status),
                 ": its static constructors, or a library it needs, failed): not used", output_note);
-  const nlohmann::json report = nlohmann::json::parse(reply);
-  TESSERA_CHECK(!report.contains("error"), report.value("error", std::string()));
-  std::vector<PluginInfo> infos;
-  for (const auto& e : report.at("entries"))
-    infos.push_back(PluginInfo{file, static_cast<sdk::PluginKind>(e.at("kind").get<int>()),
-                               e.at("name").get<std::string>(), e.at("description").get<std::string>(),
-                               e.at("version").get<std::string>(), e.at("abi_major").get<std::uint32_t>(),
-                               e.at("abi_minor").get<std::uint32_t>(), e.at("sdk_version").get<std::string>()});
-  return infos;
+  return reply;
 }
 
 void PluginLoader::scan() {

@@ -70,6 +70,8 @@ class PluginLoader {
   /// As inspect, in a child process (what the scan of the plugin directories does): a library
   /// whose loading crashes or hangs (TESSERA_PLUGIN_SCAN_TIMEOUT_S, default 30 s) is refused
   /// naming it, and the host never loads it.
+  /// A verdict is kept for the process and the ranks it starts (TESSERA_PLUGIN_SCAN), for as
+  /// long as the file is unchanged (device, inode, size, modification time).
   std::vector<PluginInfo> probe(const std::filesystem::path& file);
   static double scan_timeout_s();
 
@@ -77,6 +79,9 @@ class PluginLoader {
   struct Library;
   void scan();
   std::shared_ptr<Library> load(const std::filesystem::path& file);
+  /// probe()'s child process: its JSON report, {"entries": [...]} or {"error": why}; throws for
+  /// a crash or a hang.
+  std::string probe_in_child(const std::filesystem::path& file);
 
   std::vector<std::filesystem::path> dirs_;
   bool never_unload_;
