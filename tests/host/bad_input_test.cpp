@@ -213,10 +213,6 @@ TEST(BadInput, SyncBatchNormRefusesModelsItCannotSynchronise) {
       << none.output;
 }
 
-// A model that freezes part of itself (requires_grad false: a fine-tuned backbone) keeps it
-// frozen under every strategy: no gradient, no optimizer state, no weight decay moving it.
-// The sharded engines once handed every parameter to the optimizer, so AdamW's decay moved
-// the frozen weights and kept moments for them.
 TEST(BadInput, Bf16LayerNormOnCpuIsExplainedWithoutAStackTrace) {
   std::string dir = tessera::testing::fresh_dir("bf16-layernorm");
   std::ofstream(dir + "/run.toml") << "plugin_dirs = [\"" TEST_PLUGIN_DIR "\"]\n"

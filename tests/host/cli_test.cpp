@@ -228,7 +228,6 @@ TEST(Cli, PluginsListsEveryShippedPlugin) {
     EXPECT_NE(r.output.find(std::string(" ") + name + " "), std::string::npos) << name << "\n" << r.output;
 }
 
-// ---- run folders, callbacks, loggers, profiler, stopping (issue 12) ----
 
 
 }  // namespace

@@ -25,6 +25,10 @@ namespace {
 
 using namespace tessera::testing::host;
 
+// tessera config: every key the host and the selected plugins read, the set ones as set and each
+// default commented out, for any plugin (fsdp's keys after --set strategy.plugin=fsdp, a
+// callback's, a sub-table's); the listing is itself an equivalent config (it lists itself, and
+// trains as the original).
 TEST(ConfigListing, EveryKeyWithItsDefaultAndTheListingIsAnEquivalentConfig) {
   const std::string dir = tessera::testing::fresh_dir("config-listing");
   const std::string config = write_config(dir, "[callbacks.early_stopping]\nmonitor = \"val_loss\"\n");
@@ -120,9 +124,5 @@ TEST(ConfigListing, EveryListedDefaultUncommentedIsAcceptedAndTrainsTheSame) {
     version += 2;
   }
 }
-
-// Weight averaging (Lightning's WeightAveraging / EMAWeightAveraging, which Lightning refuses
-// under sharding): each rank averages its own shards, so every strategy validates on and saves
-// the average one device computes on the same global batch.
 
 }  // namespace

@@ -19,6 +19,9 @@ using tessera::testing::metric_series;
 using tessera::testing::run_dir;
 using tessera::testing::run_tessera;
 
+/// Appended to a command: the run without dropout (so that losses depend on the weights alone).
+inline const std::string kNoDropout = " --set model.dropout=0.0";
+
 /// `metric` over every run folder under `root` (version_0, version_1, ...): a resumed run
 /// continues in a new folder, and its values replace the old ones from where it resumed.
 inline std::map<std::int64_t, double> all_runs(const std::string& root, const std::string& stage, const std::string& metric) {

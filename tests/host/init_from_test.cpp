@@ -25,6 +25,7 @@ namespace {
 
 using namespace tessera::testing::host;
 
+/// The validation loss `validate` logs for `config` with `sets` (one rank).
 double validate_loss(const std::string& root, const std::string& config, const std::string& sets) {
   auto r = run_tessera("validate --config " + config + " --set trainer.default_root_dir=" + root + " " + sets);
   EXPECT_EQ(r.exit_code, 0) << r.output;
@@ -268,10 +269,5 @@ TEST(InitFrom, WhatCannotStartARunIsRefusedBeforeWork) {
   EXPECT_NE(r.output.find("validate needs --ckpt-path last|best|PATH or [trainer] init_from"), std::string::npos)
       << r.output;
 }
-
-// [trainer] predict_output: every prediction, in dataset order, each sample once: the same
-// file from one device and from 3 ranks (10 images: the sampler pads the third rank with a
-// repeat), and from a tensor-parallel pair (both ranks predict the same prompt); torch.load
-// reads it.
 
 }  // namespace

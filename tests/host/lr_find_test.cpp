@@ -25,6 +25,7 @@ namespace {
 
 using namespace tessera::testing::host;
 
+/// lr_find.csv as columns: "step", "lr", "loss", "smoothed_loss" -> one value per row.
 std::map<std::string, std::vector<double>> read_lr_find(const std::string& path) {
   std::ifstream in(path);
   std::string line;
@@ -165,10 +166,5 @@ TEST(LrFind, BeforeFitTrainsExactlyAsARunStartedWithTheSuggestedLr) {
       << interrupted.output;
   EXPECT_NE(interrupted.output.find("at step 1: checkpoint saved to"), std::string::npos) << interrupted.output;
 }
-
-// tessera config: every key the host and the selected plugins read, the set ones as set and each
-// default commented out, for any plugin (fsdp's keys after --set strategy.plugin=fsdp, a
-// callback's, a sub-table's); the listing is itself an equivalent config (it lists itself, and
-// trains as the original).
 
 }  // namespace

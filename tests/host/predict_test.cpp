@@ -25,6 +25,10 @@ namespace {
 
 using namespace tessera::testing::host;
 
+// [trainer] predict_output: every prediction, in dataset order, each sample once: the same
+// file from one device and from 3 ranks (10 images: the sampler pads the third rank with a
+// repeat), and from a tensor-parallel pair (both ranks predict the same prompt); torch.load
+// reads it.
 TEST(Predict, OutputHoldsEveryPredictionInDatasetOrderOnAnyWorldSize) {
   const std::string dir = tessera::testing::fresh_dir("predict-output");
   std::ofstream(dir + "/run.toml") << "[trainer]\nmax_steps = 3\nseed = 1\ndefault_root_dir = \"" << dir << "\"\n"
@@ -83,7 +87,6 @@ TEST(Predict, OutputHoldsEveryPredictionInDatasetOrderOnAnyWorldSize) {
   EXPECT_EQ(std::system(command.c_str()), 0);
 }
 
-/// lr_find.csv as columns: "step", "lr", "loss", "smoothed_loss" -> one value per row.
 TEST(Predict, PrintsGeneratedTextFromThePrompt) {
   std::string dir = tessera::testing::fresh_dir("predict");
   ASSERT_EQ(run_tessera("fit --config " + write_config(dir) + " --set trainer.max_steps=2").exit_code, 0);

@@ -175,10 +175,4 @@ TEST(Checkpoint, ResavedByPythonResumesExactly) {
   });
 }
 
-// [trainer] init_from: a new run starts from another run's weights (fine-tuning) with a fresh
-// optimizer, schedule and step, from any format into any strategy and world size.
-const std::string kNoDropout = " --set model.dropout=0.0";
-
-/// The validation loss `validate` logs for `config` with `sets` (one rank).
-
 }  // namespace

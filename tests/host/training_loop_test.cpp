@@ -348,6 +348,10 @@ TEST(Progress, PlainLinesUnderAPseudoTerminalThatIsNotTheUsers) {
   EXPECT_NE(text.find("epoch 0 step 3/3  loss "), std::string::npos) << text;
 }
 
+// A model that freezes part of itself (requires_grad false: a fine-tuned backbone) keeps it
+// frozen under every strategy: no gradient, no optimizer state, no weight decay moving it.
+// The sharded engines once handed every parameter to the optimizer, so AdamW's decay moved
+// the frozen weights and kept moments for them.
 TEST(Frozen, ParametersThatRequireNoGradStayAsTheyWereUnderEveryStrategy) {
   const std::string dir = tessera::testing::fresh_dir("frozen");
   std::ofstream(dir + "/run.toml") << "plugin_dirs = [\"" TEST_PLUGIN_DIR "\"]\n"

@@ -25,6 +25,9 @@ namespace {
 
 using namespace tessera::testing::host;
 
+// Weight averaging (Lightning's WeightAveraging / EMAWeightAveraging, which Lightning refuses
+// under sharding): each rank averages its own shards, so every strategy validates on and saves
+// the average one device computes on the same global batch.
 namespace weight_averaging {
 
 namespace sdk = tessera::sdk;
