@@ -21,14 +21,17 @@ const char* const kClasses[] = {"T-shirt/top", "Trouser", "Pullover", "Dress", "
                                 "Sandal",      "Shirt",   "Sneaker",  "Bag",   "Ankle boot"};
 
 /// The size a gzip file says its content has (its trailer's ISIZE: the size modulo 2^32), 0 if
-/// it cannot be read: a hint for one allocation, never trusted as the size.
+/// it cannot be read: a hint for one allocation, never trusted as the size (a damaged file's
+/// trailer may say anything: at most 16 times the file's own size is believed).
 std::size_t gzip_size_hint(const std::string& path) {
   std::ifstream in(path, std::ios::binary | std::ios::ate);
-  if (!in || in.tellg() < 4) return 0;
+  const std::streamoff compressed = in ? static_cast<std::streamoff>(in.tellg()) : 0;
+  if (compressed < 4) return 0;
   in.seekg(-4, std::ios::end);
   unsigned char b[4] = {};
   in.read(reinterpret_cast<char*>(b), 4);
-  return in ? (std::size_t{b[0]} | std::size_t{b[1]} << 8 | std::size_t{b[2]} << 16 | std::size_t{b[3]} << 24) : 0;
+  const std::size_t isize = std::size_t{b[0]} | std::size_t{b[1]} << 8 | std::size_t{b[2]} << 16 | std::size_t{b[3]} << 24;
+  return in && isize <= 16 * static_cast<std::size_t>(compressed) ? isize : 0;
 }
 
 /// The whole decompressed content of a gzip file (read in place: one allocation, no copies).
@@ -85,17 +88,13 @@ at::Tensor read_idx(const std::string& path, std::size_t dims, const std::string
   return at::from_blob(bytes->data() + header, shape, [bytes](void*) {}, at::TensorOptions(at::kByte));
 }
 
-/// Images kept as the files' bytes (a quarter of float's memory, and no pass over all 70,000 at
-/// start-up); each batch is normalised as it is taken, with the training set's mean and standard
-/// deviation: [B, 1, 28, 28] float.
 class Images final : public sdk::Dataset {
  public:
   Images(at::Tensor images, at::Tensor labels) : images_(std::move(images)), labels_(std::move(labels)) {}
   std::int64_t size() const override { return images_.size(0); }
   sdk::Batch get_batch(const std::vector<std::int64_t>& indices) const override {
     at::Tensor index = at::tensor(indices, at::kLong);
-    at::Tensor x = images_.index_select(0, index).to(at::kFloat).div_(255.0).sub_(0.2860).div_(0.3530).unsqueeze(1);
-    return sdk::Batch{x, labels_.index_select(0, index)};
+    return sdk::Batch{images_.index_select(0, index), labels_.index_select(0, index)};
   }
 
  private:
@@ -121,14 +120,21 @@ class FashionMNIST final : public sdk::DataModule {
                   " has ", train_images.size(0), " in its train split");
     const std::int64_t n_train = train_images.size(0) - val_size_;
     auto take = [](const at::Tensor& t, std::int64_t start, std::int64_t n) { return t.narrow(0, start, n); };
+    // Only the images a split uses become floats (train_limit = 600 converts 600, not 55,000),
+    // normalised with the training set's mean and standard deviation: [N, 1, 28, 28].
+    auto normalised = [](const at::Tensor& bytes) {
+      return bytes.to(at::kFloat).div_(255.0).sub_(0.2860).div_(0.3530).unsqueeze(1).contiguous();
+    };
     std::int64_t train_n = train_limit_ > 0 ? std::min(train_limit_, n_train) : n_train;
-    train_ = std::make_shared<Images>(take(train_images, 0, train_n), take(train_labels, 0, train_n));
-    val_ = std::make_shared<Images>(take(train_images, n_train, val_size_), take(train_labels, n_train, val_size_));
+    train_ = std::make_shared<Images>(normalised(take(train_images, 0, train_n)), take(train_labels, 0, train_n));
+    val_ = std::make_shared<Images>(normalised(take(train_images, n_train, val_size_)),
+                                    take(train_labels, n_train, val_size_));
     std::int64_t test_n = test_limit_ > 0 ? std::min(test_limit_, test_images.size(0)) : test_images.size(0);
-    test_ = std::make_shared<Images>(take(test_images, 0, test_n), take(test_labels, 0, test_n));
+    const at::Tensor test_x = normalised(take(test_images, 0, test_n));
+    test_ = std::make_shared<Images>(test_x, take(test_labels, 0, test_n));
     // `tessera predict` prints one line per image: the first few test images by default.
     const std::int64_t predict_n = predict_limit_ > 0 ? std::min(predict_limit_, test_n) : test_n;
-    predict_ = std::make_shared<Images>(take(test_images, 0, predict_n), take(test_labels, 0, predict_n));
+    predict_ = std::make_shared<Images>(take(test_x, 0, predict_n), take(test_labels, 0, predict_n));
   }
   std::shared_ptr<sdk::Dataset> train_dataset() override { return train_; }
   std::shared_ptr<sdk::Dataset> val_dataset() override { return val_; }
