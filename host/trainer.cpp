@@ -822,6 +822,7 @@ void Trainer::fit(const std::string& ckpt_path) {
   finish("success");
   if (t.predict_after_fit) {
     log_.info("sample from the trained model:");
+    data_->setup("predict");  // as Lightning sets a datamodule up for each stage it runs
     predict_batches(BatchLimit{false, 1.0});
   }
 }

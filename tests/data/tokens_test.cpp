@@ -385,6 +385,22 @@ std::map<std::string, std::string> files_of(const fs::path& dir) {
   return out;
 }
 
+/// A run config: the gpt over a prepared corpus of vocabulary 512, SGD (so that world sizes,
+/// whose sums round differently, are compared to 2e-5 as the parity tests do).
+std::string fit_config(const fs::path& dir, const fs::path& corpus, const std::string& extra = "") {
+  std::ofstream(dir / "run.toml") << "[trainer]\nlog_every_n_steps = 1\nseed = 5\ncheckpoint_every_n_steps = 3\n"
+                                  << "default_root_dir = \"" << dir.string() << "\"\nenable_progress_bar = false\n"
+                                  << "num_sanity_val_steps = 0\nlimit_val_batches = 0\n"
+                                  << "[optimizer]\nname = \"sgd\"\nlr = 0.05\nmomentum = 0.9\nschedule = \"constant\"\n"
+                                  << "[strategy]\nplugin = \"fsdp2\"\n"
+                                  << "[model]\nplugin = \"gpt\"\nn_layer = 1\nn_head = 2\nn_embd = 16\nblock_size = 16\n"
+                                  << "vocab_size = 512\n"
+                                  << "[data]\nplugin = \"tokens\"\npath = \"" << corpus.string()
+                                  << "\"\nblock_size = 16\nval_fraction = 0\n"
+                                  << extra;
+  return (dir / "run.toml").string();
+}
+
 // A prepare SIGKILLed while a shard is half written leaves nothing that loads; the same command
 // again skips the finished shards and writes exactly what an uninterrupted prepare writes.
 TEST(TokensPrepare, KilledMidwayThenRerunGivesByteIdenticalShards) {
@@ -420,6 +436,17 @@ TEST(TokensPrepare, KilledMidwayThenRerunGivesByteIdenticalShards) {
   data->setup("predict");
   sdk::Batch prompt = data->predict_dataset()->get_batch({0});
   EXPECT_EQ(data->describe_prediction(prompt, prompt.input), "Q: What");
+  // fit's predict_after_fit sets the data up for predict first, as Lightning does (the prompt
+  // dataset is made there): the sample starts with the prompt, decoded back to text.
+  const fs::path run = dir.path() / "run";
+  fs::create_directories(run);
+  auto sampled = run_tessera("fit --config " +
+                                 fit_config(run, out, "tokenizer = \"" + tokenizer.string() + "\"\nprompt = \"Q: What\"\n") +
+                                 " --set model.vocab_size=400 --set trainer.max_steps=2 --set trainer.predict_after_fit=true"
+                                 " --set launch.devices=1",
+                             "", 120);
+  ASSERT_EQ(sampled.exit_code, 0) << sampled.output;
+  EXPECT_MENTIONS(sampled.output, "sample from the trained model:\nQ: What");
 
   // Another preparation into the same folder is refused, and nothing there changes.
   std::string other = tessera_data("prepare --tokenizer " + tokenizer.string() + " --input " +
@@ -471,21 +498,6 @@ TEST(TokensPrepare, BadInputsAreErrorsNamingTheFile) {
   EXPECT_MENTIONS(e, "1000");
 }
 
-/// A run config: the gpt over a prepared corpus of vocabulary 512, SGD (so that world sizes,
-/// whose sums round differently, are compared to 2e-5 as the parity tests do).
-std::string fit_config(const fs::path& dir, const fs::path& corpus, const std::string& extra = "") {
-  std::ofstream(dir / "run.toml") << "[trainer]\nlog_every_n_steps = 1\nseed = 5\ncheckpoint_every_n_steps = 3\n"
-                                  << "default_root_dir = \"" << dir.string() << "\"\nenable_progress_bar = false\n"
-                                  << "num_sanity_val_steps = 0\nlimit_val_batches = 0\n"
-                                  << "[optimizer]\nname = \"sgd\"\nlr = 0.05\nmomentum = 0.9\nschedule = \"constant\"\n"
-                                  << "[strategy]\nplugin = \"fsdp2\"\n"
-                                  << "[model]\nplugin = \"gpt\"\nn_layer = 1\nn_head = 2\nn_embd = 16\nblock_size = 16\n"
-                                  << "vocab_size = 512\n"
-                                  << "[data]\nplugin = \"tokens\"\npath = \"" << corpus.string()
-                                  << "\"\nblock_size = 16\nval_fraction = 0\n"
-                                  << extra;
-  return (dir / "run.toml").string();
-}
 
 struct FitRun {
   std::map<std::int64_t, double> losses;
