@@ -63,12 +63,12 @@ class DDPStrategy final : public core::StrategyBase, public sdk::StrategyMemoryL
     }
   }
 
-  /// The whole model and its gradients on every rank, plus the gradient buckets (a second copy
-  /// of the gradients, allocated at setup); one ring all-reduce of every bucket per step.
   /// LibTorch 2's Optimizer::zero_grad sets the gradients to none (StrategyBase::zero_grad);
   /// 1.13's zeroes them.
   bool frees_gradients_after_step() const override { return TORCH_VERSION_MAJOR >= 2; }
 
+  /// The whole model and its gradients on every rank, plus the gradient buckets (a second copy
+  /// of the gradients, allocated at setup); one ring all-reduce of every bucket per step.
   sdk::MemoryLayout memory_layout(sdk::Module& module, const sdk::ClusterInfo& cluster, std::int64_t) override {
     sdk::MemoryLayout out;
     std::vector<at::Tensor> params;

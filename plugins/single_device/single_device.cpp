@@ -20,11 +20,11 @@ class SingleDeviceStrategy final : public core::StrategyBase,
                   world_size, " ranks (", environment, "): use plugin = \"ddp\" or \"fsdp\", or [launch] devices = 1");
   }
 
-  /// The whole model, its gradients and the optimizer's moments on it; nothing sent.
   /// LibTorch 2's Optimizer::zero_grad sets the gradients to none (StrategyBase::zero_grad);
   /// 1.13's zeroes them.
   bool frees_gradients_after_step() const override { return TORCH_VERSION_MAJOR >= 2; }
 
+  /// The whole model, its gradients and the optimizer's moments on it; nothing sent.
   sdk::MemoryLayout memory_layout(sdk::Module& module, const sdk::ClusterInfo& cluster, std::int64_t) override {
     check_world_size(cluster.world_size, cluster.environment);
     sdk::MemoryLayout out;
