@@ -7,17 +7,23 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <condition_variable>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
+#include <deque>
 #include <filesystem>
 #include <fstream>
 #include <functional>
+#include <future>
+#include <iostream>
+#include <memory>
 #include <mutex>
 #include <optional>
-#include <iostream>
 #include <set>
 #include <sstream>
 #include <string>
+#include <string_view>
 #include <thread>
 #include <vector>
 
@@ -173,14 +179,43 @@ bool is_json_lines(const fs::path& file) {
   return ext == ".jsonl" || ext == ".ndjson";
 }
 
+/// Calls `line(text)` for each line of `in` without its '\n', reading a block at a time (getline
+/// and a string per line cost the reader more than the tokenizing threads can spare).
+template <typename Line>
+void for_each_line(std::istream& in, Line&& line) {
+  std::vector<char> block(std::size_t{1} << 20);
+  std::string carry;  // a line that crosses blocks
+  while (in.read(block.data(), static_cast<std::streamsize>(block.size())) || in.gcount() > 0) {
+    const char* p = block.data();
+    const char* const end = p + in.gcount();
+    while (p < end) {
+      const auto* newline = static_cast<const char*>(std::memchr(p, '\n', static_cast<std::size_t>(end - p)));
+      if (newline == nullptr) {
+        carry.append(p, end);
+        break;
+      }
+      if (carry.empty()) {
+        line(std::string_view(p, static_cast<std::size_t>(newline - p)));
+      } else {
+        carry.append(p, newline);
+        line(std::string_view(carry));
+        carry.clear();
+      }
+      p = newline + 1;
+    }
+  }
+  if (!carry.empty()) line(std::string_view(carry));
+}
+
 /// Calls `emit(text)` for every non-empty document of `file`, in order.
-void read_documents(const fs::path& file, const Settings& s, const std::function<void(std::string&&)>& emit) {
+void read_documents(const fs::path& file, const Settings& s, const std::function<void(std::string_view)>& emit) {
   std::ifstream in(file, std::ios::binary);
   TESSERA_CHECK(in, "cannot open ", file);
   if (is_json_lines(file)) {
-    std::string line;
-    for (std::int64_t number = 1; std::getline(in, line); ++number) {
-      if (line.find_first_not_of(" \t\r") == std::string::npos) continue;
+    std::int64_t number = 0;
+    for_each_line(in, [&](std::string_view line) {
+      ++number;
+      if (line.find_first_not_of(" \t\r") == std::string_view::npos) return;
       json j;
       try {
         j = json::parse(line);
@@ -197,36 +232,33 @@ void read_documents(const fs::path& file, const Settings& s, const std::function
       }
       TESSERA_CHECK(j.at(s.text_key).is_string(), file.string(), ":", number, ": \"", s.text_key,
                     "\" is not a string");
-      std::string text = j.at(s.text_key).get<std::string>();
-      if (!text.empty()) emit(std::move(text));
-    }
+      const auto& text = j.at(s.text_key).get_ref<const std::string&>();
+      if (!text.empty()) emit(text);
+    });
     return;
   }
   if (s.split == "file") {
     std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-    if (!text.empty()) emit(std::move(text));
+    if (!text.empty()) emit(text);
     return;
   }
-  std::string record, line;
+  std::string record;
   auto flush = [&] {
     while (!record.empty() && record.back() == '\n') record.pop_back();
-    if (!record.empty()) emit(std::move(record));
+    if (!record.empty()) emit(record);
     record.clear();
   };
-  while (std::getline(in, line)) {
-    if (!line.empty() && line.back() == '\r') line.pop_back();
-    const bool separator = s.split == "line" || (s.split == "percent" ? line == "%"
-                                                                       : line.find_first_not_of(" \t") == std::string::npos);
+  for_each_line(in, [&](std::string_view line) {
+    if (!line.empty() && line.back() == '\r') line.remove_suffix(1);
     if (s.split == "line") {
-      record = line;
-      flush();
-    } else if (separator) {
+      if (!line.empty()) emit(line);
+    } else if (s.split == "percent" ? line == "%" : line.find_first_not_of(" \t") == std::string_view::npos) {
       flush();
     } else {
       record += line;
       record += '\n';
     }
-  }
+  });
   flush();
 }
 
@@ -259,6 +291,167 @@ std::string human(double value) {
   else std::snprintf(text, sizeof text, "%.0f", value);
   return text;
 }
+
+/// Documents tokenized together by one thread: their tokens end to end, each followed by EOS.
+struct Batch {
+  std::string text;                  ///< the documents end to end
+  std::vector<std::size_t> starts;   ///< where each document starts in `text`
+  std::vector<toolkit::TokenId> tokens;
+  std::vector<std::uint64_t> ends;  ///< where each document's tokens end in `tokens`
+  bool done = false;
+};
+
+/// Tokenizing threads fed batches while the reader goes on reading: the reading, tokenizing and
+/// writing of a corpus overlap. At most a few batches wait per thread, so memory stays bounded
+/// however large the corpus.
+class TokenizerPool {
+ public:
+  TokenizerPool(const toolkit::Tokenizer& tokenizer, toolkit::TokenId eos, std::int64_t threads)
+      : tokenizer_(tokenizer), eos_(eos), capacity_(static_cast<std::size_t>(4 * threads)) {
+    for (std::int64_t t = 0; t < threads; ++t) threads_.emplace_back([this] { work(); });
+  }
+  ~TokenizerPool() {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      stop_ = true;
+    }
+    changed_.notify_all();
+    for (auto& t : threads_) t.join();
+  }
+
+  /// Queues a batch, waiting while the queue is full.
+  void submit(std::shared_ptr<Batch> batch) {
+    std::unique_lock<std::mutex> lock(mutex_);
+    changed_.wait(lock, [&] { return queue_.size() < capacity_ || !error_.empty(); });
+    TESSERA_CHECK(error_.empty(), error_);
+    queue_.push_back(std::move(batch));
+    changed_.notify_all();
+  }
+
+  /// Waits until `batch` is tokenized; throws the first tokenizing error of any batch.
+  void wait(const Batch& batch) {
+    std::unique_lock<std::mutex> lock(mutex_);
+    changed_.wait(lock, [&] { return batch.done || !error_.empty(); });
+    TESSERA_CHECK(error_.empty(), error_);
+  }
+
+  /// Text tokenized so far, for the progress line.
+  std::int64_t bytes() const { return bytes_.load(); }
+
+ private:
+  void work() {
+    for (;;) {
+      std::shared_ptr<Batch> batch;
+      {
+        std::unique_lock<std::mutex> lock(mutex_);
+        changed_.wait(lock, [&] { return stop_ || !queue_.empty(); });
+        if (stop_) return;
+        batch = std::move(queue_.front());
+        queue_.pop_front();
+      }
+      changed_.notify_all();  // room in the queue
+      try {
+        for (std::size_t d = 0; d < batch->starts.size(); ++d) {
+          const std::size_t end = d + 1 < batch->starts.size() ? batch->starts[d + 1] : batch->text.size();
+          const std::string_view document(batch->text.data() + batch->starts[d], end - batch->starts[d]);
+          const std::vector<toolkit::TokenId> ids = tokenizer_.encode(document, /*add_special_tokens=*/false);
+          batch->tokens.insert(batch->tokens.end(), ids.begin(), ids.end());
+          batch->tokens.push_back(eos_);
+          batch->ends.push_back(batch->tokens.size());
+        }
+      } catch (const std::exception& e) {
+        std::lock_guard<std::mutex> lock(mutex_);
+        if (error_.empty()) error_ = e.what();
+        changed_.notify_all();
+        continue;
+      }
+      bytes_ += static_cast<std::int64_t>(batch->text.size());
+      std::string().swap(batch->text);
+      {
+        std::lock_guard<std::mutex> lock(mutex_);
+        batch->done = true;
+      }
+      changed_.notify_all();
+    }
+  }
+
+  const toolkit::Tokenizer& tokenizer_;
+  const toolkit::TokenId eos_;
+  const std::size_t capacity_;
+  std::mutex mutex_;
+  std::condition_variable changed_;
+  std::deque<std::shared_ptr<Batch>> queue_;
+  bool stop_ = false;
+  std::string error_;
+  std::atomic<std::int64_t> bytes_{0};
+  std::vector<std::thread> threads_;
+};
+
+/// One thread running tasks in the order they were posted: the shards' writer, so writing
+/// overlaps reading and tokenizing. After a task fails the rest are skipped and the failure is
+/// thrown to the poster.
+class SerialWorker {
+ public:
+  SerialWorker() : thread_([this] { run(); }) {}
+  ~SerialWorker() {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      stop_ = true;
+    }
+    changed_.notify_all();
+    thread_.join();
+  }
+
+  void post(std::function<void()> task) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (failure_) std::rethrow_exception(failure_);
+    tasks_.push_back(std::move(task));
+    changed_.notify_all();
+  }
+
+  /// Waits until every posted task has run.
+  void drain() {
+    std::unique_lock<std::mutex> lock(mutex_);
+    changed_.wait(lock, [&] { return (tasks_.empty() && !busy_) || failure_; });
+    if (failure_) std::rethrow_exception(failure_);
+  }
+
+ private:
+  void run() {
+    std::unique_lock<std::mutex> lock(mutex_);
+    for (;;) {
+      changed_.wait(lock, [&] { return stop_ || !tasks_.empty(); });
+      if (stop_) return;
+      std::function<void()> task = std::move(tasks_.front());
+      tasks_.pop_front();
+      busy_ = true;
+      lock.unlock();
+      std::exception_ptr failure;
+      if (!failure_) {
+        try {
+          task();
+        } catch (...) {
+          failure = std::current_exception();
+        }
+      }
+      lock.lock();
+      busy_ = false;
+      if (failure && !failure_) failure_ = failure;
+      changed_.notify_all();
+    }
+  }
+
+  std::mutex mutex_;
+  std::condition_variable changed_;
+  std::deque<std::function<void()>> tasks_;
+  bool stop_ = false, busy_ = false;
+  std::exception_ptr failure_;
+  std::thread thread_;
+};
+
+/// Text per batch: small enough to keep every thread busy to the end of a shard, large enough
+/// that handing batches over costs nothing.
+constexpr std::int64_t kBatchBytes = std::int64_t{1} << 20;
 
 class Preparation {
  public:
@@ -301,14 +494,14 @@ class Preparation {
     }
 
     start_ = Clock::now();
-    for (const auto& file : files_) {
-      read_documents(file, s_, [&](std::string&& doc) {
-        pending_bytes_ += static_cast<std::int64_t>(doc.size());
-        pending_.push_back(std::move(doc));
-        if (pending_bytes_ >= s_.shard_bytes) finish_shard();
-      });
-    }
-    if (!pending_.empty()) finish_shard();
+    pool_ = std::make_unique<TokenizerPool>(*tokenizer_, manifest_.eos_id, s_.jobs);
+    writer_ = std::make_unique<SerialWorker>();
+    for (const auto& file : files_) read_documents(file, s_, [&](std::string_view doc) { add(doc); });
+    if (in_shard_) end_shard();
+    writer_->drain();
+    writer_.reset();
+    pool_.reset();
+    manifest_.shards = written_;
     if (interactive_) std::cerr << "\n";
     TESSERA_CHECK(!manifest_.shards.empty(), "the inputs hold no document (", files_.size(), " file(s), all empty",
                   s_.split == "file" ? "" : " or only separators", "): nothing was written to ", s_.output);
@@ -319,93 +512,102 @@ class Preparation {
     std::cout << "prepared " << s_.output.string() << ": " << manifest_.total_documents() << " documents, "
               << manifest_.total_tokens() << " tokens (" << toolkit::to_string(manifest_.dtype) << ", vocab_size "
               << manifest_.vocab_size << ", EOS " << manifest_.eos_id << ") in " << manifest_.shards.size()
-              << " shard(s)" << (skipped_ > 0 ? ", " + std::to_string(skipped_) + " already finished" : "")
+              << " shard(s)" << (skipped_ > 0 ? ", " + std::to_string(skipped_.load()) + " already finished" : "")
               << "; " << human(static_cast<double>(tokenized_bytes_) / std::max(seconds, 1e-9)) << "B/s of text tokenized in "
               << seconds << " s with " << s_.jobs << " thread(s)\n";
     return 0;
   }
 
  private:
-  void finish_shard() {
-    char name[32];
-    std::snprintf(name, sizeof name, "shard_%05zu", manifest_.shards.size());
-    const fs::path bin = s_.output / (std::string(name) + ".bin"), idx = s_.output / (std::string(name) + ".idx");
-    std::error_code ec;
-    if (resuming_ && fs::is_regular_file(bin, ec) && fs::is_regular_file(idx, ec)) {
-      // Finished by an earlier run of this same plan (the .bin is renamed last).
-      toolkit::ShardInfo info;
-      info.file = bin.filename().string();
-      info.offsets_file = idx.filename().string();
-      info.tokens = static_cast<std::int64_t>(fs::file_size(bin) / toolkit::dtype_bytes(manifest_.dtype));
-      info.documents = static_cast<std::int64_t>(fs::file_size(idx) / 8) - 1;
-      info.xxh64 = toolkit::xxh64_file(bin);
-      info.offsets_xxh64 = toolkit::xxh64_file(idx);
-      manifest_.shards.push_back(info);
-      ++skipped_;
-      documents_ += info.documents;
-      tokens_ += info.tokens;
-    } else {
-      tokenize_and_write(name);
+  /// The reader's side: a document joins the current batch and shard.
+  void add(std::string_view doc) {
+    if (!in_shard_) begin_shard();
+    shard_text_ += static_cast<std::int64_t>(doc.size());
+    if (!finished_earlier_) {
+      if (!batch_) {
+        batch_ = std::make_shared<Batch>();
+        batch_->text.reserve(kBatchBytes + doc.size());
+      }
+      batch_->starts.push_back(batch_->text.size());
+      batch_->text += doc;
+      if (static_cast<std::int64_t>(batch_->text.size()) >= kBatchBytes) submit_batch();
     }
-    done_bytes_ += pending_bytes_;
-    pending_.clear();
-    pending_bytes_ = 0;
-    report(/*final_line=*/!interactive_);
+    if (shard_text_ >= s_.shard_bytes) end_shard();
+    if (interactive_ && Clock::now() - last_report_ > std::chrono::milliseconds(200)) report(false);
   }
 
-  void tokenize_and_write(const std::string& name) {
-    const std::size_t n = pending_.size();
-    std::vector<std::vector<toolkit::TokenId>> encoded(n);
-    std::atomic<std::size_t> next{0};
-    std::atomic<std::int64_t> bytes{0};
-    std::atomic<bool> failed{false};
-    std::string failure;
-    std::mutex failure_mutex;
-    auto work = [&] {
-      for (;;) {
-        const std::size_t begin = next.fetch_add(16);
-        if (begin >= n || failed) return;
-        for (std::size_t d = begin; d < std::min(n, begin + 16); ++d) {
-          try {
-            encoded[d] = tokenizer_->encode(pending_[d], /*add_special_tokens=*/false);
-          } catch (const std::exception& e) {
-            std::lock_guard<std::mutex> lock(failure_mutex);
-            failure = e.what();
-            failed = true;
-            return;
-          }
-          bytes += static_cast<std::int64_t>(pending_[d].size());
-        }
-      }
-    };
-    std::vector<std::thread> threads;
-    for (std::int64_t t = 0; t < s_.jobs; ++t) threads.emplace_back(work);
-    while (next.load() < n && !failed) {  // progress while the workers run
-      std::this_thread::sleep_for(std::chrono::milliseconds(200));
-      in_shard_bytes_ = bytes.load();
-      if (interactive_) report(false);
+  void begin_shard() {
+    char name[32];
+    std::snprintf(name, sizeof name, "shard_%05zu", shards_begun_++);
+    const std::string shard = name;
+    std::error_code ec;
+    // Finished by an earlier run of this same plan (the .bin is renamed last).
+    finished_earlier_ = resuming_ && fs::is_regular_file(s_.output / (shard + ".bin"), ec) &&
+                        fs::is_regular_file(s_.output / (shard + ".idx"), ec);
+    in_shard_ = true;
+    shard_text_ = 0;
+    if (finished_earlier_) {
+      writer_->post([this, shard] { keep_finished(shard); });
+    } else {
+      writer_->post([this, shard] {
+        shard_name_ = shard;
+        shard_writer_ = std::make_unique<toolkit::ShardWriter>(s_.output, shard, manifest_.dtype);
+      });
     }
-    for (auto& t : threads) t.join();
-    in_shard_bytes_ = 0;
-    TESSERA_CHECK(!failed, "tokenizing ", name, ": ", failure);
+  }
 
-    std::size_t total = n;  // one EOS each
-    for (const auto& e : encoded) total += e.size();
-    std::vector<toolkit::TokenId> tokens;
-    tokens.reserve(total);
-    std::vector<std::uint64_t> offsets{0};
-    offsets.reserve(n + 1);
-    for (auto& e : encoded) {
-      tokens.insert(tokens.end(), e.begin(), e.end());
-      tokens.push_back(manifest_.eos_id);
-      offsets.push_back(tokens.size());
-      std::vector<toolkit::TokenId>().swap(e);
+  /// The batch goes to the tokenizing threads, and the writer appends it once it is tokenized.
+  void submit_batch() {
+    std::shared_ptr<Batch> batch = std::move(batch_);
+    pool_->submit(batch);
+    writer_->post([this, batch] {
+      try {
+        pool_->wait(*batch);
+      } catch (const std::exception& e) {
+        TESSERA_FAIL("tokenizing ", shard_name_, ": ", e.what());
+      }
+      shard_writer_->append(batch->tokens, batch->ends);
+      std::vector<toolkit::TokenId>().swap(batch->tokens);
+    });
+  }
+
+  void end_shard() {
+    if (batch_) submit_batch();
+    in_shard_ = false;
+    if (finished_earlier_) {
+      skipped_bytes_ += shard_text_;
+      return;
     }
-    maybe_fail(name);
-    manifest_.shards.push_back(toolkit::write_shard(s_.output, name, manifest_.dtype, tokens, offsets));
-    tokenized_bytes_ += pending_bytes_;
-    documents_ += static_cast<std::int64_t>(n);
-    tokens_ += static_cast<std::int64_t>(tokens.size());
+    writer_->post([this, bytes = shard_text_] {
+      maybe_fail(shard_name_);
+      add_written(shard_writer_->finish());
+      shard_writer_.reset();
+      tokenized_bytes_ += bytes;
+    });
+  }
+
+  /// The writer's side for a shard an earlier run finished: its figures, read back.
+  void keep_finished(const std::string& shard) {
+    const fs::path bin = s_.output / (shard + ".bin"), idx = s_.output / (shard + ".idx");
+    toolkit::ShardInfo info;
+    info.file = bin.filename().string();
+    info.offsets_file = idx.filename().string();
+    info.tokens = static_cast<std::int64_t>(fs::file_size(bin) / toolkit::dtype_bytes(manifest_.dtype));
+    info.documents = static_cast<std::int64_t>(fs::file_size(idx) / 8) - 1;
+    info.xxh64 = toolkit::xxh64_file(bin);
+    info.offsets_xxh64 = toolkit::xxh64_file(idx);
+    ++skipped_;
+    add_written(info);
+  }
+
+  void add_written(const toolkit::ShardInfo& info) {
+    {
+      std::lock_guard<std::mutex> lock(written_mutex_);
+      written_.push_back(info);
+      documents_ += info.documents;
+      tokens_ += info.tokens;
+    }
+    if (!interactive_) report(/*final_line=*/true);  // a line per shard in logs (the reader draws the live one)
   }
 
   /// TESSERA_FAULT_PREPARE=shard_00001: SIGKILL this process while that shard is half written
@@ -420,13 +622,22 @@ class Preparation {
   }
 
   void report(bool final_line) {
-    const double seconds = std::max(1e-9, std::chrono::duration<double>(Clock::now() - start_).count());
-    const double done = static_cast<double>(done_bytes_ + in_shard_bytes_);
+    last_report_ = Clock::now();
+    const double seconds = std::max(1e-9, std::chrono::duration<double>(last_report_ - start_).count());
+    const double done = static_cast<double>(pool_->bytes() + skipped_bytes_.load());
     const double rate = done / seconds;
     const double left = std::max(0.0, static_cast<double>(total_bytes_) - done);
     std::ostringstream line;
-    line << "prepare: " << manifest_.shards.size() << " shard(s), " << human(static_cast<double>(documents_))
-         << " documents, " << human(static_cast<double>(tokens_)) << " tokens, " << human(rate) << "B/s, ";
+    std::size_t shards = 0;
+    double documents = 0, tokens = 0;
+    {
+      std::lock_guard<std::mutex> lock(written_mutex_);
+      shards = written_.size();
+      documents = static_cast<double>(documents_);
+      tokens = static_cast<double>(tokens_);
+    }
+    line << "prepare: " << shards << " shard(s), " << human(documents) << " documents, " << human(tokens)
+         << " tokens, " << human(rate) << "B/s, ";
     if (rate > 0) line << "ETA " << static_cast<std::int64_t>(left / rate) << " s";
     if (interactive_) std::cerr << "\r" << line.str() << "   " << std::flush;
     else if (final_line) std::cerr << line.str() << "\n";
@@ -439,10 +650,21 @@ class Preparation {
   toolkit::TokenManifest manifest_;
   bool resuming_ = false;
   bool interactive_ = ::isatty(STDERR_FILENO) != 0;
-  Clock::time_point start_;
-  std::vector<std::string> pending_;
-  std::int64_t pending_bytes_ = 0, done_bytes_ = 0, in_shard_bytes_ = 0, tokenized_bytes_ = 0;
-  std::int64_t documents_ = 0, tokens_ = 0, skipped_ = 0;
+  Clock::time_point start_, last_report_;
+  std::unique_ptr<TokenizerPool> pool_;
+  std::unique_ptr<SerialWorker> writer_;  ///< declared after pool_: stopped before it
+  // The reader's.
+  std::shared_ptr<Batch> batch_;
+  std::size_t shards_begun_ = 0;
+  bool in_shard_ = false, finished_earlier_ = false;
+  std::int64_t shard_text_ = 0;
+  // The writer's.
+  std::string shard_name_;
+  std::unique_ptr<toolkit::ShardWriter> shard_writer_;
+  std::atomic<std::int64_t> tokenized_bytes_{0}, skipped_bytes_{0}, skipped_{0};
+  std::mutex written_mutex_;  ///< guards what the writer finished, read by the reader's progress line
+  std::vector<toolkit::ShardInfo> written_;
+  std::int64_t documents_ = 0, tokens_ = 0;
 };
 
 }  // namespace

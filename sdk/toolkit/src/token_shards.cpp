@@ -181,35 +181,110 @@ void write_manifest(const fs::path& dir, const TokenManifest& m) {
   write_atomically(dir / kManifestName, text.data(), text.size());
 }
 
+/// A temporary file written in order and hashed as it goes, renamed into place when complete.
+struct ShardWriter::File {
+  fs::path path, temporary;
+  int fd = -1;
+  XXH64_state_t* hash = XXH64_createState();
+
+  explicit File(fs::path final_path) : path(std::move(final_path)), temporary(path.string() + ".tmp") {
+    XXH64_reset(hash, 0);
+    fd = ::open(temporary.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+    if (fd < 0) {
+      const int error = errno;
+      XXH64_freeState(hash);
+      TESSERA_FAIL("cannot create ", temporary, ": ", std::strerror(error));
+    }
+  }
+  ~File() {
+    if (fd >= 0) {  // never committed
+      ::close(fd);
+      std::error_code ec;
+      fs::remove(temporary, ec);
+    }
+    XXH64_freeState(hash);
+  }
+
+  void write(const void* bytes, std::size_t size) {
+    XXH64_update(hash, bytes, size);
+    const auto* p = static_cast<const char*>(bytes);
+    for (std::size_t done = 0; done < size;) {
+      const ssize_t n = ::write(fd, p + done, std::min<std::size_t>(size - done, 1 << 26));
+      if (n < 0 && errno == EINTR) continue;
+      TESSERA_CHECK(n > 0, "cannot write ", temporary, ": ", std::strerror(errno));
+      done += static_cast<std::size_t>(n);
+    }
+  }
+
+  /// Flushed, then renamed: readers see all or nothing. Returns the content's XXH64.
+  std::string commit() {
+    const bool synced = ::fsync(fd) == 0;
+    const int error = errno;
+    ::close(fd);
+    fd = -1;
+    TESSERA_CHECK(synced, "cannot flush ", temporary, ": ", std::strerror(error));
+    std::error_code ec;
+    fs::rename(temporary, path, ec);
+    TESSERA_CHECK(!ec, "cannot rename ", temporary, " to ", path, ": ", ec.message());
+    return xxh64_hex(XXH64_digest(hash));
+  }
+};
+
+ShardWriter::ShardWriter(const fs::path& dir, const std::string& name, TokenDtype dtype)
+    : name_(name),
+      dtype_(dtype),
+      tokens_(std::make_unique<File>(dir / (name + ".bin"))),
+      offsets_(std::make_unique<File>(dir / (name + ".idx"))) {
+  const std::uint64_t zero = 0;
+  offsets_->write(&zero, sizeof zero);
+}
+
+ShardWriter::~ShardWriter() = default;
+
+void ShardWriter::append(const std::vector<TokenId>& tokens, const std::vector<std::uint64_t>& ends) {
+  TESSERA_CHECK(ends.empty() ? tokens.empty() : ends.back() == tokens.size(), "shard ", name_,
+                ": document ends do not span the ", tokens.size(), " tokens appended");
+  // Little-endian on disk: this is a little-endian-only build (x86-64, aarch64).
+  static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__, "token shards are little-endian");
+  const std::int64_t limit = dtype_ == TokenDtype::uint16 ? 65536 : (std::int64_t{1} << 32);
+  buffer_.resize(tokens.size() * dtype_bytes(dtype_));
+  for (std::size_t i = 0; i < tokens.size(); ++i) {
+    const TokenId id = tokens[i];
+    TESSERA_CHECK(id >= 0 && id < limit, "shard ", name_, ": token id ", id, " does not fit ", to_string(dtype_));
+    if (dtype_ == TokenDtype::uint16) {
+      const auto v = static_cast<std::uint16_t>(id);
+      std::memcpy(buffer_.data() + 2 * i, &v, 2);
+    } else {
+      const auto v = static_cast<std::uint32_t>(id);
+      std::memcpy(buffer_.data() + 4 * i, &v, 4);
+    }
+  }
+  tokens_->write(buffer_.data(), buffer_.size());
+  std::vector<std::uint64_t> offsets(ends);
+  for (auto& o : offsets) o += written_tokens_;
+  offsets_->write(offsets.data(), offsets.size() * sizeof(std::uint64_t));
+  written_tokens_ += tokens.size();
+  documents_ += static_cast<std::int64_t>(ends.size());
+}
+
+ShardInfo ShardWriter::finish() {
+  ShardInfo info;
+  info.file = name_ + ".bin";
+  info.offsets_file = name_ + ".idx";
+  info.tokens = static_cast<std::int64_t>(written_tokens_);
+  info.documents = documents_;
+  info.offsets_xxh64 = offsets_->commit();  // the offsets first: a finished .bin means a finished shard
+  info.xxh64 = tokens_->commit();
+  return info;
+}
+
 ShardInfo write_shard(const fs::path& dir, const std::string& name, TokenDtype dtype,
                       const std::vector<TokenId>& tokens, const std::vector<std::uint64_t>& offsets) {
   TESSERA_CHECK(!offsets.empty() && offsets.front() == 0 && offsets.back() == tokens.size(), "shard ", name,
                 ": document offsets do not span its ", tokens.size(), " tokens");
-  const std::int64_t limit = dtype == TokenDtype::uint16 ? 65536 : (std::int64_t{1} << 32);
-  ShardInfo info;
-  info.file = name + ".bin";
-  info.offsets_file = name + ".idx";
-  info.tokens = static_cast<std::int64_t>(tokens.size());
-  info.documents = static_cast<std::int64_t>(offsets.size()) - 1;
-  // Little-endian on disk: this is a little-endian-only build (x86-64, aarch64).
-  static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__, "token shards are little-endian");
-  std::vector<char> bytes(tokens.size() * dtype_bytes(dtype));
-  for (std::size_t i = 0; i < tokens.size(); ++i) {
-    const TokenId id = tokens[i];
-    TESSERA_CHECK(id >= 0 && id < limit, "shard ", name, ": token id ", id, " does not fit ", to_string(dtype));
-    if (dtype == TokenDtype::uint16) {
-      const auto v = static_cast<std::uint16_t>(id);
-      std::memcpy(bytes.data() + 2 * i, &v, 2);
-    } else {
-      const auto v = static_cast<std::uint32_t>(id);
-      std::memcpy(bytes.data() + 4 * i, &v, 4);
-    }
-  }
-  write_atomically(dir / info.offsets_file, offsets.data(), offsets.size() * sizeof(std::uint64_t));
-  write_atomically(dir / info.file, bytes.data(), bytes.size());
-  info.xxh64 = xxh64_hex(XXH64(bytes.data(), bytes.size(), 0));
-  info.offsets_xxh64 = xxh64_hex(XXH64(offsets.data(), offsets.size() * sizeof(std::uint64_t), 0));
-  return info;
+  ShardWriter writer(dir, name, dtype);
+  writer.append(tokens, std::vector<std::uint64_t>(offsets.begin() + 1, offsets.end()));
+  return writer.finish();
 }
 
 MappedFile::MappedFile(const fs::path& path) {

@@ -59,10 +59,34 @@ void write_manifest(const std::filesystem::path& dir, const TokenManifest& manif
 std::string xxh64_file(const std::filesystem::path& file);
 std::string xxh64_hex(std::uint64_t hash);
 
-/// Writes shard `name` (`name`.bin, `name`.idx) of `tokens` (documents delimited by `offsets`,
-/// offsets.front() == 0, offsets.back() == tokens.size()) under `dir`: each file to a temporary
-/// name, flushed, then renamed, the offsets first, so a finished .bin means a finished shard.
-/// Throws when an id does not fit `dtype`.
+/// Writes shard `name` (`name`.bin, `name`.idx) under `dir` as its documents arrive, so writing
+/// overlaps tokenizing: each file goes to a temporary name and is flushed and renamed by finish(),
+/// the offsets first, so a finished .bin means a finished shard. A writer destroyed unfinished
+/// removes its temporaries.
+class ShardWriter {
+ public:
+  ShardWriter(const std::filesystem::path& dir, const std::string& name, TokenDtype dtype);
+  ~ShardWriter();
+  ShardWriter(const ShardWriter&) = delete;
+  ShardWriter& operator=(const ShardWriter&) = delete;
+
+  /// Appends documents: `tokens` holds them end to end and `ends[d]` is where document d ends in
+  /// `tokens`. Throws when an id does not fit the dtype.
+  void append(const std::vector<TokenId>& tokens, const std::vector<std::uint64_t>& ends);
+  ShardInfo finish();
+
+ private:
+  struct File;
+  std::string name_;
+  TokenDtype dtype_;
+  std::unique_ptr<File> tokens_, offsets_;
+  std::uint64_t written_tokens_ = 0;
+  std::int64_t documents_ = 0;
+  std::vector<char> buffer_;
+};
+
+/// A whole shard at once: `tokens` with documents delimited by `offsets` (offsets.front() == 0,
+/// offsets.back() == tokens.size()).
 ShardInfo write_shard(const std::filesystem::path& dir, const std::string& name, TokenDtype dtype,
                       const std::vector<TokenId>& tokens, const std::vector<std::uint64_t>& offsets);
 
