@@ -1,6 +1,5 @@
 #include "data_tool.hpp"
 
-#include <glob.h>
 #include <signal.h>
 #include <unistd.h>
 
@@ -15,7 +14,6 @@
 #include <filesystem>
 #include <fstream>
 #include <functional>
-#include <future>
 #include <iostream>
 #include <memory>
 #include <mutex>
@@ -32,6 +30,8 @@
 #include "tessera/sdk/error.hpp"
 #include "tessera/toolkit/token_shards.hpp"
 #include "tessera/toolkit/tokenizer.hpp"
+
+#include "corpus_files.hpp"
 
 namespace tessera::host {
 
@@ -116,62 +116,6 @@ Settings parse(int argc, char** argv) {
   TESSERA_CHECK(s.jobs >= 0, "--jobs must be at least 1");
   if (s.jobs == 0) s.jobs = std::max(1u, std::thread::hardware_concurrency());
   return s;
-}
-
-/// A NUL byte in the first 8 KiB: binary, as git and grep decide (e.g. strfile's *.dat indexes).
-bool is_binary(const fs::path& file) {
-  std::ifstream in(file, std::ios::binary);
-  char buffer[8192];
-  in.read(buffer, sizeof buffer);
-  return std::find(buffer, buffer + in.gcount(), '\0') != buffer + in.gcount();
-}
-
-bool hidden(const fs::path& p) { return p.filename().string().rfind('.', 0) == 0; }
-
-/// Each input expanded in order (a glob's and a folder's files sorted), each file once.
-std::vector<fs::path> expand_inputs(const std::vector<std::string>& inputs, std::int64_t& skipped_binary) {
-  std::vector<fs::path> files;
-  std::set<fs::path> seen;
-  auto add = [&](const fs::path& file, bool from_walk) {
-    if (from_walk && (hidden(file) || is_binary(file))) {
-      skipped_binary += hidden(file) ? 0 : 1;
-      return;
-    }
-    const fs::path canonical = fs::weakly_canonical(file);
-    if (seen.insert(canonical).second) files.push_back(file);
-  };
-  for (const auto& input : inputs) {
-    std::error_code ec;
-    std::vector<fs::path> found;
-    bool walk = false;
-    if (input.find_first_of("*?[") != std::string::npos && !fs::exists(input, ec)) {
-      glob_t g{};
-      const int rc = ::glob(input.c_str(), 0, nullptr, &g);
-      for (std::size_t k = 0; rc == 0 && k < g.gl_pathc; ++k) found.emplace_back(g.gl_pathv[k]);
-      ::globfree(&g);
-      TESSERA_CHECK(!found.empty(), "--input ", input, ": the pattern matches no file");
-      walk = true;
-    } else if (fs::is_directory(input, ec)) {
-      for (auto it = fs::recursive_directory_iterator(input); it != fs::recursive_directory_iterator(); ++it) {
-        if (hidden(it->path()) && it->is_directory()) {
-          it.disable_recursion_pending();
-          continue;
-        }
-        if (!it->is_symlink() && it->is_regular_file()) found.push_back(it->path());
-      }
-      walk = true;
-    } else {
-      TESSERA_CHECK(fs::exists(input, ec), "--input ", input, ": no such file or directory");
-      TESSERA_CHECK(fs::is_regular_file(input, ec), "--input ", input, " is not a regular file or a directory");
-      found.emplace_back(input);
-    }
-    std::sort(found.begin(), found.end());
-    for (const auto& f : found) {
-      if (fs::is_directory(f, ec)) continue;
-      add(f, walk);
-    }
-  }
-  return files;
 }
 
 bool is_json_lines(const fs::path& file) {
@@ -680,7 +624,7 @@ int data_tool(int argc, char** argv) {
   }
   try {
     std::int64_t skipped_binary = 0;
-    std::vector<fs::path> files = expand_inputs(settings.inputs, skipped_binary);
+    std::vector<fs::path> files = corpus_files(settings.inputs, "--input", skipped_binary);
     TESSERA_CHECK(!files.empty(), "--input ", sdk::join(settings.inputs), ": no text file found",
                   skipped_binary > 0 ? " (" + std::to_string(skipped_binary) + " binary file(s) skipped)" : "");
     std::int64_t total = 0;

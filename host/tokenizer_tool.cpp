@@ -1,7 +1,12 @@
 #include "tokenizer_tool.hpp"
 
+#include <fcntl.h>
+#include <unistd.h>
+
 #include <algorithm>
+#include <cerrno>
 #include <chrono>
+#include <cstring>
 #include <ctime>
 #include <filesystem>
 #include <fstream>
@@ -13,6 +18,8 @@
 
 #include "tessera/sdk/error.hpp"
 #include "tessera/toolkit/tokenizer.hpp"
+
+#include "corpus_files.hpp"
 
 namespace tessera::host {
 namespace {
@@ -26,10 +33,11 @@ constexpr const char* kToolUsage = R"(usage:
   tessera tokenizer info --tokenizer T
   tessera tokenizer bench --tokenizer T FILE...
 
-  train    trains a SentencePiece model (SentencePiece's own trainer) on the lines of the input
-           files (a directory: every regular file in it, sorted; lines holding only "%", the
-           fortune-file record separator, are skipped) and writes DIR/tokenizer.model and
-           DIR/tokenizer.vocab. At most --max-sentences lines (default 200000), sampled
+  train    trains a SentencePiece model (SentencePiece's own trainer) on the lines of the inputs
+           (files, folders read recursively, quoted globs; hidden and binary files skipped, as
+           `data prepare` reads them; lines holding only "%", the fortune-file record separator,
+           are skipped) and writes DIR/tokenizer.model and
+           DIR/tokenizer.vocab (its log in DIR/train.log). At most --max-sentences lines (default 200000), sampled
            uniformly, are used, so a large corpus trains in seconds.
   encode   prints the ids of --text, or of each FILE's whole content, one line of ids per input
   decode   prints the text of the ids
@@ -46,24 +54,28 @@ std::string read_all(const fs::path& path) {
   return bytes.str();
 }
 
-std::vector<fs::path> expand_inputs(const std::vector<std::string>& inputs) {
-  std::vector<fs::path> files;
-  for (const auto& input : inputs) {
-    TESSERA_CHECK(fs::exists(input), "input ", input, " does not exist");
-    if (fs::is_directory(input)) {
-      std::vector<fs::path> inside;
-      for (const auto& entry : fs::directory_iterator(input)) {
-        if (entry.is_regular_file()) inside.push_back(entry.path());
-      }
-      std::sort(inside.begin(), inside.end());
-      files.insert(files.end(), inside.begin(), inside.end());
-    } else {
-      files.emplace_back(input);
-    }
+/// Redirects this process's stderr (fd 2) to `file` for its lifetime.
+class StderrTo {
+ public:
+  explicit StderrTo(const fs::path& file) {
+    std::cerr.flush();
+    const int fd = ::open(file.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+    TESSERA_CHECK(fd >= 0, "cannot create ", file.string(), ": ", std::strerror(errno));
+    saved_ = ::dup(STDERR_FILENO);
+    ::dup2(fd, STDERR_FILENO);
+    ::close(fd);
   }
-  TESSERA_CHECK(!files.empty(), "no input files");
-  return files;
-}
+  ~StderrTo() {
+    std::cerr.flush();
+    ::dup2(saved_, STDERR_FILENO);
+    ::close(saved_);
+  }
+  StderrTo(const StderrTo&) = delete;
+  StderrTo& operator=(const StderrTo&) = delete;
+
+ private:
+  int saved_ = -1;
+};
 
 // The training sentences: the input files' lines, without writing a merged copy of the corpus.
 class Lines {
@@ -175,7 +187,10 @@ Options parse(const std::vector<std::string>& words) {
 }
 
 void train(const Options& o) {
-  const auto files = expand_inputs(o.inputs);
+  std::int64_t skipped_binary = 0;
+  const auto files = corpus_files(o.inputs, "--input", skipped_binary);
+  TESSERA_CHECK(!files.empty(), "--input ", sdk::join(o.inputs), ": no text file found",
+                skipped_binary > 0 ? " (" + std::to_string(skipped_binary) + " binary file(s) skipped)" : "");
   fs::create_directories(o.output);
   std::vector<std::pair<std::string, std::string>> flags{
       {"model_prefix", (fs::path(o.output) / "tokenizer").string()},
@@ -187,10 +202,18 @@ void train(const Options& o) {
   };
   if (!o.character_coverage.empty()) flags.emplace_back("character_coverage", o.character_coverage);
   Lines lines(files);
-  toolkit::train_sentencepiece(flags, [&] { return lines.next(); });
+  const fs::path log = fs::path(o.output) / "train.log";
+  {
+    // SentencePiece's trainer logs hundreds of lines to stderr; they go to DIR/train.log (its
+    // errors come back as exceptions either way).
+    StderrTo to_log(log);
+    toolkit::train_sentencepiece(flags, [&] { return lines.next(); });
+  }
   const auto tokenizer = toolkit::load_tokenizer(fs::path(o.output) / "tokenizer.model");
   std::cout << "wrote " << (fs::path(o.output) / "tokenizer.model").string() << " (" << o.type << ", vocabulary "
-            << tokenizer->vocab_size() << ", from " << lines.count() << " lines of " << files.size() << " file(s))\n";
+            << tokenizer->vocab_size() << ", from " << lines.count() << " lines of " << files.size() << " file(s)"
+            << (skipped_binary > 0 ? ", " + std::to_string(skipped_binary) + " binary file(s) skipped" : "")
+            << "; SentencePiece's log: " << log.string() << ")\n";
 }
 
 void print_ids(const std::vector<toolkit::TokenId>& ids) {

@@ -167,4 +167,31 @@ TEST(Learning, GPTLowersValidationLossOnFortunes) {
   EXPECT_LT(parse_metric(fit.output, "val_loss"), 0.6 * std::log(256.0)) << fit.output;
 }
 
+// The README's main job as a new user runs it (configs/llama-tokens.sh: tokenizer, prepare, fit
+// with fsdp2 on 2 ranks, a sample), shortened, from a copy of the two config files so that it
+// writes into the test's folder.
+TEST(MainJob, TheReadmePipelineTrainsTheLlamaOnTokensAndSamples) {
+  namespace fs = std::filesystem;
+  const fs::path root = tessera::testing::fresh_dir("main-job");
+  fs::create_directories(root / "configs");
+  for (const char* file : {"llama-tokens.sh", "llama-tokens.toml"})
+    fs::copy_file(fs::path(TESSERA_SOURCE_DIR) / "configs" / file, root / "configs" / file);
+  auto job = tessera::testing::run_command(
+      "cd " + root.string() + " && timeout 300 env TESSERA=" + tessera::testing::tessera_binary() +
+      " bash configs/llama-tokens.sh --set trainer.max_steps=60 --set trainer.val_check_interval=60"
+      " --set trainer.checkpoint_every_n_steps=60 --set trainer.enable_progress_bar=false 2>&1");
+  ASSERT_EQ(job.exit_code, 0) << job.output;
+  EXPECT_TRUE(fs::exists(root / "runs/llama-tokens/tokenizer/tokenizer.model")) << job.output;
+  EXPECT_TRUE(fs::exists(root / "runs/llama-tokens/data/manifest.json")) << job.output;
+  EXPECT_NE(job.output.find(" binary file(s) skipped; SentencePiece"), std::string::npos)
+      << "the strfile indexes beside the fortunes are not text\n" << job.output;
+  EXPECT_NE(job.output.find("model llama"), std::string::npos) << job.output;
+  EXPECT_NE(job.output.find("2 rank(s)"), std::string::npos) << job.output;
+  // Uniform over the 2,000 ids is ln 2000 = 7.6; 60 steps must get below 90% of it.
+  EXPECT_LT(parse_metric(job.output, "val_loss"), 0.9 * std::log(2000.0)) << job.output;
+  EXPECT_NE(job.output.find("sample from the trained model:\nQ: What is the meaning of life?"), std::string::npos)
+      << job.output;
+  EXPECT_NE(job.output.find("llama-tokens: tokenizer, prepare, fit and sample in"), std::string::npos) << job.output;
+}
+
 }  // namespace
