@@ -14,23 +14,23 @@
 
 #include <c10/util/Exception.h>
 
-#include "allocator.hpp"
-#include "checkpoint_tool.hpp"
-#include "tokenizer_tool.hpp"
-#include "data_tool.hpp"
-#include "config.hpp"
-#include "launcher.hpp"
+#include "cli/checkpoint_tool.hpp"
+#include "cli/data_tool.hpp"
+#include "cli/plugin_keys.hpp"
+#include "cli/tokenizer_tool.hpp"
+#include "config/config.hpp"
+#include "launch/launcher.hpp"
 #include "loggers/run_directory.hpp"
-#include "worker_threads.hpp"
-#include "plan_job.hpp"
-#include "plugin_keys.hpp"
-#include "run_log.hpp"
+#include "loggers/run_log.hpp"
+#include "plan/plan_job.hpp"
 #include "tessera/core/checkpoint_folder.hpp"
 #include "tessera/core/comm.hpp"
 #include "tessera/core/plugin_loader.hpp"
 #include "tessera/sdk/error.hpp"
 #include "tessera/sdk/strategy_checks.hpp"
-#include "trainer.hpp"
+#include "train/allocator.hpp"
+#include "train/trainer.hpp"
+#include "train/worker_threads.hpp"
 
 namespace {
 

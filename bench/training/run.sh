@@ -82,7 +82,7 @@ pytorch() {
 
 # The rows of the comparisons, run by the rounds below and by PAIRS mode.
 single="run single_device --set data.batch_size=16"
-# PyTorch given the thread settings tessera runs with (host/worker_threads.cpp).
+# PyTorch given the thread settings tessera runs with (host/train/worker_threads.cpp).
 pytorch_tuned="PYTORCH_ENV='GOMP_SPINCOUNT=10000 OPENBLAS_THREAD_TIMEOUT=20' pytorch pytorch_single_tuned --ranks 1 --batch-size 16"
 ddp="run ddp_2 --set launch.devices=2 --set strategy.plugin=ddp --set data.batch_size=8"
 pytorch_ddp="pytorch pytorch_ddp_2 --ranks 2"

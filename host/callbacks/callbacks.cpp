@@ -1,4 +1,4 @@
-#include "callbacks.hpp"
+#include "callbacks/callbacks.hpp"
 
 #include <algorithm>
 

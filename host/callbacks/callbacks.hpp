@@ -6,7 +6,7 @@
 #include <utility>
 #include <vector>
 
-#include "config.hpp"
+#include "config/config.hpp"
 #include "tessera/core/plugin_loader.hpp"
 #include "tessera/sdk/callback.hpp"
 

@@ -4,7 +4,7 @@
 #include <cmath>
 #include <sstream>
 
-#include "callbacks.hpp"
+#include "callbacks/callbacks.hpp"
 #include "tessera/sdk/error.hpp"
 
 namespace tessera::host {

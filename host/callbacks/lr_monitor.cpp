@@ -4,7 +4,7 @@
 #include <torch/optim/adamw.h>
 #include <torch/optim/sgd.h>
 
-#include "callbacks.hpp"
+#include "callbacks/callbacks.hpp"
 #include "tessera/sdk/strategy.hpp"
 
 namespace tessera::host {

@@ -10,8 +10,8 @@
 
 #include <ATen/ATen.h>
 
-#include "callbacks.hpp"
-#include "config.hpp"
+#include "callbacks/callbacks.hpp"
+#include "config/config.hpp"
 #include "tessera/sdk/error.hpp"
 #include "tessera/sdk/strategy.hpp"
 

@@ -1,9 +1,9 @@
-#include "weight_averaging.hpp"
+#include "callbacks/weight_averaging.hpp"
 
 #include <torch/nn/module.h>
 #include <torch/optim/optimizer.h>
 
-#include "callbacks.hpp"
+#include "callbacks/callbacks.hpp"
 #include "tessera/core/checkpoint.hpp"
 #include "tessera/sdk/error.hpp"
 #include "tessera/sdk/module.hpp"

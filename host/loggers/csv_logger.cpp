@@ -4,8 +4,8 @@
 
 #include <nlohmann/json.hpp>
 
-#include "logger.hpp"
-#include "record_file.hpp"
+#include "loggers/logger.hpp"
+#include "loggers/record_file.hpp"
 
 namespace tessera::host {
 

@@ -1,4 +1,4 @@
-#include "logger.hpp"
+#include "loggers/logger.hpp"
 
 #include <sstream>
 

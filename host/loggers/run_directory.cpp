@@ -1,4 +1,4 @@
-#include "run_directory.hpp"
+#include "loggers/run_directory.hpp"
 
 #include <unistd.h>
 

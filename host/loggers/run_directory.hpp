@@ -5,7 +5,7 @@
 #include <optional>
 #include <string>
 
-#include "config.hpp"
+#include "config/config.hpp"
 
 namespace tessera::host {
 

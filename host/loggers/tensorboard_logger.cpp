@@ -6,8 +6,8 @@
 
 #include <boost/crc.hpp>
 
-#include "logger.hpp"
-#include "record_file.hpp"
+#include "loggers/logger.hpp"
+#include "loggers/record_file.hpp"
 #include "tensorboard/compat/proto/event.pb.h"
 #include "tensorboard/plugins/hparams/plugin_data.pb.h"
 #include "tessera/sdk/error.hpp"

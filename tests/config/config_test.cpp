@@ -8,12 +8,12 @@
 #include <iomanip>
 #include <sstream>
 
-#include "config.hpp"
-#include "lr_find.hpp"
-#include "lr_schedule.hpp"
+#include "config/config.hpp"
 #include "tessera/core/checkpoint.hpp"
 #include "tessera/core/plugin_loader.hpp"
 #include "tessera/sdk/error.hpp"
+#include "train/lr_find.hpp"
+#include "train/lr_schedule.hpp"
 
 namespace {
 

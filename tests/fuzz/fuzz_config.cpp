@@ -1,10 +1,10 @@
 // libFuzzer: a run's TOML configuration, as every tessera command reads it (toml++'s parser,
-// then every section's keys and checks in host/config.cpp).
+// then every section's keys and checks in host/config/config.cpp).
 #include <cstddef>
 #include <cstdint>
 #include <exception>
 
-#include "config.hpp"
+#include "config/config.hpp"
 #include "fuzz_input.hpp"
 
 extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size) {

@@ -11,7 +11,7 @@
 #include <torch/version.h>
 
 #include "multiprocess.hpp"
-#include "plan.hpp"
+#include "plan/plan.hpp"
 #include "tessera/core/comm.hpp"
 #include "tessera/core/fsdp/memory_plan.hpp"
 

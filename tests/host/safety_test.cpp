@@ -17,8 +17,8 @@
 #include <sstream>
 #include <string>
 
+#include "loggers/record_file.hpp"
 #include "multiprocess.hpp"
-#include "record_file.hpp"
 #include "tessera/core/checkpoint_folder.hpp"
 #include "tessera/core/safetensors.hpp"
 #include "tessera/sdk/error.hpp"

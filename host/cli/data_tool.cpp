@@ -1,0 +1,642 @@
+#include "cli/data_tool.hpp"
+
+#include <signal.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <deque>
+#include <filesystem>
+#include <fstream>
+#include <functional>
+#include <iostream>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <set>
+#include <sstream>
+#include <string>
+#include <string_view>
+#include <thread>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "tessera/sdk/error.hpp"
+#include "tessera/toolkit/token_shards.hpp"
+#include "tessera/toolkit/tokenizer.hpp"
+
+#include "cli/corpus_files.hpp"
+
+namespace tessera::host {
+
+namespace {
+
+namespace fs = std::filesystem;
+using json = nlohmann::json;
+using Clock = std::chrono::steady_clock;
+
+constexpr const char* kDataUsage = R"(usage:
+  tessera data prepare --tokenizer T --input FILES|DIRS|GLOBS... --output DIR
+                       [--text-key text] [--split file|blank-line|percent|line] [--jobs N]
+                       [--shard-size 256M]
+
+  --tokenizer   a SentencePiece tokenizer.model, a Hugging Face tokenizer.json, or a folder with one
+  --input       files, folders (read recursively; hidden and binary files skipped) or quoted globs;
+                several after one --input, or --input repeated. *.jsonl / *.ndjson files are JSON
+                Lines (one document per line, its text under --text-key); any other file is text
+  --split       how a text file holds documents: the whole file (file, the default), records
+                between blank lines (blank-line), between lines holding only `%` (percent, the
+                fortune format), or one per line (line)
+  --jobs        tokenizing threads (default: every core)
+  --shard-size  input text per shard (K, M, G suffixes; default 256M)
+Every document gets the tokenizer's EOS id appended. DIR receives manifest.json and
+shard_NNNNN.bin (token ids) + shard_NNNNN.idx (document offsets); the `tokens` data plugin reads
+it ([data] plugin = "tokens", path = "DIR"). Rerunning after an interruption skips finished shards.
+)";
+
+struct Settings {
+  fs::path tokenizer, output;
+  std::vector<std::string> inputs;
+  std::string text_key = "text", split = "file";
+  std::int64_t jobs = 0, shard_bytes = std::int64_t{256} << 20;
+};
+
+std::int64_t parse_size(const std::string& text) {
+  std::size_t used = 0;
+  double value = 0;
+  try {
+    value = std::stod(text, &used);
+  } catch (const std::exception&) {
+    TESSERA_FAIL("--shard-size ", text, " is not a size (e.g. 256M)");
+  }
+  std::string suffix = text.substr(used);
+  double scale = 1;
+  if (suffix == "K" || suffix == "k") scale = 1 << 10;
+  else if (suffix == "M" || suffix == "m") scale = 1 << 20;
+  else if (suffix == "G" || suffix == "g") scale = 1 << 30;
+  else TESSERA_CHECK(suffix.empty(), "--shard-size ", text, ": unknown suffix '", suffix, "' (K, M or G)");
+  TESSERA_CHECK(value * scale >= 1, "--shard-size ", text, " must be positive");
+  return static_cast<std::int64_t>(value * scale);
+}
+
+Settings parse(int argc, char** argv) {
+  Settings s;
+  TESSERA_CHECK(argc >= 2 && std::string(argv[1]) == "prepare", "unknown data command",
+                argc >= 2 ? " '" + std::string(argv[1]) + "'" : std::string(), ": the one command is `data prepare`");
+  for (int i = 2; i < argc; ++i) {
+    const std::string flag = argv[i];
+    auto value = [&]() -> std::string {
+      TESSERA_CHECK(i + 1 < argc, flag, " needs a value");
+      return argv[++i];
+    };
+    if (flag == "--tokenizer") s.tokenizer = value();
+    else if (flag == "--output") s.output = value();
+    else if (flag == "--text-key") s.text_key = value();
+    else if (flag == "--split") s.split = value();
+    else if (flag == "--jobs") s.jobs = std::stoll(value());
+    else if (flag == "--shard-size") s.shard_bytes = parse_size(value());
+    else if (flag == "--input") {
+      s.inputs.push_back(value());
+      while (i + 1 < argc && std::string(argv[i + 1]).rfind("--", 0) != 0) s.inputs.push_back(argv[++i]);
+    } else {
+      TESSERA_FAIL("unknown option ", flag);
+    }
+  }
+  TESSERA_CHECK(!s.tokenizer.empty(), "--tokenizer is required");
+  TESSERA_CHECK(!s.inputs.empty(), "--input is required");
+  TESSERA_CHECK(!s.output.empty(), "--output is required");
+  const std::set<std::string> splits{"file", "blank-line", "percent", "line"};
+  TESSERA_CHECK(splits.count(s.split), "--split ", s.split, ": valid: file, blank-line, percent, line");
+  TESSERA_CHECK(s.jobs >= 0, "--jobs must be at least 1");
+  if (s.jobs == 0) s.jobs = std::max(1u, std::thread::hardware_concurrency());
+  return s;
+}
+
+bool is_json_lines(const fs::path& file) {
+  const std::string ext = file.extension().string();
+  return ext == ".jsonl" || ext == ".ndjson";
+}
+
+/// Calls `line(text)` for each line of `in` without its '\n', reading a block at a time (getline
+/// and a string per line cost the reader more than the tokenizing threads can spare).
+template <typename Line>
+void for_each_line(std::istream& in, Line&& line) {
+  std::vector<char> block(std::size_t{1} << 20);
+  std::string carry;  // a line that crosses blocks
+  while (in.read(block.data(), static_cast<std::streamsize>(block.size())) || in.gcount() > 0) {
+    const char* p = block.data();
+    const char* const end = p + in.gcount();
+    while (p < end) {
+      const auto* newline = static_cast<const char*>(std::memchr(p, '\n', static_cast<std::size_t>(end - p)));
+      if (newline == nullptr) {
+        carry.append(p, end);
+        break;
+      }
+      if (carry.empty()) {
+        line(std::string_view(p, static_cast<std::size_t>(newline - p)));
+      } else {
+        carry.append(p, newline);
+        line(std::string_view(carry));
+        carry.clear();
+      }
+      p = newline + 1;
+    }
+  }
+  if (!carry.empty()) line(std::string_view(carry));
+}
+
+/// Calls `emit(text)` for every non-empty document of `file`, in order.
+void read_documents(const fs::path& file, const Settings& s, const std::function<void(std::string_view)>& emit) {
+  std::ifstream in(file, std::ios::binary);
+  TESSERA_CHECK(in, "cannot open ", file);
+  if (is_json_lines(file)) {
+    std::int64_t number = 0;
+    for_each_line(in, [&](std::string_view line) {
+      ++number;
+      if (line.find_first_not_of(" \t\r") == std::string_view::npos) return;
+      json j;
+      try {
+        j = json::parse(line);
+      } catch (const json::exception& e) {
+        TESSERA_FAIL(file.string(), ":", number, ": not a JSON value (", e.what(), ")");
+      }
+      if (!j.is_object() || !j.contains(s.text_key)) {
+        std::vector<std::string> keys;
+        if (j.is_object())
+          for (auto it = j.begin(); it != j.end(); ++it) keys.push_back(it.key());
+        TESSERA_FAIL(file.string(), ":", number, ": no \"", s.text_key, "\" key in this line",
+                     keys.empty() ? std::string() : " (its keys: " + sdk::join(keys) + ")",
+                     "; choose the key with --text-key");
+      }
+      TESSERA_CHECK(j.at(s.text_key).is_string(), file.string(), ":", number, ": \"", s.text_key,
+                    "\" is not a string");
+      const auto& text = j.at(s.text_key).get_ref<const std::string&>();
+      if (!text.empty()) emit(text);
+    });
+    return;
+  }
+  if (s.split == "file") {
+    std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+    if (!text.empty()) emit(text);
+    return;
+  }
+  std::string record;
+  auto flush = [&] {
+    while (!record.empty() && record.back() == '\n') record.pop_back();
+    if (!record.empty()) emit(record);
+    record.clear();
+  };
+  for_each_line(in, [&](std::string_view line) {
+    if (!line.empty() && line.back() == '\r') line.remove_suffix(1);
+    if (s.split == "line") {
+      if (!line.empty()) emit(line);
+    } else if (s.split == "percent" ? line == "%" : line.find_first_not_of(" \t") == std::string_view::npos) {
+      flush();
+    } else {
+      record += line;
+      record += '\n';
+    }
+  });
+  flush();
+}
+
+fs::path tokenizer_file(const fs::path& path) {
+  std::error_code ec;
+  if (!fs::is_directory(path, ec)) return path;
+  for (const char* name : {"tokenizer.json", "tokenizer.model"})  // load_tokenizer's order
+    if (fs::is_regular_file(path / name, ec)) return path / name;
+  return path;
+}
+
+/// What the output was (or is being) prepared from: a rerun resumes only the same preparation.
+json plan_of(const Settings& s, const std::vector<fs::path>& files, const std::string& tokenizer_hash) {
+  json inputs = json::array();
+  for (const auto& f : files) {
+    const auto time = fs::last_write_time(f).time_since_epoch();
+    inputs.push_back({{"path", fs::absolute(f).string()},
+                      {"bytes", fs::file_size(f)},
+                      {"mtime_ns", std::chrono::duration_cast<std::chrono::nanoseconds>(time).count()}});
+  }
+  return {{"tokenizer_xxh64", tokenizer_hash}, {"text_key", s.text_key},    {"split", s.split},
+          {"shard_bytes", s.shard_bytes},      {"inputs", inputs}};
+}
+
+std::string human(double value) {
+  char text[32];
+  if (value >= 1e9) std::snprintf(text, sizeof text, "%.2fG", value / 1e9);
+  else if (value >= 1e6) std::snprintf(text, sizeof text, "%.2fM", value / 1e6);
+  else if (value >= 1e3) std::snprintf(text, sizeof text, "%.1fk", value / 1e3);
+  else std::snprintf(text, sizeof text, "%.0f", value);
+  return text;
+}
+
+/// Documents tokenized together by one thread: their tokens end to end, each followed by EOS.
+struct Batch {
+  std::string text;                  ///< the documents end to end
+  std::vector<std::size_t> starts;   ///< where each document starts in `text`
+  std::vector<toolkit::TokenId> tokens;
+  std::vector<std::uint64_t> ends;  ///< where each document's tokens end in `tokens`
+  bool done = false;
+};
+
+/// Tokenizing threads fed batches while the reader goes on reading: the reading, tokenizing and
+/// writing of a corpus overlap. At most a few batches wait per thread, so memory stays bounded
+/// however large the corpus.
+class TokenizerPool {
+ public:
+  TokenizerPool(const toolkit::Tokenizer& tokenizer, toolkit::TokenId eos, std::int64_t threads)
+      : tokenizer_(tokenizer), eos_(eos), capacity_(static_cast<std::size_t>(4 * threads)) {
+    for (std::int64_t t = 0; t < threads; ++t) threads_.emplace_back([this] { work(); });
+  }
+  ~TokenizerPool() {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      stop_ = true;
+    }
+    changed_.notify_all();
+    for (auto& t : threads_) t.join();
+  }
+
+  /// Queues a batch, waiting while the queue is full.
+  void submit(std::shared_ptr<Batch> batch) {
+    std::unique_lock<std::mutex> lock(mutex_);
+    changed_.wait(lock, [&] { return queue_.size() < capacity_ || !error_.empty(); });
+    TESSERA_CHECK(error_.empty(), error_);
+    queue_.push_back(std::move(batch));
+    changed_.notify_all();
+  }
+
+  /// Waits until `batch` is tokenized; throws the first tokenizing error of any batch.
+  void wait(const Batch& batch) {
+    std::unique_lock<std::mutex> lock(mutex_);
+    changed_.wait(lock, [&] { return batch.done || !error_.empty(); });
+    TESSERA_CHECK(error_.empty(), error_);
+  }
+
+  /// Text tokenized so far, for the progress line.
+  std::int64_t bytes() const { return bytes_.load(); }
+
+ private:
+  void work() {
+    for (;;) {
+      std::shared_ptr<Batch> batch;
+      {
+        std::unique_lock<std::mutex> lock(mutex_);
+        changed_.wait(lock, [&] { return stop_ || !queue_.empty(); });
+        if (stop_) return;
+        batch = std::move(queue_.front());
+        queue_.pop_front();
+      }
+      changed_.notify_all();  // room in the queue
+      try {
+        for (std::size_t d = 0; d < batch->starts.size(); ++d) {
+          const std::size_t end = d + 1 < batch->starts.size() ? batch->starts[d + 1] : batch->text.size();
+          const std::string_view document(batch->text.data() + batch->starts[d], end - batch->starts[d]);
+          const std::vector<toolkit::TokenId> ids = tokenizer_.encode(document, /*add_special_tokens=*/false);
+          batch->tokens.insert(batch->tokens.end(), ids.begin(), ids.end());
+          batch->tokens.push_back(eos_);
+          batch->ends.push_back(batch->tokens.size());
+        }
+      } catch (const std::exception& e) {
+        std::lock_guard<std::mutex> lock(mutex_);
+        if (error_.empty()) error_ = e.what();
+        changed_.notify_all();
+        continue;
+      }
+      bytes_ += static_cast<std::int64_t>(batch->text.size());
+      std::string().swap(batch->text);
+      {
+        std::lock_guard<std::mutex> lock(mutex_);
+        batch->done = true;
+      }
+      changed_.notify_all();
+    }
+  }
+
+  const toolkit::Tokenizer& tokenizer_;
+  const toolkit::TokenId eos_;
+  const std::size_t capacity_;
+  std::mutex mutex_;
+  std::condition_variable changed_;
+  std::deque<std::shared_ptr<Batch>> queue_;
+  bool stop_ = false;
+  std::string error_;
+  std::atomic<std::int64_t> bytes_{0};
+  std::vector<std::thread> threads_;
+};
+
+/// One thread running tasks in the order they were posted: the shards' writer, so writing
+/// overlaps reading and tokenizing. After a task fails the rest are skipped and the failure is
+/// thrown to the poster.
+class SerialWorker {
+ public:
+  SerialWorker() : thread_([this] { run(); }) {}
+  ~SerialWorker() {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      stop_ = true;
+    }
+    changed_.notify_all();
+    thread_.join();
+  }
+
+  void post(std::function<void()> task) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (failure_) std::rethrow_exception(failure_);
+    tasks_.push_back(std::move(task));
+    changed_.notify_all();
+  }
+
+  /// Waits until every posted task has run.
+  void drain() {
+    std::unique_lock<std::mutex> lock(mutex_);
+    changed_.wait(lock, [&] { return (tasks_.empty() && !busy_) || failure_; });
+    if (failure_) std::rethrow_exception(failure_);
+  }
+
+ private:
+  void run() {
+    std::unique_lock<std::mutex> lock(mutex_);
+    for (;;) {
+      changed_.wait(lock, [&] { return stop_ || !tasks_.empty(); });
+      if (stop_) return;
+      std::function<void()> task = std::move(tasks_.front());
+      tasks_.pop_front();
+      busy_ = true;
+      lock.unlock();
+      std::exception_ptr failure;
+      if (!failure_) {
+        try {
+          task();
+        } catch (...) {
+          failure = std::current_exception();
+        }
+      }
+      lock.lock();
+      busy_ = false;
+      if (failure && !failure_) failure_ = failure;
+      changed_.notify_all();
+    }
+  }
+
+  std::mutex mutex_;
+  std::condition_variable changed_;
+  std::deque<std::function<void()>> tasks_;
+  bool stop_ = false, busy_ = false;
+  std::exception_ptr failure_;
+  std::thread thread_;
+};
+
+/// Text per batch: small enough to keep every thread busy to the end of a shard, large enough
+/// that handing batches over costs nothing.
+constexpr std::int64_t kBatchBytes = std::int64_t{1} << 20;
+
+class Preparation {
+ public:
+  Preparation(Settings settings, std::vector<fs::path> files, std::int64_t total_bytes)
+      : s_(std::move(settings)), files_(std::move(files)), total_bytes_(total_bytes) {}
+
+  int run() {
+    tokenizer_ = toolkit::load_tokenizer(s_.tokenizer);
+    const fs::path tokenizer_path = tokenizer_file(s_.tokenizer);
+    const std::optional<toolkit::TokenId> eos = tokenizer_->eos_id();
+    TESSERA_CHECK(eos.has_value(), "--tokenizer ", s_.tokenizer, ": the tokenizer has no EOS token, which prepare ",
+                  "appends after every document");
+    manifest_.tokenizer_name = tokenizer_path.filename().string();
+    manifest_.tokenizer_kind = tokenizer_->kind();
+    manifest_.tokenizer_xxh64 = fs::is_regular_file(tokenizer_path) ? toolkit::xxh64_file(tokenizer_path) : "";
+    manifest_.vocab_size = tokenizer_->vocab_size();
+    manifest_.dtype = toolkit::dtype_for(manifest_.vocab_size);
+    manifest_.eos_id = *eos;
+
+    fs::create_directories(s_.output);
+    const json plan = plan_of(s_, files_, manifest_.tokenizer_xxh64);
+    const fs::path plan_path = s_.output / "prepare.json";
+    std::error_code ec;
+    if (fs::exists(plan_path, ec)) {
+      json earlier;
+      try {
+        std::ifstream in(plan_path);
+        earlier = json::parse(in);
+      } catch (const json::exception&) {
+      }
+      TESSERA_CHECK(earlier == plan, s_.output, " holds a preparation of other inputs, tokenizer or settings (",
+                    plan_path, "); nothing there was changed: choose another --output, or delete ", s_.output,
+                    " to prepare again");
+      resuming_ = true;
+    } else {
+      TESSERA_CHECK(!fs::exists(s_.output / toolkit::kManifestName, ec), s_.output, " already holds ",
+                    toolkit::kManifestName, " from another preparation; nothing there was changed: choose another --output");
+      const std::string text = plan.dump(2) + "\n";
+      std::ofstream(plan_path) << text;
+    }
+
+    start_ = Clock::now();
+    pool_ = std::make_unique<TokenizerPool>(*tokenizer_, manifest_.eos_id, s_.jobs);
+    writer_ = std::make_unique<SerialWorker>();
+    for (const auto& file : files_) read_documents(file, s_, [&](std::string_view doc) { add(doc); });
+    if (in_shard_) end_shard();
+    writer_->drain();
+    writer_.reset();
+    pool_.reset();
+    manifest_.shards = written_;
+    if (interactive_) std::cerr << "\n";
+    TESSERA_CHECK(!manifest_.shards.empty(), "the inputs hold no document (", files_.size(), " file(s), all empty",
+                  s_.split == "file" ? "" : " or only separators", "): nothing was written to ", s_.output);
+    toolkit::write_manifest(s_.output, manifest_);
+    for (const auto& entry : fs::directory_iterator(s_.output))  // what a killed run left half-written
+      if (entry.path().extension() == ".tmp") fs::remove(entry.path(), ec);
+    const double seconds = std::chrono::duration<double>(Clock::now() - start_).count();
+    std::cout << "prepared " << s_.output.string() << ": " << manifest_.total_documents() << " documents, "
+              << manifest_.total_tokens() << " tokens (" << toolkit::to_string(manifest_.dtype) << ", vocab_size "
+              << manifest_.vocab_size << ", EOS " << manifest_.eos_id << ") in " << manifest_.shards.size()
+              << " shard(s)" << (skipped_ > 0 ? ", " + std::to_string(skipped_.load()) + " already finished" : "")
+              << "; " << human(static_cast<double>(tokenized_bytes_) / std::max(seconds, 1e-9)) << "B/s of text tokenized in "
+              << seconds << " s with " << s_.jobs << " thread(s)\n";
+    return 0;
+  }
+
+ private:
+  /// The reader's side: a document joins the current batch and shard.
+  void add(std::string_view doc) {
+    if (!in_shard_) begin_shard();
+    shard_text_ += static_cast<std::int64_t>(doc.size());
+    if (!finished_earlier_) {
+      if (!batch_) {
+        batch_ = std::make_shared<Batch>();
+        batch_->text.reserve(kBatchBytes + doc.size());
+      }
+      batch_->starts.push_back(batch_->text.size());
+      batch_->text += doc;
+      if (static_cast<std::int64_t>(batch_->text.size()) >= kBatchBytes) submit_batch();
+    }
+    if (shard_text_ >= s_.shard_bytes) end_shard();
+    if (interactive_ && Clock::now() - last_report_ > std::chrono::milliseconds(200)) report(false);
+  }
+
+  void begin_shard() {
+    char name[32];
+    std::snprintf(name, sizeof name, "shard_%05zu", shards_begun_++);
+    const std::string shard = name;
+    std::error_code ec;
+    // Finished by an earlier run of this same plan (the .bin is renamed last).
+    finished_earlier_ = resuming_ && fs::is_regular_file(s_.output / (shard + ".bin"), ec) &&
+                        fs::is_regular_file(s_.output / (shard + ".idx"), ec);
+    in_shard_ = true;
+    shard_text_ = 0;
+    if (finished_earlier_) {
+      writer_->post([this, shard] { keep_finished(shard); });
+    } else {
+      writer_->post([this, shard] {
+        shard_name_ = shard;
+        shard_writer_ = std::make_unique<toolkit::ShardWriter>(s_.output, shard, manifest_.dtype);
+      });
+    }
+  }
+
+  /// The batch goes to the tokenizing threads, and the writer appends it once it is tokenized.
+  void submit_batch() {
+    std::shared_ptr<Batch> batch = std::move(batch_);
+    pool_->submit(batch);
+    writer_->post([this, batch] {
+      try {
+        pool_->wait(*batch);
+      } catch (const std::exception& e) {
+        TESSERA_FAIL("tokenizing ", shard_name_, ": ", e.what());
+      }
+      shard_writer_->append(batch->tokens, batch->ends);
+      std::vector<toolkit::TokenId>().swap(batch->tokens);
+    });
+  }
+
+  void end_shard() {
+    if (batch_) submit_batch();
+    in_shard_ = false;
+    if (finished_earlier_) {
+      skipped_bytes_ += shard_text_;
+      return;
+    }
+    writer_->post([this, bytes = shard_text_] {
+      maybe_fail(shard_name_);
+      add_written(shard_writer_->finish());
+      shard_writer_.reset();
+      tokenized_bytes_ += bytes;
+    });
+  }
+
+  /// The writer's side for a shard an earlier run finished: its figures, read back.
+  void keep_finished(const std::string& shard) {
+    const fs::path bin = s_.output / (shard + ".bin"), idx = s_.output / (shard + ".idx");
+    toolkit::ShardInfo info;
+    info.file = bin.filename().string();
+    info.offsets_file = idx.filename().string();
+    info.tokens = static_cast<std::int64_t>(fs::file_size(bin) / toolkit::dtype_bytes(manifest_.dtype));
+    info.documents = static_cast<std::int64_t>(fs::file_size(idx) / 8) - 1;
+    info.xxh64 = toolkit::xxh64_file(bin);
+    info.offsets_xxh64 = toolkit::xxh64_file(idx);
+    ++skipped_;
+    add_written(info);
+  }
+
+  void add_written(const toolkit::ShardInfo& info) {
+    {
+      std::lock_guard<std::mutex> lock(written_mutex_);
+      written_.push_back(info);
+      documents_ += info.documents;
+      tokens_ += info.tokens;
+    }
+    if (!interactive_) report(/*final_line=*/true);  // a line per shard in logs (the reader draws the live one)
+  }
+
+  /// TESSERA_FAULT_PREPARE=shard_00001: SIGKILL this process while that shard is half written
+  /// (its offsets renamed into place, its tokens still a temporary file): tests of the rerun.
+  void maybe_fail(const std::string& name) {
+    const char* fault = std::getenv("TESSERA_FAULT_PREPARE");
+    if (fault == nullptr || name != fault) return;
+    std::ofstream(s_.output / (name + ".bin.tmp")) << "half-written";
+    std::ofstream(s_.output / (name + ".idx")) << "half-written";
+    std::cerr << "fault injection: prepare killed while writing " << name << "\n";
+    ::raise(SIGKILL);
+  }
+
+  void report(bool final_line) {
+    last_report_ = Clock::now();
+    const double seconds = std::max(1e-9, std::chrono::duration<double>(last_report_ - start_).count());
+    const double done = static_cast<double>(pool_->bytes() + skipped_bytes_.load());
+    const double rate = done / seconds;
+    const double left = std::max(0.0, static_cast<double>(total_bytes_) - done);
+    std::ostringstream line;
+    std::size_t shards = 0;
+    double documents = 0, tokens = 0;
+    {
+      std::lock_guard<std::mutex> lock(written_mutex_);
+      shards = written_.size();
+      documents = static_cast<double>(documents_);
+      tokens = static_cast<double>(tokens_);
+    }
+    line << "prepare: " << shards << " shard(s), " << human(documents) << " documents, " << human(tokens)
+         << " tokens, " << human(rate) << "B/s, ";
+    if (rate > 0) line << "ETA " << static_cast<std::int64_t>(left / rate) << " s";
+    if (interactive_) std::cerr << "\r" << line.str() << "   " << std::flush;
+    else if (final_line) std::cerr << line.str() << "\n";
+  }
+
+  Settings s_;
+  std::vector<fs::path> files_;
+  std::int64_t total_bytes_;
+  std::unique_ptr<toolkit::Tokenizer> tokenizer_;
+  toolkit::TokenManifest manifest_;
+  bool resuming_ = false;
+  bool interactive_ = ::isatty(STDERR_FILENO) != 0;
+  Clock::time_point start_, last_report_;
+  std::unique_ptr<TokenizerPool> pool_;
+  std::unique_ptr<SerialWorker> writer_;  ///< declared after pool_: stopped before it
+  // The reader's.
+  std::shared_ptr<Batch> batch_;
+  std::size_t shards_begun_ = 0;
+  bool in_shard_ = false, finished_earlier_ = false;
+  std::int64_t shard_text_ = 0;
+  // The writer's.
+  std::string shard_name_;
+  std::unique_ptr<toolkit::ShardWriter> shard_writer_;
+  std::atomic<std::int64_t> tokenized_bytes_{0}, skipped_bytes_{0}, skipped_{0};
+  std::mutex written_mutex_;  ///< guards what the writer finished, read by the reader's progress line
+  std::vector<toolkit::ShardInfo> written_;
+  std::int64_t documents_ = 0, tokens_ = 0;
+};
+
+}  // namespace
+
+int data_tool(int argc, char** argv) {
+  Settings settings;
+  try {
+    if (argc >= 2 && (std::string(argv[1]) == "--help" || std::string(argv[1]) == "-h")) return std::cout << kDataUsage, 0;
+    settings = parse(argc, argv);
+  } catch (const std::exception& e) {
+    std::cerr << "tessera data: " << e.what() << "\n\n" << kDataUsage;
+    return 2;
+  }
+  try {
+    std::int64_t skipped_binary = 0;
+    std::vector<fs::path> files = corpus_files(settings.inputs, "--input", skipped_binary);
+    TESSERA_CHECK(!files.empty(), "--input ", sdk::join(settings.inputs), ": no text file found",
+                  skipped_binary > 0 ? " (" + std::to_string(skipped_binary) + " binary file(s) skipped)" : "");
+    std::int64_t total = 0;
+    for (const auto& f : files) total += static_cast<std::int64_t>(fs::file_size(f));
+    std::cerr << "prepare: " << files.size() << " file(s), " << human(static_cast<double>(total)) << "B"
+              << (skipped_binary > 0 ? " (" + std::to_string(skipped_binary) + " binary file(s) skipped)" : "")
+              << ", " << settings.jobs << " thread(s)\n";
+    return Preparation(settings, std::move(files), total).run();
+  } catch (const std::exception& e) {
+    std::cerr << "tessera data: error: " << e.what() << "\n";
+    return 1;
+  }
+}
+
+}  // namespace tessera::host

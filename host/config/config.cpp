@@ -1,0 +1,523 @@
+#include "config/config.hpp"
+
+#include <algorithm>
+#include <charconv>
+#include <cmath>
+#include <cstdio>
+#include <filesystem>
+#include <functional>
+#include <optional>
+#include <sstream>
+
+#include "tessera/sdk/error.hpp"
+
+namespace tessera::host {
+
+namespace {
+
+/// Upper bounds that catch typos (100000 threads runs without end) without limiting real use.
+constexpr std::int64_t kMaxThreads = 1024;
+constexpr std::int64_t kMaxTimeoutS = 7 * 24 * 3600;
+/// Optimizer values become floats in LibTorch: larger ones overflow after setup.
+constexpr double kMaxFloat = 3.4e38;
+
+/// A path-like string: not empty, no NUL (a C++ string keeps it, the OS cuts the path there).
+std::string read_path(const sdk::Options& options, const std::string& key, const std::string& fallback) {
+  std::string value = options.get_string(key, fallback);
+  TESSERA_CHECK(!value.empty(), options.locate(key), " is empty: give a path (relative paths are taken from "
+                "the working directory), e.g. \"", fallback, "\"");
+  TESSERA_CHECK(value.find('\0') == std::string::npos, options.locate(key),
+                " contains a NUL character, which no path can hold");
+  return value;
+}
+
+const std::map<std::string, std::string> kDefaultPlugins = {
+    {"strategy", "single_device"}, {"precision", "precision"}, {"checkpoint_io", "torch"}, {"model", "gpt"},
+    {"data", "text"}};
+
+BatchLimit read_limit(const sdk::Options& options, const std::string& key, BatchLimit fallback) {
+  const toml::node* node = options.table().get(key);
+  options.mark_used(key);
+  if (node == nullptr) {
+    if (fallback.fraction) options.note_default(key, toml::value<double>(fallback.value));
+    else options.note_default(key, toml::value<std::int64_t>(static_cast<std::int64_t>(fallback.value)));
+    return fallback;
+  }
+  if (node->is_integer()) return {false, static_cast<double>(options.get_int(key, 0, 0))};
+  if (node->is_floating_point()) return {true, options.get_double(key, 1.0, 0.0, 1.0)};
+  TESSERA_FAIL(options.locate(key), " must be an integer (a number of batches, 0 skips the loop) or a float in ",
+               "[0.0, 1.0] (a fraction of the batches), found ",
+               toml::impl::node_type_friendly_names[static_cast<int>(node->type())]);
+}
+
+/// val_check_interval: an integer is a number of steps over the whole run (0: at each epoch's
+/// end), a float a fraction of each epoch; check_val_every_n_epoch picks the epochs.
+void read_validation_schedule(const sdk::Options& t, TrainerSettings& tr) {
+  const toml::node* interval = t.table().get("val_check_interval");
+  if (interval != nullptr && interval->is_floating_point()) {
+    tr.val_check_fraction = t.get_double("val_check_interval", 1.0, 0.0, 1.0);
+    TESSERA_CHECK(tr.val_check_fraction > 0.0, t.locate("val_check_interval"), " = 0.0 is no fraction of an epoch: ",
+                  "give a fraction in (0.0, 1.0] (0.25: four validations per epoch) or a number of steps");
+  } else {
+    tr.val_check_interval = t.get_int("val_check_interval", 0, 0);
+  }
+  // Read only where it applies, so that tessera config lists it only there.
+  if (tr.val_check_interval == 0) tr.check_val_every_n_epoch = t.get_int("check_val_every_n_epoch", 1, 1);
+  TESSERA_CHECK(tr.val_check_interval == 0 || !t.has("check_val_every_n_epoch"), t.locate("val_check_interval"), " = ",
+                tr.val_check_interval, " counts steps over the whole run, across epochs, so ",
+                t.locate("check_val_every_n_epoch"), " cannot apply: remove one of them, or give val_check_interval ",
+                "as a fraction of an epoch (e.g. 0.5)");
+}
+
+/// The name of the [callbacks.NAME] table that is a model_checkpoint (its plugin key, or its name
+/// without one), if any: the user's checkpoint callback, which replaces the default one.
+std::optional<std::string> model_checkpoint_callback(toml::table& root) {
+  if (const toml::table* callbacks = root["callbacks"].as_table())
+    for (const auto& [key, node] : *callbacks)
+      if (const toml::table* table = node.as_table())
+        if ((*table)["plugin"].value_or(std::string(key.str())) == "model_checkpoint") return std::string(key.str());
+  return std::nullopt;
+}
+
+/// Lightning's fast_dev_run: true (one batch) or a number of batches; false or 0 is off.
+std::int64_t read_fast_dev_run(const sdk::Options& t) {
+  const toml::node* node = t.table().get("fast_dev_run");
+  if (node != nullptr && node->is_boolean()) return t.get_bool("fast_dev_run", false) ? 1 : 0;
+  TESSERA_CHECK(node == nullptr || node->is_integer(), t.locate("fast_dev_run"),
+                " must be true, false or a number of batches (e.g. 5)");
+  return t.get_int("fast_dev_run", 0, 0);
+}
+
+/// fast_dev_run = n: n steps of one epoch, n batches of every evaluation, no sanity check, no
+/// loggers, no checkpoints (Lightning's debugging run: does every loop run at all?).
+void apply_fast_dev_run(TrainerSettings& tr, LoggerSettings& logger) {
+  const std::int64_t n = tr.fast_dev_run;
+  if (n == 0) return;
+  tr.max_steps = n;
+  tr.max_epochs = 1;
+  tr.min_steps = tr.min_epochs = 0;
+  tr.limit_train_batches = {false, static_cast<double>(n * tr.accumulate_grad_batches)};  // the epoch ends after n steps
+  tr.limit_val_batches = tr.limit_test_batches = tr.limit_predict_batches = {false, static_cast<double>(n)};
+  tr.val_check_interval = 0;  // one validation, at the epoch's end
+  tr.val_check_fraction = 1.0;
+  tr.check_val_every_n_epoch = 1;
+  tr.num_sanity_val_steps = 0;
+  tr.checkpoint_every_n_steps = 0;
+  tr.save_last = false;
+  logger.loggers.clear();
+}
+
+/// Where `node` came from, for messages: "file.toml:12", or the "--set section.key=value" that made it.
+std::string where_from(const toml::node& node, const std::string& path) {
+  const auto& src = node.source();
+  if (src.path && *src.path != path) return *src.path;
+  return path + (src.begin.line ? ":" + std::to_string(src.begin.line) : "");
+}
+
+/// Applies one --set (section.key=value, or section.table.key=value for a nested table such as
+/// [callbacks.NAME] or [strategy.mp_policy]); returns the section when the file has none of that name.
+std::string apply_override(toml::table& root, const std::string& assignment) {
+  auto eq = assignment.find('=');
+  auto dot = assignment.find('.');
+  TESSERA_CHECK(eq != std::string::npos && dot != std::string::npos && dot < eq, "--set ", assignment,
+                ": expected section.key=value, e.g. --set trainer.max_steps=100");
+  std::vector<std::string> names;
+  for (std::size_t from = 0, to; from <= eq; from = to + 1) {
+    to = std::min(assignment.find('.', from), eq);
+    names.push_back(assignment.substr(from, to - from));
+    TESSERA_CHECK(!names.back().empty(), "--set ", assignment, ": empty name in ", assignment.substr(0, eq),
+                  "; expected section.key=value, e.g. --set trainer.max_steps=100");
+  }
+  const std::string section = names.front(), key = names.back();
+  const std::string value = assignment.substr(eq + 1);
+  const bool created = root.get(section) == nullptr;
+  toml::table* table = &root;
+  for (std::size_t i = 0; i + 1 < names.size(); ++i) {
+    if (table->get(names[i]) == nullptr) table->insert_or_assign(names[i], toml::table{});
+    toml::table* inner = table->get(names[i])->as_table();
+    std::string dotted = names[0];
+    for (std::size_t j = 1; j <= i; ++j) dotted += "." + names[j];
+    TESSERA_CHECK(inner != nullptr, "--set ", assignment, ": ", dotted, " is not a table in the config file (it is ",
+                  toml::impl::node_type_friendly_names[static_cast<int>(table->get(names[i])->type())],
+                  "), so it has no key ", names[i + 1]);
+    table = inner;
+  }
+  // The value node is moved, not copied, so it keeps its source ("--set ...") for messages.
+  toml::table holder;
+  try {
+    holder = toml::parse("v = " + value, "--set " + assignment);
+  } catch (const toml::parse_error&) {
+    std::ostringstream quoted;  // a bare word is a string
+    quoted << toml::value<std::string>(value);
+    holder = toml::parse("v = " + quoted.str(), "--set " + assignment);
+  }
+  table->insert_or_assign(key, std::move(*holder.get("v")));
+  return created ? section : "";
+}
+
+}  // namespace
+
+double read_duration(const sdk::Options& options, const std::string& key) {
+  const toml::node* node = options.table().get(key);
+  if (node == nullptr || node->is_number()) return options.get_double(key, 0.0, 0.0);
+  std::string text = options.get_string(key, "");
+  int d = 0, h = 0, m = 0, s = 0;
+  char end = 0;
+  TESSERA_CHECK(std::sscanf(text.c_str(), "%d:%d:%d:%d%c", &d, &h, &m, &s, &end) == 4 && d >= 0 && h >= 0 &&
+                    h < 24 && m >= 0 && m < 60 && s >= 0 && s < 60,
+                options.locate(key), " = \"", text,
+                "\" is not a duration: write \"DD:HH:MM:SS\" (e.g. \"00:12:00:00\" for 12 hours) or a number of seconds");
+  return ((d * 24.0 + h) * 60.0 + m) * 60.0 + s;
+}
+
+std::int64_t BatchLimit::of(std::int64_t num_batches) const {
+  if (!fraction) return std::min(num_batches, static_cast<std::int64_t>(value));
+  auto count = static_cast<std::int64_t>(std::floor(static_cast<double>(num_batches) * value));
+  return value > 0 ? std::clamp<std::int64_t>(count, std::min<std::int64_t>(1, num_batches), num_batches) : 0;
+}
+
+Config Config::load(const std::string& path, const std::vector<std::string>& overrides) {
+  Config config;
+  config.path_ = path;
+  TESSERA_CHECK(std::filesystem::is_regular_file(path), "config file ", path, " does not exist");
+  toml::table root;
+  try {
+    root = toml::parse_file(path);
+  } catch (const toml::parse_error& e) {
+    TESSERA_FAIL(path, ":", e.source().begin.line, ":", e.source().begin.column, ": invalid TOML: ", e.description());
+  }
+  std::map<std::string, std::string> set_sections;  // a section that only --set names -> that --set
+  for (const auto& assignment : overrides) {
+    std::string created = apply_override(root, assignment);
+    if (!created.empty()) set_sections.emplace(created, "--set " + assignment);
+  }
+  config.resolved = root;
+
+  std::vector<std::string> sections = {"trainer", "optimizer", "lr_scheduler", "lr_find", "launch", "logger", "callbacks"};
+  sections.insert(sections.end(), kPluginSections.begin(), kPluginSections.end());
+  for (const auto& [key, node] : root) {
+    std::string name(key.str());
+    if (name == "plugin_dirs") continue;
+    bool known = std::find(sections.begin(), sections.end(), name) != sections.end();
+    std::string where = set_sections.count(name) ? set_sections.at(name) : where_from(node, path);
+    if (!known && !node.is_table()) {
+      std::vector<std::string> candidates = sections;
+      candidates.push_back("plugin_dirs");
+      TESSERA_FAIL(where, ": unknown top-level key ", name, sdk::did_you_mean(name, candidates),
+                   "; the only top-level key is plugin_dirs, every other key belongs in a section (",
+                   sdk::join(sections), ")");
+    }
+    TESSERA_CHECK(known, where, ": unknown section [", name, "]", sdk::did_you_mean(name, sections),
+                  "; valid sections: ", sdk::join(sections), ", and the key plugin_dirs");
+    TESSERA_CHECK(node.is_table(), where, ": ", name, " must be a table ([", name, "])");
+  }
+  // Each section is moved out of `root` once: a copied toml node forgets its source line.
+  auto section = [&](const std::string& name) {
+    toml::table* t = root[name].as_table();
+    return sdk::Options(name, path, t ? std::move(*t) : toml::table{});
+  };
+  if (const toml::node* dirs = root.get("plugin_dirs")) {
+    auto where = [&](const toml::node& n) { return where_from(n, path); };
+    TESSERA_CHECK(dirs->is_array(), where(*dirs), ": plugin_dirs must be an array of directory names, e.g. "
+                  "plugin_dirs = [\"build/plugins\"]");
+    for (const toml::node& d : *dirs->as_array()) {
+      TESSERA_CHECK(d.is_string() && !d.value_or(std::string()).empty() &&
+                        d.value_or(std::string()).find('\0') == std::string::npos,
+                    where(d), ": plugin_dirs entries must be non-empty directory names (strings), found ",
+                    toml::impl::node_type_friendly_names[static_cast<int>(d.type())],
+                    (d.is_string() ? " (empty or with a NUL)" : ""));
+      config.plugin_dirs.push_back(d.value_or(std::string()));
+    }
+  }
+
+  sdk::Options t = section("trainer");
+  TrainerSettings& tr = config.trainer;
+  tr.max_steps = t.get_int("max_steps", tr.max_steps, -1);
+  // Lightning's max_steps = 0 trains nothing and exits successfully; a run that trains nothing
+  // is refused here instead, before any work (validate / test run without training).
+  TESSERA_CHECK(tr.max_steps != 0, t.locate("max_steps"), " = 0 would train nothing: set the number of optimizer ",
+                "steps to train, or -1 (the default) to train [trainer] max_epochs epochs; to evaluate a checkpoint ",
+                "without training, run `tessera validate` or `tessera test` with --ckpt-path");
+  tr.max_epochs = t.get_int("max_epochs", tr.max_steps > 0 ? 1000000 : tr.max_epochs, 1);
+  tr.accumulate_grad_batches = t.get_int("accumulate_grad_batches", 1, 1);
+  tr.gradient_clip_val = t.get_double("gradient_clip_val", 0.0, 0.0, kMaxFloat);
+  // Each read only where it applies, so that tessera config lists it only there.
+  if (tr.gradient_clip_val > 0)
+    tr.gradient_clip_algorithm = t.get_choice("gradient_clip_algorithm", "norm", {"norm", "value"});
+  if (tr.gradient_clip_val > 0 && tr.gradient_clip_algorithm == "norm")
+    tr.norm_type = t.get_double("norm_type", 2.0, 1e-6, INFINITY);
+  for (const char* key : {"gradient_clip_algorithm", "norm_type"})
+    TESSERA_CHECK(tr.gradient_clip_val > 0 || !t.has(key), t.locate(key), " is set but nothing is clipped (",
+                  t.has("gradient_clip_val") ? t.locate("gradient_clip_val") + " = 0" : "no [trainer] gradient_clip_val",
+                  "): set gradient_clip_val > 0 or remove ", key);
+  TESSERA_CHECK(tr.gradient_clip_algorithm == "norm" || !t.has("norm_type"), t.locate("norm_type"),
+                " applies to gradient_clip_algorithm = \"norm\" only; ", t.locate("gradient_clip_algorithm"),
+                " = \"value\" clamps each gradient element: remove norm_type");
+  tr.min_steps = t.get_int("min_steps", 0, 0);
+  tr.min_epochs = t.get_int("min_epochs", 0, 0);
+  TESSERA_CHECK(tr.max_steps <= 0 || tr.min_steps <= tr.max_steps, t.locate("min_steps"), " = ", tr.min_steps,
+                " is more than ", t.locate("max_steps"), " = ", tr.max_steps, ": lower min_steps or raise max_steps");
+  TESSERA_CHECK(tr.min_epochs <= tr.max_epochs, t.locate("min_epochs"), " = ", tr.min_epochs, " is more than ",
+                t.has("max_epochs") ? t.locate("max_epochs") : "[trainer] max_epochs (default)", " = ", tr.max_epochs,
+                ": lower min_epochs or raise max_epochs");
+  tr.limit_train_batches = read_limit(t, "limit_train_batches", tr.limit_train_batches);
+  TESSERA_CHECK(tr.limit_train_batches.of(1) > 0, t.locate("limit_train_batches"),
+                " leaves no batch to train on: give a number of batches >= 1 or a fraction in (0.0, 1.0]");
+  read_validation_schedule(t, tr);
+  tr.num_sanity_val_steps = t.get_int("num_sanity_val_steps", tr.num_sanity_val_steps, -1);
+  tr.fast_dev_run = read_fast_dev_run(t);
+  tr.limit_val_batches = read_limit(t, "limit_val_batches", tr.limit_val_batches);
+  tr.limit_test_batches = read_limit(t, "limit_test_batches", tr.limit_test_batches);
+  if (t.has("predict_output")) {
+    tr.predict_output = read_path(t, "predict_output", "predictions.pt");
+    std::error_code ec;
+    TESSERA_CHECK(!std::filesystem::is_directory(tr.predict_output, ec), t.locate("predict_output"), " = \"",
+                  tr.predict_output, "\" is a directory: give the file to write, e.g. \"", tr.predict_output,
+                  "/predictions.pt\"");
+    tr.limit_predict_batches = {true, 1.0};  // written predictions: the whole set unless limited
+  }
+  tr.limit_predict_batches = read_limit(t, "limit_predict_batches", tr.limit_predict_batches);
+  tr.overfit_batches = read_limit(t, "overfit_batches", tr.overfit_batches);
+  const bool overfit = tr.overfit_batches.value > 0;
+  for (const char* key : {"limit_train_batches", "limit_val_batches"})
+    TESSERA_CHECK(!overfit || !t.has(key), t.locate("overfit_batches"), " sets ", key, " too: remove ",
+                  t.locate(key));
+  if (overfit) tr.limit_train_batches = tr.limit_val_batches = tr.overfit_batches;
+  tr.log_every_n_steps = t.get_int("log_every_n_steps", 10, 1);
+  tr.seed = t.get_int("seed", 0, 0);
+  tr.default_root_dir = read_path(t, "default_root_dir", tr.default_root_dir);
+  // The default checkpoint callback's two keys, read (and listed by tessera config) only where
+  // that callback is made: checkpointing on, and no [callbacks.NAME] model_checkpoint of the user's.
+  tr.enable_checkpointing = t.get_bool("enable_checkpointing", true);
+  const std::optional<std::string> own_checkpoint = model_checkpoint_callback(root);
+  for (const char* key : {"checkpoint_every_n_steps", "save_last"}) {
+    TESSERA_CHECK(tr.enable_checkpointing || !t.has(key), t.locate("enable_checkpointing"), " = false, but ",
+                  t.locate(key), " configures checkpoints: remove one of them");
+    TESSERA_CHECK(!own_checkpoint || !t.has(key), path, ": [callbacks.", own_checkpoint.value_or(""), "] and ",
+                  t.locate(key), " both configure checkpointing: move it into [callbacks.",
+                  own_checkpoint.value_or(""), "] as ", key == std::string("save_last") ? "save_last" : "every_n_train_steps");
+  }
+  if (tr.enable_checkpointing && !own_checkpoint) {
+    tr.checkpoint_every_n_steps = t.get_int("checkpoint_every_n_steps", 0, 0);
+    tr.save_last = t.get_bool("save_last", true);
+  }
+  tr.enable_model_summary = t.get_bool("enable_model_summary", true);
+  if (t.has("enable_progress_bar") && t.table().get("enable_progress_bar")->is_boolean())
+    tr.enable_progress_bar = t.get_bool("enable_progress_bar", true) ? "true" : "false";
+  else
+    tr.enable_progress_bar = t.get_choice("enable_progress_bar", "auto", {"auto", "true", "false"});
+  tr.predict_after_fit = t.get_bool("predict_after_fit", false);
+  if (t.has("init_from")) tr.init_from = read_path(t, "init_from", "runs/pretrain/version_0/checkpoints/last");
+  if (t.has("init_from")) tr.init_from_strict = t.get_bool("init_from_strict", true);  // listed only where it applies
+  TESSERA_CHECK(!t.has("init_from_strict") || t.has("init_from"), t.locate("init_from_strict"),
+                " is set but no [trainer] init_from is: set init_from = PATH or remove init_from_strict");
+  tr.resume = t.get_choice("resume", "never", {"never", "auto"});
+  tr.freeze = t.get_string_list("freeze", {});
+  tr.max_time_s = read_duration(t, "max_time");
+  tr.profiler = t.get_choice("profiler", "", {"", "simple", "trace"});
+  tr.detect_anomaly = t.get_bool("detect_anomaly", false);
+  tr.sync_batchnorm = t.get_bool("sync_batchnorm", false);
+  tr.skip_memory_check = t.get_bool("skip_memory_check", false);
+  tr.resume_changed_hparams = t.get_string_list("resume_changed_hparams", {});
+  t.check_all_used();
+
+  sdk::Options lg = section("logger");
+  config.logger.loggers = lg.get_string_list("loggers", config.logger.loggers);
+  for (const auto& name : config.logger.loggers)
+    TESSERA_CHECK(name == "csv" || name == "tensorboard", lg.locate("loggers"), ": unknown logger \"", name, "\"",
+                  sdk::did_you_mean(name, {"csv", "tensorboard"}), "; valid: csv, tensorboard");
+  config.logger.name = lg.get_string("name", "");
+  if (lg.has("version") && lg.table().get("version")->is_integer())
+    config.logger.version = std::to_string(lg.get_int("version", 0, 0));
+  else
+    config.logger.version = lg.get_string("version", "");
+  for (const char* key : {"name", "version"}) {
+    const std::string& part = std::string(key) == "name" ? config.logger.name : config.logger.version;
+    TESSERA_CHECK(part.find('/') == std::string::npos && part != "." && part != "..", lg.locate(key),
+                  " must be a folder name, not a path: \"", part, "\"");
+  }
+  lg.check_all_used();
+  apply_fast_dev_run(config.trainer, config.logger);
+
+  if (toml::table* callbacks = root["callbacks"].as_table()) {
+    for (auto& [key, node] : *callbacks) {
+      std::string name(key.str());
+      TESSERA_CHECK(node.is_table(), where_from(node, path), ": [callbacks] ", name,
+                    " must be a table: write [callbacks.", name, "] with its keys below it");
+      config.callbacks.emplace_back(name, sdk::Options("callbacks." + name, path, std::move(*node.as_table())));
+    }
+  }
+
+  sdk::Options o = section("optimizer");
+  sdk::OptimizerSettings& opt = config.optimizer;
+  opt.name = o.get_choice("name", "adamw", {"adamw", "adam", "sgd"});
+  opt.lr = o.get_double("lr", 1e-3, 0.0, kMaxFloat);
+  std::vector<double> betas = o.get_double_list("betas", {0.9, 0.999});
+  TESSERA_CHECK(betas.size() == 2 && betas[0] >= 0 && betas[0] < 1 && betas[1] >= 0 && betas[1] < 1,
+                o.locate("betas"), " must be two numbers in [0, 1), e.g. [0.9, 0.95]");
+  opt.beta1 = betas[0];
+  opt.beta2 = betas[1];
+  opt.eps = o.get_double("eps", 1e-8, 0.0, kMaxFloat);
+  opt.weight_decay = o.get_double("weight_decay", opt.name == "adamw" ? 0.01 : 0.0, 0.0, kMaxFloat);
+  opt.momentum = o.get_double("momentum", 0.0, 0.0, 1.0);
+  // The schedule's keys live in [lr_scheduler] or, for short configs, in [optimizer].
+  sdk::Options ls = section("lr_scheduler");
+  for (const char* key : {"schedule", "warmup_steps", "min_lr"})
+    TESSERA_CHECK(!(ls.has(key) && o.has(key)), o.locate(key), " and ", ls.locate(key),
+                  " both set the schedule's ", key, ": keep one of them");
+  auto schedule_options = [&](const char* key) -> const sdk::Options& { return ls.has(key) ? ls : o; };
+  config.schedule.schedule = schedule_options("schedule").get_choice("schedule", "cosine", {"cosine", "linear", "constant"});
+  config.schedule.warmup_steps = schedule_options("warmup_steps").get_int("warmup_steps", 0, 0);
+  config.schedule.min_lr = schedule_options("min_lr").get_double("min_lr", 0.0, 0.0);
+  TESSERA_CHECK(config.schedule.min_lr <= opt.lr, schedule_options("min_lr").locate("min_lr"), " = ",
+                config.schedule.min_lr, " is above [optimizer] lr = ", opt.lr, ": min_lr must be in [0, lr]");
+  for (const char* key : {"schedule", "warmup_steps", "min_lr"}) o.mark_used(key), ls.mark_used(key);
+  o.check_all_used();
+  ls.check_all_used();
+
+  sdk::Options lf = section("lr_find");
+  LrFindSettings& find = config.lr_find;
+  find.min_lr = lf.get_double("min_lr", find.min_lr, 0.0, kMaxFloat);
+  find.max_lr = lf.get_double("max_lr", find.max_lr, 0.0, kMaxFloat);
+  find.num_training = lf.get_int("num_training", find.num_training, 2, 1000000);
+  find.mode = lf.get_choice("mode", find.mode, {"exponential", "linear"});
+  find.early_stop_threshold = lf.get_double("early_stop_threshold", find.early_stop_threshold, 0.0, kMaxFloat);
+  find.before_fit = lf.get_bool("before_fit", false);
+  TESSERA_CHECK(!find.before_fit || config.trainer.fast_dev_run == 0, lf.locate("before_fit"),
+                " = true runs [lr_find] num_training steps before fit; [trainer] fast_dev_run runs a few batches of ",
+                "each loop: remove one of them");
+  TESSERA_CHECK(find.max_lr > find.min_lr, lf.locate("max_lr"), " = ", find.max_lr, " is not above min_lr = ",
+                find.min_lr, ": the range test raises the learning rate from min_lr to max_lr");
+  TESSERA_CHECK(find.mode == "linear" || find.min_lr > 0, lf.locate("min_lr"),
+                " = 0: an exponential range starts above 0 (e.g. 1e-8); or mode = \"linear\"");
+  lf.check_all_used();
+
+  sdk::Options l = section("launch");
+  LaunchSettings& la = config.launch;
+  la.devices = l.get_int("devices", 1, 1, 1024);
+  la.nodes = l.get_int("nodes", 1, 1);
+  if (l.has("devices")) la.devices_key = l.locate("devices");
+  if (l.has("nodes")) la.nodes_key = l.locate("nodes");
+  la.node_rank = l.get_int("node_rank", 0, 0, la.nodes - 1);
+  la.master_addr = l.get_string("master_addr", la.master_addr);
+  la.master_port = l.get_int("master_port", 0, 0, 65535);
+  la.cluster_environment =
+      l.get_choice("cluster_environment", "auto", {"auto", "local", "torchrun", "slurm", "mpi", "single"});
+  la.num_threads = l.get_int("num_threads", 0, 0, kMaxThreads);
+  la.collective_timeout_s = l.get_int("collective_timeout_s", 60, 1, kMaxTimeoutS);
+  la.rendezvous_timeout_s = l.get_int("rendezvous_timeout_s", 600, 1, kMaxTimeoutS);
+  la.checkpoint_timeout_s = l.get_int("checkpoint_timeout_s", 1800, 1, kMaxTimeoutS);
+  la.shared_memory_collectives = l.get_bool("shared_memory_collectives", true);
+  la.interface = l.get_string("interface", "");
+  l.check_all_used();
+
+  for (const auto& name : kPluginSections) {
+    sdk::Options options = section(name);
+    config.plugin_names[name] = options.get_string("plugin", kDefaultPlugins.at(name));
+    if (name == "data") {  // the host's own keys in [data]; the rest belong to the plugin
+      config.data.batch_size = options.get_int("batch_size", 8, 1);
+      // overfit_batches trains on the same batches every epoch.
+      const bool overfit = config.trainer.overfit_batches.value > 0;
+      TESSERA_CHECK(!overfit || !options.get_bool("shuffle", false), options.locate("shuffle"),
+                    " = true, but [trainer] overfit_batches trains on the same batches every epoch: remove the key");
+      config.data.shuffle = options.get_bool("shuffle", !overfit);
+      // Batches are read in the training process (the data plugins index into memory).
+      TESSERA_CHECK(options.get_int("num_workers", 0) == 0, options.locate("num_workers"),
+                    " is not supported: batches are read in each rank's training process; remove the key or set 0");
+    }
+    config.plugins.emplace(name, std::move(options));
+  }
+  return config;
+}
+
+namespace {
+
+/// A TOML value as written in a config: floats in their shortest exact form (3e-4, not
+/// 0.00029999999999999997), the rest as TOML++ writes them.
+std::string toml_value(const toml::node& value) {
+  if (const auto* number = value.as_floating_point()) {
+    const double v = number->get();
+    if (std::isnan(v)) return "nan";
+    if (std::isinf(v)) return v < 0 ? "-inf" : "inf";
+    char text[32];
+    const auto end = std::to_chars(text, text + sizeof(text), v).ptr;
+    std::string out(text, end);
+    return out.find_first_of(".e") == std::string::npos ? out + ".0" : out;
+  }
+  if (const auto* items = value.as_array()) {
+    std::vector<std::string> out;
+    for (const toml::node& item : *items) out.push_back(toml_value(item));
+    return "[" + sdk::join(out) + "]";
+  }
+  toml::table one;
+  value.visit([&](const auto& v) { one.insert("k", v); });
+  std::ostringstream out;
+  out << toml::toml_formatter(one, toml::format_flags::none);
+  return out.str().substr(4);  // after "k = "
+}
+
+/// `key = value` and a newline.
+std::string toml_line(const std::string& key, const toml::node& value) {
+  toml::table one;
+  one.insert(key, 0);
+  std::ostringstream name;
+  name << toml::toml_formatter(one, toml::format_flags::none);  // the key, quoted where TOML needs it
+  const std::string line = name.str();
+  return line.substr(0, line.rfind(" = ")) + " = " + toml_value(value) + "\n";
+}
+
+}  // namespace
+
+namespace {
+std::map<std::string, toml::table>& noted_defaults() {  // section -> key -> default
+  static std::map<std::string, toml::table> defaults;
+  return defaults;
+}
+}  // namespace
+
+void note_defaults() {
+  sdk::Options::observe_defaults([](const sdk::Options& options, const std::string& key, const toml::node& value) {
+    value.visit([&](const auto& v) { noted_defaults()[options.section()].insert_or_assign(key, v); });
+  });
+}
+
+std::string list_config(const Config& config) {
+  const std::map<std::string, toml::table>& defaults = noted_defaults();
+  // Sections in the order the README's table gives them, each followed by its sub-tables.
+  std::vector<std::string> order = {"trainer", "optimizer", "lr_scheduler", "lr_find", "launch", "logger"};
+  order.insert(order.end(), kPluginSections.begin(), kPluginSections.end());
+  order.push_back("callbacks");
+  std::vector<std::string> sections;
+  std::function<void(const std::string&, const toml::table*)> add = [&](const std::string& name, const toml::table* t) {
+    if (std::find(sections.begin(), sections.end(), name) == sections.end()) sections.push_back(name);
+    if (t != nullptr)
+      for (const auto& [key, node] : *t)
+        if (node.is_table()) add(name + "." + std::string(key.str()), node.as_table());
+    for (const auto& [section, table] : defaults)
+      if (section.rfind(name + ".", 0) == 0 && section.find('.', name.size() + 1) == std::string::npos)
+        add(section, nullptr);
+  };
+  for (const std::string& name : order) add(name, config.resolved[name].as_table());
+  std::ostringstream out;
+  out << "# " << config.path() << " as tessera reads it: every key of the host and of the selected plugins,\n"
+      << "# the file's and --set's values as they are, each default commented out.\n";
+  if (const toml::node* dirs = config.resolved.get("plugin_dirs")) out << toml_line("plugin_dirs", *dirs);
+  for (const std::string& section : sections) {
+    const toml::table* set = config.resolved.at_path(section).as_table();
+    const auto noted = defaults.find(section);
+    std::string body;
+    if (set != nullptr)
+      for (const auto& [key, node] : *set)
+        if (!node.is_table()) body += toml_line(std::string(key.str()), node);
+    if (noted != defaults.end())
+      for (const auto& [key, node] : noted->second)
+        if (set == nullptr || !set->contains(key.str())) body += "# " + toml_line(std::string(key.str()), node);
+    const bool has_subsections = std::any_of(sections.begin(), sections.end(), [&](const std::string& other) {
+      return other.rfind(section + ".", 0) == 0;
+    });
+    if (!body.empty() || (set != nullptr && !has_subsections)) out << "\n[" << section << "]\n" << body;
+  }
+  return out.str();
+}
+
+}  // namespace tessera::host
