@@ -1,23 +1,12 @@
 // The one place Tessera calls c10d. Compiles against LibTorch 1.13 (ProcessGroupGloo is a
 // ProcessGroup) and 2.x (it is a Backend with the same collective methods).
-#include <arpa/inet.h>
-#include <ifaddrs.h>
-#include <netdb.h>
-#include <netinet/in.h>
-#include <sys/socket.h>
-#include <unistd.h>
-
+#include <algorithm>
 #include <chrono>
-#include <atomic>
-#include <condition_variable>
-#include <functional>
-#include <future>
-#include <optional>
-#include <cstdio>
 #include <cstdlib>
+#include <functional>
 #include <map>
 #include <mutex>
-#include <thread>
+#include <optional>
 
 #include "tessera/sdk/build_config.hpp"  // TESSERA_WITH_CUDA, before the #if below
 
@@ -31,6 +20,7 @@
 #include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
 #endif
 
+#include "c10d_shared.hpp"
 #include "shared_memory_channel.hpp"
 #include "store_text.hpp"
 #include "tessera/core/cluster.hpp"
@@ -40,10 +30,10 @@
 
 namespace tessera::core {
 
-namespace {
+using namespace c10d_detail;
+using detail::to_bytes;
 
-using Clock = std::chrono::steady_clock;
-using WorkPtr = c10::intrusive_ptr<c10d::Work>;
+namespace {
 
 /// Gloo's own timeout throws from wait() with the collective's name; the watchdog only
 /// backs it up this much later. NCCL gets this much more, so that the watchdog is first.
@@ -61,428 +51,6 @@ c10d::ReduceOp to_c10d(sdk::ReduceOp op) {
 }
 
 std::int64_t bytes_of(const at::Tensor& t) { return t.numel() * static_cast<std::int64_t>(t.element_size()); }
-
-constexpr double kPublishIntervalS = 0.2;
-/// A broken connection is seen at once, its rank's failure record a moment later.
-constexpr double kRecordGraceS = 0.5;
-/// A rank whose ledger has not been republished for this long stopped responding.
-constexpr double kStaleS = 2.0;
-/// How long reading the store for a report may take before the report goes without it.
-constexpr double kStoreReadS = 5.0;
-
-/// Where this process's rendezvous store is (set by make_communicator), for the ledger
-/// publisher, hang reports and failure records.
-struct StoreAddress {
-  std::string host;
-  std::int64_t port = 0;
-  std::string prefix;  ///< "/worker/attempt_N" under an agent store
-  std::int64_t rank = 0;
-  std::int64_t world = 1;
-  bool rank0_hosts = false;
-};
-
-struct Shared {
-  std::mutex mutex;
-  std::optional<StoreAddress> store;
-  CommSettings settings;
-  std::optional<Diagnosis> last_failure;
-  std::function<void(const std::string&)> fatal_reporter;
-  std::atomic<bool> poisoned{false};  ///< a collective timed out: its Gloo thread may still be inside it
-  std::string world_transport;        ///< what carries the world group's collectives (for the log)
-  std::vector<std::string> group_transports;  ///< split groups whose path differs from the world's
-  /// Where every Gloo group of this process binds (the world group and its splits alike): a
-  /// named interface, else the local address that reaches the master.
-  std::string gloo_interface;
-  std::string gloo_address = "127.0.0.1";
-};
-
-Shared& shared() {
-  static Shared* s = new Shared;  // never destroyed: detached report threads may outlive main
-  return *s;
-}
-
-CommSettings current_settings() {
-  std::lock_guard<std::mutex> lock(shared().mutex);
-  return shared().settings;
-}
-
-std::optional<StoreAddress> store_address() {
-  std::lock_guard<std::mutex> lock(shared().mutex);
-  return shared().store;
-}
-
-// LibTorch 2.4 made libuv the store server's default backend, but builds without libuv
-// (Debian's) then refuse to host a store. As torch.distributed: USE_LIBUV=0 asks for the
-// classic backend; without it, libuv where this LibTorch has it, else the classic one.
-// (LibTorch before 2.2 has no choice: the first overload does not exist there.)
-template <typename Options>
-auto use_libuv(Options& options, bool on, int) -> decltype(options.useLibUV = on, bool()) {
-  options.useLibUV = on;
-  return true;
-}
-template <typename Options>
-bool use_libuv(Options&, bool, long) { return false; }
-
-c10::intrusive_ptr<c10d::TCPStore> tcp_store(const std::string& host, c10d::TCPStoreOptions options) {
-  const char* env = std::getenv("USE_LIBUV");
-  if (env && std::string(env) == "0") use_libuv(options, false, 0);
-  try {
-    return c10::make_intrusive<c10d::TCPStore>(host, options);
-  } catch (const std::exception& e) {
-    if (std::string(e.what()).find("without libuv") == std::string::npos || !use_libuv(options, false, 0)) throw;
-    return c10::make_intrusive<c10d::TCPStore>(host, options);
-  }
-}
-
-c10::intrusive_ptr<c10d::Store> open_client(const StoreAddress& a, double timeout_s) {
-  c10d::TCPStoreOptions options;
-  options.port = static_cast<std::uint16_t>(a.port);
-  options.isServer = false;
-  options.waitWorkers = false;  // not a rank: the server must not count it
-  options.timeout = std::chrono::milliseconds(static_cast<std::int64_t>(timeout_s * 1000));
-  c10::intrusive_ptr<c10d::Store> tcp = tcp_store(a.host, options);
-  if (a.prefix.empty()) return tcp;
-  return c10::make_intrusive<c10d::PrefixStore>(a.prefix, tcp);
-}
-
-std::string ledger_key(std::int64_t rank) { return "tessera/ledger/" + std::to_string(rank); }
-const std::string kFailureCount = "tessera/failures";
-std::string failure_key(std::int64_t rank) { return "tessera/failure/" + std::to_string(rank); }
-
-using detail::to_bytes;
-using detail::to_string;
-
-/// Runs `fn` on its own thread and gives up after `seconds` (a store whose host is stopped
-/// never answers); nullopt when it did not finish or threw.
-template <typename T>
-std::optional<T> bounded(std::function<T()> fn, double seconds) {
-  auto promise = std::make_shared<std::promise<T>>();
-  std::future<T> future = promise->get_future();
-  std::thread([promise, fn = std::move(fn)] {
-    try {
-      promise->set_value(fn());
-    } catch (...) {
-      promise->set_exception(std::current_exception());
-    }
-  }).detach();
-  if (future.wait_for(std::chrono::duration<double>(seconds)) != std::future_status::ready) return std::nullopt;
-  try {
-    return future.get();
-  } catch (const std::exception&) {
-    return std::nullopt;
-  }
-}
-
-std::map<std::int64_t, FailureRecord> read_failures(c10d::Store& store, std::int64_t world) {
-  std::map<std::int64_t, FailureRecord> failures;
-  for (std::int64_t r = 0; r < world; ++r)
-    if (store.check({failure_key(r)})) failures[r] = FailureRecord::parse(to_string(store.get(failure_key(r))));
-  return failures;
-}
-
-bool is_loopback(const std::string& address) { return address.rfind("127.", 0) == 0 || address == "::1"; }
-
-/// False once `pid` is gone or a zombie (its launcher has not reaped it yet).
-bool process_alive(std::int64_t pid) {
-  const char state = process_state(pid);
-  return state != 0 && state != 'Z' && state != 'X';
-}
-
-/// The ranks of this host (by ledger) whose process is gone.
-std::vector<std::int64_t> exited_ranks(const std::vector<std::optional<LedgerEntry>>& ledgers, std::int64_t me) {
-  std::vector<std::int64_t> gone;
-  const std::string here = host_name();
-  for (std::size_t r = 0; r < ledgers.size(); ++r)
-    if (static_cast<std::int64_t>(r) != me && ledgers[r] && ledgers[r]->host == here && ledgers[r]->pid > 0 &&
-        !process_alive(ledgers[r]->pid))
-      gone.push_back(static_cast<std::int64_t>(r));
-  return gone;
-}
-
-struct StoreView {
-  std::vector<std::optional<LedgerEntry>> ledgers;
-  std::map<std::int64_t, FailureRecord> failures;
-};
-
-/// Reads every rank's ledger and the failure records, then names the root cause; reads once
-/// more after kStaleS when nobody stands out yet (a rank that just died still looks alive).
-Diagnosis diagnose_now(std::int64_t me, bool timed_out) {
-  std::optional<StoreAddress> address = store_address();
-  if (!timed_out) std::this_thread::sleep_for(std::chrono::duration<double>(kRecordGraceS));
-  Diagnosis d;
-  if (!address) {
-    d.text = "no rendezvous store to read the other ranks' ledgers from";
-    return d;
-  }
-  for (int attempt = 0; attempt < 2; ++attempt) {
-    StoreAddress a = *address;
-    std::optional<StoreView> view = bounded<StoreView>([a] {
-      auto store = open_client(a, 2.0);
-      StoreView v;
-      v.ledgers.resize(static_cast<std::size_t>(a.world));
-      for (std::int64_t r = 0; r < a.world; ++r)
-        if (store->check({ledger_key(r)})) v.ledgers[r] = LedgerEntry::parse(to_string(store->get(ledger_key(r))));
-      v.failures = read_failures(*store, a.world);
-      return v;
-    }, kStoreReadS);
-    if (!view) {
-      d.text = "the rendezvous store at " + a.host + ":" + std::to_string(a.port) + " does not answer";
-      if (a.rank0_hosts && me != 0) {
-        d.root = 0;
-        d.text += " (rank 0 hosts it: rank 0 stopped responding or is gone)";
-      }
-      return d;
-    }
-    LedgerEntry mine = ledger_snapshot();
-    mine.published_ms = wall_ms();
-    view->ledgers[static_cast<std::size_t>(me)] = mine;
-    d = diagnose(me, view->ledgers, view->failures, wall_ms(), kStaleS, exited_ranks(view->ledgers, me));
-    // A broken connection is a peer that died: one on another host still looks alive (or stuck
-    // outside collectives) until its heartbeat goes stale, so only a firm cause is taken at once.
-    const bool firm = d.cause == "reported" || d.cause == "exited" || d.cause == "lost";
-    if (d.root >= 0 && (timed_out || firm || attempt == 1)) return d;
-    if (attempt == 0) std::this_thread::sleep_for(std::chrono::duration<double>(kStaleS + kPublishIntervalS));
-  }
-  return d;
-}
-
-/// Ends this rank the way the collective watchdog does: the message on stderr, the host's
-/// reporter (torchrun's error file and the failure record), exit code `code`. For a rank
-/// whose Gloo thread is still inside a connect or collective that will never finish.
-[[noreturn]] void end_rank(const std::string& message, int code) {
-  std::fprintf(stderr, "tessera: error: %s\n", message.c_str());
-  std::fflush(stderr);
-  std::function<void(const std::string&)> reporter;
-  {
-    std::lock_guard<std::mutex> guard(shared().mutex);
-    reporter = shared().fatal_reporter;
-  }
-  if (reporter) reporter(message);
-  else report_failure(message);
-  std::_Exit(code);
-}
-
-std::string joined_key(const std::string& group, std::int64_t rank) {
-  return "tessera/joined/" + group + "/" + std::to_string(rank);
-}
-
-/// Creates a process group with `make` (Gloo connects every pair of ranks; the shared-memory
-/// channel maps its segment) on its own thread, bounded by [launch] rendezvous_timeout_s.
-/// Each member marks its arrival in the store; when the time is up, or as soon as another
-/// rank records a failure, this rank ends, naming the group, the phase and the ranks (with
-/// their hosts) it waited for. `members` are the group's global ranks.
-template <typename T>
-T create_group(std::function<T()> make, const std::string& group, const std::vector<std::int64_t>& members,
-               std::int64_t me) {
-  const double timeout_s = current_settings().rendezvous_s;
-  std::optional<StoreAddress> address = store_address();
-  if (!address) return make();
-  c10::intrusive_ptr<c10d::Store> client;
-  try {
-    client = open_client(*address, 5.0);
-    client->set(joined_key(group, me), to_bytes("1"));
-  } catch (const std::exception&) {
-    client.reset();  // the store is gone: Gloo's own connect reports it
-  }
-  auto promise = std::make_shared<std::promise<T>>();
-  std::future<T> future = promise->get_future();
-  std::thread([promise, make = std::move(make)] {
-    try {
-      promise->set_value(make());
-    } catch (...) {
-      promise->set_exception(std::current_exception());
-    }
-  }).detach();
-  const std::string what = "creating process group " + group + " (" + ranks_text(members) + ")";
-  const Clock::time_point start = Clock::now();
-  while (future.wait_for(std::chrono::milliseconds(250)) != std::future_status::ready) {
-    if (!client) {
-      if (std::chrono::duration<double>(Clock::now() - start).count() < timeout_s) continue;
-      shared().poisoned = true;
-      end_rank("rank " + std::to_string(me) + ": " + what + " did not finish within [launch] rendezvous_timeout_s = " +
-                   std::to_string(static_cast<std::int64_t>(timeout_s)) + " s, and the rendezvous store does not answer",
-               1);
-    }
-    const bool expired = std::chrono::duration<double>(Clock::now() - start).count() >= timeout_s;
-    // One key counts the failure records (report_failure), so that waiting costs one read.
-    std::optional<std::int64_t> failed = bounded<std::int64_t>([client] { return client->add(kFailureCount, 0); }, kStoreReadS);
-    if (!expired && (!failed || *failed == 0)) continue;
-    StoreAddress a = *address;
-    std::optional<StoreView> view = bounded<StoreView>([client, a] {
-      StoreView v;
-      v.ledgers.resize(static_cast<std::size_t>(a.world));
-      for (std::int64_t r = 0; r < a.world; ++r)
-        if (client->check({ledger_key(r)})) v.ledgers[r] = LedgerEntry::parse(to_string(client->get(ledger_key(r))));
-      v.failures = read_failures(*client, a.world);
-      return v;
-    }, kStoreReadS);
-    if (!view) continue;
-    view->failures.erase(me);
-    if (view->failures.empty() && !expired) continue;
-    Diagnosis d;
-    std::string text;
-    if (!view->failures.empty()) {  // another rank already failed: no reason to wait out the timeout
-      const FailureRecord* first = nullptr;
-      for (const auto& [r, f] : view->failures)
-        if (first == nullptr || f.time_ms < first->time_ms) first = &f;
-      d.root = first->rank;
-      text = rank_name(first->rank, view->ledgers) + " failed: " + first->message.substr(0, first->message.find('\n'));
-    } else {
-      std::vector<std::string> missing;
-      const std::int64_t now = wall_ms();
-      for (std::int64_t r : members) {
-        if (r == me) continue;
-        bool joined = false;
-        try {
-          joined = client->check({joined_key(group, r)});
-        } catch (const std::exception&) {
-        }
-        if (joined) continue;
-        if (d.root < 0) d.root = r;
-        const auto& l = view->ledgers[static_cast<std::size_t>(r)];
-        std::string state = !l ? " never reached the rendezvous store"
-                            : now - l->published_ms > kStaleS * 1000 ? " stopped responding before it joined"
-                                                                     : " is alive but has not joined (phase " + l->phase + ")";
-        missing.push_back(rank_name(r, view->ledgers) + state);
-      }
-      text = "waited for ";
-      for (std::size_t i = 0; i < missing.size(); ++i) text += (i ? "; " : "") + missing[i];
-      if (missing.empty()) text = "every rank joined, but the connections between them did not form (a firewall, or "
-                                  "an address another host cannot reach: see [launch] interface)";
-    }
-    d.text = text;
-    {
-      std::lock_guard<std::mutex> lock(shared().mutex);
-      shared().last_failure = d;
-    }
-    shared().poisoned = true;
-    end_rank("rank " + std::to_string(me) + ": " + what + (expired ? " timed out after " : " stopped after ") +
-                 std::to_string(static_cast<std::int64_t>(std::chrono::duration<double>(Clock::now() - start).count())) +
-                 " s ([launch] rendezvous_timeout_s = " + std::to_string(static_cast<std::int64_t>(timeout_s)) +
-                 "): " + text,
-             1);
-  }
-  try {
-    return future.get();
-  } catch (const std::exception& e) {
-    std::string reason = e.what();
-    TESSERA_FAIL("rank ", me, ": ", what, " failed: ", reason.substr(0, reason.find('\n')));
-  }
-}
-
-/// Every collective in flight in this process (world group and its splits), and the ledger
-/// publisher: a thread republishes this rank's ledger every kPublishIntervalS (the heartbeat)
-/// and reports a collective still incomplete past its timeout plus a backstop, then ends the
-/// rank: for a backend whose own timeout never fires (NCCL's watchdog is given a longer one)
-/// or a collective whose wait() is never reached.
-class Monitor {
- public:
-  Monitor(std::int64_t rank, double backstop_s, std::optional<StoreAddress> store)
-      : rank_(rank), backstop_s_(backstop_s), store_(std::move(store)), thread_([this] { watch(); }) {}
-  ~Monitor() {
-    {
-      std::lock_guard<std::mutex> lock(mutex_);
-      stop_ = true;
-    }
-    wake_.notify_all();
-    thread_.join();
-  }
-
-  std::uint64_t add(const WorkPtr& work, const std::string& tag, std::int64_t seq, double timeout_s) {
-    std::lock_guard<std::mutex> lock(mutex_);
-    prune_finished_on_device();
-    entries_[next_] = Entry{work, tag, seq, timeout_s, Clock::now()};
-    return next_++;
-  }
-  void remove(std::uint64_t id) {
-    std::lock_guard<std::mutex> lock(mutex_);
-    entries_.erase(id);
-  }
-  /// Drops the collectives the device has finished: all of them once it is synchronised.
-  void prune() {
-    std::lock_guard<std::mutex> lock(mutex_);
-    prune_finished_on_device();
-  }
-  /// The rank's stream waits for `id` but its host went on: from now on `watched` (the work
-  /// without its tensors, see watchable()) stands for it until the device finishes it; pruned at
-  /// every add and tick. Without one, the backend's own timeout watches it.
-  void waited_on_device(std::uint64_t id, WorkPtr watched) {
-    std::lock_guard<std::mutex> lock(mutex_);
-    auto it = entries_.find(id);
-    if (it == entries_.end()) return;
-    if (!watched) return void(entries_.erase(it));
-    it->second.work = std::move(watched);
-    it->second.on_device = true;
-  }
-
- private:
-  struct Entry {
-    WorkPtr work;
-    std::string tag;
-    std::int64_t seq;
-    double timeout_s;
-    Clock::time_point start;
-    bool on_device = false;  ///< waited for by the stream, not by the host
-  };
-
-  void prune_finished_on_device() {
-    for (auto it = entries_.begin(); it != entries_.end();)
-      it = it->second.on_device && it->second.work->isCompleted() ? entries_.erase(it) : std::next(it);
-  }
-
-  void publish() {
-    if (!store_ || broken_) return;
-    try {
-      if (!client_) client_ = open_client(*store_, 5.0);
-      LedgerEntry entry = ledger_snapshot();
-      entry.published_ms = wall_ms();
-      client_->set(ledger_key(rank_), to_bytes(entry.serialize()));
-    } catch (const std::exception&) {
-      broken_ = true;  // the store is gone (its host ended): nobody could read the ledger anyway
-    }
-  }
-
-  void watch() {
-    std::unique_lock<std::mutex> lock(mutex_);
-    while (!stop_) {
-      lock.unlock();
-      publish();
-      lock.lock();
-      wake_.wait_for(lock, std::chrono::duration<double>(kPublishIntervalS), [this] { return stop_; });
-      prune_finished_on_device();
-      for (const auto& [id, entry] : entries_) {
-        double waited = std::chrono::duration<double>(Clock::now() - entry.start).count();
-        if (waited < entry.timeout_s + backstop_s_ || entry.work->isCompleted()) continue;
-        Entry stuck = entry;
-        lock.unlock();
-        Diagnosis d = diagnose_now(rank_, /*timed_out=*/true);
-        {
-          std::lock_guard<std::mutex> guard(shared().mutex);
-          shared().last_failure = d;
-        }
-        std::string message = "rank " + std::to_string(rank_) + ": " + stuck.tag + " incomplete after " +
-                              std::to_string(static_cast<std::int64_t>(waited)) + " s (collective #" +
-                              std::to_string(stuck.seq) + ", timeout " +
-                              std::to_string(static_cast<std::int64_t>(stuck.timeout_s)) +
-                              (stuck.on_device ? " s; the device never finished it" : " s; this rank never waited for it") +
-                              "). Hang report: " + d.text;
-        end_rank(message, 124);
-      }
-    }
-  }
-
-  std::int64_t rank_;
-  double backstop_s_;
-  std::optional<StoreAddress> store_;
-  c10::intrusive_ptr<c10d::Store> client_;
-  bool broken_ = false;
-  std::mutex mutex_;
-  std::condition_variable wake_;
-  bool stop_ = false;
-  std::uint64_t next_ = 0;
-  std::map<std::uint64_t, Entry> entries_;
-  std::thread thread_;
-};
 
 /// What the Monitor may keep of a collective that the stream waits for: c10d's NCCL work copied
 /// without its tensors (the copy NCCL's own watchdog keeps), so that watching it until the device
@@ -771,8 +339,9 @@ class C10dCommunicator final : public Communicator {
       std::int64_t group_size = static_cast<std::int64_t>(members.size());
       std::vector<std::int64_t> global;  // the members' ranks in the world group, for reports
       for (std::int64_t m : members) global.push_back(m < static_cast<std::int64_t>(members_.size()) ? members_[m] : m);
-      auto made = create_group<std::shared_ptr<C10dCommunicator<Backend>>>([this, store, group_rank, group_size, prefix] {
-        return std::make_shared<C10dCommunicator<Backend>>(store, make_backend(store, group_rank, group_size),
+      std::shared_ptr<C10dCommunicator<Backend>> made;
+      create_group([&made, this, store, group_rank, group_size, prefix] {
+        made = std::make_shared<C10dCommunicator<Backend>>(store, make_backend(store, group_rank, group_size),
                                                            group_rank, group_size, global_rank_, timeout_s_,
                                                            backend_timeout_s_, is_gloo_, prefix, monitor_,
                                                            current_settings().shared_memory);
@@ -825,112 +394,6 @@ class C10dCommunicator final : public Communicator {
   std::shared_ptr<ReceiveBufferPool> receive_pool_ = std::make_shared<ReceiveBufferPool>();
   std::unique_ptr<detail::SharedMemoryChannel> shm_;  ///< null: Gloo carries every collective
 };
-
-/// Every address `name` resolves to (IPv4 and IPv6), as text.
-std::vector<std::string> resolve(const std::string& name) {
-  addrinfo hints{};
-  hints.ai_family = AF_UNSPEC;
-  hints.ai_socktype = SOCK_STREAM;
-  addrinfo* found = nullptr;
-  std::vector<std::string> addresses;
-  if (::getaddrinfo(name.c_str(), nullptr, &hints, &found) != 0) return addresses;
-  for (addrinfo* a = found; a != nullptr; a = a->ai_next) {
-    char text[INET6_ADDRSTRLEN] = {0};
-    const void* raw = a->ai_family == AF_INET ? static_cast<const void*>(&reinterpret_cast<sockaddr_in*>(a->ai_addr)->sin_addr)
-                                              : static_cast<const void*>(&reinterpret_cast<sockaddr_in6*>(a->ai_addr)->sin6_addr);
-    if (::inet_ntop(a->ai_family, raw, text, sizeof(text)) != nullptr &&
-        std::find(addresses.begin(), addresses.end(), text) == addresses.end())
-      addresses.emplace_back(text);
-  }
-  ::freeaddrinfo(found);
-  return addresses;
-}
-
-/// The local address the kernel routes to `host` from (a UDP connect sends nothing), or "".
-std::string route_to(const std::string& host, std::int64_t port) {
-  addrinfo hints{};
-  hints.ai_family = AF_INET;
-  hints.ai_socktype = SOCK_DGRAM;
-  addrinfo* found = nullptr;
-  if (::getaddrinfo(host.c_str(), std::to_string(port).c_str(), &hints, &found) != 0 || found == nullptr) return "";
-  std::string local;
-  int fd = ::socket(AF_INET, SOCK_DGRAM, 0);
-  if (fd >= 0 && ::connect(fd, found->ai_addr, found->ai_addrlen) == 0) {
-    sockaddr_in mine{};
-    socklen_t length = sizeof(mine);
-    char text[INET_ADDRSTRLEN] = {0};
-    if (::getsockname(fd, reinterpret_cast<sockaddr*>(&mine), &length) == 0 &&
-        ::inet_ntop(AF_INET, &mine.sin_addr, text, sizeof(text)) != nullptr)
-      local = text;
-  }
-  if (fd >= 0) ::close(fd);
-  ::freeaddrinfo(found);
-  return local;
-}
-
-/// The name of the interface that holds IPv4 `address`, or "".
-std::string interface_of(const std::string& address) {
-  ifaddrs* list = nullptr;
-  if (::getifaddrs(&list) != 0) return "";
-  std::string name;
-  for (ifaddrs* i = list; i != nullptr && name.empty(); i = i->ifa_next) {
-    if (i->ifa_addr == nullptr || i->ifa_addr->sa_family != AF_INET) continue;
-    char text[INET_ADDRSTRLEN] = {0};
-    if (::inet_ntop(AF_INET, &reinterpret_cast<sockaddr_in*>(i->ifa_addr)->sin_addr, text, sizeof(text)) != nullptr &&
-        address == text)
-      name = i->ifa_name;
-  }
-  ::freeifaddrs(list);
-  return name;
-}
-
-/// Picks where this process's Gloo groups bind: [launch] interface, else GLOO_SOCKET_IFNAME,
-/// else the local address that reaches the master. In a job across several hosts, a host
-/// whose own name resolves only to loopback is refused unless an interface is named: other
-/// tools of the job (torchrun's rendezvous, Gloo's default device, the reports) go by the name.
-void choose_gloo_address(const sdk::ClusterInfo& cluster, const CommSettings& settings) {
-  const char* env = std::getenv("GLOO_SOCKET_IFNAME");
-  std::string interface = !settings.interface.empty() ? settings.interface : env != nullptr ? env : "";
-  std::string address = route_to(cluster.master_addr, cluster.master_port);
-  const std::string host = host_name();
-  const std::string where = "node " + std::to_string(cluster.node_rank) + " (" + host + ", rank " +
-                            std::to_string(cluster.global_rank) + ")";
-  if (!interface.empty()) {
-    ifaddrs* list = nullptr;
-    bool exists = false;
-    if (::getifaddrs(&list) == 0) {
-      for (ifaddrs* i = list; i != nullptr; i = i->ifa_next) exists = exists || interface == i->ifa_name;
-      ::freeifaddrs(list);
-    }
-    TESSERA_CHECK(exists, where, ": ", (settings.interface.empty() ? "GLOO_SOCKET_IFNAME" : "[launch] interface"),
-                  " = \"", interface, "\" is no network interface of this host",
-                  (address.empty() || interface_of(address).empty()
-                       ? std::string()
-                       : " (the one that reaches the master " + cluster.master_addr + " is \"" + interface_of(address) +
-                             "\")"));
-  } else if (cluster.num_nodes > 1) {
-    // A master on loopback means every node runs on this machine: nothing to check.
-    TESSERA_CHECK(!address.empty(), where, ": the master address '", cluster.master_addr, "' does not resolve to a ",
-                  "reachable IPv4 address from this host: set [launch] master_addr (or MASTER_ADDR) to node 0's ",
-                  "network address, the same on every node");
-    std::vector<std::string> own = resolve(host);
-    bool usable = is_loopback(address);
-    for (const auto& a : own) usable = usable || !is_loopback(a);
-    std::string listed;
-    for (const auto& a : own) listed += (listed.empty() ? "" : ", ") + a;
-    const std::string fix = interface_of(address).empty()
-                                ? std::string("[launch] interface = \"<the interface that reaches the other hosts>\"")
-                                : "[launch] interface = \"" + interface_of(address) +
-                                      "\" (the interface that reaches the master " + cluster.master_addr + ")";
-    TESSERA_CHECK(usable, where, ": this host's name '", host, "' resolves ",
-                  (own.empty() ? std::string("to no address") : "only to loopback (" + listed + ")"), " in a job across ",
-                  cluster.num_nodes, " nodes; the other hosts could not connect to it. Map '", host,
-                  "' to this host's network address in /etc/hosts (or DNS), or set ", fix, " or GLOO_SOCKET_IFNAME");
-  }
-  std::lock_guard<std::mutex> lock(shared().mutex);
-  shared().gloo_interface = interface;
-  shared().gloo_address = address.empty() ? std::string("127.0.0.1") : address;
-}
 
 c10::intrusive_ptr<c10d::ProcessGroupGloo> make_gloo(const c10::intrusive_ptr<c10d::Store>& store, std::int64_t rank,
                                                      std::int64_t size, double timeout_s) {
@@ -1125,8 +588,9 @@ CommunicatorPtr make_communicator(const sdk::ClusterInfo& cluster, const c10::De
 #endif
   }
   using Gloo = C10dCommunicator<c10d::ProcessGroupGloo>;
-  auto world = create_group<std::shared_ptr<Gloo>>([=] {
-    return std::make_shared<Gloo>(store, make_gloo(store, cluster.global_rank, cluster.world_size, backend_timeout_s),
+  std::shared_ptr<Gloo> world;
+  create_group([&] {
+    world = std::make_shared<Gloo>(store, make_gloo(store, cluster.global_rank, cluster.world_size, backend_timeout_s),
                                   cluster.global_rank, cluster.world_size, cluster.global_rank, timeout_s,
                                   backend_timeout_s, true, "world",
                                   std::make_shared<Monitor>(cluster.global_rank, kGlooBackstopS, address),
@@ -1151,94 +615,6 @@ double shared_memory_segment_bytes(std::int64_t ranks) {
   return ranks < 2 ? 0.0
                    : static_cast<double>(ranks * detail::SharedMemoryChannel::kBuffers *
                                          detail::SharedMemoryChannel::kSlotBytes);
-}
-
-void set_comm_settings(const CommSettings& settings) {
-  std::lock_guard<std::mutex> lock(shared().mutex);
-  shared().settings = settings;
-}
-
-std::optional<Diagnosis> last_collective_failure() {
-  std::lock_guard<std::mutex> lock(shared().mutex);
-  return shared().last_failure;
-}
-
-void set_fatal_reporter(std::function<void(const std::string& message)> reporter) {
-  std::lock_guard<std::mutex> lock(shared().mutex);
-  shared().fatal_reporter = std::move(reporter);
-}
-
-FailureRecord report_failure(const std::string& message) {
-  FailureRecord record;
-  record.rank = ledger_snapshot().rank;
-  record.time_ms = wall_ms();
-  record.message = message;
-  if (std::optional<Diagnosis> d = last_collective_failure()) {
-    record.consequence = d->root != record.rank;
-    record.root = d->root;
-    record.root_summary = d->root_summary.empty() ? d->text : d->root_summary;
-  }
-  if (std::optional<StoreAddress> a = store_address()) {
-    std::string text = record.serialize();
-    std::int64_t rank = record.rank;
-    StoreAddress address = *a;
-    bounded<bool>([address, text, rank] {
-      auto store = open_client(address, 2.0);
-      store->set(failure_key(rank), to_bytes(text));
-      store->add(kFailureCount, 1);
-      return true;
-    }, kStoreReadS);
-  }
-  return record;
-}
-
-struct AgentStore::Impl {
-  c10::intrusive_ptr<c10d::TCPStore> tcp;
-  StoreAddress address;
-};
-
-AgentStore::AgentStore(const std::string& host, std::int64_t port, bool server, double timeout_s)
-    : impl_(std::make_unique<Impl>()) {
-  c10d::TCPStoreOptions options;
-  options.port = static_cast<std::uint16_t>(port);
-  options.isServer = server;
-  options.waitWorkers = false;
-  options.timeout = std::chrono::milliseconds(static_cast<std::int64_t>(timeout_s * 1000));
-  try {
-    impl_->tcp = tcp_store(host, options);
-  } catch (const std::exception& e) {
-    std::string reason = e.what();
-    TESSERA_FAIL("cannot ", (server ? "host" : "reach"), " the rendezvous store at ", host, ":", port, " (",
-                 reason.substr(0, reason.find('\n')), ")",
-                 (server ? ": is the port in use? Choose another [launch] master_port." : ""));
-  }
-  impl_->address.host = host;
-  impl_->address.port = impl_->tcp->getPort();
-  impl_->address.prefix = "/worker/attempt_0";
-}
-
-AgentStore::~AgentStore() = default;
-
-std::int64_t AgentStore::port() const { return impl_->address.port; }
-
-std::vector<std::optional<LedgerEntry>> AgentStore::ledgers(std::int64_t world_size) {
-  StoreAddress a = impl_->address;
-  auto found = bounded<std::vector<std::optional<LedgerEntry>>>([a, world_size] {
-    auto store = open_client(a, 2.0);
-    std::vector<std::optional<LedgerEntry>> ledgers(static_cast<std::size_t>(world_size));
-    for (std::int64_t r = 0; r < world_size; ++r)
-      if (store->check({ledger_key(r)})) ledgers[r] = LedgerEntry::parse(to_string(store->get(ledger_key(r))));
-    return ledgers;
-  }, kStoreReadS);
-  return found ? *found : std::vector<std::optional<LedgerEntry>>(static_cast<std::size_t>(world_size));
-}
-
-std::map<std::int64_t, FailureRecord> AgentStore::failures(std::int64_t world_size) {
-  StoreAddress a = impl_->address;
-  a.world = world_size;
-  auto found = bounded<std::map<std::int64_t, FailureRecord>>(
-      [a] { return read_failures(*open_client(a, 2.0), a.world); }, kStoreReadS);
-  return found ? *found : std::map<std::int64_t, FailureRecord>{};
 }
 
 }  // namespace tessera::core
