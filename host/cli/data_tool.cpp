@@ -6,11 +6,9 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
-#include <condition_variable>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
-#include <deque>
 #include <filesystem>
 #include <fstream>
 #include <functional>
@@ -32,6 +30,7 @@
 #include "tessera/toolkit/tokenizer.hpp"
 
 #include "cli/corpus_files.hpp"
+#include "cli/prepare_pipeline.hpp"
 
 namespace tessera::host {
 
@@ -235,163 +234,6 @@ std::string human(double value) {
   else std::snprintf(text, sizeof text, "%.0f", value);
   return text;
 }
-
-/// Documents tokenized together by one thread: their tokens end to end, each followed by EOS.
-struct Batch {
-  std::string text;                  ///< the documents end to end
-  std::vector<std::size_t> starts;   ///< where each document starts in `text`
-  std::vector<toolkit::TokenId> tokens;
-  std::vector<std::uint64_t> ends;  ///< where each document's tokens end in `tokens`
-  bool done = false;
-};
-
-/// Tokenizing threads fed batches while the reader goes on reading: the reading, tokenizing and
-/// writing of a corpus overlap. At most a few batches wait per thread, so memory stays bounded
-/// however large the corpus.
-class TokenizerPool {
- public:
-  TokenizerPool(const toolkit::Tokenizer& tokenizer, toolkit::TokenId eos, std::int64_t threads)
-      : tokenizer_(tokenizer), eos_(eos), capacity_(static_cast<std::size_t>(4 * threads)) {
-    for (std::int64_t t = 0; t < threads; ++t) threads_.emplace_back([this] { work(); });
-  }
-  ~TokenizerPool() {
-    {
-      std::lock_guard<std::mutex> lock(mutex_);
-      stop_ = true;
-    }
-    changed_.notify_all();
-    for (auto& t : threads_) t.join();
-  }
-
-  /// Queues a batch, waiting while the queue is full.
-  void submit(std::shared_ptr<Batch> batch) {
-    std::unique_lock<std::mutex> lock(mutex_);
-    changed_.wait(lock, [&] { return queue_.size() < capacity_ || !error_.empty(); });
-    TESSERA_CHECK(error_.empty(), error_);
-    queue_.push_back(std::move(batch));
-    changed_.notify_all();
-  }
-
-  /// Waits until `batch` is tokenized; throws the first tokenizing error of any batch.
-  void wait(const Batch& batch) {
-    std::unique_lock<std::mutex> lock(mutex_);
-    changed_.wait(lock, [&] { return batch.done || !error_.empty(); });
-    TESSERA_CHECK(error_.empty(), error_);
-  }
-
-  /// Text tokenized so far, for the progress line.
-  std::int64_t bytes() const { return bytes_.load(); }
-
- private:
-  void work() {
-    for (;;) {
-      std::shared_ptr<Batch> batch;
-      {
-        std::unique_lock<std::mutex> lock(mutex_);
-        changed_.wait(lock, [&] { return stop_ || !queue_.empty(); });
-        if (stop_) return;
-        batch = std::move(queue_.front());
-        queue_.pop_front();
-      }
-      changed_.notify_all();  // room in the queue
-      try {
-        for (std::size_t d = 0; d < batch->starts.size(); ++d) {
-          const std::size_t end = d + 1 < batch->starts.size() ? batch->starts[d + 1] : batch->text.size();
-          const std::string_view document(batch->text.data() + batch->starts[d], end - batch->starts[d]);
-          const std::vector<toolkit::TokenId> ids = tokenizer_.encode(document, /*add_special_tokens=*/false);
-          batch->tokens.insert(batch->tokens.end(), ids.begin(), ids.end());
-          batch->tokens.push_back(eos_);
-          batch->ends.push_back(batch->tokens.size());
-        }
-      } catch (const std::exception& e) {
-        std::lock_guard<std::mutex> lock(mutex_);
-        if (error_.empty()) error_ = e.what();
-        changed_.notify_all();
-        continue;
-      }
-      bytes_ += static_cast<std::int64_t>(batch->text.size());
-      std::string().swap(batch->text);
-      {
-        std::lock_guard<std::mutex> lock(mutex_);
-        batch->done = true;
-      }
-      changed_.notify_all();
-    }
-  }
-
-  const toolkit::Tokenizer& tokenizer_;
-  const toolkit::TokenId eos_;
-  const std::size_t capacity_;
-  std::mutex mutex_;
-  std::condition_variable changed_;
-  std::deque<std::shared_ptr<Batch>> queue_;
-  bool stop_ = false;
-  std::string error_;
-  std::atomic<std::int64_t> bytes_{0};
-  std::vector<std::thread> threads_;
-};
-
-/// One thread running tasks in the order they were posted: the shards' writer, so writing
-/// overlaps reading and tokenizing. After a task fails the rest are skipped and the failure is
-/// thrown to the poster.
-class SerialWorker {
- public:
-  SerialWorker() : thread_([this] { run(); }) {}
-  ~SerialWorker() {
-    {
-      std::lock_guard<std::mutex> lock(mutex_);
-      stop_ = true;
-    }
-    changed_.notify_all();
-    thread_.join();
-  }
-
-  void post(std::function<void()> task) {
-    std::lock_guard<std::mutex> lock(mutex_);
-    if (failure_) std::rethrow_exception(failure_);
-    tasks_.push_back(std::move(task));
-    changed_.notify_all();
-  }
-
-  /// Waits until every posted task has run.
-  void drain() {
-    std::unique_lock<std::mutex> lock(mutex_);
-    changed_.wait(lock, [&] { return (tasks_.empty() && !busy_) || failure_; });
-    if (failure_) std::rethrow_exception(failure_);
-  }
-
- private:
-  void run() {
-    std::unique_lock<std::mutex> lock(mutex_);
-    for (;;) {
-      changed_.wait(lock, [&] { return stop_ || !tasks_.empty(); });
-      if (stop_) return;
-      std::function<void()> task = std::move(tasks_.front());
-      tasks_.pop_front();
-      busy_ = true;
-      lock.unlock();
-      std::exception_ptr failure;
-      if (!failure_) {
-        try {
-          task();
-        } catch (...) {
-          failure = std::current_exception();
-        }
-      }
-      lock.lock();
-      busy_ = false;
-      if (failure && !failure_) failure_ = failure;
-      changed_.notify_all();
-    }
-  }
-
-  std::mutex mutex_;
-  std::condition_variable changed_;
-  std::deque<std::function<void()>> tasks_;
-  bool stop_ = false, busy_ = false;
-  std::exception_ptr failure_;
-  std::thread thread_;
-};
 
 /// Text per batch: small enough to keep every thread busy to the end of a shard, large enough
 /// that handing batches over costs nothing.

@@ -3,7 +3,6 @@
 // mapping table. Each LlamaDecoderLayer is an FSDP unit run through sdk::invoke(); parallelize()
 // splits heads and the MLP over a tensor-parallel group; predict_step decodes with a KV cache.
 #include <cmath>
-#include <fstream>
 #include <limits>
 #include <optional>
 
@@ -16,6 +15,7 @@
 #include <torch/nn/modules/embedding.h>
 #include <torch/nn/modules/linear.h>
 
+#include "llama_config.hpp"
 #include "models.hpp"
 #include "tessera/sdk/error.hpp"
 #include "tessera/sdk/huggingface.hpp"
@@ -35,31 +35,6 @@ using sdk::Batch;
 using sdk::StepOutput;
 
 namespace {
-
-const std::vector<std::string> kModelTypes{"llama", "qwen2"};
-const std::vector<std::string> kRopeTypes{"default", "linear", "llama3"};
-
-/// rope_scaling (Hugging Face's rope_type, or the older "type").
-struct RopeScaling {
-  std::string type = "default";
-  double factor = 1.0, low_freq_factor = 1.0, high_freq_factor = 4.0;
-  double original_max_position_embeddings = 8192;
-};
-
-/// config.json's keys, Hugging Face's LlamaConfig defaults.
-struct LlamaConfig {
-  std::string model_type = "llama";
-  std::int64_t vocab_size = 32000, hidden_size = 4096, intermediate_size = 11008, num_hidden_layers = 32,
-               num_attention_heads = 32, num_key_value_heads = 32, head_dim = 128, max_position_embeddings = 2048;
-  double rms_norm_eps = 1e-6, rope_theta = 10000.0, initializer_range = 0.02;
-  bool tie_word_embeddings = false, attention_bias = false, mlp_bias = false;
-  std::optional<RopeScaling> rope_scaling;
-  std::optional<std::int64_t> pad_token_id, bos_token_id;
-  std::vector<std::int64_t> eos_token_id;
-  /// Qwen2 biases q, k and v but not o; Llama's attention_bias biases all four.
-  bool qkv_bias() const { return model_type == "qwen2" || attention_bias; }
-  bool o_bias() const { return model_type == "llama" && attention_bias; }
-};
 
 // --- rotary embeddings (modeling_rope_utils.py) ------------------------------------------------
 
@@ -337,186 +312,11 @@ class LlamaForCausalLMImpl : public torch::nn::Module {
 };
 TORCH_MODULE(LlamaForCausalLM);
 
-// --- configuration -------------------------------------------------------------------------------
-
-/// A TOML value as JSON (rope_scaling tables, eos_token_id lists).
-json toml_to_json(const toml::node& node) {
-  if (auto* t = node.as_table()) {
-    json out = json::object();
-    for (const auto& [k, v] : *t) out[std::string(k.str())] = toml_to_json(v);
-    return out;
-  }
-  if (auto* a = node.as_array()) {
-    json out = json::array();
-    for (const auto& v : *a) out.push_back(toml_to_json(v));
-    return out;
-  }
-  if (auto v = node.value<std::int64_t>(); v && node.is_integer()) return *v;
-  if (auto v = node.value<double>(); v && node.is_floating_point()) return *v;
-  if (auto v = node.value<bool>(); v && node.is_boolean()) return *v;
-  if (auto v = node.value<std::string>()) return *v;
-  return nullptr;
-}
-
-/// The configuration: config.json's values (when [model] config names one) under the TOML keys.
-class ConfigReader {
- public:
-  explicit ConfigReader(const sdk::Options& o) : o_(o) {
-    path_ = o.get_string("config", "");
-    if (path_.empty()) return;
-    std::ifstream in(path_);
-    TESSERA_CHECK(in.good(), o.locate("config"), " = \"", path_, "\": cannot read it (a Hugging Face config.json)");
-    try {
-      json_ = json::parse(in);
-    } catch (const std::exception& e) {
-      TESSERA_FAIL(o.locate("config"), " = \"", path_, "\" is not JSON: ", e.what());
-    }
-    TESSERA_CHECK(json_.is_object(), o.locate("config"), " = \"", path_, "\" is not a JSON object");
-  }
-
-  /// Where a value came from, for messages.
-  std::string where(const std::string& key) const {
-    return o_.has(key) || path_.empty() || !json_.contains(key) ? o_.locate(key)
-                                                                 : "\"" + path_ + "\": " + key;
-  }
-
-  std::int64_t get_int(const std::string& key, std::int64_t fallback, std::int64_t min = 1) const {
-    return o_.get_int(key, from_json<std::int64_t>(key, fallback), min);
-  }
-  double get_double(const std::string& key, double fallback, double min = -1e300) const {
-    return o_.get_double(key, from_json<double>(key, fallback), min);
-  }
-  bool get_bool(const std::string& key, bool fallback) const { return o_.get_bool(key, from_json<bool>(key, fallback)); }
-  std::string get_string(const std::string& key, const std::string& fallback) const {
-    return o_.get_string(key, from_json<std::string>(key, fallback));
-  }
-  /// The TOML value if set (a table, an array or a scalar), else config.json's; null when neither.
-  json get_json(const std::string& key) const {
-    if (o_.has(key)) {
-      o_.mark_used(key);
-      return toml_to_json(*o_.table().get(key));
-    }
-    return json_.contains(key) ? json_.at(key) : json();
-  }
-  /// Set in the TOML or (not null) in config.json.
-  bool has(const std::string& key) const {
-    return o_.has(key) || (json_.contains(key) && !json_.at(key).is_null());
-  }
-  const json& file() const { return json_; }
-  const std::string& path() const { return path_; }
-
- private:
-  template <typename T>
-  T from_json(const std::string& key, T fallback) const {
-    if (!json_.contains(key) || json_.at(key).is_null()) return fallback;
-    try {
-      return json_.at(key).get<T>();
-    } catch (const std::exception&) {
-      TESSERA_FAIL("\"", path_, "\": ", key, " = ", json_.at(key).dump(), " has the wrong type");
-    }
-  }
-
-  const sdk::Options& o_;
-  std::string path_;
-  json json_;
-};
-
-std::optional<std::int64_t> optional_id(const json& value, const std::string& what) {
-  if (value.is_null()) return std::nullopt;
-  TESSERA_CHECK(value.is_number_integer(), what, " must be a token id, found ", value.dump());
-  return value.get<std::int64_t>();
-}
-
-LlamaConfig read_config(const ConfigReader& r, const std::string& model_type_where) {
-  LlamaConfig c;
-  c.model_type = r.get_string("model_type", "llama");
-  if (std::find(kModelTypes.begin(), kModelTypes.end(), c.model_type) == kModelTypes.end())
-    TESSERA_FAIL(model_type_where, ": model_type \"", c.model_type, "\" is not supported; supported: \"llama\" ",
-                 "(LlamaForCausalLM), \"qwen2\" (Qwen2ForCausalLM)");
-  c.vocab_size = r.get_int("vocab_size", c.model_type == "qwen2" ? 151936 : 32000);
-  c.hidden_size = r.get_int("hidden_size", 4096);
-  c.intermediate_size = r.get_int("intermediate_size", c.model_type == "qwen2" ? 22016 : 11008);
-  c.num_hidden_layers = r.get_int("num_hidden_layers", 32);
-  c.num_attention_heads = r.get_int("num_attention_heads", 32);
-  c.num_key_value_heads = r.get_int("num_key_value_heads", c.num_attention_heads);
-  TESSERA_CHECK(c.num_attention_heads % c.num_key_value_heads == 0, r.where("num_key_value_heads"), " = ",
-                c.num_key_value_heads, " must divide num_attention_heads = ", c.num_attention_heads,
-                " (each key-value head serves a group of query heads)");
-  // head_dim: explicit, or hidden_size / num_attention_heads (null counts as absent, as in HF).
-  if (!r.has("head_dim"))
-    TESSERA_CHECK(c.hidden_size % c.num_attention_heads == 0, r.where("hidden_size"), " = ", c.hidden_size,
-                  " must be divisible by num_attention_heads = ", c.num_attention_heads, " (or set head_dim)");
-  c.head_dim = r.get_int("head_dim", c.hidden_size / c.num_attention_heads);
-  TESSERA_CHECK(c.head_dim % 2 == 0, r.where("head_dim"), " = ", c.head_dim, " must be even (rotary embeddings)");
-  c.max_position_embeddings = r.get_int("max_position_embeddings", c.model_type == "qwen2" ? 32768 : 2048);
-  c.rms_norm_eps = r.get_double("rms_norm_eps", 1e-6, 0.0);
-  c.rope_theta = r.get_double("rope_theta", 10000.0, 1e-300);
-  c.initializer_range = r.get_double("initializer_range", 0.02, 0.0);
-  c.tie_word_embeddings = r.get_bool("tie_word_embeddings", false);
-  c.attention_bias = r.get_bool("attention_bias", false);
-  c.mlp_bias = r.get_bool("mlp_bias", false);
-  const std::string act = r.get_string("hidden_act", "silu");
-  TESSERA_CHECK(act == "silu", r.where("hidden_act"), " = \"", act, "\" is not supported; supported: \"silu\" (SwiGLU)");
-  const double attention_dropout = r.get_double("attention_dropout", 0.0, 0.0);
-  TESSERA_CHECK(attention_dropout == 0.0, r.where("attention_dropout"), " = ", attention_dropout,
-                " is not supported; supported: 0.0 (as every released Llama)");
-  if (c.model_type == "qwen2") {
-    const bool sliding = r.get_bool("use_sliding_window", false);
-    TESSERA_CHECK(!sliding, r.where("use_sliding_window"), " = true is not supported; supported: false");
-  }
-  // rope_scaling (transformers 4.x) or rope_parameters (5.x, which carries rope_theta too).
-  json scaling = r.get_json("rope_scaling");
-  if (scaling.is_null()) {
-    scaling = r.file().contains("rope_parameters") ? r.file().at("rope_parameters") : json();
-    if (scaling.is_object() && scaling.contains("rope_theta") && !r.file().contains("rope_theta"))
-      c.rope_theta = scaling.at("rope_theta").get<double>();
-  }
-  if (!scaling.is_null()) {
-    const std::string where = r.where("rope_scaling");
-    TESSERA_CHECK(scaling.is_object(), where, " must be a table (rope_type = \"llama3\", factor = ...), found ",
-                  scaling.dump());
-    RopeScaling s;
-    s.type = scaling.value("rope_type", scaling.value("type", std::string("default")));
-    if (std::find(kRopeTypes.begin(), kRopeTypes.end(), s.type) == kRopeTypes.end())
-      TESSERA_FAIL(where, ": rope_scaling type \"", s.type, "\" is not supported; supported: \"default\", \"linear\", ",
-                   "\"llama3\"");
-    auto number = [&](const char* key, double fallback, bool required) {
-      if (!scaling.contains(key)) {
-        TESSERA_CHECK(!required, where, ": rope_scaling type \"", s.type, "\" needs ", key);
-        return fallback;
-      }
-      TESSERA_CHECK(scaling.at(key).is_number(), where, ": rope_scaling ", key, " must be a number, found ",
-                    scaling.at(key).dump());
-      return scaling.at(key).get<double>();
-    };
-    const bool scaled = s.type != "default";
-    s.factor = number("factor", 1.0, scaled);
-    const bool llama3 = s.type == "llama3";
-    s.low_freq_factor = number("low_freq_factor", 1.0, llama3);
-    s.high_freq_factor = number("high_freq_factor", 4.0, llama3);
-    s.original_max_position_embeddings = number("original_max_position_embeddings", 8192, llama3);
-    TESSERA_CHECK(!llama3 || s.high_freq_factor != s.low_freq_factor, where,
-                  ": rope_scaling high_freq_factor must differ from low_freq_factor");
-    c.rope_scaling = s;
-  }
-  c.pad_token_id = optional_id(r.get_json("pad_token_id"), r.where("pad_token_id"));
-  if (c.pad_token_id)
-    TESSERA_CHECK(*c.pad_token_id >= 0 && *c.pad_token_id < c.vocab_size, r.where("pad_token_id"), " = ",
-                  *c.pad_token_id, " is not a token id below vocab_size = ", c.vocab_size);
-  c.bos_token_id = optional_id(r.get_json("bos_token_id"), r.where("bos_token_id"));
-  const json eos = r.get_json("eos_token_id");
-  if (eos.is_array())
-    for (const auto& id : eos) c.eos_token_id.push_back(*optional_id(id, r.where("eos_token_id")));
-  else if (auto id = optional_id(eos, r.where("eos_token_id")))
-    c.eos_token_id.push_back(*id);
-  return c;
-}
-
 class Llama final : public sdk::Module, public sdk::HuggingFaceModel {
  public:
   explicit Llama(const sdk::Options& o) {
-    const ConfigReader reader(o);
-    config_ = read_config(reader, reader.where("model_type"));
+    const LlamaConfigReader reader(o);
+    config_ = read_llama_config(reader);
     attention_.kernel = toolkit::parse_attention_kernel(o.get_string("attention", "automatic"), o.locate("attention"));
     attention_.query_block = o.get_int("attention_query_block", 128, 1);
     predict_logits_ = o.get_choice("predict", "generate", {"generate", "logits"}) == "logits";

@@ -326,4 +326,57 @@ TEST(Restart, AJobWhoseRankDiesIsRestartedByTorchrunAndEndsWithTheUninterruptedL
   for (const auto& [name, tensor] : want) EXPECT_TRUE(tensor.equal(got.at(name))) << name;
 }
 
+// torchelastic's contract at a smaller world size (--nnodes=1:2): host b is lost mid-run, and
+// torchrun on host a restarts its two ranks as a job of world size 2, which resumes ([trainer]
+// resume = "auto") from the newest sharded checkpoint the four ranks committed. It trains exactly
+// as two ranks resumed from that checkpoint by hand do (the same sums in the same order: bitwise).
+TEST_F(OnTwoHosts, AnElasticJobThatLosesAHostGoesOnWithTheOtherFromTheShardedCheckpoint) {
+  if (const std::string why = torchrun_unavailable(); !why.empty()) GTEST_SKIP() << "SKIPPED: " << why;
+  auto config = [&](const std::string& dir) {
+    std::string path = write_config(dir, 30, "plugin = \"fsdp2\"\nstate_dict_type = \"sharded\"",
+                                    "[checkpoint_io]\nplugin = \"distributed\"\n[launch]\nnum_threads = 1\n");
+    std::string text = slurp(path);
+    text.replace(text.find("[logger]\nversion = \"0\"\n"), 23, "");
+    text.replace(text.find("[trainer]\n"), 10, "[trainer]\nresume = \"auto\"\ncheckpoint_every_n_steps = 2\n");
+    std::ofstream(path) << text;
+    return path;
+  };
+  std::string dir = tessera::testing::fresh_dir("elastic");
+  const std::string run = config(dir);
+  const std::string torchrun =
+      "CUDA_VISIBLE_DEVICES= /usr/bin/python3 -m torch.distributed.run --nnodes=1:2 --nproc_per_node=2 "
+      "--max_restarts=1 --rdzv_backend=c10d --rdzv_endpoint=" + hosts_.name(0) + ":" + std::to_string(kPort) +
+      " --rdzv_id=elastic --rdzv_conf=last_call_timeout=1 --redirects 2 --tee 2 --monitor_interval 1 --no_python " +
+      tessera::testing::tessera_binary() + " fit --config " + run;
+  auto job = std::async(std::launch::async, [&] { return hosts_.run_both(torchrun, torchrun, 240); });
+  // Host b goes once the four ranks have committed a few sharded saves.
+  auto until = Clock::now() + std::chrono::seconds(150);
+  while (Clock::now() < until && job.wait_for(std::chrono::milliseconds(200)) != std::future_status::ready &&
+         !std::regex_search(slurp(dir + "/version_0/logs/rank-3.log"), std::regex("step (7|8|9|1[0-9])")))
+    ;
+  hosts_.kill_all(1);
+  auto [a, b] = job.get();
+  ASSERT_EQ(a.exit_code, 0) << "host a:\n" << a.output << "\nhost b:\n" << b.output;
+  // The restarted attempt is a run of its own, of two ranks, resumed from a four-rank save.
+  const std::string log = slurp(dir + "/version_1/logs/rank-0.log");
+  EXPECT_CONTAINS(log, "2 rank(s)");
+  std::smatch restored;
+  ASSERT_TRUE(std::regex_search(log, restored, std::regex("restored (\\S+)"))) << log << a.output;
+  const std::string checkpoint = restored[1];
+  EXPECT_TRUE(fs::exists(checkpoint + "/manifest.json")) << checkpoint << " is a sharded checkpoint folder";
+  auto resumed = tessera::testing::metric_series(dir + "/version_1/metrics.csv", "train", "train_loss");
+  ASSERT_TRUE(resumed.count(30)) << "the restarted job reached max_steps\n" << log;
+  const std::int64_t first = resumed.begin()->first;
+  EXPECT_GE(first, 3) << "resumed after a save, not from the start";
+
+  // The same checkpoint resumed by hand on two ranks of one host.
+  std::string by_hand = tessera::testing::fresh_dir("elastic-reference");
+  auto reference = tessera::testing::run_tessera("fit --config " + config(by_hand) + " --ckpt-path " + checkpoint +
+                                                     " --set launch.devices=2", "", 240);
+  ASSERT_EQ(reference.exit_code, 0) << reference.output;
+  auto expected = tessera::testing::metric_series(by_hand + "/version_0/metrics.csv", "train", "train_loss");
+  ASSERT_EQ(expected.size(), resumed.size()) << reference.output;
+  for (const auto& [step, loss] : expected) EXPECT_EQ(resumed.at(step), loss) << "step " << step;
+}
+
 }  // namespace

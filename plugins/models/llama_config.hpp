@@ -1,0 +1,88 @@
+#pragma once
+// The llama plugin's configuration: Hugging Face's config.json keys (LlamaConfig's defaults),
+// from [model] TOML keys over the file [model] config names.
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "tessera/sdk/error.hpp"
+#include "tessera/sdk/options.hpp"
+
+namespace tessera::models {
+
+/// rope_scaling (Hugging Face's rope_type, or the older "type").
+struct RopeScaling {
+  std::string type = "default";
+  double factor = 1.0, low_freq_factor = 1.0, high_freq_factor = 4.0;
+  double original_max_position_embeddings = 8192;
+};
+
+/// config.json's keys, Hugging Face's LlamaConfig defaults.
+struct LlamaConfig {
+  std::string model_type = "llama";
+  std::int64_t vocab_size = 32000, hidden_size = 4096, intermediate_size = 11008, num_hidden_layers = 32,
+               num_attention_heads = 32, num_key_value_heads = 32, head_dim = 128, max_position_embeddings = 2048;
+  double rms_norm_eps = 1e-6, rope_theta = 10000.0, initializer_range = 0.02;
+  bool tie_word_embeddings = false, attention_bias = false, mlp_bias = false;
+  std::optional<RopeScaling> rope_scaling;
+  std::optional<std::int64_t> pad_token_id, bos_token_id;
+  std::vector<std::int64_t> eos_token_id;
+  /// Qwen2 biases q, k and v but not o; Llama's attention_bias biases all four.
+  bool qkv_bias() const { return model_type == "qwen2" || attention_bias; }
+  bool o_bias() const { return model_type == "llama" && attention_bias; }
+};
+
+/// The configuration: config.json's values (when [model] config names one) under the TOML keys.
+class LlamaConfigReader {
+ public:
+  explicit LlamaConfigReader(const sdk::Options& o);
+
+  /// Where a value came from, for messages.
+  std::string where(const std::string& key) const {
+    return o_.has(key) || path_.empty() || !json_.contains(key) ? o_.locate(key)
+                                                                 : "\"" + path_ + "\": " + key;
+  }
+
+  std::int64_t get_int(const std::string& key, std::int64_t fallback, std::int64_t min = 1) const {
+    return o_.get_int(key, from_json<std::int64_t>(key, fallback), min);
+  }
+  double get_double(const std::string& key, double fallback, double min = -1e300) const {
+    return o_.get_double(key, from_json<double>(key, fallback), min);
+  }
+  bool get_bool(const std::string& key, bool fallback) const { return o_.get_bool(key, from_json<bool>(key, fallback)); }
+  std::string get_string(const std::string& key, const std::string& fallback) const {
+    return o_.get_string(key, from_json<std::string>(key, fallback));
+  }
+  /// The TOML value if set (a table, an array or a scalar), else config.json's; null when neither.
+  nlohmann::json get_json(const std::string& key) const;
+  /// Set in the TOML or (not null) in config.json.
+  bool has(const std::string& key) const {
+    return o_.has(key) || (json_.contains(key) && !json_.at(key).is_null());
+  }
+  const nlohmann::json& file() const { return json_; }
+  const std::string& path() const { return path_; }
+
+ private:
+  template <typename T>
+  T from_json(const std::string& key, T fallback) const {
+    if (!json_.contains(key) || json_.at(key).is_null()) return fallback;
+    try {
+      return json_.at(key).get<T>();
+    } catch (const std::exception&) {
+      TESSERA_FAIL("\"", path_, "\": ", key, " = ", json_.at(key).dump(), " has the wrong type");
+    }
+  }
+
+  const sdk::Options& o_;
+  std::string path_;
+  nlohmann::json json_;
+};
+
+/// The whole configuration, checked: an unknown model_type or rope type, or values that do not
+/// fit together (heads, head_dim, token ids), are refused naming the key and where it was set.
+LlamaConfig read_llama_config(const LlamaConfigReader& r);
+
+}  // namespace tessera::models
