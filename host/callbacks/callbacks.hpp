@@ -14,6 +14,17 @@ namespace tessera::host {
 
 using NamedCallback = std::pair<std::string, std::shared_ptr<sdk::Callback>>;
 
+/// A capability of callbacks that keep their own copy of the model's weights (weight
+/// averaging): such a callback restores a checkpoint's trained weights itself (the trainer leaves
+/// them to it), and the memory plan counts its copy. The trainer and the plan look it up on the
+/// callbacks instead of matching their names.
+class KeepsWeightCopy {
+ public:
+  virtual ~KeepsWeightCopy() = default;
+  /// Whether the network's buffers are copied besides the parameters (use_buffers).
+  virtual bool copies_buffers() const = 0;
+};
+
 /// Every configured callback, checkpointing ones last (Lightning's order), with a default
 /// model_checkpoint from [trainer] checkpoint_every_n_steps / save_last when none is
 /// configured. Every key is checked here, before any work.

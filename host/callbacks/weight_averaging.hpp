@@ -12,12 +12,13 @@
 
 #include <ATen/ATen.h>
 
+#include "callbacks/callbacks.hpp"
 #include "tessera/sdk/callback.hpp"
 #include "tessera/sdk/options.hpp"
 
 namespace tessera::host {
 
-class WeightAveraging final : public sdk::Callback {
+class WeightAveraging final : public sdk::Callback, public KeepsWeightCopy {
  public:
   /// `ema`: ema_weight_averaging (`decay`), else weight_averaging (equal weights).
   WeightAveraging(const sdk::Options& options, bool ema);
@@ -33,6 +34,7 @@ class WeightAveraging final : public sdk::Callback {
   void on_save_checkpoint(sdk::Trainer& trainer, sdk::Checkpoint& checkpoint) override;
   void on_load_checkpoint(sdk::Trainer& trainer, const sdk::Checkpoint& checkpoint) override;
   std::string state_key() const override;
+  bool copies_buffers() const override { return use_buffers_; }
   sdk::Checkpoint state_dict() const override;
   void load_state_dict(const sdk::Checkpoint& state) override;
 

@@ -17,6 +17,7 @@
 #include <torch/csrc/autograd/grad_mode.h>
 #include <torch/version.h>
 
+#include "callbacks/callbacks.hpp"
 #include "cli/plugin_keys.hpp"
 #include "launch/launcher.hpp"
 #include "tessera/core/deferred_init.hpp"
@@ -391,12 +392,11 @@ PlannedJob plan_job(const Config& config, bool trace_activations) {
     model->configure_model();
   });
   job_setup([&] { Trainer::freeze_parameters(config, *model->network()); });  // no gradient, no moments
-  for (const auto& [name, options] : config.callbacks) {
-    const toml::table& table = options.table();
-    const std::string plugin = table["plugin"].value_or(name);
-    if (plugin != "weight_averaging" && plugin != "ema_weight_averaging") continue;
+  for (const auto& [name, callback] : make_callbacks(config, loader)) {
+    const auto* copy = dynamic_cast<const KeepsWeightCopy*>(callback.get());
+    if (copy == nullptr) continue;
     in.weight_averaging = true;
-    if (table["use_buffers"].value_or(true))
+    if (copy->copies_buffers())
       for (const auto& b : model->network()->buffers())
         in.averaged_buffer_bytes += static_cast<double>(b.numel()) * static_cast<double>(b.element_size());
   }

@@ -9,7 +9,6 @@
 #include <ATen/CPUGeneratorImpl.h>
 #include <c10/util/Exception.h>
 
-#include "callbacks/weight_averaging.hpp"
 #include "loggers/logger.hpp"
 #include "tessera/core/checkpoint.hpp"
 #include "tessera/core/checkpoint_folder.hpp"
@@ -113,7 +112,7 @@ void Trainer::resume_trained_weights(const sdk::Checkpoint& checkpoint, const st
   // Its callback restores both; without one, fit goes on from the trained weights.
   if (!checkpoint.contains(core::kCurrentModelStateKey)) return;
   for (const auto& [name, callback] : callbacks_)
-    if (dynamic_cast<WeightAveraging*>(callback.get()) != nullptr) return;
+    if (dynamic_cast<KeepsWeightCopy*>(callback.get()) != nullptr) return;
   strategy_->load_model_state_dict(
       core::state_dict_from(checkpoint.at(core::kCurrentModelStateKey), "checkpoint " + path + " [current_model_state]"),
       /*strict=*/true);
