@@ -69,6 +69,8 @@ std::vector<fs::path> corpus_files(const std::vector<std::string>& inputs, const
       add(f, walk);
     }
   }
+  TESSERA_CHECK(!files.empty(), flag, " ", sdk::join(inputs), ": no text file found",
+                skipped_binary > 0 ? " (" + std::to_string(skipped_binary) + " binary file(s) skipped)" : "");
   return files;
 }
 

@@ -467,8 +467,6 @@ int data_tool(int argc, char** argv) {
   try {
     std::int64_t skipped_binary = 0;
     std::vector<fs::path> files = corpus_files(settings.inputs, "--input", skipped_binary);
-    TESSERA_CHECK(!files.empty(), "--input ", sdk::join(settings.inputs), ": no text file found",
-                  skipped_binary > 0 ? " (" + std::to_string(skipped_binary) + " binary file(s) skipped)" : "");
     std::int64_t total = 0;
     for (const auto& f : files) total += static_cast<std::int64_t>(fs::file_size(f));
     std::cerr << "prepare: " << files.size() << " file(s), " << human(static_cast<double>(total)) << "B"

@@ -189,8 +189,6 @@ Options parse(const std::vector<std::string>& words) {
 void train(const Options& o) {
   std::int64_t skipped_binary = 0;
   const auto files = corpus_files(o.inputs, "--input", skipped_binary);
-  TESSERA_CHECK(!files.empty(), "--input ", sdk::join(o.inputs), ": no text file found",
-                skipped_binary > 0 ? " (" + std::to_string(skipped_binary) + " binary file(s) skipped)" : "");
   fs::create_directories(o.output);
   std::vector<std::pair<std::string, std::string>> flags{
       {"model_prefix", (fs::path(o.output) / "tokenizer").string()},

@@ -43,29 +43,64 @@ std::int64_t TokenManifest::total_documents() const {
 
 namespace {
 
-/// Write `bytes` to `path` through `path`.tmp, fsync'd, then renamed: readers see all or nothing.
-void write_atomically(const fs::path& path, const void* bytes, std::size_t size) {
-  const fs::path temporary = path.string() + ".tmp";
-  const int fd = ::open(temporary.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-  TESSERA_CHECK(fd >= 0, "cannot create ", temporary, ": ", std::strerror(errno));
-  const auto* p = static_cast<const char*>(bytes);
-  std::size_t done = 0;
-  while (done < size) {
-    const ssize_t n = ::write(fd, p + done, std::min<std::size_t>(size - done, 1 << 26));
-    if (n < 0 && errno == EINTR) continue;
-    if (n <= 0) {
+/// A file written through `path`.tmp in order, hashed as it goes, then flushed and renamed into
+/// place by commit(): readers see all or nothing. Never committed, the temporary is removed.
+class AtomicFile {
+ public:
+  explicit AtomicFile(fs::path final_path) : path_(std::move(final_path)), temporary_(path_.string() + ".tmp") {
+    XXH64_reset(hash_, 0);
+    fd_ = ::open(temporary_.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+    if (fd_ < 0) {
       const int error = errno;
-      ::close(fd);
-      TESSERA_FAIL("cannot write ", temporary, ": ", std::strerror(error));
+      XXH64_freeState(hash_);
+      TESSERA_FAIL("cannot create ", temporary_, ": ", std::strerror(error));
     }
-    done += static_cast<std::size_t>(n);
   }
-  const bool synced = ::fsync(fd) == 0;
-  ::close(fd);
-  TESSERA_CHECK(synced, "cannot flush ", temporary, ": ", std::strerror(errno));
-  std::error_code ec;
-  fs::rename(temporary, path, ec);
-  TESSERA_CHECK(!ec, "cannot rename ", temporary, " to ", path, ": ", ec.message());
+  ~AtomicFile() {
+    if (fd_ >= 0) {
+      ::close(fd_);
+      std::error_code ec;
+      fs::remove(temporary_, ec);
+    }
+    XXH64_freeState(hash_);
+  }
+  AtomicFile(const AtomicFile&) = delete;
+  AtomicFile& operator=(const AtomicFile&) = delete;
+
+  void write(const void* bytes, std::size_t size) {
+    XXH64_update(hash_, bytes, size);
+    const auto* p = static_cast<const char*>(bytes);
+    for (std::size_t done = 0; done < size;) {
+      const ssize_t n = ::write(fd_, p + done, std::min<std::size_t>(size - done, 1 << 26));
+      if (n < 0 && errno == EINTR) continue;
+      TESSERA_CHECK(n > 0, "cannot write ", temporary_, ": ", std::strerror(errno));
+      done += static_cast<std::size_t>(n);
+    }
+  }
+
+  /// Flushed, then renamed. Returns the content's XXH64 as 16 hex digits.
+  std::string commit() {
+    const bool synced = ::fsync(fd_) == 0;
+    const int error = errno;
+    ::close(fd_);
+    fd_ = -1;
+    TESSERA_CHECK(synced, "cannot flush ", temporary_, ": ", std::strerror(error));
+    std::error_code ec;
+    fs::rename(temporary_, path_, ec);
+    TESSERA_CHECK(!ec, "cannot rename ", temporary_, " to ", path_, ": ", ec.message());
+    return xxh64_hex(XXH64_digest(hash_));
+  }
+
+ private:
+  fs::path path_, temporary_;
+  int fd_ = -1;
+  XXH64_state_t* hash_ = XXH64_createState();
+};
+
+void write_atomically(const fs::path& path, const void* bytes, std::size_t size) {
+  AtomicFile file(path);
+  file.write(bytes, size);
+  file.commit();
 }
 
 /// Streams a file through `visit(bytes, size)` with a fixed buffer (pread: nothing mapped).
@@ -181,53 +216,8 @@ void write_manifest(const fs::path& dir, const TokenManifest& m) {
   write_atomically(dir / kManifestName, text.data(), text.size());
 }
 
-/// A temporary file written in order and hashed as it goes, renamed into place when complete.
-struct ShardWriter::File {
-  fs::path path, temporary;
-  int fd = -1;
-  XXH64_state_t* hash = XXH64_createState();
-
-  explicit File(fs::path final_path) : path(std::move(final_path)), temporary(path.string() + ".tmp") {
-    XXH64_reset(hash, 0);
-    fd = ::open(temporary.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-    if (fd < 0) {
-      const int error = errno;
-      XXH64_freeState(hash);
-      TESSERA_FAIL("cannot create ", temporary, ": ", std::strerror(error));
-    }
-  }
-  ~File() {
-    if (fd >= 0) {  // never committed
-      ::close(fd);
-      std::error_code ec;
-      fs::remove(temporary, ec);
-    }
-    XXH64_freeState(hash);
-  }
-
-  void write(const void* bytes, std::size_t size) {
-    XXH64_update(hash, bytes, size);
-    const auto* p = static_cast<const char*>(bytes);
-    for (std::size_t done = 0; done < size;) {
-      const ssize_t n = ::write(fd, p + done, std::min<std::size_t>(size - done, 1 << 26));
-      if (n < 0 && errno == EINTR) continue;
-      TESSERA_CHECK(n > 0, "cannot write ", temporary, ": ", std::strerror(errno));
-      done += static_cast<std::size_t>(n);
-    }
-  }
-
-  /// Flushed, then renamed: readers see all or nothing. Returns the content's XXH64.
-  std::string commit() {
-    const bool synced = ::fsync(fd) == 0;
-    const int error = errno;
-    ::close(fd);
-    fd = -1;
-    TESSERA_CHECK(synced, "cannot flush ", temporary, ": ", std::strerror(error));
-    std::error_code ec;
-    fs::rename(temporary, path, ec);
-    TESSERA_CHECK(!ec, "cannot rename ", temporary, " to ", path, ": ", ec.message());
-    return xxh64_hex(XXH64_digest(hash));
-  }
+struct ShardWriter::File : AtomicFile {
+  using AtomicFile::AtomicFile;
 };
 
 ShardWriter::ShardWriter(const fs::path& dir, const std::string& name, TokenDtype dtype)
