@@ -1,7 +1,9 @@
 // Collectives over real Gloo process groups, with and without the shared-memory channel beside
-// them (comm/shared_memory_channel.hpp), against a serial computation of the same result.
+// them (comm/shared_memory_channel.hpp), and in two levels over ranks that play several hosts
+// (comm/hierarchical_collectives.hpp), against a serial computation of the same result.
 #include <gtest/gtest.h>
 
+#include <cstdlib>
 #include <thread>
 
 #include <ATen/ATen.h>
@@ -20,15 +22,27 @@ at::Tensor input_of(std::int64_t rank, std::int64_t n, at::ScalarType dtype) {
   return (at::arange(n, at::kFloat) * 0.25 + static_cast<double>(rank) * 10 - 3).to(dtype);
 }
 
-/// (world size, shared memory): every test runs over Gloo alone and with the shared-memory channel.
-class Collectives : public ::testing::TestWithParam<std::tuple<int, bool>> {
+/// (world size, shared memory, hosts): every test runs over Gloo alone, with the shared-memory
+/// channel, and with ranks r and r + hosts on one host (rank % hosts: a host's ranks are not
+/// consecutive), which makes the gathers and reductions two-level.
+class Collectives : public ::testing::TestWithParam<std::tuple<int, bool, int>> {
  protected:
   /// The world group of this test's transport.
   static tessera::core::CommunicatorPtr world_group(const tessera::sdk::ClusterInfo& cluster) {
     tessera::core::CommSettings settings;
     settings.shared_memory = std::get<1>(GetParam());
     tessera::core::set_comm_settings(settings);
-    return make_communicator(cluster, c10::kCPU);
+    if (const int hosts = std::get<2>(GetParam()); hosts > 1)
+      ::setenv("TESSERA_TEST_HOST_ID", std::to_string(cluster.global_rank % hosts).c_str(), 1);
+    auto comm = make_communicator(cluster, c10::kCPU);
+    if (std::get<2>(GetParam()) > 1)
+      EXPECT_NE(tessera::core::world_transport().find("two levels: shared memory among the " +
+                                                      std::to_string(std::get<0>(GetParam()) / std::get<2>(GetParam())) +
+                                                      " ranks of each of " + std::to_string(std::get<2>(GetParam())) +
+                                                      " hosts, Gloo across hosts"),
+                std::string::npos)
+          << tessera::core::world_transport();
+    return comm;
   }
   /// Whether the channel must have carried the reductions and gathers.
   static bool expects_shared_memory() { return std::get<1>(GetParam()) && std::get<0>(GetParam()) > 1; }
@@ -218,7 +232,9 @@ TEST_P(Collectives, AsyncOverlapAndTwoDimensionalSplit) {
 /// collectives in place (the input is the output's own chunk, as FSDP gathers and reduces its
 /// flat buffers), every dtype the reductions take, and all-reduce results identical in every bit
 /// on every rank (DDP's replicas must not drift apart).
-TEST_P(Collectives, LargeMessagesInPlaceEveryDtypeSameBitsOnEveryRank) {
+class LargeCollectives : public Collectives {};  // fewer two-level layouts: each runs for seconds
+
+TEST_P(LargeCollectives, LargeMessagesInPlaceEveryDtypeSameBitsOnEveryRank) {
   const int world = std::get<0>(GetParam());
   tessera::testing::run_ranks(world, std::chrono::seconds(90), [&](const tessera::sdk::ClusterInfo& cluster) {
     auto comm = world_group(cluster);
@@ -256,6 +272,9 @@ TEST_P(Collectives, LargeMessagesInPlaceEveryDtypeSameBitsOnEveryRank) {
                           Case{at::kInt, ReduceOp::min, 9}, Case{at::kBFloat16, ReduceOp::sum, 1048577}}) {
       at::Tensor t = (wave(rank, c.numel, at::kDouble) * 10).to(c.dtype);
       comm->all_reduce(t, c.op, "all_reduce")->wait();
+      at::Tensor again = (wave(rank, c.numel, at::kDouble) * 10).to(c.dtype);
+      comm->all_reduce(again, c.op, "all_reduce again")->wait();
+      EXPECT_TRUE(at::equal(again, t)) << "the same all_reduce gave other bits the second time: " << c.dtype;
       at::Tensor rows = at::stack([&] {
         std::vector<at::Tensor> v;
         for (int r = 0; r < world; ++r) v.push_back((wave(r, c.numel, at::kDouble) * 10).to(c.dtype).to(at::kDouble));
@@ -275,11 +294,23 @@ TEST_P(Collectives, LargeMessagesInPlaceEveryDtypeSameBitsOnEveryRank) {
   });
 }
 
-INSTANTIATE_TEST_SUITE_P(WorldSizes, Collectives, ::testing::Combine(::testing::Values(1, 2, 3, 4), ::testing::Bool()),
-                         [](const auto& info) {
-                           return std::to_string(std::get<0>(info.param)) +
-                                  (std::get<1>(info.param) ? "_shared_memory" : "_gloo");
-                         });
+std::string transport_name(const ::testing::TestParamInfo<std::tuple<int, bool, int>>& info) {
+  const auto [world, shared_memory, hosts] = info.param;
+  return std::to_string(world) + (hosts > 1 ? "_two_levels_on_" + std::to_string(hosts) + "_hosts"
+                                  : shared_memory ? "_shared_memory" : "_gloo");
+}
+INSTANTIATE_TEST_SUITE_P(WorldSizes, Collectives,
+                         ::testing::Combine(::testing::Values(1, 2, 3, 4), ::testing::Bool(), ::testing::Values(1)),
+                         transport_name);
+// 2 hosts x 2 ranks, 2 x 3 and 3 x 2: pieces and chunks that divide nothing on either level.
+INSTANTIATE_TEST_SUITE_P(TwoLevels, Collectives,
+                         ::testing::Values(std::make_tuple(4, true, 2), std::make_tuple(6, true, 2),
+                                           std::make_tuple(6, true, 3)),
+                         transport_name);
+INSTANTIATE_TEST_SUITE_P(WorldSizes, LargeCollectives,
+                         ::testing::Combine(::testing::Values(1, 2, 3, 4), ::testing::Bool(), ::testing::Values(1)),
+                         transport_name);
+INSTANTIATE_TEST_SUITE_P(TwoLevels, LargeCollectives, ::testing::Values(std::make_tuple(4, true, 2)), transport_name);
 
 TEST(Collectives, LocalCommunicatorIsTheIdentity) {
   auto comm = tessera::core::make_local_communicator();

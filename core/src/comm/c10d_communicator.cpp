@@ -21,6 +21,9 @@
 #endif
 
 #include "c10d_shared.hpp"
+#include "gloo_collectives.hpp"
+#include "hierarchical_collectives.hpp"
+#include "host_layout.hpp"
 #include "shared_memory_channel.hpp"
 #include "store_text.hpp"
 #include "tessera/core/cluster.hpp"
@@ -32,6 +35,8 @@ namespace tessera::core {
 
 using namespace c10d_detail;
 using detail::to_bytes;
+using detail::to_c10d;
+using detail::wire_view;
 
 namespace {
 
@@ -39,16 +44,6 @@ namespace {
 /// backs it up this much later. NCCL gets this much more, so that the watchdog is first.
 constexpr double kGlooBackstopS = 10.0;
 constexpr double kNcclExtraTimeoutS = 30.0;
-
-c10d::ReduceOp to_c10d(sdk::ReduceOp op) {
-  switch (op) {
-    case sdk::ReduceOp::sum:
-    case sdk::ReduceOp::mean: return c10d::ReduceOp::SUM;  // mean = sum, then divide (Gloo has no AVG)
-    case sdk::ReduceOp::max: return c10d::ReduceOp::MAX;
-    case sdk::ReduceOp::min: return c10d::ReduceOp::MIN;
-  }
-  return c10d::ReduceOp::SUM;
-}
 
 std::int64_t bytes_of(const at::Tensor& t) { return t.numel() * static_cast<std::int64_t>(t.element_size()); }
 
@@ -160,40 +155,6 @@ class ReadyHandle final : public CommHandle {
   std::function<void()> finish_;
 };
 
-/// Gather, all-to-all and broadcast move 16-bit tensors as bytes, the one type every Gloo build
-/// moves: 1.13's has no bf16, Debian sid's 2.14 no 16-bit type at all ("Invalid scalar type").
-/// The bits are never interpreted on the way; reductions convert to fp32 instead. A 0-dim
-/// tensor goes as one element (a dtype view must widen its last dimension).
-at::Tensor wire_view(const at::Tensor& t) {
-  if (t.element_size() != 2) return t;
-  return (t.dim() == 0 ? t.view({1}) : t).view(at::kByte);
-}
-
-/// Receive buffers of Gloo's reduce_scatter (all_to_all + sum), reused across calls: FSDP
-/// reduces the same unit sizes every step, and a fresh buffer of tens of MB is page-faulted
-/// in on every call (a 64 MB reduce-scatter ran at 0.75x the all-gather's bandwidth).
-class ReceiveBufferPool {
- public:
-  at::Tensor take(const at::Tensor& like) {
-    std::lock_guard<std::mutex> lock(mutex_);
-    auto& idle = idle_[{like.numel(), like.scalar_type()}];
-    if (idle.empty()) return at::empty_like(like);
-    at::Tensor t = std::move(idle.back());
-    idle.pop_back();
-    return t;
-  }
-  void give(at::Tensor t) {
-    std::lock_guard<std::mutex> lock(mutex_);
-    auto& idle = idle_[{t.numel(), t.scalar_type()}];
-    if (idle.size() < kIdlePerSize) idle.push_back(std::move(t));
-  }
-
- private:
-  static constexpr std::size_t kIdlePerSize = 2;  // FSDP keeps two reductions in flight
-  std::mutex mutex_;
-  std::map<std::pair<std::int64_t, at::ScalarType>, std::vector<at::Tensor>> idle_;
-};
-
 template <typename Backend>
 class C10dCommunicator final : public Communicator {
  public:
@@ -203,13 +164,17 @@ class C10dCommunicator final : public Communicator {
       : store_(std::move(store)), backend_(std::move(backend)), rank_(rank), size_(size), global_rank_(global_rank),
         timeout_s_(timeout_s), backend_timeout_s_(backend_timeout_s), is_gloo_(is_gloo), name_(std::move(name)),
         monitor_(std::move(monitor)) {
-    if (is_gloo_ && shared_memory) shm_ = detail::SharedMemoryChannel::open(*store_, rank_, size_, backend_timeout_s_);
+    if (is_gloo_ && shared_memory && size_ > 1) channel_ = open_channel();
   }
   ~C10dCommunicator() override {
-    // After a timeout the backend's worker thread may still sit in the collective, and the
-    // backend's destructor would join it: leave it to the process's exit.
-    if (shared().poisoned) (void)backend_.release();
-    else shut_down();
+    // After a timeout the backend's worker thread, or the two-level channel's, may still sit
+    // in the collective, and their destructors would join them: leave them to the process's exit.
+    if (shared().poisoned) {
+      (void)backend_.release();
+      (void)channel_.release();
+    } else {
+      shut_down();
+    }
   }
 
   std::int64_t rank() const override { return rank_; }
@@ -221,32 +186,23 @@ class C10dCommunicator final : public Communicator {
   void shut_down() {}
   std::string transport() const {
     if (!is_gloo_) return "NCCL";
-    if (!shm_) {
-      std::lock_guard<std::mutex> lock(shared().mutex);
-      if (!shared().gloo_interface.empty()) return "Gloo over " + shared().gloo_interface;
-      return is_loopback(shared().gloo_address) ? std::string("Gloo") : "Gloo over " + shared().gloo_address;
-    }
-    return "shared memory among the " + std::to_string(size_) + " ranks of this host (Gloo for broadcasts and barriers)";
+    if (!channel_) return gloo_path();
+    return channel_->describe() + " (Gloo for broadcasts and barriers)";
   }
 
   CommHandlePtr all_gather(at::Tensor output, const at::Tensor& input, const std::string& tag) override {
     TESSERA_CHECK(output.is_contiguous() && output.numel() == input.numel() * size_, "all_gather (", tag,
                   "): output must be contiguous with ", input.numel() * size_, " elements, has ", output.numel());
     count(stats_.all_gather_bytes, bytes_of(input) * (size_ - 1));
-    if (shm_) {
+    if (channel_) {
       ++stats_.shared_memory_calls;
-      return handle(shm_->all_gather(output, input.contiguous()), nullptr, tag);
+      return handle(channel_->all_gather(output, input.contiguous()), nullptr, tag);
     }
     if (!is_gloo_) {  // NCCL: one flat all-gather straight into the output
       at::Tensor flat_in = input.contiguous().view({-1});
       return handle(backend_->_allgather_base(output, flat_in), [flat_in] {}, tag);
     }
-    at::Tensor in = wire_view(input.contiguous()).view({-1});
-    at::Tensor out = wire_view(output).view({-1});
-    std::vector<std::vector<at::Tensor>> outputs(1);
-    for (std::int64_t r = 0; r < size_; ++r) outputs[0].push_back(out.narrow(0, r * in.numel(), in.numel()));
-    std::vector<at::Tensor> inputs{in};
-    return handle(backend_->allgather(outputs, inputs), nullptr, tag);
+    return handle(detail::gloo_all_gather(*backend_, output, input, size_), tag);
   }
 
   CommHandlePtr reduce_scatter(at::Tensor output, const at::Tensor& input, sdk::ReduceOp op,
@@ -264,41 +220,22 @@ class C10dCommunicator final : public Communicator {
       }, tag);
     }
     at::Tensor in = input.contiguous().view({-1});
-    if (shm_ && output.is_contiguous() && output.scalar_type() == in.scalar_type() &&
+    if (channel_ && output.is_contiguous() && output.scalar_type() == in.scalar_type() &&
         detail::SharedMemoryChannel::reduces(in.scalar_type())) {
       ++stats_.shared_memory_calls;
-      return handle(shm_->reduce_scatter(output, in, op), nullptr, tag);
+      return handle(channel_->reduce_scatter(output, in, op), nullptr, tag);
     }
-    // Gloo: all_to_all + local sum: each rank receives every rank's copy of its own chunk, the same
-    // bytes on the wire as a ring reduce-scatter (the 1.13 Gloo backend has no reduce_scatter).
-    at::Tensor received = receive_pool_->take(in);
-    std::vector<std::int64_t> splits;
-    at::Tensor wire_out = wire_view(received), wire_in = wire_view(in);
-    WorkPtr work = backend_->alltoall_base(wire_out, wire_in, splits, splits);
-    std::int64_t n = size_;
-    return handle(work, [received, output, op, n, pool = receive_pool_]() mutable {
-      reduce_rows(received.view({n, -1}), output, op);
-      pool->give(std::move(received));
-    }, tag);
+    return handle(detail::gloo_reduce_scatter(*backend_, receive_pool_, output, in, op, size_), tag);
   }
 
   CommHandlePtr all_reduce(at::Tensor tensor, sdk::ReduceOp op, const std::string& tag) override {
     count(stats_.all_reduce_bytes, bytes_of(tensor));
-    if (shm_ && tensor.is_contiguous() && detail::SharedMemoryChannel::reduces(tensor.scalar_type())) {
+    if (channel_ && tensor.is_contiguous() && detail::SharedMemoryChannel::reduces(tensor.scalar_type())) {
       ++stats_.shared_memory_calls;
-      return handle(shm_->all_reduce(tensor, op), nullptr, tag);
+      return handle(channel_->all_reduce(tensor, op), nullptr, tag);
     }
-    bool low_precision = is_gloo_ && (tensor.scalar_type() == at::kBFloat16 || tensor.scalar_type() == at::kHalf);
-    at::Tensor wire = low_precision || !tensor.is_contiguous() ? tensor.to(at::kFloat).contiguous() : tensor;
-    std::vector<at::Tensor> tensors{wire};
-    c10d::AllreduceOptions options;
-    options.reduceOp = to_c10d(op);
-    WorkPtr work = backend_->allreduce(tensors, options);
-    std::int64_t n = size_;
-    return handle(work, [tensor, wire, op, n]() mutable {
-      if (op == sdk::ReduceOp::mean) wire.div_(static_cast<double>(n));
-      if (!wire.is_same(tensor)) tensor.copy_(wire);
-    }, tag);
+    // NCCL reduces 16-bit tensors as they are.
+    return handle(detail::gloo_all_reduce(*backend_, tensor, op, size_, /*sixteen_bit_in_fp32=*/is_gloo_), tag);
   }
 
   CommHandlePtr broadcast(at::Tensor tensor, std::int64_t src, const std::string& tag) override {
@@ -373,6 +310,37 @@ class C10dCommunicator final : public Communicator {
   CommHandlePtr handle(WorkPtr work, std::function<void()> finish, const std::string& tag) {
     return handle(std::move(work), std::move(finish), tag, /*stream_ordered=*/!is_gloo_);
   }
+  CommHandlePtr handle(detail::GlooIssued issued, const std::string& tag) {
+    return handle(std::move(issued.work), std::move(issued.finish), tag);
+  }
+
+  /// "Gloo", or "Gloo over" the interface or address every Gloo group binds.
+  static std::string gloo_path() {
+    std::lock_guard<std::mutex> lock(shared().mutex);
+    if (!shared().gloo_interface.empty()) return "Gloo over " + shared().gloo_interface;
+    return is_loopback(shared().gloo_address) ? std::string("Gloo") : "Gloo over " + shared().gloo_address;
+  }
+
+  /// Shared memory when the group's ranks are all on this host; two levels when they span hosts
+  /// with two or more on each (as many on every host); else none: Gloo carries everything.
+  /// Every rank reads the same layout from the store, so all take the same path.
+  std::unique_ptr<detail::CollectiveChannel> open_channel() {
+    const detail::HostLayout layout = detail::exchange_host_layout(*store_, rank_, size_);
+    if (layout.hosts.size() == 1) return detail::SharedMemoryChannel::open(*store_, rank_, size_, layout.pids, backend_timeout_s_);
+    const std::int64_t per_host = layout.ranks_per_host();
+    if constexpr (std::is_same_v<Backend, c10d::ProcessGroupGloo>) {
+      if (per_host < 2) return nullptr;
+      auto within_store = c10::make_intrusive<c10d::PrefixStore>("host" + std::to_string(layout.host), store_);
+      auto within = detail::SharedMemoryChannel::open(*within_store, layout.local, per_host, layout.local_pids(),
+                                                      backend_timeout_s_);
+      if (!detail::on_every_rank(*store_, "tessera/two-levels", rank_, size_, within != nullptr)) return nullptr;
+      auto across_store = c10::make_intrusive<c10d::PrefixStore>("across" + std::to_string(layout.local), store_);
+      auto across = make_backend(across_store, layout.host, static_cast<std::int64_t>(layout.hosts.size()));
+      return std::make_unique<detail::HierarchicalCollectives>(layout, std::move(within), std::move(across),
+                                                               gloo_path(), backend_timeout_s_);
+    }
+    return nullptr;
+  }
   CommHandlePtr handle(WorkPtr work, std::function<void()> finish, const std::string& tag, bool stream_ordered) {
     return std::make_shared<C10dHandle>(std::move(work), std::move(finish), tag, global_rank_, timeout_s_, monitor_,
                                         stream_ordered);
@@ -391,8 +359,8 @@ class C10dCommunicator final : public Communicator {
   std::vector<std::int64_t> members_;
   std::shared_ptr<Monitor> monitor_;
   CommStats stats_;
-  std::shared_ptr<ReceiveBufferPool> receive_pool_ = std::make_shared<ReceiveBufferPool>();
-  std::unique_ptr<detail::SharedMemoryChannel> shm_;  ///< null: Gloo carries every collective
+  std::shared_ptr<detail::ReceiveBufferPool> receive_pool_ = std::make_shared<detail::ReceiveBufferPool>();
+  std::unique_ptr<detail::CollectiveChannel> channel_;  ///< null: Gloo carries every collective
 };
 
 c10::intrusive_ptr<c10d::ProcessGroupGloo> make_gloo(const c10::intrusive_ptr<c10d::Store>& store, std::int64_t rank,

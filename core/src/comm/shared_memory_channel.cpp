@@ -12,12 +12,8 @@
 #include <chrono>
 #include <climits>
 #include <cmath>
-#include <condition_variable>
 #include <cstring>
-#include <deque>
-#include <fstream>
 #include <functional>
-#include <mutex>
 #include <random>
 #include <stdexcept>
 #include <string>
@@ -27,6 +23,8 @@
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 
+#include "host_layout.hpp"
+#include "serial_work_queue.hpp"
 #include "store_text.hpp"
 #include "tessera/core/cluster.hpp"
 #include "tessera/sdk/error.hpp"
@@ -67,20 +65,6 @@ std::size_t layout_bytes(std::int64_t world) {
                                    static_cast<std::size_t>(SharedMemoryChannel::kSlotBytes);
 }
 
-std::string read_link(const char* path) {
-  char buffer[256];
-  ssize_t n = ::readlink(path, buffer, sizeof(buffer) - 1);
-  return n > 0 ? std::string(buffer, static_cast<std::size_t>(n)) : std::string("?");
-}
-
-/// Ranks that can share a segment: same kernel boot, same mounts (/dev/shm), same pids.
-std::string host_identity() {
-  std::ifstream boot("/proc/sys/kernel/random/boot_id");
-  std::string boot_id;
-  std::getline(boot, boot_id);
-  return boot_id + " " + read_link("/proc/self/ns/mnt") + " " + read_link("/proc/self/ns/pid");
-}
-
 /// False once `pid` is gone or a zombie (its launcher has not reaped it yet).
 bool alive(pid_t pid) {
   const char state = core::process_state(pid);
@@ -94,11 +78,6 @@ void wake(std::atomic<std::uint32_t>& word) {
 bool reached(std::uint32_t value, std::uint32_t target) {
   return static_cast<std::int32_t>(value - target) >= 0;  // wrap-safe
 }
-
-class ShmWork final : public c10d::Work {
- public:
-  void complete(std::exception_ptr error = nullptr) { finish(std::move(error)); }
-};
 
 /// dst[i] := op over sources (in rank order) of src[i], accumulating in Acc; mean divides by
 /// the number of sources at the end (as the Gloo path's sum, then divide).
@@ -170,25 +149,15 @@ struct SharedMemoryChannel::Impl {
   void* base = MAP_FAILED;
   std::size_t length = 0;
 
-  // Worker thread state.
+  // The worker thread's state.
   std::uint64_t rounds = 0;
-  std::string broken;  ///< why the channel stopped: every later collective fails with it
   Clock::time_point deadline;
   Clock::time_point next_liveness_check;
   std::vector<float> scratch;
-
-  std::mutex mutex;
-  std::condition_variable ready;
-  std::deque<std::pair<std::function<void()>, c10::intrusive_ptr<ShmWork>>> queue;
-  std::atomic<bool> stop{false};
-  std::thread worker;
+  SerialWorkQueue queue;
 
   ~Impl() {
-    if (worker.joinable()) {
-      stop = true;
-      ready.notify_all();
-      worker.join();
-    }
+    queue.close();  // before the segment goes: the worker may be inside a round
     if (base != MAP_FAILED) ::munmap(base, length);
   }
 
@@ -220,7 +189,7 @@ struct SharedMemoryChannel::Impl {
       timespec sleep{0, std::chrono::duration_cast<std::chrono::nanoseconds>(kSleep).count()};
       ::syscall(SYS_futex, reinterpret_cast<std::uint32_t*>(&word), FUTEX_WAIT, seen, &sleep, nullptr, 0);
       if (reached(word.load(std::memory_order_acquire), target)) return;
-      if (stop) throw std::runtime_error("the shared-memory channel was closed");
+      if (queue.closing()) throw std::runtime_error("the shared-memory channel was closed");
       const Clock::time_point now = Clock::now();
       if (now >= next_liveness_check) {
         next_liveness_check = now + std::chrono::duration_cast<Clock::duration>(
@@ -255,72 +224,31 @@ struct SharedMemoryChannel::Impl {
     wake(counters(rank).read.value);
   }
 
-  c10::intrusive_ptr<c10d::Work> submit(std::function<void()> run) {
-    auto work = c10::make_intrusive<ShmWork>();
-    {
-      std::lock_guard<std::mutex> lock(mutex);
-      queue.emplace_back(std::move(run), work);
-    }
-    ready.notify_one();
-    return work;
-  }
-
-  void serve() {
-    for (;;) {
-      std::pair<std::function<void()>, c10::intrusive_ptr<ShmWork>> op;
-      {
-        std::unique_lock<std::mutex> lock(mutex);
-        ready.wait(lock, [this] { return stop || !queue.empty(); });
-        if (queue.empty()) return;
-        op = std::move(queue.front());
-        queue.pop_front();
-      }
-      if (stop && broken.empty()) broken = "the shared-memory channel was closed";
-      if (!broken.empty()) {
-        op.second->complete(std::make_exception_ptr(std::runtime_error(broken)));
-        continue;
-      }
-      try {
-        deadline = Clock::now() + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(timeout_s));
-        op.first();
-        op.second->complete();
-      } catch (const std::exception& e) {
-        broken = e.what();  // the ranks' rounds no longer line up: nothing after this can run
-        op.second->complete(std::current_exception());
-      }
-    }
+  /// Runs `collective` on the worker thread, bounded by the timeout from its start.
+  c10::intrusive_ptr<c10d::Work> submit(std::function<void()> collective) {
+    return queue.submit([this, collective = std::move(collective)] {
+      deadline = Clock::now() + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(timeout_s));
+      collective();
+    });
   }
 };
 
-SharedMemoryChannel::SharedMemoryChannel(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {
-  Impl* self = impl_.get();
-  impl_->worker = std::thread([self] { self->serve(); });
-}
+SharedMemoryChannel::SharedMemoryChannel(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 
 SharedMemoryChannel::~SharedMemoryChannel() = default;
 
 std::unique_ptr<SharedMemoryChannel> SharedMemoryChannel::open(c10d::Store& store, std::int64_t rank,
-                                                               std::int64_t size, double timeout_s) {
+                                                               std::int64_t size, std::vector<pid_t> pids,
+                                                               double timeout_s) {
   if (size < 2) return nullptr;
   auto impl = std::make_unique<Impl>();
   impl->rank = rank;
   impl->world = size;
   impl->timeout_s = timeout_s;
   impl->length = layout_bytes(size);
+  impl->pids = std::move(pids);
 
-  // 1. Are we all on one host? Every rank reads every rank's identity, so all decide alike.
-  const std::string me = host_identity();
-  store.set("tessera/shm/host/" + std::to_string(rank), to_bytes(me + "\n" + std::to_string(::getpid())));
-  bool one_host = true;
-  for (std::int64_t r = 0; r < size; ++r) {
-    std::string entry = to_string(store.get("tessera/shm/host/" + std::to_string(r)));
-    std::size_t nl = entry.find('\n');
-    one_host = one_host && entry.substr(0, nl) == me;
-    impl->pids.push_back(static_cast<pid_t>(std::stol(entry.substr(nl + 1))));
-  }
-  if (!one_host) return nullptr;
-
-  // 2. Rank 0 makes the segment (space reserved up front: a full /dev/shm fails here, not
+  // Rank 0 makes the segment (space reserved up front: a full /dev/shm fails here, not
   // with SIGBUS mid-collective); the others map it; it is unlinked once all have it open.
   std::string name;
   if (rank == 0) {
@@ -359,13 +287,16 @@ std::unique_ptr<SharedMemoryChannel> SharedMemoryChannel::open(c10d::Store& stor
       }
     }
   }
-  store.set("tessera/shm/opened/" + std::to_string(rank), to_bytes(impl->base != MAP_FAILED ? "1" : "0"));
-  bool everyone = true;
-  for (std::int64_t r = 0; r < size; ++r)
-    everyone = to_string(store.get("tessera/shm/opened/" + std::to_string(r))) == "1" && everyone;
+  const bool everyone = on_every_rank(store, "tessera/shm/opened", rank, size, impl->base != MAP_FAILED);
   if (rank == 0 && !name.empty()) ::shm_unlink(name.c_str());  // nothing left in /dev/shm, even after a crash
   if (!everyone) return nullptr;
   return std::unique_ptr<SharedMemoryChannel>(new SharedMemoryChannel(std::move(impl)));
+}
+
+void SharedMemoryChannel::close() { impl_->queue.close(); }
+
+std::string SharedMemoryChannel::describe() const {
+  return "shared memory among the " + std::to_string(impl_->world) + " ranks of this host";
 }
 
 bool SharedMemoryChannel::reduces(at::ScalarType dtype) {
