@@ -142,6 +142,7 @@ struct Layout {
   const char* name;
   const char* strategy;  ///< the [strategy] table
   int tp;                ///< ranks that see the same batch
+  const char* path = "";  ///< what the log says carries a group's collectives
 };
 
 class Parity : public OnTwoHosts, public ::testing::WithParamInterface<Layout> {};
@@ -181,6 +182,52 @@ INSTANTIATE_TEST_SUITE_P(
                              "plugin = \"fsdp\"\nsharding_strategy = \"HYBRID_SHARD\"\nhybrid_shard_group_size = 2", 1},
                       Layout{"fsdp2_hsdp", "plugin = \"fsdp2\"\ndata_parallel_replicate_size = 2", 1},
                       Layout{"fsdp2_dp2_tp2", "plugin = \"fsdp2\"\ntensor_parallel_size = 2", 2}),
+    [](const ::testing::TestParamInfo<Layout>& info) { return std::string(info.param.name); });
+
+/// With shared memory on (the default), a group across hosts runs in two levels: shared memory
+/// among a host's ranks, Gloo only between the hosts. Its sums run in another order than one
+/// host's, so the two agree to rounding; two runs on two hosts agree in every bit.
+class TwoLevelParity : public OnTwoHosts, public ::testing::WithParamInterface<Layout> {};
+
+TEST_P(TwoLevelParity, TwoHostsMatchOneHostAndRepeatTheirBits) {
+  const Layout layout = GetParam();
+  const std::string sets = "--set launch.num_threads=1";
+  std::string one = tessera::testing::fresh_dir(std::string("two-level-one-") + layout.name);
+  auto single = tessera::testing::run_tessera(
+      "fit --config " + write_config(one, 3, layout.strategy) + " --set launch.devices=4 " + sets, "", 240);
+  ASSERT_EQ(single.exit_code, 0) << single.output;
+  const auto reference = losses(one);
+  ASSERT_EQ(reference.size(), 3u) << single.output;
+
+  std::string runs[2];
+  for (std::string& two : runs) {
+    two = tessera::testing::fresh_dir(std::string("two-level-two-") + layout.name);
+    std::string config = write_config(two, 3, layout.strategy);
+    auto [a, b] = hosts_.run_both(node_args(hosts_, config, 0, sets), node_args(hosts_, config, 1, sets), 240);
+    ASSERT_EQ(a.exit_code, 0) << "host a:\n" << a.output << "\nhost b:\n" << b.output;
+    ASSERT_EQ(b.exit_code, 0) << "host b:\n" << b.output << "\nhost a:\n" << a.output;
+    const auto across = losses(two);
+    ASSERT_EQ(across.size(), 3u) << a.output;
+    for (const auto& [step, loss] : reference)
+      EXPECT_NEAR(across.at(step), loss, 1e-5 * std::abs(loss)) << layout.name << " step " << step;
+    EXPECT_CONTAINS(slurp(two + "/version_0/logs/rank-2.log"), layout.path);
+  }
+  EXPECT_EQ(slurp(runs[0] + "/version_0/metrics.csv"), slurp(runs[1] + "/version_0/metrics.csv"));
+  const std::string weights[2] = {slurp(runs[0] + "/version_0/checkpoints/last.ckpt"),
+                                  slurp(runs[1] + "/version_0/checkpoints/last.ckpt")};
+  ASSERT_FALSE(weights[0].empty());
+  EXPECT_TRUE(weights[0] == weights[1]) << "the two runs' checkpoints differ";
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Layouts, TwoLevelParity,
+    ::testing::Values(
+        // The world group spans both hosts, two ranks on each.
+        Layout{"fsdp_full_shard", "plugin = \"fsdp\"", 1,
+               "two levels: shared memory among the 2 ranks of each of 2 hosts, Gloo over 10.77.0.2 across hosts"},
+        // Shards within each host (shared memory), replicas across (one rank per host: Gloo).
+        Layout{"fsdp2_hsdp", "plugin = \"fsdp2\"\ndata_parallel_replicate_size = 2", 1,
+               "group ranks 2-3: shared memory among the 2 ranks of this host"}),
     [](const ::testing::TestParamInfo<Layout>& info) { return std::string(info.param.name); });
 
 // ---------------------------------------------------------------- start-up refused, bounded
