@@ -32,6 +32,18 @@ double ring_bytes_sent(const std::string& kind, double bytes, std::int64_t group
   return (kind == "all_reduce" ? 2.0 : 1.0) * share * bytes;
 }
 
+double crossing_hosts_bytes(const std::string& kind, double data_bytes, std::int64_t world, std::int64_t local_ranks,
+                            bool two_levels, bool cuda) {
+  if (cuda) return -1;
+  const auto n = static_cast<double>(world), per_host = static_cast<double>(local_ranks);
+  const std::int64_t hosts = world / std::max<std::int64_t>(1, local_ranks);
+  if (hosts <= 1) return 0;
+  if (local_ranks <= 1) return ring_bytes_sent(kind, data_bytes, world);  // every rank its own host
+  if (two_levels) return ring_bytes_sent(kind, data_bytes / per_host, hosts);
+  if (kind == "reduce_scatter") return data_bytes / n * (n - per_host);
+  return ring_bytes_sent(kind, data_bytes, world) * static_cast<double>(hosts) / n;
+}
+
 int optimizer_moments(const std::string& optimizer, double momentum) {
   if (optimizer == "sgd") return momentum > 0 ? 1 : 0;
   return 2;  // adam, adamw: exp_avg and exp_avg_sq
@@ -135,7 +147,23 @@ MemoryPlan make_plan(const PlanInputs& in) {
     t.data_bytes = c.bytes * (c.kind == "all_gather" ? static_cast<double>(in.accumulate_grad_batches) : 1.0);
     t.sent_bytes = ring_bytes_sent(c.kind, t.data_bytes, c.group_size);
     plan.sent_per_step += t.sent_bytes;
+    // Which ranks a smaller group holds is the strategy's: only groups of every rank are known.
+    if (c.group_size == in.world_size)
+      t.crossing_bytes = crossing_hosts_bytes(c.kind, t.data_bytes, in.world_size, in.local_ranks,
+                                              in.two_level_collectives, in.cuda);
     plan.traffic.push_back(t);
+  }
+  if (in.world_size > in.local_ranks && !in.cuda) {
+    plan.crossing_per_step = 0;
+    for (const auto& t : plan.traffic) {
+      if (t.crossing_bytes < 0 && t.group_size > 1) {
+        plan.crossing_per_step = -1;  // a group of some ranks only
+        break;
+      }
+      plan.crossing_per_step += std::max(0.0, t.crossing_bytes);
+    }
+    plan.crossing_how = in.two_level_collectives && in.local_ranks > 1 ? "two levels: shared memory within a host"
+                                                                       : "Gloo alone";
   }
   if (!l.notes.empty()) plan.notes.push_back(l.notes);
   if (in.accumulate_grad_batches > 1 && !in.layout_of_micro_batches)
@@ -186,6 +214,12 @@ std::string format_plan(const MemoryPlan& plan, std::int64_t world_size, std::in
     }
     std::snprintf(line, sizeof(line), "    %-15s %10s\n", "total", mb(plan.sent_per_step).c_str());
     out += line;
+    if (plan.crossing_per_step >= 0) {
+      std::snprintf(line, sizeof(line), "    %-15s %10s  per rank on average (%lld hosts; %s)\n", "between hosts",
+                    mb(plan.crossing_per_step).c_str(), static_cast<long long>(world_size / local_ranks),
+                    plan.crossing_how.c_str());
+      out += line;
+    }
   }
   for (const auto& note : plan.notes) out += "  note: " + note + "\n";
   return out;
@@ -218,6 +252,9 @@ std::string plan_json(const MemoryPlan& plan, std::int64_t world_size, std::int6
                                       {"on_device", on_device},
                                       {"peak_cuda_per_rank_bytes", whole(plan.device_peak)},
                                       {"sent_per_step_bytes", whole(plan.sent_per_step)},
+                                      {"between_hosts_per_step_bytes", plan.crossing_per_step >= 0
+                                                                           ? nlohmann::ordered_json(whole(plan.crossing_per_step))
+                                                                           : nlohmann::ordered_json()},
                                       {"largest_batch_size", plan.largest_batch_size
                                                                  ? nlohmann::ordered_json(*plan.largest_batch_size)
                                                                  : nlohmann::ordered_json()},

@@ -20,6 +20,8 @@ struct PlanInputs {
   std::int64_t world_size = 1;
   std::int64_t local_ranks = 1;              ///< ranks on this machine
   std::int64_t accumulate_grad_batches = 1;
+  /// CPU groups across hosts gather and reduce in two levels ([launch] shared_memory_collectives).
+  bool two_level_collectives = false;
   bool layout_of_micro_batches = false;  ///< the layout counts what accumulating micro-batches keeps (fsdp, fsdp2)
   double activation_bytes = 0;     ///< what autograd keeps from one forward (the trace)
   double baseline_bytes = 0;       ///< the process with LibTorch, the plugins and the data loaded
@@ -64,6 +66,7 @@ struct PlanTraffic {
   std::int64_t group_size = 1;
   double data_bytes = 0;  ///< full size of the data, summed over the step's calls
   double sent_bytes = 0;  ///< ring algorithm: (g-1)/g of it for all-gather and reduce-scatter, 2(g-1)/g all-reduce
+  double crossing_bytes = -1;  ///< of those, what crosses between hosts (crossing_hosts_bytes()); < 0: not known
 };
 
 struct MemoryPlan {
@@ -79,6 +82,8 @@ struct MemoryPlan {
   double job_bytes = 0;          ///< peak x local ranks: what this machine must hold
   std::vector<PlanTraffic> traffic;
   double sent_per_step = 0;      ///< bytes each rank sends per optimizer step
+  double crossing_per_step = -1; ///< of those, bytes between hosts (a job on several hosts; < 0: not known)
+  std::string crossing_how;      ///< "two levels" or "Gloo's rings", for the report
   std::vector<std::string> notes;
   /// The largest per-rank [data] batch_size that fits this machine (largest_batch_size()), and
   /// what bounds it, e.g. "the 20480 MB available to 2 local rank(s)"; absent when not planned.
@@ -88,6 +93,13 @@ struct MemoryPlan {
 
 /// Bytes a rank sends for a collective over `group` ranks on data of `bytes` (ring algorithm).
 double ring_bytes_sent(const std::string& kind, double bytes, std::int64_t group);
+/// Of the bytes a rank sends for a collective over every rank of a job on `world / local_ranks`
+/// hosts, those that cross between hosts, on average over the ranks: in two levels a host's
+/// ranks exchange only their own part with the other hosts (ring_bytes_sent of data / local
+/// ranks over the hosts); through Gloo alone, H of a ring's N steps cross, and an all-to-all's
+/// reduce-scatter sends to every rank of the other hosts. Negative on CUDA (NCCL's own routes).
+double crossing_hosts_bytes(const std::string& kind, double data_bytes, std::int64_t world, std::int64_t local_ranks,
+                            bool two_levels, bool cuda);
 /// Bytes as the report prints them: "123 MB" (MiB, whole).
 std::string mb(double bytes);
 /// Moments the optimizer keeps per parameter element: adam/adamw 2, sgd with momentum 1, else 0.

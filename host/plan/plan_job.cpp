@@ -378,6 +378,7 @@ PlannedJob plan_job(const Config& config, bool trace_activations) {
   in.local_ranks = job.local_ranks;
   in.accumulate_grad_batches = config.trainer.accumulate_grad_batches;
   in.cuda = trains_on_cuda(config);
+  in.two_level_collectives = config.launch.shared_memory_collectives;
   if (in.cuda) in.cublas_workspace_bytes = cublas_workspace_bytes(std::getenv("CUBLAS_WORKSPACE_CONFIG"), cuda_compute_major(config));
   // What the strategy says of its layout (sdk::StrategyMemoryLayout); a strategy without it
   // gets a plan that says its layout is unknown.

@@ -52,6 +52,22 @@ TEST(PlanArithmetic, RingBytes) {
   EXPECT_EQ(host::optimizer_moments("sgd", 0), 0);
 }
 
+/// 2 hosts x 2 ranks, 400 bytes of data: what crosses between the hosts per rank, on average.
+TEST(PlanArithmetic, BytesBetweenHosts) {
+  // Two levels: a rank exchanges only its own 100 with the other host, an all-reduce its 200 piece.
+  EXPECT_DOUBLE_EQ(host::crossing_hosts_bytes("all_gather", 400, 4, 2, true, false), 100);
+  EXPECT_DOUBLE_EQ(host::crossing_hosts_bytes("reduce_scatter", 400, 4, 2, true, false), 100);
+  EXPECT_DOUBLE_EQ(host::crossing_hosts_bytes("all_reduce", 400, 4, 2, true, false), 200);
+  // Gloo alone: 2 of a 4-rank ring's steps cross; an all-to-all sends 100 to each of 2 remote ranks.
+  EXPECT_DOUBLE_EQ(host::crossing_hosts_bytes("all_gather", 400, 4, 2, false, false), 150);
+  EXPECT_DOUBLE_EQ(host::crossing_hosts_bytes("all_reduce", 400, 4, 2, false, false), 300);
+  EXPECT_DOUBLE_EQ(host::crossing_hosts_bytes("reduce_scatter", 400, 4, 2, false, false), 200);
+  // One host: nothing crosses; one rank per host: everything it sends does; NCCL: not known.
+  EXPECT_DOUBLE_EQ(host::crossing_hosts_bytes("all_gather", 400, 4, 4, true, false), 0);
+  EXPECT_DOUBLE_EQ(host::crossing_hosts_bytes("all_gather", 400, 4, 1, true, false), 300);
+  EXPECT_LT(host::crossing_hosts_bytes("all_gather", 400, 4, 2, true, true), 0);
+}
+
 TEST(PlanArithmetic, FullShardSendsTwoAllGathersAndOneReduceScatterOfTheModel) {
   auto layout = fsdp::plan_sharded_memory(two_units(4, fsdp::ShardingStrategy::FULL_SHARD));
   // Flat padded shards: 1000/4 = 250 per unit, the root's 24 -> 6.
