@@ -74,10 +74,10 @@ TEST(PlanArithmetic, FullShardSendsTwoAllGathersAndOneReduceScatterOfTheModel) {
   EXPECT_DOUBLE_EQ(layout.param_bytes, (250 + 250 + 6) * 4.0);
   EXPECT_DOUBLE_EQ(layout.grad_bytes, (250 + 250 + 6) * 4.0);
   EXPECT_EQ(layout.optimizer_numel, 506);
-  // Forward all-gather of everything, backward re-gather of the units (the root stays
-  // gathered), one reduce-scatter of everything: 3/4 of each on a ring of 4.
+  // Forward all-gather of everything, backward re-gather of the units but the last (it and the
+  // root stay gathered), one reduce-scatter of everything: 3/4 of each on a ring of 4.
   ASSERT_EQ(layout.collectives.size(), 3u);
-  EXPECT_DOUBLE_EQ(sent(layout), 0.75 * (2024 + 2000 + 2024) * 4.0);
+  EXPECT_DOUBLE_EQ(sent(layout), 0.75 * (2024 + 1000 + 2024) * 4.0);
   // The root and two units (running + prefetched) gathered at once.
   EXPECT_DOUBLE_EQ(layout.gathered_bytes, (24 + 2 * 1000) * 4.0);
   auto no_prefetch = two_units(4, fsdp::ShardingStrategy::FULL_SHARD);
@@ -115,7 +115,7 @@ TEST(PlanArithmetic, NoShardAndHybridAllReduce) {
   layout = fsdp::plan_sharded_memory(hybrid);
   EXPECT_DOUBLE_EQ(layout.param_bytes, (500 + 500 + 12) * 4.0);
   // Within the pair: 2 all-gathers + reduce-scatter; across pairs: all-reduce of the shards.
-  EXPECT_DOUBLE_EQ(sent(layout), 0.5 * (2024 + 2000 + 2024) * 4.0 + 2 * 0.5 * 1012 * 4.0);
+  EXPECT_DOUBLE_EQ(sent(layout), 0.5 * (2024 + 1000 + 2024) * 4.0 + 2 * 0.5 * 1012 * 4.0);
 }
 
 // Accumulating micro-batches without reducing them (PyTorch's no_sync), every unit keeps its
@@ -171,7 +171,7 @@ TEST(PlanArithmetic, MixedPrecisionGathersAndReducesInHalfKeepsFp32Master) {
   auto layout = fsdp::plan_sharded_memory(in);
   EXPECT_DOUBLE_EQ(layout.param_bytes, 1012 * 4.0);
   EXPECT_DOUBLE_EQ(layout.gathered_bytes, (24 + 2 * 1000) * 2.0);
-  EXPECT_DOUBLE_EQ(sent(layout), 0.5 * (2024 + 2000 + 2024) * 2.0);
+  EXPECT_DOUBLE_EQ(sent(layout), 0.5 * (2024 + 1000 + 2024) * 2.0);
 }
 
 // Over Gloo a reduce-scatter receives every rank's copy of its chunk (an all-to-all) and a list

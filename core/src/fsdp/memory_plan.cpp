@@ -177,10 +177,12 @@ sdk::MemoryLayout plan_sharded_memory(const ShardedPlanInput& in) {
   if (s > 1) {
     out.collectives.push_back({"all_gather", "forward all-gather of every unit (" + c + ")",
                                bytes_of(gathered_total, in.compute_dtype), s});
-    if (reshards && children > 0) {
+    if (reshards && children > 1) {
+      // The unit forward ran last (the last child) stays gathered for backward, which starts with it.
       const std::int64_t group = in.reshard_group > 1 && in.reshard_group < s ? in.reshard_group : s;
-      out.collectives.push_back({"all_gather", "backward re-gather of the units (" + c + ")",
-                                 bytes_of(child_gathered_total, in.compute_dtype), group});
+      out.collectives.push_back({"all_gather", "backward re-gather of the units but the last (" + c + ")",
+                                 bytes_of(child_gathered_total - shards[children - 1].gathered, in.compute_dtype),
+                                 group});
     }
     out.collectives.push_back({"reduce_scatter", "gradient reduce-scatter of every unit (" + r + every + ")",
                                reductions * bytes_of(trained_gathered_total, in.reduce_dtype), s});
