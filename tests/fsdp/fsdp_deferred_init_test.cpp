@@ -364,6 +364,32 @@ TEST(OneRank, CastCopiesAreFreedAsGatheredUnitsAre) {
   });
 }
 
+// MixedPrecisionPolicy on a unit, observed on what it returns: param_dtype computes it in bf16
+// (its fp32 input cast, cast_forward_inputs), output_dtype casts its floating outputs.
+TEST(OneRank, MixedPrecisionDtypesAreWhatAUnitReturns) {
+  run_ranks(1, std::chrono::seconds(60), [&](const sdk::ClusterInfo& cluster) {
+    auto comm = world(cluster);
+    struct Case {
+      c10::optional<at::ScalarType> param, output;
+      at::ScalarType returned;
+    };
+    for (const Case& c : {Case{c10::nullopt, c10::nullopt, at::kFloat}, Case{at::kBFloat16, c10::nullopt, at::kBFloat16},
+                          Case{at::kBFloat16, at::kFloat, at::kFloat}, Case{c10::nullopt, at::kBFloat16, at::kBFloat16}}) {
+      torch::manual_seed(11);
+      Net net;
+      fsdp::FSDPOptions o = unit_options();
+      o.mixed_precision.param_dtype = c.param;
+      o.output_dtype = c.output;
+      o.cast_forward_inputs = true;
+      fsdp::ShardedModule sharded(net.ptr(), o, comm, core::make_local_communicator());
+      sharded.begin_forward(/*training=*/false);
+      at::Tensor y = sdk::invoke(net->b2, inputs(0));
+      EXPECT_EQ(y.scalar_type(), c.returned) << "param_dtype " << (c.param ? c10::toString(*c.param) : "-")
+                                             << ", output_dtype " << (c.output ? c10::toString(*c.output) : "-");
+    }
+  });
+}
+
 // The unit that ran last in forward stays gathered into backward, which starts with it (as
 // torchtitan leaves its last block): once the forward order is known (from the second step),
 // a step makes exactly one all-gather fewer, of that unit's bytes (the parity tests show it

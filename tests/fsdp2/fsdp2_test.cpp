@@ -208,6 +208,29 @@ TEST(TensorParallel, DeferredInitStartsFromTheUnsplitDeferredModel) {
   }
 }
 
+// [strategy.mp_policy] by effect, through the training it changes (SGD: a rounded gradient
+// moves the step, where Adam's first step would hide it): param_dtype gathers the parameters in
+// bf16, so the first forward already differs; reduce_dtype reduces the gradients in bf16, so the
+// first forward is the same and the next one is not. Each within bf16's rounding of the fp32 run.
+// (output_dtype and cast_forward_inputs: OneRank.MixedPrecisionDtypesAreWhatAUnitReturns.)
+TEST(MixedPrecisionKeys, EachOverrideChangesTrainingWhereItActs) {
+  auto run = [](const std::string& name, const std::string& key) {
+    return fit("mp-" + name, "fsdp2", 2, 2, "", key.empty() ? "" : "--set strategy.mp_policy." + key + "=bfloat16", 1,
+               /*sgd=*/true)
+        .losses;
+  };
+  const auto fp32 = run("fp32", ""), params = run("param", "param_dtype"), reduced = run("reduce", "reduce_dtype");
+  for (const auto* losses : {&fp32, &params, &reduced}) ASSERT_EQ(losses->size(), 2u);
+  auto near = [&](const std::map<std::int64_t, double>& losses, std::int64_t step) {
+    EXPECT_NEAR(losses.at(step), fp32.at(step), 2e-2 * fp32.at(step)) << "step " << step;
+  };
+  EXPECT_NE(params.at(1), fp32.at(1)) << "param_dtype = bfloat16 left the first forward in fp32";
+  near(params, 1);
+  EXPECT_EQ(reduced.at(1), fp32.at(1)) << "reduce_dtype changed the forward before any reduction";
+  EXPECT_NE(reduced.at(2), fp32.at(2)) << "reduce_dtype = bfloat16 left the gradients' reduction in fp32";
+  near(reduced, 2);
+}
+
 TEST(Errors, MeshSizesThatDoNotMakeTheWorldFailBeforeWork) {
   std::string dir = tessera::testing::fresh_dir("bad-sizes");
   auto result = run_tessera("fit --config " + config(dir, 2) +
