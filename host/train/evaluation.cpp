@@ -87,25 +87,22 @@ void Trainer::validate_during_fit(const std::string& when) {
   call("on_validation_end", [&](sdk::Callback& c) { c.on_validation_end(*this); });
 }
 
-void Trainer::validate(const std::string& ckpt_path) {
-  setup_with_weights("validate", ckpt_path);
-  begin_run();
-  call("on_validation_start", [&](sdk::Callback& c) { c.on_validation_start(*this); });
-  auto metrics = evaluate("val", config_.trainer.limit_val_batches).metrics;
-  log_.info(metrics_line("validate:", metrics, 6));
-  log_stage_metrics(metrics, "validate");
-  call("on_validation_end", [&](sdk::Callback& c) { c.on_validation_end(*this); });
-  finish("success");
-}
+void Trainer::validate(const std::string& ckpt_path) { evaluate_checkpoint("validate", ckpt_path); }
 
-void Trainer::test(const std::string& ckpt_path) {
-  setup_with_weights("test", ckpt_path);
+void Trainer::test(const std::string& ckpt_path) { evaluate_checkpoint("test", ckpt_path); }
+
+void Trainer::evaluate_checkpoint(const std::string& command, const std::string& ckpt_path) {
+  const bool test = command == "test";
+  setup_with_weights(command, ckpt_path);
   begin_run();
-  call("on_test_start", [&](sdk::Callback& c) { c.on_test_start(*this); });
-  auto metrics = evaluate("test", config_.trainer.limit_test_batches).metrics;
-  log_.info(metrics_line("test:", metrics, 6));
-  log_stage_metrics(metrics, "test");
-  call("on_test_end", [&](sdk::Callback& c) { c.on_test_end(*this); });
+  if (test) call("on_test_start", [&](sdk::Callback& c) { c.on_test_start(*this); });
+  else call("on_validation_start", [&](sdk::Callback& c) { c.on_validation_start(*this); });
+  auto metrics = evaluate(test ? "test" : "val", test ? config_.trainer.limit_test_batches
+                                                      : config_.trainer.limit_val_batches).metrics;
+  log_.info(metrics_line(command + ":", metrics, 6));
+  log_stage_metrics(metrics, command);
+  if (test) call("on_test_end", [&](sdk::Callback& c) { c.on_test_end(*this); });
+  else call("on_validation_end", [&](sdk::Callback& c) { c.on_validation_end(*this); });
   finish("success");
 }
 

@@ -154,6 +154,9 @@ class Trainer final : public sdk::Trainer {
   void stop(const std::string& reason);
   /// Validation inside fit: metrics logged, callbacks' on_validation_start/end around it.
   void validate_during_fit(const std::string& when);
+  /// `tessera validate` and `tessera test` ("validate" or "test"): a checkpoint's weights, one
+  /// pass over that stage's batches between its callbacks' start and end hooks.
+  void evaluate_checkpoint(const std::string& command, const std::string& ckpt_path);
   /// Runs predict_step over `limit` of the predict batches and prints the results (the first
   /// batch's only when `output` is given, where every rank's predictions are written).
   void predict_batches(const BatchLimit& limit, const std::string& output = "");
