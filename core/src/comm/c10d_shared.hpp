@@ -5,6 +5,8 @@
 //   c10d_rendezvous.cpp    group creation bounded by its timeout, the hang diagnosis, ending a rank
 //   c10d_monitor.cpp       the collective watchdog and the ledger heartbeat
 //   gloo_address.cpp       where every Gloo group binds
+// Beside them: gloo_collectives.hpp (Gloo's gathers and reductions, shared with the two-level
+// collectives) and collective_channel.hpp (the shared-memory and two-level paths).
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
