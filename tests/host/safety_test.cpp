@@ -419,4 +419,28 @@ TEST(UntrustedFiles, APickleAskingForAnyOtherGlobalIsRefused) {
   EXPECT_FALSE(fs::exists(marker));
 }
 
+// What libFuzzer found (bash .ci/fuzz), each input kept in tests/fuzz/regressions/: a 999-byte
+// checkpoint whose pickle gives a string a length of 4 GB (LibTorch's unpickler allocated it
+// before reading: out of memory), one whose long string took 13 s, and a tokenizer.json whose
+// vocabulary id is 3.3e23 (a float converted to an integer: undefined behaviour). Each is
+// refused at once, saying what is wrong.
+TEST(UntrustedFiles, WhatTheFuzzerFoundIsRefusedAtOnce) {
+  const std::string regressions = std::string(TESSERA_SOURCE_DIR) + "/tests/fuzz/regressions/";
+  for (const char* file : {"checkpoint-string-of-4-gb.ckpt", "checkpoint-slow-string.ckpt"}) {
+    const auto start = Clock::now();
+    auto r = tessera::testing::run_command(std::string(tessera::testing::tessera_binary()) + " checkpoint inspect " +
+                                           regressions + file + " 2>&1");
+    EXPECT_NE(r.exit_code, 0) << r.output;
+    EXPECT_CONTAINS(r.output, std::string(file) + " is not a readable checkpoint (truncated or damaged");
+    EXPECT_CONTAINS(r.output, "its pickle cannot be followed at byte");
+    EXPECT_LT(std::chrono::duration<double>(Clock::now() - start).count(), 10.0) << file;
+  }
+  const std::string dir = tessera::testing::fresh_dir("fuzzed-tokenizer");
+  fs::copy_file(regressions + "hf_tokenizer-float-id.json", dir + "/tokenizer.json");
+  auto r = tessera::testing::run_command(std::string(tessera::testing::tessera_binary()) + " tokenizer info --tokenizer " +
+                                         dir + "/tokenizer.json 2>&1");
+  EXPECT_NE(r.exit_code, 0) << r.output;
+  EXPECT_CONTAINS(r.output, "model.vocab.b = 3.333333333333333e+23: an integer in [0, 2147483647] was expected");
+}
+
 }  // namespace

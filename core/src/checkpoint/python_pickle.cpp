@@ -2,10 +2,12 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstdio>
 #include <cstring>
 #include <map>
 #include <string>
 #include <optional>
+#include <stdexcept>
 #include <vector>
 
 namespace tessera::core::detail {
@@ -29,8 +31,9 @@ struct Edit {
 using Rewrite = std::vector<Edit>;
 
 /// Where the rewrite goes, from one scan that tracks where each value on the unpickler's stack
-/// began; nullopt on an opcode it does not know or a malformed stream.
-std::optional<Rewrite> scan(std::string_view p, std::vector<std::string>* globals) {
+/// began; nullopt on an opcode it does not know or a malformed stream, with `*stopped` the
+/// byte where the scan stopped.
+std::optional<Rewrite> scan(std::string_view p, std::vector<std::string>* globals, std::size_t* stopped) {
   enum class Kind { other, ordered_dict_class, empty_tuple, ordered_dict };
   struct Slot {
     std::size_t start;
@@ -56,6 +59,7 @@ std::optional<Rewrite> scan(std::string_view p, std::vector<std::string>* global
   std::size_t at = 0;
   while (at < p.size()) {
     const std::size_t op_at = at;
+    *stopped = op_at;
     const auto op = static_cast<unsigned char>(p[at++]);
     auto skip = [&](std::size_t n) { at += n; return at <= p.size(); };
     auto sized = [&](std::size_t width) {  // a length of `width` bytes, then that many bytes
@@ -175,6 +179,7 @@ std::optional<Rewrite> scan(std::string_view p, std::vector<std::string>* global
       default: return std::nullopt;
     }
   }
+  *stopped = p.size();
   return std::nullopt;  // no STOP
 }
 
@@ -206,8 +211,24 @@ bool allowed_global(const std::string& name) {
 }
 
 std::string readable_by_libtorch(std::string_view pickle, std::vector<std::string>* globals) {
-  auto found = scan(pickle, globals);
-  if (!found || found->empty()) return std::string(pickle);
+  std::size_t stopped = 0;
+  auto found = scan(pickle, globals, &stopped);
+  // LibTorch's unpickler trusts what a pickle says: a string's length is allocated before its
+  // bytes are read (a 1 KB file asked for 4 GB), and a global it reads after an opcode the scan
+  // could not follow would escape the allowlist. What the scan cannot follow is refused.
+  if (!found)
+    throw std::runtime_error(
+        stopped >= pickle.size()
+            ? "its pickle ends without STOP (" + std::to_string(pickle.size()) + " bytes)"
+            : "its pickle cannot be followed at byte " + std::to_string(stopped) + " of " +
+                  std::to_string(pickle.size()) + " (opcode 0x" +
+                  [&] {
+                    char hex[3];
+                    std::snprintf(hex, sizeof hex, "%02x", static_cast<unsigned char>(pickle[stopped]));
+                    return std::string(hex);
+                  }() +
+                  "): an opcode torch.save does not write, or an argument or length past the end");
+  if (found->empty()) return std::string(pickle);
   Rewrite& edits = *found;
   // In stream order; at one position the insertions (MARKs) go before the replaced opcode.
   std::stable_sort(edits.begin(), edits.end(),

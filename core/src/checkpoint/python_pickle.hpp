@@ -17,8 +17,10 @@ namespace tessera::core::detail {
 ///   kOrderedDictAttributes (that unpickler has no POP to drop it with). It makes OrderedDict
 ///   None: `torch.save(model.state_dict(), f)`, the commonest file in PyTorch, and Lightning's
 ///   `state_dict` failed to load.
-/// Returned unchanged where it holds an opcode this scan does not know (LibTorch then reads or
-/// refuses it as before).
+/// Throws std::runtime_error, saying at which byte, where the scan cannot follow the pickle (an
+/// opcode it does not know, a length or argument past the end, no STOP): LibTorch's unpickler
+/// would allocate whatever length a damaged file says, and a global read after such an opcode
+/// would escape allowed_global().
 /// `globals`, when given, receives the Python globals ("module.name") of the GLOBAL opcodes the
 /// scan read.
 std::string readable_by_libtorch(std::string_view pickle, std::vector<std::string>* globals = nullptr);

@@ -512,8 +512,8 @@ std::unique_ptr<Decoder> make_decoder(const json& spec, const Where& where) {
   if (type == "Strip") {
     check_keys(spec, {"type", "content", "start", "stop"}, where);
     return std::make_unique<StripDecoder>(code_point_of(single_char(require(spec, "content", where), where.at("content"))),
-                                          require(spec, "start", where).get<std::size_t>(),
-                                          require(spec, "stop", where).get<std::size_t>());
+                                          integer_in(require(spec, "start", where), 0, INT32_MAX, where.at("start")),
+                                          integer_in(require(spec, "stop", where), 0, INT32_MAX, where.at("stop")));
   }
   if (type == "Replace") {
     check_keys(spec, {"type", "pattern", "content"}, where);

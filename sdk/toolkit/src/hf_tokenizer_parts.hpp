@@ -35,6 +35,10 @@ struct Where {
 
 const json& require(const json& object, const char* key, const Where& where);
 
+// An integer in [min, max]: nlohmann's get<> converts a float or an out-of-range number with
+// undefined behaviour (a vocabulary id of 3.3e23 did), so anything else is refused.
+std::int64_t integer_in(const json& value, std::int64_t min, std::int64_t max, const Where& where);
+
 // Refuses keys this reader does not know, so a setting is never silently dropped.
 void check_keys(const json& object, std::initializer_list<const char*> known, const Where& where);
 

@@ -46,9 +46,7 @@ class Bpe {
     TESSERA_CHECK(vocab.is_object(), "Hugging Face tokenizer ", where.at("vocab").str(), " is not an object");
     vocab_.reserve(vocab.size());
     for (const auto& [token, id] : vocab.items()) {
-      const auto value = id.get<std::int64_t>();
-      TESSERA_CHECK(value >= 0 && value < (std::int64_t{1} << 31), "Hugging Face tokenizer ", where.at("vocab").str(),
-                    ": id ", value, " of ", json(token).dump(), " is out of range");
+      const std::int64_t value = integer_in(id, 0, (std::int64_t{1} << 31) - 1, where.at("vocab").at(token));
       vocab_[token] = static_cast<TokenId>(value);
       if (static_cast<std::size_t>(value) >= id_to_token_.size()) id_to_token_.resize(value + 1);
       id_to_token_[value] = token;
@@ -457,7 +455,7 @@ class HuggingFaceTokenizer final : public Tokenizer {
       const auto& entry = list[i];
       check_keys(entry, {"id", "content", "single_word", "lstrip", "rstrip", "normalized", "special"}, where);
       AddedToken token{require(entry, "content", where).get<std::string>(),
-                       require(entry, "id", where).get<TokenId>(),
+                       static_cast<TokenId>(integer_in(require(entry, "id", where), 0, INT32_MAX, where.at("id"))),
                        get_or(entry, "special", false),
                        get_or(entry, "single_word", false),
                        get_or(entry, "lstrip", false),
@@ -510,7 +508,13 @@ class HuggingFaceTokenizer final : public Tokenizer {
         const auto name = require(require(piece, "SpecialToken", where.at("single").at(i)), "id", where).get<std::string>();
         TESSERA_CHECK(specials.contains(name), "Hugging Face tokenizer ", where.at("single").at(i).str(),
                       " names special token ", json(name).dump(), " missing from special_tokens");
-        template_.push_back({false, specials.at(name).at("ids").get<std::vector<TokenId>>()});
+        const json& ids = specials.at(name).at("ids");
+        TESSERA_CHECK(ids.is_array(), "Hugging Face tokenizer ", where.str(), ": special token ", json(name).dump(),
+                      " has no list of ids");
+        std::vector<TokenId> piece_ids;
+        for (const json& id : ids)
+          piece_ids.push_back(static_cast<TokenId>(integer_in(id, 0, INT32_MAX, where.at("special_tokens").at(name))));
+        template_.push_back({false, std::move(piece_ids)});
       }
     }
   }

@@ -161,6 +161,13 @@ TokenManifest read_manifest(const fs::path& dir) {
     TESSERA_FAIL(path, " is not valid JSON: ", e.what());
   }
   TokenManifest m;
+  // nlohmann's get<> converts a float or an out-of-range number with undefined behaviour.
+  auto integer = [&](const json& object, const char* key) {
+    const json& v = object.at(key);
+    TESSERA_CHECK(v.is_number_integer() && (!v.is_number_unsigned() || v.get<std::uint64_t>() <= INT64_MAX), path,
+                  ": \"", key, "\" is ", v.dump().substr(0, 40), ", not an integer");
+    return v.get<std::int64_t>();
+  };
   try {
     TESSERA_CHECK(j.value("format", std::string()) == "tessera-tokens", path,
                   ": \"format\" is not \"tessera-tokens\" (not a manifest written by tessera data prepare)");
@@ -168,19 +175,19 @@ TokenManifest read_manifest(const fs::path& dir) {
     m.tokenizer_name = t.at("name").get<std::string>();
     m.tokenizer_kind = t.at("kind").get<std::string>();
     m.tokenizer_xxh64 = t.value("xxh64", std::string());
-    m.vocab_size = j.at("vocab_size").get<std::int64_t>();
+    m.vocab_size = integer(j, "vocab_size");
     const std::string dtype = j.at("dtype").get<std::string>();
     TESSERA_CHECK(dtype == "uint16" || dtype == "uint32", path, ": \"dtype\" is \"", dtype,
                   "\"; valid: \"uint16\", \"uint32\"");
     m.dtype = dtype == "uint16" ? TokenDtype::uint16 : TokenDtype::uint32;
-    m.eos_id = j.at("eos_id").get<std::int64_t>();
+    m.eos_id = integer(j, "eos_id");
     TESSERA_CHECK(m.vocab_size > 0 && (m.dtype == TokenDtype::uint32 || m.vocab_size <= 65536), path,
                   ": vocab_size ", m.vocab_size, " does not fit dtype ", dtype);
     for (const auto& s : j.at("shards")) {
       ShardInfo info;
       info.file = s.at("file").get<std::string>();
-      info.tokens = s.at("tokens").get<std::int64_t>();
-      info.documents = s.at("documents").get<std::int64_t>();
+      info.tokens = integer(s, "tokens");
+      info.documents = integer(s, "documents");
       info.offsets_file = s.at("offsets").get<std::string>();
       info.xxh64 = s.at("xxh64").get<std::string>();
       info.offsets_xxh64 = s.at("offsets_xxh64").get<std::string>();
