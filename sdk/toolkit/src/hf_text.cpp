@@ -3,6 +3,7 @@
 #include <cctype>
 
 #include "hf_tokenizer_parts.hpp"
+#include "json_integer.hpp"
 #include "utf8.hpp"
 
 namespace tessera::toolkit::hf {
@@ -14,12 +15,10 @@ const json& require(const json& object, const char* key, const Where& where) {
 }
 
 std::int64_t integer_in(const json& value, std::int64_t min, std::int64_t max, const Where& where) {
-  const bool integer = value.is_number_integer() &&
-                       (!value.is_number_unsigned() || value.get<std::uint64_t>() <= static_cast<std::uint64_t>(max));
-  const std::int64_t v = integer ? value.get<std::int64_t>() : 0;
-  TESSERA_CHECK(integer && v >= min && v <= max, "Hugging Face tokenizer ", where.str(), " = ",
+  const std::optional<std::int64_t> v = detail::json_integer(value);
+  TESSERA_CHECK(v && *v >= min && *v <= max, "Hugging Face tokenizer ", where.str(), " = ",
                 value.dump().substr(0, 40), ": an integer in [", min, ", ", max, "] was expected");
-  return v;
+  return *v;
 }
 
 void check_keys(const json& object, std::initializer_list<const char*> known, const Where& where) {

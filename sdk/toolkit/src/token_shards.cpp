@@ -14,6 +14,7 @@
 #include <nlohmann/json.hpp>
 #include <xxhash.h>
 
+#include "json_integer.hpp"
 #include "tessera/sdk/error.hpp"
 
 namespace tessera::toolkit {
@@ -161,12 +162,11 @@ TokenManifest read_manifest(const fs::path& dir) {
     TESSERA_FAIL(path, " is not valid JSON: ", e.what());
   }
   TokenManifest m;
-  // nlohmann's get<> converts a float or an out-of-range number with undefined behaviour.
   auto integer = [&](const json& object, const char* key) {
     const json& v = object.at(key);
-    TESSERA_CHECK(v.is_number_integer() && (!v.is_number_unsigned() || v.get<std::uint64_t>() <= INT64_MAX), path,
-                  ": \"", key, "\" is ", v.dump().substr(0, 40), ", not an integer");
-    return v.get<std::int64_t>();
+    const std::optional<std::int64_t> n = detail::json_integer(v);
+    TESSERA_CHECK(n.has_value(), path, ": \"", key, "\" is ", v.dump().substr(0, 40), ", not an integer");
+    return *n;
   };
   try {
     TESSERA_CHECK(j.value("format", std::string()) == "tessera-tokens", path,
