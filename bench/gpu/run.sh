@@ -78,7 +78,7 @@ TOML
 tessera_row() {  # shape strategy: tokens/s over the logged windows after the first (warm-up)
   local dir="$work/$1-$2"; rm -rf "$dir"
   tessera_config "$1" "$2" > "$dir.toml"
-  "$tessera" fit --config "$dir.toml" > "$dir.log" 2>&1
+  timeout 300 "$tessera" fit --config "$dir.toml" > "$dir.log" 2>&1
   local rc=$? csv; csv=$(ls "$dir"/version_*/metrics.csv 2> /dev/null | tail -1)
   local tps mem
   tps=$(awk -F, '$4=="tokens_per_s" {n++; if (n > 1) {s+=$5; c++}} END {if (c) printf "%.0f", s/c}' "$csv" 2>/dev/null)
@@ -102,6 +102,8 @@ rows=(
   "pytorch --mode plain --mp autocast" "pytorch --mode fsdp2 --mp autocast" "pytorch --mode fsdp2 --mp param"
   "pytorch --mode fsdp2 --mp autocast --optimizer foreach" "pytorch --mode plain --mp autocast --compile"
 )
+# ROWS="row|row|..." runs those rows only (a call with little device time left).
+[ -z "${ROWS:-}" ] || IFS='|' read -ra rows <<< "$ROWS"
 run_row() {  # shape row
   read -r who rest <<< "$2"
   if [ "$who" = tessera ]; then tessera_row "$1" "$rest"; else pytorch_row "$1" $rest; fi

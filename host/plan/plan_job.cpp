@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <numeric>
+#include <map>
 #include <mutex>
 #include <unordered_map>
 #include <unordered_set>
@@ -315,14 +316,22 @@ double cuda_memory_bytes(const Config& config, std::int64_t local_ranks) {
   if (const char* forced = std::getenv("TESSERA_DEVICE_MEMORY_MB"))  // tests
     return std::strtod(forced, nullptr) * 1048576.0;
 #if TESSERA_WITH_CUDA
-  // Each local rank r trains on cuda:(device_id + r). Device properties need no CUDA context,
-  // so this process takes no device memory from the ranks.
+  // Each local rank r trains on cuda:(device_id + r); over Gloo, ranks beyond the GPUs share them
+  // round robin (core::StrategyBase), each with its part of the device. Device properties need no
+  // CUDA context, so this process takes no device memory from the ranks.
   const std::int64_t first = config.resolved["strategy"]["device_id"].value_or(std::int64_t{0});
   const std::int64_t count = static_cast<std::int64_t>(torch::cuda::device_count());
+  const bool shared = config.resolved["strategy"]["process_group_backend"].value_or(std::string("auto")) == "gloo";
+  std::map<std::int64_t, std::int64_t> ranks_on;  // device -> local ranks on it
+  for (std::int64_t r = 0; r < local_ranks && first < count; ++r) {
+    const std::int64_t d = shared ? first + r % (count - first) : first + r;
+    if (d < count) ++ranks_on[d];
+  }
   double smallest = -1;
-  for (std::int64_t d = first; d < first + local_ranks && d < count; ++d) {
-    const double total = static_cast<double>(at::cuda::getDeviceProperties(static_cast<int>(d))->totalGlobalMem);
-    smallest = smallest < 0 ? total : std::min(smallest, total);
+  for (const auto& [d, ranks] : ranks_on) {
+    const double share = static_cast<double>(at::cuda::getDeviceProperties(static_cast<int>(d))->totalGlobalMem) /
+                         static_cast<double>(ranks);
+    smallest = smallest < 0 ? share : std::min(smallest, share);
   }
   return smallest;
 #else

@@ -30,7 +30,8 @@ class JobSetupError : public sdk::Error {
 /// are device memory, its host rows are whole without them.
 PlannedJob plan_job(const Config& config, bool trace_activations = true);
 
-/// The CUDA memory of the smallest GPU this machine's ranks train on (bytes), or -1 when unknown
+/// The CUDA memory each of this machine's ranks has (bytes: the smallest GPU they train on, shared
+/// by the ranks on it over Gloo), or -1 when unknown
 /// (no CUDA in this build, no such device). TESSERA_DEVICE_MEMORY_MB overrides it (tests).
 double cuda_memory_bytes(const Config& config, std::int64_t local_ranks);
 

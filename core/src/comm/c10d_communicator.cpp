@@ -23,6 +23,7 @@
 #include "c10d_shared.hpp"
 #include "gloo_collectives.hpp"
 #include "hierarchical_collectives.hpp"
+#include "host_staged_communicator.hpp"
 #include "host_layout.hpp"
 #include "shared_memory_channel.hpp"
 #include "store_text.hpp"
@@ -480,7 +481,7 @@ void reduce_rows(const at::Tensor& rows, at::Tensor output, sdk::ReduceOp op) {
 
 CommunicatorPtr make_local_communicator() { return std::make_shared<LocalCommunicator>(); }
 
-CommunicatorPtr make_communicator(const sdk::ClusterInfo& cluster, const c10::Device& device) {
+CommunicatorPtr make_communicator(const sdk::ClusterInfo& cluster, const c10::Device& device, bool cuda_over_gloo) {
   TESSERA_CHECK(cluster.master_port > 0 && cluster.master_port < 65536, "MASTER_PORT ", cluster.master_port,
                 " is not a valid port");
   const double timeout_s = static_cast<double>(cluster.collective_timeout_s);
@@ -536,7 +537,8 @@ CommunicatorPtr make_communicator(const sdk::ClusterInfo& cluster, const c10::De
     entry.published_ms = wall_ms();
     store->set(ledger_key(cluster.global_rank), to_bytes(entry.serialize()));
   }
-  if (!device.is_cuda()) choose_gloo_address(cluster, settings);
+  const bool nccl = device.is_cuda() && !cuda_over_gloo;
+  if (!nccl) choose_gloo_address(cluster, settings);
   std::vector<std::int64_t> everyone(static_cast<std::size_t>(cluster.world_size));
   for (std::int64_t r = 0; r < cluster.world_size; ++r) everyone[static_cast<std::size_t>(r)] = r;
   auto remember = [](const auto& world) {
@@ -545,7 +547,7 @@ CommunicatorPtr make_communicator(const sdk::ClusterInfo& cluster, const c10::De
     shared().world_transport = path;
     return world;
   };
-  if (device.is_cuda()) {
+  if (nccl) {
 #if TESSERA_WITH_CUDA
     return remember(std::make_shared<C10dCommunicator<c10d::ProcessGroupNCCL>>(
         store, make_nccl(store, cluster.global_rank, cluster.world_size, backend_timeout_s), cluster.global_rank,
@@ -565,7 +567,13 @@ CommunicatorPtr make_communicator(const sdk::ClusterInfo& cluster, const c10::De
                                   settings.shared_memory);
   }, "world", everyone, cluster.global_rank);
   world->set_members(everyone);
-  return remember(world);
+  remember(world);
+  if (!device.is_cuda()) return world;
+  {
+    std::lock_guard<std::mutex> lock(shared().mutex);
+    shared().world_transport += ", CUDA tensors staged through host memory";
+  }
+  return detail::stage_through_host(world);
 }
 
 std::string world_transport() {

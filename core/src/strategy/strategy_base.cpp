@@ -22,17 +22,17 @@ StrategyBase::StrategyBase(const sdk::Options& options)
     : accelerator_(options.get_choice("accelerator", "auto", {"auto", "cpu", "cuda"})),
       device_id_(options.get_int("device_id", 0, 0)),
       device_id_key_(options.locate("device_id")) {
-  // Lightning's process_group_backend. Here c10d's backend follows the tensors' device (Gloo for
-  // host tensors, with shared memory between the ranks of a host; NCCL for CUDA ones), so the key
-  // may name that backend, and any other is refused before work rather than ignored.
+  // Lightning's process_group_backend. c10d's backend follows the tensors' device (Gloo for host
+  // tensors, with shared memory between the ranks of a host; NCCL for CUDA ones); "gloo" on CUDA
+  // stages the CUDA tensors through host memory (several ranks may then share a GPU). NCCL
+  // cannot carry host tensors: refused before work rather than ignored.
   const std::string backend = options.get_choice("process_group_backend", "auto", {"auto", "gloo", "nccl"});
   const bool cuda = trains_on_cuda();
-  const std::string fits = cuda ? "nccl" : "gloo";
-  TESSERA_CHECK(backend == "auto" || backend == fits, options.locate("process_group_backend"), " = \"", backend,
-                "\" cannot carry this job's ", (cuda ? "CUDA" : "host"), " tensors ([strategy] accelerator = \"",
-                accelerator_, "\"", (accelerator_ == "auto" ? std::string(" is ") + (cuda ? "cuda" : "cpu") + " here" : ""),
-                "): ", (cuda ? "tessera moves CUDA tensors over NCCL only" : "NCCL moves CUDA tensors only"),
-                "; valid: \"auto\", \"", fits, "\"");
+  TESSERA_CHECK(cuda || backend != "nccl", options.locate("process_group_backend"),
+                " = \"nccl\" cannot carry this job's host tensors ([strategy] accelerator = \"", accelerator_, "\"",
+                (accelerator_ == "auto" ? std::string(" is cpu here") : ""),
+                "): NCCL moves CUDA tensors only; valid: \"auto\", \"gloo\"");
+  cuda_over_gloo_ = cuda && backend == "gloo";
 }
 StrategyBase::~StrategyBase() = default;
 
@@ -67,20 +67,29 @@ void StrategyBase::setup_environment(const sdk::ClusterInfo& cluster) {
   // can share a node: device_id = 4 puts a 4-rank job on cuda:4-7.
   TESSERA_CHECK(cuda || device_id_ == 0, device_id_key_, " = ", device_id_, " names a CUDA device, but this run is on the CPU");
   if (cuda) {
-    const std::int64_t index = device_id_ + cluster.local_rank, count = static_cast<std::int64_t>(torch::cuda::device_count());
+    const std::int64_t count = static_cast<std::int64_t>(torch::cuda::device_count());
+    std::int64_t index = device_id_ + cluster.local_rank;
+    if (cuda_over_gloo_) {  // ranks beyond the GPUs share them, round robin from device_id
+      TESSERA_CHECK(device_id_ < count, device_id_key_, " = ", device_id_, " but this node has ", count,
+                    " CUDA device(s); valid device_id: 0 to ", count - 1);
+      index = device_id_ + (cluster.local_rank % (count - device_id_));
+    }
     TESSERA_CHECK(index < count, "local rank ", cluster.local_rank, " would use cuda:", index, " (", device_id_key_, " = ",
                   device_id_, " + local rank) but this node has ", count, " CUDA device(s); valid device_id: 0 to ",
-                  std::max<std::int64_t>(0, count - cluster.local_world_size));
+                  std::max<std::int64_t>(0, count - cluster.local_world_size),
+                  " (NCCL takes one GPU per rank; [strategy] process_group_backend = \"gloo\" lets ranks share GPUs, ",
+                  "slowly)");
+    device_ = c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(index));
+  } else {
+    device_ = c10::Device(c10::kCPU);
   }
-  device_ = cuda ? c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(device_id_ + cluster.local_rank))
-                 : c10::Device(c10::kCPU);
   // One CPU rank needs no process group; on CUDA even one rank goes through NCCL, so the
   // GPU path is the one used at scale.
   if (cluster.world_size > 1 || device_.is_cuda()) {
     sdk::ClusterInfo rendezvous = cluster;
     std::optional<ReservedPort> reserved;  // until the store listens on it
     if (rendezvous.master_port == 0) rendezvous.master_port = reserved.emplace().port();
-    world_ = make_communicator(rendezvous, device_);
+    world_ = make_communicator(rendezvous, device_, cuda_over_gloo_);
   } else {
     world_ = make_local_communicator();
   }

@@ -110,7 +110,11 @@ double shared_memory_segment_bytes(std::int64_t ranks);
 /// otherwise rank 0 hosts it. Each collective waits up to the collective timeout (the
 /// checkpoint timeout in a checkpoint phase); when one fails or times out, the error carries
 /// the hang report built from every rank's ledger (see ledger.hpp).
-CommunicatorPtr make_communicator(const sdk::ClusterInfo& cluster, const c10::Device& device);
+/// `cuda_over_gloo` (a CUDA `device`): Gloo groups carry the CUDA tensors, each collective
+/// staged through host memory (comm/host_staged_communicator.hpp) instead of NCCL, so that
+/// several ranks can share one GPU; slow, for tests and for machines without NCCL.
+CommunicatorPtr make_communicator(const sdk::ClusterInfo& cluster, const c10::Device& device,
+                                  bool cuda_over_gloo = false);
 
 /// What carries the collectives of the world group make_communicator made ("Gloo", "Gloo over
 /// 10.0.0.5", "NCCL", "shared memory among the 2 ranks of this host ..."), then each split group

@@ -98,6 +98,9 @@ class StrategyBase : public sdk::Strategy {
   std::string accelerator_;
   std::int64_t device_id_;
   std::string device_id_key_;
+  /// process_group_backend = "gloo" on CUDA: Gloo carries the CUDA tensors through host
+  /// memory, and local ranks may share a GPU (NCCL refuses two ranks on one device).
+  bool cuda_over_gloo_ = false;
   c10::Device device_{c10::kCPU};
 };
 
