@@ -15,7 +15,8 @@ packages=(
   libboost1.74-dev libtomlplusplus-dev libtomlplusplus3 libgloo-dev          # build
   nlohmann-json3-dev libxxhash-dev libxxhash0 libjemalloc-dev libjemalloc2
   libprotobuf-dev libprotobuf32 libprotobuf-lite32 protobuf-compiler libprotoc32 zlib1g-dev
-  libsentencepiece-dev libsentencepiece0 libpcre2-dev libpcre2-16-0 libpcre2-32-0 libpcre2-posix3  # toolkit: tokenizers
+  libsentencepiece-dev libsentencepiece0 libpcre2-dev libpcre2-8-0 libpcre2-16-0 libpcre2-32-0 libpcre2-posix3  # toolkit: tokenizers
+  libicu-dev libicu72                                                        # toolkit: NFC
   googletest libgtest-dev libgmock-dev libbenchmark-dev libbenchmark1debian  # tests, benches
   fortunes fortunes-min                                                      # the shipped corpus
 )

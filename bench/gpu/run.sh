@@ -10,7 +10,9 @@
 # PyTorch rows (bench/gpu/pytorch_baseline.py): plain (no FSDP, the honest world-size-1 row),
 # FSDP2 with Tessera's bf16-mixed (autocast, fp32 master, bf16 reduce), FSDP2 with
 # MixedPrecisionPolicy(param_dtype=bf16), fused AdamW (foreach as an extra row), SDPA flash
-# attention, and torch.compile of each block (for information; not an "eager" row).
+# attention, and torch.compile of each block (for information; not an "eager" row). Tessera rows:
+# fsdp and fsdp2 in bf16-mixed (PyTorch's autocast recipe), and fsdp2-param (fsdp2 with
+# [strategy.mp_policy] param_dtype = reduce_dtype = bfloat16: PyTorch's param_dtype row's recipe).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 out="${OUT:-/tmp/out}"; mkdir -p "$out"
@@ -21,10 +23,16 @@ python=${PYTHON:-python3}
 # model layers width heads kv_heads intermediate vocab seq
 declare -A dims=([llama-1b]="llama 16 2048 16 8 5632 32000 2048" [gpt-1.3b]="gpt 26 2048 16 16 8192 256 2048")
 
-tessera_config() {  # shape strategy -> a config on stdout
+tessera_config() {  # shape row -> a config on stdout; row: a strategy, or fsdp2-param
   local model layers embd heads kv inter vocab seq batch_var="BATCH_${1//[-.]/_}"
   read -r model layers embd heads kv inter vocab seq <<< "${dims[$1]}"
-  local batch="${!batch_var:-8}"
+  local batch="${!batch_var:-8}" strategy="${2%-param}" precision=bf16-mixed mp_policy=""
+  # fsdp2-param: PyTorch's MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=bf16) row's recipe
+  # (bf16 compute copies of the fp32 shards, no autocast).
+  if [ "$2" = fsdp2-param ]; then
+    precision=32-true
+    mp_policy=$'[strategy.mp_policy]\nparam_dtype = "bfloat16"\nreduce_dtype = "bfloat16"'
+  fi
   cat <<TOML
 [trainer]
 max_steps = $((steps + 5))
@@ -37,11 +45,12 @@ default_root_dir = "$work/$1-$2"
 [launch]
 devices = 1
 [strategy]
-plugin = "$2"
+plugin = "$strategy"
 accelerator = "cuda"
+$mp_policy
 [precision]
 plugin = "fsdp-precision"
-precision = "bf16-mixed"
+precision = "$precision"
 [optimizer]
 lr = 3e-4
 schedule = "constant"
@@ -83,7 +92,7 @@ tessera_row() {  # shape strategy: tokens/s over the logged windows after the fi
   local tps mem
   tps=$(awk -F, '$4=="tokens_per_s" {n++; if (n > 1) {s+=$5; c++}} END {if (c) printf "%.0f", s/c}' "$csv" 2>/dev/null)
   mem=$(awk -F, '$4=="peak_cuda_mb" {printf "%.0f", $5}' "$csv" 2>/dev/null)
-  echo "$1 | tessera $2 bf16-mixed | rc=$rc tokens_per_s=${tps:-?} peak_cuda_mb=${mem:-?}"
+  echo "$1 | tessera $2$([ "$2" = fsdp2-param ] || echo ' bf16-mixed') | rc=$rc tokens_per_s=${tps:-?} peak_cuda_mb=${mem:-?}"
   [ $rc -eq 0 ] || tail -5 "$dir.log" >&2
 }
 
@@ -98,7 +107,7 @@ pytorch_row() {  # shape label args...
 }
 
 rows=(
-  "tessera fsdp" "tessera fsdp2"
+  "tessera fsdp" "tessera fsdp2" "tessera fsdp2-param"
   "pytorch --mode plain --mp autocast" "pytorch --mode fsdp2 --mp autocast" "pytorch --mode fsdp2 --mp param"
   "pytorch --mode fsdp2 --mp autocast --optimizer foreach" "pytorch --mode plain --mp autocast --compile"
 )
