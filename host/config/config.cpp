@@ -22,10 +22,13 @@ constexpr std::int64_t kMaxTimeoutS = 7 * 24 * 3600;
 constexpr double kMaxFloat = 3.4e38;
 
 /// A path-like string: not empty, no NUL (a C++ string keeps it, the OS cuts the path there).
-std::string read_path(const sdk::Options& options, const std::string& key, const std::string& fallback) {
+/// A path key; `optional`: its default "" means unset (`tessera config` lists it so), else an
+/// empty path is refused with `example`.
+std::string read_path(const sdk::Options& options, const std::string& key, const std::string& fallback,
+                      bool optional = false, const std::string& example = "") {
   std::string value = options.get_string(key, fallback);
-  TESSERA_CHECK(!value.empty(), options.locate(key), " is empty: give a path (relative paths are taken from "
-                "the working directory), e.g. \"", fallback, "\"");
+  TESSERA_CHECK(optional || !value.empty(), options.locate(key), " is empty: give a path (relative paths are taken from "
+                "the working directory), e.g. \"", example.empty() ? fallback : example, "\"");
   TESSERA_CHECK(value.find('\0') == std::string::npos, options.locate(key),
                 " contains a NUL character, which no path can hold");
   return value;
@@ -268,8 +271,8 @@ Config Config::load(const std::string& path, const std::vector<std::string>& ove
   tr.fast_dev_run = read_fast_dev_run(t);
   tr.limit_val_batches = read_limit(t, "limit_val_batches", tr.limit_val_batches);
   tr.limit_test_batches = read_limit(t, "limit_test_batches", tr.limit_test_batches);
-  if (t.has("predict_output")) {
-    tr.predict_output = read_path(t, "predict_output", "predictions.pt");
+  tr.predict_output = read_path(t, "predict_output", "", /*optional=*/true);
+  if (!tr.predict_output.empty()) {
     std::error_code ec;
     TESSERA_CHECK(!std::filesystem::is_directory(tr.predict_output, ec), t.locate("predict_output"), " = \"",
                   tr.predict_output, "\" is a directory: give the file to write, e.g. \"", tr.predict_output,
@@ -307,9 +310,9 @@ Config Config::load(const std::string& path, const std::vector<std::string>& ove
   else
     tr.enable_progress_bar = t.get_choice("enable_progress_bar", "auto", {"auto", "true", "false"});
   tr.predict_after_fit = t.get_bool("predict_after_fit", false);
-  if (t.has("init_from")) tr.init_from = read_path(t, "init_from", "runs/pretrain/version_0/checkpoints/last");
-  if (t.has("init_from")) tr.init_from_strict = t.get_bool("init_from_strict", true);  // listed only where it applies
-  TESSERA_CHECK(!t.has("init_from_strict") || t.has("init_from"), t.locate("init_from_strict"),
+  tr.init_from = read_path(t, "init_from", "", /*optional=*/true);
+  if (!tr.init_from.empty()) tr.init_from_strict = t.get_bool("init_from_strict", true);  // listed only where it applies
+  TESSERA_CHECK(!t.has("init_from_strict") || !tr.init_from.empty(), t.locate("init_from_strict"),
                 " is set but no [trainer] init_from is: set init_from = PATH or remove init_from_strict");
   tr.resume = t.get_choice("resume", "never", {"never", "auto"});
   tr.freeze = t.get_string_list("freeze", {});

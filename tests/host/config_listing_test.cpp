@@ -40,7 +40,8 @@ TEST(ConfigListing, EveryKeyWithItsDefaultAndTheListingIsAnEquivalentConfig) {
                            "\n[strategy]\nplugin = \"fsdp\"\n", "\n# sharding_strategy = \"FULL_SHARD\"\n",
                            "\n# limit_all_gathers = true\n", "\n# tie_embeddings = true\n",
                            "\n[callbacks.early_stopping]\nmonitor = \"val_loss\"\n", "\n# patience = 3\n",
-                           "\n[lr_find]\n# before_fit = false\n", "\n# init_scale = 65536.0\n"})
+                           "\n[lr_find]\n# before_fit = false\n", "\n# init_scale = 65536.0\n",
+                           "\n# init_from = \"\"\n", "\n# predict_output = \"\"\n"})
     EXPECT_NE(listing.find(line), std::string::npos) << "no '" << line << "' in:\n" << listing;
   // The trainer's own checkpoint callback (from [trainer]'s keys) adds none of its keys to [trainer].
   const std::size_t trainer_at = listing.find("\n[trainer]\n");
@@ -73,14 +74,15 @@ TEST(ConfigListing, EveryKeyWithItsDefaultAndTheListingIsAnEquivalentConfig) {
 // apply under the other settings are not listed (check_val_every_n_epoch beside a step count
 // for val_check_interval, init_from_strict without init_from, the clipping keys without
 // clipping, [trainer]'s checkpoint keys beside a model_checkpoint callback), and a default that
-// means "not set" can be written (early_stopping's divergence_threshold = nan).
+// means "not set" can be written (early_stopping's divergence_threshold = nan, init_from = "",
+// fsdp-precision's param_dtype = "").
 TEST(ConfigListing, EveryListedDefaultUncommentedIsAcceptedAndTrainsTheSame) {
   const std::string dir = tessera::testing::fresh_dir("config-defaults");
   const std::string callbacks =
       "[callbacks.early_stopping]\nmonitor = \"val_loss\"\n[callbacks.lr_monitor]\n"
       "[callbacks.best]\nplugin = \"model_checkpoint\"\nmonitor = \"val_loss\"\n";
   const std::vector<std::string> variants = {
-      " --set strategy.plugin=fsdp --set trainer.val_check_interval=4",
+      " --set strategy.plugin=fsdp --set trainer.val_check_interval=4 --set precision.plugin=fsdp-precision",
       " --set strategy.plugin=fsdp2 --set launch.devices=2 --set trainer.gradient_clip_val=1.0",
       " --set strategy.plugin=ddp --set launch.devices=2 --set trainer.gradient_clip_val=0.5 "
       "--set trainer.gradient_clip_algorithm=value --set trainer.val_check_interval=0.5"};
@@ -111,6 +113,10 @@ TEST(ConfigListing, EveryListedDefaultUncommentedIsAcceptedAndTrainsTheSame) {
     for (const std::string& key : absent)
       EXPECT_EQ(trainer.find("\n# " + key + " = "), std::string::npos) << key << " listed in:\n" << trainer;
     EXPECT_NE(listing.find("\n# divergence_threshold = nan\n"), std::string::npos) << listing;
+    // Keys read only where set before: "" means unset (the precision's own policy).
+    if (v == 0)
+      for (const char* key : {"init_from", "predict_output", "param_dtype", "reduce_dtype", "buffer_dtype"})
+        EXPECT_NE(listing.find("\n# " + std::string(key) + " = \"\"\n"), std::string::npos) << key << " in:\n" << listing;
     const std::string all_set = dir + "/all-set-" + std::to_string(v) + ".toml";
     std::ofstream(all_set) << uncommented;
     r = run_tessera("config --config " + all_set);

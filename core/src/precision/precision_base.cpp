@@ -94,8 +94,10 @@ PrecisionBase::PrecisionBase(const sdk::Options& options, bool fsdp_policy)
                 "\" has none. Use \"16-mixed\" or \"bf16-mixed\" with a scaler, or scaler = false.");
   if (!fsdp_policy_) return;
   policy_ = lightning_policy(precision_);
+  // "" (the default, listed by `tessera config`) keeps the precision's own policy.
   auto override_dtype = [&](const char* key, c10::optional<at::ScalarType>& slot) {
-    if (options.has(key)) slot = dtype_named(options.get_choice(key, "float32", kDtypeNames));
+    const std::string name = options.get_choice(key, "", {"", "float32", "bfloat16", "float16"});
+    if (!name.empty()) slot = dtype_named(name);
   };
   override_dtype("param_dtype", policy_.param_dtype);
   override_dtype("reduce_dtype", policy_.reduce_dtype);
