@@ -8,6 +8,9 @@
 # twice per shape (A B ... B A): give it a call of its own (`build_and_bench.sh bench`, the build
 # folder is kept between calls on a warm machine) with SHAPES=llama-1b or SHAPES=gpt-1.3b.
 # "build bench" builds only the binary and the plugins the bench runs (BUILD_TARGETS names others).
+# PROFILE=1 makes the bench stage say where a step goes instead (bench/gpu/run.sh): tessera's
+# `[trainer] profiler = "pytorch"` and torch.profiler, the kernels by device time, per row.
+# What the 2026-11-28 H200 calls ran, and what to run next: docs/performance.md.
 # Logs and results land in $OUT.
 set -uo pipefail
 out="${OUT:-/tmp/out}"; mkdir -p "$out"

@@ -10,6 +10,7 @@
                     precision (bf16 compute copies of the fp32 shards)
   --optimizer fused (default) or foreach AdamW
   --compile         torch.compile each block (warm-up excluded): reported for information
+  --profile         3 more steps under torch.profiler: the kernels by device time
 
 The loop is forward, backward, step, zero_grad(set_to_none=True): no gradient lives through the
 next forward. Attention is F.scaled_dot_product_attention(is_causal=True) (flash on the GPU); the
@@ -153,6 +154,37 @@ class Llama(nn.Module):
         return self.lm_head(self.norm(x))
 
 
+def train_step(model, opt, x, y, a, autocast):
+    with torch.autocast(a.device, dtype=torch.bfloat16, enabled=autocast):
+        logits = model(x)
+    loss = F.cross_entropy(logits.float().view(-1, a.vocab_size), y.reshape(-1))
+    loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return loss
+
+
+def profile_steps(a, cuda, step, steps=3):
+    """Where `steps` steps go: the device's kernels by time (the host's operators on the CPU),
+    as tessera's `[trainer] profiler = "pytorch"` reports its own."""
+    from torch.profiler import ProfilerActivity, profile
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    sync()
+    start = time.perf_counter()
+    with profile(activities=activities) as prof:
+        for _ in range(steps):
+            step()
+        sync()
+    wall_ms = (time.perf_counter() - start) * 1e3 / steps
+    averages = prof.key_averages()
+    key = next((k for k in ("self_device_time_total", "self_cuda_time_total") if hasattr(averages[0], k)), None) if cuda else None
+    if key:
+        kernels = sum(getattr(e, key) for e in averages) / 1e3 / steps
+        print(f"profile: {wall_ms:.1f} ms per step, device kernels {kernels:.1f} ms per step ({100 * kernels / wall_ms:.0f}%)")
+    print(averages.table(sort_by=key or "cpu_time_total", row_limit=20), flush=True)
+
+
 def flops_per_token(model, a):
     """torchtitan's: 6 x non-embedding parameters + 12 x layers x heads x head_dim x seq."""
     embedding = model.wte.weight.numel() + model.wpe.weight.numel() if a.model == "gpt" else model.embed_tokens.weight.numel()
@@ -181,6 +213,8 @@ def main():
     p.add_argument("--peak-tflops", type=float, default=0.0)
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     p.add_argument("--versions", action="store_true", help="print torch/CUDA/GPU/CPU and exit")
+    p.add_argument("--profile", action="store_true",
+                   help="after the timed steps, 3 more under torch.profiler: print where they went (kernels by device time)")
     a = p.parse_args()
     cuda = a.device == "cuda"
     gpu = torch.cuda.get_device_name(0) if cuda and torch.cuda.is_available() else "none"
@@ -222,14 +256,11 @@ def main():
             if cuda:
                 torch.cuda.reset_peak_memory_stats()
             start = time.perf_counter()
-        with torch.autocast(a.device, dtype=torch.bfloat16, enabled=autocast):
-            logits = model(x)
-        loss = F.cross_entropy(logits.float().view(-1, a.vocab_size), y.reshape(-1))
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        loss = train_step(model, opt, x, y, a, autocast)
     sync()
     elapsed = time.perf_counter() - start
+    if a.profile:
+        profile_steps(a, cuda, lambda: train_step(model, opt, x, y, a, autocast))
     tps = a.steps * a.batch * a.seq / elapsed
     peak = a.peak_tflops or next((v for k, v in PEAK_BF16_TFLOPS.items() if k in gpu), 0.0)
     print(f"{label} tokens_per_s={tps:.0f} "

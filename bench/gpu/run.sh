@@ -21,7 +21,11 @@ steps="${1:-20}"
 work="$(mktemp -d)"; trap '[ -n "${KEEP:-}" ] || rm -rf "$work"' EXIT
 python=${PYTHON:-python3}
 # model layers width heads kv_heads intermediate vocab seq
-declare -A dims=([llama-1b]="llama 16 2048 16 8 5632 32000 2048" [gpt-1.3b]="gpt 26 2048 16 16 8192 256 2048")
+# "tiny" rehearses the script on the CPU: ACCELERATOR=cpu SHAPES=tiny (fused AdamW needs a GPU there:
+# --optimizer foreach rows only).
+declare -A dims=([llama-1b]="llama 16 2048 16 8 5632 32000 2048" [gpt-1.3b]="gpt 26 2048 16 16 8192 256 2048"
+  [tiny]="llama 2 64 4 2 128 256 64")
+accelerator="${ACCELERATOR:-cuda}"
 
 tessera_config() {  # shape row -> a config on stdout; row: a strategy, or fsdp2-param
   local model layers embd heads kv inter vocab seq batch_var="BATCH_${1//[-.]/_}"
@@ -46,7 +50,7 @@ default_root_dir = "$work/$1-$2"
 devices = 1
 [strategy]
 plugin = "$strategy"
-accelerator = "cuda"
+accelerator = "$accelerator"
 $mp_policy
 [precision]
 plugin = "fsdp-precision"
@@ -87,7 +91,7 @@ TOML
 tessera_row() {  # shape strategy: tokens/s over the logged windows after the first (warm-up)
   local dir="$work/$1-$2"; rm -rf "$dir"
   tessera_config "$1" "$2" > "$dir.toml"
-  timeout 300 "$tessera" fit --config "$dir.toml" > "$dir.log" 2>&1
+  timeout 300 "$tessera" fit --config "$dir.toml" ${TESSERA_SETS:-} > "$dir.log" 2>&1
   local rc=$? csv; csv=$(ls "$dir"/version_*/metrics.csv 2> /dev/null | tail -1)
   local tps mem
   tps=$(awk -F, '$4=="tokens_per_s" {n++; if (n > 1) {s+=$5; c++}} END {if (c) printf "%.0f", s/c}' "$csv" 2>/dev/null)
@@ -96,13 +100,17 @@ tessera_row() {  # shape strategy: tokens/s over the logged windows after the fi
   [ $rc -eq 0 ] || tail -5 "$dir.log" >&2
 }
 
+pytorch_args() {  # shape -> pytorch_baseline.py's model arguments
+  local model layers embd heads kv inter vocab seq batch_var="BATCH_${1//[-.]/_}"
+  read -r model layers embd heads kv inter vocab seq <<< "${dims[$1]}"
+  echo --model "$model" --n-layer "$layers" --n-embd "$embd" --n-head "$heads" --n-kv-head "$kv" \
+    --intermediate "$inter" --vocab-size "$vocab" --seq "$seq" --batch "${!batch_var:-8}" --device "$accelerator"
+}
+
 pytorch_row() {  # shape label args...
-  local shape="$1" model layers embd heads kv inter vocab seq batch_var="BATCH_${1//[-.]/_}"; shift
-  read -r model layers embd heads kv inter vocab seq <<< "${dims[$shape]}"
-  local line
-  line=$(PYTHONUNBUFFERED=1 timeout 300 $python bench/gpu/pytorch_baseline.py --model "$model" --steps "$steps" \
-    --n-layer "$layers" --n-embd "$embd" --n-head "$heads" --n-kv-head "$kv" --intermediate "$inter" \
-    --vocab-size "$vocab" --seq "$seq" --batch "${!batch_var:-8}" "$@" 2>&1 | tail -1)
+  local shape="$1" line; shift
+  line=$(PYTHONUNBUFFERED=1 timeout 300 $python bench/gpu/pytorch_baseline.py $(pytorch_args "$shape") --steps "$steps" \
+    "$@" 2>&1 | tail -1)
   echo "$shape | ${line%% tokens_per_s=*} | tokens_per_s=${line#* tokens_per_s=}"
 }
 
@@ -117,6 +125,27 @@ run_row() {  # shape row
   read -r who rest <<< "$2"
   if [ "$who" = tessera ]; then tessera_row "$1" "$rest"; else pytorch_row "$1" $rest; fi
 }
+
+# PROFILE=1: where a step goes instead of the timed rows: tessera's `[trainer] profiler = "pytorch"`
+# (training steps 3-5) and PyTorch's torch.profiler (3 steps after the timed ones) for each row,
+# each table in $OUT/profile-<shape>-<row>.txt: the kernels by device time, the device's busy share.
+if [ -n "${PROFILE:-}" ]; then
+  for shape in ${SHAPES:-llama-1b}; do
+    for row in "${rows[@]}"; do
+      name="$shape-$(tr -c 'A-Za-z0-9_\n-' _ <<< "$row" | head -c 60)"
+      read -r who rest <<< "$row"
+      if [ "$who" = tessera ]; then
+        steps=1 TESSERA_SETS="--set trainer.profiler=pytorch" tessera_row "$shape" "$rest"
+        sed -n '/Profiler report (pytorch)/,/^trace written/p' "$work/$shape-$rest.log" > "$out/profile-$name.txt"
+      else
+        PYTHONUNBUFFERED=1 timeout 300 $python bench/gpu/pytorch_baseline.py $(pytorch_args "$shape") --steps 3 $rest \
+          --profile > "$out/profile-$name.txt" 2>&1
+      fi
+      echo "$shape | $row | profile: $(head -2 "$out/profile-$name.txt" | tail -1)"
+    done
+  done
+  exit 0
+fi
 
 { $python bench/gpu/pytorch_baseline.py --versions; nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader; } \
   | tee "$out/gpu-bench.txt"

@@ -317,7 +317,7 @@ Config Config::load(const std::string& path, const std::vector<std::string>& ove
   tr.resume = t.get_choice("resume", "never", {"never", "auto"});
   tr.freeze = t.get_string_list("freeze", {});
   tr.max_time_s = read_duration(t, "max_time");
-  tr.profiler = t.get_choice("profiler", "", {"", "simple", "trace"});
+  tr.profiler = t.get_choice("profiler", "", {"", "simple", "trace", "pytorch"});
   tr.detect_anomaly = t.get_bool("detect_anomaly", false);
   tr.sync_batchnorm = t.get_bool("sync_batchnorm", false);
   tr.skip_memory_check = t.get_bool("skip_memory_check", false);

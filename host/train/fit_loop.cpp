@@ -284,6 +284,7 @@ void Trainer::fit(const std::string& ckpt_path) {
     log_.info("fast_dev_run = " + std::to_string(t.fast_dev_run) + ": " + std::to_string(t.fast_dev_run) +
               " training step(s) and validation batch(es), no loggers, no checkpoints");
 
+  if (t.profiler == "pytorch") torch_profiler_ = std::make_unique<TorchProfiler>(strategy_->root_device().is_cuda());
   FitClock clock{Clock::now(), Clock::now(), global_step_, 0, data_ranks};
   model_->network()->train(true);
   faults_.poison_gradient(*model_->network(), [this] { return global_step_; });
@@ -296,9 +297,11 @@ void Trainer::fit(const std::string& ckpt_path) {
       if (next_batch_ == 0) call("on_train_epoch_start", [&](sdk::Callback& c) { c.on_train_epoch_start(*this); });
       while (next_batch_ + accumulate <= epoch_batches && global_step_ < total_steps_ && !should_stop_) {
         const double lr = schedule_->lr(global_step_);
+        if (torch_profiler_) torch_profiler_->before_step(global_step_ + 1);
         TrainedStep step = train_step(loader, accumulate, lr);
         next_batch_ += accumulate;
         ++global_step_;
+        if (torch_profiler_) torch_profiler_->after_step(global_step_, global_step_ == total_steps_);
         clock.window_items += step.items;
         call("on_after_optimizer_step", [&](sdk::Callback& c) { c.on_after_optimizer_step(*this); });
         if (!step.result.stepped) {  // the grad scaler saw inf/NaN: expected now and then, counted, not a failure

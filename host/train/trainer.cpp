@@ -128,7 +128,7 @@ void Trainer::setup(const std::string& stage, const std::string& command) {
   TESSERA_CHECK(strategy_ && precision_ && checkpoint_io_ && model_ && data_,
                 "a plugin created an object of the wrong interface");
   callbacks_ = make_callbacks(config_, loader_);
-  if (!config_.trainer.profiler.empty()) core::trace::enable(true);
+  if (config_.trainer.profiler == "simple" || config_.trainer.profiler == "trace") core::trace::enable(true);
 
   strategy_->connect(precision_, checkpoint_io_);
   strategy_->setup_environment(cluster_);
@@ -374,7 +374,14 @@ void Trainer::finish(const std::string& status) {
     records.push_back("logs/rank-*.log");
     log_.info("run records in " + log_dir_ + "/: " + sdk::join(records));
   }
-  if (!config_.trainer.profiler.empty()) {
+  if (torch_profiler_) {
+    const std::string table = torch_profiler_->report(
+        log_dir_ + "/pytorch-trace-rank-" + std::to_string(cluster_.global_rank) + ".json", cluster_.global_rank);
+    if (!table.empty() && cluster_.global_rank == 0) {
+      log_.info(table + "trace written: " + log_dir_ + "/pytorch-trace-rank-*.json (https://ui.perfetto.dev)");
+      write_record(log_dir_ + "/profiler.txt", table);
+    }
+  } else if (!config_.trainer.profiler.empty()) {
     std::vector<core::trace::Event> events = core::trace::events();
     if (config_.trainer.profiler == "simple") {
       std::string table = simple_profile(events);

@@ -20,6 +20,7 @@
 #include "tessera/sdk/strategy.hpp"
 #include "train/fault_injection.hpp"
 #include "train/lr_schedule.hpp"
+#include "train/torch_profiler.hpp"
 
 namespace tessera::core {
 class DataLoader;
@@ -256,6 +257,7 @@ class Trainer final : public sdk::Trainer {
   std::int64_t total_steps_ = 0;
   std::int64_t skipped_steps_ = 0;  ///< optimizer steps the grad scaler skipped in this run
   std::unique_ptr<LRSchedule> schedule_;
+  std::unique_ptr<TorchProfiler> torch_profiler_;  ///< [trainer] profiler = "pytorch", in fit
   std::optional<sdk::Checkpoint> restored_schedule_;  ///< from --ckpt-path, checked against the config
   std::string restored_from_;
   std::int64_t earlier_peak_rss_kb_ = 0;  ///< the peak RSS before a restore reset the kernel's mark

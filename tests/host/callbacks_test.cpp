@@ -3,10 +3,12 @@
 
 #include <dlfcn.h>
 
+#include <algorithm>
 #include <cmath>
 #include <filesystem>
 #include <fstream>
 #include <functional>
+#include <set>
 #include <sstream>
 
 #include <nlohmann/json.hpp>
@@ -321,6 +323,38 @@ TEST(Profiler, SummarySimpleTableAndChromeTracePerRank) {
       reduce |= name.find("reduce") != std::string::npos;
     }
     EXPECT_TRUE(gather && reduce) << "collective spans in " << path << ": " << nlohmann::json(collectives).dump();
+  }
+}
+
+// profiler = "pytorch" (Lightning's PyTorchProfiler): LibTorch's profiler over training steps 3 to
+// 5, Lightning's default schedule (steps 3-4 of a 4-step run): each rank's trace holds the model's
+// operators, and the table says where the steps went. On CUDA with Kineto the device's kernels
+// come too (bench/gpu: `[trainer] profiler = "pytorch"` on the GPU rows).
+TEST(Profiler, PyTorchProfilerRecordsStepsThreeToFiveOnEveryRank) {
+  std::string dir = tessera::testing::fresh_dir("torch-profiler");
+  for (const int steps : {6, 4}) {
+    auto r = run_tessera("fit --config " + write_config(dir) + " --set trainer.max_steps=" + std::to_string(steps) +
+                         " --set trainer.profiler=pytorch --set launch.devices=2 --set strategy.plugin=fsdp "
+                         "--set data.batch_size=2");
+    ASSERT_EQ(r.exit_code, 0) << r.output;
+    const std::string window = steps == 6 ? "training steps 3-5 of rank 0" : "training steps 3-4 of rank 0";
+    for (const std::string text : {"Profiler report (pytorch): " + window, std::string("host operators by time"),
+                                   std::string("aten::")})
+      EXPECT_NE(r.output.find(text), std::string::npos) << text << "\n" << r.output;
+    EXPECT_TRUE(fs::exists(run_dir(dir) + "/profiler.txt"));
+    for (int rank = 0; rank < 2; ++rank) {
+      const std::string path = run_dir(dir) + "/pytorch-trace-rank-" + std::to_string(rank) + ".json";
+      ASSERT_TRUE(fs::exists(path)) << path;
+      std::set<std::string> ops;
+      const auto trace = nlohmann::json::parse(file_bytes(path));
+      for (const auto& e : trace["traceEvents"])
+        if (e["ph"] == "X") {
+          ops.insert(e["name"].get<std::string>());
+          EXPECT_EQ(e["pid"].get<int>(), rank) << "a host operator under another rank's pid in " << path;
+        }
+      EXPECT_TRUE(std::any_of(ops.begin(), ops.end(), [](const std::string& op) { return op.find("mm") != std::string::npos; }))
+          << "no matrix product among " << ops.size() << " operators in " << path;
+    }
   }
 }
 
