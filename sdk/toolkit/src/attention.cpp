@@ -137,10 +137,13 @@ at::Tensor sdpa_attention(const at::Tensor& q, const at::Tensor& k, const at::Te
   c10::optional<at::Tensor> mask;  // true: the query may attend to the key
   if (Tq != Tk && Tq > 1) mask = at::ones({Tq, Tk}, q.options().dtype(at::kBool)).tril(Tk - Tq);
 #if TORCH_VERSION_MAJOR > 2 || TORCH_VERSION_MINOR >= 5
-  return at::scaled_dot_product_attention(q, k, v, mask, 0.0, causal, scale, /*enable_gqa=*/groups > 1);
-#else
-  return at::scaled_dot_product_attention(q, repeat_kv(k, groups), repeat_kv(v, groups), mask, 0.0, causal, scale);
+  // CUDA's flash kernel reads each key/value head for its group of query heads (enable_gqa). The
+  // CPU's flash kernel takes no GQA: asked for it, SDPA falls back to the math path and its
+  // [B, H, T, T] probabilities (measured on LibTorch 2.6: the math path's peak). There the keys and
+  // values are repeated instead (T x D per query head, not T x T).
+  if (q.is_cuda()) return at::scaled_dot_product_attention(q, k, v, mask, 0.0, causal, scale, /*enable_gqa=*/groups > 1);
 #endif
+  return at::scaled_dot_product_attention(q, repeat_kv(k, groups), repeat_kv(v, groups), mask, 0.0, causal, scale);
 }
 #endif
 

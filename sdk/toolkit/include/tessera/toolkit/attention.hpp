@@ -20,7 +20,8 @@ enum class AttentionKernel {
   /// fused kernels on the CPU) where the LibTorch has it; elsewhere `blocked`.
   automatic,
   /// at::scaled_dot_product_attention (LibTorch 2.x only; refused on 1.13), GQA through its
-  /// enable_gqa where the LibTorch has it (2.5+), else keys and values repeated.
+  /// enable_gqa on CUDA (2.5+), else keys and values repeated (the CPU's flash kernel takes no
+  /// GQA, and SDPA asked for it there falls back to the math path).
   sdpa,
   /// Query blocks of `query_block` rows; backward recomputes each block's probabilities from
   /// the saved log-sum-exp (flash attention's recomputation): no [B, H, Tq, Tk] tensor is kept
