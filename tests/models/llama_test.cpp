@@ -316,6 +316,34 @@ TEST(CausalAttention, BlockedEqualsMathForwardAndBackward) {
   }
 }
 
+// LibTorch 2.x's SDPA (the default kernel there) computes the math path within 1e-5, forward and
+// backward: MHA, GQA (keys and values repeated on the CPU, enable_gqa on CUDA), queries after a
+// cache (an explicit bottom-right mask) and one decoding query. On LibTorch 1.13 there is no SDPA.
+TEST(CausalAttention, SdpaEqualsMathWhereLibTorchHasIt) {
+  try {
+    (void)toolkit::parse_attention_kernel("sdpa", "[model] attention");
+  } catch (const sdk::Error& e) {
+    GTEST_SKIP() << "SKIPPED: " << e.what();
+  }
+  at::manual_seed(4);
+  for (auto [H, Hkv, Tq, Tk] :
+       std::vector<std::array<std::int64_t, 4>>{{4, 4, 37, 37}, {6, 2, 37, 37}, {6, 3, 21, 30}, {6, 2, 1, 30}}) {
+    SCOPED_TRACE("H " + std::to_string(H) + " Hkv " + std::to_string(Hkv) + " Tq " + std::to_string(Tq) + " Tk " +
+                 std::to_string(Tk));
+    at::Tensor q = at::randn({2, H, Tq, 8}), k = at::randn({2, Hkv, Tk, 8}), v = at::randn({2, Hkv, Tk, 8});
+    at::Tensor dout = at::randn({2, H, Tq, 8});
+    toolkit::CausalAttentionOptions math, sdpa;
+    math.kernel = toolkit::AttentionKernel::math;
+    sdpa.kernel = toolkit::AttentionKernel::sdpa;
+    ASSERT_EQ(toolkit::causal_attention_kernel(q, k, sdpa), toolkit::AttentionKernel::sdpa);
+    const Grads a = run(q, k, v, dout, math), b = run(q, k, v, dout, sdpa);
+    EXPECT_LE(max_diff(a.out, b.out), 1e-5);
+    EXPECT_LE(max_diff(a.dq, b.dq), 1e-5);
+    EXPECT_LE(max_diff(a.dk, b.dk), 1e-5);
+    EXPECT_LE(max_diff(a.dv, b.dv), 1e-5);
+  }
+}
+
 TEST(CausalAttention, RefusesMismatchedShapes) {
   at::Tensor q = at::randn({1, 4, 5, 8});
   EXPECT_THROW(toolkit::causal_attention(q, at::randn({1, 3, 5, 8}), at::randn({1, 3, 5, 8})), sdk::Error);
