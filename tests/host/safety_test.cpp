@@ -435,12 +435,20 @@ TEST(UntrustedFiles, WhatTheFuzzerFoundIsRefusedAtOnce) {
     EXPECT_CONTAINS(r.output, "its pickle cannot be followed at byte");
     EXPECT_LT(std::chrono::duration<double>(Clock::now() - start).count(), 10.0) << file;
   }
-  const std::string dir = tessera::testing::fresh_dir("fuzzed-tokenizer");
-  fs::copy_file(regressions + "hf_tokenizer-float-id.json", dir + "/tokenizer.json");
-  auto r = tessera::testing::run_command(std::string(tessera::testing::tessera_binary()) + " tokenizer info --tokenizer " +
-                                         dir + "/tokenizer.json 2>&1");
-  EXPECT_NE(r.exit_code, 0) << r.output;
-  EXPECT_CONTAINS(r.output, "model.vocab.b = 3.333333333333333e+23: an integer in [0, 2147483647] was expected");
+  // tokenizer.json: a vocabulary id of 3.3e23 (a float where an integer belongs), and one of 32 in
+  // a 3-token vocabulary (the fuzzer's was 584379214: a decoding table of 18 GB).
+  for (const auto& [file, expected] : std::vector<std::pair<std::string, std::string>>{
+           {"hf_tokenizer-float-id.json", "model.vocab.b = 3.333333333333333e+23: an integer in [0, 6] was expected"},
+           {"hf_tokenizer-sparse-id.json", "model.vocab.ab = 32: an integer in [0, 2] was expected"}}) {
+    const std::string dir = tessera::testing::fresh_dir("fuzzed-tokenizer");
+    fs::copy_file(regressions + file, dir + "/tokenizer.json");
+    const auto start = Clock::now();
+    auto r = tessera::testing::run_command(std::string(tessera::testing::tessera_binary()) + " tokenizer info --tokenizer " +
+                                           dir + "/tokenizer.json 2>&1");
+    EXPECT_NE(r.exit_code, 0) << r.output;
+    EXPECT_CONTAINS(r.output, expected);
+    EXPECT_LT(std::chrono::duration<double>(Clock::now() - start).count(), 10.0) << file;
+  }
 }
 
 }  // namespace

@@ -45,8 +45,12 @@ class Bpe {
     const auto& vocab = require(spec, "vocab", where);
     TESSERA_CHECK(vocab.is_object(), "Hugging Face tokenizer ", where.at("vocab").str(), " is not an object");
     vocab_.reserve(vocab.size());
+    // Ids number the vocabulary from 0 (every trainer writes them so): a decoding table of one
+    // entry per id, and a file cannot make it larger than itself (libFuzzer: an id of 584379214
+    // in a 3-token vocabulary asked for 18 GB).
+    const std::int64_t entries = static_cast<std::int64_t>(vocab.size());
     for (const auto& [token, id] : vocab.items()) {
-      const std::int64_t value = integer_in(id, 0, (std::int64_t{1} << 31) - 1, where.at("vocab").at(token));
+      const std::int64_t value = integer_in(id, 0, std::max<std::int64_t>(0, entries - 1), where.at("vocab").at(token));
       vocab_[token] = static_cast<TokenId>(value);
       if (static_cast<std::size_t>(value) >= id_to_token_.size()) id_to_token_.resize(value + 1);
       id_to_token_[value] = token;
