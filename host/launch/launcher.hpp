@@ -26,7 +26,10 @@ sdk::ClusterInfo planned_cluster(const LaunchSettings& settings);
 std::optional<int> launch_or_join(const LaunchSettings& settings, const std::string& log_dir, int argc, char** argv,
                                   sdk::ClusterInfo& cluster);
 
-/// Compute threads for this rank: [launch] num_threads, or cores / local ranks. Sets
+/// Compute threads per rank: [launch] num_threads, else OMP_NUM_THREADS where set, else cores /
+/// local ranks.
+std::int64_t rank_threads(const LaunchSettings& settings, std::int64_t local_ranks);
+/// Compute threads for this rank (rank_threads). Sets
 /// at::set_num_threads and OpenBLAS's own pool (openblas_set_num_threads when the loaded
 /// BLAS has it), which at::set_num_threads does not touch.
 void configure_threads(const LaunchSettings& settings, const sdk::ClusterInfo& cluster);

@@ -9,11 +9,14 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <filesystem>
 #include <fstream>
 #include <sstream>
 #include <thread>
+#include <tuple>
+#include <vector>
 
 #include "multiprocess.hpp"
 
@@ -74,6 +77,23 @@ bool wait_for_text(const std::string& path, const std::string& text, double seco
     std::this_thread::sleep_for(std::chrono::milliseconds(100));
   }
   return false;
+}
+
+// Threads per rank: [launch] num_threads, else OMP_NUM_THREADS as LibTorch reads it (torchrun
+// sets 1), else the cores over the local ranks; the launcher says how many each rank got.
+TEST(Launcher, ThreadsPerRankFollowNumThreadsThenOmpNumThreads) {
+  const std::int64_t cores = std::max(1u, std::thread::hardware_concurrency());
+  for (const auto& [environment, sets, threads] : std::vector<std::tuple<std::string, std::string, std::int64_t>>{
+           {"OMP_NUM_THREADS=3", "", 3},
+           {"OMP_NUM_THREADS=3", " --set launch.num_threads=2", 2},
+           {"OMP_NUM_THREADS=", "", std::max<std::int64_t>(1, cores / 2)}}) {
+    std::string dir = tessera::testing::fresh_dir("launch-threads");
+    auto r = run_tessera("fit --config " + write_config(dir) + " --set launch.devices=2 --set trainer.max_steps=1" + sets,
+                         environment, 120);
+    ASSERT_EQ(r.exit_code, 0) << r.output;
+    EXPECT_NE(r.output.find(", " + std::to_string(threads) + " thread(s) each)"), std::string::npos)
+        << environment << sets << "\n" << r.output;
+  }
 }
 
 TEST(Launcher, EveryRankLogsAndOnlyRankZeroTalks) {

@@ -293,20 +293,19 @@ Grads run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const a
   return {out.detach(), q_.grad(), k_.grad(), v_.grad()};
 }
 
-TEST(CausalAttention, BlockedEqualsMathForwardAndBackward) {
-  at::manual_seed(3);
-  // (heads, kv heads, queries, keys): MHA, GQA, and queries after a cache of 9 positions.
-  for (auto [H, Hkv, Tq, Tk] : std::vector<std::array<std::int64_t, 4>>{{4, 4, 37, 37}, {6, 2, 37, 37}, {6, 3, 21, 30}}) {
+/// `kernel` against the math path, forward and backward within 1e-5, for each (heads, kv heads,
+/// queries, keys).
+void expect_equals_math(const toolkit::CausalAttentionOptions& kernel,
+                        const std::vector<std::array<std::int64_t, 4>>& shapes) {
+  for (auto [H, Hkv, Tq, Tk] : shapes) {
     SCOPED_TRACE("H " + std::to_string(H) + " Hkv " + std::to_string(Hkv) + " Tq " + std::to_string(Tq) + " Tk " +
                  std::to_string(Tk));
     at::Tensor q = at::randn({2, H, Tq, 8}), k = at::randn({2, Hkv, Tk, 8}), v = at::randn({2, Hkv, Tk, 8});
     at::Tensor dout = at::randn({2, H, Tq, 8});
-    toolkit::CausalAttentionOptions math, blocked;
+    toolkit::CausalAttentionOptions math;
     math.kernel = toolkit::AttentionKernel::math;
-    blocked.kernel = toolkit::AttentionKernel::blocked;
-    blocked.query_block = 8;
-    ASSERT_EQ(toolkit::causal_attention_kernel(q, k, blocked), toolkit::AttentionKernel::blocked);
-    const Grads a = run(q, k, v, dout, math), b = run(q, k, v, dout, blocked);
+    ASSERT_EQ(toolkit::causal_attention_kernel(q, k, kernel), kernel.kernel);
+    const Grads a = run(q, k, v, dout, math), b = run(q, k, v, dout, kernel);
     EXPECT_LE(max_diff(a.out, b.out), 1e-5);
     EXPECT_LE(max_diff(a.dq, b.dq), 1e-5);
     EXPECT_LE(max_diff(a.dk, b.dk), 1e-5);
@@ -314,6 +313,15 @@ TEST(CausalAttention, BlockedEqualsMathForwardAndBackward) {
     // The math path is causal: the first query reads the first visible key's value only.
     if (Tq == Tk) EXPECT_LE(max_diff(a.out.select(2, 0), at::repeat_interleave(v.select(2, 0), H / Hkv, 1)), 1e-6);
   }
+}
+
+TEST(CausalAttention, BlockedEqualsMathForwardAndBackward) {
+  at::manual_seed(3);
+  toolkit::CausalAttentionOptions blocked;
+  blocked.kernel = toolkit::AttentionKernel::blocked;
+  blocked.query_block = 8;
+  // MHA, GQA, and queries after a cache of 9 positions.
+  expect_equals_math(blocked, {{4, 4, 37, 37}, {6, 2, 37, 37}, {6, 3, 21, 30}});
 }
 
 // LibTorch 2.x's SDPA (the default kernel there) computes the math path within 1e-5, forward and
@@ -326,22 +334,9 @@ TEST(CausalAttention, SdpaEqualsMathWhereLibTorchHasIt) {
     GTEST_SKIP() << "SKIPPED: " << e.what();
   }
   at::manual_seed(4);
-  for (auto [H, Hkv, Tq, Tk] :
-       std::vector<std::array<std::int64_t, 4>>{{4, 4, 37, 37}, {6, 2, 37, 37}, {6, 3, 21, 30}, {6, 2, 1, 30}}) {
-    SCOPED_TRACE("H " + std::to_string(H) + " Hkv " + std::to_string(Hkv) + " Tq " + std::to_string(Tq) + " Tk " +
-                 std::to_string(Tk));
-    at::Tensor q = at::randn({2, H, Tq, 8}), k = at::randn({2, Hkv, Tk, 8}), v = at::randn({2, Hkv, Tk, 8});
-    at::Tensor dout = at::randn({2, H, Tq, 8});
-    toolkit::CausalAttentionOptions math, sdpa;
-    math.kernel = toolkit::AttentionKernel::math;
-    sdpa.kernel = toolkit::AttentionKernel::sdpa;
-    ASSERT_EQ(toolkit::causal_attention_kernel(q, k, sdpa), toolkit::AttentionKernel::sdpa);
-    const Grads a = run(q, k, v, dout, math), b = run(q, k, v, dout, sdpa);
-    EXPECT_LE(max_diff(a.out, b.out), 1e-5);
-    EXPECT_LE(max_diff(a.dq, b.dq), 1e-5);
-    EXPECT_LE(max_diff(a.dk, b.dk), 1e-5);
-    EXPECT_LE(max_diff(a.dv, b.dv), 1e-5);
-  }
+  toolkit::CausalAttentionOptions sdpa;
+  sdpa.kernel = toolkit::AttentionKernel::sdpa;
+  expect_equals_math(sdpa, {{4, 4, 37, 37}, {6, 2, 37, 37}, {6, 3, 21, 30}, {6, 2, 1, 30}});
 }
 
 TEST(CausalAttention, RefusesMismatchedShapes) {

@@ -166,7 +166,11 @@ CommandResult run_tessera(const std::string& arguments, const std::string& envir
   // trains on CUDA, and several local ranks would want a GPU each); the CUDA paths have tests
   // of their own. A test that means CUDA sets CUDA_VISIBLE_DEVICES itself.
   const std::string gpus = environment.find("CUDA_VISIBLE_DEVICES=") == std::string::npos ? "CUDA_VISIBLE_DEVICES= " : "";
-  return run_command(gpus + environment + " timeout -k 5 " + std::to_string(timeout_s) + " " + TESSERA_BINARY + " " +
+  // One compute thread per rank, as torchrun gives its workers: ctest runs two tests at a time on
+  // CI's two cores, and ranks' idle worker threads spinning beside another test's ranks made a
+  // tiny model's validation 10x slower. A test that means threads sets OMP_NUM_THREADS itself.
+  const std::string threads = environment.find("OMP_NUM_THREADS=") == std::string::npos ? "OMP_NUM_THREADS=1 " : "";
+  return run_command(gpus + threads + environment + " timeout -k 5 " + std::to_string(timeout_s) + " " + TESSERA_BINARY + " " +
                      arguments + " 2>&1");
 }
 

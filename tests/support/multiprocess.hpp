@@ -40,7 +40,8 @@ CommandResult run_command(const std::string& command);
 
 /// Runs the build tree's `tessera` with `arguments` (shell words) and extra environment
 /// assignments ("A=1 B=2"), bounded by `timeout_s` (the `timeout` command kills it). No GPU is
-/// visible to it unless `environment` sets CUDA_VISIBLE_DEVICES.
+/// visible to it unless `environment` sets CUDA_VISIBLE_DEVICES, and it runs one compute thread
+/// per rank (OMP_NUM_THREADS=1) unless `environment` sets OMP_NUM_THREADS.
 CommandResult run_tessera(const std::string& arguments, const std::string& environment = "", int timeout_s = 300);
 
 /// The environment assignment that shows run_tessera's binary the GPUs this test process sees
