@@ -42,6 +42,10 @@ std::optional<Rewrite> scan(std::string_view p, std::vector<std::string>* global
   };
   std::vector<Slot> stack;
   std::map<std::uint64_t, Kind> memo;  // what BINPUT stored, for BINGET
+  // Python's pickler numbers memo entries 0, 1, 2, ...; LibTorch's unpickler grows its memo table
+  // to whatever index a BINPUT names (libFuzzer: LONG_BINPUT 0x74024b07, a 31 GB table filled
+  // before the next opcode). A put past the next number, or a get of none, is not followed.
+  std::uint64_t memo_size = 0;
   Rewrite rewrite;
   auto pop = [&](std::size_t n) -> std::optional<std::size_t> {  // start of the deepest popped
     if (stack.size() < n || n == 0) return std::nullopt;
@@ -80,11 +84,16 @@ std::optional<Rewrite> scan(std::string_view p, std::vector<std::string>* global
         const std::size_t width = op == 'q' || op == 'h' ? 1 : 4;
         if (!skip(width)) return std::nullopt;
         const std::uint64_t index = little_endian(p, op_at + 1, width);
-        if (op == 'h' || op == 'j') push(op_at, memo_kind(index));
-        else if (!stack.empty()) memo[index] = stack.back().kind;
+        if (index > memo_size || ((op == 'h' || op == 'j') && index == memo_size)) return std::nullopt;
+        if (op == 'h' || op == 'j') {
+          push(op_at, memo_kind(index));
+        } else {
+          memo_size = std::max(memo_size, index + 1);
+          if (!stack.empty()) memo[index] = stack.back().kind;
+        }
         break;
       }
-      case 0x94: break;                                                           // MEMOIZE
+      case 0x94: ++memo_size; break;                                              // MEMOIZE
       case 'K': if (!skip(1)) return std::nullopt; push(op_at); break;            // BININT1
       case 'M': if (!skip(2)) return std::nullopt; push(op_at); break;            // BININT2
       case 'J': if (!skip(4)) return std::nullopt; push(op_at); break;            // BININT
