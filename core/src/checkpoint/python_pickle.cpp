@@ -236,7 +236,7 @@ std::string readable_by_libtorch(std::string_view pickle, std::vector<std::strin
                     std::snprintf(hex, sizeof hex, "%02x", static_cast<unsigned char>(pickle[stopped]));
                     return std::string(hex);
                   }() +
-                  "): an opcode torch.save does not write, or an argument or length past the end");
+                  "): an opcode torch.save does not write, an argument or length past the end, or a memo index out of its order");
   if (found->empty()) return std::string(pickle);
   Rewrite& edits = *found;
   // In stream order; at one position the insertions (MARKs) go before the replaced opcode.
