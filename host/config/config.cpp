@@ -21,14 +21,13 @@ constexpr std::int64_t kMaxTimeoutS = 7 * 24 * 3600;
 /// Optimizer values become floats in LibTorch: larger ones overflow after setup.
 constexpr double kMaxFloat = 3.4e38;
 
-/// A path-like string: not empty, no NUL (a C++ string keeps it, the OS cuts the path there).
-/// A path key; `optional`: its default "" means unset (`tessera config` lists it so), else an
-/// empty path is refused with `example`.
+/// A path-like string: no NUL (a C++ string keeps it, the OS cuts the path there), and not empty
+/// unless `optional`, where the default "" means unset (`tessera config` lists it so).
 std::string read_path(const sdk::Options& options, const std::string& key, const std::string& fallback,
-                      bool optional = false, const std::string& example = "") {
+                      bool optional = false) {
   std::string value = options.get_string(key, fallback);
   TESSERA_CHECK(optional || !value.empty(), options.locate(key), " is empty: give a path (relative paths are taken from "
-                "the working directory), e.g. \"", example.empty() ? fallback : example, "\"");
+                "the working directory), e.g. \"", fallback, "\"");
   TESSERA_CHECK(value.find('\0') == std::string::npos, options.locate(key),
                 " contains a NUL character, which no path can hold");
   return value;

@@ -147,8 +147,9 @@ std::string TorchProfiler::report(const std::string& trace_path, std::int64_t ra
     ++rows[e.name].first;
     rows[e.name].second += e.duration_us;
     if (!e.device) continue;
-    ++kinds[kernel_kind(e.name)].first;
-    kinds[kernel_kind(e.name)].second += e.duration_us;
+    auto& kind = kinds[kernel_kind(e.name)];
+    ++kind.first;
+    kind.second += e.duration_us;
     busy.emplace_back(e.start_us, e.start_us + e.duration_us);
   }
   std::sort(busy.begin(), busy.end());

@@ -57,7 +57,8 @@ const std::vector<std::string>& PrecisionBase::precisions() { return kPrecisions
 
 namespace {
 
-const std::vector<std::string> kDtypeNames = {"float32", "bfloat16", "float16"};
+/// param_dtype / reduce_dtype / buffer_dtype; "" (the default) keeps the precision's own policy.
+const std::vector<std::string> kDtypeNames = {"", "float32", "bfloat16", "float16"};
 
 at::ScalarType dtype_named(const std::string& name) {
   if (name == "bfloat16") return at::kBFloat16;
@@ -94,9 +95,8 @@ PrecisionBase::PrecisionBase(const sdk::Options& options, bool fsdp_policy)
                 "\" has none. Use \"16-mixed\" or \"bf16-mixed\" with a scaler, or scaler = false.");
   if (!fsdp_policy_) return;
   policy_ = lightning_policy(precision_);
-  // "" (the default, listed by `tessera config`) keeps the precision's own policy.
   auto override_dtype = [&](const char* key, c10::optional<at::ScalarType>& slot) {
-    const std::string name = options.get_choice(key, "", {"", "float32", "bfloat16", "float16"});
+    const std::string name = options.get_choice(key, "", kDtypeNames);
     if (!name.empty()) slot = dtype_named(name);
   };
   override_dtype("param_dtype", policy_.param_dtype);
