@@ -1,4 +1,5 @@
 // The `tessera` command line: fit | validate | test | predict | lr-find | plan | config | plugins | checkpoint | tokenizer.
+#include <c10/util/Exception.h>
 #include <fcntl.h>
 #include <unistd.h>
 
@@ -12,9 +13,8 @@
 #include <thread>
 #include <vector>
 
-#include <c10/util/Exception.h>
-
 #include "cli/checkpoint_tool.hpp"
+#include "cli/config_reference.hpp"
 #include "cli/data_tool.hpp"
 #include "cli/plugin_keys.hpp"
 #include "cli/tokenizer_tool.hpp"
@@ -41,6 +41,7 @@ constexpr const char* kUsage = R"(usage:
   tessera lr-find --config FILE.toml [--set section.key=value ...]
   tessera plan --config FILE.toml [--set section.key=value ...] [--json]
   tessera config --config FILE.toml [--set section.key=value ...]
+  tessera config --reference [--config FILE.toml]
   tessera plugins [--config FILE.toml]
   tessera checkpoint inspect|verify|export PATH [--to FILE.safetensors|FILE.ckpt]
   tessera tokenizer train|encode|decode|info|bench ...   (tessera tokenizer --help)
@@ -58,7 +59,8 @@ constexpr const char* kUsage = R"(usage:
              that fits, without training
              (fit prints a warning before any work when the plan exceeds the machine's memory)
   config     print the configuration as tessera reads it: every key of the host and of the selected
-             plugins, the defaults commented out
+             plugins, the defaults commented out, each with its doc; with --reference every key of
+             the host and of every plugin found, as Markdown (docs/configuration-reference.md)
   plugins    list every plugin found: kind, name, version, ABI, path (and refused files)
 
   --set section.key=value overrides the config; values are TOML (numbers, true/false,
@@ -70,6 +72,7 @@ struct Arguments {
   std::string command, config, ckpt_path;
   std::vector<std::string> overrides;
   bool json = false;
+  bool reference = false;  ///< tessera config --reference
 };
 
 Arguments parse(int argc, char** argv) {
@@ -88,17 +91,21 @@ Arguments parse(int argc, char** argv) {
     else if (w == "--set" || w.rfind("--set=", 0) == 0) args.overrides.push_back(value("--set"));
     else if (w == "--ckpt-path" || w.rfind("--ckpt-path=", 0) == 0) args.ckpt_path = value("--ckpt-path");
     else if (w == "--json") args.json = true;
+    else if (w == "--reference") args.reference = true;
     else if (args.command.empty() && w.rfind("-", 0) != 0) {
       TESSERA_CHECK(std::find(commands.begin(), commands.end(), w) != commands.end(), "unknown command '", w, "'",
                     sdk::did_you_mean(w, commands), "; valid: ", sdk::join(commands));
       args.command = w;
     } else {
-      TESSERA_FAIL("unexpected argument '", w, "'",
-                   sdk::did_you_mean(w, {"--config", "--set", "--ckpt-path", "--json", "--help", "--version"}));
+      TESSERA_FAIL(
+          "unexpected argument '", w, "'",
+          sdk::did_you_mean(w, {"--config", "--set", "--ckpt-path", "--json", "--reference", "--help", "--version"}));
     }
   }
   TESSERA_CHECK(!args.command.empty(), "no command given");
-  TESSERA_CHECK(args.command == "plugins" || !args.config.empty(), args.command, " needs --config FILE.toml");
+  TESSERA_CHECK(!args.reference || args.command == "config", "--reference applies to `tessera config` only");
+  TESSERA_CHECK(args.command == "plugins" || args.reference || !args.config.empty(), args.command,
+                " needs --config FILE.toml");
   TESSERA_CHECK(!args.json || args.command == "plan", "--json applies to `tessera plan` only");
   const bool reads_checkpoint = args.command == "fit" || args.command == "validate" || args.command == "test" ||
                                 args.command == "predict";
@@ -331,9 +338,10 @@ int main(int argc, char** argv) {
   std::unique_ptr<host::RunLog> log;
   bool configuring = true;  // until the configuration is checked: errors may come from a --set
   try {
-    if (args.command == "plugins") {
+    if (args.command == "plugins" || args.reference) {
       std::vector<std::string> dirs;
       if (!args.config.empty()) dirs = host::Config::load(args.config, args.overrides).plugin_dirs;
+      if (args.reference) return std::cout << host::configuration_reference(dirs), 0;
       return list_plugins(dirs);
     }
     host::note_defaults();  // for `tessera config` and the run folder's config.toml

@@ -11,13 +11,13 @@ bool is_better(double candidate, double reference, const std::string& mode, doub
 }
 
 std::vector<NamedCallback> make_callbacks(const Config& config, core::PluginLoader& loader) {
-  const std::vector<std::string> kBuiltIn = {"model_checkpoint", "early_stopping", "lr_monitor", "weight_averaging",
-                                             "ema_weight_averaging"};
   std::vector<NamedCallback> callbacks, checkpointing;
   bool have_checkpoint = false;
   std::string averaging;  // the one weight-averaging callback: two would swap each other's weights
   for (const auto& [name, options] : config.callbacks) {
-    std::string plugin = options.get_string("plugin", name);
+    std::string plugin = options.get_string(
+        {"plugin", "a built-in callback (" + sdk::join(kBuiltInCallbacks) + ") or a callback plugin; default NAME"},
+        name);
     std::shared_ptr<sdk::Callback> callback;
     if (plugin == "model_checkpoint") callback = make_model_checkpoint(options);
     else if (plugin == "early_stopping") callback = make_early_stopping(options);
@@ -34,7 +34,8 @@ std::vector<NamedCallback> make_callbacks(const Config& config, core::PluginLoad
       } catch (const sdk::Error& e) {
         if (std::string(e.what()).find("no callback plugin named") == std::string::npos) throw;
         TESSERA_FAIL(config.path(), ": [callbacks.", name, "]: '", plugin, "' is neither a built-in callback",
-                     sdk::did_you_mean(plugin, kBuiltIn), " (", sdk::join(kBuiltIn), ") nor a callback plugin: ", e.what());
+                     sdk::did_you_mean(plugin, kBuiltInCallbacks), " (", sdk::join(kBuiltInCallbacks),
+                     ") nor a callback plugin: ", e.what());
       }
     }
     options.check_all_used({"plugin"});
@@ -56,10 +57,10 @@ std::vector<NamedCallback> make_callbacks(const Config& config, core::PluginLoad
     table.insert("save_last", config.trainer.save_last);
     if (config.trainer.checkpoint_every_n_steps == 0) table.insert("every_n_epochs", 0);
     // Its keys' defaults are the callback's, not [trainer]'s: kept out of `tessera config`.
-    sdk::Options::DefaultObserver observer = sdk::Options::observe_defaults(nullptr);
+    sdk::Options::KeyObserver observer = sdk::Options::observe_keys(nullptr);
     checkpointing.emplace_back("model_checkpoint",
                                make_model_checkpoint(sdk::Options("trainer", config.path(), std::move(table))));
-    sdk::Options::observe_defaults(std::move(observer));
+    sdk::Options::observe_keys(std::move(observer));
   }
   callbacks.insert(callbacks.end(), checkpointing.begin(), checkpointing.end());
   return callbacks;

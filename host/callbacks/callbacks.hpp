@@ -14,6 +14,10 @@ namespace tessera::host {
 
 using NamedCallback = std::pair<std::string, std::shared_ptr<sdk::Callback>>;
 
+/// The callbacks implemented in the host, by their `plugin` names.
+inline const std::vector<std::string> kBuiltInCallbacks = {"model_checkpoint", "early_stopping", "lr_monitor",
+                                                           "weight_averaging", "ema_weight_averaging"};
+
 /// A capability of callbacks that keep their own copy of the model's weights (weight
 /// averaging): such a callback restores a checkpoint's trained weights itself (the trainer leaves
 /// them to it), and the memory plan counts its copy. The trainer and the plan look it up on the

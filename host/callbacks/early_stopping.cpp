@@ -14,15 +14,19 @@ namespace {
 class EarlyStopping final : public sdk::Callback {
  public:
   explicit EarlyStopping(const sdk::Options& o)
-      : monitor_(o.get_string("monitor", "")),
-        mode_(o.get_choice("mode", "min", {"min", "max"})),
-        min_delta_(o.get_double("min_delta", 0.0, 0.0)),
-        patience_(o.get_int("patience", 3, 0)),
-        strict_(o.get_bool("strict", true)),
-        check_finite_(o.get_bool("check_finite", true)),
-        check_on_train_epoch_end_(o.get_bool("check_on_train_epoch_end", false)),
-        stopping_threshold_(o.get_double("stopping_threshold", NAN)),
-        divergence_threshold_(o.get_double("divergence_threshold", NAN)) {
+      : monitor_(o.get_string({"monitor", "the logged metric watched, e.g. val_loss"}, "")),
+        mode_(o.get_choice({"mode", "min: lower is better; max: higher is better"}, "min", {"min", "max"})),
+        min_delta_(o.get_double({"min_delta", "the least change that counts as an improvement"}, 0.0, 0.0)),
+        patience_(o.get_int({"patience", "checks without improvement before stopping"}, 3, 0)),
+        strict_(o.get_bool({"strict", "stop with an error when the monitored metric is never logged"}, true)),
+        check_finite_(o.get_bool({"check_finite", "stop when the metric becomes NaN or infinite"}, true)),
+        check_on_train_epoch_end_(o.get_bool(
+            {"check_on_train_epoch_end", "check at the end of each training epoch instead of after validation"},
+            false)),
+        stopping_threshold_(
+            o.get_double({"stopping_threshold", "stop once the metric is better than this; nan: none"}, NAN)),
+        divergence_threshold_(
+            o.get_double({"divergence_threshold", "stop once the metric is worse than this; nan: none"}, NAN)) {
     TESSERA_CHECK(!monitor_.empty(), o.source(), ": [", o.section(),
                   "] needs monitor = \"...\": the metric to watch, e.g. \"val_loss\"");
   }

@@ -14,9 +14,11 @@ namespace {
 class LearningRateMonitor final : public sdk::Callback {
  public:
   explicit LearningRateMonitor(const sdk::Options& o)
-      : logging_interval_(o.get_choice("logging_interval", "step", {"step", "epoch"})),
-        log_momentum_(o.get_bool("log_momentum", false)),
-        log_weight_decay_(o.get_bool("log_weight_decay", false)) {}
+      : logging_interval_(
+            o.get_choice({"logging_interval", "log each param group's learning rate every step or every epoch"}, "step",
+                         {"step", "epoch"})),
+        log_momentum_(o.get_bool({"log_momentum", "log the momentum (Adam's beta1) too"}, false)),
+        log_weight_decay_(o.get_bool({"log_weight_decay", "log the weight decay too"}, false)) {}
 
   void on_train_batch_end(sdk::Trainer& trainer, const sdk::StepOutput&, const sdk::Batch&, std::int64_t) override {
     if (logging_interval_ == "step" && trainer.global_step() != logged_step_) log(trainer);

@@ -22,17 +22,29 @@ namespace {
 class ModelCheckpoint final : public sdk::Callback {
  public:
   explicit ModelCheckpoint(const sdk::Options& o)
-      : dirpath_(o.get_string("dirpath", "")),
-        filename_(o.get_string("filename", "{step}")),
-        monitor_(o.get_string("monitor", "")),
-        mode_(o.get_choice("mode", "min", {"min", "max"})),
-        save_top_k_(o.get_int("save_top_k", 1, -1)),
-        every_n_train_steps_(o.get_int("every_n_train_steps", 0, 0)),
-        train_time_interval_s_(read_duration(o, "train_time_interval")),
-        every_n_epochs_(o.get_int("every_n_epochs", every_n_train_steps_ > 0 || train_time_interval_s_ > 0 ? 0 : 1, 0)),
-        save_last_(o.get_bool("save_last", false)),
-        save_weights_only_(o.get_bool("save_weights_only", false)),
-        auto_insert_metric_name_(o.get_bool("auto_insert_metric_name", true)) {
+      : dirpath_(o.get_string({"dirpath", "the folder of the saves; \"\": the run's checkpoints/"}, "")),
+        filename_(o.get_string(
+            {"filename", "the save's name, e.g. \"{epoch}-{val_loss:.3f}\"; default \"{step}\" = step=N.ckpt"},
+            "{step}")),
+        monitor_(
+            o.get_string({"monitor", "the logged metric that ranks saves for save_top_k; \"\": the newest saves"}, "")),
+        mode_(o.get_choice({"mode", "min: lower monitor is better; max: higher is better"}, "min", {"min", "max"})),
+        save_top_k_(o.get_int({"save_top_k", "keep the k best saves; -1: all, 0: none"}, 1, -1)),
+        every_n_train_steps_(o.get_int({"every_n_train_steps", "save every N optimizer steps; 0: off"}, 0, 0)),
+        train_time_interval_s_(read_duration(
+            o,
+            {"train_time_interval", "save every \"DD:HH:MM:SS\" or seconds of training (by rank 0's clock); 0: off"})),
+        every_n_epochs_(
+            o.get_int({"every_n_epochs",
+                       "save at the end of every Nth epoch; 0: off (default 1 without a step or time interval)"},
+                      every_n_train_steps_ > 0 || train_time_interval_s_ > 0 ? 0 : 1, 0)),
+        save_last_(o.get_bool({"save_last", "keep last.ckpt pointing at the newest save"}, false)),
+        save_weights_only_(o.get_bool(
+            {"save_weights_only",
+             "weights, step and callbacks' state only: validate/test/predict load it, fit cannot resume from it"},
+            false)),
+        auto_insert_metric_name_(
+            o.get_bool({"auto_insert_metric_name", "filename's {val_loss} becomes val_loss=0.123"}, true)) {
     TESSERA_CHECK(!monitor_.empty() || save_top_k_ <= 1, o.locate("save_top_k"), " = ", save_top_k_,
                   " needs a monitor: without [", o.section(), "] monitor the latest checkpoint is kept (1), all (-1) or ",
                   "none (0)");

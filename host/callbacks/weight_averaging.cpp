@@ -24,12 +24,14 @@ at::Tensor average_storage(const at::Tensor& t) {
 
 WeightAveraging::WeightAveraging(const sdk::Options& o, bool ema)
     : ema_(ema),
-      decay_(ema ? o.get_double("decay", 0.999, 0.0, 1.0) : 0.0),
-      every_n_steps_(o.get_int("update_every_n_steps", 1, 1)),
+      decay_(ema ? o.get_double({"decay", "the exponential moving average's decay per update"}, 0.999, 0.0, 1.0) : 0.0),
+      every_n_steps_(o.get_int({"update_every_n_steps", "update the average every N optimizer steps"}, 1, 1)),
       // Lightning's None: 0 (every step counts) and -1 (no updates at epoch ends).
-      starting_at_step_(o.get_int("update_starting_at_step", 0, 0)),
-      starting_at_epoch_(o.get_int("update_starting_at_epoch", -1, -1)),
-      use_buffers_(o.get_bool("use_buffers", true)) {}
+      starting_at_step_(o.get_int({"update_starting_at_step", "first optimizer step that updates the average"}, 0, 0)),
+      starting_at_epoch_(o.get_int(
+          {"update_starting_at_epoch", "first epoch that updates the average; -1: from update_starting_at_step"}, -1,
+          -1)),
+      use_buffers_(o.get_bool({"use_buffers", "average the buffers too (else copy them)"}, true)) {}
 
 std::vector<at::Tensor> WeightAveraging::targets(sdk::Trainer& trainer) const {
   std::vector<at::Tensor> out;

@@ -15,20 +15,20 @@ namespace tessera::host {
 
 namespace {
 
-/// Upper bounds that catch typos (100000 threads runs without end) without limiting real use.
-constexpr std::int64_t kMaxThreads = 1024;
 constexpr std::int64_t kMaxTimeoutS = 7 * 24 * 3600;
 /// Optimizer values become floats in LibTorch: larger ones overflow after setup.
 constexpr double kMaxFloat = 3.4e38;
 
 /// A path-like string: no NUL (a C++ string keeps it, the OS cuts the path there), and not empty
 /// unless `optional`, where the default "" means unset (`tessera config` lists it so).
-std::string read_path(const sdk::Options& options, const std::string& key, const std::string& fallback,
+std::string read_path(const sdk::Options& options, const sdk::Key& key, const std::string& fallback,
                       bool optional = false) {
   std::string value = options.get_string(key, fallback);
-  TESSERA_CHECK(optional || !value.empty(), options.locate(key), " is empty: give a path (relative paths are taken from "
-                "the working directory), e.g. \"", fallback, "\"");
-  TESSERA_CHECK(value.find('\0') == std::string::npos, options.locate(key),
+  TESSERA_CHECK(optional || !value.empty(), options.locate(key.name),
+                " is empty: give a path (relative paths are taken from "
+                "the working directory), e.g. \"",
+                fallback, "\"");
+  TESSERA_CHECK(value.find('\0') == std::string::npos, options.locate(key.name),
                 " contains a NUL character, which no path can hold");
   return value;
 }
@@ -37,17 +37,15 @@ const std::map<std::string, std::string> kDefaultPlugins = {
     {"strategy", "single_device"}, {"precision", "precision"}, {"checkpoint_io", "torch"}, {"model", "gpt"},
     {"data", "text"}};
 
-BatchLimit read_limit(const sdk::Options& options, const std::string& key, BatchLimit fallback) {
-  const toml::node* node = options.table().get(key);
-  options.mark_used(key);
-  if (node == nullptr) {
-    if (fallback.fraction) options.note_default(key, toml::value<double>(fallback.value));
-    else options.note_default(key, toml::value<std::int64_t>(static_cast<std::int64_t>(fallback.value)));
-    return fallback;
-  }
+BatchLimit read_limit(const sdk::Options& options, const sdk::Key& key, BatchLimit fallback) {
+  const toml::node* node = options.table().get(key.name);
+  options.mark_used(key.name);
+  if (fallback.fraction) options.note_key(key, toml::value<double>(fallback.value));
+  else options.note_key(key, toml::value<std::int64_t>(static_cast<std::int64_t>(fallback.value)));
+  if (node == nullptr) return fallback;
   if (node->is_integer()) return {false, static_cast<double>(options.get_int(key, 0, 0))};
   if (node->is_floating_point()) return {true, options.get_double(key, 1.0, 0.0, 1.0)};
-  TESSERA_FAIL(options.locate(key), " must be an integer (a number of batches, 0 skips the loop) or a float in ",
+  TESSERA_FAIL(options.locate(key.name), " must be an integer (a number of batches, 0 skips the loop) or a float in ",
                "[0.0, 1.0] (a fraction of the batches), found ",
                toml::impl::node_type_friendly_names[static_cast<int>(node->type())]);
 }
@@ -55,16 +53,22 @@ BatchLimit read_limit(const sdk::Options& options, const std::string& key, Batch
 /// val_check_interval: an integer is a number of steps over the whole run (0: at each epoch's
 /// end), a float a fraction of each epoch; check_val_every_n_epoch picks the epochs.
 void read_validation_schedule(const sdk::Options& t, TrainerSettings& tr) {
+  const sdk::Key key{"val_check_interval",
+                     "validate every N steps over the whole run (an integer) or every fraction of an "
+                     "epoch (a float in (0, 1]); default each epoch's end"};
   const toml::node* interval = t.table().get("val_check_interval");
   if (interval != nullptr && interval->is_floating_point()) {
-    tr.val_check_fraction = t.get_double("val_check_interval", 1.0, 0.0, 1.0);
+    tr.val_check_fraction = t.get_double(key, 1.0, 0.0, 1.0);
     TESSERA_CHECK(tr.val_check_fraction > 0.0, t.locate("val_check_interval"), " = 0.0 is no fraction of an epoch: ",
                   "give a fraction in (0.0, 1.0] (0.25: four validations per epoch) or a number of steps");
   } else {
-    tr.val_check_interval = t.get_int("val_check_interval", 0, 0);
+    tr.val_check_interval = t.get_int(key, 0, 0);
   }
   // Read only where it applies, so that tessera config lists it only there.
-  if (tr.val_check_interval == 0) tr.check_val_every_n_epoch = t.get_int("check_val_every_n_epoch", 1, 1);
+  if (tr.val_check_interval == 0)
+    tr.check_val_every_n_epoch = t.get_int(
+        {"check_val_every_n_epoch", "validate at the end of every Nth epoch (not with an integer val_check_interval)"},
+        1, 1);
   TESSERA_CHECK(tr.val_check_interval == 0 || !t.has("check_val_every_n_epoch"), t.locate("val_check_interval"), " = ",
                 tr.val_check_interval, " counts steps over the whole run, across epochs, so ",
                 t.locate("check_val_every_n_epoch"), " cannot apply: remove one of them, or give val_check_interval ",
@@ -83,11 +87,14 @@ std::optional<std::string> model_checkpoint_callback(toml::table& root) {
 
 /// Lightning's fast_dev_run: true (one batch) or a number of batches; false or 0 is off.
 std::int64_t read_fast_dev_run(const sdk::Options& t) {
+  const sdk::Key key{"fast_dev_run",
+                     "true or N: N steps, N batches of each evaluation, no loggers or checkpoints "
+                     "(does every loop run?)"};
   const toml::node* node = t.table().get("fast_dev_run");
-  if (node != nullptr && node->is_boolean()) return t.get_bool("fast_dev_run", false) ? 1 : 0;
+  if (node != nullptr && node->is_boolean()) return t.get_bool(key, false) ? 1 : 0;
   TESSERA_CHECK(node == nullptr || node->is_integer(), t.locate("fast_dev_run"),
                 " must be true, false or a number of batches (e.g. 5)");
-  return t.get_int("fast_dev_run", 0, 0);
+  return t.get_int(key, 0, 0);
 }
 
 /// fast_dev_run = n: n steps of one epoch, n batches of every evaluation, no sanity check, no
@@ -159,16 +166,17 @@ std::string apply_override(toml::table& root, const std::string& assignment) {
 
 }  // namespace
 
-double read_duration(const sdk::Options& options, const std::string& key) {
-  const toml::node* node = options.table().get(key);
+double read_duration(const sdk::Options& options, const sdk::Key& key) {
+  const toml::node* node = options.table().get(key.name);
   if (node == nullptr || node->is_number()) return options.get_double(key, 0.0, 0.0);
   std::string text = options.get_string(key, "");
   int d = 0, h = 0, m = 0, s = 0;
   char end = 0;
-  TESSERA_CHECK(std::sscanf(text.c_str(), "%d:%d:%d:%d%c", &d, &h, &m, &s, &end) == 4 && d >= 0 && h >= 0 &&
-                    h < 24 && m >= 0 && m < 60 && s >= 0 && s < 60,
-                options.locate(key), " = \"", text,
-                "\" is not a duration: write \"DD:HH:MM:SS\" (e.g. \"00:12:00:00\" for 12 hours) or a number of seconds");
+  TESSERA_CHECK(
+      std::sscanf(text.c_str(), "%d:%d:%d:%d%c", &d, &h, &m, &s, &end) == 4 && d >= 0 && h >= 0 && h < 24 && m >= 0 &&
+          m < 60 && s >= 0 && s < 60,
+      options.locate(key.name), " = \"", text,
+      "\" is not a duration: write \"DD:HH:MM:SS\" (e.g. \"00:12:00:00\" for 12 hours) or a number of seconds");
   return ((d * 24.0 + h) * 60.0 + m) * 60.0 + s;
 }
 
@@ -234,20 +242,32 @@ Config Config::load(const std::string& path, const std::vector<std::string>& ove
 
   sdk::Options t = section("trainer");
   TrainerSettings& tr = config.trainer;
-  tr.max_steps = t.get_int("max_steps", tr.max_steps, -1);
+  tr.max_steps = t.get_int(
+      {"max_steps", "optimizer steps to train; -1: train max_epochs epochs (0 is refused: it would train nothing)"},
+      tr.max_steps, -1);
   // Lightning's max_steps = 0 trains nothing and exits successfully; a run that trains nothing
   // is refused here instead, before any work (validate / test run without training).
   TESSERA_CHECK(tr.max_steps != 0, t.locate("max_steps"), " = 0 would train nothing: set the number of optimizer ",
                 "steps to train, or -1 (the default) to train [trainer] max_epochs epochs; to evaluate a checkpoint ",
                 "without training, run `tessera validate` or `tessera test` with --ckpt-path");
-  tr.max_epochs = t.get_int("max_epochs", tr.max_steps > 0 ? 1000000 : tr.max_epochs, 1);
-  tr.accumulate_grad_batches = t.get_int("accumulate_grad_batches", 1, 1);
-  tr.gradient_clip_val = t.get_double("gradient_clip_val", 0.0, 0.0, kMaxFloat);
+  tr.max_epochs = t.get_int({"max_epochs", "epochs to train (default 1000000 when max_steps is set)"},
+                            tr.max_steps > 0 ? 1000000 : tr.max_epochs, 1);
+  tr.accumulate_grad_batches =
+      t.get_int({"accumulate_grad_batches", "micro-batches whose gradients add up before each optimizer step"}, 1, 1);
+  tr.gradient_clip_val = t.get_double(
+      {"gradient_clip_val",
+       "clip gradients at this value before each optimizer step (after the grad scaler unscales); 0: no clipping"},
+      0.0, 0.0, kMaxFloat);
   // Each read only where it applies, so that tessera config lists it only there.
   if (tr.gradient_clip_val > 0)
-    tr.gradient_clip_algorithm = t.get_choice("gradient_clip_algorithm", "norm", {"norm", "value"});
+    tr.gradient_clip_algorithm = t.get_choice(
+        {"gradient_clip_algorithm",
+         "norm: the total norm over every rank's shards (FSDP's clip_grad_norm_); value: each element clamped"},
+        "norm", {"norm", "value"});
   if (tr.gradient_clip_val > 0 && tr.gradient_clip_algorithm == "norm")
-    tr.norm_type = t.get_double("norm_type", 2.0, 1e-6, INFINITY);
+    tr.norm_type = t.get_double(
+        {"norm_type", "the p of the total gradient norm (inf allowed); gradient_clip_algorithm = \"norm\" only"}, 2.0,
+        1e-6, INFINITY);
   for (const char* key : {"gradient_clip_algorithm", "norm_type"})
     TESSERA_CHECK(tr.gradient_clip_val > 0 || !t.has(key), t.locate(key), " is set but nothing is clipped (",
                   t.has("gradient_clip_val") ? t.locate("gradient_clip_val") + " = 0" : "no [trainer] gradient_clip_val",
@@ -255,22 +275,32 @@ Config Config::load(const std::string& path, const std::vector<std::string>& ove
   TESSERA_CHECK(tr.gradient_clip_algorithm == "norm" || !t.has("norm_type"), t.locate("norm_type"),
                 " applies to gradient_clip_algorithm = \"norm\" only; ", t.locate("gradient_clip_algorithm"),
                 " = \"value\" clamps each gradient element: remove norm_type");
-  tr.min_steps = t.get_int("min_steps", 0, 0);
-  tr.min_epochs = t.get_int("min_epochs", 0, 0);
+  tr.min_steps = t.get_int(
+      {"min_steps", "a callback's stop request (e.g. early stopping's) is held back until this many steps"}, 0, 0);
+  tr.min_epochs = t.get_int({"min_epochs", "a callback's stop request is held back until this many epochs"}, 0, 0);
   TESSERA_CHECK(tr.max_steps <= 0 || tr.min_steps <= tr.max_steps, t.locate("min_steps"), " = ", tr.min_steps,
                 " is more than ", t.locate("max_steps"), " = ", tr.max_steps, ": lower min_steps or raise max_steps");
   TESSERA_CHECK(tr.min_epochs <= tr.max_epochs, t.locate("min_epochs"), " = ", tr.min_epochs, " is more than ",
                 t.has("max_epochs") ? t.locate("max_epochs") : "[trainer] max_epochs (default)", " = ", tr.max_epochs,
                 ": lower min_epochs or raise max_epochs");
-  tr.limit_train_batches = read_limit(t, "limit_train_batches", tr.limit_train_batches);
+  tr.limit_train_batches =
+      read_limit(t, {"limit_train_batches", "batches per epoch: an integer count or a fraction in (0, 1]"},
+                 tr.limit_train_batches);
   TESSERA_CHECK(tr.limit_train_batches.of(1) > 0, t.locate("limit_train_batches"),
                 " leaves no batch to train on: give a number of batches >= 1 or a fraction in (0.0, 1.0]");
   read_validation_schedule(t, tr);
-  tr.num_sanity_val_steps = t.get_int("num_sanity_val_steps", tr.num_sanity_val_steps, -1);
+  tr.num_sanity_val_steps =
+      t.get_int({"num_sanity_val_steps",
+                 "validation batches run before the first step, so a broken validation fails at once; -1 all"},
+                tr.num_sanity_val_steps, -1);
   tr.fast_dev_run = read_fast_dev_run(t);
-  tr.limit_val_batches = read_limit(t, "limit_val_batches", tr.limit_val_batches);
-  tr.limit_test_batches = read_limit(t, "limit_test_batches", tr.limit_test_batches);
-  tr.predict_output = read_path(t, "predict_output", "", /*optional=*/true);
+  tr.limit_val_batches = read_limit(
+      t, {"limit_val_batches", "validation batches: a count (0 skips validation) or a fraction"}, tr.limit_val_batches);
+  tr.limit_test_batches =
+      read_limit(t, {"limit_test_batches", "test batches: a count or a fraction"}, tr.limit_test_batches);
+  tr.predict_output =
+      read_path(t, {"predict_output", "predict writes every prediction to this torch.load-able file; \"\": none"}, "",
+                /*optional=*/true);
   if (!tr.predict_output.empty()) {
     std::error_code ec;
     TESSERA_CHECK(!std::filesystem::is_directory(tr.predict_output, ec), t.locate("predict_output"), " = \"",
@@ -278,19 +308,24 @@ Config Config::load(const std::string& path, const std::vector<std::string>& ove
                   "/predictions.pt\"");
     tr.limit_predict_batches = {true, 1.0};  // written predictions: the whole set unless limited
   }
-  tr.limit_predict_batches = read_limit(t, "limit_predict_batches", tr.limit_predict_batches);
-  tr.overfit_batches = read_limit(t, "overfit_batches", tr.overfit_batches);
+  tr.limit_predict_batches = read_limit(
+      t, {"limit_predict_batches", "predict batches: a count or a fraction (default 1, all with predict_output)"},
+      tr.limit_predict_batches);
+  tr.overfit_batches =
+      read_limit(t, {"overfit_batches", "train and validate on this many batches only, unshuffled, every epoch"},
+                 tr.overfit_batches);
   const bool overfit = tr.overfit_batches.value > 0;
   for (const char* key : {"limit_train_batches", "limit_val_batches"})
     TESSERA_CHECK(!overfit || !t.has(key), t.locate("overfit_batches"), " sets ", key, " too: remove ",
                   t.locate(key));
   if (overfit) tr.limit_train_batches = tr.limit_val_batches = tr.overfit_batches;
-  tr.log_every_n_steps = t.get_int("log_every_n_steps", 10, 1);
-  tr.seed = t.get_int("seed", 0, 0);
-  tr.default_root_dir = read_path(t, "default_root_dir", tr.default_root_dir);
+  tr.log_every_n_steps = t.get_int({"log_every_n_steps", "training metrics are logged every N optimizer steps"}, 10, 1);
+  tr.seed = t.get_int({"seed", "the seed of every rank's random generators (weights, dropout, shuffling)"}, 0, 0);
+  tr.default_root_dir = read_path(t, {"default_root_dir", "where runs, logs and checkpoints go"}, tr.default_root_dir);
   // The default checkpoint callback's two keys, read (and listed by tessera config) only where
   // that callback is made: checkpointing on, and no [callbacks.NAME] model_checkpoint of the user's.
-  tr.enable_checkpointing = t.get_bool("enable_checkpointing", true);
+  tr.enable_checkpointing = t.get_bool(
+      {"enable_checkpointing", "false: no checkpoint callback at all (a Ctrl-C still saves last.ckpt)"}, true);
   const std::optional<std::string> own_checkpoint = model_checkpoint_callback(root);
   for (const char* key : {"checkpoint_every_n_steps", "save_last"}) {
     TESSERA_CHECK(tr.enable_checkpointing || !t.has(key), t.locate("enable_checkpointing"), " = false, but ",
@@ -300,39 +335,67 @@ Config Config::load(const std::string& path, const std::vector<std::string>& ove
                   own_checkpoint.value_or(""), "] as ", key == std::string("save_last") ? "save_last" : "every_n_train_steps");
   }
   if (tr.enable_checkpointing && !own_checkpoint) {
-    tr.checkpoint_every_n_steps = t.get_int("checkpoint_every_n_steps", 0, 0);
-    tr.save_last = t.get_bool("save_last", true);
+    tr.checkpoint_every_n_steps = t.get_int(
+        {"checkpoint_every_n_steps", "the default checkpoint callback's every_n_train_steps (0: at each epoch's end)"},
+        0, 0);
+    tr.save_last = t.get_bool(
+        {"save_last", "the default checkpoint callback's save_last: keep last.ckpt pointing at the newest save"}, true);
   }
-  tr.enable_model_summary = t.get_bool("enable_model_summary", true);
+  tr.enable_model_summary = t.get_bool(
+      {"enable_model_summary", "print the model's table of modules and parameter counts before training"}, true);
+  const sdk::Key progress_bar{"enable_progress_bar", "auto: a progress bar when stdout is a terminal"};
   if (t.has("enable_progress_bar") && t.table().get("enable_progress_bar")->is_boolean())
-    tr.enable_progress_bar = t.get_bool("enable_progress_bar", true) ? "true" : "false";
-  else
-    tr.enable_progress_bar = t.get_choice("enable_progress_bar", "auto", {"auto", "true", "false"});
-  tr.predict_after_fit = t.get_bool("predict_after_fit", false);
-  tr.init_from = read_path(t, "init_from", "", /*optional=*/true);
-  if (!tr.init_from.empty()) tr.init_from_strict = t.get_bool("init_from_strict", true);  // listed only where it applies
+    tr.enable_progress_bar = t.get_bool(progress_bar, true) ? "true" : "false";
+  else tr.enable_progress_bar = t.get_choice(progress_bar, "auto", {"auto", "true", "false"});
+  tr.predict_after_fit =
+      t.get_bool({"predict_after_fit", "print one predict batch (e.g. a text sample) at the end of fit"}, false);
+  tr.init_from = read_path(t, {"init_from", "fine-tuning: start a new run from this checkpoint's weights; \"\": none"},
+                           "", /*optional=*/true);
+  if (!tr.init_from.empty())
+    tr.init_from_strict = t.get_bool(  // listed only where it applies
+        {"init_from_strict",
+         "false: only tensors whose name and shape match load; the others keep their initialisation"},
+        true);
   TESSERA_CHECK(!t.has("init_from_strict") || !tr.init_from.empty(), t.locate("init_from_strict"),
                 " is set but no [trainer] init_from is: set init_from = PATH or remove init_from_strict");
-  tr.resume = t.get_choice("resume", "never", {"never", "auto"});
-  tr.freeze = t.get_string_list("freeze", {});
-  tr.max_time_s = read_duration(t, "max_time");
-  tr.profiler = t.get_choice("profiler", "", {"", "simple", "trace", "pytorch"});
-  tr.detect_anomaly = t.get_bool("detect_anomaly", false);
-  tr.sync_batchnorm = t.get_bool("sync_batchnorm", false);
-  tr.skip_memory_check = t.get_bool("skip_memory_check", false);
-  tr.resume_changed_hparams = t.get_string_list("resume_changed_hparams", {});
+  tr.resume = t.get_choice(
+      {"resume", "auto: fit resumes from the newest committed checkpoint under default_root_dir, as --ckpt-path last"},
+      "never", {"never", "auto"});
+  tr.freeze = t.get_string_list(
+      {"freeze", "module paths or parameter names whose parameters do not train (no gradient, no optimizer state)"},
+      {});
+  tr.max_time_s = read_duration(
+      t, {"max_time", "\"DD:HH:MM:SS\" or seconds of training, then stop and save last.ckpt; 0: no limit"});
+  tr.profiler = t.get_choice(
+      {"profiler",
+       "simple: time per hook; trace: a Chrome trace; pytorch: LibTorch's profiler over steps 3-5; \"\": none"},
+      "", {"", "simple", "trace", "pytorch"});
+  tr.detect_anomaly = t.get_bool(
+      {"detect_anomaly", "check gradients for NaN/Inf before each optimizer step and stop naming the parameter"},
+      false);
+  tr.sync_batchnorm =
+      t.get_bool({"sync_batchnorm",
+                  "BatchNorm statistics over every data-parallel rank's samples (layers must be sdk::SyncBatchNorm2d)"},
+                 false);
+  tr.skip_memory_check = t.get_bool(
+      {"skip_memory_check", "start even when the plan's per-rank peak exceeds the memory available to the local ranks"},
+      false);
+  tr.resume_changed_hparams = t.get_string_list(
+      {"resume_changed_hparams", "model hyper-parameters allowed to differ from the checkpoint's record when resuming"},
+      {});
   t.check_all_used();
 
   sdk::Options lg = section("logger");
-  config.logger.loggers = lg.get_string_list("loggers", config.logger.loggers);
+  config.logger.loggers = lg.get_string_list(
+      {"loggers", "where metrics go: csv (metrics.csv), tensorboard (event files)"}, config.logger.loggers);
   for (const auto& name : config.logger.loggers)
     TESSERA_CHECK(name == "csv" || name == "tensorboard", lg.locate("loggers"), ": unknown logger \"", name, "\"",
                   sdk::did_you_mean(name, {"csv", "tensorboard"}), "; valid: csv, tensorboard");
-  config.logger.name = lg.get_string("name", "");
+  config.logger.name = lg.get_string({"name", "runs go to default_root_dir/name/"}, "");
+  const sdk::Key version{"version", "N: the run folder version_N; text: that folder; \"\": the next free version_N"};
   if (lg.has("version") && lg.table().get("version")->is_integer())
-    config.logger.version = std::to_string(lg.get_int("version", 0, 0));
-  else
-    config.logger.version = lg.get_string("version", "");
+    config.logger.version = std::to_string(lg.get_int(version, 0, 0));
+  else config.logger.version = lg.get_string(version, "");
   for (const char* key : {"name", "version"}) {
     const std::string& part = std::string(key) == "name" ? config.logger.name : config.logger.version;
     TESSERA_CHECK(part.find('/') == std::string::npos && part != "." && part != "..", lg.locate(key),
@@ -352,25 +415,35 @@ Config Config::load(const std::string& path, const std::vector<std::string>& ove
 
   sdk::Options o = section("optimizer");
   sdk::OptimizerSettings& opt = config.optimizer;
-  opt.name = o.get_choice("name", "adamw", {"adamw", "adam", "sgd"});
-  opt.lr = o.get_double("lr", 1e-3, 0.0, kMaxFloat);
-  std::vector<double> betas = o.get_double_list("betas", {0.9, 0.999});
+  opt.name = o.get_choice({"name", "the optimizer; Adam and AdamW step through one fused kernel"}, "adamw",
+                          {"adamw", "adam", "sgd"});
+  opt.lr = o.get_double({"lr", "the peak learning rate (after warmup)"}, 1e-3, 0.0, kMaxFloat);
+  std::vector<double> betas = o.get_double_list(
+      {"betas", "Adam's (beta1, beta2): decay rates of the first and second moment estimates"}, {0.9, 0.999});
   TESSERA_CHECK(betas.size() == 2 && betas[0] >= 0 && betas[0] < 1 && betas[1] >= 0 && betas[1] < 1,
                 o.locate("betas"), " must be two numbers in [0, 1), e.g. [0.9, 0.95]");
   opt.beta1 = betas[0];
   opt.beta2 = betas[1];
-  opt.eps = o.get_double("eps", 1e-8, 0.0, kMaxFloat);
-  opt.weight_decay = o.get_double("weight_decay", opt.name == "adamw" ? 0.01 : 0.0, 0.0, kMaxFloat);
-  opt.momentum = o.get_double("momentum", 0.0, 0.0, 1.0);
+  opt.eps =
+      o.get_double({"eps", "Adam's epsilon, added to the denominator for numerical stability"}, 1e-8, 0.0, kMaxFloat);
+  opt.weight_decay =
+      o.get_double({"weight_decay", "decoupled (AdamW) or L2 (Adam, SGD) weight decay; default 0.01 for adamw, else 0"},
+                   opt.name == "adamw" ? 0.01 : 0.0, 0.0, kMaxFloat);
+  opt.momentum = o.get_double({"momentum", "SGD's momentum"}, 0.0, 0.0, 1.0);
   // The schedule's keys live in [lr_scheduler] or, for short configs, in [optimizer].
   sdk::Options ls = section("lr_scheduler");
   for (const char* key : {"schedule", "warmup_steps", "min_lr"})
     TESSERA_CHECK(!(ls.has(key) && o.has(key)), o.locate(key), " and ", ls.locate(key),
                   " both set the schedule's ", key, ": keep one of them");
   auto schedule_options = [&](const char* key) -> const sdk::Options& { return ls.has(key) ? ls : o; };
-  config.schedule.schedule = schedule_options("schedule").get_choice("schedule", "cosine", {"cosine", "linear", "constant"});
-  config.schedule.warmup_steps = schedule_options("warmup_steps").get_int("warmup_steps", 0, 0);
-  config.schedule.min_lr = schedule_options("min_lr").get_double("min_lr", 0.0, 0.0);
+  config.schedule.schedule =
+      schedule_options("schedule")
+          .get_choice({"schedule", "the learning rate after warmup: cosine or linear decay to min_lr, or constant"},
+                      "cosine", {"cosine", "linear", "constant"});
+  config.schedule.warmup_steps =
+      schedule_options("warmup_steps").get_int({"warmup_steps", "steps of linear warmup from 0 to lr"}, 0, 0);
+  config.schedule.min_lr = schedule_options("min_lr").get_double(
+      {"min_lr", "where the cosine or linear decay ends, at the last step"}, 0.0, 0.0);
   TESSERA_CHECK(config.schedule.min_lr <= opt.lr, schedule_options("min_lr").locate("min_lr"), " = ",
                 config.schedule.min_lr, " is above [optimizer] lr = ", opt.lr, ": min_lr must be in [0, lr]");
   for (const char* key : {"schedule", "warmup_steps", "min_lr"}) o.mark_used(key), ls.mark_used(key);
@@ -379,12 +452,18 @@ Config Config::load(const std::string& path, const std::vector<std::string>& ove
 
   sdk::Options lf = section("lr_find");
   LrFindSettings& find = config.lr_find;
-  find.min_lr = lf.get_double("min_lr", find.min_lr, 0.0, kMaxFloat);
-  find.max_lr = lf.get_double("max_lr", find.max_lr, 0.0, kMaxFloat);
-  find.num_training = lf.get_int("num_training", find.num_training, 2, 1000000);
-  find.mode = lf.get_choice("mode", find.mode, {"exponential", "linear"});
-  find.early_stop_threshold = lf.get_double("early_stop_threshold", find.early_stop_threshold, 0.0, kMaxFloat);
-  find.before_fit = lf.get_bool("before_fit", false);
+  find.min_lr = lf.get_double({"min_lr", "the range test's lowest learning rate"}, find.min_lr, 0.0, kMaxFloat);
+  find.max_lr = lf.get_double({"max_lr", "the range test's highest learning rate"}, find.max_lr, 0.0, kMaxFloat);
+  find.num_training = lf.get_int({"num_training", "optimizer steps of the range test"}, find.num_training, 2, 1000000);
+  find.mode =
+      lf.get_choice({"mode", "exponential: a geometric progression from min_lr to max_lr; linear: an arithmetic one"},
+                    find.mode, {"exponential", "linear"});
+  find.early_stop_threshold =
+      lf.get_double({"early_stop_threshold", "stop once the smoothed loss exceeds this times its best; 0: never"},
+                    find.early_stop_threshold, 0.0, kMaxFloat);
+  find.before_fit = lf.get_bool(
+      {"before_fit", "fit runs the range test first and trains with the suggested lr (Lightning's LearningRateFinder)"},
+      false);
   TESSERA_CHECK(!find.before_fit || config.trainer.fast_dev_run == 0, lf.locate("before_fit"),
                 " = true runs [lr_find] num_training steps before fit; [trainer] fast_dev_run runs a few batches of ",
                 "each loop: remove one of them");
@@ -396,46 +475,69 @@ Config Config::load(const std::string& path, const std::vector<std::string>& ove
 
   sdk::Options l = section("launch");
   LaunchSettings& la = config.launch;
-  la.devices = l.get_int("devices", 1, 1, 1024);
-  la.nodes = l.get_int("nodes", 1, 1);
+  la.devices = l.get_int({"devices", "local ranks (processes) on this host"}, 1, 1, kMaxLocalRanks);
+  la.nodes =
+      l.get_int({"nodes", "hosts in the job; with torchrun, Slurm or mpirun it must match what they started"}, 1, 1);
   if (l.has("devices")) la.devices_key = l.locate("devices");
   if (l.has("nodes")) la.nodes_key = l.locate("nodes");
-  la.node_rank = l.get_int("node_rank", 0, 0, la.nodes - 1);
-  la.master_addr = l.get_string("master_addr", la.master_addr);
-  la.master_port = l.get_int("master_port", 0, 0, 65535);
+  la.node_rank = l.get_int({"node_rank", "this host's index among the nodes"}, 0, 0, la.nodes - 1);
+  la.master_addr =
+      l.get_string({"master_addr", "the address of rank 0's host, where the rendezvous store listens"}, la.master_addr);
+  la.master_port = l.get_int({"master_port", "the rendezvous store's port; 0: a free port (single node)"}, 0, 0, 65535);
   la.cluster_environment =
-      l.get_choice("cluster_environment", "auto", {"auto", "local", "torchrun", "slurm", "mpi", "single"});
-  la.num_threads = l.get_int("num_threads", 0, 0, kMaxThreads);
-  la.collective_timeout_s = l.get_int("collective_timeout_s", 60, 1, kMaxTimeoutS);
-  la.rendezvous_timeout_s = l.get_int("rendezvous_timeout_s", 600, 1, kMaxTimeoutS);
-  la.checkpoint_timeout_s = l.get_int("checkpoint_timeout_s", 1800, 1, kMaxTimeoutS);
-  la.shared_memory_collectives = l.get_bool("shared_memory_collectives", true);
-  la.interface = l.get_string("interface", "");
+      l.get_choice({"cluster_environment",
+                    "who started the processes; auto detects torchrun, Slurm and Open MPI from the environment"},
+                   "auto", {"auto", "local", "torchrun", "slurm", "mpi", "single"});
+  la.num_threads =
+      l.get_int({"num_threads", "compute threads per rank; 0: OMP_NUM_THREADS where set, else cores / local ranks"}, 0,
+                0, kMaxThreads);
+  la.collective_timeout_s = l.get_int(
+      {"collective_timeout_s", "seconds a collective may take while training before the job is stopped with a report"},
+      60, 1, kMaxTimeoutS);
+  la.rendezvous_timeout_s = l.get_int(
+      {"rendezvous_timeout_s", "seconds to join the store and create the process groups"}, 600, 1, kMaxTimeoutS);
+  la.checkpoint_timeout_s =
+      l.get_int({"checkpoint_timeout_s",
+                 "seconds a collective may take while a checkpoint is saved or loaded (e.g. the save barrier)"},
+                1800, 1, kMaxTimeoutS);
+  la.shared_memory_collectives =
+      l.get_bool({"shared_memory_collectives",
+                  "CPU ranks on one host move all-gathers, reduce-scatters and all-reduces through shared memory"},
+                 true);
+  la.interface = l.get_string({"interface",
+                               "the network interface every process group binds; default GLOO_SOCKET_IFNAME, else the "
+                               "one reaching master_addr"},
+                              "");
   l.check_all_used();
 
   for (const auto& name : kPluginSections) {
     sdk::Options options = section(name);
-    config.plugin_names[name] = options.get_string("plugin", kDefaultPlugins.at(name));
+    config.plugin_names[name] = options.get_string({"plugin", "the " + name + " plugin (tessera plugins lists them)"},
+                                                   kDefaultPlugins.at(name));
     if (name == "data") {  // the host's own keys in [data]; the rest belong to the plugin
-      config.data.batch_size = options.get_int("batch_size", 8, 1);
+      config.data.batch_size = options.get_int(
+          {"batch_size",
+           "samples per rank per micro-batch (global batch = batch_size x ranks x accumulate_grad_batches)"},
+          8, 1);
       // overfit_batches trains on the same batches every epoch.
       const bool overfit = config.trainer.overfit_batches.value > 0;
-      TESSERA_CHECK(!overfit || !options.get_bool("shuffle", false), options.locate("shuffle"),
+      const sdk::Key shuffle{"shuffle",
+                             "a new order of the training samples every epoch (default true, false with "
+                             "overfit_batches)"};
+      TESSERA_CHECK(!overfit || !options.get_bool(shuffle, false), options.locate("shuffle"),
                     " = true, but [trainer] overfit_batches trains on the same batches every epoch: remove the key");
-      config.data.shuffle = options.get_bool("shuffle", !overfit);
+      config.data.shuffle = options.get_bool(shuffle, !overfit);
       // Batches are read in the training process (the data plugins index into memory).
-      TESSERA_CHECK(options.get_int("num_workers", 0) == 0, options.locate("num_workers"),
-                    " is not supported: batches are read in each rank's training process; remove the key or set 0");
+      TESSERA_CHECK(
+          options.get_int({"num_workers", "refused unless 0: batches are read in each rank's process"}, 0) == 0,
+          options.locate("num_workers"),
+          " is not supported: batches are read in each rank's training process; remove the key or set 0");
     }
     config.plugins.emplace(name, std::move(options));
   }
   return config;
 }
 
-namespace {
-
-/// A TOML value as written in a config: floats in their shortest exact form (3e-4, not
-/// 0.00029999999999999997), the rest as TOML++ writes them.
 std::string toml_value(const toml::node& value) {
   if (const auto* number = value.as_floating_point()) {
     const double v = number->get();
@@ -458,14 +560,16 @@ std::string toml_value(const toml::node& value) {
   return out.str().substr(4);  // after "k = "
 }
 
-/// `key = value` and a newline.
-std::string toml_line(const std::string& key, const toml::node& value) {
+namespace {
+
+/// `key = value`, its doc as a trailing comment, and a newline.
+std::string toml_line(const std::string& key, const toml::node& value, const std::string& doc = "") {
   toml::table one;
   one.insert(key, 0);
   std::ostringstream name;
   name << toml::toml_formatter(one, toml::format_flags::none);  // the key, quoted where TOML needs it
   const std::string line = name.str();
-  return line.substr(0, line.rfind(" = ")) + " = " + toml_value(value) + "\n";
+  return line.substr(0, line.rfind(" = ")) + " = " + toml_value(value) + (doc.empty() ? "" : "  # " + doc) + "\n";
 }
 
 }  // namespace
@@ -475,11 +579,27 @@ std::map<std::string, toml::table>& noted_defaults() {  // section -> key -> def
   static std::map<std::string, toml::table> defaults;
   return defaults;
 }
+std::map<std::string, std::map<std::string, std::string>>& noted_docs() {  // section -> key -> doc
+  static std::map<std::string, std::map<std::string, std::string>> docs;
+  return docs;
+}
 }  // namespace
 
+std::string key_doc(const sdk::KeyRecord& record) {
+  std::string doc = record.key.doc;
+  if (record.choices != nullptr) {
+    std::vector<std::string> quoted;
+    for (const std::string& choice : *record.choices) quoted.push_back(choice.empty() ? "\"\"" : choice);
+    doc += (doc.empty() ? "" : " ") + std::string("[") + sdk::join(quoted, " | ") + "]";
+  }
+  return doc;
+}
+
 void note_defaults() {
-  sdk::Options::observe_defaults([](const sdk::Options& options, const std::string& key, const toml::node& value) {
-    value.visit([&](const auto& v) { noted_defaults()[options.section()].insert_or_assign(key, v); });
+  sdk::Options::observe_keys([](const sdk::Options& options, const sdk::KeyRecord& record) {
+    record.fallback.visit(
+        [&](const auto& v) { noted_defaults()[options.section()].insert_or_assign(record.key.name, v); });
+    noted_docs()[options.section()][record.key.name] = key_doc(record);
   });
 }
 
@@ -507,13 +627,19 @@ std::string list_config(const Config& config) {
   for (const std::string& section : sections) {
     const toml::table* set = config.resolved.at_path(section).as_table();
     const auto noted = defaults.find(section);
+    const auto docs = noted_docs().find(section);
+    auto doc = [&](const std::string& key) {
+      if (docs == noted_docs().end() || !docs->second.count(key)) return std::string();
+      return docs->second.at(key);
+    };
     std::string body;
     if (set != nullptr)
       for (const auto& [key, node] : *set)
-        if (!node.is_table()) body += toml_line(std::string(key.str()), node);
+        if (!node.is_table()) body += toml_line(std::string(key.str()), node, doc(std::string(key.str())));
     if (noted != defaults.end())
       for (const auto& [key, node] : noted->second)
-        if (set == nullptr || !set->contains(key.str())) body += "# " + toml_line(std::string(key.str()), node);
+        if (set == nullptr || !set->contains(key.str()))
+          body += "# " + toml_line(std::string(key.str()), node, doc(std::string(key.str())));
     const bool has_subsections = std::any_of(sections.begin(), sections.end(), [&](const std::string& other) {
       return other.rfind(section + ".", 0) == 0;
     });

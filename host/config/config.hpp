@@ -94,6 +94,10 @@ struct LrFindSettings {
   bool before_fit = false;  ///< fit runs the test first and trains with the suggested lr
 };
 
+/// Upper bounds that catch typos (100000 threads runs without end) without limiting real use.
+inline constexpr std::int64_t kMaxThreads = 1024;
+inline constexpr std::int64_t kMaxLocalRanks = 1024;
+
 struct LaunchSettings {
   std::int64_t devices = 1;
   std::int64_t nodes = 1;
@@ -158,7 +162,13 @@ class Config {
   std::string path_;
 };
 
-/// From now on, notes the default of every key that sdk::Options hands out (observe_defaults),
+/// A TOML value as written in a config: floats in their shortest exact form (3e-4, not
+/// 0.00029999999999999997), the rest as TOML++ writes them.
+std::string toml_value(const toml::node& value);
+/// A key's doc line as listed: its Key's doc, then get_choice's valid values ("[a | b]").
+std::string key_doc(const sdk::KeyRecord& record);
+
+/// From now on, notes the default and doc of every key that sdk::Options reads (observe_keys),
 /// for list_config: a config loaded and its plugins created after this call are listed whole.
 void note_defaults();
 /// `tessera config` and each run's config.toml: every key that the host and the selected
@@ -167,6 +177,6 @@ void note_defaults();
 std::string list_config(const Config& config);
 
 /// A duration key as Lightning writes it: "DD:HH:MM:SS", or a number of seconds; 0 when absent.
-double read_duration(const sdk::Options& options, const std::string& key);
+double read_duration(const sdk::Options& options, const sdk::Key& key);
 
 }  // namespace tessera::host

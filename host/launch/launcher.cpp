@@ -103,7 +103,7 @@ std::int64_t rank_threads(const LaunchSettings& settings, std::int64_t local_ran
   if (const char* omp = std::getenv("OMP_NUM_THREADS")) {
     char* end = nullptr;
     const long value = std::strtol(omp, &end, 10);
-    if (end != omp && *end == '\0' && value > 0) return std::min<long>(value, 1024);
+    if (end != omp && *end == '\0' && value > 0) return std::min<std::int64_t>(value, kMaxThreads);
   }
   const std::int64_t cores = std::max(1u, std::thread::hardware_concurrency());
   return std::max<std::int64_t>(1, cores / std::max<std::int64_t>(1, local_ranks));

@@ -31,10 +31,8 @@ namespace fsdp = core::fsdp;
 std::int64_t int_or_auto(const sdk::Options& o, const std::string& key) {
   o.mark_used(key);
   const toml::node* node = o.table().get(key);
-  if (node == nullptr) {
-    o.note_default(key, toml::value<std::string>("auto"));
-    return -1;
-  }
+  o.note_key(key, toml::value<std::string>("auto"));
+  if (node == nullptr) return -1;
   if (node->is_string() && node->as_string()->get() == "auto") return -1;
   TESSERA_CHECK(node->is_integer() && node->as_integer()->get() >= 1, o.locate(key),
                 " must be \"auto\" or a positive integer");
@@ -96,10 +94,6 @@ class FSDP2Strategy final : public fsdp::ShardedStrategy, public sdk::StrategyCh
     mesh_ = std::make_unique<core::DeviceMesh>(world_, std::vector<std::int64_t>{replicate_size_, dp, tp_size()},
                                                std::vector<std::string>{"replicate", "shard", "tp"});
   }
-
-  /// NeMo's tensor_init_context: under deferred_init nothing is allocated until each unit is
-  /// sharded (and then only that unit, initialised by the model's init_parameters).
-  sdk::GuardPtr tensor_init_context() override { return model_sharded_context(); }
 
   /// Sampling over the data-parallel ranks only: tp ranks of one (replicate, shard)
   /// coordinate see the same batch.
@@ -290,7 +284,7 @@ class FSDP2Strategy final : public fsdp::ShardedStrategy, public sdk::StrategyCh
     reshard_key_ = o.locate(key);
     const toml::node* node = o.table().get(key);
     bool reshard = true;
-    if (node == nullptr) o.note_default(key, toml::value<bool>(true));
+    o.note_key(key, toml::value<bool>(true));
     if (node != nullptr) {
       TESSERA_CHECK(node->is_boolean() || node->is_integer(), reshard_key_,
                     " must be true (free the gathered parameters after forward), false (keep them until backward) ",

@@ -2,6 +2,7 @@
 
 #include <cmath>
 #include <cstdlib>
+#include <type_traits>
 #include <utility>
 
 #include "tessera/sdk/error.hpp"
@@ -15,8 +16,8 @@ Options::Options() : Options("", "<defaults>", toml::table{}) {}
 bool Options::has(const std::string& key) const { return table_.contains(key); }
 
 namespace {
-Options::DefaultObserver& default_observer() {
-  static Options::DefaultObserver observer;
+Options::KeyObserver& key_observer() {
+  static Options::KeyObserver observer;
   return observer;
 }
 
@@ -33,17 +34,12 @@ toml::array as_array(const std::vector<double>& items) {
 }
 }  // namespace
 
-Options::DefaultObserver Options::observe_defaults(DefaultObserver observer) {
-  return std::exchange(default_observer(), std::move(observer));
+Options::KeyObserver Options::observe_keys(KeyObserver observer) {
+  return std::exchange(key_observer(), std::move(observer));
 }
 
-void Options::note_default(const std::string& key, const toml::node& value) const {
-  if (default_observer() && !table_.contains(key)) default_observer()(*this, key, value);
-}
-
-const toml::node* Options::find(const std::string& key) const {
-  used_.insert(key);
-  return table_.get(key);
+void Options::note_key(const Key& key, const toml::node& fallback, const std::vector<std::string>* choices) const {
+  if (key_observer()) key_observer()(*this, KeyRecord{key, fallback, choices, table_.contains(key.name)});
 }
 
 std::string Options::locate(const std::string& key) const {
@@ -63,27 +59,32 @@ void Options::wrong_type(const std::string& key, const char* expected, const std
   TESSERA_FAIL(locate(key), " must be ", expected, ", found ", found, hint);
 }
 
-std::int64_t Options::get_int(const std::string& key, std::int64_t fallback, std::int64_t min, std::int64_t max) const {
-  const toml::node* node = find(key);
-  if (node == nullptr) {
-    if (default_observer()) note_default(key, toml::value<std::int64_t>(fallback));
-    return fallback;
+/// The key's node (null when absent), marking it used and reporting it with its fallback.
+template <typename Fallback>
+const toml::node* Options::read(const Key& key, const Fallback& fallback,
+                                const std::vector<std::string>* choices) const {
+  used_.insert(key.name);
+  if (key_observer()) {
+    if constexpr (std::is_same_v<Fallback, std::vector<std::string>> || std::is_same_v<Fallback, std::vector<double>>)
+      note_key(key, as_array(fallback), choices);
+    else note_key(key, toml::value<Fallback>(fallback), choices);
   }
-  if (!node->is_integer()) wrong_type(key, "an integer");
+  return table_.get(key.name);
+}
+
+std::int64_t Options::get_int(const Key& key, std::int64_t fallback, std::int64_t min, std::int64_t max) const {
+  const toml::node* node = read(key, fallback);
+  if (node == nullptr) return fallback;
+  if (!node->is_integer()) wrong_type(key.name, "an integer");
   std::int64_t value = node->as_integer()->get();
-  // A key may always be set to its default, e.g. a NaN that means "not set" (as listed by tessera config).
-  const bool is_default = value == fallback || (std::isnan(value) && std::isnan(fallback));
-  TESSERA_CHECK(is_default || (value >= min && value <= max), locate(key), " = ", value, " is out of range [", min, ", ",
-                max, "]");
+  TESSERA_CHECK(value == fallback || (value >= min && value <= max), locate(key.name), " = ", value,
+                " is out of range [", min, ", ", max, "]");
   return value;
 }
 
-double Options::get_double(const std::string& key, double fallback, double min, double max) const {
-  const toml::node* node = find(key);
-  if (node == nullptr) {
-    if (default_observer()) note_default(key, toml::value<double>(fallback));
-    return fallback;
-  }
+double Options::get_double(const Key& key, double fallback, double min, double max) const {
+  const toml::node* node = read(key, fallback);
+  if (node == nullptr) return fallback;
   if (!node->is_number()) {
     // A quoted number, e.g. norm_type = "inf": TOML's numbers (inf and nan too) go unquoted.
     std::string hint;
@@ -93,70 +94,64 @@ double Options::get_double(const std::string& key, double fallback, double min, 
       std::strtod(text.c_str(), &end);
       if (!text.empty() && end == text.c_str() + text.size()) hint = ": write it without quotes (" + text + ")";
     }
-    wrong_type(key, "a number", hint);
+    wrong_type(key.name, "a number", hint);
   }
   double value = node->is_integer() ? static_cast<double>(node->as_integer()->get()) : node->as_floating_point()->get();
   // A key may always be set to its default, e.g. a NaN that means "not set" (as listed by tessera config).
   const bool is_default = value == fallback || (std::isnan(value) && std::isnan(fallback));
-  TESSERA_CHECK(is_default || (value >= min && value <= max), locate(key), " = ", value, " is out of range [", min, ", ",
-                max, "]");
+  TESSERA_CHECK(is_default || (value >= min && value <= max), locate(key.name), " = ", value, " is out of range [", min,
+                ", ", max, "]");
   return value;
 }
 
-bool Options::get_bool(const std::string& key, bool fallback) const {
-  const toml::node* node = find(key);
-  if (node == nullptr) {
-    if (default_observer()) note_default(key, toml::value<bool>(fallback));
-    return fallback;
-  }
-  if (!node->is_boolean()) wrong_type(key, "true or false");
+bool Options::get_bool(const Key& key, bool fallback) const {
+  const toml::node* node = read(key, fallback);
+  if (node == nullptr) return fallback;
+  if (!node->is_boolean()) wrong_type(key.name, "true or false");
   return node->as_boolean()->get();
 }
 
-std::string Options::get_string(const std::string& key, const std::string& fallback) const {
-  const toml::node* node = find(key);
-  if (node == nullptr) {
-    if (default_observer()) note_default(key, toml::value<std::string>(fallback));
-    return fallback;
-  }
-  if (!node->is_string()) wrong_type(key, "a string");
+std::string Options::string_value(const Key& key, const std::string& fallback,
+                                  const std::vector<std::string>* choices) const {
+  const toml::node* node = read(key, fallback, choices);
+  if (node == nullptr) return fallback;
+  if (!node->is_string()) wrong_type(key.name, "a string");
   return node->as_string()->get();
 }
 
-std::string Options::get_choice(const std::string& key, const std::string& fallback,
-                                const std::vector<std::string>& choices) const {
-  std::string value = get_string(key, fallback);
-  for (const auto& choice : choices)
-    if (choice == value) return value;
-  TESSERA_FAIL(locate(key), " = \"", value, "\" is not valid", did_you_mean(value, choices), "; valid: ", join(choices));
+std::string Options::get_string(const Key& key, const std::string& fallback) const {
+  return string_value(key, fallback, nullptr);
 }
 
-std::vector<std::string> Options::get_string_list(const std::string& key, const std::vector<std::string>& fallback) const {
-  const toml::node* node = find(key);
-  if (node == nullptr) {
-    if (default_observer()) note_default(key, as_array(fallback));
-    return fallback;
-  }
+std::string Options::get_choice(const Key& key, const std::string& fallback,
+                                const std::vector<std::string>& choices) const {
+  std::string value = string_value(key, fallback, &choices);
+  for (const auto& choice : choices)
+    if (choice == value) return value;
+  TESSERA_FAIL(locate(key.name), " = \"", value, "\" is not valid", did_you_mean(value, choices),
+               "; valid: ", join(choices));
+}
+
+std::vector<std::string> Options::get_string_list(const Key& key, const std::vector<std::string>& fallback) const {
+  const toml::node* node = read(key, fallback);
+  if (node == nullptr) return fallback;
   if (node->is_string()) return {node->as_string()->get()};
-  if (!node->is_array()) wrong_type(key, "an array of strings");
+  if (!node->is_array()) wrong_type(key.name, "an array of strings");
   std::vector<std::string> out;
   for (const toml::node& item : *node->as_array()) {
-    if (!item.is_string()) wrong_type(key, "an array of strings");
+    if (!item.is_string()) wrong_type(key.name, "an array of strings");
     out.push_back(item.as_string()->get());
   }
   return out;
 }
 
-std::vector<double> Options::get_double_list(const std::string& key, const std::vector<double>& fallback) const {
-  const toml::node* node = find(key);
-  if (node == nullptr) {
-    if (default_observer()) note_default(key, as_array(fallback));
-    return fallback;
-  }
-  if (!node->is_array()) wrong_type(key, "an array of numbers");
+std::vector<double> Options::get_double_list(const Key& key, const std::vector<double>& fallback) const {
+  const toml::node* node = read(key, fallback);
+  if (node == nullptr) return fallback;
+  if (!node->is_array()) wrong_type(key.name, "an array of numbers");
   std::vector<double> out;
   for (const toml::node& item : *node->as_array()) {
-    if (!item.is_number()) wrong_type(key, "an array of numbers");
+    if (!item.is_number()) wrong_type(key.name, "an array of numbers");
     out.push_back(item.is_integer() ? static_cast<double>(item.as_integer()->get()) : item.as_floating_point()->get());
   }
   return out;

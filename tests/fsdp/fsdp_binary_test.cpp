@@ -96,8 +96,7 @@ TEST(ShardedCheckpoint, HybridAndNoShardSavesLoadIntoFullShard) {
 
 // Deferred init of the GPT goes through its init_parameters() (nanoGPT's N(0, 0.02), not
 // LibTorch's defaults), whose draws depend on each parameter's name and the seed, not on the
-// order units are built in: every loss is the eager build's, under fsdp and fsdp2 (NeMo's
-// tensor_init_context) alike.
+// order units are built in: every loss is the eager build's, under fsdp and fsdp2 alike.
 TEST(DeferredInit, GPTUsesTheModelsOwnInitialisation) {
   for (const std::string strategy : {"fsdp", "fsdp2"}) {
     std::map<std::int64_t, double> losses[2];

@@ -25,6 +25,14 @@ namespace {
 
 using namespace tessera::testing::host;
 
+/// Whether `listing` has the line `text`, alone or followed by its doc ("  # ...").
+bool has_line(const std::string& listing, const std::string& text) {
+  std::istringstream lines(listing);
+  for (std::string line; std::getline(lines, line);)
+    if (line == text || line.rfind(text + "  # ", 0) == 0) return true;
+  return false;
+}
+
 // tessera config: every key the host and the selected plugins read, the set ones as set and each
 // default commented out, for any plugin (fsdp's keys after --set strategy.plugin=fsdp, a
 // callback's, a sub-table's); the listing is itself an equivalent config (it lists itself, and
@@ -35,14 +43,22 @@ TEST(ConfigListing, EveryKeyWithItsDefaultAndTheListingIsAnEquivalentConfig) {
   auto r = run_tessera("config --config " + config + " --set strategy.plugin=fsdp --set optimizer.lr=3e-4");
   ASSERT_EQ(r.exit_code, 0) << r.output;
   const std::string listing = r.output;
-  for (const char* line : {"\nlog_every_n_steps = 1\nmax_steps = 8\n", "\nlr = 3e-04\n",
-                           "\n# accumulate_grad_batches = 1\n", "\n# limit_train_batches = 1.0\n",
-                           "\n[strategy]\nplugin = \"fsdp\"\n", "\n# sharding_strategy = \"FULL_SHARD\"\n",
-                           "\n# limit_all_gathers = true\n", "\n# tie_embeddings = true\n",
-                           "\n[callbacks.early_stopping]\nmonitor = \"val_loss\"\n", "\n# patience = 3\n",
-                           "\n[lr_find]\n# before_fit = false\n", "\n# init_scale = 65536.0\n",
-                           "\n# init_from = \"\"\n", "\n# predict_output = \"\"\n"})
-    EXPECT_NE(listing.find(line), std::string::npos) << "no '" << line << "' in:\n" << listing;
+  for (const char* line :
+       {"log_every_n_steps = 1", "max_steps = 8", "lr = 3e-04", "# accumulate_grad_batches = 1",
+        "# limit_train_batches = 1.0", "[strategy]", "plugin = \"fsdp\"", "# sharding_strategy = \"FULL_SHARD\"",
+        "# limit_all_gathers = true", "# tie_embeddings = true", "[callbacks.early_stopping]", "monitor = \"val_loss\"",
+        "# patience = 3", "[lr_find]", "# before_fit = false", "# init_scale = 65536.0", "# init_from = \"\"",
+        "# predict_output = \"\""})
+    EXPECT_TRUE(has_line(listing, line)) << "no '" << line << "' in:\n" << listing;
+  // Each key with its doc line, and get_choice's keys with their choices.
+  EXPECT_NE(listing.find("\n# accumulate_grad_batches = 1  # micro-batches whose gradients add up"), std::string::npos)
+      << listing;
+  EXPECT_NE(listing.find("[FULL_SHARD | SHARD_GRAD_OP | NO_SHARD | HYBRID_SHARD]"), std::string::npos) << listing;
+  {
+    std::istringstream lines(listing);
+    for (std::string line; std::getline(lines, line);)
+      if (line.find(" = ") != std::string::npos) EXPECT_NE(line.find("  # "), std::string::npos) << "no doc: " << line;
+  }
   // The trainer's own checkpoint callback (from [trainer]'s keys) adds none of its keys to [trainer].
   const std::size_t trainer_at = listing.find("\n[trainer]\n");
   const std::string trainer = listing.substr(trainer_at, listing.find("\n[", trainer_at + 1) - trainer_at);
@@ -51,8 +67,8 @@ TEST(ConfigListing, EveryKeyWithItsDefaultAndTheListingIsAnEquivalentConfig) {
   // fsdp2's "auto" keys and sub-table, noted by the plugin itself.
   r = run_tessera("config --config " + config + " --set strategy.plugin=fsdp2");
   ASSERT_EQ(r.exit_code, 0) << r.output;
-  EXPECT_NE(r.output.find("\n# tensor_parallel_size = \"auto\"\n"), std::string::npos) << r.output;
-  EXPECT_NE(r.output.find("\n[strategy.mp_policy]\n# cast_forward_inputs = true\n"), std::string::npos) << r.output;
+  EXPECT_TRUE(has_line(r.output, "# tensor_parallel_size = \"auto\"")) << r.output;
+  EXPECT_NE(r.output.find("\n[strategy.mp_policy]\n# cast_forward_inputs = true"), std::string::npos) << r.output;
   // The listing as a config: it lists itself, and a run from it trains as one from the original.
   std::ofstream(dir + "/listed.toml") << listing;
   r = run_tessera("config --config " + dir + "/listed.toml");
@@ -112,11 +128,11 @@ TEST(ConfigListing, EveryListedDefaultUncommentedIsAcceptedAndTrainsTheSame) {
     if (v == 2) absent.push_back("norm_type");  // clipping by value
     for (const std::string& key : absent)
       EXPECT_EQ(trainer.find("\n# " + key + " = "), std::string::npos) << key << " listed in:\n" << trainer;
-    EXPECT_NE(listing.find("\n# divergence_threshold = nan\n"), std::string::npos) << listing;
+    EXPECT_TRUE(has_line(listing, "# divergence_threshold = nan")) << listing;
     // Keys read only where set before: "" means unset (the precision's own policy).
     if (v == 0)
       for (const char* key : {"init_from", "predict_output", "param_dtype", "reduce_dtype", "buffer_dtype"})
-        EXPECT_NE(listing.find("\n# " + std::string(key) + " = \"\"\n"), std::string::npos) << key << " in:\n" << listing;
+        EXPECT_TRUE(has_line(listing, "# " + std::string(key) + " = \"\"")) << key << " in:\n" << listing;
     const std::string all_set = dir + "/all-set-" + std::to_string(v) + ".toml";
     std::ofstream(all_set) << uncommented;
     r = run_tessera("config --config " + all_set);
@@ -129,6 +145,36 @@ TEST(ConfigListing, EveryListedDefaultUncommentedIsAcceptedAndTrainsTheSame) {
                         1, 3, 0.0);
     version += 2;
   }
+}
+
+// docs/configuration-reference.md is what `tessera config --reference` prints from the keys'
+// docs in the code: every key of the host and of every shipped plugin, none without a doc.
+TEST(ConfigReference, TheCommittedReferenceIsTheGeneratedOneAndEveryKeyHasADoc) {
+  auto r = run_tessera("config --reference");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  const std::string generated = r.output;
+  for (std::size_t at = generated.find("(no doc)"); at != std::string::npos; at = generated.find("(no doc)", at + 1))
+    ADD_FAILURE() << "a key without a doc: " << generated.substr(generated.rfind('\n', at) + 1, at - generated.rfind('\n', at) - 1);
+  for (const char* part : {"## [trainer]", "| `max_steps` | `-1` |", "### plugin = \"fsdp2\"", "`[strategy.mp_policy]`",
+                           "### plugin = \"llama\"", "### plugin = \"text\"", "### early_stopping",
+                           "| `init_from_strict` | `true` |", "| `gradient_clip_algorithm` | `\"norm\"` |",
+                           "## [lr_scheduler]\n\n| key | default | |\n| --- | --- | --- |\n| `schedule` |"})
+    EXPECT_NE(generated.find(part), std::string::npos) << "no '" << part << "' in:\n" << generated;
+  std::ifstream file(std::string(TESSERA_SOURCE_DIR) + "/docs/configuration-reference.md");
+  const std::string committed((std::istreambuf_iterator<char>(file)), std::istreambuf_iterator<char>());
+  if (generated != committed) {  // the first line that differs, not two whole files
+    std::istringstream a(generated), b(committed);
+    std::string line_a, line_b;
+    int line = 0;
+    while (++line, std::getline(a, line_a) && std::getline(b, line_b) && line_a == line_b) continue;
+    ADD_FAILURE() << "docs/configuration-reference.md differs from the code's docs at line " << line
+                  << ":\n  generated: " << line_a << "\n  committed: " << line_b << "\nregenerate it with\n"
+                  << "  build/bin/tessera config --reference > docs/configuration-reference.md";
+  }
+  // --reference stands alone: not with another command.
+  r = run_tessera("plan --reference");
+  EXPECT_EQ(r.exit_code, 2) << r.output;
+  EXPECT_NE(r.output.find("--reference applies to `tessera config` only"), std::string::npos) << r.output;
 }
 
 }  // namespace

@@ -101,7 +101,6 @@ Communicator& StrategyBase::world() {
 }
 
 sdk::GuardPtr StrategyBase::model_sharded_context() { return nullptr; }
-sdk::GuardPtr StrategyBase::tensor_init_context() { return nullptr; }
 
 void StrategyBase::setup(std::shared_ptr<sdk::Module> module, const sdk::OptimizerSettings& optimizer) {
   TESSERA_CHECK(module, "setup() needs a model");

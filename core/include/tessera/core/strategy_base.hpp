@@ -32,7 +32,6 @@ class StrategyBase : public sdk::Strategy {
   /// (cuda:local_rank for "cuda", or "auto" with a GPU present).
   void setup_environment(const sdk::ClusterInfo& cluster) override;
   sdk::GuardPtr model_sharded_context() override;
-  sdk::GuardPtr tensor_init_context() override;
   /// Moves the network to `device_`, converts it for the precision, calls setup_module(),
   /// then builds the optimizer over optimizer_parameters().
   void setup(std::shared_ptr<sdk::Module> module, const sdk::OptimizerSettings& optimizer) override;

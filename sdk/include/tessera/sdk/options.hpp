@@ -15,6 +15,25 @@
 
 namespace tessera::sdk {
 
+/// A key as a getter reads it, with its one-line doc next to the field it sets:
+/// `o.get_int({"min_num_params", "the size policy's threshold"}, 100000000, 0)`. The doc is what
+/// `tessera config` prints beside the key and what docs/configuration-reference.md is generated
+/// from; a plain "name" reads a key without one (plugins of one's own, tests).
+struct TESSERA_SDK_API Key {
+  Key(const char* name) : name(name) {}             // NOLINT: implicit, as a plain name
+  Key(std::string name) : name(std::move(name)) {}  // NOLINT
+  Key(std::string name, std::string doc) : name(std::move(name)), doc(std::move(doc)) {}
+  std::string name, doc;
+};
+
+/// What a getter reports of each key it reads (tessera config's listing, the generated reference).
+struct KeyRecord {
+  const Key& key;
+  const toml::node& fallback;               ///< the value the key takes when absent
+  const std::vector<std::string>* choices;  ///< get_choice's valid values, else null
+  bool set;                                 ///< the table holds the key
+};
+
 class TESSERA_SDK_API Options {
  public:
   /// `section` is the dotted table name ("strategy"), `source` the file it came from.
@@ -28,17 +47,16 @@ class TESSERA_SDK_API Options {
 
   // Each getter marks the key as used, checks the TOML type (an integer is accepted
   // where a float is expected) and throws sdk::Error naming file, line and key.
-  std::int64_t get_int(const std::string& key, std::int64_t fallback, std::int64_t min = INT64_MIN,
+  std::int64_t get_int(const Key& key, std::int64_t fallback, std::int64_t min = INT64_MIN,
                        std::int64_t max = INT64_MAX) const;
-  double get_double(const std::string& key, double fallback, double min = -1e300, double max = 1e300) const;
-  bool get_bool(const std::string& key, bool fallback) const;
-  std::string get_string(const std::string& key, const std::string& fallback) const;
+  double get_double(const Key& key, double fallback, double min = -1e300, double max = 1e300) const;
+  bool get_bool(const Key& key, bool fallback) const;
+  std::string get_string(const Key& key, const std::string& fallback) const;
   /// A string that must be one of `choices` (error lists them, with "did you mean").
-  std::string get_choice(const std::string& key, const std::string& fallback,
-                         const std::vector<std::string>& choices) const;
+  std::string get_choice(const Key& key, const std::string& fallback, const std::vector<std::string>& choices) const;
   /// An array of strings; a single string is accepted as a one-element list.
-  std::vector<std::string> get_string_list(const std::string& key, const std::vector<std::string>& fallback) const;
-  std::vector<double> get_double_list(const std::string& key, const std::vector<double>& fallback) const;
+  std::vector<std::string> get_string_list(const Key& key, const std::vector<std::string>& fallback) const;
+  std::vector<double> get_double_list(const Key& key, const std::vector<double>& fallback) const;
 
   /// Declare a key as known without reading it (e.g. "plugin", read by the host).
   void mark_used(const std::string& key) const;
@@ -48,17 +66,20 @@ class TESSERA_SDK_API Options {
   /// "file.toml:12: [strategy] key" — for messages about a key's value.
   std::string locate(const std::string& key) const;
 
-  /// Reports the value a key absent from the table takes (the getters do, with their
+  /// Reports a key read, with the value it takes when absent (the getters do, with their
   /// fallback): a factory that parses a key itself (a string or an integer, say) calls it, so
-  /// that `tessera config` lists the key with its default.
-  void note_default(const std::string& key, const toml::node& value) const;
-  /// While set, receives every default noted by any Options (tessera config's listing);
-  /// returns the observer it replaces.
-  using DefaultObserver = std::function<void(const Options& options, const std::string& key, const toml::node& value)>;
-  static DefaultObserver observe_defaults(DefaultObserver observer);
+  /// that `tessera config` lists the key with its default and doc.
+  void note_key(const Key& key, const toml::node& fallback, const std::vector<std::string>* choices = nullptr) const;
+  /// While set, receives every key read by any Options (tessera config's listing and the
+  /// configuration reference); returns the observer it replaces.
+  using KeyObserver = std::function<void(const Options& options, const KeyRecord& record)>;
+  static KeyObserver observe_keys(KeyObserver observer);
 
  private:
-  const toml::node* find(const std::string& key) const;
+  template <typename Fallback>
+  const toml::node* read(const Key& key, const Fallback& fallback,
+                         const std::vector<std::string>* choices = nullptr) const;
+  std::string string_value(const Key& key, const std::string& fallback, const std::vector<std::string>* choices) const;
   /// "... key must be <expected>, found string \"x\"<hint>"
   [[noreturn]] void wrong_type(const std::string& key, const char* expected, const std::string& hint = "") const;
 

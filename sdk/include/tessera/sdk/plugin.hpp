@@ -25,11 +25,12 @@ namespace tessera::sdk {
 /// The vtables of the SDK interfaces, and the layout of the strategy API's classes in
 /// tessera/core (StrategyBase, Communicator, DeviceMesh, PrecisionBase), are the ABI: any
 /// change to them bumps the major.
-/// The installed CMake package's version is this ABI: find_package(TesseraSDK 4).
-inline constexpr std::uint32_t kAbiMajor = 4;  // 4: Callback::on_after_optimizer_step, Trainer::save_checkpoint(path, weights_only),
-                                               //    StrategyMemoryLayout (micro-batches, offload, freed gradients, recomputed units)
-                                               // (3: multi-argument units, Module::fsdp_wrap_policy, TOML++ in the
-                                               // fingerprint, descriptor sdk_version, callback plugins, Module::parallelize)
+/// The installed CMake package's version is this ABI: find_package(TesseraSDK 5).
+/// History: 5: the Options getters take a Key (name + doc), KeyObserver; Strategy::tensor_init_context
+/// removed (never called). 4: Callback::on_after_optimizer_step, Trainer::save_checkpoint(path,
+/// weights_only), StrategyMemoryLayout. 3: multi-argument units, Module::fsdp_wrap_policy, TOML++ in
+/// the fingerprint, descriptor sdk_version, callback plugins, Module::parallelize.
+inline constexpr std::uint32_t kAbiMajor = 5;
 inline constexpr std::uint32_t kAbiMinor = 0;
 
 enum class PluginKind : std::uint32_t { strategy = 1, precision, checkpoint_io, model, data, callback };

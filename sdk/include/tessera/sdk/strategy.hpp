@@ -42,8 +42,6 @@ class TESSERA_SDK_API Strategy : public PluginObject {
   virtual void setup_environment(const ClusterInfo& cluster) = 0;
   /// Scope in which Module::configure_model runs (deferred / sharded initialisation).
   virtual GuardPtr model_sharded_context() = 0;
-  /// Scope for creating tensors on the root device.
-  virtual GuardPtr tensor_init_context() = 0;
   /// Wraps/shards `module`'s network and builds the optimizer through
   /// module.configure_optimizers() on the strategy's view of the parameters.
   virtual void setup(std::shared_ptr<Module> module, const OptimizerSettings& optimizer) = 0;
