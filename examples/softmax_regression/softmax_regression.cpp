@@ -15,7 +15,8 @@ using tessera::sdk::StepOutput;
 class SoftmaxRegression final : public tessera::sdk::Module {
  public:
   explicit SoftmaxRegression(const tessera::sdk::Options& options)
-      : num_classes_(options.get_int("num_classes", 10, 2)), in_features_(options.get_int("in_features", 784, 1)) {}
+      : num_classes_(options.get_int({"num_classes", "output classes"}, 10, 2)),
+        in_features_(options.get_int({"in_features", "input features per sample (784: a 28x28 image)"}, 784, 1)) {}
 
   void configure_model() override {
     network_ = std::make_shared<torch::nn::Module>("SoftmaxRegression");

@@ -7,7 +7,9 @@ namespace {
 
 class StopOnLoss final : public tessera::sdk::Callback {
  public:
-  explicit StopOnLoss(const tessera::sdk::Options& options) : threshold_(options.get_double("threshold", 1.0, 0.0)) {}
+  explicit StopOnLoss(const tessera::sdk::Options& options)
+      : threshold_(
+            options.get_double({"threshold", "stop training once the training loss falls below this"}, 1.0, 0.0)) {}
 
   void on_train_batch_end(tessera::sdk::Trainer& trainer, const tessera::sdk::StepOutput&,
                           const tessera::sdk::Batch&, std::int64_t) override {

@@ -599,7 +599,8 @@ void note_defaults() {
   sdk::Options::observe_keys([](const sdk::Options& options, const sdk::KeyRecord& record) {
     record.fallback.visit(
         [&](const auto& v) { noted_defaults()[options.section()].insert_or_assign(record.key.name, v); });
-    noted_docs()[options.section()][record.key.name] = key_doc(record);
+    std::string& doc = noted_docs()[options.section()][record.key.name];
+    if (doc.empty()) doc = key_doc(record);  // a second read without a doc (a check elsewhere) keeps it
   });
 }
 

@@ -133,7 +133,14 @@ class TorchCheckpointIO : public tessera::sdk::CheckpointIO,
                           public tessera::sdk::AsyncCheckpointIO {
  public:
   explicit TorchCheckpointIO(const tessera::sdk::Options& options)
-      : keep_last_k_(options.get_int("keep_last_k", 0, 0)), async_(options.get_bool("async", false)) {}
+      : keep_last_k_(options.get_int(
+            {"keep_last_k",
+             "keep the k newest committed checkpoints of the folder, pruned only after a commit; 0: keep all"},
+            0, 0)),
+        async_(options.get_bool({"async",
+                                 "save from a host-memory snapshot on a background thread; the next save, any load and "
+                                 "any removal wait for it"},
+                                false)) {}
 
   bool saves_sharded() const override { return false; }
 
@@ -264,7 +271,10 @@ class TorchCheckpointIO : public tessera::sdk::CheckpointIO,
 class DistributedCheckpointIO final : public TorchCheckpointIO {
  public:
   explicit DistributedCheckpointIO(const tessera::sdk::Options& options)
-      : TorchCheckpointIO(options), commit_timeout_s_(options.get_int("commit_timeout_s", 600, 1)) {}
+      : TorchCheckpointIO(options),
+        commit_timeout_s_(options.get_int(
+            {"commit_timeout_s", "with async: seconds rank 0 waits for the other ranks' files before the save fails"},
+            600, 1)) {}
 
   bool saves_sharded() const override { return true; }
 

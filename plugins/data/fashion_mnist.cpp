@@ -104,11 +104,12 @@ class Images final : public sdk::Dataset {
 class FashionMNIST final : public sdk::DataModule {
  public:
   explicit FashionMNIST(const sdk::Options& o)
-      : root_(o.get_string("root", "/usr/share/datasets/fashion-mnist")),
-        val_size_(o.get_int("val_size", 5000, 0, 59000)),
-        train_limit_(o.get_int("train_limit", 0, 0)),
-        test_limit_(o.get_int("test_limit", 0, 0)),
-        predict_limit_(o.get_int("predict_limit", 16, 0)),
+      : root_(o.get_string({"root", "the folder of Fashion-MNIST's idx files (train-images-idx3-ubyte.gz ...)"},
+                           "/usr/share/datasets/fashion-mnist")),
+        val_size_(o.get_int({"val_size", "training images held out for validation (the last ones)"}, 5000, 0, 59000)),
+        train_limit_(o.get_int({"train_limit", "use only the first N training images; 0: all"}, 0, 0)),
+        test_limit_(o.get_int({"test_limit", "use only the first N test images; 0: all"}, 0, 0)),
+        predict_limit_(o.get_int({"predict_limit", "test images whose classes predict prints"}, 16, 0)),
         root_key_(o.locate("root")),
         o_val_key_(o.locate("val_size")) {}
 

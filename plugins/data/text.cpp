@@ -106,11 +106,16 @@ class Text final : public sdk::DataModule {
  public:
   explicit Text(const sdk::Options& o)
       : options_(o),
-        path_(o.get_string("path", "/usr/share/games/fortunes")),
-        block_size_(o.get_int("block_size", 128, 1)),
-        stride_(o.get_int("stride", block_size_, 1)),
-        val_fraction_(o.get_double("val_fraction", 0.05, 0.0, 0.5)),
-        prompt_(o.get_string("prompt", "Q: ")) {
+        path_(o.get_string({"path", "the text file, or a folder of text files, read as bytes (byte-level tokens)"},
+                           "/usr/share/games/fortunes")),
+        block_size_(
+            o.get_int({"block_size", "sequence length of a sample, at most the model's [model] block_size"}, 128, 1)),
+        stride_(
+            o.get_int({"stride", "bytes between the starts of consecutive samples (default block_size: no overlap)"},
+                      block_size_, 1)),
+        val_fraction_(
+            o.get_double({"val_fraction", "the share of the text held out for validation (its end)"}, 0.05, 0.0, 0.5)),
+        prompt_(o.get_string({"prompt", "the text predict continues"}, "Q: ")) {
     TESSERA_CHECK(!prompt_.empty(), o.locate("prompt"), " must not be empty");
   }
 

@@ -181,15 +181,32 @@ class Tokens final : public sdk::DataModule, public sdk::TokenVocabulary {
  public:
   explicit Tokens(const sdk::Options& o)
       : options_(o),
-        paths_(o.get_string_list("path", {})),
-        weights_(o.get_double_list("weights", {})),
-        val_paths_(o.get_string_list("val_path", {})),
-        tokenizer_path_(o.get_string("tokenizer", "")),
-        block_size_(o.get_int("block_size", 128, 1)),
-        document_aligned_(o.get_bool("document_aligned", false)),
-        val_fraction_(o.get_double("val_fraction", val_paths_.empty() ? 0.05 : 0.0, 0.0, 0.5)),
-        verify_(o.get_bool("verify", true)),
-        prompt_(o.get_string("prompt", "")) {
+        paths_(o.get_string_list(
+            {"path",
+             "the directory `tessera data prepare` wrote, or a list of them (a blend, with weights); memory-mapped"},
+            {})),
+        weights_(o.get_double_list(
+            {"weights", "one positive number per path (Megatron's blend): each directory's share of the samples"}, {})),
+        val_paths_(o.get_string_list(
+            {"val_path", "a separate prepared directory (or list) for validation instead of val_fraction"}, {})),
+        tokenizer_path_(o.get_string({"tokenizer",
+                                      "the tokenizer file: encodes the prompt and decodes predictions (checked against "
+                                      "the manifest); not needed to train"},
+                                     "")),
+        block_size_(o.get_int({"block_size", "tokens per sample, at most the model's context"}, 128, 1)),
+        document_aligned_(o.get_bool({"document_aligned",
+                                      "one window per document from its first token (shorter ones padded) instead of "
+                                      "windows packed across documents"},
+                                     false)),
+        val_fraction_(o.get_double(
+            {"val_fraction",
+             "the validation split: the last floor(val_fraction x documents) documents of each shard; 0: none"},
+            val_paths_.empty() ? 0.05 : 0.0, 0.0, 0.5)),
+        verify_(o.get_bool(
+            {"verify", "at setup, check every shard's checksum, document offsets and largest id in one streaming pass"},
+            true)),
+        prompt_(
+            o.get_string({"prompt", "the text predict (and predict_after_fit) generates from; needs tokenizer"}, "")) {
     TESSERA_CHECK(!paths_.empty(), o.locate("path"), " is required: the directory `tessera data prepare` wrote ",
                   "(or several, with [data] weights)");
     if (!weights_.empty()) {

@@ -37,8 +37,13 @@ class GradReadyHook final : public torch::autograd::FunctionPostHook {
 class DDPStrategy final : public core::StrategyBase, public sdk::StrategyMemoryLayout {
  public:
   explicit DDPStrategy(const sdk::Options& options)
-      : StrategyBase(options), bucket_bytes_(static_cast<std::int64_t>(options.get_double("bucket_cap_mb", 25.0, 0.001) *
-                                                                       1024 * 1024)) {}
+      : StrategyBase(options),
+        bucket_bytes_(
+            static_cast<std::int64_t>(options.get_double({"bucket_cap_mb",
+                                                          "PyTorch DDP's bucket_cap_mb: gradients are all-reduced in "
+                                                          "buckets of this many MiB, overlapped with backward"},
+                                                         25.0, 0.001) *
+                                      1024 * 1024)) {}
 
   void backward(const at::Tensor& loss, bool sync_gradients) override {
     sync_ = sync_gradients && world().size() > 1;

@@ -18,25 +18,56 @@ class FSDPStrategy : public fsdp::ShardedStrategy {
  public:
   explicit FSDPStrategy(const sdk::Options& o, bool cpu_offload_default = false)
       : ShardedStrategy(o),
-        sharding_strategy_(o.get_choice("sharding_strategy", "FULL_SHARD",
-                                        {"FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD"})),
-        hybrid_group_size_(o.get_int("hybrid_shard_group_size", 0, 0)),
-        sync_module_states_(o.get_bool("sync_module_states", false)),
+        sharding_strategy_(o.get_choice(
+            {"sharding_strategy",
+             "what is sharded: parameters, gradients and optimizer state (FULL_SHARD), gradients and state only "
+             "(SHARD_GRAD_OP), nothing (NO_SHARD), or full within groups, replicated across (HYBRID_SHARD)"},
+            "FULL_SHARD", {"FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD"})),
+        hybrid_group_size_(
+            o.get_int({"hybrid_shard_group_size",
+                       "HYBRID_SHARD's shard group size (ranks per replica); 0: the local ranks of one host"},
+                      0, 0)),
+        sync_module_states_(
+            o.get_bool({"sync_module_states", "broadcast rank 0's parameters and buffers before sharding"}, false)),
         options_key_(o.locate("transformer_layer_cls")) {
-    options_.unit_classes = o.get_string_list("transformer_layer_cls", {});
-    options_.cpu_offload = o.get_bool("cpu_offload", cpu_offload_default);
-    options_.auto_wrap_policy =
-        o.get_choice("auto_wrap_policy", "transformer", {"transformer", "size", "custom", "none"});
-    options_.min_num_params = o.get_int("min_num_params", 100000000, 0);
+    options_.unit_classes = o.get_string_list(
+        {"transformer_layer_cls", "module class names that become FSDP units (the transformer policy's layer classes)"},
+        {});
+    options_.cpu_offload = o.get_bool({"cpu_offload",
+                                       "pinned CPU master shards, gradients and optimizer state on CUDA (refused on "
+                                       "the CPU, where it would do nothing)"},
+                                      cpu_offload_default);
+    options_.auto_wrap_policy = o.get_choice({"auto_wrap_policy",
+                                              "which modules become units: the transformer_layer_cls classes, those of "
+                                              "them above min_num_params, the model's own policy, or the root only"},
+                                             "transformer", {"transformer", "size", "custom", "none"});
+    options_.min_num_params = o.get_int(
+        {"min_num_params", "the size policy's threshold: a module with at least this many parameters becomes a unit"},
+        100000000, 0);
     options_.backward_prefetch = fsdp::read_backward_prefetch(o);
-    options_.forward_prefetch = o.get_bool("forward_prefetch", false);
+    options_.forward_prefetch = o.get_bool(
+        {"forward_prefetch", "PyTorch FSDP's forward_prefetch: gather the next unit during this unit's forward"},
+        false);
     // PyTorch's rate limiter: the running unit and one prefetched unit at most (counted by
     // the scheduler; a prefetch beyond it waits until its unit runs).
-    options_.max_gathered_units = o.get_bool("limit_all_gathers", true) ? 2 : 0;
-    options_.activation_checkpointing = o.get_string_list("activation_checkpointing", {});
-    reduce_every_micro_batch_ = o.get_bool("reduce_every_micro_batch", false);
-    options_.rank0_only = o.get_bool("rank0_only", true);
-    options_.ignored_modules = o.get_string_list("ignored_modules", {});
+    options_.max_gathered_units = o.get_bool({"limit_all_gathers",
+                                              "a prefetch waits while two units are gathered already (the running one "
+                                              "and one ahead); false never holds one back"},
+                                             true)
+                                      ? 2
+                                      : 0;
+    options_.activation_checkpointing = o.get_string_list(
+        {"activation_checkpointing", "unit classes whose activations are recomputed in backward instead of kept"}, {});
+    reduce_every_micro_batch_ =
+        o.get_bool({"reduce_every_micro_batch",
+                    "reduce-scatter gradients after every micro-batch instead of once per optimizer step"},
+                   false);
+    options_.rank0_only =
+        o.get_bool({"rank0_only", "full state dicts are gathered on rank 0 only (the others hold none)"}, true);
+    options_.ignored_modules = o.get_string_list(
+        {"ignored_modules",
+         "module paths or class names whose parameters stay unsharded and replicated (gradients all-reduced)"},
+        {});
     options_.sharding_strategy = fsdp::parse_sharding_strategy(sharding_strategy_);
     if (options_.cpu_offload)
       refuse_offload_on_cpu(o.has("cpu_offload") ? o.locate("cpu_offload") + " = true"

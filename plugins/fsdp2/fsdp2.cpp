@@ -28,13 +28,13 @@ namespace {
 namespace fsdp = core::fsdp;
 
 /// An integer key that may also be the string "auto" (or absent): -1 for auto.
-std::int64_t int_or_auto(const sdk::Options& o, const std::string& key) {
-  o.mark_used(key);
-  const toml::node* node = o.table().get(key);
+std::int64_t int_or_auto(const sdk::Options& o, const sdk::Key& key) {
+  o.mark_used(key.name);
+  const toml::node* node = o.table().get(key.name);
   o.note_key(key, toml::value<std::string>("auto"));
   if (node == nullptr) return -1;
   if (node->is_string() && node->as_string()->get() == "auto") return -1;
-  TESSERA_CHECK(node->is_integer() && node->as_integer()->get() >= 1, o.locate(key),
+  TESSERA_CHECK(node->is_integer() && node->as_integer()->get() >= 1, o.locate(key.name),
                 " must be \"auto\" or a positive integer");
   return node->as_integer()->get();
 }
@@ -48,7 +48,7 @@ sdk::Options sub_table(const sdk::Options& o, const std::string& key) {
   return sdk::Options(o.section() + "." + key, o.source(), *node->as_table());
 }
 
-c10::optional<at::ScalarType> dtype_key(const sdk::Options& o, const std::string& key) {
+c10::optional<at::ScalarType> dtype_key(const sdk::Options& o, const sdk::Key& key) {
   const std::string name = o.get_choice(key, "", {"", "float32", "bfloat16", "float16"});
   if (name.empty()) return c10::nullopt;
   return name == "bfloat16" ? at::kBFloat16 : name == "float16" ? at::kHalf : at::kFloat;
@@ -58,22 +58,37 @@ class FSDP2Strategy final : public fsdp::ShardedStrategy, public sdk::StrategyCh
  public:
   explicit FSDP2Strategy(const sdk::Options& o)
       : ShardedStrategy(o),
-        dp_size_(int_or_auto(o, "data_parallel_size")),
-        tp_size_(int_or_auto(o, "tensor_parallel_size")),
-        replicate_size_(o.get_int("data_parallel_replicate_size", 1, 1)),
+        dp_size_(int_or_auto(
+            o, {"data_parallel_size", "ranks each parameter is sharded over; auto: world / (tp x replicate)"})),
+        tp_size_(int_or_auto(o, {"tensor_parallel_size",
+                                 "ranks each tensor-parallel layer is split over (the model's parallelize); auto: 1"})),
+        replicate_size_(
+            o.get_int({"data_parallel_replicate_size",
+                       "HSDP: replicas of the sharded model (each shards over world / (replicate x tp) ranks)"},
+                      1, 1)),
         sizes_key_(o.locate("data_parallel_size")),
         unit_key_(o.locate("transformer_layer_cls")) {
     options_.layout = fsdp::ParamLayout::per_parameter;
     defer_optimizer_restore_ = true;  // NeMo: the optimizer state is restored at the first step
-    options_.unit_classes = o.get_string_list("transformer_layer_cls", {});
-    options_.auto_wrap_policy = o.get_choice("parallelize_fn", "transformer", {"transformer", "custom", "none"});
-    options_.activation_checkpointing = o.get_string_list("activation_checkpointing", {});
-    options_.rank0_only = o.get_bool("rank0_only", true);
-    options_.cpu_offload = o.get_choice("offload_policy", "none", {"none", "cpu"}) == "cpu";
+    options_.unit_classes =
+        o.get_string_list({"transformer_layer_cls", "module class names that become fully_shard units"}, {});
+    options_.auto_wrap_policy = o.get_choice({"parallelize_fn",
+                                              "which modules are fully_shard units: the transformer_layer_cls classes, "
+                                              "the model's own policy, or the root only"},
+                                             "transformer", {"transformer", "custom", "none"});
+    options_.activation_checkpointing = o.get_string_list(
+        {"activation_checkpointing", "unit classes whose activations are recomputed in backward instead of kept"}, {});
+    options_.rank0_only =
+        o.get_bool({"rank0_only", "full state dicts are gathered on rank 0 only (the others hold none)"}, true);
+    options_.cpu_offload = o.get_choice({"offload_policy",
+                                         "cpu: FSDP2's CPUOffloadPolicy (shards, gradients and optimizer state in "
+                                         "pinned host memory; refused on the CPU)"},
+                                        "none", {"none", "cpu"}) == "cpu";
     if (options_.cpu_offload) refuse_offload_on_cpu(o.locate("offload_policy") + " = \"cpu\"");
     // FSDP2 prefetches the next unit's all-gather in forward and the previous one in backward
     // (backward_prefetch: the same vocabulary as fsdp's).
-    options_.forward_prefetch = o.get_bool("forward_prefetch", true);
+    options_.forward_prefetch =
+        o.get_bool({"forward_prefetch", "gather the next unit during this unit's forward"}, true);
     options_.backward_prefetch = fsdp::read_backward_prefetch(o);
     reshard_after_forward(o);
     mixed_precision(sub_table(o, "mp_policy"));
@@ -284,7 +299,10 @@ class FSDP2Strategy final : public fsdp::ShardedStrategy, public sdk::StrategyCh
     reshard_key_ = o.locate(key);
     const toml::node* node = o.table().get(key);
     bool reshard = true;
-    o.note_key(key, toml::value<bool>(true));
+    o.note_key({key,
+                "true: free gathered parameters after forward; false: keep them for backward; k: keep 1/k (an int "
+                "dividing the shard size), backward gathers within k ranks"},
+               toml::value<bool>(true));
     if (node != nullptr) {
       TESSERA_CHECK(node->is_boolean() || node->is_integer(), reshard_key_,
                     " must be true (free the gathered parameters after forward), false (keep them until backward) ",
@@ -347,10 +365,14 @@ class FSDP2Strategy final : public fsdp::ShardedStrategy, public sdk::StrategyCh
   /// mp_policy: param_dtype, reduce_dtype, output_dtype, cast_forward_inputs; the
   /// precision plugin's policy where a key is absent.
   void mixed_precision(const sdk::Options& mp) {
-    param_dtype_ = dtype_key(mp, "param_dtype");
-    reduce_dtype_ = dtype_key(mp, "reduce_dtype");
-    options_.output_dtype = dtype_key(mp, "output_dtype");
-    options_.cast_forward_inputs = mp.get_bool("cast_forward_inputs", true);
+    param_dtype_ = dtype_key(mp, {"param_dtype",
+                                  "FSDP2's MixedPrecisionPolicy: the dtype parameters are gathered and "
+                                  "computed in; \"\": the precision plugin's"});
+    reduce_dtype_ = dtype_key(mp, {"reduce_dtype", "the dtype gradients are reduced in; \"\": the precision plugin's"});
+    options_.output_dtype =
+        dtype_key(mp, {"output_dtype", "each unit's floating outputs cast to it; \"\": left as computed"});
+    options_.cast_forward_inputs =
+        mp.get_bool({"cast_forward_inputs", "cast each unit's floating inputs to the dtype it computes in"}, true);
     mp.check_all_used();
   }
 

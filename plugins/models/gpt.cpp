@@ -184,13 +184,22 @@ TORCH_MODULE(GPTNet);
 class GPT final : public sdk::Module {
  public:
   explicit GPT(const sdk::Options& o)
-      : config_{o.get_int("n_layer", 4, 1), o.get_int("n_head", 4, 1),      o.get_int("n_embd", 128, 1),
-                o.get_int("block_size", 128, 1), o.get_double("dropout", 0.0, 0.0, 1.0), o.get_bool("bias", true),
-                o.get_bool("tie_embeddings", true), o.get_int("vocab_size", kByteVocab, 1, INT32_MAX)},
-        max_new_tokens_(o.get_int("max_new_tokens", 200, 1, 65536)),
-        temperature_(o.get_double("temperature", 0.8, 1e-6)),
-        top_k_(o.get_int("top_k", 40, 0, config_.vocab_size)),
-        weight_decay_norms_and_biases_(o.get_bool("weight_decay_norms_and_biases", true)),
+      : config_{o.get_int({"n_layer", "transformer blocks (nanoGPT's n_layer)"}, 4, 1),
+                o.get_int({"n_head", "attention heads per block; must divide n_embd"}, 4, 1),
+                o.get_int({"n_embd", "the embedding (residual stream) width"}, 128, 1),
+                o.get_int({"block_size", "the context: the longest sequence the model takes"}, 128, 1),
+                o.get_double({"dropout", "nanoGPT's dropout probability, applied while training"}, 0.0, 0.0,
+                             1.0),
+                o.get_bool({"bias", "biases in the linear layers and LayerNorms (nanoGPT's bias)"}, true),
+                o.get_bool({"tie_embeddings", "the output projection shares the token embedding's weight"}, true),
+                o.get_int({"vocab_size", "token ids the model embeds (256: bytes)"}, kByteVocab, 1, INT32_MAX)},
+        max_new_tokens_(o.get_int({"max_new_tokens", "tokens predict generates after the prompt"}, 200, 1, 65536)),
+        temperature_(o.get_double({"temperature", "predict's sampling temperature"}, 0.8, 1e-6)),
+        top_k_(o.get_int({"top_k", "predict samples from the k likeliest tokens; 0: all"}, 40, 0, config_.vocab_size)),
+        weight_decay_norms_and_biases_(
+            o.get_bool({"weight_decay_norms_and_biases",
+                        "false: nanoGPT's two param groups, no weight decay for biases and LayerNorm weights"},
+                       true)),
         n_head_key_(o.locate("n_head")) {
     TESSERA_CHECK(config_.n_embd % config_.n_head == 0, o.locate("n_embd"), " = ", config_.n_embd,
                   " must be divisible by n_head = ", config_.n_head, " (",

@@ -317,13 +317,26 @@ class Llama final : public sdk::Module, public sdk::HuggingFaceModel {
   explicit Llama(const sdk::Options& o) {
     const LlamaConfigReader reader(o);
     config_ = read_llama_config(reader);
-    attention_.kernel = toolkit::parse_attention_kernel(o.get_string("attention", "automatic"), o.locate("attention"));
-    attention_.query_block = o.get_int("attention_query_block", 128, 1);
-    predict_logits_ = o.get_choice("predict", "generate", {"generate", "logits"}) == "logits";
-    max_new_tokens_ = o.get_int("max_new_tokens", 64, 1, 1 << 20);
-    temperature_ = o.get_double("temperature", 0.0, 0.0);
-    top_k_ = o.get_int("top_k", 50, 0, config_.vocab_size);
-    top_p_ = o.get_double("top_p", 1.0, 0.0, 1.0);
+    attention_.kernel = toolkit::parse_attention_kernel(
+        o.get_string({"attention",
+                      "the attention kernel: automatic (SDPA where LibTorch has it, else blocked), sdpa, blocked "
+                      "(memory linear in the sequence) or math (T^2 scores)"},
+                     "automatic"),
+        o.locate("attention"));
+    attention_.query_block = o.get_int(
+        {"attention_query_block", "queries per block of the blocked attention kernel (memory linear in the sequence)"},
+        128, 1);
+    predict_logits_ =
+        o.get_choice(
+            {"predict",
+             "generate: predict continues the prompt; logits: predict returns the logits of every position (scoring)"},
+            "generate", {"generate", "logits"}) == "logits";
+    max_new_tokens_ = o.get_int({"max_new_tokens", "tokens predict generates after the prompt"}, 64, 1, 1 << 20);
+    temperature_ = o.get_double({"temperature", "predict's sampling temperature; 0: greedy"}, 0.0, 0.0);
+    top_k_ = o.get_int({"top_k", "predict samples from the k likeliest tokens; 0: all"}, 50, 0, config_.vocab_size);
+    top_p_ = o.get_double(
+        {"top_p", "predict samples from the smallest set of tokens whose probability reaches p (nucleus sampling)"},
+        1.0, 0.0, 1.0);
     TESSERA_CHECK(top_p_ > 0.0, o.locate("top_p"), " must be in (0, 1]");
     heads_key_ = reader.where("num_key_value_heads");
   }

@@ -40,7 +40,8 @@ std::optional<std::int64_t> optional_id(const json& value, const std::string& wh
 }  // namespace
 
 LlamaConfigReader::LlamaConfigReader(const sdk::Options& o) : o_(o) {
-  path_ = o.get_string("config", "");
+  path_ = o.get_string(
+      {"config", "a Hugging Face config.json whose keys the model takes; a key set in [model] overrides it"}, "");
   if (path_.empty()) return;
   std::ifstream in(path_);
   TESSERA_CHECK(in.good(), o.locate("config"), " = \"", path_, "\": cannot read it (a Hugging Face config.json)");
@@ -64,16 +65,24 @@ json LlamaConfigReader::get_json(const std::string& key) const {
 LlamaConfig read_llama_config(const LlamaConfigReader& r) {
   const std::string model_type_where = r.where("model_type");
   LlamaConfig c;
-  c.model_type = r.get_string("model_type", "llama");
+  c.model_type = r.get_string(
+      {"model_type", "Hugging Face's model_type: llama (LlamaForCausalLM) or qwen2 (Qwen2ForCausalLM: q/k/v biases)"},
+      "llama");
   if (std::find(kModelTypes.begin(), kModelTypes.end(), c.model_type) == kModelTypes.end())
     TESSERA_FAIL(model_type_where, ": model_type \"", c.model_type, "\" is not supported; supported: \"llama\" ",
                  "(LlamaForCausalLM), \"qwen2\" (Qwen2ForCausalLM)");
-  c.vocab_size = r.get_int("vocab_size", c.model_type == "qwen2" ? 151936 : 32000);
-  c.hidden_size = r.get_int("hidden_size", 4096);
-  c.intermediate_size = r.get_int("intermediate_size", c.model_type == "qwen2" ? 22016 : 11008);
-  c.num_hidden_layers = r.get_int("num_hidden_layers", 32);
-  c.num_attention_heads = r.get_int("num_attention_heads", 32);
-  c.num_key_value_heads = r.get_int("num_key_value_heads", c.num_attention_heads);
+  c.vocab_size = r.get_int({"vocab_size", "Hugging Face's vocab_size: rows of the token embedding"},
+                           c.model_type == "qwen2" ? 151936 : 32000);
+  c.hidden_size = r.get_int({"hidden_size", "Hugging Face's hidden_size: the residual stream width"}, 4096);
+  c.intermediate_size =
+      r.get_int({"intermediate_size", "Hugging Face's intermediate_size: the SwiGLU MLP's inner width"},
+                c.model_type == "qwen2" ? 22016 : 11008);
+  c.num_hidden_layers = r.get_int({"num_hidden_layers", "Hugging Face's num_hidden_layers: decoder layers"}, 32);
+  c.num_attention_heads = r.get_int({"num_attention_heads", "Hugging Face's num_attention_heads: query heads"}, 32);
+  c.num_key_value_heads = r.get_int(
+      {"num_key_value_heads",
+       "Hugging Face's num_key_value_heads: key/value heads (fewer than query heads: grouped-query attention)"},
+      c.num_attention_heads);
   TESSERA_CHECK(c.num_attention_heads % c.num_key_value_heads == 0, r.where("num_key_value_heads"), " = ",
                 c.num_key_value_heads, " must divide num_attention_heads = ", c.num_attention_heads,
                 " (each key-value head serves a group of query heads)");
@@ -81,22 +90,33 @@ LlamaConfig read_llama_config(const LlamaConfigReader& r) {
   if (!r.has("head_dim"))
     TESSERA_CHECK(c.hidden_size % c.num_attention_heads == 0, r.where("hidden_size"), " = ", c.hidden_size,
                   " must be divisible by num_attention_heads = ", c.num_attention_heads, " (or set head_dim)");
-  c.head_dim = r.get_int("head_dim", c.hidden_size / c.num_attention_heads);
+  c.head_dim = r.get_int({"head_dim", "Hugging Face's head_dim (default hidden_size / num_attention_heads)"},
+                         c.hidden_size / c.num_attention_heads);
   TESSERA_CHECK(c.head_dim % 2 == 0, r.where("head_dim"), " = ", c.head_dim, " must be even (rotary embeddings)");
-  c.max_position_embeddings = r.get_int("max_position_embeddings", c.model_type == "qwen2" ? 32768 : 2048);
-  c.rms_norm_eps = r.get_double("rms_norm_eps", 1e-6, 0.0);
-  c.rope_theta = r.get_double("rope_theta", 10000.0, 1e-300);
-  c.initializer_range = r.get_double("initializer_range", 0.02, 0.0);
-  c.tie_word_embeddings = r.get_bool("tie_word_embeddings", false);
-  c.attention_bias = r.get_bool("attention_bias", false);
-  c.mlp_bias = r.get_bool("mlp_bias", false);
-  const std::string act = r.get_string("hidden_act", "silu");
+  c.max_position_embeddings =
+      r.get_int({"max_position_embeddings", "Hugging Face's max_position_embeddings: the context"},
+                c.model_type == "qwen2" ? 32768 : 2048);
+  c.rms_norm_eps = r.get_double({"rms_norm_eps", "Hugging Face's rms_norm_eps: RMSNorm's epsilon"}, 1e-6, 0.0);
+  c.rope_theta = r.get_double(
+      {"rope_theta", "Hugging Face's rope_theta: the base of the rotary embedding's frequencies"}, 10000.0, 1e-300);
+  c.initializer_range = r.get_double(
+      {"initializer_range", "Hugging Face's initializer_range: the standard deviation of the initial weights"}, 0.02,
+      0.0);
+  c.tie_word_embeddings = r.get_bool(
+      {"tie_word_embeddings", "Hugging Face's tie_word_embeddings: lm_head shares the token embedding's weight"},
+      false);
+  c.attention_bias =
+      r.get_bool({"attention_bias", "Hugging Face's attention_bias: biases in q/k/v/o projections"}, false);
+  c.mlp_bias = r.get_bool({"mlp_bias", "Hugging Face's mlp_bias: biases in the MLP's projections"}, false);
+  const std::string act =
+      r.get_string({"hidden_act", "Hugging Face's hidden_act: the MLP's activation (silu)"}, "silu");
   TESSERA_CHECK(act == "silu", r.where("hidden_act"), " = \"", act, "\" is not supported; supported: \"silu\" (SwiGLU)");
-  const double attention_dropout = r.get_double("attention_dropout", 0.0, 0.0);
+  const double attention_dropout = r.get_double(
+      {"attention_dropout", "Hugging Face's attention_dropout (0.0 only, as every released Llama)"}, 0.0, 0.0);
   TESSERA_CHECK(attention_dropout == 0.0, r.where("attention_dropout"), " = ", attention_dropout,
                 " is not supported; supported: 0.0 (as every released Llama)");
   if (c.model_type == "qwen2") {
-    const bool sliding = r.get_bool("use_sliding_window", false);
+    const bool sliding = r.get_bool({"use_sliding_window", "Qwen2's use_sliding_window (false only)"}, false);
     TESSERA_CHECK(!sliding, r.where("use_sliding_window"), " = true is not supported; supported: false");
   }
   // rope_scaling (transformers 4.x) or rope_parameters (5.x, which carries rope_theta too).

@@ -46,15 +46,17 @@ class LlamaConfigReader {
                                                                  : "\"" + path_ + "\": " + key;
   }
 
-  std::int64_t get_int(const std::string& key, std::int64_t fallback, std::int64_t min = 1) const {
-    return o_.get_int(key, from_json<std::int64_t>(key, fallback), min);
+  std::int64_t get_int(const sdk::Key& key, std::int64_t fallback, std::int64_t min = 1) const {
+    return o_.get_int(key, from_json<std::int64_t>(key.name, fallback), min);
   }
-  double get_double(const std::string& key, double fallback, double min = -1e300) const {
-    return o_.get_double(key, from_json<double>(key, fallback), min);
+  double get_double(const sdk::Key& key, double fallback, double min = -1e300) const {
+    return o_.get_double(key, from_json<double>(key.name, fallback), min);
   }
-  bool get_bool(const std::string& key, bool fallback) const { return o_.get_bool(key, from_json<bool>(key, fallback)); }
-  std::string get_string(const std::string& key, const std::string& fallback) const {
-    return o_.get_string(key, from_json<std::string>(key, fallback));
+  bool get_bool(const sdk::Key& key, bool fallback) const {
+    return o_.get_bool(key, from_json<bool>(key.name, fallback));
+  }
+  std::string get_string(const sdk::Key& key, const std::string& fallback) const {
+    return o_.get_string(key, from_json<std::string>(key.name, fallback));
   }
   /// The TOML value if set (a table, an array or a scalar), else config.json's; null when neither.
   nlohmann::json get_json(const std::string& key) const;

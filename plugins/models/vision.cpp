@@ -78,7 +78,7 @@ class MLP final : public Classifier {
     // The defaults give 228,823 parameters and a first unit of 201,745, neither divisible by
     // 2, 3 or 4, so FSDP pads its shards on every small world size. (No sizes make every
     // unit odd: consecutive biased Linears have counts out*(in+1), and in = previous out.)
-    for (double h : o.get_double_list("hidden_sizes", {257, 101})) {
+    for (double h : o.get_double_list({"hidden_sizes", "the MLP's hidden layer widths"}, {257, 101})) {
       TESSERA_CHECK(h >= 1 && h == static_cast<double>(static_cast<std::int64_t>(h)), o.locate("hidden_sizes"),
                     " must list positive integers, found ", h);
       hidden_.push_back(static_cast<std::int64_t>(h));
@@ -117,8 +117,12 @@ class MLP final : public Classifier {
 class CNN final : public Classifier {
  public:
   explicit CNN(const sdk::Options& o)
-      : channels1_(o.get_int("channels1", 32, 1)), channels2_(o.get_int("channels2", 64, 1)),
-        hidden_(o.get_int("hidden", 128, 1)), batch_norm_(o.get_bool("batch_norm", false)) {}
+      : channels1_(o.get_int({"channels1", "the first convolution's output channels"}, 32, 1)),
+        channels2_(o.get_int({"channels2", "the second convolution's output channels"}, 64, 1)),
+        hidden_(o.get_int({"hidden", "the fully connected layer's width"}, 128, 1)),
+        batch_norm_(o.get_bool(
+            {"batch_norm", "BatchNorm after each convolution (sdk::SyncBatchNorm2d, so sync_batchnorm can apply)"},
+            false)) {}
   void configure_model() override {
     root_ = std::make_shared<torch::nn::Module>("CNN");
     conv1_ = root_->register_module("conv1", ConvBlock(1, channels1_, batch_norm_));

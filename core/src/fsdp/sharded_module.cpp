@@ -43,7 +43,11 @@ BackwardPrefetch read_backward_prefetch(const sdk::Options& options) {
     options.mark_used("backward_prefetch");
     return value->as_boolean()->get() ? BackwardPrefetch::BACKWARD_PRE : BackwardPrefetch::NONE;
   }
-  const std::string name = options.get_choice("backward_prefetch", "BACKWARD_PRE", {"BACKWARD_PRE", "BACKWARD_POST", "none"});
+  const std::string name = options.get_choice(
+      {"backward_prefetch",
+       "which unit's gather backward issues early: the previous unit's before (BACKWARD_PRE) or after "
+       "(BACKWARD_POST) this unit's gradient computation; true = BACKWARD_PRE, false = none"},
+      "BACKWARD_PRE", {"BACKWARD_PRE", "BACKWARD_POST", "none"});
   if (name == "BACKWARD_POST") return BackwardPrefetch::BACKWARD_POST;
   return name == "none" ? BackwardPrefetch::NONE : BackwardPrefetch::BACKWARD_PRE;
 }

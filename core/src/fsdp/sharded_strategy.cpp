@@ -24,10 +24,15 @@ std::string normalise_state_dict_type(const std::string& name) {
 
 ShardedStrategy::ShardedStrategy(const sdk::Options& o)
     : StrategyBase(o),
-      deferred_init_(o.get_bool("deferred_init", false)),
-      state_dict_type_(normalise_state_dict_type(
-          o.get_choice("state_dict_type", "full",
-                       {"full", "sharded", "local", "FULL_STATE_DICT", "SHARDED_STATE_DICT", "LOCAL_STATE_DICT"}))),
+      deferred_init_(
+          o.get_bool({"deferred_init",
+                      "build the model unit by unit on each rank's device, never whole (PyTorch's meta-device init)"},
+                     false)),
+      state_dict_type_(normalise_state_dict_type(o.get_choice(
+          {"state_dict_type",
+           "what checkpoints hold: the full state dict, each rank's shards (sharded, DCP-like) or local flat shards; "
+           "sharded and local need [checkpoint_io] plugin = \"distributed\""},
+          "full", {"full", "sharded", "local", "FULL_STATE_DICT", "SHARDED_STATE_DICT", "LOCAL_STATE_DICT"}))),
       state_dict_type_key_(o.locate("state_dict_type")) {}
 
 void ShardedStrategy::connect(std::shared_ptr<sdk::Precision> precision,

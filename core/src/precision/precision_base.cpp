@@ -83,26 +83,44 @@ sdk::MixedPrecisionPolicy lightning_policy(const std::string& precision) {
 }  // namespace
 
 PrecisionBase::PrecisionBase(const sdk::Options& options, bool fsdp_policy)
-    : precision_(options.get_choice("precision", "32-true", kPrecisions)),
+    : precision_(options.get_choice(
+          {"precision",
+           "Lightning's precision: fp32, fp16 or bf16 weights (-true), or fp32 weights with autocast (-mixed)"},
+          "32-true", kPrecisions)),
       fsdp_policy_(fsdp_policy),
-      scaler_enabled_(options.get_bool("scaler", precision_ == "16-mixed")),
-      scale_(options.get_double("init_scale", 65536.0, 1e-30)),
-      growth_factor_(options.get_double("growth_factor", 2.0, 1.0)),
-      backoff_factor_(options.get_double("backoff_factor", 0.5, 1e-30, 1.0)),
-      growth_interval_(options.get_int("growth_interval", 2000, 1)) {
+      scaler_enabled_(
+          options.get_bool({"scaler", "a (sharded) gradient scaler against fp16 underflow; default true for 16-mixed"},
+                           precision_ == "16-mixed")),
+      scale_(options.get_double({"init_scale", "the grad scaler's initial scale"}, 65536.0, 1e-30)),
+      growth_factor_(options.get_double(
+          {"growth_factor", "the grad scaler's scale multiplier after growth_interval steps without inf/NaN"}, 2.0,
+          1.0)),
+      backoff_factor_(options.get_double(
+          {"backoff_factor", "the grad scaler's scale multiplier after a step with inf/NaN gradients (skipped)"}, 0.5,
+          1e-30, 1.0)),
+      growth_interval_(
+          options.get_int({"growth_interval", "steps without inf/NaN before the grad scaler's scale grows"}, 2000, 1)) {
   TESSERA_CHECK(!(scaler_enabled_ && is_true_precision()), options.locate("scaler"),
                 ": a grad scaler needs fp32 master weights; precision \"", precision_,
                 "\" has none. Use \"16-mixed\" or \"bf16-mixed\" with a scaler, or scaler = false.");
   if (!fsdp_policy_) return;
   policy_ = lightning_policy(precision_);
-  auto override_dtype = [&](const char* key, c10::optional<at::ScalarType>& slot) {
+  auto override_dtype = [&](const sdk::Key& key, c10::optional<at::ScalarType>& slot) {
     const std::string name = options.get_choice(key, "", kDtypeNames);
     if (!name.empty()) slot = dtype_named(name);
   };
-  override_dtype("param_dtype", policy_.param_dtype);
-  override_dtype("reduce_dtype", policy_.reduce_dtype);
-  override_dtype("buffer_dtype", policy_.buffer_dtype);
-  policy_.keep_low_precision_grads = options.get_bool("keep_low_precision_grads", false);
+  override_dtype({"param_dtype",
+                  "PyTorch FSDP's MixedPrecision param_dtype: gather and compute in it; \"\": Lightning's "
+                  "policy for the precision"},
+                 policy_.param_dtype);
+  override_dtype({"reduce_dtype", "MixedPrecision's reduce_dtype: gradients reduced in it; \"\": the policy's"},
+                 policy_.reduce_dtype);
+  override_dtype({"buffer_dtype", "MixedPrecision's buffer_dtype: floating buffers in it; \"\": the policy's"},
+                 policy_.buffer_dtype);
+  policy_.keep_low_precision_grads =
+      options.get_bool({"keep_low_precision_grads",
+                        "PyTorch FSDP's keep_low_precision_grads: the optimizer steps on reduce_dtype gradients"},
+                       false);
 }
 
 bool PrecisionBase::is_true_precision() const { return precision_ == "16-true" || precision_ == "bf16-true"; }

@@ -19,14 +19,22 @@
 namespace tessera::core {
 
 StrategyBase::StrategyBase(const sdk::Options& options)
-    : accelerator_(options.get_choice("accelerator", "auto", {"auto", "cpu", "cuda"})),
-      device_id_(options.get_int("device_id", 0, 0)),
+    : accelerator_(options.get_choice(
+          {"accelerator", "where ranks compute; auto: CUDA when LibTorch and a GPU are there, else the CPU"}, "auto",
+          {"auto", "cpu", "cuda"})),
+      device_id_(options.get_int({"device_id",
+                                  "local rank 0's GPU; rank r uses device_id + r (round robin when "
+                                  "process_group_backend = \"gloo\" shares GPUs)"},
+                                 0, 0)),
       device_id_key_(options.locate("device_id")) {
   // Lightning's process_group_backend. c10d's backend follows the tensors' device (Gloo for host
   // tensors, with shared memory between the ranks of a host; NCCL for CUDA ones); "gloo" on CUDA
   // stages the CUDA tensors through host memory (several ranks may then share a GPU). NCCL
   // cannot carry host tensors: refused before work rather than ignored.
-  const std::string backend = options.get_choice("process_group_backend", "auto", {"auto", "gloo", "nccl"});
+  const std::string backend = options.get_choice(
+      {"process_group_backend",
+       "auto: gloo on the CPU, nccl on CUDA; gloo on CUDA carries CUDA tensors through host memory (slow)"},
+      "auto", {"auto", "gloo", "nccl"});
   const bool cuda = trains_on_cuda();
   TESSERA_CHECK(cuda || backend != "nccl", options.locate("process_group_backend"),
                 " = \"nccl\" cannot carry this job's host tensors ([strategy] accelerator = \"", accelerator_, "\"",
