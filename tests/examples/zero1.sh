@@ -29,6 +29,20 @@ probe "$major"
 if probe "$((major + 1))"; then echo "find_package(TesseraSDK $((major + 1))) accepted an ABI $major SDK"; exit 1; fi
 grep -q "TesseraSDK" "$work/probe-$((major + 1)).log"
 
+# The engine's installed headers are exactly the strategy API (core/CMakeLists.txt lists them):
+# the internals are not installed, and the installed ones compile together from the prefix alone.
+[ -f "$work/prefix/include/tessera/core/strategy_base.hpp" ]
+for internal in fsdp/flat_param.hpp fsdp/storage.hpp plugin_loader.hpp sharded_checkpoint.hpp trace.hpp; do
+  if [ -e "$work/prefix/include/tessera/core/$internal" ]; then echo "engine internal installed: $internal"; exit 1; fi
+done
+mkdir -p "$work/headers"
+(cd "$work/prefix/include" && find tessera/core -name '*.hpp' | sort | sed 's/.*/#include <&>/') > "$work/headers/all.cpp"
+echo "installed engine headers: $(wc -l < "$work/headers/all.cpp")"
+printf 'cmake_minimum_required(VERSION 3.25)\nproject(headers LANGUAGES CXX)\nfind_package(TesseraSDK %s REQUIRED)\nadd_library(headers OBJECT all.cpp)\ntarget_link_libraries(headers PRIVATE tessera::core)\n' \
+  "$major" > "$work/headers/CMakeLists.txt"
+cmake -S "$work/headers" -B "$work/headers/build" -G Ninja -DCMAKE_PREFIX_PATH="$work/prefix" >/dev/null
+cmake --build "$work/headers/build" >/dev/null
+
 cmake -S "$source_dir/examples/zero1" -B "$work/zero1" -G Ninja -DCMAKE_BUILD_TYPE=Release \
   -DCMAKE_PREFIX_PATH="$work/prefix" >/dev/null
 cmake --build "$work/zero1" >/dev/null

@@ -227,10 +227,10 @@ TEST(RunDirectory, VersionFoldersConfigHparamsAndLast) {
     EXPECT_EQ(metric_series(run + "/metrics.csv", "train", "train_loss").size(), 2u + i) << "one run's rows each";
     // The resolved configuration: the file's keys with --set applied, every default commented out.
     std::string saved = file_bytes(run + "/config.toml");
-    EXPECT_NE(saved.find("\nmax_steps = " + std::to_string(2 + i) + "\n"), std::string::npos) << saved;
-    EXPECT_NE(saved.find("\nn_embd = 32\n"), std::string::npos) << saved;
-    EXPECT_NE(saved.find("\n# accumulate_grad_batches = 1\n"), std::string::npos) << saved;
-    EXPECT_NE(saved.find("\n# tie_embeddings = true\n"), std::string::npos) << saved;
+    EXPECT_NE(saved.find("\nmax_steps = " + std::to_string(2 + i) + "  # "), std::string::npos) << saved;
+    EXPECT_NE(saved.find("\nn_embd = 32  # "), std::string::npos) << saved;
+    EXPECT_NE(saved.find("\n# accumulate_grad_batches = 1  # "), std::string::npos) << saved;
+    EXPECT_NE(saved.find("\n# tie_embeddings = true  # "), std::string::npos) << saved;
     std::string hparams = file_bytes(run + "/hparams.yaml");
     EXPECT_NE(hparams.find("n_layer: 2"), std::string::npos) << hparams;
     EXPECT_NE(hparams.find("strategy: \"single_device\""), std::string::npos) << hparams;
