@@ -39,15 +39,16 @@ ShardingStrategy parse_sharding_strategy(const std::string& name) {
 }
 
 BackwardPrefetch read_backward_prefetch(const sdk::Options& options) {
-  if (const toml::node* value = options.table().get("backward_prefetch"); value && value->is_boolean()) {
-    options.mark_used("backward_prefetch");
+  static const std::vector<std::string> choices{"BACKWARD_PRE", "BACKWARD_POST", "none"};
+  const sdk::Key key{"backward_prefetch",
+                     "which unit's gather backward issues early: the previous unit's before (BACKWARD_PRE) or after "
+                     "(BACKWARD_POST) this unit's gradient computation; true = BACKWARD_PRE, false = none"};
+  if (const toml::node* value = options.table().get(key.name); value && value->is_boolean()) {
+    options.mark_used(key.name);
+    options.note_key(key, toml::value<std::string>("BACKWARD_PRE"), &choices);  // tessera config lists it with its doc
     return value->as_boolean()->get() ? BackwardPrefetch::BACKWARD_PRE : BackwardPrefetch::NONE;
   }
-  const std::string name = options.get_choice(
-      {"backward_prefetch",
-       "which unit's gather backward issues early: the previous unit's before (BACKWARD_PRE) or after "
-       "(BACKWARD_POST) this unit's gradient computation; true = BACKWARD_PRE, false = none"},
-      "BACKWARD_PRE", {"BACKWARD_PRE", "BACKWARD_POST", "none"});
+  const std::string name = options.get_choice(key, "BACKWARD_PRE", choices);
   if (name == "BACKWARD_POST") return BackwardPrefetch::BACKWARD_POST;
   return name == "none" ? BackwardPrefetch::NONE : BackwardPrefetch::BACKWARD_PRE;
 }
