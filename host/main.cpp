@@ -1,5 +1,4 @@
 // The `tessera` command line: fit | validate | test | predict | lr-find | plan | config | plugins | checkpoint | tokenizer.
-#include <c10/util/Exception.h>
 #include <fcntl.h>
 #include <unistd.h>
 
@@ -12,6 +11,8 @@
 #include <string>
 #include <thread>
 #include <vector>
+
+#include <c10/util/Exception.h>
 
 #include "cli/checkpoint_tool.hpp"
 #include "cli/config_reference.hpp"
@@ -145,11 +146,9 @@ int list_plugins(const std::vector<std::string>& config_dirs) {
 /// before it starts any rank.
 void check_plugins(const host::Config& config) {
   core::PluginLoader loader(core::PluginLoader::search_path(config.plugin_dirs));
-  const sdk::PluginKind kinds[] = {sdk::PluginKind::strategy, sdk::PluginKind::precision,
-                                   sdk::PluginKind::checkpoint_io, sdk::PluginKind::model, sdk::PluginKind::data};
   std::vector<std::shared_ptr<sdk::PluginObject>> objects;
-  for (std::size_t i = 0; i < host::kPluginSections.size(); ++i)
-    objects.push_back(host::create_plugin(loader, kinds[i], host::kPluginSections[i], config));
+  for (const std::string& section : host::kPluginSections)
+    objects.push_back(host::create_plugin(loader, host::kPluginKinds.at(section), section, config));
   // What the strategy can check about its precision and checkpoint IO (e.g. sharded state dicts
   // need an IO that writes shards) it checks when they are connected.
   auto strategy = std::dynamic_pointer_cast<sdk::Strategy>(objects[0]);

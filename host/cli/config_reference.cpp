@@ -4,7 +4,6 @@
 #include <filesystem>
 #include <fstream>
 #include <map>
-#include <set>
 #include <sstream>
 #include <unistd.h>
 
@@ -64,30 +63,29 @@ std::string table(const std::vector<KeyEntry>& keys) {
 
 std::string configuration_reference(const std::vector<std::string>& plugin_dirs) {
   // The host's sections, from an empty config and probes for the keys read only beside others.
-  const std::filesystem::path empty =
-      std::filesystem::temp_directory_path() / ("tessera-reference-" + std::to_string(::getpid()) + ".toml");
-  std::ofstream(empty).flush();
+  struct EmptyFile {  // Config::load reads a file; removed however the probes end
+    std::filesystem::path path =
+        std::filesystem::temp_directory_path() / ("tessera-reference-" + std::to_string(::getpid()) + ".toml");
+    EmptyFile() { std::ofstream(path).flush(); }
+    ~EmptyFile() { std::filesystem::remove(path); }
+  } empty;
   Sections host;
   core::PluginLoader loader(core::PluginLoader::search_path(plugin_dirs));
-  try {
+  {
     KeyRecorder recorder;
     for (const std::vector<std::string>& probe : std::vector<std::vector<std::string>>{
              {},
              {"trainer.gradient_clip_val=1.0"},
              {"trainer.init_from=\"model.ckpt\""},
              {"lr_scheduler.schedule=\"cosine\"", "lr_scheduler.warmup_steps=0", "lr_scheduler.min_lr=0.0"}})
-      Config::load(empty.string(), probe);
+      Config::load(empty.path.string(), probe);
     for (const std::string& name : kBuiltInCallbacks) {
       std::vector<std::string> probe = {"callbacks." + name + ".plugin=\"" + name + "\""};
       if (name == "early_stopping") probe.push_back("callbacks.early_stopping.monitor=\"val_loss\"");
-      make_callbacks(Config::load(empty.string(), probe), loader);
+      make_callbacks(Config::load(empty.path.string(), probe), loader);
     }
     host = std::move(recorder.sections);
-  } catch (...) {
-    std::filesystem::remove(empty);
-    throw;
   }
-  std::filesystem::remove(empty);
 
   std::ostringstream out;
   out << "# Configuration reference\n\n"
@@ -101,10 +99,6 @@ std::string configuration_reference(const std::vector<std::string>& plugin_dirs)
     out << "\n## [" << section << "]\n\n" << table(host[section]);
 
   // Each plugin created from an empty table, its keys recorded per section.
-  const std::map<std::string, sdk::PluginKind> kinds = {
-      {"strategy", sdk::PluginKind::strategy}, {"precision", sdk::PluginKind::precision},
-      {"checkpoint_io", sdk::PluginKind::checkpoint_io}, {"model", sdk::PluginKind::model},
-      {"data", sdk::PluginKind::data}};
   auto plugin_keys = [&](sdk::PluginKind kind, const std::string& section, const std::string& name) {
     KeyRecorder recorder;
     try {
@@ -122,7 +116,7 @@ std::string configuration_reference(const std::vector<std::string>& plugin_dirs)
     out << "Read by the host for every " << section << " plugin:\n\n" << table(own);
     std::vector<std::pair<const core::PluginInfo*, Sections>> plugins;
     for (const core::PluginInfo& info : loader.plugins())
-      if (info.kind == kinds.at(section) &&
+      if (info.kind == kPluginKinds.at(section) &&
           std::none_of(plugins.begin(), plugins.end(), [&](const auto& p) { return p.first->name == info.name; }))
         plugins.emplace_back(&info, plugin_keys(info.kind, section, info.name));
     std::sort(plugins.begin(), plugins.end(), [](const auto& a, const auto& b) { return a.first->name < b.first->name; });

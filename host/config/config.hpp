@@ -7,6 +7,7 @@
 
 #include "tessera/sdk/optimizer.hpp"
 #include "tessera/sdk/options.hpp"
+#include "tessera/sdk/plugin.hpp"
 
 namespace tessera::host {
 
@@ -125,6 +126,11 @@ struct DataSettings {
 
 /// Every plugin kind's section, in creation order.
 inline const std::vector<std::string> kPluginSections = {"strategy", "precision", "checkpoint_io", "model", "data"};
+/// The kind of plugin each of them holds.
+inline const std::map<std::string, sdk::PluginKind> kPluginKinds = {
+    {"strategy", sdk::PluginKind::strategy}, {"precision", sdk::PluginKind::precision},
+    {"checkpoint_io", sdk::PluginKind::checkpoint_io}, {"model", sdk::PluginKind::model},
+    {"data", sdk::PluginKind::data}};
 
 class Config {
  public:

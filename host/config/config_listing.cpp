@@ -45,9 +45,6 @@ std::string toml_line(const std::string& key, const toml::node& value, const std
   return line.substr(0, line.rfind(" = ")) + " = " + toml_value(value) + (doc.empty() ? "" : "  # " + doc) + "\n";
 }
 
-}  // namespace
-
-namespace {
 std::map<std::string, toml::table>& noted_defaults() {  // section -> key -> default
   static std::map<std::string, toml::table> defaults;
   return defaults;

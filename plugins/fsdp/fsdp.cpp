@@ -56,14 +56,12 @@ class FSDPStrategy : public fsdp::ShardedStrategy {
                                              true)
                                       ? 2
                                       : 0;
-    options_.activation_checkpointing = o.get_string_list(
-        {"activation_checkpointing", "unit classes whose activations are recomputed in backward instead of kept"}, {});
+    options_.activation_checkpointing = o.get_string_list(fsdp::kActivationCheckpointingKey, {});
     reduce_every_micro_batch_ =
         o.get_bool({"reduce_every_micro_batch",
                     "reduce-scatter gradients after every micro-batch instead of once per optimizer step"},
                    false);
-    options_.rank0_only =
-        o.get_bool({"rank0_only", "full state dicts are gathered on rank 0 only (the others hold none)"}, true);
+    options_.rank0_only = o.get_bool(fsdp::kRank0OnlyKey, true);
     options_.ignored_modules = o.get_string_list(
         {"ignored_modules",
          "module paths or class names whose parameters stay unsharded and replicated (gradients all-reduced)"},

@@ -76,10 +76,8 @@ class FSDP2Strategy final : public fsdp::ShardedStrategy, public sdk::StrategyCh
                                               "which modules are fully_shard units: the transformer_layer_cls classes, "
                                               "the model's own policy, or the root only"},
                                              "transformer", {"transformer", "custom", "none"});
-    options_.activation_checkpointing = o.get_string_list(
-        {"activation_checkpointing", "unit classes whose activations are recomputed in backward instead of kept"}, {});
-    options_.rank0_only =
-        o.get_bool({"rank0_only", "full state dicts are gathered on rank 0 only (the others hold none)"}, true);
+    options_.activation_checkpointing = o.get_string_list(fsdp::kActivationCheckpointingKey, {});
+    options_.rank0_only = o.get_bool(fsdp::kRank0OnlyKey, true);
     options_.cpu_offload = o.get_choice({"offload_policy",
                                          "cpu: FSDP2's CPUOffloadPolicy (shards, gradients and optimizer state in "
                                          "pinned host memory; refused on the CPU)"},

@@ -39,7 +39,7 @@ Options::KeyObserver Options::observe_keys(KeyObserver observer) {
 }
 
 void Options::note_key(const Key& key, const toml::node& fallback, const std::vector<std::string>* choices) const {
-  if (key_observer()) key_observer()(*this, KeyRecord{key, fallback, choices, table_.contains(key.name)});
+  if (key_observer()) key_observer()(*this, KeyRecord{key, fallback, choices});
 }
 
 std::string Options::locate(const std::string& key) const {

@@ -31,7 +31,6 @@ struct KeyRecord {
   const Key& key;
   const toml::node& fallback;               ///< the value the key takes when absent
   const std::vector<std::string>* choices;  ///< get_choice's valid values, else null
-  bool set;                                 ///< the table holds the key
 };
 
 class TESSERA_SDK_API Options {

@@ -23,6 +23,10 @@ ShardingStrategy parse_sharding_strategy(const std::string& name);
 /// "BACKWARD_POST" or "none", or a boolean (true = BACKWARD_PRE, false = none), so a config
 /// written for either strategy runs under the other.
 BackwardPrefetch read_backward_prefetch(const sdk::Options& options);
+/// Other [strategy] keys fsdp and fsdp2 share, documented once.
+inline const sdk::Key kActivationCheckpointingKey{
+    "activation_checkpointing", "unit classes whose activations are recomputed in backward instead of kept"};
+inline const sdk::Key kRank0OnlyKey{"rank0_only", "full state dicts are gathered on rank 0 only (the others hold none)"};
 
 /// Decides, per module path, whether a module becomes an FSDP unit (PyTorch's lambda /
 /// CustomPolicy): the "custom" auto_wrap_policy.
