@@ -164,7 +164,7 @@ void check_plugins(const host::Config& config) {
   // The data's sequence length against the model's context, when the config states it; each rank
   // checks again on its first batch (check_data_against_model), whatever the data plugin's default.
   const sdk::Options& data = config.plugins.at("data");
-  if (data.has("block_size") && data.table().get("block_size")->is_integer()) {
+  if (data.value("block_size").is<std::int64_t>()) {
     auto model = std::dynamic_pointer_cast<sdk::Module>(objects[3]);
     TESSERA_CHECK(model, "a plugin created an object of the wrong interface");
     const std::int64_t length = data.get_int("block_size", 0);

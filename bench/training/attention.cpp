@@ -1,5 +1,5 @@
 // Attention's two batched products (scores = mask + q k^T / sqrt(D), then weights @ v), forward
-// and backward, through LibTorch's at::baddbmm / at::bmm and through sdk::batched_matmul, on
+// and backward, through LibTorch's at::baddbmm / at::bmm and through toolkit::batched_matmul, on
 // the bench GPT's shapes (batch 16, 6 heads, 128 tokens, 64 per head). The two alternate
 // round by round, so a slow spell of the host hits both; prints each round's ratio and the median.
 //   build/bin/attention_bench [rounds] [threads]  (run with the tessera binary's
@@ -16,8 +16,8 @@
 #include <ATen/Parallel.h>
 #include <torch/csrc/autograd/autograd.h>
 
-#include "tessera/sdk/batched_matmul.hpp"
-#include "tessera/sdk/openblas.hpp"
+#include "tessera/toolkit/batched_matmul.hpp"
+#include "tessera/toolkit/openblas.hpp"
 
 namespace {
 
@@ -48,16 +48,16 @@ int main(int argc, char** argv) {
   if (argc > 2) {
     const int threads = std::atoi(argv[2]);
     at::set_num_threads(threads);
-    tessera::sdk::openblas::set_num_threads(threads);  // OpenBLAS's own pool, as the tessera binary sets it
+    tessera::toolkit::openblas::set_num_threads(threads);  // OpenBLAS's own pool, as the tessera binary sets it
   }
   auto libtorch_scores = [](const at::Tensor& q, const at::Tensor& kt, const at::Tensor& mask, double alpha) {
     return at::baddbmm(mask, q, kt, 1, alpha);
   };
   auto libtorch_weighted = [](const at::Tensor& w, const at::Tensor& v) { return at::bmm(w, v); };
   auto sdk_scores = [](const at::Tensor& q, const at::Tensor& kt, const at::Tensor& mask, double alpha) {
-    return tessera::sdk::batched_matmul(q, kt, mask, alpha);
+    return tessera::toolkit::batched_matmul(q, kt, mask, alpha);
   };
-  auto sdk_weighted = [](const at::Tensor& w, const at::Tensor& v) { return tessera::sdk::batched_matmul(w, v); };
+  auto sdk_weighted = [](const at::Tensor& w, const at::Tensor& v) { return tessera::toolkit::batched_matmul(w, v); };
   const int steps = 10;
   seconds(libtorch_scores, libtorch_weighted, 2);  // warm-up: the allocator's pages, BLAS's buffers
   seconds(sdk_scores, sdk_weighted, 2);
@@ -69,9 +69,9 @@ int main(int argc, char** argv) {
     const double libtorch = seconds(libtorch_scores, libtorch_weighted, steps);
     const double sdk = seconds(sdk_scores, sdk_weighted, steps);
     ratios.push_back(libtorch / sdk);
-    std::printf("  round %d: at::baddbmm/bmm %.2f ms, sdk::batched_matmul %.2f ms a step: %.2fx\n", r + 1,
+    std::printf("  round %d: at::baddbmm/bmm %.2f ms, toolkit::batched_matmul %.2f ms a step: %.2fx\n", r + 1,
                 libtorch / steps * 1e3, sdk / steps * 1e3, ratios.back());
   }
   std::sort(ratios.begin(), ratios.end());
-  std::printf("median: sdk::batched_matmul %.2fx LibTorch's speed\n", ratios[ratios.size() / 2]);
+  std::printf("median: toolkit::batched_matmul %.2fx LibTorch's speed\n", ratios[ratios.size() / 2]);
 }

@@ -135,8 +135,7 @@ sdk::BuildFingerprint host_fingerprint() { return TESSERA_BUILD_FINGERPRINT; }
 std::string describe(const sdk::BuildFingerprint& f) {
   std::ostringstream out;
   out << "compiler " << (f.compiler ? f.compiler : "?") << ", C++11 ABI " << f.cxx11_abi << ", LibTorch "
-      << (f.torch_version ? f.torch_version : "?") << ", CUDA " << (f.cuda ? "on" : "off") << ", TOML++ "
-      << (f.toml_version ? f.toml_version : "?");
+      << (f.torch_version ? f.torch_version : "?") << ", CUDA " << (f.cuda ? "on" : "off");
   return out.str();
 }
 
@@ -235,11 +234,10 @@ std::shared_ptr<PluginLoader::Library> PluginLoader::load(const fs::path& file) 
   const sdk::BuildFingerprint& f = d->fingerprint;
   auto same_string = [](const char* a, const char* b) { return a && b && std::strcmp(a, b) == 0; };
   bool same = same_string(f.compiler, host.compiler) && f.cxx11_abi == host.cxx11_abi &&
-              same_string(f.torch_version, host.torch_version) && f.cuda == host.cuda &&
-              same_string(f.toml_version, host.toml_version);
+              same_string(f.torch_version, host.torch_version) && f.cuda == host.cuda;
   TESSERA_CHECK(same, "plugin ", file.string(), " was built", built_against, " with ", describe(f),
                 "; this tessera was built with ", describe(host),
-                ". Plugins and host must use the same compiler, standard library, LibTorch and TOML++.");
+                ". Plugins and host must use the same compiler, standard library and LibTorch.");
   TESSERA_CHECK(std::string(sdk::to_string(d->kind)) != "unknown", "plugin ", file.string(), " declares kind ",
                 static_cast<std::uint32_t>(d->kind), ", which this tessera does not know (it knows strategy, precision, ",
                 "checkpoint_io, model, data and callback): rebuild the plugin against this tessera's SDK");

@@ -59,7 +59,7 @@ std::vector<NamedCallback> make_callbacks(const Config& config, core::PluginLoad
     // Its keys' defaults are the callback's, not [trainer]'s: kept out of `tessera config`.
     sdk::Options::KeyObserver observer = sdk::Options::observe_keys(nullptr);
     checkpointing.emplace_back("model_checkpoint",
-                               make_model_checkpoint(sdk::Options("trainer", config.path(), std::move(table))));
+                               make_model_checkpoint(sdk::make_options("trainer", config.path(), std::move(table))));
     sdk::Options::observe_keys(std::move(observer));
   }
   callbacks.insert(callbacks.end(), checkpointing.begin(), checkpointing.end());

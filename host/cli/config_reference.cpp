@@ -102,7 +102,7 @@ std::string configuration_reference(const std::vector<std::string>& plugin_dirs)
   auto plugin_keys = [&](sdk::PluginKind kind, const std::string& section, const std::string& name) {
     KeyRecorder recorder;
     try {
-      loader.create(kind, name, sdk::Options(section, "<defaults>", toml::table{}));
+      loader.create(kind, name, sdk::make_options(section, "<defaults>", toml::table{}));
     } catch (const std::exception& e) {
       // A plugin may refuse this machine after reading its keys (fsdp_cpu_offload without a GPU).
       TESSERA_CHECK(!recorder.sections.empty(), "the configuration reference creates every plugin from an empty ",

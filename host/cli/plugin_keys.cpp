@@ -43,8 +43,8 @@ void check_interface(core::PluginLoader& loader, sdk::PluginKind kind, const std
 /// The keys of `options` that no getter read. sdk::Options keeps its read set to itself; a key
 /// is unread when check_all_used fails with every other key declared known.
 std::vector<std::string> unread_keys(const sdk::Options& options) {
-  std::vector<std::string> all, unread;
-  for (const auto& [key, node] : options.table()) all.emplace_back(key.str());
+  const std::vector<std::string> all = options.keys();
+  std::vector<std::string> unread;
   for (const std::string& key : all) {
     if (key == "plugin") continue;
     std::vector<std::string> others = {"plugin"};
@@ -64,15 +64,16 @@ std::vector<std::string> unread_keys(const sdk::Options& options) {
 /// still read the keys before it, and the key-alone tries reach those after it).
 std::set<std::string> keys_read_by(core::PluginLoader& loader, sdk::PluginKind kind, const std::string& name,
                                    const sdk::Options& options, const std::vector<std::string>& keys) {
-  std::vector<toml::table> tries = {options.table()};
+  const toml::table& whole = sdk::toml_table(options);
+  std::vector<toml::table> tries = {whole};
   for (const std::string& key : keys) {
     toml::table alone;
-    alone.insert(key, *options.table().get(key));
+    alone.insert(key, *whole.get(key));
     tries.push_back(std::move(alone));
   }
   std::set<std::string> read;
   for (const toml::table& table : tries) {
-    sdk::Options probe(options.section(), options.source(), table);
+    const sdk::Options probe = sdk::make_options(options.section(), options.source(), table);
     try {
       loader.create(kind, name, probe);  // dropped at once
     } catch (const std::exception&) {

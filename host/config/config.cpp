@@ -36,16 +36,15 @@ const std::map<std::string, std::string> kDefaultPlugins = {
     {"data", "text"}};
 
 BatchLimit read_limit(const sdk::Options& options, const sdk::Key& key, BatchLimit fallback) {
-  const toml::node* node = options.table().get(key.name);
+  const sdk::Value value = options.value(key.name);
   options.mark_used(key.name);
-  if (fallback.fraction) options.note_key(key, toml::value<double>(fallback.value));
-  else options.note_key(key, toml::value<std::int64_t>(static_cast<std::int64_t>(fallback.value)));
-  if (node == nullptr) return fallback;
-  if (node->is_integer()) return {false, static_cast<double>(options.get_int(key, 0, 0))};
-  if (node->is_floating_point()) return {true, options.get_double(key, 1.0, 0.0, 1.0)};
+  if (fallback.fraction) options.note_key(key, fallback.value);
+  else options.note_key(key, static_cast<std::int64_t>(fallback.value));
+  if (value.absent()) return fallback;
+  if (value.is<std::int64_t>()) return {false, static_cast<double>(options.get_int(key, 0, 0))};
+  if (value.is<double>()) return {true, options.get_double(key, 1.0, 0.0, 1.0)};
   TESSERA_FAIL(options.locate(key.name), " must be an integer (a number of batches, 0 skips the loop) or a float in ",
-               "[0.0, 1.0] (a fraction of the batches), found ",
-               toml::impl::node_type_friendly_names[static_cast<int>(node->type())]);
+               "[0.0, 1.0] (a fraction of the batches), found ", value.type_name());
 }
 
 /// val_check_interval: an integer is a number of steps over the whole run (0: at each epoch's
@@ -54,8 +53,7 @@ void read_validation_schedule(const sdk::Options& t, TrainerSettings& tr) {
   const sdk::Key key{"val_check_interval",
                      "validate every N steps over the whole run (an integer) or every fraction of an "
                      "epoch (a float in (0, 1]); default each epoch's end"};
-  const toml::node* interval = t.table().get("val_check_interval");
-  if (interval != nullptr && interval->is_floating_point()) {
+  if (t.value("val_check_interval").is<double>()) {
     tr.val_check_fraction = t.get_double(key, 1.0, 0.0, 1.0);
     TESSERA_CHECK(tr.val_check_fraction > 0.0, t.locate("val_check_interval"), " = 0.0 is no fraction of an epoch: ",
                   "give a fraction in (0.0, 1.0] (0.25: four validations per epoch) or a number of steps");
@@ -88,9 +86,9 @@ std::int64_t read_fast_dev_run(const sdk::Options& t) {
   const sdk::Key key{"fast_dev_run",
                      "true or N: N steps, N batches of each evaluation, no loggers or checkpoints "
                      "(does every loop run?)"};
-  const toml::node* node = t.table().get("fast_dev_run");
-  if (node != nullptr && node->is_boolean()) return t.get_bool(key, false) ? 1 : 0;
-  TESSERA_CHECK(node == nullptr || node->is_integer(), t.locate("fast_dev_run"),
+  const sdk::Value value = t.value("fast_dev_run");
+  if (value.is<bool>()) return t.get_bool(key, false) ? 1 : 0;
+  TESSERA_CHECK(value.absent() || value.is<std::int64_t>(), t.locate("fast_dev_run"),
                 " must be true, false or a number of batches (e.g. 5)");
   return t.get_int(key, 0, 0);
 }
@@ -165,8 +163,8 @@ std::string apply_override(toml::table& root, const std::string& assignment) {
 }  // namespace
 
 double read_duration(const sdk::Options& options, const sdk::Key& key) {
-  const toml::node* node = options.table().get(key.name);
-  if (node == nullptr || node->is_number()) return options.get_double(key, 0.0, 0.0);
+  const sdk::Value value = options.value(key.name);
+  if (value.absent() || value.is<std::int64_t>() || value.is<double>()) return options.get_double(key, 0.0, 0.0);
   std::string text = options.get_string(key, "");
   int d = 0, h = 0, m = 0, s = 0;
   char end = 0;
@@ -222,7 +220,7 @@ Config Config::load(const std::string& path, const std::vector<std::string>& ove
   // Each section is moved out of `root` once: a copied toml node forgets its source line.
   auto section = [&](const std::string& name) {
     toml::table* t = root[name].as_table();
-    return sdk::Options(name, path, t ? std::move(*t) : toml::table{});
+    return sdk::make_options(name, path, t ? std::move(*t) : toml::table{});
   };
   if (const toml::node* dirs = root.get("plugin_dirs")) {
     auto where = [&](const toml::node& n) { return where_from(n, path); };
@@ -342,7 +340,7 @@ Config Config::load(const std::string& path, const std::vector<std::string>& ove
   tr.enable_model_summary = t.get_bool(
       {"enable_model_summary", "print the model's table of modules and parameter counts before training"}, true);
   const sdk::Key progress_bar{"enable_progress_bar", "auto: a progress bar when stdout is a terminal"};
-  if (t.has("enable_progress_bar") && t.table().get("enable_progress_bar")->is_boolean())
+  if (t.value("enable_progress_bar").is<bool>())
     tr.enable_progress_bar = t.get_bool(progress_bar, true) ? "true" : "false";
   else tr.enable_progress_bar = t.get_choice(progress_bar, "auto", {"auto", "true", "false"});
   tr.predict_after_fit =
@@ -373,7 +371,7 @@ Config Config::load(const std::string& path, const std::vector<std::string>& ove
       false);
   tr.sync_batchnorm =
       t.get_bool({"sync_batchnorm",
-                  "BatchNorm statistics over every data-parallel rank's samples (layers must be sdk::SyncBatchNorm2d)"},
+                  "BatchNorm statistics over every data-parallel rank's samples (layers must be toolkit::SyncBatchNorm2d)"},
                  false);
   tr.skip_memory_check = t.get_bool(
       {"skip_memory_check", "start even when the plan's per-rank peak exceeds the memory available to the local ranks"},
@@ -391,7 +389,7 @@ Config Config::load(const std::string& path, const std::vector<std::string>& ove
                   sdk::did_you_mean(name, {"csv", "tensorboard"}), "; valid: csv, tensorboard");
   config.logger.name = lg.get_string({"name", "runs go to default_root_dir/name/"}, "");
   const sdk::Key version{"version", "N: the run folder version_N; text: that folder; \"\": the next free version_N"};
-  if (lg.has("version") && lg.table().get("version")->is_integer())
+  if (lg.value("version").is<std::int64_t>())
     config.logger.version = std::to_string(lg.get_int(version, 0, 0));
   else config.logger.version = lg.get_string(version, "");
   for (const char* key : {"name", "version"}) {
@@ -407,7 +405,7 @@ Config Config::load(const std::string& path, const std::vector<std::string>& ove
       std::string name(key.str());
       TESSERA_CHECK(node.is_table(), where_from(node, path), ": [callbacks] ", name,
                     " must be a table: write [callbacks.", name, "] with its keys below it");
-      config.callbacks.emplace_back(name, sdk::Options("callbacks." + name, path, std::move(*node.as_table())));
+      config.callbacks.emplace_back(name, sdk::make_options("callbacks." + name, path, std::move(*node.as_table())));
     }
   }
 

@@ -8,6 +8,7 @@
 #include "tessera/sdk/optimizer.hpp"
 #include "tessera/sdk/options.hpp"
 #include "tessera/sdk/plugin.hpp"
+#include "tessera/sdk/toml_options.hpp"
 
 namespace tessera::host {
 
@@ -63,7 +64,7 @@ struct TrainerSettings {
   std::vector<std::string> freeze;
   double max_time_s = 0;                     ///< stop fit after this long (0: no limit); "DD:HH:MM:SS" in TOML
   std::string profiler;                      ///< "" (none), "simple" or "trace"
-  bool sync_batchnorm = false;  ///< the model's sdk::SyncBatchNorm2d layers normalise over every data-parallel rank
+  bool sync_batchnorm = false;  ///< the model's toolkit::SyncBatchNorm2d layers normalise over every data-parallel rank
   bool detect_anomaly = false;  ///< check the loss and the reduced gradients for NaN/Inf before each optimizer step
   /// true: fit starts a job whose memory plan exceeds the machine (a warning instead of a refusal).
   bool skip_memory_check = false;
@@ -168,9 +169,11 @@ class Config {
   std::string path_;
 };
 
-/// A TOML value as written in a config: floats in their shortest exact form (3e-4, not
+/// A value as written in a config: floats in their shortest exact form (3e-4, not
 /// 0.00029999999999999997), the rest as TOML++ writes them.
-std::string toml_value(const toml::node& value);
+std::string toml_value(const sdk::Value& value);
+/// `key = value`, its doc as a trailing comment, and a newline.
+std::string toml_line(const std::string& key, const sdk::Value& value, const std::string& doc = "");
 /// A key's doc line as listed: its Key's doc, then get_choice's valid values ("[a | b]").
 std::string key_doc(const sdk::KeyRecord& record);
 

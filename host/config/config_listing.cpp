@@ -11,9 +11,9 @@
 
 namespace tessera::host {
 
-std::string toml_value(const toml::node& value) {
-  if (const auto* number = value.as_floating_point()) {
-    const double v = number->get();
+std::string toml_value(const sdk::Value& value) {
+  if (value.is<double>()) {
+    const double v = value.as<double>();
     if (std::isnan(v)) return "nan";
     if (std::isinf(v)) return v < 0 ? "-inf" : "inf";
     char text[32];
@@ -21,22 +21,27 @@ std::string toml_value(const toml::node& value) {
     std::string out(text, end);
     return out.find_first_of(".e") == std::string::npos ? out + ".0" : out;
   }
-  if (const auto* items = value.as_array()) {
+  if (value.is<std::vector<sdk::Value>>()) {
     std::vector<std::string> out;
-    for (const toml::node& item : *items) out.push_back(toml_value(item));
+    for (const sdk::Value& item : value.as<std::vector<sdk::Value>>()) out.push_back(toml_value(item));
     return "[" + sdk::join(out) + "]";
   }
-  toml::table one;
-  value.visit([&](const auto& v) { one.insert("k", v); });
+  if (value.is<std::map<std::string, sdk::Value>>()) {
+    std::vector<std::string> out;
+    for (const auto& [key, item] : value.as<std::map<std::string, sdk::Value>>())
+      out.push_back(toml_line(key, item).substr(0, toml_line(key, item).size() - 1));
+    return out.empty() ? "{}" : "{ " + sdk::join(out) + " }";
+  }
+  toml::table one;  // a bool, an integer or a string, as TOML++ writes it
+  if (value.is<bool>()) one.insert("k", value.as<bool>());
+  if (value.is<std::int64_t>()) one.insert("k", value.as<std::int64_t>());
+  if (value.is<std::string>()) one.insert("k", value.as<std::string>());
   std::ostringstream out;
   out << toml::toml_formatter(one, toml::format_flags::none);
-  return out.str().substr(4);  // after "k = "
+  return out.str().empty() ? "" : out.str().substr(4);  // after "k = "
 }
 
-namespace {
-
-/// `key = value`, its doc as a trailing comment, and a newline.
-std::string toml_line(const std::string& key, const toml::node& value, const std::string& doc = "") {
+std::string toml_line(const std::string& key, const sdk::Value& value, const std::string& doc) {
   toml::table one;
   one.insert(key, 0);
   std::ostringstream name;
@@ -45,8 +50,10 @@ std::string toml_line(const std::string& key, const toml::node& value, const std
   return line.substr(0, line.rfind(" = ")) + " = " + toml_value(value) + (doc.empty() ? "" : "  # " + doc) + "\n";
 }
 
-std::map<std::string, toml::table>& noted_defaults() {  // section -> key -> default
-  static std::map<std::string, toml::table> defaults;
+namespace {
+
+std::map<std::string, std::map<std::string, sdk::Value>>& noted_defaults() {  // section -> key -> default
+  static std::map<std::string, std::map<std::string, sdk::Value>> defaults;
   return defaults;
 }
 std::map<std::string, std::map<std::string, std::string>>& noted_docs() {  // section -> key -> doc
@@ -67,15 +74,14 @@ std::string key_doc(const sdk::KeyRecord& record) {
 
 void note_defaults() {
   sdk::Options::observe_keys([](const sdk::Options& options, const sdk::KeyRecord& record) {
-    record.fallback.visit(
-        [&](const auto& v) { noted_defaults()[options.section()].insert_or_assign(record.key.name, v); });
+    noted_defaults()[options.section()].insert_or_assign(record.key.name, record.fallback);
     std::string& doc = noted_docs()[options.section()][record.key.name];
     if (doc.empty()) doc = key_doc(record);  // a second read without a doc (a check elsewhere) keeps it
   });
 }
 
 std::string list_config(const Config& config) {
-  const std::map<std::string, toml::table>& defaults = noted_defaults();
+  const auto& defaults = noted_defaults();
   // Sections in the order the README's table gives them, each followed by its sub-tables.
   std::vector<std::string> order = {"trainer", "optimizer", "lr_scheduler", "lr_find", "launch", "logger"};
   order.insert(order.end(), kPluginSections.begin(), kPluginSections.end());
@@ -94,7 +100,8 @@ std::string list_config(const Config& config) {
   std::ostringstream out;
   out << "# " << config.path() << " as tessera reads it: every key of the host and of the selected plugins,\n"
       << "# the file's and --set's values as they are, each default commented out.\n";
-  if (const toml::node* dirs = config.resolved.get("plugin_dirs")) out << toml_line("plugin_dirs", *dirs);
+  if (const toml::node* dirs = config.resolved.get("plugin_dirs"))
+    out << toml_line("plugin_dirs", sdk::to_value(*dirs));
   for (const std::string& section : sections) {
     const toml::table* set = config.resolved.at_path(section).as_table();
     const auto noted = defaults.find(section);
@@ -106,11 +113,11 @@ std::string list_config(const Config& config) {
     std::string body;
     if (set != nullptr)
       for (const auto& [key, node] : *set)
-        if (!node.is_table()) body += toml_line(std::string(key.str()), node, doc(std::string(key.str())));
+        if (!node.is_table())
+          body += toml_line(std::string(key.str()), sdk::to_value(node), doc(std::string(key.str())));
     if (noted != defaults.end())
-      for (const auto& [key, node] : noted->second)
-        if (set == nullptr || !set->contains(key.str()))
-          body += "# " + toml_line(std::string(key.str()), node, doc(std::string(key.str())));
+      for (const auto& [key, value] : noted->second)
+        if (set == nullptr || !set->contains(key)) body += "# " + toml_line(key, value, doc(key));
     const bool has_subsections = std::any_of(sections.begin(), sections.end(), [&](const std::string& other) {
       return other.rfind(section + ".", 0) == 0;
     });

@@ -27,7 +27,7 @@
 #include "tessera/core/cluster.hpp"
 #include "tessera/core/comm.hpp"
 #include "tessera/sdk/error.hpp"
-#include "tessera/sdk/openblas.hpp"
+#include "tessera/toolkit/openblas.hpp"
 
 namespace tessera::host {
 
@@ -112,7 +112,7 @@ std::int64_t rank_threads(const LaunchSettings& settings, std::int64_t local_ran
 void configure_threads(const LaunchSettings& settings, const sdk::ClusterInfo& cluster) {
   const std::int64_t threads = rank_threads(settings, cluster.local_world_size);
   at::set_num_threads(static_cast<int>(threads));
-  sdk::openblas::set_num_threads(static_cast<int>(threads));
+  toolkit::openblas::set_num_threads(static_cast<int>(threads));
 }
 
 namespace {

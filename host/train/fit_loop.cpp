@@ -30,7 +30,7 @@
 #include "tessera/sdk/build_config.hpp"  // TESSERA_WITH_CUDA, before the #if below
 #include "tessera/sdk/checkpoint_io_features.hpp"
 #include "tessera/sdk/error.hpp"
-#include "tessera/sdk/sync_batch_norm.hpp"
+#include "tessera/toolkit/sync_batch_norm.hpp"
 #include "tessera/sdk/token_data.hpp"
 #include "train/anomaly.hpp"
 #include "train/lr_find.hpp"

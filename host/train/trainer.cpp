@@ -29,7 +29,7 @@
 #include "tessera/sdk/build_config.hpp"  // TESSERA_WITH_CUDA, before the #if below
 #include "tessera/sdk/checkpoint_io_features.hpp"
 #include "tessera/sdk/error.hpp"
-#include "tessera/sdk/sync_batch_norm.hpp"
+#include "tessera/toolkit/sync_batch_norm.hpp"
 #include "tessera/sdk/token_data.hpp"
 #include "train/anomaly.hpp"
 #include "train/lr_find.hpp"
@@ -324,10 +324,10 @@ void Trainer::stop(const std::string& reason) {
 
 void Trainer::synchronise_batch_norms(std::int64_t data_ranks) {
   std::vector<std::string> synchronised, plain;
-  std::vector<sdk::SyncBatchNorm2dImpl*> layers;
+  std::vector<toolkit::SyncBatchNorm2dImpl*> layers;
   for (const auto& item : model_->network()->named_modules("", /*include_self=*/false)) {
     torch::nn::Module* m = item.value().get();
-    if (auto* layer = dynamic_cast<sdk::SyncBatchNorm2dImpl*>(m)) {
+    if (auto* layer = dynamic_cast<toolkit::SyncBatchNorm2dImpl*>(m)) {
       layers.push_back(layer);
       synchronised.push_back(item.key());
     } else if (core::fsdp::is_batch_norm(*m)) {  // LibTorch's own
@@ -335,9 +335,10 @@ void Trainer::synchronise_batch_norms(std::int64_t data_ranks) {
     }
   }
   TESSERA_CHECK(plain.empty(), "[trainer] sync_batchnorm = true, but ", sdk::join(plain), " ",
-                (plain.size() == 1 ? "is a torch::nn BatchNorm layer, which normalises" : "are torch::nn BatchNorm layers, which normalise"),
+                (plain.size() == 1 ? "is a torch::nn BatchNorm layer, which normalises"
+                                   : "are torch::nn BatchNorm layers, which normalise"),
                 " over this rank's samples only: build ", (plain.size() == 1 ? "it" : "them"),
-                " as tessera::sdk::SyncBatchNorm2d (<tessera/sdk/sync_batch_norm.hpp>, a drop-in BatchNorm2d)");
+                " as tessera::toolkit::SyncBatchNorm2d (<tessera/toolkit/sync_batch_norm.hpp>, a drop-in BatchNorm2d)");
   TESSERA_CHECK(!synchronised.empty(), "[trainer] sync_batchnorm = true, but model '", config_.plugin_names.at("model"),
                 "' has no BatchNorm layer to synchronise: remove the key");
   TESSERA_CHECK(data_ranks == cluster_.world_size, "[trainer] sync_batchnorm = true under tensor parallelism is not ",

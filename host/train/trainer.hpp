@@ -148,7 +148,7 @@ class Trainer final : public sdk::Trainer {
   /// so that a broken validation_step fails in seconds, not after an epoch. Nothing is logged
   /// and no callback hook runs.
   void sanity_check();
-  /// [trainer] sync_batchnorm: connects the model's sdk::SyncBatchNorm2d layers to the
+  /// [trainer] sync_batchnorm: connects the model's toolkit::SyncBatchNorm2d layers to the
   /// data-parallel ranks (`data_ranks` distinct batches); refuses plain BatchNorm layers.
   void synchronise_batch_norms(std::int64_t data_ranks);
   /// A stop that min_steps / min_epochs cannot hold back (max_time, a signal, another rank's).

@@ -7,7 +7,7 @@
 #include <filesystem>
 #include <string>
 
-#include "tessera/sdk/openblas.hpp"
+#include "tessera/toolkit/openblas.hpp"
 
 namespace tessera::host {
 
@@ -28,7 +28,7 @@ void settle_worker_threads(char** argv) {
     ::setenv("GOMP_SPINCOUNT", "10000", 1);
     changed = true;
   }
-  if (!chose("OPENBLAS_THREAD_TIMEOUT") && sdk::openblas::has_own_threads()) {
+  if (!chose("OPENBLAS_THREAD_TIMEOUT") && toolkit::openblas::has_own_threads()) {
     ::setenv("OPENBLAS_THREAD_TIMEOUT", "20", 1);
     changed = true;
   }

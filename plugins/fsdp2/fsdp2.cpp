@@ -7,12 +7,12 @@
 #include <tuple>
 
 #include <ATen/ATen.h>
-#include <toml++/toml.h>
 
 #include "tessera/core/checkpoint.hpp"
 #include "tessera/core/clip_grad.hpp"
 #include "tessera/core/deferred_init.hpp"
 #include "tessera/core/device_mesh.hpp"
+#include "tessera/core/precision_base.hpp"
 #include "tessera/core/tensor_piece.hpp"
 #include "tessera/core/fsdp/sharded_strategy.hpp"
 #include "tessera/core/tp_group.hpp"
@@ -30,28 +30,12 @@ namespace fsdp = core::fsdp;
 /// An integer key that may also be the string "auto" (or absent): -1 for auto.
 std::int64_t int_or_auto(const sdk::Options& o, const sdk::Key& key) {
   o.mark_used(key.name);
-  const toml::node* node = o.table().get(key.name);
-  o.note_key(key, toml::value<std::string>("auto"));
-  if (node == nullptr) return -1;
-  if (node->is_string() && node->as_string()->get() == "auto") return -1;
-  TESSERA_CHECK(node->is_integer() && node->as_integer()->get() >= 1, o.locate(key.name),
+  o.note_key(key, "auto");
+  const sdk::Value value = o.value(key.name);
+  if (value.absent() || (value.is<std::string>() && value.as<std::string>() == "auto")) return -1;
+  TESSERA_CHECK(value.is<std::int64_t>() && value.as<std::int64_t>() >= 1, o.locate(key.name),
                 " must be \"auto\" or a positive integer");
-  return node->as_integer()->get();
-}
-
-/// A sub-table such as [strategy.mp_policy], as Options of its own (empty if absent).
-sdk::Options sub_table(const sdk::Options& o, const std::string& key) {
-  o.mark_used(key);
-  const toml::node* node = o.table().get(key);
-  if (node == nullptr) return sdk::Options(o.section() + "." + key, o.source(), toml::table{});
-  TESSERA_CHECK(node->is_table(), o.locate(key), " must be a table, e.g. [", o.section(), ".", key, "]");
-  return sdk::Options(o.section() + "." + key, o.source(), *node->as_table());
-}
-
-c10::optional<at::ScalarType> dtype_key(const sdk::Options& o, const sdk::Key& key) {
-  const std::string name = o.get_choice(key, "", {"", "float32", "bfloat16", "float16"});
-  if (name.empty()) return c10::nullopt;
-  return name == "bfloat16" ? at::kBFloat16 : name == "float16" ? at::kHalf : at::kFloat;
+  return value.as<std::int64_t>();
 }
 
 class FSDP2Strategy final : public fsdp::ShardedStrategy, public sdk::StrategyChecks {
@@ -89,9 +73,17 @@ class FSDP2Strategy final : public fsdp::ShardedStrategy, public sdk::StrategyCh
         o.get_bool({"forward_prefetch", "gather the next unit during this unit's forward"}, true);
     options_.backward_prefetch = fsdp::read_backward_prefetch(o);
     reshard_after_forward(o);
-    mixed_precision(sub_table(o, "mp_policy"));
-    prefetch_lists(sub_table(o, "modules_to_forward_prefetch"), forward_prefetch_);
-    prefetch_lists(sub_table(o, "modules_to_backward_prefetch"), backward_prefetch_);
+    mixed_precision(o.sub_table("mp_policy"));
+    prefetch_lists(o,
+                   {"modules_to_forward_prefetch",
+                    "a table: unit path = [unit paths] whose parameters that unit's forward gathers ahead "
+                    "(FSDP2's set_modules_to_forward_prefetch), instead of forward_prefetch's next unit"},
+                   forward_prefetch_);
+    prefetch_lists(o,
+                   {"modules_to_backward_prefetch",
+                    "a table: unit path = [unit paths] whose parameters that unit's backward gathers ahead "
+                    "(set_modules_to_backward_prefetch), instead of backward_prefetch's choice"},
+                   backward_prefetch_);
   }
 
   /// The mesh sizes must multiply to the world size (checked before any rank starts too).
@@ -295,24 +287,20 @@ class FSDP2Strategy final : public fsdp::ShardedStrategy, public sdk::StrategyCh
     const std::string key = "reshard_after_forward";
     o.mark_used(key);
     reshard_key_ = o.locate(key);
-    const toml::node* node = o.table().get(key);
-    bool reshard = true;
+    const sdk::Value value = o.value(key);
     o.note_key({key,
                 "true: free gathered parameters after forward; false: keep them for backward; k: keep 1/k (an int "
                 "dividing the shard size), backward gathers within k ranks"},
-               toml::value<bool>(true));
-    if (node != nullptr) {
-      TESSERA_CHECK(node->is_boolean() || node->is_integer(), reshard_key_,
-                    " must be true (free the gathered parameters after forward), false (keep them until backward) ",
-                    "or an integer k (keep 1/k of them, gathered within k ranks in backward)");
-      if (node->is_integer()) {
-        reshard_size_ = node->as_integer()->get();
-        TESSERA_CHECK(reshard_size_ >= 1, reshard_key_, " = ", reshard_size_, " must be a positive group size, ",
-                      "true or false");
-      } else {
-        reshard = node->as_boolean()->get();
-      }
+               true);
+    TESSERA_CHECK(value.absent() || value.is<bool>() || value.is<std::int64_t>(), reshard_key_,
+                  " must be true (free the gathered parameters after forward), false (keep them until backward) ",
+                  "or an integer k (keep 1/k of them, gathered within k ranks in backward)");
+    if (value.is<std::int64_t>()) {
+      reshard_size_ = value.as<std::int64_t>();
+      TESSERA_CHECK(reshard_size_ >= 1, reshard_key_, " = ", reshard_size_, " must be a positive group size, ",
+                    "true or false");
     }
+    const bool reshard = !value.is<bool>() || value.as<bool>();
     options_.sharding_strategy = reshard ? fsdp::ShardingStrategy::FULL_SHARD : fsdp::ShardingStrategy::SHARD_GRAD_OP;
   }
 
@@ -363,19 +351,25 @@ class FSDP2Strategy final : public fsdp::ShardedStrategy, public sdk::StrategyCh
   /// mp_policy: param_dtype, reduce_dtype, output_dtype, cast_forward_inputs; the
   /// precision plugin's policy where a key is absent.
   void mixed_precision(const sdk::Options& mp) {
-    param_dtype_ = dtype_key(mp, {"param_dtype",
-                                  "FSDP2's MixedPrecisionPolicy: the dtype parameters are gathered and "
-                                  "computed in; \"\": the precision plugin's"});
-    reduce_dtype_ = dtype_key(mp, {"reduce_dtype", "the dtype gradients are reduced in; \"\": the precision plugin's"});
-    options_.output_dtype =
-        dtype_key(mp, {"output_dtype", "each unit's floating outputs cast to it; \"\": left as computed"});
+    param_dtype_ = core::read_policy_dtype(mp, {"param_dtype",
+                                                "FSDP2's MixedPrecisionPolicy: the dtype parameters are gathered "
+                                                "and computed in; \"\": the precision plugin's"});
+    reduce_dtype_ = core::read_policy_dtype(
+        mp, {"reduce_dtype", "the dtype gradients are reduced in; \"\": the precision plugin's"});
+    options_.output_dtype = core::read_policy_dtype(
+        mp, {"output_dtype", "each unit's floating outputs cast to it; \"\": left as computed"});
     options_.cast_forward_inputs =
         mp.get_bool({"cast_forward_inputs", "cast each unit's floating inputs to the dtype it computes in"}, true);
     mp.check_all_used();
   }
 
-  void prefetch_lists(const sdk::Options& table, std::map<std::string, std::vector<std::string>>& out) {
-    for (const auto& [key, node] : table.table()) out[std::string(key.str())] = table.get_string_list(std::string(key.str()), {});
+  /// A [strategy.<key>] table of unit path = [unit paths]; listed by tessera config as the table
+  /// it is (its keys are the model's unit paths).
+  void prefetch_lists(const sdk::Options& o, const sdk::Key& key,
+                      std::map<std::string, std::vector<std::string>>& out) {
+    const sdk::Options table = o.sub_table(key.name);
+    o.note_key(key, std::map<std::string, sdk::Value>{});
+    for (const std::string& unit : table.keys()) out[unit] = table.get_string_list(unit, {});
   }
 
   fsdp::FSDPOptions options_;

@@ -6,7 +6,6 @@
 #include <ATen/ATen.h>
 #include <ATen/CPUGeneratorImpl.h>
 #include <torch/nn/functional/activation.h>
-#include <torch/nn/functional/loss.h>
 #include <torch/nn/modules/container/any.h>
 #include <torch/nn/modules/container/modulelist.h>
 #include <torch/nn/modules/dropout.h>
@@ -14,6 +13,7 @@
 #include <torch/nn/modules/linear.h>
 #include <torch/nn/modules/normalization.h>
 
+#include "causal_lm.hpp"
 #include "models.hpp"
 #include "tessera/sdk/error.hpp"
 #include "tessera/sdk/tensor_parallel.hpp"
@@ -28,7 +28,6 @@ namespace tessera::models {
 
 namespace F = torch::nn::functional;
 using sdk::Batch;
-using sdk::StepOutput;
 
 namespace {
 
@@ -181,10 +180,11 @@ class GPTNetImpl : public torch::nn::Module {
 };
 TORCH_MODULE(GPTNet);
 
-class GPT final : public sdk::Module {
+class GPT final : public CausalLM<GPTNet> {
  public:
   explicit GPT(const sdk::Options& o)
-      : config_{o.get_int({"n_layer", "transformer blocks (nanoGPT's n_layer)"}, 4, 1),
+      : CausalLM("gpt"),
+        config_{o.get_int({"n_layer", "transformer blocks (nanoGPT's n_layer)"}, 4, 1),
                 o.get_int({"n_head", "attention heads per block; must divide n_embd"}, 4, 1),
                 o.get_int({"n_embd", "the embedding (residual stream) width"}, 128, 1),
                 o.get_int({"block_size", "the context: the longest sequence the model takes"}, 128, 1),
@@ -206,24 +206,9 @@ class GPT final : public sdk::Module {
                   o.locate("n_head"), ")");
   }
 
-  void configure_model() override {
-    // The seed the host set (trainer.seed), not a draw: a deferred build initialises later.
-    init_seed_ = at::detail::getDefaultCPUGenerator().current_seed();
-    net_ = GPTNet(config_, init_seed_);
-    tp_ = nullptr;
-  }
-  std::shared_ptr<torch::nn::Module> network() override { return net_.ptr(); }
-
-  StepOutput training_step(const Batch& batch, std::int64_t) override { return lm_loss(batch); }
-  StepOutput validation_step(const Batch& batch, std::int64_t) override { return lm_loss(batch); }
-  StepOutput test_step(const Batch& batch, std::int64_t) override { return lm_loss(batch); }
-
   at::Tensor predict_step(const Batch& batch, std::int64_t) override {
-    TESSERA_CHECK(batch.input.defined() && batch.input.dim() == 2 && batch.input.size(1) > 0,
-                  "gpt: predict needs a batch of token prompts [B, T] with T >= 1, found ",
-                  batch.input.defined() ? batch.input.sizes() : at::IntArrayRef{});
+    at::Tensor idx = prompts(batch);
     torch::NoGradGuard no_grad;
-    at::Tensor idx = batch.input.to(at::kLong);
     for (std::int64_t i = 0; i < max_new_tokens_; ++i) {
       at::Tensor context = idx.size(1) <= config_.block_size ? idx : idx.narrow(1, idx.size(1) - config_.block_size,
                                                                               config_.block_size);
@@ -236,13 +221,7 @@ class GPT final : public sdk::Module {
   std::vector<std::string> fsdp_unit_classes() const override { return {"Block"}; }
 
   /// Each tp rank takes n_head / tp heads (and 4 n_embd / tp of the MLP's hidden units).
-  void parallelize(const sdk::ParallelContext& context) override {
-    TESSERA_CHECK(context.tp != nullptr, "gpt: parallelize needs a tensor-parallel group (null)");
-    const std::int64_t tp = context.tp->size();
-    if (tp == 1 || context.tp == tp_) return;  // applied once
-    TESSERA_CHECK(net_, "gpt: parallelize before configure_model()");
-    TESSERA_CHECK(!tp_, "gpt: the network is already split over a tensor-parallel group of ", tp_ ? tp_->size() : 0,
-                  "; configure_model() again before parallelizing over another group");
+  void check_splits(std::int64_t tp) const override {
     if (config_.n_head % tp != 0 || (4 * config_.n_embd) % tp != 0) {
       std::vector<std::string> valid;
       for (std::int64_t d = 1; d <= config_.n_head; ++d)
@@ -252,16 +231,6 @@ class GPT final : public sdk::Module {
                    ": each tp rank takes n_head / tp heads and 4 n_embd / tp MLP units; valid tensor_parallel_size: ",
                    sdk::join(valid), " (or change n_head)");
     }
-    net_->parallelize(context.tp);
-    tp_ = context.tp;
-  }
-
-  /// Deferred init: the eager build's values (each parameter's draws depend on its name only).
-  bool init_parameters(const std::string& path, torch::nn::Module& module) override {
-    bool handled = true;
-    for (auto& item : module.named_parameters(/*recurse=*/false))
-      handled = GPTNetImpl::init_parameter(path + "." + item.key(), item.value(), config_.n_layer, init_seed_) && handled;
-    return handled;
   }
 
   /// nanoGPT's and Megatron's grouping when weight_decay_norms_and_biases = false: weight decay
@@ -303,10 +272,9 @@ class GPT final : public sdk::Module {
   }
 
  private:
-  StepOutput lm_loss(const Batch& batch) {
-    at::Tensor logits = net_->forward(batch.input);
-    at::Tensor loss = F::cross_entropy(logits.reshape({-1, config_.vocab_size}).to(at::kFloat), batch.target.reshape({-1}));
-    return StepOutput{loss, {{"loss", loss.detach()}}, batch.input.numel()};
+  GPTNet make_network(std::uint64_t seed) const override { return GPTNet(config_, seed); }
+  bool init_parameter(const std::string& name, at::Tensor& parameter) const override {
+    return GPTNetImpl::init_parameter(name, parameter, config_.n_layer, init_seed_);
   }
 
   GPTConfig config_;
@@ -315,9 +283,6 @@ class GPT final : public sdk::Module {
   std::int64_t top_k_;
   bool weight_decay_norms_and_biases_;
   std::string n_head_key_;  // "file:line: [model] n_head", for the tensor-parallel size error
-  GPTNet net_{nullptr};
-  std::uint64_t init_seed_ = 0;  // trainer.seed at configure_model(), for init_parameters()
-  std::shared_ptr<sdk::TensorParallelGroup> tp_;  // set once the network is split
 };
 
 }  // namespace

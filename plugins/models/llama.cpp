@@ -9,12 +9,12 @@
 #include <ATen/ATen.h>
 #include <ATen/CPUGeneratorImpl.h>
 #include <nlohmann/json.hpp>
-#include <torch/nn/functional/loss.h>
 #include <torch/nn/modules/container/any.h>
 #include <torch/nn/modules/container/modulelist.h>
 #include <torch/nn/modules/embedding.h>
 #include <torch/nn/modules/linear.h>
 
+#include "causal_lm.hpp"
 #include "llama_config.hpp"
 #include "models.hpp"
 #include "tessera/sdk/error.hpp"
@@ -29,10 +29,8 @@
 
 namespace tessera::models {
 
-namespace F = torch::nn::functional;
 using json = nlohmann::json;
 using sdk::Batch;
-using sdk::StepOutput;
 
 namespace {
 
@@ -312,9 +310,9 @@ class LlamaForCausalLMImpl : public torch::nn::Module {
 };
 TORCH_MODULE(LlamaForCausalLM);
 
-class Llama final : public sdk::Module, public sdk::HuggingFaceModel {
+class Llama final : public CausalLM<LlamaForCausalLM>, public sdk::HuggingFaceModel {
  public:
-  explicit Llama(const sdk::Options& o) {
+  explicit Llama(const sdk::Options& o) : CausalLM("llama") {
     const LlamaConfigReader reader(o);
     config_ = read_llama_config(reader);
     attention_.kernel = toolkit::parse_attention_kernel(
@@ -341,18 +339,6 @@ class Llama final : public sdk::Module, public sdk::HuggingFaceModel {
     heads_key_ = reader.where("num_key_value_heads");
   }
 
-  void configure_model() override {
-    // The seed the host set (trainer.seed), not a draw: a deferred build initialises later.
-    init_seed_ = at::detail::getDefaultCPUGenerator().current_seed();
-    net_ = LlamaForCausalLM(config_, attention_, init_seed_);
-    tp_ = nullptr;
-  }
-  std::shared_ptr<torch::nn::Module> network() override { return net_.ptr(); }
-
-  StepOutput training_step(const Batch& batch, std::int64_t) override { return lm_loss(batch); }
-  StepOutput validation_step(const Batch& batch, std::int64_t) override { return lm_loss(batch); }
-  StepOutput test_step(const Batch& batch, std::int64_t) override { return lm_loss(batch); }
-
   /// [model] predict = "logits": the logits [B, T, vocab_size] (fp32) of the prompts.
   /// Otherwise generation with a KV cache: the prompt's keys and values once (prefill), then one position
   /// per token. Rows that produced an EOS get pad tokens after it; the output is always
@@ -360,11 +346,8 @@ class Llama final : public sdk::Module, public sdk::HuggingFaceModel {
   /// layers it stops as soon as every row ended; with them every rank decodes max_new_tokens
   /// positions, since each position is a collective over the ranks.
   at::Tensor predict_step(const Batch& batch, std::int64_t) override {
-    TESSERA_CHECK(batch.input.defined() && batch.input.dim() == 2 && batch.input.size(1) > 0,
-                  "llama: predict needs a batch of token prompts [B, T] with T >= 1, found ",
-                  batch.input.defined() ? batch.input.sizes() : at::IntArrayRef{});
+    at::Tensor prompt = prompts(batch);
     torch::NoGradGuard no_grad;
-    at::Tensor prompt = batch.input.to(at::kLong);
     if (predict_logits_) return net_->forward(prompt).to(at::kFloat);  // [predict] = "logits": scoring
     const std::int64_t B = prompt.size(0), T = prompt.size(1);
     TESSERA_CHECK(prompt.min().item<std::int64_t>() >= 0 && prompt.max().item<std::int64_t>() < config_.vocab_size,
@@ -396,13 +379,7 @@ class Llama final : public sdk::Module, public sdk::HuggingFaceModel {
 
   /// Each tp rank takes num_attention_heads / tp query heads, num_key_value_heads / tp key-value
   /// heads and intermediate_size / tp MLP units.
-  void parallelize(const sdk::ParallelContext& context) override {
-    TESSERA_CHECK(context.tp != nullptr, "llama: parallelize needs a tensor-parallel group (null)");
-    const std::int64_t tp = context.tp->size();
-    if (tp == 1 || context.tp == tp_) return;  // applied once
-    TESSERA_CHECK(net_, "llama: parallelize before configure_model()");
-    TESSERA_CHECK(!tp_, "llama: the network is already split over a tensor-parallel group of ", tp_ ? tp_->size() : 0,
-                  "; configure_model() again before parallelizing over another group");
+  void check_splits(std::int64_t tp) const override {
     auto splits = [&](std::int64_t d) {
       return config_.num_key_value_heads % d == 0 && config_.num_attention_heads % d == 0 &&
              config_.intermediate_size % d == 0;
@@ -418,16 +395,6 @@ class Llama final : public sdk::Module, public sdk::HuggingFaceModel {
                    "intermediate_size / tp MLP units; valid tensor_parallel_size: ",
                    sdk::join(valid));
     }
-    net_->parallelize(context.tp);
-    tp_ = context.tp;
-  }
-
-  /// Deferred init: the eager build's values (each parameter's draws depend on its name only).
-  bool init_parameters(const std::string& path, torch::nn::Module& module) override {
-    bool handled = true;
-    for (auto& item : module.named_parameters(/*recurse=*/false))
-      handled = LlamaForCausalLMImpl::init_parameter(path + "." + item.key(), item.value(), config_, init_seed_) && handled;
-    return handled;
   }
 
   sdk::Checkpoint hyper_parameters() const override {
@@ -488,12 +455,11 @@ class Llama final : public sdk::Module, public sdk::HuggingFaceModel {
   }
 
  private:
-  StepOutput lm_loss(const Batch& batch) {
-    at::Tensor logits = net_->forward(batch.input);
-    // fp32 logits for the loss (Hugging Face's ForCausalLMLoss); -100 targets are ignored.
-    at::Tensor loss = F::cross_entropy(logits.reshape({-1, config_.vocab_size}).to(at::kFloat),
-                                       batch.target.reshape({-1}));
-    return StepOutput{loss, {{"loss", loss.detach()}}, batch.input.numel()};
+  LlamaForCausalLM make_network(std::uint64_t seed) const override {
+    return LlamaForCausalLM(config_, attention_, seed);
+  }
+  bool init_parameter(const std::string& name, at::Tensor& parameter) const override {
+    return LlamaForCausalLMImpl::init_parameter(name, parameter, config_, init_seed_);
   }
 
   at::Tensor next_token(const at::Tensor& logits) const {
@@ -516,9 +482,6 @@ class Llama final : public sdk::Module, public sdk::HuggingFaceModel {
   std::int64_t top_k_ = 50;
   double top_p_ = 1.0;
   std::string heads_key_;  // where num_key_value_heads came from, for the tensor-parallel size error
-  LlamaForCausalLM net_{nullptr};
-  std::uint64_t init_seed_ = 0;
-  std::shared_ptr<sdk::TensorParallelGroup> tp_;
 };
 
 }  // namespace

@@ -2,6 +2,8 @@
 
 #include <algorithm>
 #include <fstream>
+#include <type_traits>
+#include <variant>
 
 namespace tessera::models {
 
@@ -12,23 +14,26 @@ namespace {
 const std::vector<std::string> kModelTypes{"llama", "qwen2"};
 const std::vector<std::string> kRopeTypes{"default", "linear", "llama3"};
 
-/// A TOML value as JSON (rope_scaling tables, eos_token_id lists).
-json toml_to_json(const toml::node& node) {
-  if (auto* t = node.as_table()) {
-    json out = json::object();
-    for (const auto& [k, v] : *t) out[std::string(k.str())] = toml_to_json(v);
-    return out;
-  }
-  if (auto* a = node.as_array()) {
-    json out = json::array();
-    for (const auto& v : *a) out.push_back(toml_to_json(v));
-    return out;
-  }
-  if (auto v = node.value<std::int64_t>(); v && node.is_integer()) return *v;
-  if (auto v = node.value<double>(); v && node.is_floating_point()) return *v;
-  if (auto v = node.value<bool>(); v && node.is_boolean()) return *v;
-  if (auto v = node.value<std::string>()) return *v;
-  return nullptr;
+/// A [model] value as JSON (rope_scaling tables, eos_token_id lists).
+json to_json(const sdk::Value& value) {
+  return std::visit(
+      [](const auto& v) -> json {
+        using T = std::decay_t<decltype(v)>;
+        if constexpr (std::is_same_v<T, std::monostate>) {
+          return nullptr;
+        } else if constexpr (std::is_same_v<T, std::vector<sdk::Value>>) {
+          json out = json::array();
+          for (const sdk::Value& item : v) out.push_back(to_json(item));
+          return out;
+        } else if constexpr (std::is_same_v<T, std::map<std::string, sdk::Value>>) {
+          json out = json::object();
+          for (const auto& [key, item] : v) out[key] = to_json(item);
+          return out;
+        } else {
+          return v;
+        }
+      },
+      static_cast<const sdk::Value::variant&>(value));
 }
 
 std::optional<std::int64_t> optional_id(const json& value, const std::string& what) {
@@ -56,7 +61,7 @@ LlamaConfigReader::LlamaConfigReader(const sdk::Options& o) : o_(o) {
 json LlamaConfigReader::get_json(const std::string& key) const {
   if (o_.has(key)) {
     o_.mark_used(key);
-    return toml_to_json(*o_.table().get(key));
+    return to_json(o_.value(key));
   }
   return json_.contains(key) ? json_.at(key) : json();
 }

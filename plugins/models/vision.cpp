@@ -10,7 +10,7 @@
 
 #include "models.hpp"
 #include "tessera/sdk/error.hpp"
-#include "tessera/sdk/sync_batch_norm.hpp"
+#include "tessera/toolkit/sync_batch_norm.hpp"
 #include "tessera/sdk/unit.hpp"
 
 namespace tessera::models {
@@ -38,7 +38,7 @@ class ConvBlockImpl : public torch::nn::Module {
       : torch::nn::Module("ConvBlock"),
         conv(register_module(
             "conv", torch::nn::Conv2d(torch::nn::Conv2dOptions(in, out, 3).padding(1).bias(!batch_norm)))) {
-    if (batch_norm) bn = register_module("bn", sdk::SyncBatchNorm2d(out));
+    if (batch_norm) bn = register_module("bn", toolkit::SyncBatchNorm2d(out));
   }
   at::Tensor forward(const at::Tensor& x) {
     at::Tensor y = conv(x);
@@ -46,7 +46,7 @@ class ConvBlockImpl : public torch::nn::Module {
     return at::max_pool2d(at::relu(y), {2, 2});
   }
   torch::nn::Conv2d conv;
-  sdk::SyncBatchNorm2d bn{nullptr};
+  toolkit::SyncBatchNorm2d bn{nullptr};
 };
 TORCH_MODULE(ConvBlock);
 
@@ -121,7 +121,7 @@ class CNN final : public Classifier {
         channels2_(o.get_int({"channels2", "the second convolution's output channels"}, 64, 1)),
         hidden_(o.get_int({"hidden", "the fully connected layer's width"}, 128, 1)),
         batch_norm_(o.get_bool(
-            {"batch_norm", "BatchNorm after each convolution (sdk::SyncBatchNorm2d, so sync_batchnorm can apply)"},
+            {"batch_norm", "BatchNorm after each convolution (toolkit::SyncBatchNorm2d, so sync_batchnorm can apply)"},
             false)) {}
   void configure_model() override {
     root_ = std::make_shared<torch::nn::Module>("CNN");

@@ -17,6 +17,7 @@
 #include "tessera/sdk/checkpoint_io.hpp"
 #include "tessera/sdk/error.hpp"
 #include "errors.hpp"
+#include "tessera/sdk/toml_options.hpp"
 
 namespace {
 
@@ -548,7 +549,7 @@ TEST_F(CheckpointIO, AsyncSavesCommitInTheBackgroundAndPruneOnlyAfterACommit) {
     table.insert("async", true);
     table.insert("keep_last_k", 2);
     auto async_io = loader_.create_as<sdk::CheckpointIO>(sdk::PluginKind::checkpoint_io, plugin,
-                                                         sdk::Options("checkpoint_io", "test.toml", table));
+                                                         sdk::make_options("checkpoint_io", "test.toml", table));
     for (int step = 1; step <= 3; ++step) {
       sdk::Checkpoint c = sample(step);
       at::Tensor live = core::state_dict_from(c.at("state_dict"), "s")["w"];

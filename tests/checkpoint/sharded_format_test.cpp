@@ -19,6 +19,7 @@
 #include "tessera/core/plugin_loader.hpp"
 #include "tessera/core/sharded_checkpoint.hpp"
 #include "tessera/sdk/checkpoint_io.hpp"
+#include "tessera/sdk/toml_options.hpp"
 
 namespace {
 
@@ -53,7 +54,7 @@ class ShardedFormat : public ::testing::Test {
     if (keep_last_k > 0) table.insert("keep_last_k", keep_last_k);
     if (async) table.insert("async", true);
     return loader_.create_as<sdk::CheckpointIO>(sdk::PluginKind::checkpoint_io, "distributed",
-                                                sdk::Options("checkpoint_io", "test.toml", table));
+                                                sdk::make_options("checkpoint_io", "test.toml", table));
   }
   /// A sharded save of `model` by `world` ranks in `layout`, committed by rank 0.
   std::string save(sdk::CheckpointIO& io, const std::string& name, const Model& model, std::int64_t world,

@@ -19,6 +19,7 @@
 #include "tessera/core/plugin_loader.hpp"
 #include "tessera/sdk/data.hpp"
 #include "tessera/sdk/error.hpp"
+#include "tessera/sdk/toml_options.hpp"
 #include "errors.hpp"
 #include "multiprocess.hpp"
 
@@ -34,7 +35,7 @@ PluginLoader& loader() {
 }
 
 std::shared_ptr<sdk::DataModule> make_data(const std::string& name, const std::string& toml_text) {
-  sdk::Options options("data", "test.toml", toml::parse(toml_text));
+  sdk::Options options = sdk::make_options("data", "test.toml", toml::parse(toml_text));
   auto data = loader().create_as<sdk::DataModule>(sdk::PluginKind::data, name, options);
   options.check_all_used();
   return data;

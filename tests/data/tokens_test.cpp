@@ -25,6 +25,7 @@
 #include "tessera/sdk/data.hpp"
 #include "tessera/sdk/error.hpp"
 #include "tessera/sdk/token_data.hpp"
+#include "tessera/sdk/toml_options.hpp"
 #include "tessera/toolkit/token_shards.hpp"
 
 namespace {
@@ -48,7 +49,7 @@ PluginLoader& loader() {
 }
 
 std::shared_ptr<sdk::DataModule> make_data(const std::string& toml_text) {
-  sdk::Options options("data", "test.toml", toml::parse(toml_text));
+  sdk::Options options = sdk::make_options("data", "test.toml", toml::parse(toml_text));
   auto data = loader().create_as<sdk::DataModule>(sdk::PluginKind::data, "tokens", options);
   options.check_all_used();
   return data;

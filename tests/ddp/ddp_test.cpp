@@ -22,6 +22,7 @@
 #include "tessera/sdk/module.hpp"
 #include "tessera/sdk/precision.hpp"
 #include "tessera/sdk/strategy.hpp"
+#include "tessera/sdk/toml_options.hpp"
 
 namespace {
 
@@ -115,7 +116,8 @@ struct Ddp {
 };
 
 Ddp make_ddp(tessera::core::PluginLoader& loader, const sdk::ClusterInfo& cluster, const std::string& bucket_cap_mb) {
-  sdk::Options options("strategy", "ddp_test", toml::parse("accelerator = \"cpu\"\nbucket_cap_mb = " + bucket_cap_mb + "\n"));
+  sdk::Options options = sdk::make_options(
+      "strategy", "ddp_test", toml::parse("accelerator = \"cpu\"\nbucket_cap_mb = " + bucket_cap_mb + "\n"));
   auto strategy = loader.create_as<sdk::Strategy>(sdk::PluginKind::strategy, "ddp", options);
   sdk::Options precision_options;
   auto precision = loader.create_as<sdk::Precision>(sdk::PluginKind::precision, "precision", precision_options);

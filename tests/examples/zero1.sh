@@ -32,12 +32,16 @@ grep -q "TesseraSDK" "$work/probe-$((major + 1)).log"
 # The engine's installed headers are exactly the strategy API (core/CMakeLists.txt lists them):
 # the internals are not installed, and the installed ones compile together from the prefix alone.
 [ -f "$work/prefix/include/tessera/core/strategy_base.hpp" ]
-for internal in fsdp/flat_param.hpp fsdp/storage.hpp plugin_loader.hpp sharded_checkpoint.hpp trace.hpp; do
+for internal in fsdp/flat_param.hpp fsdp/storage.hpp plugin_loader.hpp cluster.hpp data_loader.hpp trace.hpp; do
   if [ -e "$work/prefix/include/tessera/core/$internal" ]; then echo "engine internal installed: $internal"; exit 1; fi
 done
+# The plugin contract holds no TOML++ type: no installed header names it, and the host's side of
+# sdk::Options (sdk/internal/) is not installed.
+if grep -rlE "toml\+\+|toml::" "$work/prefix/include/tessera"; then echo "TOML++ in the installed headers"; exit 1; fi
+[ ! -e "$work/prefix/include/tessera/sdk/toml_options.hpp" ]
 mkdir -p "$work/headers"
-(cd "$work/prefix/include" && find tessera/core -name '*.hpp' | sort | sed 's/.*/#include <&>/') > "$work/headers/all.cpp"
-echo "installed engine headers: $(wc -l < "$work/headers/all.cpp")"
+(cd "$work/prefix/include" && find tessera/core tessera/sdk -name '*.hpp' | sort | sed 's/.*/#include <&>/') > "$work/headers/all.cpp"
+echo "installed SDK and engine headers: $(wc -l < "$work/headers/all.cpp")"
 printf 'cmake_minimum_required(VERSION 3.25)\nproject(headers LANGUAGES CXX)\nfind_package(TesseraSDK %s REQUIRED)\nadd_library(headers OBJECT all.cpp)\ntarget_link_libraries(headers PRIVATE tessera::core)\n' \
   "$major" > "$work/headers/CMakeLists.txt"
 cmake -S "$work/headers" -B "$work/headers/build" -G Ninja -DCMAKE_PREFIX_PATH="$work/prefix" >/dev/null

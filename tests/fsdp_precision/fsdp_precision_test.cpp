@@ -23,6 +23,7 @@
 #include "tessera/core/strategy_base.hpp"
 #include "tessera/sdk/error.hpp"
 #include "tessera/sdk/unit.hpp"
+#include "tessera/sdk/toml_options.hpp"
 
 namespace {
 
@@ -34,7 +35,7 @@ using tessera::testing::run_tessera;
 
 sdk::Options options(const std::string& toml_text) {
   toml::table table = toml::parse(toml_text);
-  return sdk::Options("precision", "run.toml", std::move(table));
+  return sdk::make_options("precision", "run.toml", std::move(table));
 }
 
 /// A CPU strategy on the job's world (Gloo): what the scaler agrees through.
@@ -45,7 +46,7 @@ class WorldStrategy final : public core::StrategyBase {
  private:
   static sdk::Options cpu_options() {
     toml::table table = toml::parse("accelerator = \"cpu\"\n");
-    return sdk::Options("strategy", "test.toml", std::move(table));
+    return sdk::make_options("strategy", "test.toml", std::move(table));
   }
 };
 

@@ -200,7 +200,7 @@ TEST(BadInput, SyncBatchNormRefusesModelsItCannotSynchronise) {
   auto plain = run_tessera("fit --config " + dir + "/run.toml --set launch.devices=2 --set strategy.plugin=ddp");
   EXPECT_EQ(plain.exit_code, 1) << plain.output;
   EXPECT_NE(plain.output.find("[trainer] sync_batchnorm = true, but bn is a torch::nn BatchNorm layer, which normalises "
-                              "over this rank's samples only: build it as tessera::sdk::SyncBatchNorm2d"),
+                              "over this rank's samples only: build it as tessera::toolkit::SyncBatchNorm2d"),
             std::string::npos)
       << plain.output;
   EXPECT_EQ(plain.output.find("epoch 0 step 1/"), std::string::npos) << "refused before the first step\n" << plain.output;

@@ -90,7 +90,7 @@ const tessera::sdk::PluginDescriptor toy_descriptor = {
 #endif
     "0.0.1",
 #if TOY_MODE == TOY_WRONG_FINGERPRINT
-    tessera::sdk::BuildFingerprint{__VERSION__, TESSERA_CXX11_ABI, "0.1.0", TESSERA_WITH_CUDA, TESSERA_TOML_VERSION},
+    tessera::sdk::BuildFingerprint{__VERSION__, TESSERA_CXX11_ABI, "0.1.0", TESSERA_WITH_CUDA},
 #else
     TESSERA_BUILD_FINGERPRINT,
 #endif

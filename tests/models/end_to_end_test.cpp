@@ -16,6 +16,7 @@
 #include "tessera/sdk/error.hpp"
 #include "tessera/sdk/module.hpp"
 #include "tessera/sdk/unit.hpp"
+#include "tessera/sdk/toml_options.hpp"
 
 namespace {
 
@@ -23,7 +24,7 @@ using tessera::sdk::Options;
 using tessera::sdk::PluginKind;
 
 Options parse(const std::string& section, const std::string& text) {
-  return Options(section, "test.toml", toml::parse(text));
+  return tessera::sdk::make_options(section, "test.toml", toml::parse(text));
 }
 
 tessera::core::PluginLoader& loader() {

@@ -26,6 +26,7 @@
 #include "tessera/sdk/huggingface.hpp"
 #include "tessera/sdk/module.hpp"
 #include "tessera/sdk/tensor_parallel.hpp"
+#include "tessera/sdk/toml_options.hpp"
 #include "tessera/toolkit/attention.hpp"
 
 namespace {
@@ -41,7 +42,7 @@ PluginLoader& loader() {
 }
 
 std::shared_ptr<sdk::Module> make_model(const std::string& toml_text) {
-  sdk::Options options("model", "test.toml", toml::parse(toml_text));
+  sdk::Options options = sdk::make_options("model", "test.toml", toml::parse(toml_text));
   auto model = loader().create_as<sdk::Module>(sdk::PluginKind::model, "llama", options);
   options.check_all_used();
   model->configure_model();

@@ -19,6 +19,7 @@
 #include "tessera/sdk/error.hpp"
 #include "tessera/sdk/module.hpp"
 #include "tessera/sdk/unit.hpp"
+#include "tessera/sdk/toml_options.hpp"
 
 namespace {
 
@@ -32,7 +33,7 @@ PluginLoader& loader() {
 }
 
 std::shared_ptr<sdk::Module> make_model(const std::string& name, const std::string& toml_text) {
-  sdk::Options options("model", "test.toml", toml::parse(toml_text));
+  sdk::Options options = sdk::make_options("model", "test.toml", toml::parse(toml_text));
   auto model = loader().create_as<sdk::Module>(sdk::PluginKind::model, name, options);
   options.check_all_used();
   model->configure_model();

@@ -15,6 +15,7 @@
 #include "tessera/core/plugin_loader.hpp"
 #include "tessera/sdk/data.hpp"
 #include "tessera/sdk/module.hpp"
+#include "tessera/sdk/toml_options.hpp"
 
 namespace {
 
@@ -28,7 +29,8 @@ PluginLoader& loader() {
 
 template <typename T>
 std::shared_ptr<T> make(sdk::PluginKind kind, const std::string& name, const std::string& toml_text) {
-  sdk::Options options(kind == sdk::PluginKind::model ? "model" : "data", "test.toml", toml::parse(toml_text));
+  sdk::Options options =
+      sdk::make_options(kind == sdk::PluginKind::model ? "model" : "data", "test.toml", toml::parse(toml_text));
   auto object = loader().create_as<T>(kind, name, options);
   options.check_all_used();
   return object;

@@ -20,6 +20,7 @@
 #include "tessera/core/strategy_base.hpp"
 #include "tessera/sdk/error.hpp"
 #include "errors.hpp"
+#include "tessera/sdk/toml_options.hpp"
 
 namespace {
 
@@ -30,7 +31,7 @@ using tessera::testing::error_of;
 
 sdk::Options options(const std::string& toml_text) {
   toml::table table = toml::parse(toml_text);
-  return sdk::Options("precision", "run.toml", std::move(table));
+  return sdk::make_options("precision", "run.toml", std::move(table));
 }
 
 std::shared_ptr<sdk::Precision> plugin(const std::string& name, const std::string& toml_text) {
@@ -48,7 +49,7 @@ class LocalStrategy final : public core::StrategyBase {
  private:
   static sdk::Options cpu_options() {
     toml::table table = toml::parse("accelerator = \"cpu\"\n");
-    return sdk::Options("strategy", "test.toml", std::move(table));
+    return sdk::make_options("strategy", "test.toml", std::move(table));
   }
 };
 

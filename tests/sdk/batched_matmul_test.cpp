@@ -1,4 +1,4 @@
-// sdk::batched_matmul: at::baddbmm's values bit for bit and its gradients, whether the matrices
+// toolkit::batched_matmul: at::baddbmm's values bit for bit and its gradients, whether the matrices
 // go to the threads one by one (the CPU, float or double, several threads) or to LibTorch.
 #include <gtest/gtest.h>
 #include <ATen/Parallel.h>
@@ -12,12 +12,12 @@
 #include <string>
 #include <thread>
 
-#include "tessera/sdk/batched_matmul.hpp"
+#include "tessera/toolkit/batched_matmul.hpp"
 #include "tessera/sdk/error.hpp"
 
 namespace {
 
-using tessera::sdk::batched_matmul;
+using tessera::toolkit::batched_matmul;
 
 /// Sets LibTorch's threads for one test and restores them.
 class Threads {

@@ -5,12 +5,13 @@
 #include "tessera/sdk/error.hpp"
 #include "tessera/sdk/options.hpp"
 #include "errors.hpp"
+#include "tessera/sdk/toml_options.hpp"
 
 namespace {
 
 using tessera::sdk::Options;
 
-Options parse(const std::string& text) { return Options("strategy", "run.toml", toml::parse(text)); }
+Options parse(const std::string& text) { return tessera::sdk::make_options("strategy", "run.toml", toml::parse(text)); }
 
 using tessera::testing::error_of;
 
@@ -59,6 +60,45 @@ TEST(Options, UnusedKeyIsAnError) {
   EXPECT_NE(message.find("run.toml:2: [strategy] cpu_ofload is not a known key (did you mean 'cpu_offload'?)"),
             std::string::npos)
       << message;
+}
+
+// A key that takes more than one type is read through value() (no TOML++ type in the contract):
+// the file's value with its type, neither marked used nor reported until the factory says so.
+TEST(Options, ValuesKeysAndSubTablesWithoutTomlTypes) {
+  Options o = parse(
+      "size = 'auto'\nk = 4\nflag = false\nratio = 0.25\nlist = [1, 'a']\n"
+      "[mp]\nparam_dtype = 'bfloat16'\n[mp.inner]\nx = 1\n");
+  EXPECT_EQ(o.keys(), (std::vector<std::string>{"flag", "k", "list", "mp", "ratio", "size"}));
+  EXPECT_TRUE(o.value("absent").absent());
+  EXPECT_EQ(o.value("size").as<std::string>(), "auto");
+  EXPECT_EQ(o.value("k").as<std::int64_t>(), 4);
+  EXPECT_FALSE(o.value("flag").as<bool>());
+  EXPECT_DOUBLE_EQ(o.value("ratio").as<double>(), 0.25);
+  const auto& list = o.value("list").as<std::vector<tessera::sdk::Value>>();
+  ASSERT_EQ(list.size(), 2u);
+  EXPECT_EQ(list[1].as<std::string>(), "a");
+  EXPECT_STREQ(o.value("k").type_name(), "integer");
+  // Nothing was marked used by value(): every key is still unknown.
+  EXPECT_NE(error_of([&] { o.check_all_used(); }).find("is not a known key"), std::string::npos);
+
+  Options mp = o.sub_table("mp");
+  EXPECT_EQ(mp.section(), "strategy.mp");
+  EXPECT_EQ(mp.get_string("param_dtype", ""), "bfloat16");
+  EXPECT_EQ(mp.sub_table("inner").get_int("x", 0), 1);
+  EXPECT_TRUE(o.sub_table("absent_table").keys().empty());
+  std::string message = error_of([&] { o.sub_table("k"); });
+  EXPECT_NE(message.find("run.toml:2: [strategy] k must be a table, e.g. [strategy.k]"), std::string::npos) << message;
+
+  // note_key reports a hand-parsed key with its default, as the getters do.
+  std::vector<std::string> reported;
+  auto previous = Options::observe_keys([&](const Options&, const tessera::sdk::KeyRecord& record) {
+    reported.push_back(record.key.name + "=" + (record.fallback.is<std::string>() ? record.fallback.as<std::string>()
+                                                                                  : record.fallback.type_name()));
+  });
+  o.note_key({"size", "a doc"}, "auto");
+  o.get_int("k", 1);
+  Options::observe_keys(std::move(previous));
+  EXPECT_EQ(reported, (std::vector<std::string>{"size=auto", "k=integer"}));
 }
 
 TEST(Suggestions, OnlyPlausibleTyposAreSuggested) {

@@ -6,11 +6,11 @@
 #include <dlfcn.h>
 
 #include "tessera/sdk/autocast.hpp"
-#include "tessera/sdk/openblas.hpp"
+#include "tessera/toolkit/openblas.hpp"
 
 namespace {
 
-namespace openblas = tessera::sdk::openblas;
+namespace openblas = tessera::toolkit::openblas;
 
 TEST(ThreadState, AutocastIsSetAndRestoredOnTheCpu) {
   ASSERT_FALSE(tessera::sdk::autocast_enabled(/*cuda=*/false));

@@ -28,6 +28,7 @@
 #include "tessera/sdk/error.hpp"
 #include "tessera/sdk/module.hpp"
 #include "tessera/sdk/tensor_parallel.hpp"
+#include "tessera/sdk/toml_options.hpp"
 
 namespace {
 
@@ -224,7 +225,7 @@ tessera::core::PluginLoader& loader() {
 }
 
 std::shared_ptr<sdk::Module> make_model(const std::string& name, const std::string& toml_text, std::uint64_t seed) {
-  sdk::Options options("model", "test.toml", toml::parse(toml_text));
+  sdk::Options options = sdk::make_options("model", "test.toml", toml::parse(toml_text));
   auto model = loader().create_as<sdk::Module>(sdk::PluginKind::model, name, options);
   options.check_all_used();
   at::manual_seed(seed);
@@ -558,7 +559,7 @@ TEST(TensorParallelDeferredInit, ModelInitialiserSeesTheFullShapes) {
 TEST(TensorParallelDeferredInit, GptPiecesAreTheUnsplitDeferredModelCut) {
   const std::string config = "n_layer = 2\nn_head = 4\nn_embd = 16\nblock_size = 8\ntie_embeddings = false\n";
   auto build = [&](std::int64_t rank, std::int64_t size) {
-    sdk::Options options("model", "test.toml", toml::parse(config));
+    sdk::Options options = sdk::make_options("model", "test.toml", toml::parse(config));
     auto model = loader().create_as<sdk::Module>(sdk::PluginKind::model, "gpt", options);
     at::manual_seed(13);
     {

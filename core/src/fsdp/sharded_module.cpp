@@ -43,10 +43,10 @@ BackwardPrefetch read_backward_prefetch(const sdk::Options& options) {
   const sdk::Key key{"backward_prefetch",
                      "which unit's gather backward issues early: the previous unit's before (BACKWARD_PRE) or after "
                      "(BACKWARD_POST) this unit's gradient computation; true = BACKWARD_PRE, false = none"};
-  if (const toml::node* value = options.table().get(key.name); value && value->is_boolean()) {
+  if (const sdk::Value value = options.value(key.name); value.is<bool>()) {
     options.mark_used(key.name);
-    options.note_key(key, toml::value<std::string>("BACKWARD_PRE"), &choices);  // tessera config lists it with its doc
-    return value->as_boolean()->get() ? BackwardPrefetch::BACKWARD_PRE : BackwardPrefetch::NONE;
+    options.note_key(key, "BACKWARD_PRE", &choices);  // tessera config lists it with its doc
+    return value.as<bool>() ? BackwardPrefetch::BACKWARD_PRE : BackwardPrefetch::NONE;
   }
   const std::string name = options.get_choice(key, "BACKWARD_PRE", choices);
   if (name == "BACKWARD_POST") return BackwardPrefetch::BACKWARD_POST;

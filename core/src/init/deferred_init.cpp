@@ -20,7 +20,7 @@
 
 #include "tessera/sdk/error.hpp"
 #include "tessera/sdk/tensor_parallel.hpp"
-#include "tessera/sdk/sync_batch_norm.hpp"
+#include "tessera/toolkit/sync_batch_norm.hpp"
 
 namespace tessera::core {
 
@@ -132,7 +132,7 @@ bool reset_known_module(torch::nn::Module& m) {
   if (auto* x = dynamic_cast<torch::nn::BatchNorm1dImpl*>(&m)) return x->reset_parameters(), true;
   if (auto* x = dynamic_cast<torch::nn::BatchNorm2dImpl*>(&m)) return x->reset_parameters(), true;
   if (auto* x = dynamic_cast<torch::nn::BatchNorm3dImpl*>(&m)) return x->reset_parameters(), true;
-  if (auto* x = dynamic_cast<sdk::SyncBatchNorm2dImpl*>(&m)) return x->reset_parameters(), true;
+  if (auto* x = dynamic_cast<toolkit::SyncBatchNorm2dImpl*>(&m)) return x->reset_parameters(), true;
   return false;
 }
 
@@ -196,7 +196,8 @@ void initialize_modules(torch::nn::Module& network, const std::set<const void*>&
     if (initialised) continue;
     TESSERA_FAIL("deferred init: module '", item.key(), "' of class '", m.name(),
                  "' has parameters but no known initialiser (tessera re-initialises LibTorch's Linear, Embedding, ",
-                 "LayerNorm, Conv1d-3d, BatchNorm1d-3d and the SDK's SyncBatchNorm2d, ColumnParallelLinear and RowParallelLinear); ",
+                 "LayerNorm, Conv1d-3d, BatchNorm1d-3d and the toolkit's SyncBatchNorm2d, ColumnParallelLinear and "
+                 "RowParallelLinear); ",
                  "initialise it in the model's init_parameters(), give its parameters to such modules or set ",
                  "[strategy] deferred_init = false");
   }

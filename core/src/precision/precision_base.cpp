@@ -57,15 +57,6 @@ const std::vector<std::string>& PrecisionBase::precisions() { return kPrecisions
 
 namespace {
 
-/// param_dtype / reduce_dtype / buffer_dtype; "" (the default) keeps the precision's own policy.
-const std::vector<std::string> kDtypeNames = {"", "float32", "bfloat16", "float16"};
-
-at::ScalarType dtype_named(const std::string& name) {
-  if (name == "bfloat16") return at::kBFloat16;
-  if (name == "float16") return at::kHalf;
-  return at::kFloat;
-}
-
 /// Lightning's FSDPPrecision.mixed_precision_config for each precision string.
 sdk::MixedPrecisionPolicy lightning_policy(const std::string& precision) {
   sdk::MixedPrecisionPolicy policy;
@@ -81,6 +72,12 @@ sdk::MixedPrecisionPolicy lightning_policy(const std::string& precision) {
 }
 
 }  // namespace
+
+c10::optional<at::ScalarType> read_policy_dtype(const sdk::Options& options, const sdk::Key& key) {
+  const std::string name = options.get_choice(key, "", {"", "float32", "bfloat16", "float16"});
+  if (name.empty()) return c10::nullopt;
+  return name == "bfloat16" ? at::kBFloat16 : name == "float16" ? at::kHalf : at::kFloat;
+}
 
 PrecisionBase::PrecisionBase(const sdk::Options& options, bool fsdp_policy)
     : precision_(options.get_choice(
@@ -106,8 +103,7 @@ PrecisionBase::PrecisionBase(const sdk::Options& options, bool fsdp_policy)
   if (!fsdp_policy_) return;
   policy_ = lightning_policy(precision_);
   auto override_dtype = [&](const sdk::Key& key, c10::optional<at::ScalarType>& slot) {
-    const std::string name = options.get_choice(key, "", kDtypeNames);
-    if (!name.empty()) slot = dtype_named(name);
+    if (const auto dtype = read_policy_dtype(options, key)) slot = dtype;
   };
   override_dtype({"param_dtype",
                   "PyTorch FSDP's MixedPrecision param_dtype: gather and compute in it; \"\": Lightning's "

@@ -9,7 +9,7 @@
 #include <torch/csrc/autograd/custom_function.h>
 #include <torch/version.h>
 
-#include "tessera/sdk/batched_matmul.hpp"
+#include "tessera/toolkit/batched_matmul.hpp"
 #include "tessera/sdk/error.hpp"
 
 namespace tessera::toolkit {
@@ -42,16 +42,16 @@ at::Tensor math_attention(const at::Tensor& q, const at::Tensor& k, const at::Te
   const std::int64_t groups = H / k.size(1);
   at::Tensor kk = repeat_kv(k, groups).reshape({B * H, Tk, D}), vv = repeat_kv(v, groups).reshape({B * H, Tk, D});
   // mask + scale q k^T in one batched GEMM (the values of scaling and masking after it).
-  at::Tensor scores = sdk::batched_matmul(q.reshape({B * H, Tq, D}), kk.transpose(1, 2),
-                                          Tq > 1 ? causal_bias(Tq, Tk, Tk - Tq, q.options()) : at::Tensor(),
-                                          resolved_scale(q, options.scale));
+  at::Tensor scores = batched_matmul(q.reshape({B * H, Tq, D}), kk.transpose(1, 2),
+                                     Tq > 1 ? causal_bias(Tq, Tk, Tk - Tq, q.options()) : at::Tensor(),
+                                     resolved_scale(q, options.scale));
   // Softmax in fp32 for low-precision inputs (Hugging Face's eager attention).
   at::Tensor probs = scores.scalar_type() == at::kFloat || scores.scalar_type() == at::kDouble
                          ? at::softmax(scores, -1)
                          : at::softmax(scores, -1, at::kFloat).to(scores.scalar_type());
   probs = probs.view({B, H, Tq, Tk});
   if (options.dropout) probs = options.dropout(probs);
-  return sdk::batched_matmul(probs.reshape({B * H, Tq, Tk}), vv).view({B, H, Tq, D});
+  return batched_matmul(probs.reshape({B * H, Tq, Tk}), vv).view({B, H, Tq, D});
 }
 
 /// The query-blocked kernel (see AttentionKernel::blocked). Works on [B Hkv, groups, T, D]: a
@@ -73,7 +73,7 @@ class BlockedCausalAttention : public torch::autograd::Function<BlockedCausalAtt
     qb = qg.narrow(2, t0, n).reshape({BH, s.groups * n, s.D});
     at::Tensor bias;
     if (n > 1) bias = causal_bias(n, keys, s.Tk - s.Tq + t0, qg.options()).repeat({s.groups, 1});
-    at::Tensor scores = sdk::batched_matmul(qb, kk.narrow(1, 0, keys).transpose(1, 2), bias, s.scale).to(at::kFloat);
+    at::Tensor scores = batched_matmul(qb, kk.narrow(1, 0, keys).transpose(1, 2), bias, s.scale).to(at::kFloat);
     if (!have_lse) lse = at::logsumexp(scores, -1, /*keepdim=*/true);
     return scores.sub_(lse).exp_();
   }
@@ -90,7 +90,7 @@ class BlockedCausalAttention : public torch::autograd::Function<BlockedCausalAtt
       const std::int64_t n = std::min(s.block, s.Tq - t0), keys = s.Tk - s.Tq + t0 + n;
       at::Tensor qb, lse;
       at::Tensor p = probabilities(s, qg, kk, t0, n, qb, lse, /*have_lse=*/false).to(q.scalar_type());
-      out.narrow(2, t0, n).copy_(sdk::batched_matmul(p, vv.narrow(1, 0, keys)).view({BH, s.groups, n, s.D}));
+      out.narrow(2, t0, n).copy_(batched_matmul(p, vv.narrow(1, 0, keys)).view({BH, s.groups, n, s.D}));
       lse_all.narrow(2, t0, n).copy_(lse.view({BH, s.groups, n}));
     }
     ctx->save_for_backward({qg, kk, vv, out, lse_all});
@@ -117,11 +117,11 @@ class BlockedCausalAttention : public torch::autograd::Function<BlockedCausalAtt
       at::Tensor p = probabilities(s, qg, kk, t0, n, qb, lse, /*have_lse=*/true);
       at::Tensor dob = dout.narrow(2, t0, n).reshape({BH, s.groups * n, s.D});
       at::Tensor kb = kk.narrow(1, 0, keys), vb = vv.narrow(1, 0, keys);
-      dv.narrow(1, 0, keys).add_(sdk::batched_matmul(p.to(dtype).transpose(1, 2), dob));
-      at::Tensor dp = sdk::batched_matmul(dob, vb.transpose(1, 2)).to(at::kFloat);
+      dv.narrow(1, 0, keys).add_(batched_matmul(p.to(dtype).transpose(1, 2), dob));
+      at::Tensor dp = batched_matmul(dob, vb.transpose(1, 2)).to(at::kFloat);
       at::Tensor ds = p.mul_(dp.sub_(delta.narrow(2, t0, n).reshape({BH, s.groups * n, 1}))).mul_(s.scale).to(dtype);
-      dq.narrow(2, t0, n).copy_(sdk::batched_matmul(ds, kb).view({BH, s.groups, n, s.D}));
-      dk.narrow(1, 0, keys).add_(sdk::batched_matmul(ds.transpose(1, 2), qb));
+      dq.narrow(2, t0, n).copy_(batched_matmul(ds, kb).view({BH, s.groups, n, s.D}));
+      dk.narrow(1, 0, keys).add_(batched_matmul(ds.transpose(1, 2), qb));
     }
     return {dq.view({s.B, s.H, s.Tq, s.D}), dk.view({s.B, s.Hkv, s.Tk, s.D}), dv.view({s.B, s.Hkv, s.Tk, s.D}),
             at::Tensor(), at::Tensor()};

@@ -4,6 +4,7 @@
 #include <unicode/normalizer2.h>
 
 #include <algorithm>
+#include <optional>
 
 #include "hf_tokenizer_parts.hpp"
 #include "utf8.hpp"

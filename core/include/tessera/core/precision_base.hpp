@@ -13,6 +13,10 @@
 
 namespace tessera::core {
 
+/// A dtype key of a mixed-precision policy (fsdp-precision's param_dtype, fsdp2's
+/// [strategy.mp_policy] ...): "float32", "bfloat16" or "float16"; "" (the default) leaves it unset.
+c10::optional<at::ScalarType> read_policy_dtype(const sdk::Options& options, const sdk::Key& key);
+
 class PrecisionBase : public sdk::Precision {
  public:
   /// The five precision strings Lightning accepts.

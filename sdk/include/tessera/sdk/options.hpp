@@ -1,15 +1,15 @@
 #pragma once
 /// A plugin's TOML table, as handed to its factory. Typed getters validate and remember
 /// which keys were read; the host rejects any key no one read ("unknown key, did you mean").
+/// No TOML library's type is part of it: the host parses the file (sdk/internal/).
 #include <cstdint>
 #include <functional>
+#include <map>
 #include <memory>
-#include <optional>
 #include <set>
 #include <string>
+#include <variant>
 #include <vector>
-
-#include <toml++/toml.h>
 
 #include "tessera/sdk/export.hpp"
 
@@ -26,23 +26,48 @@ struct TESSERA_SDK_API Key {
   std::string name, doc;
 };
 
+/// A configuration value (TOML's types, without a TOML library in the plugin contract): what
+/// value() returns for a key a factory parses itself, and the default a key reports. Empty
+/// (std::monostate) for a key that is absent.
+struct TESSERA_SDK_API Value : std::variant<std::monostate, bool, std::int64_t, double, std::string, std::vector<Value>,
+                                            std::map<std::string, Value>> {
+  using variant::variant;
+  Value(const char* text) : variant(std::string(text)) {}  // NOLINT: a string, never a bool
+  Value(const std::vector<std::string>& items);            // NOLINT: an array of strings
+  Value(const std::vector<double>& items);                 // NOLINT: an array of numbers
+
+  bool absent() const { return std::holds_alternative<std::monostate>(*this); }
+  template <typename T>
+  bool is() const { return std::holds_alternative<T>(*this); }
+  template <typename T>
+  const T& as() const { return std::get<T>(*this); }
+  /// TOML's name of the type ("integer", "string", ...), for messages.
+  const char* type_name() const;
+};
+
 /// What a getter reports of each key it reads (tessera config's listing, the generated reference).
 struct KeyRecord {
   const Key& key;
-  const toml::node& fallback;               ///< the value the key takes when absent
+  const Value& fallback;                    ///< the value the key takes when absent
   const std::vector<std::string>* choices;  ///< get_choice's valid values, else null
 };
 
 class TESSERA_SDK_API Options {
  public:
-  /// `section` is the dotted table name ("strategy"), `source` the file it came from.
-  Options(std::string section, std::string source, toml::table table);
   Options();  ///< An empty table (plugins created from code, e.g. in tests).
 
+  /// `section` is the dotted table name ("strategy"), `source` the file it came from.
   const std::string& section() const { return section_; }
   const std::string& source() const { return source_; }
-  const toml::table& table() const { return table_; }
   bool has(const std::string& key) const;
+  /// The keys present, in name order.
+  std::vector<std::string> keys() const;
+  /// A key's value as the file gives it (empty when absent), neither marking it used nor reporting
+  /// it: for a key a factory parses itself (a string or an integer, say), with mark_used and note_key.
+  Value value(const std::string& key) const;
+  /// The sub-table [section.key] as Options of its own (empty when absent), marking `key` used;
+  /// a key that is not a table is an error naming it.
+  Options sub_table(const std::string& key) const;
 
   // Each getter marks the key as used, checks the TOML type (an integer is accepted
   // where a float is expected) and throws sdk::Error naming file, line and key.
@@ -68,23 +93,26 @@ class TESSERA_SDK_API Options {
   /// Reports a key read, with the value it takes when absent (the getters do, with their
   /// fallback): a factory that parses a key itself (a string or an integer, say) calls it, so
   /// that `tessera config` lists the key with its default and doc.
-  void note_key(const Key& key, const toml::node& fallback, const std::vector<std::string>* choices = nullptr) const;
+  void note_key(const Key& key, const Value& fallback, const std::vector<std::string>* choices = nullptr) const;
   /// While set, receives every key read by any Options (tessera config's listing and the
   /// configuration reference); returns the observer it replaces.
   using KeyObserver = std::function<void(const Options& options, const KeyRecord& record)>;
   static KeyObserver observe_keys(KeyObserver observer);
 
  private:
-  template <typename Fallback>
-  const toml::node* read(const Key& key, const Fallback& fallback,
-                         const std::vector<std::string>* choices = nullptr) const;
+  struct Table;                 ///< the parsed TOML table, which the host builds (toml_options.hpp)
+  friend struct OptionsAccess;  ///< the host's side, outside the contract
+  Options(std::string section, std::string source, std::shared_ptr<const Table> table);
+
+  /// The key's value (empty when absent), marking it used and reporting it with its fallback.
+  Value read(const Key& key, const Value& fallback, const std::vector<std::string>* choices = nullptr) const;
   std::string string_value(const Key& key, const std::string& fallback, const std::vector<std::string>* choices) const;
   /// "... key must be <expected>, found string \"x\"<hint>"
   [[noreturn]] void wrong_type(const std::string& key, const char* expected, const std::string& hint = "") const;
 
   std::string section_;
   std::string source_;
-  toml::table table_;
+  std::shared_ptr<const Table> table_;  ///< immutable, shared by copies
   mutable std::set<std::string> used_;
 };
 

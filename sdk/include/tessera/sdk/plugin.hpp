@@ -25,12 +25,14 @@ namespace tessera::sdk {
 /// The vtables of the SDK interfaces, and the layout of the strategy API's classes in
 /// tessera/core (StrategyBase, Communicator, DeviceMesh, PrecisionBase), are the ABI: any
 /// change to them bumps the major.
-/// The installed CMake package's version is this ABI: find_package(TesseraSDK 5).
-/// History: 5: the Options getters take a Key (name + doc), KeyObserver; Strategy::tensor_init_context
-/// removed (never called). 4: Callback::on_after_optimizer_step, Trainer::save_checkpoint(path,
+/// The installed CMake package's version is this ABI: find_package(TesseraSDK 6).
+/// History: 6: no TOML++ type in the contract (Options holds its table privately; Value, keys(),
+/// value(), sub_table() for keys a factory parses itself), so the fingerprint drops TOML++. 5: the
+/// Options getters take a Key (name + doc), KeyObserver; Strategy::tensor_init_context removed
+/// (never called). 4: Callback::on_after_optimizer_step, Trainer::save_checkpoint(path,
 /// weights_only), StrategyMemoryLayout. 3: multi-argument units, Module::fsdp_wrap_policy, TOML++ in
 /// the fingerprint, descriptor sdk_version, callback plugins, Module::parallelize.
-inline constexpr std::uint32_t kAbiMajor = 5;
+inline constexpr std::uint32_t kAbiMajor = 6;
 inline constexpr std::uint32_t kAbiMinor = 0;
 
 enum class PluginKind : std::uint32_t { strategy = 1, precision, checkpoint_io, model, data, callback };
@@ -53,13 +55,12 @@ struct PluginEntry {
 
 /// What the plugin was compiled with; must equal the host's, field by field. It names every
 /// third-party library whose types cross the boundary: the standard library (compiler, C++11
-/// ABI), LibTorch (tensors, modules, optimizers) and TOML++ (the table inside Options).
+/// ABI) and LibTorch (tensors, modules, optimizers).
 struct BuildFingerprint {
   const char* compiler;       ///< __VERSION__
   std::int32_t cxx11_abi;     ///< _GLIBCXX_USE_CXX11_ABI
   const char* torch_version;  ///< TORCH_VERSION
   std::int32_t cuda;          ///< built with CUDA paths
-  const char* toml_version;   ///< TOML_LIB_MAJOR.MINOR.PATCH
 };
 
 /// abi_major, abi_minor and struct_size come first in every ABI, so that any host can read
@@ -82,12 +83,6 @@ struct PluginDescriptor {
 /// The fields every descriptor of this ABI major has (those up to num_entries).
 inline constexpr std::uint32_t kDescriptorBaseSize = offsetof(PluginDescriptor, num_entries) + sizeof(std::uint32_t);
 
-#define TESSERA_STRINGIFY_(x) #x
-#define TESSERA_STRINGIFY(x) TESSERA_STRINGIFY_(x)
-/// The TOML++ version this translation unit sees, e.g. "3.3.0".
-#define TESSERA_TOML_VERSION \
-  TESSERA_STRINGIFY(TOML_LIB_MAJOR) "." TESSERA_STRINGIFY(TOML_LIB_MINOR) "." TESSERA_STRINGIFY(TOML_LIB_PATCH)
-
 #if defined(_GLIBCXX_USE_CXX11_ABI)
 #define TESSERA_CXX11_ABI _GLIBCXX_USE_CXX11_ABI
 #else
@@ -96,7 +91,7 @@ inline constexpr std::uint32_t kDescriptorBaseSize = offsetof(PluginDescriptor, 
 
 /// The fingerprint of the translation unit that expands it.
 #define TESSERA_BUILD_FINGERPRINT \
-  ::tessera::sdk::BuildFingerprint { __VERSION__, TESSERA_CXX11_ABI, TORCH_VERSION, TESSERA_WITH_CUDA, TESSERA_TOML_VERSION }
+  ::tessera::sdk::BuildFingerprint { __VERSION__, TESSERA_CXX11_ABI, TORCH_VERSION, TESSERA_WITH_CUDA }
 
 /// An entry whose factory is `new T(options)`.
 template <typename T>

@@ -2,9 +2,7 @@
 /// Batched matrix products for a model's forward, e.g. attention's scores and its weighted sum.
 #include <ATen/core/Tensor.h>
 
-#include "tessera/sdk/export.hpp"
-
-namespace tessera::sdk {
+namespace tessera::toolkit {
 
 /// bias + alpha * (a @ b) for each of the batch's matrices: a [n, p, q], b [n, q, r], bias
 /// undefined (none) or broadcastable to [n, p, r]; differentiable in all three. The values of
@@ -18,7 +16,6 @@ namespace tessera::sdk {
 /// thread each: attention's products, forward and backward, 1.24x as fast at 2 threads
 /// (bench/training/attention.cpp). Elsewhere (CUDA, one thread, a parallel region already,
 /// autocast on, dtypes other than float and double, another BLAS) it is at::baddbmm / at::bmm.
-TESSERA_SDK_API at::Tensor batched_matmul(const at::Tensor& a, const at::Tensor& b, const at::Tensor& bias = {},
-                                          double alpha = 1.0);
+at::Tensor batched_matmul(const at::Tensor& a, const at::Tensor& b, const at::Tensor& bias = {}, double alpha = 1.0);
 
-}  // namespace tessera::sdk
+}  // namespace tessera::toolkit

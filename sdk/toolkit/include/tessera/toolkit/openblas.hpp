@@ -1,19 +1,18 @@
 #pragma once
 /// OpenBLAS's own thread pool, looked up at run time: LibTorch's BLAS may be another (pip
 /// wheels link MKL), and then there is no pool here to read or set.
-#include "tessera/sdk/export.hpp"
 
-namespace tessera::sdk::openblas {
+namespace tessera::toolkit::openblas {
 
 /// Whether the process has OpenBLAS's thread controls.
-TESSERA_SDK_API bool loaded();
+bool loaded();
 /// Whether it runs a pool of its own (its pthreads build, Debian's default), whose count a
 /// call from inside another pool's thread uses again; its OpenMP build waits in libgomp's pool
 /// and runs single-threaded inside a parallel region, its serial build has no threads.
-TESSERA_SDK_API bool has_own_threads();
+bool has_own_threads();
 /// Its thread count; 1 when it is not loaded.
-TESSERA_SDK_API int num_threads();
+int num_threads();
 /// Sets its thread count; nothing when it is not loaded.
-TESSERA_SDK_API void set_num_threads(int threads);
+void set_num_threads(int threads);
 
-}  // namespace tessera::sdk::openblas
+}  // namespace tessera::toolkit::openblas

@@ -12,14 +12,12 @@
 
 #include <torch/nn/modules/batchnorm.h>
 
-#include "tessera/sdk/export.hpp"
-
-namespace tessera::sdk {
+namespace tessera::toolkit {
 
 /// Sums `tensor` over the data-parallel ranks, in place; every rank must call it in the same order.
 using AllReduceSum = std::function<void(at::Tensor& tensor)>;
 
-class TESSERA_SDK_API SyncBatchNorm2dImpl : public torch::nn::BatchNormImplBase<2, SyncBatchNorm2dImpl> {
+class SyncBatchNorm2dImpl : public torch::nn::BatchNormImplBase<2, SyncBatchNorm2dImpl> {
  public:
   using torch::nn::BatchNormImplBase<2, SyncBatchNorm2dImpl>::BatchNormImplBase;
 
@@ -38,9 +36,9 @@ class TESSERA_SDK_API SyncBatchNorm2dImpl : public torch::nn::BatchNormImplBase<
 };
 TORCH_MODULE(SyncBatchNorm2d);
 
-}  // namespace tessera::sdk
+}  // namespace tessera::toolkit
 
 /// LibTorch 1.13 defines BatchNorm's pretty_print out of line for its own three classes only
-/// (2.x inline, for any): this class's, declared before any use, is in libtessera_sdk.
+/// (2.x inline, for any): this class's, declared before any use, is in libtessera_toolkit.
 template <>
-void torch::nn::BatchNormImplBase<2, tessera::sdk::SyncBatchNorm2dImpl>::pretty_print(std::ostream& stream) const;
+void torch::nn::BatchNormImplBase<2, tessera::toolkit::SyncBatchNorm2dImpl>::pretty_print(std::ostream& stream) const;

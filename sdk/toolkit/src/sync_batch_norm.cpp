@@ -1,4 +1,4 @@
-#include "tessera/sdk/sync_batch_norm.hpp"
+#include "tessera/toolkit/sync_batch_norm.hpp"
 
 #include <ostream>
 #include <string>
@@ -10,14 +10,14 @@
 
 // Declared in the header: LibTorch 1.13 defines none for a BatchNorm class of ours.
 template <>
-void torch::nn::BatchNormImplBase<2, tessera::sdk::SyncBatchNorm2dImpl>::pretty_print(std::ostream& stream) const {
-  stream << "tessera::sdk::SyncBatchNorm2d(" << options.num_features() << ", eps=" << options.eps()
+void torch::nn::BatchNormImplBase<2, tessera::toolkit::SyncBatchNorm2dImpl>::pretty_print(std::ostream& stream) const {
+  stream << "tessera::toolkit::SyncBatchNorm2d(" << options.num_features() << ", eps=" << options.eps()
          << ", momentum=" << (options.momentum().has_value() ? std::to_string(*options.momentum()) : "None")
          << ", affine=" << (options.affine() ? "true" : "false")
          << ", track_running_stats=" << (options.track_running_stats() ? "true" : "false") << ")";
 }
 
-namespace tessera::sdk {
+namespace tessera::toolkit {
 
 namespace {
 
@@ -85,4 +85,4 @@ at::Tensor SyncBatchNorm2dImpl::forward(const at::Tensor& input) {
   return out.to(input.scalar_type());
 }
 
-}  // namespace tessera::sdk
+}  // namespace tessera::toolkit

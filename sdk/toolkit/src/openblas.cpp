@@ -1,8 +1,8 @@
-#include "tessera/sdk/openblas.hpp"
+#include "tessera/toolkit/openblas.hpp"
 
 #include <dlfcn.h>
 
-namespace tessera::sdk::openblas {
+namespace tessera::toolkit::openblas {
 
 namespace {
 
@@ -29,4 +29,4 @@ void set_num_threads(int threads) {
   if (loaded()) controls().set_num_threads(threads);
 }
 
-}  // namespace tessera::sdk::openblas
+}  // namespace tessera::toolkit::openblas

@@ -1,4 +1,4 @@
-#include "tessera/sdk/batched_matmul.hpp"
+#include "tessera/toolkit/batched_matmul.hpp"
 
 #include <mutex>
 #include <utility>
@@ -9,9 +9,9 @@
 
 #include "tessera/sdk/autocast.hpp"
 #include "tessera/sdk/error.hpp"
-#include "tessera/sdk/openblas.hpp"
+#include "tessera/toolkit/openblas.hpp"
 
-namespace tessera::sdk {
+namespace tessera::toolkit {
 
 namespace {
 
@@ -24,7 +24,7 @@ bool split_by_matrix(const at::Tensor& a, const at::Tensor& b, const at::Tensor&
   return a.device().is_cpu() && b.device().is_cpu() && (dtype == at::kFloat || dtype == at::kDouble) &&
          b.scalar_type() == dtype && (!bias.defined() || (bias.device().is_cpu() && bias.scalar_type() == dtype)) &&
          a.size(0) > 1 && at::get_num_threads() > 1 && !at::in_parallel_region() &&
-         !autocast_enabled(/*cuda=*/false) && !autocast_enabled(/*cuda=*/true) && openblas::loaded();
+         !sdk::autocast_enabled(/*cuda=*/false) && !sdk::autocast_enabled(/*cuda=*/true) && openblas::loaded();
 }
 
 /// Holds OpenBLAS's own pool (its pthreads build) at one thread while it lives, one holder at a
@@ -130,4 +130,4 @@ at::Tensor batched_matmul(const at::Tensor& a, const at::Tensor& b, const at::Te
   return bias.defined() ? ProductPlusBias::apply(a, b, bias, alpha) : Product::apply(a, b, alpha);
 }
 
-}  // namespace tessera::sdk
+}  // namespace tessera::toolkit
