@@ -28,8 +28,10 @@ std::string toml_value(const sdk::Value& value) {
   }
   if (value.is<std::map<std::string, sdk::Value>>()) {
     std::vector<std::string> out;
-    for (const auto& [key, item] : value.as<std::map<std::string, sdk::Value>>())
-      out.push_back(toml_line(key, item).substr(0, toml_line(key, item).size() - 1));
+    for (const auto& [key, item] : value.as<std::map<std::string, sdk::Value>>()) {
+      const std::string line = toml_line(key, item);
+      out.push_back(line.substr(0, line.size() - 1));  // without its newline
+    }
     return out.empty() ? "{}" : "{ " + sdk::join(out) + " }";
   }
   toml::table one;  // a bool, an integer or a string, as TOML++ writes it

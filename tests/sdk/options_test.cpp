@@ -101,6 +101,18 @@ TEST(Options, ValuesKeysAndSubTablesWithoutTomlTypes) {
   EXPECT_EQ(reported, (std::vector<std::string>{"size=auto", "k=integer"}));
 }
 
+// sdk::Value has no date or time: one in a key is refused by every read, naming the key, never
+// taken for a string.
+TEST(Options, DatesAndTimesAreRefusedNamingTheKey) {
+  Options o = parse("name = 1979-05-27\nlist = ['a', 07:32:00]\n");
+  std::string message = error_of([&] { o.get_string("name", ""); });
+  EXPECT_NE(message.find("run.toml:1: [strategy] name holds a TOML date, which no key takes"), std::string::npos)
+      << message;
+  message = error_of([&] { o.get_string_list("list", {}); });
+  EXPECT_NE(message.find("run.toml:2: [strategy] list holds a TOML time"), std::string::npos) << message;
+  EXPECT_NE(error_of([&] { o.value("name"); }).find("holds a TOML date"), std::string::npos);
+}
+
 TEST(Suggestions, OnlyPlausibleTyposAreSuggested) {
   EXPECT_EQ(tessera::sdk::closest_match("fsdpp", {"fsdp", "ddp", "single_device"}), "fsdp");
   EXPECT_EQ(tessera::sdk::closest_match("xyzzy", {"fsdp", "ddp"}), "");
