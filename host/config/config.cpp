@@ -4,6 +4,7 @@
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
+#include <limits>
 #include <optional>
 #include <sstream>
 
@@ -41,8 +42,19 @@ BatchLimit read_limit(const sdk::Options& options, const sdk::Key& key, BatchLim
   if (fallback.fraction) options.note_key(key, fallback.value);
   else options.note_key(key, static_cast<std::int64_t>(fallback.value));
   if (value.absent()) return fallback;
-  if (value.is<std::int64_t>()) return {false, static_cast<double>(options.get_int(key, 0, 0))};
-  if (value.is<double>()) return {true, options.get_double(key, 1.0, 0.0, 1.0)};
+  // Checked here, not through get_int / get_double, which would note the key again.
+  if (value.is<std::int64_t>()) {
+    const std::int64_t count = value.as<std::int64_t>();
+    TESSERA_CHECK(count >= 0, options.locate(key.name), " = ", count, " is out of range [0, ",
+                  std::numeric_limits<std::int64_t>::max(), "]");
+    return {false, static_cast<double>(count)};
+  }
+  if (value.is<double>()) {
+    const double fraction = value.as<double>();
+    TESSERA_CHECK(fraction >= 0.0 && fraction <= 1.0, options.locate(key.name), " = ", fraction,
+                  " is out of range [0, 1]");
+    return {true, fraction};
+  }
   TESSERA_FAIL(options.locate(key.name), " must be an integer (a number of batches, 0 skips the loop) or a float in ",
                "[0.0, 1.0] (a fraction of the batches), found ", value.type_name());
 }

@@ -34,6 +34,7 @@
 #include "tessera/sdk/strategy_checks.hpp"
 #include "tessera/sdk/tensor_parallel.hpp"
 #include "tessera/sdk/unit.hpp"
+#include "tessera/toolkit/tensor_parallel.hpp"
 #include "train/trainer.hpp"
 
 #include "tessera/sdk/build_config.hpp"  // TESSERA_WITH_CUDA, before the #if below
@@ -184,8 +185,8 @@ class RecomputedUnitProbe final : public sdk::UnitRunner {
         internals -= static_cast<double>(t.storage().nbytes());
     internals_.push_back(std::max(0.0, internals));
     // The graph from the outputs is the unit's own plus the one from its inputs.
-    const sdk::TensorParallelTraffic through = sdk::tensor_parallel_traffic(joined(outputs));
-    const sdk::TensorParallelTraffic before_unit = sdk::tensor_parallel_traffic(joined(inputs));
+    const toolkit::TensorParallelTraffic through = toolkit::tensor_parallel_traffic(joined(outputs));
+    const toolkit::TensorParallelTraffic before_unit = toolkit::tensor_parallel_traffic(joined(inputs));
     recomputed_.group_size = std::max(recomputed_.group_size, through.group_size);
     recomputed_.forward_all_reduces += through.forward_all_reduces - before_unit.forward_all_reduces;
     recomputed_.forward_all_reduce_bytes += through.forward_all_reduce_bytes - before_unit.forward_all_reduce_bytes;
@@ -198,12 +199,12 @@ class RecomputedUnitProbe final : public sdk::UnitRunner {
   /// cuda_autocast_extra() of each recorded unit, under autocast.
   const std::vector<double>& cuda_autocast() const { return cuda_autocast_; }
   /// The forward all-reduces inside the recorded units.
-  const sdk::TensorParallelTraffic& recomputed() const { return recomputed_; }
+  const toolkit::TensorParallelTraffic& recomputed() const { return recomputed_; }
 
  private:
   bool count_cuda_autocast_;
   std::vector<double> internals_, cuda_autocast_;
-  sdk::TensorParallelTraffic recomputed_;
+  toolkit::TensorParallelTraffic recomputed_;
 };
 
 /// Installs `probe` on `units` for the life of the guard.
@@ -228,8 +229,8 @@ struct Trace {
   std::int64_t samples = 0;  ///< traced: the batch size, or every sample of a smaller dataset
   CudaAutocastExtra cuda_autocast;  ///< counted for a CUDA job whose forward ran under autocast
   std::string method;
-  sdk::TensorParallelTraffic tensor_parallel;  ///< the traced graph's activation all-reduces
-  sdk::TensorParallelTraffic recomputed;       ///< those the checkpointed units' recomputation makes again
+  toolkit::TensorParallelTraffic tensor_parallel;  ///< the traced graph's activation all-reduces
+  toolkit::TensorParallelTraffic recomputed;       ///< those the checkpointed units' recomputation makes again
 };
 
 /// One training forward on the configured batch (real shapes, the parameters' values garbage
@@ -262,7 +263,7 @@ Trace trace_forward(sdk::Module& model, sdk::Precision& precision, sdk::DataModu
       sdk::GuardPtr guard = precision.forward_context();
       sdk::StepOutput out = model.training_step(batch, 0);
       trace.saved = static_cast<double>(counter.live());
-      trace.tensor_parallel = sdk::tensor_parallel_traffic(out.loss);
+      trace.tensor_parallel = toolkit::tensor_parallel_traffic(out.loss);
       if (count_cuda_autocast && sdk::autocast_enabled(/*cuda=*/false)) trace.cuda_autocast = cuda_autocast_extra(out.loss);
     }
   } catch (...) {
@@ -291,7 +292,7 @@ Trace trace_forward(sdk::Module& model, sdk::Precision& precision, sdk::DataModu
     const double scale = static_cast<double>(trace.samples) / static_cast<double>(n);
     trace.saved *= scale;
     trace.cuda_autocast.bytes *= scale;
-    for (sdk::TensorParallelTraffic* traffic : {&trace.tensor_parallel, &trace.recomputed}) {
+    for (toolkit::TensorParallelTraffic* traffic : {&trace.tensor_parallel, &trace.recomputed}) {
       traffic->forward_all_reduce_bytes *= scale;
       traffic->backward_all_reduce_bytes *= scale;
     }
@@ -436,7 +437,7 @@ PlannedJob plan_job(const Config& config, bool trace_activations) {
                               std::to_string(trace.cuda_autocast.outputs) +
                               " softmax / log_softmax output(s) CUDA's autocast computes in fp32";
     }
-    const sdk::TensorParallelTraffic& tp = trace.tensor_parallel;
+    const toolkit::TensorParallelTraffic& tp = trace.tensor_parallel;
     if (in.layout && tp.group_size > 1) {
       in.layout->collectives.push_back({"all_reduce", "tensor-parallel forward all-reduces of activations (" +
                                                          std::to_string(tp.forward_all_reduces) + ")",

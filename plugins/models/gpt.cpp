@@ -20,6 +20,7 @@
 #include "tessera/sdk/unit.hpp"
 #include "tessera/toolkit/attention.hpp"
 #include "tessera/toolkit/sampling.hpp"
+#include "tessera/toolkit/tensor_parallel.hpp"
 
 #define XXH_INLINE_ALL  // header-only: plugins link the SDK alone
 #include <xxhash.h>
@@ -74,10 +75,10 @@ class BlockImpl : public torch::nn::Module {
   /// fused weight is 3 parts), proj and fc_proj row-parallel; LayerNorms replicated.
   void parallelize(const std::shared_ptr<sdk::TensorParallelGroup>& tp) {
     tp_ = tp;
-    attn = replace("attn", sdk::ColumnParallelLinear(attn.get<torch::nn::LinearImpl>(), tp, /*stride=*/3));
-    proj = replace("proj", sdk::RowParallelLinear(proj.get<torch::nn::LinearImpl>(), tp));
-    fc = replace("fc", sdk::ColumnParallelLinear(fc.get<torch::nn::LinearImpl>(), tp));
-    fc_proj = replace("fc_proj", sdk::RowParallelLinear(fc_proj.get<torch::nn::LinearImpl>(), tp));
+    attn = replace("attn", toolkit::ColumnParallelLinear(attn.get<torch::nn::LinearImpl>(), tp, /*stride=*/3));
+    proj = replace("proj", toolkit::RowParallelLinear(proj.get<torch::nn::LinearImpl>(), tp));
+    fc = replace("fc", toolkit::ColumnParallelLinear(fc.get<torch::nn::LinearImpl>(), tp));
+    fc_proj = replace("fc_proj", toolkit::RowParallelLinear(fc_proj.get<torch::nn::LinearImpl>(), tp));
   }
 
  private:

@@ -23,6 +23,7 @@
 #include "tessera/sdk/unit.hpp"
 #include "tessera/toolkit/attention.hpp"
 #include "tessera/toolkit/sampling.hpp"
+#include "tessera/toolkit/tensor_parallel.hpp"
 
 #define XXH_INLINE_ALL  // header-only: plugins link the SDK alone
 #include <xxhash.h>
@@ -148,7 +149,7 @@ class LlamaAttentionImpl : public torch::nn::Module {
   void parallelize(const std::shared_ptr<sdk::TensorParallelGroup>& tp) {
     for (auto* p : {&q_proj, &k_proj, &v_proj}) *p = column(*p, tp);
     o_proj = torch::nn::AnyModule(
-        replace_module("o_proj", sdk::RowParallelLinear(o_proj.get<torch::nn::LinearImpl>(), tp)));
+        replace_module("o_proj", toolkit::RowParallelLinear(o_proj.get<torch::nn::LinearImpl>(), tp)));
   }
 
   torch::nn::AnyModule q_proj, k_proj, v_proj, o_proj;
@@ -158,7 +159,7 @@ class LlamaAttentionImpl : public torch::nn::Module {
     std::string name;
     for (const auto& item : named_children())
       if (item.value().get() == linear.ptr().get()) name = item.key();
-    return torch::nn::AnyModule(replace_module(name, sdk::ColumnParallelLinear(linear.get<torch::nn::LinearImpl>(), tp)));
+    return torch::nn::AnyModule(replace_module(name, toolkit::ColumnParallelLinear(linear.get<torch::nn::LinearImpl>(), tp)));
   }
 
   std::int64_t heads_, kv_heads_, head_dim_;
@@ -180,11 +181,11 @@ class LlamaMLPImpl : public torch::nn::Module {
   /// gate and up column-parallel, down row-parallel.
   void parallelize(const std::shared_ptr<sdk::TensorParallelGroup>& tp) {
     gate_proj = torch::nn::AnyModule(
-        replace_module("gate_proj", sdk::ColumnParallelLinear(gate_proj.get<torch::nn::LinearImpl>(), tp)));
+        replace_module("gate_proj", toolkit::ColumnParallelLinear(gate_proj.get<torch::nn::LinearImpl>(), tp)));
     up_proj = torch::nn::AnyModule(
-        replace_module("up_proj", sdk::ColumnParallelLinear(up_proj.get<torch::nn::LinearImpl>(), tp)));
+        replace_module("up_proj", toolkit::ColumnParallelLinear(up_proj.get<torch::nn::LinearImpl>(), tp)));
     down_proj = torch::nn::AnyModule(
-        replace_module("down_proj", sdk::RowParallelLinear(down_proj.get<torch::nn::LinearImpl>(), tp)));
+        replace_module("down_proj", toolkit::RowParallelLinear(down_proj.get<torch::nn::LinearImpl>(), tp)));
   }
   torch::nn::AnyModule gate_proj, up_proj, down_proj;
 };

@@ -58,7 +58,7 @@ namespace {
 
 /// LibTorch's Adam or AdamW (the same options, state and checkpoints: code that casts to
 /// torch::optim::AdamW still sees one) whose step runs the fused kernel where the parameters'
-/// device has one (LibTorch's, or on the CPU below LibTorch 2.4 fused_adam_cpu.cpp's): one pass
+/// device has one (LibTorch's, or on the CPU below LibTorch 2.4 the toolkit's fused_adam_cpu.cpp): one pass
 /// reading parameter, gradient and both moments and writing three, where LibTorch's C++ loop
 /// makes nine elementwise passes with temporaries (~23 reads and writes of the model per step:
 /// at 1.3B parameters on an H100 ~40 ms against ~12).

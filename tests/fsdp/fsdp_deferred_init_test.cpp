@@ -30,11 +30,13 @@
 #include "tessera/sdk/error.hpp"
 #include "tessera/sdk/tensor_parallel.hpp"
 #include "tessera/sdk/unit.hpp"
+#include "tessera/toolkit/tensor_parallel.hpp"
 
 
 namespace {
 
 using namespace fsdp_test;
+namespace toolkit = tessera::toolkit;
 using tessera::testing::metric_series;
 using tessera::testing::run_ranks;
 using tessera::testing::run_tessera;
@@ -214,8 +216,8 @@ struct TPBlockImpl : torch::nn::Module {
   }
   at::Tensor forward(const at::Tensor& x) { return x + proj.forward<at::Tensor>(at::tanh(fc.forward<at::Tensor>(x))); }
   void parallelize(const std::shared_ptr<sdk::TensorParallelGroup>& tp) {
-    fc = torch::nn::AnyModule(replace_module("fc", sdk::ColumnParallelLinear(fc.get<torch::nn::LinearImpl>(), tp)));
-    proj = torch::nn::AnyModule(replace_module("proj", sdk::RowParallelLinear(proj.get<torch::nn::LinearImpl>(), tp)));
+    fc = torch::nn::AnyModule(replace_module("fc", toolkit::ColumnParallelLinear(fc.get<torch::nn::LinearImpl>(), tp)));
+    proj = torch::nn::AnyModule(replace_module("proj", toolkit::RowParallelLinear(proj.get<torch::nn::LinearImpl>(), tp)));
   }
   torch::nn::AnyModule fc, proj;
 };

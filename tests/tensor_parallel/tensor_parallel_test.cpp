@@ -29,10 +29,12 @@
 #include "tessera/sdk/module.hpp"
 #include "tessera/sdk/tensor_parallel.hpp"
 #include "tessera/sdk/toml_options.hpp"
+#include "tessera/toolkit/tensor_parallel.hpp"
 
 namespace {
 
 namespace sdk = tessera::sdk;
+namespace toolkit = tessera::toolkit;
 using sdk::TensorParallelPlacement;
 using GroupPtr = std::shared_ptr<sdk::TensorParallelGroup>;
 
@@ -124,23 +126,23 @@ TEST(TensorParallelShard, UnevenSplitIsRefused) {
     EXPECT_NE(std::string(e.what()).find("does not split into 3 part(s) x 2 rank(s)"), std::string::npos) << e.what();
   }
   auto group = std::make_shared<PlaceOnlyGroup>(0, 4);
-  EXPECT_THROW(sdk::ColumnParallelLinear(sdk::ColumnParallelLinearOptions(4, 6), group), sdk::Error);
-  EXPECT_THROW(sdk::RowParallelLinear(sdk::RowParallelLinearOptions(6, 4), group), sdk::Error);
+  EXPECT_THROW(toolkit::ColumnParallelLinear(toolkit::ColumnParallelLinearOptions(4, 6), group), sdk::Error);
+  EXPECT_THROW(toolkit::RowParallelLinear(toolkit::RowParallelLinearOptions(6, 4), group), sdk::Error);
 }
 
 // --- placements ----------------------------------------------------------------------------
 
 struct MixedImpl : torch::nn::Module {
   explicit MixedImpl(const GroupPtr& g)
-      : qkv(register_module("qkv", sdk::ColumnParallelLinear(sdk::ColumnParallelLinearOptions(8, 24).stride(3), g))),
-        out(register_module("out", sdk::RowParallelLinear(sdk::RowParallelLinearOptions(8, 8), g))),
+      : qkv(register_module("qkv", toolkit::ColumnParallelLinear(toolkit::ColumnParallelLinearOptions(8, 24).stride(3), g))),
+        out(register_module("out", toolkit::RowParallelLinear(toolkit::RowParallelLinearOptions(8, 8), g))),
         head(register_module("head", torch::nn::Linear(8, 5))),
         nobias(register_module("nobias",
-                               sdk::ColumnParallelLinear(sdk::ColumnParallelLinearOptions(8, 4).bias(false), g))) {}
-  sdk::ColumnParallelLinear qkv;
-  sdk::RowParallelLinear out;
+                               toolkit::ColumnParallelLinear(toolkit::ColumnParallelLinearOptions(8, 4).bias(false), g))) {}
+  toolkit::ColumnParallelLinear qkv;
+  toolkit::RowParallelLinear out;
   torch::nn::Linear head;
-  sdk::ColumnParallelLinear nobias;
+  toolkit::ColumnParallelLinear nobias;
 };
 TORCH_MODULE(Mixed);
 
@@ -163,7 +165,7 @@ TEST(TensorParallelPlacements, ListExactlyTheTensorParallelParameters) {
   at::manual_seed(7);
   torch::nn::Linear full(torch::nn::LinearOptions(8, 24));
   at::manual_seed(7);
-  sdk::ColumnParallelLinear piece(sdk::ColumnParallelLinearOptions(8, 24).stride(3), std::make_shared<PlaceOnlyGroup>(1, 2));
+  toolkit::ColumnParallelLinear piece(toolkit::ColumnParallelLinearOptions(8, 24).stride(3), std::make_shared<PlaceOnlyGroup>(1, 2));
   EXPECT_TRUE(at::equal(piece->weight, sdk::tensor_parallel_shard(full->weight, {0, 3}, 1, 2)));
   EXPECT_TRUE(at::equal(piece->bias, sdk::tensor_parallel_shard(full->bias, {0, 3}, 1, 2)));
   // Under the placements, state-dict names are the plain model's.
@@ -189,8 +191,8 @@ TEST_P(TensorParallelLinear, MatchesThePlainLayersOnOneRank) {
     at::Tensor y_ref = proj(at::gelu(fc(x_ref)));
     (y_ref * upstream).sum().backward();
 
-    sdk::ColumnParallelLinear col(*fc, tp);
-    sdk::RowParallelLinear row(*proj, tp);
+    toolkit::ColumnParallelLinear col(*fc, tp);
+    toolkit::RowParallelLinear row(*proj, tp);
     at::Tensor x = x_full.clone().requires_grad_(true);
     at::Tensor y = row(at::gelu(col(x)));
     ASSERT_TRUE(close(y, y_ref, "output"));
@@ -204,7 +206,7 @@ TEST_P(TensorParallelLinear, MatchesThePlainLayersOnOneRank) {
     at::Tensor xq_ref = x_full.clone().requires_grad_(true);
     at::Tensor q_ref = qkv(xq_ref);
     (q_ref * upstream_qkv).sum().backward();
-    sdk::ColumnParallelLinear fused(*qkv, tp, /*stride=*/3);
+    toolkit::ColumnParallelLinear fused(*qkv, tp, /*stride=*/3);
     at::Tensor xq = x_full.clone().requires_grad_(true);
     at::Tensor q = fused(xq);
     ASSERT_TRUE(close(q, sdk::tensor_parallel_shard(q_ref, {2, 3}, rank, size), "fused output piece"));
@@ -341,7 +343,7 @@ TEST(TensorParallelGpt, Bf16AutocastStaysCloseToTheUnparallelizedModel) {
   });
 }
 
-/// What `tessera plan` reads off one traced forward (sdk::tensor_parallel_traffic) is what the
+/// What `tessera plan` reads off one traced forward (toolkit::tensor_parallel_traffic) is what the
 /// real group all-reduces in that forward and its backward, in fp32 and under bf16 autocast;
 /// the planning group (no communication) yields the same graph as a real rank 0.
 TEST(TensorParallelTraffic, TheGraphPredictsWhatTheGroupAllReduces) {
@@ -359,8 +361,8 @@ TEST(TensorParallelTraffic, TheGraphPredictsWhatTheGroupAllReduces) {
       const std::int64_t before = comm->stats().all_reduce_bytes;
       at::Tensor loss = parallel->training_step(batch, 0).loss;
       const std::int64_t forward = comm->stats().all_reduce_bytes - before;
-      const sdk::TensorParallelTraffic traffic = sdk::tensor_parallel_traffic(loss);
-      const sdk::TensorParallelTraffic plan = sdk::tensor_parallel_traffic(planned->training_step(batch, 0).loss);
+      const toolkit::TensorParallelTraffic traffic = toolkit::tensor_parallel_traffic(loss);
+      const toolkit::TensorParallelTraffic plan = toolkit::tensor_parallel_traffic(planned->training_step(batch, 0).loss);
       tessera::sdk::set_autocast(/*cuda=*/false, false, at::kBFloat16);
       at::autocast::clear_cache();
       loss.backward();
@@ -379,10 +381,10 @@ TEST(TensorParallelTraffic, TheGraphPredictsWhatTheGroupAllReduces) {
       EXPECT_EQ(plan.forward_all_reduce_bytes, traffic.forward_all_reduce_bytes);
     }
     // Without tensor parallelism there is nothing to read.
-    const sdk::TensorParallelTraffic none = sdk::tensor_parallel_traffic(make_model("gpt", config, 11)->training_step(batch, 0).loss);
+    const toolkit::TensorParallelTraffic none = toolkit::tensor_parallel_traffic(make_model("gpt", config, 11)->training_step(batch, 0).loss);
     EXPECT_EQ(none.group_size, 1);
     EXPECT_EQ(none.forward_all_reduces + none.backward_all_reduces, 0);
-    EXPECT_EQ(sdk::tensor_parallel_traffic(at::Tensor()).forward_all_reduce_bytes, 0);
+    EXPECT_EQ(toolkit::tensor_parallel_traffic(at::Tensor()).forward_all_reduce_bytes, 0);
   });
 }
 
@@ -448,9 +450,9 @@ struct PlainImpl : torch::nn::Module {
         head(register_module("head", torch::nn::Linear(8, 5))),
         nobias(register_module("nobias", torch::nn::Linear(torch::nn::LinearOptions(8, 4).bias(false)))) {}
   void parallelize(const GroupPtr& g) {
-    replace_module("qkv", sdk::ColumnParallelLinear(*qkv, g, /*stride=*/3));
-    replace_module("out", sdk::RowParallelLinear(*out, g));
-    replace_module("nobias", sdk::ColumnParallelLinear(*nobias, g));
+    replace_module("qkv", toolkit::ColumnParallelLinear(*qkv, g, /*stride=*/3));
+    replace_module("out", toolkit::RowParallelLinear(*out, g));
+    replace_module("nobias", toolkit::ColumnParallelLinear(*nobias, g));
   }
   torch::nn::Linear qkv, out, head, nobias;
 };

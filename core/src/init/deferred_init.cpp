@@ -21,6 +21,7 @@
 #include "tessera/sdk/error.hpp"
 #include "tessera/sdk/tensor_parallel.hpp"
 #include "tessera/toolkit/sync_batch_norm.hpp"
+#include "tessera/toolkit/tensor_parallel.hpp"
 
 namespace tessera::core {
 
@@ -121,8 +122,8 @@ void reset_linear(at::Tensor& weight, at::Tensor& bias) {
 }  // namespace
 
 bool reset_known_module(torch::nn::Module& m) {
-  if (auto* x = dynamic_cast<sdk::ColumnParallelLinearImpl*>(&m)) return reset_linear(x->weight, x->bias), true;
-  if (auto* x = dynamic_cast<sdk::RowParallelLinearImpl*>(&m)) return reset_linear(x->weight, x->bias), true;
+  if (auto* x = dynamic_cast<toolkit::ColumnParallelLinearImpl*>(&m)) return reset_linear(x->weight, x->bias), true;
+  if (auto* x = dynamic_cast<toolkit::RowParallelLinearImpl*>(&m)) return reset_linear(x->weight, x->bias), true;
   if (auto* x = dynamic_cast<torch::nn::LinearImpl*>(&m)) return x->reset_parameters(), true;
   if (auto* x = dynamic_cast<torch::nn::EmbeddingImpl*>(&m)) return x->reset_parameters(), true;
   if (auto* x = dynamic_cast<torch::nn::LayerNormImpl*>(&m)) return x->reset_parameters(), true;

@@ -52,7 +52,7 @@ class TESSERA_SDK_API Module : public PluginObject {
   /// buffers that `module` (at `path` in the network) owns directly, as configure_model()
   /// does. FSDP strategies call it unit by unit under [strategy] deferred_init, after giving
   /// the module real memory. Return false to let the module's own reset_parameters() do it
-  /// (LibTorch's Linear, Embedding, LayerNorm, Conv, BatchNorm; the SDK's tensor-parallel
+  /// (LibTorch's Linear, Embedding, LayerNorm, Conv, BatchNorm; the toolkit's tensor-parallel
   /// Linear layers as a Linear of the full size). Under tensor parallelism a module holding
   /// tensor-parallel pieces comes with its split parameters at their full shape (the same
   /// values on every tp rank), and the strategy keeps this rank's piece after. Default: false
@@ -63,7 +63,7 @@ class TESSERA_SDK_API Module : public PluginObject {
   virtual Checkpoint hyper_parameters() const = 0;
 
   /// Tensor parallelism (NeMo's parallelize_fn): replace the network's layers by the
-  /// tensor-parallel layers of tensor_parallel.hpp, each holding this rank's piece of the
+  /// tensor-parallel layers of tessera/toolkit/tensor_parallel.hpp, each holding this rank's piece of the
   /// current (full, identical on every rank) parameters, so a run starts from the
   /// single-device weights. Called by a DP x TP strategy once, after configure_model() and
   /// before the strategy shards anything. Check sizes before changing anything (an sdk::Error
