@@ -74,8 +74,9 @@ TEST(Options, ValuesKeysAndSubTablesWithoutTomlTypes) {
   EXPECT_EQ(o.value("k").as<std::int64_t>(), 4);
   EXPECT_FALSE(o.value("flag").as<bool>());
   EXPECT_DOUBLE_EQ(o.value("ratio").as<double>(), 0.25);
-  const tessera::sdk::Value list_value = o.value("list");  // as() refers into it: keep it alive
-  const auto& list = list_value.as<std::vector<tessera::sdk::Value>>();
+  // as() on the temporary value() returns is a copy, so this reference does not dangle (ASan found
+  // it dangling when as() returned a reference into the temporary).
+  const auto& list = o.value("list").as<std::vector<tessera::sdk::Value>>();
   ASSERT_EQ(list.size(), 2u);
   EXPECT_EQ(list[1].as<std::string>(), "a");
   EXPECT_STREQ(o.value("k").type_name(), "integer");

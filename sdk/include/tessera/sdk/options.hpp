@@ -39,8 +39,12 @@ struct TESSERA_SDK_API Value : std::variant<std::monostate, bool, std::int64_t, 
   bool absent() const { return std::holds_alternative<std::monostate>(*this); }
   template <typename T>
   bool is() const { return std::holds_alternative<T>(*this); }
+  /// The value as T (std::bad_variant_access when it holds another type). On a temporary, such as
+  /// what Options::value() returns, a copy: a reference into it would dangle.
   template <typename T>
-  const T& as() const { return std::get<T>(*this); }
+  const T& as() const& { return std::get<T>(*this); }
+  template <typename T>
+  T as() && { return std::get<T>(std::move(*this)); }
   /// TOML's name of the type ("integer", "string", ...), for messages.
   const char* type_name() const;
 };
