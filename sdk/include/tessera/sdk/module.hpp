@@ -63,8 +63,8 @@ class TESSERA_SDK_API Module : public PluginObject {
   virtual Checkpoint hyper_parameters() const = 0;
 
   /// Tensor parallelism (NeMo's parallelize_fn): replace the network's layers by the
-  /// tensor-parallel layers of tessera/toolkit/tensor_parallel.hpp, each holding this rank's piece of the
-  /// current (full, identical on every rank) parameters, so a run starts from the
+  /// tensor-parallel layers of tessera/toolkit/tensor_parallel.hpp, each holding this rank's
+  /// piece of the current (full, identical on every rank) parameters, so a run starts from the
   /// single-device weights. Called by a DP x TP strategy once, after configure_model() and
   /// before the strategy shards anything. Check sizes before changing anything (an sdk::Error
   /// naming the config key and the valid tp sizes). Default: nothing when the tp group has

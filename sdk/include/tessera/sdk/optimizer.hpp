@@ -33,7 +33,8 @@ struct NamedParameter {
 /// AdamW/Adam/SGD over `params` (one param group), from `settings`. Adam and AdamW step
 /// through the fused kernels aten::_fused_adam_ and _fused_adamw_ where the parameters' device
 /// has them (CUDA; the CPU: LibTorch's from 2.4, below it the toolkit's, registered when
-/// libtessera_toolkit is loaded, as it is in every tessera process), otherwise through LibTorch's loop.
+/// libtessera_toolkit is loaded, as it is in every tessera process), otherwise through
+/// LibTorch's loop.
 TESSERA_SDK_API std::unique_ptr<torch::optim::Optimizer> make_optimizer(const std::vector<NamedParameter>& params,
                                                                         const OptimizerSettings& settings);
 

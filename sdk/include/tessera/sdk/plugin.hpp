@@ -28,7 +28,8 @@ namespace tessera::sdk {
 /// The installed CMake package's version is this ABI: find_package(TesseraSDK 7).
 /// History: 7: the tensor-parallel layers and regions (ColumnParallelLinear, RowParallelLinear,
 /// copy_to / reduce_from regions, tensor_parallel_traffic) and the CPU Adam kernel moved to the
-/// toolkit (tessera/toolkit/tensor_parallel.hpp); the contract keeps the group and placements. 6: no TOML++ type in the contract (Options holds its table privately; Value, keys(),
+/// toolkit (tessera/toolkit/tensor_parallel.hpp); the contract keeps the group and placements.
+/// 6: no TOML++ type in the contract (Options holds its table privately; Value, keys(),
 /// value(), sub_table() for keys a factory parses itself), so the fingerprint drops TOML++. 5: the
 /// Options getters take a Key (name + doc), KeyObserver; Strategy::tensor_init_context removed
 /// (never called). 4: Callback::on_after_optimizer_step, Trainer::save_checkpoint(path,
