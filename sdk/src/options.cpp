@@ -19,38 +19,30 @@ const char* Value::type_name() const {
   return names[index()];
 }
 
-Value to_value(const toml::node& node) {
+namespace {
+/// `node` as a Value; a date or time in it is refused as the value of `where` (a key's location).
+Value to_value(const toml::node& node, const std::string& where) {
   if (const auto* table = node.as_table()) {
     std::map<std::string, Value> out;
-    for (const auto& [key, item] : *table) out.emplace(std::string(key.str()), to_value(item));
+    for (const auto& [key, item] : *table) out.emplace(std::string(key.str()), to_value(item, where));
     return out;
   }
   if (const auto* array = node.as_array()) {
     std::vector<Value> out;
-    for (const toml::node& item : *array) out.push_back(to_value(item));
+    for (const toml::node& item : *array) out.push_back(to_value(item, where));
     return out;
   }
   if (const auto* v = node.as_boolean()) return v->get();
   if (const auto* v = node.as_integer()) return v->get();
   if (const auto* v = node.as_floating_point()) return v->get();
   if (const auto* v = node.as_string()) return v->get();
-  TESSERA_FAIL("a TOML ", toml::impl::node_type_friendly_names[static_cast<int>(node.type())],
-               " has no configuration value: no key takes dates or times");
-}
-
-namespace {
-/// The first date or time in `node` (itself, or inside its arrays and tables), else null.
-const toml::node* date_or_time_in(const toml::node& node) {
-  if (node.is_date() || node.is_time() || node.is_date_time()) return &node;
-  if (const auto* table = node.as_table())
-    for (const auto& [key, item] : *table)
-      if (const toml::node* found = date_or_time_in(item)) return found;
-  if (const auto* array = node.as_array())
-    for (const toml::node& item : *array)
-      if (const toml::node* found = date_or_time_in(item)) return found;
-  return nullptr;
+  // A date is no string: refused, naming the key, rather than read as anything.
+  TESSERA_FAIL(where, " holds a TOML ", toml::impl::node_type_friendly_names[static_cast<int>(node.type())],
+               ", which no key takes");
 }
 }  // namespace
+
+Value to_value(const toml::node& node) { return to_value(node, "a configuration value"); }
 
 Options::Options(std::string section, std::string source, std::shared_ptr<const Table> table)
     : section_(std::move(section)), source_(std::move(source)), table_(std::move(table)) {}
@@ -67,11 +59,7 @@ std::vector<std::string> Options::keys() const {
 Value Options::value(const std::string& key) const {
   const toml::node* node = table_->table.get(key);
   if (node == nullptr) return Value();
-  // A date is no string: refused here, naming the key, rather than read as anything.
-  if (const toml::node* date = date_or_time_in(*node))
-    TESSERA_FAIL(locate(key), " holds a TOML ", toml::impl::node_type_friendly_names[static_cast<int>(date->type())],
-                 ", which no key takes");
-  return to_value(*node);
+  return to_value(*node, locate(key));
 }
 
 Options Options::sub_table(const std::string& key) const {
