@@ -16,6 +16,7 @@
 #include <torch/nn/modules/normalization.h>
 
 #include "multiprocess.hpp"
+#include "sanitizers.hpp"
 #include "tessera/sdk/autocast.hpp"
 #include "tessera/core/checkpoint.hpp"
 #include "tessera/core/safetensors.hpp"
@@ -53,6 +54,7 @@ TEST(Failures, AHungRankBecomesACollectiveTimeoutReport) {
 // The binary's malloc is jemalloc (memory on the 1/N line without environment variables):
 // jemalloc itself answers MALLOC_CONF, which glibc's malloc ignores.
 TEST(Cli, TheBinarysAllocatorIsJemalloc) {
+  TESSERA_SKIP_IF_ADDRESS_SANITIZER();
   auto r = run_tessera("--version", "MALLOC_CONF=stats_print:true");
   EXPECT_EQ(r.exit_code, 0) << r.output;
   EXPECT_NE(r.output.find("___ Begin jemalloc statistics ___"), std::string::npos) << r.output;
@@ -81,6 +83,7 @@ std::string opt_narenas(const std::string& stats) {
 }  // namespace
 
 TEST(Cli, TrainingKeepsFreedPagesShardedJobsReturnOversizeBlocks) {
+  TESSERA_SKIP_IF_ADDRESS_SANITIZER();
   const std::string dir = tessera::testing::fresh_dir("allocator-decay");
   auto one = run_tessera("fit --config " + write_config(dir) + " --set trainer.max_steps=1", "MALLOC_CONF=stats_print:true");
   EXPECT_EQ(one.exit_code, 0) << one.output;

@@ -11,6 +11,7 @@
 #include <torch/version.h>
 
 #include "multiprocess.hpp"
+#include "sanitizers.hpp"
 #include "plan/plan.hpp"
 #include "tessera/core/comm.hpp"
 #include "tessera/core/fsdp/memory_plan.hpp"
@@ -45,6 +46,7 @@ void PrintTo(const Case& c, std::ostream* os) { *os << c.name; }
 class PlanVsMeasured : public ::testing::TestWithParam<Case> {};
 
 TEST_P(PlanVsMeasured, PeakRssWithinTenPercent) {
+  TESSERA_SKIP_IF_ADDRESS_SANITIZER();
   const Case& c = GetParam();
   const std::string dir = tessera::testing::fresh_dir(std::string("plan-") + c.name);
   const std::string config = write_config(dir);
