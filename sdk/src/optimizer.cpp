@@ -60,8 +60,8 @@ namespace {
 /// torch::optim::AdamW still sees one) whose step runs the fused kernel where the parameters'
 /// device has one (LibTorch's, or on the CPU below LibTorch 2.4 the toolkit's
 /// fused_adam_cpu.cpp): one pass reading parameter, gradient and both moments and writing
-/// three, where LibTorch's C++ loop makes nine elementwise passes with temporaries (~23 reads and writes of the model per step:
-/// at 1.3B parameters on an H100 ~40 ms against ~12).
+/// three, where LibTorch's C++ loop makes nine elementwise passes with temporaries (~23 reads
+/// and writes of the model per step: at 1.3B parameters on an H100 ~40 ms against ~12).
 /// Anything the kernel does not take (amsgrad, a gradient of another dtype or layout than its
 /// parameter, a device without the kernel) steps through LibTorch's loop, as before.
 template <class Base, class Options, class State, bool Decoupled>

@@ -20,8 +20,10 @@ const char* Value::type_name() const {
 }
 
 namespace {
-/// `node` as a Value; a date or time in it is refused as the value of `where` (a key's location).
-Value to_value(const toml::node& node, const std::string& where) {
+/// `node` as a Value; a date or time in it is refused as the value of `where()` (a key's location,
+/// worked out only then).
+template <typename Where>
+Value to_value(const toml::node& node, const Where& where) {
   if (const auto* table = node.as_table()) {
     std::map<std::string, Value> out;
     for (const auto& [key, item] : *table) out.emplace(std::string(key.str()), to_value(item, where));
@@ -37,12 +39,14 @@ Value to_value(const toml::node& node, const std::string& where) {
   if (const auto* v = node.as_floating_point()) return v->get();
   if (const auto* v = node.as_string()) return v->get();
   // A date is no string: refused, naming the key, rather than read as anything.
-  TESSERA_FAIL(where, " holds a TOML ", toml::impl::node_type_friendly_names[static_cast<int>(node.type())],
+  TESSERA_FAIL(where(), " holds a TOML ", toml::impl::node_type_friendly_names[static_cast<int>(node.type())],
                ", which no key takes");
 }
 }  // namespace
 
-Value to_value(const toml::node& node) { return to_value(node, "a configuration value"); }
+Value to_value(const toml::node& node) {
+  return to_value(node, [] { return std::string("a configuration value"); });
+}
 
 Options::Options(std::string section, std::string source, std::shared_ptr<const Table> table)
     : section_(std::move(section)), source_(std::move(source)), table_(std::move(table)) {}
@@ -59,7 +63,7 @@ std::vector<std::string> Options::keys() const {
 Value Options::value(const std::string& key) const {
   const toml::node* node = table_->table.get(key);
   if (node == nullptr) return Value();
-  return to_value(*node, locate(key));
+  return to_value(*node, [&] { return locate(key); });
 }
 
 Options Options::sub_table(const std::string& key) const {
