@@ -1,7 +1,11 @@
 #include "llama_config.hpp"
 
+#include <unistd.h>
+
 #include <algorithm>
+#include <cmath>
 #include <fstream>
+#include <limits>
 #include <type_traits>
 #include <variant>
 
@@ -36,10 +40,27 @@ json to_json(const sdk::Value& value) {
       static_cast<const sdk::Value::variant&>(value));
 }
 
-std::optional<std::int64_t> optional_id(const json& value, const std::string& what) {
+/// What get_int accepts, for messages: "an integer >= 1", "an integer from 0 to 7".
+std::string int_range(std::int64_t min, std::int64_t max) {
+  if (max == INT64_MAX) return "an integer >= " + std::to_string(min);
+  return "an integer from " + std::to_string(min) + " to " + std::to_string(max);
+}
+
+/// A token id (null: none) below vocab_size.
+std::optional<std::int64_t> optional_id(const json& value, const std::string& what, std::int64_t vocab_size) {
   if (value.is_null()) return std::nullopt;
-  TESSERA_CHECK(value.is_number_integer(), what, " must be a token id, found ", value.dump());
-  return value.get<std::int64_t>();
+  const bool fits = value.is_number_integer() && !(value.is_number_unsigned() && value.get<std::uint64_t>() > INT64_MAX);
+  const std::int64_t id = fits ? value.get<std::int64_t>() : -1;
+  TESSERA_CHECK(fits && id >= 0 && id < vocab_size, what, " = ", value.dump(), " is not a token id; valid: ",
+                int_range(0, vocab_size - 1), " (below vocab_size = ", vocab_size, ")");
+  return id;
+}
+
+/// The machine's memory: no one tensor of the model may be larger, since each is allocated whole
+/// on one process (deferred initialisation too materialises a unit's tensors before sharding).
+std::int64_t physical_memory_bytes() {
+  const long pages = ::sysconf(_SC_PHYS_PAGES), page = ::sysconf(_SC_PAGESIZE);
+  return pages > 0 && page > 0 ? static_cast<std::int64_t>(pages) * page : INT64_MAX;
 }
 
 }  // namespace
@@ -58,6 +79,32 @@ LlamaConfigReader::LlamaConfigReader(const sdk::Options& o) : o_(o) {
   TESSERA_CHECK(json_.is_object(), o.locate("config"), " = \"", path_, "\" is not a JSON object");
 }
 
+std::optional<std::int64_t> LlamaConfigReader::json_int(const std::string& key, std::int64_t min,
+                                                       std::int64_t max) const {
+  if (!json_.contains(key) || json_.at(key).is_null()) return std::nullopt;
+  const json& value = json_.at(key);
+  const bool fits = value.is_number_integer() && !(value.is_number_unsigned() && value.get<std::uint64_t>() > INT64_MAX);
+  TESSERA_CHECK(fits, "\"", path_, "\": ", key, " = ", value.dump(),
+                value.is_number_integer() ? " is out of range" : " is not an integer", "; valid: ", int_range(min, max));
+  return value.get<std::int64_t>();
+}
+
+std::int64_t LlamaConfigReader::get_int(const sdk::Key& key, std::int64_t fallback, std::int64_t min,
+                                        std::int64_t max) const {
+  const std::int64_t value = o_.get_int(key, json_int(key.name, min, max).value_or(fallback));
+  TESSERA_CHECK(value >= min && value <= max, where(key.name), " = ", value, " is out of range; valid: ",
+                int_range(min, max));
+  return value;
+}
+
+double LlamaConfigReader::get_double(const sdk::Key& key, double fallback, double min, bool exclusive) const {
+  constexpr double kInf = std::numeric_limits<double>::infinity();  // an infinity gets the message below
+  const double value = o_.get_double(key, from_json<double>(key.name, fallback), -kInf, kInf);
+  TESSERA_CHECK(std::isfinite(value) && (exclusive ? value > min : value >= min), where(key.name), " = ", value,
+                " is out of range; valid: a finite number ", exclusive ? "> " : ">= ", min);
+  return value;
+}
+
 json LlamaConfigReader::get_json(const std::string& key) const {
   if (o_.has(key)) {
     o_.mark_used(key);
@@ -66,6 +113,53 @@ json LlamaConfigReader::get_json(const std::string& key) const {
   return json_.contains(key) ? json_.at(key) : json();
 }
 
+
+namespace {
+
+/// Before anything is allocated: every tensor the configuration makes fits this machine's memory
+/// (in fp32, as the model is built), and no product of its dimensions overflows.
+void check_allocatable(const LlamaConfig& c, const LlamaConfigReader& r) {
+  std::int64_t q_width = 0, kv_width = 0;
+  TESSERA_CHECK(!__builtin_mul_overflow(c.num_attention_heads, c.head_dim, &q_width) &&
+                    !__builtin_mul_overflow(c.num_key_value_heads, c.head_dim, &kv_width),
+                r.where("head_dim"), " = ", c.head_dim, " times num_attention_heads = ", c.num_attention_heads,
+                " overflows a 64-bit size");
+  struct Matrix {
+    const char* name;
+    std::int64_t rows, cols;
+    const char* key;  // the key that sets rows (cols is hidden_size)
+    std::int64_t value, copies;  // the key's value; matrices of this shape (per layer, or in all)
+    bool per_layer;
+  };
+  const std::vector<Matrix> matrices{
+      {"model.embed_tokens.weight", c.vocab_size, c.hidden_size, "vocab_size", c.vocab_size,
+       c.tie_word_embeddings ? 1 : 2, false},
+      {"self_attn.q_proj.weight", q_width, c.hidden_size, "num_attention_heads", c.num_attention_heads, 2, true},
+      {"self_attn.k_proj.weight", kv_width, c.hidden_size, "num_key_value_heads", c.num_key_value_heads, 2, true},
+      {"mlp.gate_proj.weight", c.intermediate_size, c.hidden_size, "intermediate_size", c.intermediate_size, 3, true}};
+  const std::int64_t memory = physical_memory_bytes();
+  std::int64_t per_layer = 0, once = 0;
+  bool overflow = false;
+  for (const Matrix& m : matrices) {
+    std::int64_t elements = 0, bytes = 0;
+    const bool too_many =
+        __builtin_mul_overflow(m.rows, m.cols, &elements) || __builtin_mul_overflow(elements, std::int64_t{4}, &bytes);
+    TESSERA_CHECK(!too_many && bytes <= memory, r.where(m.key), " = ", m.value, " with hidden_size = ", c.hidden_size,
+                  " makes ", m.name, " [", m.rows, ", ", m.cols, "]: ",
+                  too_many ? std::string("more bytes than a 64-bit size counts") : std::to_string(bytes) + " bytes in fp32",
+                  ", more than this machine's memory (", memory, " bytes); valid: sizes whose tensors fit in memory");
+    std::int64_t& sum = m.per_layer ? per_layer : once;
+    overflow = overflow || __builtin_mul_overflow(elements, m.copies, &elements) ||
+               __builtin_add_overflow(sum, elements, &sum);
+  }
+  std::int64_t total = 0;
+  overflow = overflow || __builtin_mul_overflow(per_layer, c.num_hidden_layers, &total) ||
+             __builtin_add_overflow(total, once, &total) || __builtin_mul_overflow(total, std::int64_t{4}, &total);
+  TESSERA_CHECK(!overflow, r.where("num_hidden_layers"), " = ", c.num_hidden_layers,
+                " makes a model whose size in bytes overflows a 64-bit integer; valid: a model that fits in memory");
+}
+
+}  // namespace
 
 LlamaConfig read_llama_config(const LlamaConfigReader& r) {
   const std::string model_type_where = r.where("model_type");
@@ -87,7 +181,7 @@ LlamaConfig read_llama_config(const LlamaConfigReader& r) {
   c.num_key_value_heads = r.get_int(
       {"num_key_value_heads",
        "Hugging Face's num_key_value_heads: key/value heads (fewer than query heads: grouped-query attention)"},
-      c.num_attention_heads);
+      c.num_attention_heads, 1, c.num_attention_heads);
   TESSERA_CHECK(c.num_attention_heads % c.num_key_value_heads == 0, r.where("num_key_value_heads"), " = ",
                 c.num_key_value_heads, " must divide num_attention_heads = ", c.num_attention_heads,
                 " (each key-value head serves a group of query heads)");
@@ -96,14 +190,16 @@ LlamaConfig read_llama_config(const LlamaConfigReader& r) {
     TESSERA_CHECK(c.hidden_size % c.num_attention_heads == 0, r.where("hidden_size"), " = ", c.hidden_size,
                   " must be divisible by num_attention_heads = ", c.num_attention_heads, " (or set head_dim)");
   c.head_dim = r.get_int({"head_dim", "Hugging Face's head_dim (default hidden_size / num_attention_heads)"},
-                         c.hidden_size / c.num_attention_heads);
+                         c.hidden_size / c.num_attention_heads, 2);
   TESSERA_CHECK(c.head_dim % 2 == 0, r.where("head_dim"), " = ", c.head_dim, " must be even (rotary embeddings)");
   c.max_position_embeddings =
       r.get_int({"max_position_embeddings", "Hugging Face's max_position_embeddings: the context"},
                 c.model_type == "qwen2" ? 32768 : 2048);
-  c.rms_norm_eps = r.get_double({"rms_norm_eps", "Hugging Face's rms_norm_eps: RMSNorm's epsilon"}, 1e-6, 0.0);
+  c.rms_norm_eps =
+      r.get_double({"rms_norm_eps", "Hugging Face's rms_norm_eps: RMSNorm's epsilon"}, 1e-6, 0.0, /*exclusive=*/true);
   c.rope_theta = r.get_double(
-      {"rope_theta", "Hugging Face's rope_theta: the base of the rotary embedding's frequencies"}, 10000.0, 1e-300);
+      {"rope_theta", "Hugging Face's rope_theta: the base of the rotary embedding's frequencies"}, 10000.0, 0.0,
+      /*exclusive=*/true);
   c.initializer_range = r.get_double(
       {"initializer_range", "Hugging Face's initializer_range: the standard deviation of the initial weights"}, 0.02,
       0.0);
@@ -128,26 +224,34 @@ LlamaConfig read_llama_config(const LlamaConfigReader& r) {
   json scaling = r.get_json("rope_scaling");
   if (scaling.is_null()) {
     scaling = r.file().contains("rope_parameters") ? r.file().at("rope_parameters") : json();
-    if (scaling.is_object() && scaling.contains("rope_theta") && !r.file().contains("rope_theta"))
-      c.rope_theta = scaling.at("rope_theta").get<double>();
+    if (scaling.is_object() && scaling.contains("rope_theta") && !r.file().contains("rope_theta")) {
+      const json& theta = scaling.at("rope_theta");
+      TESSERA_CHECK(theta.is_number() && theta.get<double>() > 0, "\"", r.path(), "\": rope_parameters.rope_theta = ",
+                    theta.dump(), " is out of range; valid: a finite number > 0");
+      c.rope_theta = theta.get<double>();
+    }
   }
   if (!scaling.is_null()) {
     const std::string where = r.where("rope_scaling");
     TESSERA_CHECK(scaling.is_object(), where, " must be a table (rope_type = \"llama3\", factor = ...), found ",
                   scaling.dump());
     RopeScaling s;
-    s.type = scaling.value("rope_type", scaling.value("type", std::string("default")));
+    const json type = scaling.value("rope_type", scaling.value("type", json("default")));
+    TESSERA_CHECK(type.is_string(), where, ": rope_scaling rope_type must be a string, found ", type.dump());
+    s.type = type.get<std::string>();
     if (std::find(kRopeTypes.begin(), kRopeTypes.end(), s.type) == kRopeTypes.end())
       TESSERA_FAIL(where, ": rope_scaling type \"", s.type, "\" is not supported; supported: \"default\", \"linear\", ",
                    "\"llama3\"");
+    // Each is a divisor of the frequencies or wavelengths: a finite number > 0.
     auto number = [&](const char* key, double fallback, bool required) {
       if (!scaling.contains(key)) {
         TESSERA_CHECK(!required, where, ": rope_scaling type \"", s.type, "\" needs ", key);
         return fallback;
       }
-      TESSERA_CHECK(scaling.at(key).is_number(), where, ": rope_scaling ", key, " must be a number, found ",
-                    scaling.at(key).dump());
-      return scaling.at(key).get<double>();
+      const json& value = scaling.at(key);
+      TESSERA_CHECK(value.is_number() && value.get<double>() > 0, where, ": rope_scaling ", key, " = ", value.dump(),
+                    " is out of range; valid: a finite number > 0");
+      return value.get<double>();
     };
     const bool scaled = s.type != "default";
     s.factor = number("factor", 1.0, scaled);
@@ -159,16 +263,18 @@ LlamaConfig read_llama_config(const LlamaConfigReader& r) {
                   ": rope_scaling high_freq_factor must differ from low_freq_factor");
     c.rope_scaling = s;
   }
-  c.pad_token_id = optional_id(r.get_json("pad_token_id"), r.where("pad_token_id"));
-  if (c.pad_token_id)
-    TESSERA_CHECK(*c.pad_token_id >= 0 && *c.pad_token_id < c.vocab_size, r.where("pad_token_id"), " = ",
-                  *c.pad_token_id, " is not a token id below vocab_size = ", c.vocab_size);
-  c.bos_token_id = optional_id(r.get_json("bos_token_id"), r.where("bos_token_id"));
+  c.pad_token_id = optional_id(r.get_json("pad_token_id"), r.where("pad_token_id"), c.vocab_size);
+  c.bos_token_id = optional_id(r.get_json("bos_token_id"), r.where("bos_token_id"), c.vocab_size);
   const json eos = r.get_json("eos_token_id");
   if (eos.is_array())
-    for (const auto& id : eos) c.eos_token_id.push_back(*optional_id(id, r.where("eos_token_id")));
-  else if (auto id = optional_id(eos, r.where("eos_token_id")))
+    for (const auto& id : eos) {
+      TESSERA_CHECK(!id.is_null(), r.where("eos_token_id"), " lists null; valid: token ids below vocab_size = ",
+                    c.vocab_size);
+      c.eos_token_id.push_back(*optional_id(id, r.where("eos_token_id"), c.vocab_size));
+    }
+  else if (auto id = optional_id(eos, r.where("eos_token_id"), c.vocab_size))
     c.eos_token_id.push_back(*id);
+  check_allocatable(c, r);
   return c;
 }
 

@@ -46,12 +46,13 @@ class LlamaConfigReader {
                                                                  : "\"" + path_ + "\": " + key;
   }
 
-  std::int64_t get_int(const sdk::Key& key, std::int64_t fallback, std::int64_t min = 1) const {
-    return o_.get_int(key, from_json<std::int64_t>(key.name, fallback), min);
-  }
-  double get_double(const sdk::Key& key, double fallback, double min = -1e300) const {
-    return o_.get_double(key, from_json<double>(key.name, fallback), min);
-  }
+  // The range checks below serve a TOML key and its config.json twin alike (one check, one
+  // message naming where the value came from and what is valid): the two can never drift.
+  /// An integer in [min, max]; a config.json number that is not an integer (64.5, 1e12) is refused.
+  std::int64_t get_int(const sdk::Key& key, std::int64_t fallback, std::int64_t min = 1,
+                       std::int64_t max = INT64_MAX) const;
+  /// A finite number, at least `min` (or above it, when `exclusive`).
+  double get_double(const sdk::Key& key, double fallback, double min, bool exclusive = false) const;
   bool get_bool(const sdk::Key& key, bool fallback) const {
     return o_.get_bool(key, from_json<bool>(key.name, fallback));
   }
@@ -68,6 +69,9 @@ class LlamaConfigReader {
   const std::string& path() const { return path_; }
 
  private:
+  /// config.json's integer (nullopt when absent or null), refused when it is not one or does not
+  /// fit an int64 (nlohmann's get<std::int64_t> would truncate 64.5 and wrap 2^64 silently).
+  std::optional<std::int64_t> json_int(const std::string& key, std::int64_t min, std::int64_t max) const;
   template <typename T>
   T from_json(const std::string& key, T fallback) const {
     if (!json_.contains(key) || json_.at(key).is_null()) return fallback;
@@ -83,8 +87,9 @@ class LlamaConfigReader {
   nlohmann::json json_;
 };
 
-/// The whole configuration, checked: an unknown model_type or rope type, or values that do not
-/// fit together (heads, head_dim, token ids), are refused naming the key and where it was set.
+/// The whole configuration, checked: an unknown model_type or rope type, a value out of its range,
+/// values that do not fit together (heads, head_dim, token ids) or a tensor too large for this
+/// machine's memory are refused naming the key and where it was set, before anything is allocated.
 LlamaConfig read_llama_config(const LlamaConfigReader& r);
 
 }  // namespace tessera::models

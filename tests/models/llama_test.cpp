@@ -226,6 +226,66 @@ TEST(LlamaConfig, RefusalsNameWhatIsSupported) {
   EXPECT_NE(e.find("hidden_act = \"gelu\" is not supported; supported: \"silu\""), std::string::npos) << e;
 }
 
+// Issue 59.1-2: one range check serves a config.json key and its TOML twin (the same message
+// after where the value came from); each refusal names the key and what is valid.
+TEST(LlamaConfig, ConfigJsonAndTomlShareOneRangeCheck) {
+  const std::string dir = tessera::testing::fresh_dir("llama-ranges");
+  const nlohmann::json base = nlohmann::json::parse(
+      R"({"model_type": "llama", "vocab_size": 256, "hidden_size": 16, "intermediate_size": 32,
+          "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 1})");
+  struct Case {
+    std::string key, value, expected;  // value as JSON; expected after "<where> key"
+    bool toml_twin = true;             // the same value in TOML (JSON-only syntax: no)
+  };
+  const std::vector<Case> cases{
+      {"num_attention_heads", "0", " = 0 is out of range; valid: an integer >= 1"},
+      {"num_hidden_layers", "0", " = 0 is out of range; valid: an integer >= 1"},
+      {"hidden_size", "-64", " = -64 is out of range; valid: an integer >= 1"},
+      {"vocab_size", "0", " = 0 is out of range; valid: an integer >= 1"},
+      {"intermediate_size", "0", " = 0 is out of range; valid: an integer >= 1"},
+      {"num_key_value_heads", "3", " = 3 is out of range; valid: an integer from 1 to 2"},
+      {"hidden_size", "64.5", " = 64.5 is not an integer; valid: an integer >= 1", false},
+      {"vocab_size", "1e12", " = 1000000000000.0 is not an integer; valid: an integer >= 1", false},
+      {"vocab_size", "1000000000000",
+       " = 1000000000000 with hidden_size = 16 makes model.embed_tokens.weight [1000000000000, 16]: 64000000000000 "
+       "bytes in fp32, more than this machine's memory"},
+      {"rope_theta", "-5", " = -5 is out of range; valid: a finite number > 0"},
+      {"rms_norm_eps", "-1", " = -1 is out of range; valid: a finite number > 0"},
+      {"rms_norm_eps", "0", " = 0 is out of range; valid: a finite number > 0"},
+      {"eos_token_id", "256", " = 256 is not a token id; valid: an integer from 0 to 255 (below vocab_size = 256)"},
+      {"bos_token_id", "-1", " = -1 is not a token id; valid: an integer from 0 to 255"},
+      {"eos_token_id", "[1, 300]", " = 300 is not a token id; valid: an integer from 0 to 255", false},
+      {"rope_scaling", R"({"rope_type": "linear", "factor": -1})",
+       ": rope_scaling factor = -1 is out of range; valid: a finite number > 0", false},
+  };
+  for (std::size_t i = 0; i < cases.size(); ++i) {
+    const Case& c = cases[i];
+    SCOPED_TRACE(c.key + " = " + c.value);
+    nlohmann::json config = base;
+    config[c.key] = nlohmann::json::parse(c.value);
+    const std::string path = dir + "/config" + std::to_string(i) + ".json";
+    std::ofstream(path) << config.dump();
+    const std::string from_json = error_of("config = \"" + path + "\"\n");
+    EXPECT_NE(from_json.find("\"" + path + "\": " + c.key + c.expected), std::string::npos) << from_json;
+    if (!c.toml_twin) continue;
+    const std::string from_toml = error_of("config = \"" + path + "\"\n" + c.key + " = " + c.value + "\n");
+    EXPECT_NE(from_toml.find("test.toml:2: [model] " + c.key + c.expected), std::string::npos) << from_toml;
+  }
+  // Through the binary: config.json's num_attention_heads = 0 divided by zero (SIGFPE, nothing
+  // printed); now fit stops with the message before any rank starts.
+  nlohmann::json zero = base;
+  zero["num_attention_heads"] = 0;
+  std::ofstream(dir + "/zero.json") << zero.dump();
+  std::ofstream(dir + "/run.toml") << "[trainer]\ndefault_root_dir = \"" << dir << "\"\nmax_steps = 1\n"
+                                   << "[model]\nplugin = \"llama\"\nconfig = \"" << dir << "/zero.json\"\n"
+                                   << "[data]\nplugin = \"text\"\nblock_size = 8\n";
+  const auto r = tessera::testing::run_tessera("fit --config " + dir + "/run.toml", "", 60);
+  EXPECT_EQ(r.exit_code, 1) << r.output;
+  EXPECT_NE(r.output.find("\"" + dir + "/zero.json\": num_attention_heads = 0 is out of range; valid: an integer >= 1"),
+            std::string::npos) << r.output;
+  EXPECT_FALSE(std::filesystem::exists(dir + "/version_0")) << "a run started: " << r.output;
+}
+
 class PlaceOnlyGroup final : public sdk::TensorParallelGroup {
  public:
   PlaceOnlyGroup(std::int64_t rank, std::int64_t size) : rank_(rank), size_(size) {}
