@@ -13,6 +13,7 @@
 #include <fstream>
 #include <functional>
 #include <iostream>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -268,16 +269,21 @@ class Preparation {
         earlier = json::parse(in);
       } catch (const json::exception&) {
       }
-      TESSERA_CHECK(earlier == plan, s_.output, " holds a preparation of other inputs, tokenizer or settings (",
+      json earlier_plan = earlier;
+      if (earlier_plan.is_object()) earlier_plan.erase("finished");
+      TESSERA_CHECK(earlier_plan == plan, s_.output, " holds a preparation of other inputs, tokenizer or settings (",
                     plan_path, "); nothing there was changed: choose another --output, or delete ", s_.output,
                     " to prepare again");
       resuming_ = true;
+      read_records(earlier);
     } else {
       TESSERA_CHECK(!fs::exists(s_.output / toolkit::kManifestName, ec), s_.output, " already holds ",
                     toolkit::kManifestName, " from another preparation; nothing there was changed: choose another --output");
-      const std::string text = plan.dump(2) + "\n";
-      std::ofstream(plan_path) << text;
     }
+    plan_ = plan;
+    plan_["finished"] = json::object();
+    for (const auto& [file, info] : recorded_) plan_["finished"][file] = to_json(info);
+    write_plan();
 
     start_ = Clock::now();
     pool_ = std::make_unique<TokenizerPool>(*tokenizer_, manifest_.eos_id, s_.jobs);
@@ -327,13 +333,17 @@ class Preparation {
     std::snprintf(name, sizeof name, "shard_%05zu", shards_begun_++);
     const std::string shard = name;
     std::error_code ec;
-    // Finished by an earlier run of this same plan (the .bin is renamed last).
+    // Finished by an earlier run of this same plan (the .bin is renamed last), and still what
+    // that run wrote: a shard changed since is prepared again, its checksum never re-recorded.
     finished_earlier_ = resuming_ && fs::is_regular_file(s_.output / (shard + ".bin"), ec) &&
-                        fs::is_regular_file(s_.output / (shard + ".idx"), ec);
+                        fs::is_regular_file(s_.output / (shard + ".idx"), ec) && still_as_recorded(shard);
     in_shard_ = true;
     shard_text_ = 0;
     if (finished_earlier_) {
-      writer_->post([this, shard] { keep_finished(shard); });
+      writer_->post([this, info = recorded_.at(shard + ".bin")] {
+        ++skipped_;
+        add_written(info);
+      });
     } else {
       writer_->post([this, shard] {
         shard_name_ = shard;
@@ -366,24 +376,77 @@ class Preparation {
     }
     writer_->post([this, bytes = shard_text_] {
       maybe_fail(shard_name_);
-      add_written(shard_writer_->finish());
+      const toolkit::ShardInfo info = shard_writer_->finish();
       shard_writer_.reset();
+      plan_["finished"][info.file] = to_json(info);  // what a rerun checks this shard against
+      write_plan();
+      add_written(info);
       tokenized_bytes_ += bytes;
     });
   }
 
-  /// The writer's side for a shard an earlier run finished: its figures, read back.
-  void keep_finished(const std::string& shard) {
-    const fs::path bin = s_.output / (shard + ".bin"), idx = s_.output / (shard + ".idx");
-    toolkit::ShardInfo info;
-    info.file = bin.filename().string();
-    info.offsets_file = idx.filename().string();
-    info.tokens = static_cast<std::int64_t>(fs::file_size(bin) / toolkit::dtype_bytes(manifest_.dtype));
-    info.documents = static_cast<std::int64_t>(fs::file_size(idx) / 8) - 1;
-    info.xxh64 = toolkit::xxh64_file(bin);
-    info.offsets_xxh64 = toolkit::xxh64_file(idx);
-    ++skipped_;
-    add_written(info);
+  /// What earlier runs recorded of the shards they finished: prepare.json's "finished" (written as
+  /// each shard is), else a finished preparation's manifest.json (prepare.json without it).
+  void read_records(const json& earlier) {
+    if (earlier.contains("finished") && earlier.at("finished").is_object()) {
+      for (const auto& [file, record] : earlier.at("finished").items()) {
+        try {
+          toolkit::ShardInfo info;
+          info.file = record.at("file").get<std::string>();
+          info.offsets_file = record.at("offsets_file").get<std::string>();
+          info.tokens = record.at("tokens").get<std::int64_t>();
+          info.documents = record.at("documents").get<std::int64_t>();
+          info.xxh64 = record.at("xxh64").get<std::string>();
+          info.offsets_xxh64 = record.at("offsets_xxh64").get<std::string>();
+          if (info.file == file) recorded_[file] = info;
+        } catch (const json::exception&) {  // unreadable: that shard is prepared again
+        }
+      }
+      return;
+    }
+    std::error_code ec;
+    if (!fs::exists(s_.output / toolkit::kManifestName, ec)) return;
+    try {
+      for (const toolkit::ShardInfo& info : toolkit::read_manifest(s_.output).shards) recorded_[info.file] = info;
+    } catch (const std::exception&) {  // damaged: every shard is prepared again
+    }
+  }
+
+  /// Whether `shard`'s files hash to what was recorded when they were written.
+  bool still_as_recorded(const std::string& shard) {
+    const std::string bin = shard + ".bin", idx = shard + ".idx";
+    auto it = recorded_.find(bin);
+    if (it == recorded_.end() || it->second.offsets_file != idx) {
+      std::cerr << "prepare: " << (s_.output / bin).string() << " has no checksum recorded by the run that wrote it: "
+                << "prepared again\n";
+      return false;
+    }
+    for (const auto& [file, recorded] : {std::pair{bin, it->second.xxh64}, std::pair{idx, it->second.offsets_xxh64}}) {
+      const std::string now = toolkit::xxh64_file(s_.output / file);
+      if (now == recorded) continue;
+      std::cerr << "prepare: " << (s_.output / file).string() << " does not match the checksum recorded when it was "
+                << "written (xxh64 " << recorded << ", now " << now << "): changed or damaged since, prepared again\n";
+      recorded_.erase(it);
+      return false;
+    }
+    return true;
+  }
+
+  static json to_json(const toolkit::ShardInfo& info) {
+    return {{"file", info.file},          {"offsets_file", info.offsets_file}, {"tokens", info.tokens},
+            {"documents", info.documents}, {"xxh64", info.xxh64},               {"offsets_xxh64", info.offsets_xxh64}};
+  }
+
+  /// prepare.json, through a temporary file and a rename: a kill leaves the old one or the new.
+  void write_plan() {
+    const fs::path path = s_.output / "prepare.json", temp = s_.output / "prepare.json.tmp";
+    {
+      std::ofstream out(temp, std::ios::trunc);
+      out << plan_.dump(2) << "\n";
+      out.flush();
+      TESSERA_CHECK(out.good(), "cannot write ", temp.string());
+    }
+    fs::rename(temp, path);
   }
 
   void add_written(const toolkit::ShardInfo& info) {
@@ -435,6 +498,8 @@ class Preparation {
   std::unique_ptr<toolkit::Tokenizer> tokenizer_;
   toolkit::TokenManifest manifest_;
   bool resuming_ = false;
+  json plan_;  ///< prepare.json: the plan and the shards finished (the writer's, once shards are written)
+  std::map<std::string, toolkit::ShardInfo> recorded_;  ///< earlier runs' finished shards (the reader's)
   bool interactive_ = ::isatty(STDERR_FILENO) != 0;
   Clock::time_point start_, last_report_;
   std::unique_ptr<TokenizerPool> pool_;

@@ -428,6 +428,22 @@ TEST(TokensPrepare, KilledMidwayThenRerunGivesByteIdenticalShards) {
   EXPECT_MENTIONS(rerun, "2 already finished");
   EXPECT_EQ(files_of(out), expected);
 
+  // Finished shards damaged since (same sizes) are checked against the checksums recorded when
+  // they were written: the same command prepares them again, never records the damaged files'
+  // checksums (issue 59.3), and the others stay finished.
+  for (const char* name : {"shard_00001.bin", "shard_00002.idx"}) {
+    std::fstream file(out / name, std::ios::in | std::ios::out | std::ios::binary);
+    file.seekp(16);
+    file.write("twenty damaged bytes", 20);
+  }
+  std::string repaired = tessera_data(args + out.string());
+  ASSERT_EQ(repaired.substr(0, 2), "0\n") << repaired;
+  EXPECT_MENTIONS(repaired, (out / "shard_00001.bin").string() + " does not match the checksum recorded when it was written");
+  EXPECT_MENTIONS(repaired, (out / "shard_00002.idx").string() + " does not match the checksum recorded");
+  EXPECT_MENTIONS(repaired, "prepared again");
+  EXPECT_MENTIONS(repaired, std::to_string(expected.size() / 2 - 1 - 2) + " already finished");
+  EXPECT_EQ(files_of(out), expected);
+
   // The prepared corpus loads and checks out, and the same tokenizer decodes a prompt.
   toolkit::TokenShards shards(out, /*verify=*/true);
   EXPECT_EQ(shards.manifest().tokenizer_kind, "sentencepiece");
