@@ -9,6 +9,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <map>
 #include <memory>
 #include <string>
@@ -22,6 +23,7 @@
 #include "multiprocess.hpp"
 #include "tessera/core/checkpoint.hpp"
 #include "tessera/core/plugin_loader.hpp"
+#include "tessera/core/safetensors.hpp"
 #include "tessera/sdk/error.hpp"
 #include "tessera/sdk/huggingface.hpp"
 #include "tessera/sdk/module.hpp"
@@ -284,6 +286,47 @@ TEST(LlamaConfig, ConfigJsonAndTomlShareOneRangeCheck) {
   EXPECT_NE(r.output.find("\"" + dir + "/zero.json\": num_attention_heads = 0 is out of range; valid: an integer >= 1"),
             std::string::npos) << r.output;
   EXPECT_FALSE(std::filesystem::exists(dir + "/version_0")) << "a run started: " << r.output;
+}
+
+// Issue 59.4: a weight stored as an integer (value-converted into garbage before) is refused at
+// load, naming the file, the tensor and what is valid, before any step.
+TEST(LlamaConfig, InitFromRefusesIntegerAndNonFiniteWeights) {
+  const std::string dir = tessera::testing::fresh_dir("llama-bad-weights");
+  const std::string model = "vocab_size = 256\nhidden_size = 16\nintermediate_size = 32\nnum_hidden_layers = 1\n"
+                            "num_attention_heads = 2\n";
+  std::vector<std::pair<std::string, at::Tensor>> weights;
+  for (const auto& item : make_model(model)->network()->named_parameters())
+    weights.emplace_back(item.key(), item.value().detach().clone());
+  struct Case {
+    std::string file, strategy, tensor;
+    std::function<at::Tensor(const at::Tensor&)> damage;
+    std::string expected;
+  };
+  const std::vector<Case> cases{
+      {"int32.safetensors", "single_device", "model.layers.0.mlp.up_proj.weight",
+       [](const at::Tensor& t) { return (t * 1000).to(at::kInt); },
+       "checkpoint state_dict['model.layers.0.mlp.up_proj.weight'] is stored as I32 (Int), which is not a weight's "
+       "dtype: loading it would convert integers into the Float parameter; valid: F32, BF16, F16 or F64"},
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.file);
+    auto damaged = weights;
+    for (auto& [name, tensor] : damaged)
+      if (name == c.tensor) tensor = c.damage(tensor);
+    const std::string path = dir + "/" + c.file, root = dir + "/" + c.strategy;
+    tessera::core::write_safetensors(path, damaged, {});
+    std::filesystem::create_directories(root);
+    std::ofstream(root + "/run.toml") << "[trainer]\ndefault_root_dir = \"" << root << "\"\nmax_steps = 1\n"
+                                      << "init_from = \"" << path << "\"\n[strategy]\nplugin = \"" << c.strategy
+                                      << "\"\n[model]\nplugin = \"llama\"\n" << model
+                                      << "[data]\nplugin = \"text\"\nblock_size = 8\n";
+    const auto r = tessera::testing::run_tessera("fit --config " + root + "/run.toml", "", 120);
+    EXPECT_NE(r.exit_code, 0) << r.output;
+    EXPECT_NE(r.output.find("[trainer] init_from = \"" + path + "\": " + c.expected), std::string::npos) << r.output;
+    EXPECT_EQ(r.output.find("weights initialized from"), std::string::npos) << r.output;
+    for (const auto& e : std::filesystem::recursive_directory_iterator(root))
+      EXPECT_NE(e.path().filename(), "checkpoints") << "a run saved before the refusal: " << r.output;
+  }
 }
 
 class PlaceOnlyGroup final : public sdk::TensorParallelGroup {

@@ -26,6 +26,7 @@
 
 #include <c10/util/strides.h>
 
+#include "loaded_weights.hpp"
 #include "python_pickle.hpp"
 #include "tessera/core/huggingface.hpp"
 #include "tessera/core/safetensors.hpp"
@@ -51,6 +52,18 @@ sdk::StateDict state_dict_from(const IValue& value, const std::string& what) {
     state.insert(item.key().toStringRef(), item.value().toTensor());
   }
   return state;
+}
+
+void check_weight_dtype(const std::string& name, const at::Tensor& value, const at::Tensor& parameter) {
+  if (!at::isFloatingType(parameter.scalar_type()) || at::isFloatingType(value.scalar_type())) return;
+  std::string stored = c10::toString(value.scalar_type());
+  try {
+    stored = safetensors_dtype(value.scalar_type()) + " (" + stored + ")";
+  } catch (const sdk::Error&) {  // not a safetensors dtype: LibTorch's name alone
+  }
+  TESSERA_FAIL("checkpoint state_dict['", name, "'] is stored as ", stored, ", which is not a weight's dtype: ",
+               "loading it would convert integers into the ", parameter.scalar_type(), " parameter; valid: F32, BF16, ",
+               "F16 or F64 (float32, bfloat16, float16, float64)");
 }
 
 const IValue& checkpoint_get(const sdk::Checkpoint& checkpoint, const std::string& key) {

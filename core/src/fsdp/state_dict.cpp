@@ -8,6 +8,7 @@
 #include <torch/csrc/autograd/grad_mode.h>
 #include <torch/csrc/jit/serialization/pickle.h>
 
+#include "../checkpoint/loaded_weights.hpp"  // the engine's own, beside its sources
 #include "tessera/core/checkpoint.hpp"
 #include "tessera/sdk/error.hpp"
 
@@ -58,6 +59,7 @@ void ShardedModule::load_full_state_dict(const sdk::StateDict& state, bool stric
       TESSERA_CHECK(value->sizes() == p.tensor.sizes(), "checkpoint state_dict['", name, "'] has shape ", value->sizes(),
                     " but the model's parameter has shape ", p.tensor.sizes(),
                     ": the checkpoint was written for a different model configuration");
+      check_weight_dtype(name, *value, p.tensor);
     }
   };
   for (const auto& u : units_)

@@ -10,6 +10,7 @@
 #include <torch/cuda.h>
 #include <torch/csrc/autograd/grad_mode.h>
 
+#include "../checkpoint/loaded_weights.hpp"  // the engine's own, beside its sources
 #include "tessera/core/checkpoint.hpp"
 #include "tessera/core/cluster.hpp"
 #include "tessera/core/clip_grad.hpp"
@@ -252,6 +253,7 @@ void StrategyBase::load_model_state_dict(const sdk::StateDict& state, bool stric
     TESSERA_CHECK(target->sizes() == item.value().sizes(), "checkpoint state_dict['", item.key(), "'] has shape ",
                   item.value().sizes(), " but the model's parameter has shape ", target->sizes(),
                   ": the checkpoint was written for a different model configuration");
+    check_weight_dtype(item.key(), item.value(), *target);
   }
   TESSERA_CHECK(!strict || (missing.empty() && unexpected.empty()), "checkpoint state_dict does not match the model: ",
                 missing.size(), " missing key(s) [", sdk::join(missing), "], ", unexpected.size(),
