@@ -206,7 +206,12 @@ class Tokens final : public sdk::DataModule, public sdk::TokenVocabulary {
             {"verify", "at setup, check every shard's checksum, document offsets and largest id in one streaming pass"},
             true)),
         prompt_(
-            o.get_string({"prompt", "the text predict (and predict_after_fit) generates from; needs tokenizer"}, "")) {
+            o.get_string({"prompt", "the text predict (and predict_after_fit) generates from; needs tokenizer"}, "")),
+        accept_other_tokenizer_(o.get_bool(
+            {"accept_other_tokenizer",
+             "use [data] tokenizer although its file's xxh64 is not the one manifest.json records (a re-saved copy "
+             "whose ids mean the same tokens)"},
+            false)) {
     TESSERA_CHECK(!paths_.empty(), o.locate("path"), " is required: the directory `tessera data prepare` wrote ",
                   "(or several, with [data] weights)");
     if (!weights_.empty()) {
@@ -290,6 +295,7 @@ class Tokens final : public sdk::DataModule, public sdk::TokenVocabulary {
       vocab_size_ = m.vocab_size;
       vocab_source_ = (fs::path(path) / toolkit::kManifestName).string();
       tokenizer_kind_ = m.tokenizer_kind;
+      tokenizer_xxh64_ = m.tokenizer_xxh64;
     }
     TESSERA_CHECK(m.vocab_size == vocab_size_ && m.tokenizer_kind == tokenizer_kind_, (fs::path(path) / toolkit::kManifestName),
                   " was prepared with a ", m.tokenizer_kind, " tokenizer of ", m.vocab_size, " ids, ", vocab_source_,
@@ -330,6 +336,22 @@ class Tokens final : public sdk::DataModule, public sdk::TokenVocabulary {
                   options_.locate("tokenizer"), " = \"", tokenizer_path_, "\" is a ", tokenizer_->kind(),
                   " tokenizer of ", tokenizer_->vocab_size(), " ids, but ", vocab_source_, " was prepared with a ",
                   tokenizer_kind_, " one of ", vocab_size_, ": give the tokenizer the data was prepared with");
+    // Same kind and size is not the same tokenizer: prompts would be encoded and samples decoded
+    // with other ids. The manifest records the file's hash (none for one prepared from a folder).
+    if (tokenizer_xxh64_.empty() || accept_other_tokenizer_) return;
+    fs::path file = tokenizer_path_;
+    std::error_code ec;
+    if (fs::is_directory(file, ec))  // load_tokenizer's order
+      for (const char* name : {"tokenizer.json", "tokenizer.model"})
+        if (fs::is_regular_file(fs::path(tokenizer_path_) / name, ec)) {
+          file = fs::path(tokenizer_path_) / name;
+          break;
+        }
+    const std::string hash = toolkit::xxh64_file(file);
+    TESSERA_CHECK(hash == tokenizer_xxh64_, options_.locate("tokenizer"), " = \"", tokenizer_path_, "\": ", file.string(),
+                  " has xxh64 ", hash, ", but ", vocab_source_, " records ", tokenizer_xxh64_, " for the tokenizer the ",
+                  "data was prepared with: its ids may mean other tokens. Give that tokenizer, or set ",
+                  options_.locate("accept_other_tokenizer"), " = true if this file holds the same vocabulary (a re-saved copy)");
   }
 
   void setup_predict() {
@@ -345,6 +367,7 @@ class Tokens final : public sdk::DataModule, public sdk::TokenVocabulary {
       vocab_size_ = m.vocab_size;
       vocab_source_ = (fs::path(paths_[0]) / toolkit::kManifestName).string();
       tokenizer_kind_ = m.tokenizer_kind;
+      tokenizer_xxh64_ = m.tokenizer_xxh64;
     }
     load_tokenizer();
     if (vocab_size_ == 0) {
@@ -372,8 +395,9 @@ class Tokens final : public sdk::DataModule, public sdk::TokenVocabulary {
   double val_fraction_;
   bool verify_;
   std::string prompt_;
+  bool accept_other_tokenizer_;
   std::int64_t vocab_size_ = 0;
-  std::string vocab_source_, tokenizer_kind_;
+  std::string vocab_source_, tokenizer_kind_, tokenizer_xxh64_;
   std::unique_ptr<toolkit::Tokenizer> tokenizer_;
   std::shared_ptr<sdk::Dataset> train_, val_, prompt_dataset_;
 };

@@ -465,6 +465,34 @@ TEST(TokensPrepare, KilledMidwayThenRerunGivesByteIdenticalShards) {
   ASSERT_EQ(sampled.exit_code, 0) << sampled.output;
   EXPECT_MENTIONS(sampled.output, "sample from the trained model:\nQ: What");
 
+  // A tokenizer of the same kind and vocabulary size that is not the file manifest.json records
+  // (its xxh64 differs: here the same model with an unknown protobuf field appended) is refused at
+  // resume, before any step and with the checkpoints as they were (issue 59.5); an explicit key
+  // accepts it.
+  const fs::path other_tokenizer = dir.path() / "other.model";
+  {
+    std::ifstream in(tokenizer, std::ios::binary);
+    std::ofstream copy(other_tokenizer, std::ios::binary);
+    copy << in.rdbuf();
+    copy.write("\xc0\x3e\x01", 3);  // field 1000 = 1, which protobuf parses past
+  }
+  const std::string checkpoints = run_dir(run.string()) + "/checkpoints";
+  const auto saved = files_of(checkpoints);
+  ASSERT_FALSE(saved.empty());
+  auto refused = run_tessera("fit --config " + (run / "run.toml").string() + " --ckpt-path last --set data.tokenizer=" +
+                                 other_tokenizer.string() + " --set model.vocab_size=400 --set trainer.max_steps=4"
+                                 " --set launch.devices=1",
+                             "", 120);
+  EXPECT_NE(refused.exit_code, 0) << refused.output;
+  EXPECT_MENTIONS(refused.output, "[data] tokenizer = \"" + other_tokenizer.string() + "\"");
+  EXPECT_MENTIONS(refused.output, "but " + (out / "manifest.json").string() + " records " +
+                                      shards.manifest().tokenizer_xxh64 + " for the tokenizer the data was prepared with");
+  EXPECT_MENTIONS(refused.output, "[data] accept_other_tokenizer = true");
+  EXPECT_EQ(files_of(checkpoints), saved) << refused.output;
+  auto accepted = make_data("path = \"" + out.string() + "\"\ntokenizer = \"" + other_tokenizer.string() +
+                            "\"\nblock_size = 16\naccept_other_tokenizer = true\n");
+  EXPECT_NO_THROW(accepted->setup("fit"));
+
   // Another preparation into the same folder is refused, and nothing there changes.
   std::string other = tessera_data("prepare --tokenizer " + tokenizer.string() + " --input " +
                                    (dir.path() / "train.txt").string() + " --output " + out.string());
