@@ -6,6 +6,7 @@
 // its greedy tokens (KV cache) must equal the reference's, with each attention kernel. Also:
 // the toolkit's causal attention (blocked vs math, forward and backward, GQA, KV-cache offsets),
 // config.json refusals, the tensor-parallel size check and hf_config_json's round trip.
+#include <cmath>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
@@ -288,8 +289,10 @@ TEST(LlamaConfig, ConfigJsonAndTomlShareOneRangeCheck) {
   EXPECT_FALSE(std::filesystem::exists(dir + "/version_0")) << "a run started: " << r.output;
 }
 
-// Issue 59.4: a weight stored as an integer (value-converted into garbage before) is refused at
-// load, naming the file, the tensor and what is valid, before any step.
+// Issue 59.4 and 59.7: a weight stored as an integer (value-converted into garbage before) or
+// holding a NaN (trained to a NaN loss before) is refused at load, naming the file, the tensor
+// and what is valid, before any step: under single_device (each rank copies whole tensors) and
+// fsdp (each rank checks the piece it copied, the ranks agree in one collective).
 TEST(LlamaConfig, InitFromRefusesIntegerAndNonFiniteWeights) {
   const std::string dir = tessera::testing::fresh_dir("llama-bad-weights");
   const std::string model = "vocab_size = 256\nhidden_size = 16\nintermediate_size = 32\nnum_hidden_layers = 1\n"
@@ -307,6 +310,14 @@ TEST(LlamaConfig, InitFromRefusesIntegerAndNonFiniteWeights) {
        [](const at::Tensor& t) { return (t * 1000).to(at::kInt); },
        "checkpoint state_dict['model.layers.0.mlp.up_proj.weight'] is stored as I32 (Int), which is not a weight's "
        "dtype: loading it would convert integers into the Float parameter; valid: F32, BF16, F16 or F64"},
+      {"nan.safetensors", "fsdp", "model.layers.0.self_attn.k_proj.weight",
+       [](const at::Tensor& t) {
+         at::Tensor out = t.clone();
+         out[3][5] = std::nan("");
+         return out;
+       },
+       "checkpoint state_dict['model.layers.0.self_attn.k_proj.weight'] holds NaN at element 53 of 256: a weight must "
+       "be finite"},
   };
   for (const Case& c : cases) {
     SCOPED_TRACE(c.file);

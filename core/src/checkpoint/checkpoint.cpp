@@ -66,6 +66,29 @@ void check_weight_dtype(const std::string& name, const at::Tensor& value, const 
                "F16 or F64 (float32, bfloat16, float16, float64)");
 }
 
+std::string first_non_finite(const at::Tensor& t) {
+  if (!at::isFloatingType(t.scalar_type()) || t.numel() == 0) return "";
+  const at::Tensor flat = t.detach().reshape({-1});
+  constexpr std::int64_t kBlock = std::int64_t{1} << 22;  // 4 Mi elements: a bounded temporary
+  for (std::int64_t begin = 0; begin < flat.numel(); begin += kBlock) {
+    const at::Tensor block = flat.narrow(0, begin, std::min(kBlock, flat.numel() - begin));
+    const at::Tensor bad = at::isfinite(block).logical_not();
+    if (!bad.any().item<bool>()) continue;
+    const std::int64_t index = bad.nonzero().select(1, 0)[0].item<std::int64_t>();
+    const double v = block[index].item<double>();
+    return std::string(std::isnan(v) ? "NaN" : v > 0 ? "inf" : "-inf") + " at element " +
+           std::to_string(begin + index) + " of " + std::to_string(flat.numel());
+  }
+  return "";
+}
+
+void check_finite_weight(const std::string& name, const at::Tensor& value) {
+  const std::string where = first_non_finite(value);
+  TESSERA_CHECK(where.empty(), "checkpoint state_dict['", name, "'] holds ", where, ": a weight must be finite ",
+                "(a NaN or an infinity trains to a NaN loss); valid: finite numbers only. Was it saved after the ",
+                "training diverged, or is the file damaged?");
+}
+
 const IValue& checkpoint_get(const sdk::Checkpoint& checkpoint, const std::string& key) {
   auto it = checkpoint.find(key);
   if (it == checkpoint.end()) {

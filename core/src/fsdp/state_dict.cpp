@@ -72,13 +72,32 @@ void ShardedModule::load_full_state_dict(const sdk::StateDict& state, bool stric
                 missing.size(), " missing key(s) [", sdk::join(missing), "], ", unexpected.size(),
                 " unexpected key(s) [", sdk::join(unexpected), "]");
   torch::NoGradGuard no_grad;
+  // Each rank checks the piece it copied (reading only its shard of a mapped file) and the ranks
+  // agree on the first parameter holding a NaN or an infinity, in one collective.
+  std::vector<const UnitParam*> order;  // every parameter, the same order on every rank
+  std::int64_t first_bad = -1;
   for (auto& u : units_) {
     std::vector<const at::Tensor*> values;
     for (const auto& p : u->layout->params()) values.push_back(state.find(p.names[0]));
     u->layout->load_full_params(values);
+    for (std::size_t i = 0; i < values.size(); ++i) {
+      order.push_back(&u->layout->params()[i]);
+      if (first_bad < 0 && values[i] != nullptr && !first_non_finite(u->layout->optimizer_tensors()[i]).empty())
+        first_bad = static_cast<std::int64_t>(order.size()) - 1;
+    }
   }
-  for (const auto& p : replicated_)
-    if (const at::Tensor* value = state.find(p.names[0])) p.tensor.detach().copy_(*value);
+  for (const auto& p : replicated_) {
+    order.push_back(&p);
+    if (const at::Tensor* value = state.find(p.names[0])) {
+      p.tensor.detach().copy_(*value);
+      if (first_bad < 0 && !first_non_finite(p.tensor).empty()) first_bad = static_cast<std::int64_t>(order.size()) - 1;
+    }
+  }
+  // The order's index as a float is exact below 2^24 parameters; -1: none.
+  at::Tensor bad = at::full({1}, first_bad < 0 ? static_cast<double>(order.size()) : static_cast<double>(first_bad), fp32());
+  shard_group_->all_reduce(bad, sdk::ReduceOp::min, "non-finite weight check")->wait();
+  const auto k = static_cast<std::size_t>(bad.item<double>());
+  if (k < order.size()) check_finite_weight(order[k]->names[0], *state.find(order[k]->names[0]));  // throws
   for (auto& item : network_->named_buffers())
     if (const at::Tensor* value = state.find(item.key())) item.value().copy_(*value);
 }

@@ -241,6 +241,7 @@ sdk::StateDict StrategyBase::lightning_module_state_dict() {
 
 void StrategyBase::load_model_state_dict(const sdk::StateDict& state, bool strict) {
   sdk::StateDict own = lightning_module_state_dict();
+  const auto parameters = network_->named_parameters(true);
   std::vector<std::string> missing, unexpected;
   for (const auto& item : own)
     if (!state.contains(item.key())) missing.push_back(item.key());
@@ -254,6 +255,8 @@ void StrategyBase::load_model_state_dict(const sdk::StateDict& state, bool stric
                   item.value().sizes(), " but the model's parameter has shape ", target->sizes(),
                   ": the checkpoint was written for a different model configuration");
     check_weight_dtype(item.key(), item.value(), *target);
+    // A parameter only: a buffer may hold infinities on purpose (an attention mask).
+    if (parameters.contains(item.key())) check_finite_weight(item.key(), item.value());
   }
   TESSERA_CHECK(!strict || (missing.empty() && unexpected.empty()), "checkpoint state_dict does not match the model: ",
                 missing.size(), " missing key(s) [", sdk::join(missing), "], ", unexpected.size(),
