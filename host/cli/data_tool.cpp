@@ -151,8 +151,10 @@ void for_each_line(std::istream& in, Line&& line) {
   if (!carry.empty()) line(std::string_view(carry));
 }
 
-/// Calls `emit(text)` for every non-empty document of `file`, in order.
-void read_documents(const fs::path& file, const Settings& s, const std::function<void(std::string_view)>& emit) {
+/// Calls `emit(text, line)` for every non-empty document of `file`, in order, with the line it
+/// starts on (for messages).
+void read_documents(const fs::path& file, const Settings& s,
+                    const std::function<void(std::string_view, std::int64_t)>& emit) {
   std::ifstream in(file, std::ios::binary);
   TESSERA_CHECK(in, "cannot open ", file);
   if (is_json_lines(file)) {
@@ -177,28 +179,31 @@ void read_documents(const fs::path& file, const Settings& s, const std::function
       TESSERA_CHECK(j.at(s.text_key).is_string(), file.string(), ":", number, ": \"", s.text_key,
                     "\" is not a string");
       const auto& text = j.at(s.text_key).get_ref<const std::string&>();
-      if (!text.empty()) emit(text);
+      if (!text.empty()) emit(text, number);
     });
     return;
   }
   if (s.split == "file") {
     std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-    if (!text.empty()) emit(text);
+    if (!text.empty()) emit(text, 1);
     return;
   }
   std::string record;
+  std::int64_t number = 0, first = 0;  // the line read, the record's first
   auto flush = [&] {
     while (!record.empty() && record.back() == '\n') record.pop_back();
-    if (!record.empty()) emit(record);
+    if (!record.empty()) emit(record, first);
     record.clear();
   };
   for_each_line(in, [&](std::string_view line) {
+    ++number;
     if (!line.empty() && line.back() == '\r') line.remove_suffix(1);
     if (s.split == "line") {
-      if (!line.empty()) emit(line);
+      if (!line.empty()) emit(line, number);
     } else if (s.split == "percent" ? line == "%" : line.find_first_not_of(" \t") == std::string_view::npos) {
       flush();
     } else {
+      if (record.empty()) first = number;
       record += line;
       record += '\n';
     }
@@ -286,9 +291,12 @@ class Preparation {
     write_plan();
 
     start_ = Clock::now();
-    pool_ = std::make_unique<TokenizerPool>(*tokenizer_, manifest_.eos_id, s_.jobs);
+    std::vector<std::string> sources;
+    for (const auto& file : files_) sources.push_back(file.string());
+    pool_ = std::make_unique<TokenizerPool>(*tokenizer_, manifest_.eos_id, s_.jobs, std::move(sources));
     writer_ = std::make_unique<SerialWorker>();
-    for (const auto& file : files_) read_documents(file, s_, [&](std::string_view doc) { add(doc); });
+    for (std::size_t f = 0; f < files_.size(); ++f)
+      read_documents(files_[f], s_, [&](std::string_view doc, std::int64_t line) { add(doc, f, line); });
     if (in_shard_) end_shard();
     writer_->drain();
     writer_.reset();
@@ -312,7 +320,7 @@ class Preparation {
 
  private:
   /// The reader's side: a document joins the current batch and shard.
-  void add(std::string_view doc) {
+  void add(std::string_view doc, std::size_t file, std::int64_t line) {
     if (!in_shard_) begin_shard();
     shard_text_ += static_cast<std::int64_t>(doc.size());
     if (!finished_earlier_) {
@@ -321,6 +329,7 @@ class Preparation {
         batch_->text.reserve(kBatchBytes + doc.size());
       }
       batch_->starts.push_back(batch_->text.size());
+      batch_->origins.push_back({file, line});
       batch_->text += doc;
       if (static_cast<std::int64_t>(batch_->text.size()) >= kBatchBytes) submit_batch();
     }

@@ -4,8 +4,9 @@
 
 namespace tessera::host {
 
-TokenizerPool::TokenizerPool(const toolkit::Tokenizer& tokenizer, toolkit::TokenId eos, std::int64_t threads)
-    : tokenizer_(tokenizer), eos_(eos), capacity_(static_cast<std::size_t>(4 * threads)) {
+TokenizerPool::TokenizerPool(const toolkit::Tokenizer& tokenizer, toolkit::TokenId eos, std::int64_t threads,
+                             std::vector<std::string> sources)
+    : tokenizer_(tokenizer), eos_(eos), sources_(std::move(sources)), capacity_(static_cast<std::size_t>(4 * threads)) {
   for (std::int64_t t = 0; t < threads; ++t) threads_.emplace_back([this] { work(); });
 }
 
@@ -47,7 +48,13 @@ void TokenizerPool::work() {
       for (std::size_t d = 0; d < batch->starts.size(); ++d) {
         const std::size_t end = d + 1 < batch->starts.size() ? batch->starts[d + 1] : batch->text.size();
         const std::string_view document(batch->text.data() + batch->starts[d], end - batch->starts[d]);
-        const std::vector<toolkit::TokenId> ids = tokenizer_.encode(document, /*add_special_tokens=*/false);
+        std::vector<toolkit::TokenId> ids;
+        try {
+          ids = tokenizer_.encode(document, /*add_special_tokens=*/false);
+        } catch (const std::exception& e) {  // the input's file and line, not only the shard's
+          const auto& [file, line] = batch->origins[d];
+          TESSERA_FAIL(sources_.at(file), ":", line, " (the document starting there): ", e.what());
+        }
         batch->tokens.insert(batch->tokens.end(), ids.begin(), ids.end());
         batch->tokens.push_back(eos_);
         batch->ends.push_back(batch->tokens.size());

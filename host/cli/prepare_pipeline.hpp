@@ -11,6 +11,7 @@
 #include <mutex>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "tessera/toolkit/tokenizer.hpp"
@@ -21,6 +22,7 @@ namespace tessera::host {
 struct Batch {
   std::string text;                  ///< the documents end to end
   std::vector<std::size_t> starts;   ///< where each document starts in `text`
+  std::vector<std::pair<std::size_t, std::int64_t>> origins;  ///< each document's input file and first line
   std::vector<toolkit::TokenId> tokens;
   std::vector<std::uint64_t> ends;  ///< where each document's tokens end in `tokens`
   bool done = false;
@@ -31,7 +33,9 @@ struct Batch {
 /// however large the corpus.
 class TokenizerPool {
  public:
-  TokenizerPool(const toolkit::Tokenizer& tokenizer, toolkit::TokenId eos, std::int64_t threads);
+  /// `sources`: the input files, which a tokenizing error names (with the document's line).
+  TokenizerPool(const toolkit::Tokenizer& tokenizer, toolkit::TokenId eos, std::int64_t threads,
+                std::vector<std::string> sources);
   ~TokenizerPool();
   TokenizerPool(const TokenizerPool&) = delete;
   TokenizerPool& operator=(const TokenizerPool&) = delete;
@@ -48,6 +52,7 @@ class TokenizerPool {
 
   const toolkit::Tokenizer& tokenizer_;
   const toolkit::TokenId eos_;
+  const std::vector<std::string> sources_;
   const std::size_t capacity_;
   std::mutex mutex_;
   std::condition_variable changed_;

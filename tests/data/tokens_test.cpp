@@ -517,6 +517,14 @@ TEST(TokensPrepare, BadInputsAreErrorsNamingTheFile) {
                    (dir.path() / "j2").string());
   EXPECT_MENTIONS(e, "docs.jsonl:1");
 
+  // A document the tokenizer refuses (invalid UTF-8) is named by its input file and line, not
+  // only by the shard being written (issue 59.9).
+  std::ofstream(dir.path() / "bad-utf8.txt") << "one\ntwo\nthree \xff\xfe bytes\n";
+  e = tessera_data("prepare" + tok + " --split line --input " + (dir.path() / "bad-utf8.txt").string() + " --output " +
+                   (dir.path() / "u").string());
+  EXPECT_EQ(e.substr(0, 2), "1\n") << e;
+  EXPECT_MENTIONS(e, (dir.path() / "bad-utf8.txt").string() + ":3 (the document starting there)");
+
   std::ofstream(dir.path() / "empty.txt") << "%\n%\n";
   e = tessera_data("prepare" + tok + " --split percent --input " + (dir.path() / "empty.txt").string() + " --output " +
                    (dir.path() / "e").string());

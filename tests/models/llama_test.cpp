@@ -338,6 +338,21 @@ TEST(LlamaConfig, InitFromRefusesIntegerAndNonFiniteWeights) {
     for (const auto& e : std::filesystem::recursive_directory_iterator(root))
       EXPECT_NE(e.path().filename(), "checkpoints") << "a run saved before the refusal: " << r.output;
   }
+  // A 150 MB header inside a 200 MB (sparse) file fits the file: the refusal is the reader's cap,
+  // named as such, not "does not fit" (issue 59.9).
+  const std::string big = dir + "/big-header.safetensors";
+  {
+    std::ofstream out(big, std::ios::binary);
+    const std::uint64_t length = 150'000'000;
+    out.write(reinterpret_cast<const char*>(&length), 8);
+    out << "{}";
+  }
+  std::filesystem::resize_file(big, 200'000'000);
+  const auto r = tessera::testing::run_tessera("checkpoint inspect " + big, "", 60);
+  EXPECT_NE(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find(big + ": its header is 150000000 bytes, more than this reader's limit of 100000000 bytes "
+                                "(kMaxSafetensorsHeader"),
+            std::string::npos) << r.output;
 }
 
 class PlaceOnlyGroup final : public sdk::TensorParallelGroup {

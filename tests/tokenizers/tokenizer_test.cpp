@@ -432,6 +432,18 @@ TEST(Tokenizer, BadInputIsRefusedNamingTheFile) {
   auto regex = tiny_tokenizer();
   regex["pre_tokenizer"] = json{{"type", "Split"}, {"pattern", {{"Regex", "(unclosed"}}}, {"behavior", "Isolated"}, {"invert", false}};
   expect_error(regex, {"pre_tokenizer.pattern", "does not compile"});
+  // A pattern that compiles but exceeds the engine's limits on some text: encode names the
+  // tokenizer, where the pattern is and the pattern (issue 59.9).
+  auto backtracking = tiny_tokenizer();
+  backtracking["pre_tokenizer"] =
+      json{{"type", "Split"}, {"pattern", {{"Regex", "(?:a+)+$"}}}, {"behavior", "Isolated"}, {"invert", false}};
+  write_file(file, backtracking.dump());
+  const auto slow = tessera::toolkit::load_tokenizer(file);
+  const std::string limit = error_of([&] { slow->encode(std::string(40, 'a') + "b"); });
+  const std::vector<std::string> parts{file + ": pre_tokenizer.pattern: regex \"(?:a+)+$\" failed on a text of 41 bytes",
+                                       "match limit", "a limit of PCRE2"};
+  for (const std::string& part : parts)
+    EXPECT_NE(limit.find(part), std::string::npos) << "no '" << part << "' in: " << limit;
 
   write_file(file, "{ not json");
   EXPECT_NE(error_of([&] { tessera::toolkit::load_tokenizer(file); }).find("not valid JSON"), std::string::npos);

@@ -181,9 +181,15 @@ std::uint64_t safetensors_header_length(const char* first8, std::int64_t file_si
   TESSERA_CHECK(file_size >= 8, where, " is not a safetensors file: it has only ", file_size, " bytes");
   std::uint64_t length = 0;
   std::memcpy(&length, first8, 8);
-  TESSERA_CHECK(length <= static_cast<std::uint64_t>(file_size - 8) && length <= kMaxSafetensorsHeader, where,
+  TESSERA_CHECK(length <= static_cast<std::uint64_t>(file_size - 8), where,
                 " is not a safetensors file: its header length ", length, " does not fit in its ", file_size,
                 " bytes");
+  // A header that fits its file may still be more JSON than this reader parses (the same cap as
+  // the safetensors library's): say so, rather than blame the file.
+  TESSERA_CHECK(length <= kMaxSafetensorsHeader, where, ": its header is ", length,
+                " bytes, more than this reader's limit of ", kMaxSafetensorsHeader,
+                " bytes (kMaxSafetensorsHeader, the safetensors library's own limit, so its readers refuse the file ",
+                "too): a file of fewer tensors (a sharded save_pretrained) has a smaller header");
   return length;
 }
 

@@ -62,6 +62,9 @@ Regex::Regex(const std::string& pattern, const Where& where) {
                  reinterpret_cast<const char*>(message), " at offset ", offset, ")");
   }
   pcre2_jit_compile(code_, PCRE2_JIT_COMPLETE);  // falls back to the interpreter where JIT is absent
+  const std::string shown = json(pattern).dump();
+  description_ = "Hugging Face tokenizer " + where.str() + ": regex " +
+                 (shown.size() > 120 ? shown.substr(0, 117) + "..." : shown);
 }
 
 Regex Regex::literal(const std::string& text, const Where& where) {
@@ -87,7 +90,8 @@ std::vector<std::pair<std::size_t, std::size_t>> Regex::find_all(std::string_vie
       pcre2_match_data_free(data);
       PCRE2_UCHAR message[256];
       pcre2_get_error_message(rc, message, sizeof message);
-      TESSERA_FAIL("regex matching failed on a text of ", text.size(), " bytes: ", reinterpret_cast<const char*>(message));
+      TESSERA_FAIL(description_, " failed on a text of ", text.size(), " bytes: ", reinterpret_cast<const char*>(message),
+                   " (a limit of PCRE2, the regex engine: its match limit or its 64 MiB JIT stack)");
     }
     const PCRE2_SIZE* ovector = pcre2_get_ovector_pointer(data);
     if (ovector[1] == ovector[0]) {

@@ -54,7 +54,8 @@ class Regex {
  public:
   Regex(const std::string& pattern, const Where& where);
   static Regex literal(const std::string& text, const Where& where);
-  Regex(Regex&& other) noexcept : code_(std::exchange(other.code_, nullptr)) {}
+  Regex(Regex&& other) noexcept
+      : code_(std::exchange(other.code_, nullptr)), description_(std::move(other.description_)) {}
   Regex(const Regex&) = delete;
   ~Regex();
 
@@ -66,6 +67,7 @@ class Regex {
 
  private:
   pcre2_code* code_ = nullptr;
+  std::string description_;  ///< the tokenizer file, where the pattern is in it and the pattern: for messages
 };
 
 // A Replace/Split "pattern": {"String": "..."} or {"Regex": "..."}.
