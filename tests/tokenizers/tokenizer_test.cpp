@@ -432,6 +432,33 @@ TEST(Tokenizer, BadInputIsRefusedNamingTheFile) {
   auto regex = tiny_tokenizer();
   regex["pre_tokenizer"] = json{{"type", "Split"}, {"pattern", {{"Regex", "(unclosed"}}}, {"behavior", "Isolated"}, {"invert", false}};
   expect_error(regex, {"pre_tokenizer.pattern", "does not compile"});
+  // Ids the tokenizers library would not honour (checked with its Node binding): it renumbers an
+  // added token whose id another added token has, or a different vocab token has; two vocab
+  // tokens of one id and an empty vocab no trainer writes (issue 59.6).
+  const json eos = {{"content", "<eos>"}, {"id", 5}, {"special", true}, {"normalized", false}};
+  auto twice = tiny_tokenizer();
+  twice["added_tokens"] = json::array({eos, json{{"content", "<end>"}, {"id", 5}, {"special", true}}});
+  expect_error(twice, {"added_tokens[1].id = 5 is also added_tokens[0]'s (\"<eos>\")", "give each added token its own id"});
+  auto reused = tiny_tokenizer();
+  reused["added_tokens"] = json::array({json{{"content", "<eos>"}, {"id", 1}, {"special", true}}});
+  expect_error(reused, {"added_tokens[0].id = 1 is the vocab's \"b\", not \"<eos>\"", "only for the same token"});
+  auto same = tiny_tokenizer();  // an added token that is the vocab's own token at that id is fine
+  same["added_tokens"] = json::array({json{{"content", "ab"}, {"id", 2}, {"special", false}}});
+  write_file(file, same.dump());
+  EXPECT_EQ(tessera::toolkit::load_tokenizer(file)->encode("ab"), (std::vector<TokenId>{2}));
+  auto duplicate = tiny_tokenizer();
+  duplicate["model"]["vocab"]["Ġab"] = 3;
+  duplicate["model"]["merges"] = json::array({"a b"});
+  expect_error(duplicate, {"model.vocab.Ġab: id 3 is also \"Ġ\"'s", "its own id"});
+  auto empty_vocab = tiny_tokenizer();
+  empty_vocab["model"]["vocab"] = json::object();
+  empty_vocab["model"]["merges"] = json::array();
+  expect_error(empty_vocab, {"model.vocab is empty"});
+  write_file(file, twice.dump());  // through the binary: refused naming the file, exit 1
+  const auto info = run_tessera("tokenizer info --tokenizer " + file + " 2>&1");
+  EXPECT_EQ(info.exit_code, 1) << info.output;
+  EXPECT_NE(info.output.find(file + ": added_tokens[1].id = 5 is also"), std::string::npos) << info.output;
+
   // A pattern that compiles but exceeds the engine's limits on some text: encode names the
   // tokenizer, where the pattern is and the pattern (issue 59.9).
   auto backtracking = tiny_tokenizer();

@@ -49,8 +49,16 @@ class Bpe {
     // entry per id, and a file cannot make it larger than itself (libFuzzer: an id of 584379214
     // in a 3-token vocabulary asked for 18 GB).
     const std::int64_t entries = static_cast<std::int64_t>(vocab.size());
+    // An empty vocabulary encodes every text to nothing; two tokens of one id decode as whichever
+    // came last (the tokenizers library keeps the last too, but no trainer writes either).
+    TESSERA_CHECK(entries > 0, "Hugging Face tokenizer ", where.at("vocab").str(),
+                  " is empty: a BPE model needs its tokens, numbered from 0");
+    std::vector<bool> taken(static_cast<std::size_t>(entries), false);
     for (const auto& [token, id] : vocab.items()) {
       const std::int64_t value = integer_in(id, 0, std::max<std::int64_t>(0, entries - 1), where.at("vocab").at(token));
+      TESSERA_CHECK(!taken[value], "Hugging Face tokenizer ", where.at("vocab").at(token).str(), ": id ", value,
+                    " is also ", json(id_to_token_[value]).dump(), "'s: every token of the vocab needs its own id");
+      taken[value] = true;
       vocab_[token] = static_cast<TokenId>(value);
       if (static_cast<std::size_t>(value) >= id_to_token_.size()) id_to_token_.resize(value + 1);
       id_to_token_[value] = token;
@@ -466,6 +474,21 @@ class HuggingFaceTokenizer final : public Tokenizer {
                        get_or(entry, "rstrip", false),
                        get_or(entry, "normalized", !get_or(entry, "special", false))};
       TESSERA_CHECK(token.id >= 0, "Hugging Face tokenizer ", where.str(), " has a negative id");
+      // The tokenizers library gives an added token whose id is taken (by another added token, or
+      // by a different token of the vocab) a new id after the others: refused, since these ids
+      // would not be the library's.
+      const auto earlier = added_by_id_.find(token.id);
+      TESSERA_CHECK(earlier == added_by_id_.end(), "Hugging Face tokenizer ", where.at("id").str(), " = ", token.id,
+                    " is also added_tokens[", earlier == added_by_id_.end() ? 0 : earlier->second, "]'s (",
+                    json(earlier == added_by_id_.end() ? "" : added_[earlier->second].content).dump(),
+                    "): the tokenizers library would renumber this one; give each added token its own id");
+      const auto& model_tokens = bpe_->id_to_token();
+      const bool in_vocab = static_cast<std::size_t>(token.id) < model_tokens.size() && !model_tokens[token.id].empty();
+      TESSERA_CHECK(!in_vocab || model_tokens[token.id] == token.content, "Hugging Face tokenizer ",
+                    where.at("id").str(), " = ", token.id, " is the vocab's ",
+                    json(in_vocab ? model_tokens[token.id] : "").dump(), ", not ", json(token.content).dump(),
+                    ": the tokenizers library would give ", json(token.content).dump(), " a new id after the ",
+                    "vocabulary; an added token takes a vocab id only for the same token");
       vocab_size_ = std::max<std::int64_t>(vocab_size_, token.id + 1);
       if (token.special) special_contents_.insert(token.content);
       added_by_id_[token.id] = added_.size();
