@@ -27,6 +27,7 @@
 #include "tessera/core/checkpoint_folder.hpp"
 #include "tessera/core/comm.hpp"
 #include "tessera/core/plugin_loader.hpp"
+#include "tessera/sdk/data.hpp"
 #include "tessera/sdk/error.hpp"
 #include "tessera/sdk/strategy_checks.hpp"
 #include "train/allocator.hpp"
@@ -144,7 +145,7 @@ int list_plugins(const std::vector<std::string>& config_dirs) {
 
 /// Creates (and drops) every configured plugin, so configuration errors stop the launcher
 /// before it starts any rank.
-void check_plugins(const host::Config& config) {
+void check_plugins(const host::Config& config, bool predicts_after_fit = false) {
   core::PluginLoader loader(core::PluginLoader::search_path(config.plugin_dirs));
   std::vector<std::shared_ptr<sdk::PluginObject>> objects;
   for (const std::string& section : host::kPluginSections)
@@ -170,6 +171,18 @@ void check_plugins(const host::Config& config) {
     const std::int64_t length = data.get_int("block_size", 0);
     host::Trainer::check_sequence_length(config, model->hyper_parameters(), length,
                                          data.locate("block_size") + " = " + std::to_string(length));
+  }
+  // fit's predict_after_fit samples once training is done: what the data needs for it (a prompt,
+  // a tokenizer) is checked now, not after hours of training.
+  if (predicts_after_fit) {
+    auto data = std::dynamic_pointer_cast<sdk::DataModule>(objects[4]);
+    TESSERA_CHECK(data, "a plugin created an object of the wrong interface");
+    try {
+      data->setup("predict");
+    } catch (const sdk::Error& e) {
+      TESSERA_FAIL("[trainer] predict_after_fit = true samples from the model after fit, but the data cannot ",
+                   "predict: ", e.what());
+    }
   }
   host::make_callbacks(config, loader);
 }
@@ -371,7 +384,7 @@ int main(int argc, char** argv) {
       host::Trainer::check_weights_given(args.command, checkpoint, host::Trainer::initial_weights(config, checkpoint));
       TESSERA_CHECK(args.command != "lr-find" || config.trainer.fast_dev_run == 0, "[trainer] fast_dev_run runs ",
                     "every loop for a few batches; lr-find trains [lr_find] num_training steps: remove one of them");
-      check_plugins(config);
+      check_plugins(config, args.command == "fit" && config.trainer.predict_after_fit);
       check_local_ranks(config);
       if (args.command == "fit" || args.command == "lr-find") check_memory(config);
       if (args.command == "fit") remove_save_leftovers(root);

@@ -465,6 +465,19 @@ TEST(TokensPrepare, KilledMidwayThenRerunGivesByteIdenticalShards) {
   ASSERT_EQ(sampled.exit_code, 0) << sampled.output;
   EXPECT_MENTIONS(sampled.output, "sample from the trained model:\nQ: What");
 
+  // predict_after_fit without the prompt and tokenizer predict needs is refused before the run
+  // starts, not after training (issue 59.9).
+  const fs::path no_prompt = dir.path() / "no-prompt";
+  fs::create_directories(no_prompt);
+  auto early = run_tessera("fit --config " + fit_config(no_prompt, out) +
+                               " --set model.vocab_size=400 --set trainer.max_steps=2 --set trainer.predict_after_fit=true"
+                               " --set launch.devices=1",
+                           "", 120);
+  EXPECT_NE(early.exit_code, 0) << early.output;
+  EXPECT_MENTIONS(early.output, "[trainer] predict_after_fit = true samples from the model after fit, but the data "
+                                "cannot predict: " + (no_prompt / "run.toml").string() + ": [data] prompt is needed by predict");
+  EXPECT_FALSE(fs::exists(no_prompt / "version_0")) << "a run started: " << early.output;
+
   // A tokenizer of the same kind and vocabulary size that is not the file manifest.json records
   // (its xxh64 differs: here the same model with an unknown protobuf field appended) is refused at
   // resume, before any step and with the checkpoints as they were (issue 59.5); an explicit key
