@@ -93,8 +93,9 @@ void ShardedModule::load_full_state_dict(const sdk::StateDict& state, bool stric
       if (first_bad < 0 && !first_non_finite(p.tensor).empty()) first_bad = static_cast<std::int64_t>(order.size()) - 1;
     }
   }
-  // The order's index as a float is exact below 2^24 parameters; -1: none.
-  at::Tensor bad = at::full({1}, first_bad < 0 ? static_cast<double>(order.size()) : static_cast<double>(first_bad), fp32());
+  // The first such index over the ranks (order.size(): none), exact as a float below 2^24.
+  const std::int64_t mine = first_bad < 0 ? static_cast<std::int64_t>(order.size()) : first_bad;
+  at::Tensor bad = at::full({1}, static_cast<double>(mine), fp32());
   shard_group_->all_reduce(bad, sdk::ReduceOp::min, "non-finite weight check")->wait();
   const auto k = static_cast<std::size_t>(bad.item<double>());
   if (k < order.size()) check_finite_weight(order[k]->names[0], *state.find(order[k]->names[0]));  // throws
