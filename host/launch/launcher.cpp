@@ -78,6 +78,19 @@ void write_all(int fd, const char* data, std::size_t size) {
   }
 }
 
+/// Reads exactly `size` bytes; false at end of file or on an error.
+bool read_all(int fd, void* data, std::size_t size) {
+  auto* out = static_cast<char*>(data);
+  while (size > 0) {
+    ssize_t n = ::read(fd, out, size);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) return false;
+    out += n;
+    size -= static_cast<std::size_t>(n);
+  }
+  return true;
+}
+
 }  // namespace
 
 bool port_is_free(const std::string& address, std::int64_t port) {
@@ -171,10 +184,29 @@ std::optional<int> launch_or_join(const LaunchSettings& settings, const std::str
   // Node 0's launcher hosts the rendezvous store, as torchrun's agent does: the ranks join it
   // as clients, and their ledgers and failure reports outlive any one rank.
   std::unique_ptr<core::AgentStore> store;
-  if (settings.node_rank == 0) {
+  auto start_store = [&] {
+    if (settings.node_rank != 0) return;
     store = std::make_unique<core::AgentStore>(settings.master_addr, port, true,
                                                static_cast<double>(settings.rendezvous_timeout_s));
     port = store->port();
+  };
+  // [Note: forked ranks] A rank is this process forked after its checks, not the binary executed
+  // again: LibTorch's ~290 libraries are then loaded and relocated, its operators registered, the
+  // config read and the plugins loaded once per job instead of once per rank (~0.5-1.5 s each on
+  // 2 busy cores). fork() copies only the calling thread, so it is done while this process runs
+  // no other: the store (a thread) starts after the forks, and each rank waits on a pipe for its
+  // port. OpenBLAS's pool is ended first, as its own fork handler would (it restarts at its next
+  // call). A launcher that runs other threads (a plugin's, say) executes the binary as before.
+  toolkit::openblas::stop_threads();
+  const bool fork_ranks = core::thread_count() == 1;
+  int go_pipe[2] = {-1, -1};
+  if (fork_ranks) {
+    TESSERA_CHECK(::pipe2(go_pipe, O_CLOEXEC) == 0, "cannot create a pipe to start the ranks: ", std::strerror(errno));
+    std::cout << std::flush;
+    std::cerr << std::flush;
+    std::fflush(nullptr);  // else each rank would print what this process had buffered again
+  } else {
+    start_store();
   }
   std::filesystem::create_directories(log_dir);
   const std::int64_t threads = rank_threads(settings, local);
@@ -231,6 +263,17 @@ std::optional<int> launch_or_join(const LaunchSettings& settings, const std::str
         ::dup2(fd, STDOUT_FILENO);
         ::dup2(fd, STDERR_FILENO);
       }
+      if (fork_ranks) {
+        for (int unused : {go_pipe[1], err_pipe[0], err_pipe[1]}) ::close(unused);
+        std::int64_t master_port = -1;  // end of file: the launcher could not start the store
+        if (!read_all(go_pipe[0], &master_port, sizeof(master_port)) || master_port < 0) ::_exit(1);
+        ::close(go_pipe[0]);
+        child["MASTER_PORT"] = std::to_string(master_port);
+        for (const auto& [k, v] : child) ::setenv(k.c_str(), v.c_str(), 1);
+        if (fd >= 0) ::close(fd);
+        cluster = environment_cluster(settings, core::process_environment());
+        return std::nullopt;
+      }
       ::execve(exe.c_str(), argv, envp.data());
       std::string message = "tessera: cannot execute " + exe + ": " + std::strerror(errno) + "\n";
       write_all(STDERR_FILENO, message.data(), message.size());
@@ -241,6 +284,19 @@ std::optional<int> launch_or_join(const LaunchSettings& settings, const std::str
     pids[i] = pid;
   }
   ::close(err_pipe[1]);
+  if (fork_ranks) {
+    ::close(go_pipe[0]);
+    try {
+      start_store();
+    } catch (...) {
+      ::close(go_pipe[1]);  // the ranks read end of file and leave
+      for (pid_t pid : pids) ::waitpid(pid, nullptr, 0);
+      throw;
+    }
+    const std::int64_t master_port = port;
+    for (std::int64_t i = 0; i < local; ++i) write_all(go_pipe[1], reinterpret_cast<const char*>(&master_port), sizeof(master_port));
+    ::close(go_pipe[1]);
+  }
   std::cerr << "tessera: launched " << local << " local rank(s) of world size " << world << " (node "
             << settings.node_rank << " of " << settings.nodes << ", master " << settings.master_addr << ":" << port
             << ", " << threads << " thread(s) each), logs in " << log_dir << "/\n";

@@ -49,4 +49,11 @@ void keep_freed_pages(bool oversize_blocks_too) {
     mallctl(("arena." + std::to_string(i) + ".dirty_decay_ms").c_str(), nullptr, nullptr, &never, sizeof never);
 }
 
+void return_freed_pages() {
+  auto mallctl = reinterpret_cast<Mallctl>(::dlsym(RTLD_DEFAULT, "mallctl"));
+  if (mallctl == nullptr) return;
+  mallctl("thread.tcache.flush", nullptr, nullptr, nullptr, 0);
+  mallctl("arena.4096.purge", nullptr, nullptr, nullptr, 0);  // 4096: MALLCTL_ARENAS_ALL
+}
+
 }  // namespace tessera::host

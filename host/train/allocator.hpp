@@ -10,4 +10,9 @@ namespace tessera::host {
 /// user's choice wins).
 void keep_freed_pages(bool oversize_blocks_too);
 
+/// Hands every page jemalloc holds free back to the kernel now (its arenas purged, this
+/// thread's cache flushed). A launcher calls it before its ranks are forked from it: what its
+/// checks freed would otherwise be resident in every rank.
+void return_freed_pages();
+
 }  // namespace tessera::host

@@ -256,7 +256,9 @@ TEST(BadInputs, PluginsCommandDoesNotHangOnAFifo) {
 
 // ---------------------------------------------------------------- hangs, blame, timeouts
 
-/// The pid of `rank` among the launcher's children (read from their environment).
+/// The pid of `rank` among the launcher's children: the one whose output goes to rank-N.log
+/// (rank >= 1; rank 0 keeps the launcher's stdout). Ranks are forked: /proc/PID/environ shows the
+/// launcher's environment, not theirs.
 pid_t rank_pid(pid_t launcher, int rank) {
   for (const auto& entry : fs::directory_iterator("/proc")) {
     std::string name = entry.path().filename();
@@ -271,9 +273,9 @@ pid_t rank_pid(pid_t launcher, int rank) {
     pid_t parent = 0;
     fields >> state >> parent;
     if (parent != launcher) continue;
-    std::string env = std::string(1, '\0') + slurp((entry.path() / "environ").string());
-    if (env.find(std::string(1, '\0') + "RANK=" + std::to_string(rank) + '\0') != std::string::npos)
-      return static_cast<pid_t>(std::stoi(name));
+    std::error_code error;
+    const std::string output = fs::read_symlink(entry.path() / "fd" / "1", error).filename().string();
+    if (!error && output == "rank-" + std::to_string(rank) + ".log") return static_cast<pid_t>(std::stoi(name));
   }
   return -1;
 }

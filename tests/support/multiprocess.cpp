@@ -13,7 +13,9 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <cerrno>
 #include <cstdlib>
+#include <cstring>
 #include <fstream>
 #include <sstream>
 #include <string>
@@ -25,6 +27,9 @@
 #include <filesystem>
 
 #include "tessera/core/checkpoint.hpp"
+#include "tessera/toolkit/openblas.hpp"
+
+#include <ATen/Parallel.h>
 
 extern char** environ;
 
@@ -33,6 +38,25 @@ namespace tessera::testing {
 namespace {
 
 constexpr const char* kRankVariable = "TESSERA_TEST_RANK";
+
+sdk::ClusterInfo cluster_from_environment();
+
+/// One rank's end: its exit code after `body`, the test's failures counted.
+[[noreturn]] void run_rank(const std::function<void(const sdk::ClusterInfo& cluster)>& body) {
+  ::prctl(PR_SET_PDEATHSIG, SIGKILL);  // a test runner killed by ctest's timeout leaves no rank behind
+  if (::getppid() == 1) std::_Exit(3);
+  int code = 0;
+  try {
+    body(cluster_from_environment());
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "rank %s threw: %s\n", std::getenv(kRankVariable), e.what());
+    code = 2;
+  }
+  if (code == 0 && ::testing::Test::HasFailure()) code = 1;
+  std::fflush(stdout);
+  std::fflush(stderr);
+  std::_Exit(code);
+}
 
 /// The last `lines` lines of a rank's log, without LibTorch's backtrace frames (a c10::Error's
 /// what() ends with dozens of them, which would push its message out of the report).
@@ -67,21 +91,7 @@ const char* tessera_binary() { return TESSERA_BINARY; }
 
 void run_ranks(int world_size, std::chrono::seconds timeout,
                const std::function<void(const sdk::ClusterInfo& cluster)>& body) {
-  if (std::getenv(kRankVariable) != nullptr) {  // a child: be one rank, then leave
-    ::prctl(PR_SET_PDEATHSIG, SIGKILL);  // a test runner killed by ctest's timeout leaves no rank behind
-    if (::getppid() == 1) std::_Exit(3);
-    int code = 0;
-    try {
-      body(cluster_from_environment());
-    } catch (const std::exception& e) {
-      std::fprintf(stderr, "rank %s threw: %s\n", std::getenv(kRankVariable), e.what());
-      code = 2;
-    }
-    if (code == 0 && ::testing::Test::HasFailure()) code = 1;
-    std::fflush(stdout);
-    std::fflush(stderr);
-    std::_Exit(code);
-  }
+  if (std::getenv(kRankVariable) != nullptr) run_rank(body);  // an executed child: be one rank, then leave
 
   const ::testing::TestInfo* test = ::testing::UnitTest::GetInstance()->current_test_info();
   std::string filter = std::string("--gtest_filter=") + test->test_suite_name() + "." + test->name();
@@ -93,10 +103,40 @@ void run_ranks(int world_size, std::chrono::seconds timeout,
   // by the ranks themselves ("rank 1: ... timed out") when possible.
   std::string collective_timeout = std::to_string(std::max<long>(5, timeout.count() / 2));
 
+  // A rank is this process forked while it runs no other thread (fork() copies only the calling
+  // one): LibTorch is then loaded and the test's set-up done once, not once per rank; a test
+  // process that has started threads (OpenMP's pool, say) executes itself filtered instead.
+  // OpenBLAS's pool is ended first, as its own fork handler would (it restarts at its next call).
+  tessera::toolkit::openblas::stop_threads();
+  const bool fork_ranks = core::thread_count() == 1;
+  std::fflush(stdout);
+  std::fflush(stderr);
   std::vector<pid_t> pids(world_size);
   std::vector<std::string> logs(world_size);
   for (int rank = 0; rank < world_size; ++rank) {
     logs[rank] = ::testing::TempDir() + "tessera-rank-" + std::to_string(::getpid()) + "-" + std::to_string(rank) + ".log";
+    if (fork_ranks) {
+      const pid_t pid = ::fork();
+      ASSERT_GE(pid, 0) << "cannot start rank " << rank << ": " << std::strerror(errno);
+      if (pid == 0) {
+        const int log = ::open(logs[rank].c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+        if (log < 0) std::_Exit(4);
+        ::dup2(log, STDOUT_FILENO);
+        ::dup2(log, STDERR_FILENO);
+        ::close(log);
+        for (const auto& [name, value] : std::map<std::string, std::string>{
+                 {kRankVariable, std::to_string(rank)}, {"WORLD_SIZE", std::to_string(world_size)},
+                 {"MASTER_PORT", port}, {"TESSERA_TEST_COLLECTIVE_TIMEOUT", collective_timeout},
+                 {"OPENBLAS_NUM_THREADS", "1"}, {"OMP_NUM_THREADS", "1"}})
+          ::setenv(name.c_str(), value.c_str(), 1);
+        // The pools read those variables when they were loaded, in the parent: set them as such.
+        at::set_num_threads(1);
+        tessera::toolkit::openblas::set_num_threads(1);
+        run_rank(body);
+      }
+      pids[rank] = pid;
+      continue;
+    }
     std::vector<std::string> env_strings;
     for (char** e = environ; *e; ++e) env_strings.emplace_back(*e);
     env_strings.push_back(std::string(kRankVariable) + "=" + std::to_string(rank));

@@ -9,6 +9,7 @@
 
 #include <algorithm>
 #include <cctype>
+#include <filesystem>
 #include <fstream>
 
 #include "tessera/sdk/error.hpp"
@@ -222,6 +223,13 @@ char process_state(std::int64_t pid) {
   if (!std::getline(stat, text)) return 0;
   std::size_t paren = text.rfind(')');  // the command name may hold spaces and parentheses
   return paren != std::string::npos && paren + 2 < text.size() ? text[paren + 2] : 'R';
+}
+
+std::size_t thread_count() {
+  std::error_code error;
+  std::size_t n = 0;
+  for (std::filesystem::directory_iterator it("/proc/self/task", error), end; !error && it != end; it.increment(error)) ++n;
+  return error ? 0 : n;
 }
 
 ReservedPort::ReservedPort() : fd_(::socket(AF_INET, SOCK_STREAM, 0)) {

@@ -51,6 +51,11 @@ Environment process_environment();
 /// or 0 when there is no such process. Alive means neither 0 nor Z nor X.
 char process_state(std::int64_t pid);
 
+/// The threads this process runs now (entries of /proc/self/task; 0 when unreadable). fork()
+/// copies only the calling thread: a process may fork and go on running code in the child only
+/// while this is 1.
+std::size_t thread_count();
+
 /// A free TCP port held until a rendezvous store listens on it, in this process or another:
 /// bound and never listening, with SO_REUSEADDR, so that c10d's TCPStore (which binds with
 /// SO_REUSEADDR) can take it while no other bind or outgoing connection is given it. Asking

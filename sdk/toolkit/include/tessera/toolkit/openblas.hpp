@@ -14,5 +14,9 @@ bool has_own_threads();
 int num_threads();
 /// Sets its thread count; nothing when it is not loaded.
 void set_num_threads(int threads);
+/// Ends its pool's threads, as its own fork handler does; its next call starts them again. Its
+/// pthreads build starts them when it is loaded: a process that must run no other thread before
+/// it forks (a launcher forking ranks) calls this first.
+void stop_threads();
 
 }  // namespace tessera::toolkit::openblas
