@@ -17,7 +17,7 @@
 #include "cli/checkpoint_tool.hpp"
 #include "cli/config_reference.hpp"
 #include "cli/data_tool.hpp"
-#include "cli/plugin_keys.hpp"
+#include "compose/plugin_set.hpp"
 #include "cli/tokenizer_tool.hpp"
 #include "config/config.hpp"
 #include "launch/launcher.hpp"
@@ -147,18 +147,11 @@ int list_plugins(const std::vector<std::string>& config_dirs) {
 /// before it starts any rank.
 void check_plugins(const host::Config& config, bool predicts_after_fit = false) {
   core::PluginLoader loader(core::PluginLoader::search_path(config.plugin_dirs));
-  std::vector<std::shared_ptr<sdk::PluginObject>> objects;
-  for (const std::string& section : host::kPluginSections)
-    objects.push_back(host::create_plugin(loader, host::kPluginKinds.at(section), section, config));
   // What the strategy can check about its precision and checkpoint IO (e.g. sharded state dicts
-  // need an IO that writes shards) it checks when they are connected.
-  auto strategy = std::dynamic_pointer_cast<sdk::Strategy>(objects[0]);
-  auto precision = std::dynamic_pointer_cast<sdk::Precision>(objects[1]);
-  auto checkpoint_io = std::dynamic_pointer_cast<sdk::CheckpointIO>(objects[2]);
-  TESSERA_CHECK(strategy && precision && checkpoint_io, "a plugin created an object of the wrong interface");
-  strategy->connect(precision, checkpoint_io);
+  // need an IO that writes shards) it checks when they are connected, as composing them does.
+  const host::PluginSet plugins = host::compose_plugins(loader, config);
   // The world size the strategy will get (fsdp2's mesh sizes, single_device's one process).
-  if (auto* checks = dynamic_cast<sdk::StrategyChecks*>(strategy.get())) {
+  if (auto* checks = dynamic_cast<sdk::StrategyChecks*>(plugins.strategy.get())) {
     const sdk::ClusterInfo cluster = host::planned_cluster(config.launch);
     checks->check_world_size(cluster.world_size, cluster.environment);
   }
@@ -166,19 +159,15 @@ void check_plugins(const host::Config& config, bool predicts_after_fit = false) 
   // checks again on its first batch (check_data_against_model), whatever the data plugin's default.
   const sdk::Options& data = config.plugins.at("data");
   if (data.value("block_size").is<std::int64_t>()) {
-    auto model = std::dynamic_pointer_cast<sdk::Module>(objects[3]);
-    TESSERA_CHECK(model, "a plugin created an object of the wrong interface");
     const std::int64_t length = data.get_int("block_size", 0);
-    host::Trainer::check_sequence_length(config, model->hyper_parameters(), length,
+    host::Trainer::check_sequence_length(config, plugins.model->hyper_parameters(), length,
                                          data.locate("block_size") + " = " + std::to_string(length));
   }
   // fit's predict_after_fit samples once training is done: what the data needs for it (a prompt,
   // a tokenizer) is checked now, not after hours of training.
   if (predicts_after_fit) {
-    auto data = std::dynamic_pointer_cast<sdk::DataModule>(objects[4]);
-    TESSERA_CHECK(data, "a plugin created an object of the wrong interface");
     try {
-      data->setup("predict");
+      plugins.data->setup("predict");
     } catch (const sdk::Error& e) {
       TESSERA_FAIL("[trainer] predict_after_fit = true samples from the model after fit, but the data cannot ",
                    "predict: ", e.what());

@@ -1,10 +1,8 @@
 // Lightning's LearningRateMonitor: logs each parameter group's learning rate (and momentum)
 // as lr-<Optimizer>[/pgN], every step or at each epoch start.
-#include <torch/optim/adam.h>
-#include <torch/optim/adamw.h>
-#include <torch/optim/sgd.h>
 
 #include "callbacks/callbacks.hpp"
+#include "tessera/sdk/optimizer.hpp"
 #include "tessera/sdk/strategy.hpp"
 
 namespace tessera::host {
@@ -31,26 +29,21 @@ class LearningRateMonitor final : public sdk::Callback {
   void log(sdk::Trainer& trainer) {
     logged_step_ = trainer.global_step();
     torch::optim::Optimizer& optimizer = trainer.strategy().optimizer();
-    std::string name = dynamic_cast<torch::optim::AdamW*>(&optimizer) ? "AdamW"
-                       : dynamic_cast<torch::optim::Adam*>(&optimizer) ? "Adam"
-                       : dynamic_cast<torch::optim::SGD*>(&optimizer)  ? "SGD"
-                                                                       : "Optimizer";
+    const sdk::OptimizerKind kind = sdk::optimizer_kind(optimizer);
+    const std::string name = kind.name.empty() ? "Optimizer" : kind.name;
     std::map<std::string, double> metrics;
     const auto& groups = optimizer.param_groups();
     for (std::size_t i = 0; i < groups.size(); ++i) {
       std::string key = "lr-" + name + (groups.size() > 1 ? "/pg" + std::to_string(i + 1) : "");
       const auto& options = groups[i].options();
       metrics[key] = options.get_lr();
-      if (auto* adamw = dynamic_cast<const torch::optim::AdamWOptions*>(&options)) {
-        if (log_momentum_) metrics[key + "-momentum"] = std::get<0>(adamw->betas());
-        if (log_weight_decay_) metrics[key + "-weight_decay"] = adamw->weight_decay();
-      } else if (auto* adam = dynamic_cast<const torch::optim::AdamOptions*>(&options)) {
-        if (log_momentum_) metrics[key + "-momentum"] = std::get<0>(adam->betas());
-        if (log_weight_decay_) metrics[key + "-weight_decay"] = adam->weight_decay();
-      } else if (auto* sgd = dynamic_cast<const torch::optim::SGDOptions*>(&options)) {
-        if (log_momentum_) metrics[key + "-momentum"] = sgd->momentum();
-        if (log_weight_decay_) metrics[key + "-weight_decay"] = sgd->weight_decay();
-      }
+      if (kind.name.empty()) continue;  // another class: its lr only
+      const sdk::Checkpoint hyper = sdk::hyper_parameters(options);
+      // Lightning's "momentum" of Adam is beta1.
+      if (log_momentum_)
+        metrics[key + "-momentum"] = hyper.contains("betas") ? hyper.at("betas").toTupleRef().elements()[0].toDouble()
+                                                             : hyper.at("momentum").toDouble();
+      if (log_weight_decay_) metrics[key + "-weight_decay"] = hyper.at("weight_decay").toDouble();
     }
     trainer.log_metrics(metrics);
   }

@@ -10,7 +10,7 @@
 #include <ATen/ATen.h>
 #include <nlohmann/json.hpp>
 
-#include "cli/plugin_keys.hpp"
+#include "compose/plugin_set.hpp"
 #include "config/config.hpp"
 #include "tessera/core/checkpoint.hpp"
 #include "tessera/core/checkpoint_folder.hpp"
@@ -55,8 +55,7 @@ std::pair<std::string, std::string> locate(const HfExportRequest& request) {
 std::string model_config_json(const std::string& config_path, at::ScalarType dtype) {
   const Config config = Config::load(config_path, {});
   core::PluginLoader loader(core::PluginLoader::search_path(config.plugin_dirs));
-  auto module = std::dynamic_pointer_cast<sdk::Module>(create_plugin(loader, sdk::PluginKind::model, "model", config));
-  TESSERA_CHECK(module, "the [model] plugin of ", config_path, " did not create a model");
+  const std::shared_ptr<sdk::Module> module = compose_model(loader, config);
   const std::string& name = config.plugin_names.at("model");
   const auto* hf = dynamic_cast<const sdk::HuggingFaceModel*>(module.get());
   TESSERA_CHECK(hf != nullptr, "model '", name, "' (", config_path, ") does not implement sdk::HuggingFaceModel: its ",

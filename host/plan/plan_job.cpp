@@ -7,7 +7,9 @@
 #include <unordered_map>
 #include <unordered_set>
 #include <cstdlib>
+#include <cstring>
 #include <fstream>
+#include <initializer_list>
 #include <functional>
 
 #include <ATen/ATen.h>
@@ -19,7 +21,7 @@
 #include <torch/version.h>
 
 #include "callbacks/callbacks.hpp"
-#include "cli/plugin_keys.hpp"
+#include "compose/plugin_set.hpp"
 #include "launch/launcher.hpp"
 #include "tessera/core/deferred_init.hpp"
 #include "tessera/core/plugin_loader.hpp"
@@ -111,12 +113,23 @@ class CountingAllocator final : public c10::Allocator {
 
 CountingAllocator& counting_allocator() { return CountingAllocator::instance(); }
 
-double rss_bytes() {
+/// The sum of /proc/self/status's `fields` (VmRSS, RssAnon, ...), in bytes.
+double status_bytes(std::initializer_list<const char*> fields) {
   std::ifstream in("/proc/self/status");
+  double bytes = 0;
   for (std::string line; std::getline(in, line);)
-    if (line.rfind("VmRSS:", 0) == 0) return 1024.0 * std::strtod(line.c_str() + 6, nullptr);
-  return 0;
+    for (const char* field : fields)
+      if (line.rfind(std::string(field) + ":", 0) == 0)
+        bytes += 1024.0 * std::strtod(line.c_str() + std::strlen(field) + 1, nullptr);
+  return bytes;
 }
+
+// A rank forked by tessera's launcher (host/launch/launcher.cpp) maps the launcher's anonymous
+// memory at once but none of its file pages: it faults in only the code it runs, not what
+// loading LibTorch and the plugins touched once (~108 MB of the ~190 MB of this process here).
+// Training touches ~35 MB of them: on 2 cores, 5 multi-rank configurations of PlanVsMeasured's
+// 43M GPT measured 70-77 MB under a plan of this process's whole RSS.
+constexpr double kForkedRankCodeBytes = 35.0 * 1048576.0;
 
 /// What CUDA's autocast keeps beyond a CPU trace (cuda_autocast_extra()).
 struct CudaAutocastExtra {
@@ -355,14 +368,12 @@ PlannedJob plan_job(const Config& config, bool trace_activations) {
   cluster.local_world_size = job.local_ranks;
 
   core::PluginLoader loader(core::PluginLoader::search_path(config.plugin_dirs));
-  auto strategy = std::dynamic_pointer_cast<sdk::Strategy>(create_plugin(loader, sdk::PluginKind::strategy, "strategy", config));
-  auto precision = std::dynamic_pointer_cast<sdk::Precision>(create_plugin(loader, sdk::PluginKind::precision, "precision", config));
-  auto checkpoint_io =
-      std::dynamic_pointer_cast<sdk::CheckpointIO>(create_plugin(loader, sdk::PluginKind::checkpoint_io, "checkpoint_io", config));
-  auto model = std::dynamic_pointer_cast<sdk::Module>(create_plugin(loader, sdk::PluginKind::model, "model", config));
-  auto data = std::dynamic_pointer_cast<sdk::DataModule>(create_plugin(loader, sdk::PluginKind::data, "data", config));
-  TESSERA_CHECK(strategy && precision && checkpoint_io && model && data, "a plugin created an object of the wrong interface");
-  strategy->connect(precision, checkpoint_io);
+  PluginSet plugins = compose_plugins(loader, config);
+  const auto& strategy = plugins.strategy;
+  const auto& precision = plugins.precision;
+  const auto& checkpoint_io = plugins.checkpoint_io;
+  auto& model = plugins.model;  // reset once traced
+  const auto& data = plugins.data;
   if (auto* checks = dynamic_cast<sdk::StrategyChecks*>(strategy.get()))
     checks->check_world_size(cluster.world_size, cluster.environment);
   // fit's ranks meet these first: their errors are the job's, not the plan's.
@@ -375,7 +386,8 @@ PlannedJob plan_job(const Config& config, bool trace_activations) {
   };
   job_setup([&] { data->setup("fit"); });
   PlanInputs in;
-  in.baseline_bytes = rss_bytes();
+  const bool forked_ranks = cluster.environment == "local" && job.local_ranks > 1;
+  in.baseline_bytes = forked_ranks ? status_bytes({"RssAnon", "RssShmem"}) + kForkedRankCodeBytes : status_bytes({"VmRSS"});
   // A training rank holds ~40 MB more than this process does here, whatever the model and
   // strategy: the trainer's loop, loggers and data loader, c10d's store and process groups,
   // jemalloc's caches. Measured on the 2-core CI machine (bench/training/plan.sh: single

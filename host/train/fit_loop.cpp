@@ -17,7 +17,6 @@
 
 #include <ATen/ATen.h>
 
-#include "cli/plugin_keys.hpp"
 #include "loggers/record_file.hpp"
 #include "loggers/run_directory.hpp"
 #include "tessera/core/checkpoint.hpp"

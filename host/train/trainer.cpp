@@ -16,7 +16,7 @@
 
 #include <ATen/ATen.h>
 
-#include "cli/plugin_keys.hpp"
+#include "compose/plugin_set.hpp"
 #include "loggers/record_file.hpp"
 #include "loggers/run_directory.hpp"
 #include "tessera/core/checkpoint.hpp"
@@ -114,23 +114,17 @@ Trainer::~Trainer() {
 }
 
 void Trainer::setup(const std::string& stage, const std::string& command) {
-  using sdk::PluginKind;
   stage_ = stage;
-  auto create = [&](const std::string& section, PluginKind kind) {
-    return create_plugin(loader_, kind, section, config_);
-  };
   // Every plugin and callback is created (and its configuration checked) before any work starts.
-  strategy_ = std::dynamic_pointer_cast<sdk::Strategy>(create("strategy", PluginKind::strategy));
-  precision_ = std::dynamic_pointer_cast<sdk::Precision>(create("precision", PluginKind::precision));
-  checkpoint_io_ = std::dynamic_pointer_cast<sdk::CheckpointIO>(create("checkpoint_io", PluginKind::checkpoint_io));
-  model_ = std::dynamic_pointer_cast<sdk::Module>(create("model", PluginKind::model));
-  data_ = std::dynamic_pointer_cast<sdk::DataModule>(create("data", PluginKind::data));
-  TESSERA_CHECK(strategy_ && precision_ && checkpoint_io_ && model_ && data_,
-                "a plugin created an object of the wrong interface");
+  PluginSet plugins = compose_plugins(loader_, config_);
+  strategy_ = std::move(plugins.strategy);
+  precision_ = std::move(plugins.precision);
+  checkpoint_io_ = std::move(plugins.checkpoint_io);
+  model_ = std::move(plugins.model);
+  data_ = std::move(plugins.data);
   callbacks_ = make_callbacks(config_, loader_);
   if (config_.trainer.profiler == "simple" || config_.trainer.profiler == "trace") core::trace::enable(true);
 
-  strategy_->connect(precision_, checkpoint_io_);
   strategy_->setup_environment(cluster_);
   precision_->check_device(strategy_->root_device());
   at::manual_seed(static_cast<std::uint64_t>(config_.trainer.seed));

@@ -4,6 +4,7 @@
 #include "tessera/sdk/error.hpp"
 #include "tessera/sdk/guard.hpp"
 #include "tessera/sdk/huggingface.hpp"
+#include "tessera/sdk/layer.hpp"
 #include "tessera/sdk/module.hpp"
 #include "tessera/sdk/precision.hpp"
 #include "tessera/sdk/checkpoint_io.hpp"
@@ -21,6 +22,8 @@ Precision::~Precision() = default;
 CheckpointIO::~CheckpointIO() = default;
 Strategy::~Strategy() = default;
 HuggingFaceModel::~HuggingFaceModel() = default;
+ResettableLayer::~ResettableLayer() = default;
+BatchNormLayer::~BatchNormLayer() = default;
 
 std::unique_ptr<torch::optim::Optimizer> Module::configure_optimizers(const std::vector<NamedParameter>& params,
                                                                       const OptimizerSettings& settings) {

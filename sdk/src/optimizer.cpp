@@ -7,6 +7,7 @@
 #include <torch/optim/adamw.h>
 #include <torch/optim/sgd.h>
 
+#include <cmath>
 #include <map>
 #include <optional>
 #include <tuple>
@@ -168,6 +169,128 @@ std::unique_ptr<torch::optim::Optimizer> make_optimizer(const std::vector<NamedP
     return std::make_unique<torch::optim::SGD>(
         tensors, torch::optim::SGDOptions(s.lr).momentum(s.momentum).weight_decay(s.weight_decay));
   TESSERA_FAIL("unknown optimizer '", s.name, "'", did_you_mean(s.name, {"adamw", "adam", "sgd"}), "; valid: adamw, adam, sgd");
+}
+
+// [Note: one description of an optimizer] LibTorch's optimizers share no interface for their
+// hyper-parameters and state (AdamOptions and AdamWOptions have the same fields and no common
+// base): the casts that tell Adam, AdamW and SGD apart are here, once.
+
+OptimizerKind optimizer_kind(const torch::optim::Optimizer& optimizer) {
+  const std::vector<std::string> adam_state{"step", "exp_avg", "exp_avg_sq", "max_exp_avg_sq"};
+  if (dynamic_cast<const torch::optim::AdamW*>(&optimizer)) return {"AdamW", adam_state, {"exp_avg", "exp_avg_sq"}};
+  if (dynamic_cast<const torch::optim::Adam*>(&optimizer)) return {"Adam", adam_state, {"exp_avg", "exp_avg_sq"}};
+  if (dynamic_cast<const torch::optim::SGD*>(&optimizer)) return {"SGD", {"step", "momentum_buffer"}, {}};
+  return {};
+}
+
+namespace {
+
+/// Adam's and AdamW's options: the same fields in two classes with no common base.
+template <class AdamOptions>
+void insert_adam_options(Checkpoint& out, const AdamOptions& o) {
+  out.insert("lr", o.lr());
+  out.insert("betas", c10::ivalue::Tuple::create({std::get<0>(o.betas()), std::get<1>(o.betas())}));
+  out.insert("eps", o.eps());
+  out.insert("weight_decay", o.weight_decay());
+  out.insert("amsgrad", o.amsgrad());
+}
+
+}  // namespace
+
+Checkpoint hyper_parameters(const torch::optim::OptimizerOptions& options) {
+  Checkpoint out = make_checkpoint();
+  if (auto* o = dynamic_cast<const torch::optim::AdamWOptions*>(&options)) {
+    insert_adam_options(out, *o);
+  } else if (auto* o = dynamic_cast<const torch::optim::AdamOptions*>(&options)) {
+    insert_adam_options(out, *o);
+  } else if (auto* o = dynamic_cast<const torch::optim::SGDOptions*>(&options)) {
+    out.insert("lr", o->lr());
+    out.insert("momentum", o->momentum());
+    out.insert("dampening", o->dampening());
+    out.insert("weight_decay", o->weight_decay());
+    out.insert("nesterov", o->nesterov());
+  } else {
+    TESSERA_FAIL("optimizer options of this optimizer type cannot be saved (supported: Adam, AdamW, SGD)");
+  }
+  return out;
+}
+
+void set_hyper_parameters(torch::optim::OptimizerOptions& options, const Checkpoint& saved) {
+  auto number = [&](const char* key, double fallback) {
+    if (!saved.contains(key)) return fallback;
+    const c10::IValue& v = saved.at(key);
+    TESSERA_CHECK(v.isDouble() || v.isInt(), "optimizer param group '", key, "' is not a number");
+    return v.isDouble() ? v.toDouble() : static_cast<double>(v.toInt());
+  };
+  auto flag = [&](const char* key, bool fallback) {
+    return saved.contains(key) && saved.at(key).isBool() ? saved.at(key).toBool() : fallback;
+  };
+  auto betas = [&](std::tuple<double, double> fallback) {
+    if (!saved.contains("betas") || !saved.at("betas").isTuple()) return fallback;
+    const auto& items = saved.at("betas").toTupleRef().elements();
+    TESSERA_CHECK(items.size() == 2, "optimizer param group 'betas' must have two entries");
+    return std::make_tuple(items[0].toDouble(), items[1].toDouble());
+  };
+  options.set_lr(number("lr", options.get_lr()));
+  if (auto* o = dynamic_cast<torch::optim::AdamWOptions*>(&options)) {
+    o->betas(betas(o->betas())).eps(number("eps", o->eps())).weight_decay(number("weight_decay", o->weight_decay()));
+    o->amsgrad(flag("amsgrad", o->amsgrad()));
+  } else if (auto* o = dynamic_cast<torch::optim::AdamOptions*>(&options)) {
+    o->betas(betas(o->betas())).eps(number("eps", o->eps())).weight_decay(number("weight_decay", o->weight_decay()));
+    o->amsgrad(flag("amsgrad", o->amsgrad()));
+  } else if (auto* o = dynamic_cast<torch::optim::SGDOptions*>(&options)) {
+    o->momentum(number("momentum", o->momentum())).dampening(number("dampening", o->dampening()));
+    o->weight_decay(number("weight_decay", o->weight_decay())).nesterov(flag("nesterov", o->nesterov()));
+  }
+}
+
+Checkpoint parameter_state(const torch::optim::OptimizerParamState& state) {
+  Checkpoint out = make_checkpoint();
+  if (auto* s = dynamic_cast<const torch::optim::AdamWParamState*>(&state)) {
+    out.insert("step", at::scalar_tensor(static_cast<double>(s->step()), at::kFloat));
+    out.insert("exp_avg", s->exp_avg());
+    out.insert("exp_avg_sq", s->exp_avg_sq());
+    if (s->max_exp_avg_sq().defined()) out.insert("max_exp_avg_sq", s->max_exp_avg_sq());
+  } else if (auto* s = dynamic_cast<const torch::optim::AdamParamState*>(&state)) {
+    out.insert("step", at::scalar_tensor(static_cast<double>(s->step()), at::kFloat));
+    out.insert("exp_avg", s->exp_avg());
+    out.insert("exp_avg_sq", s->exp_avg_sq());
+    if (s->max_exp_avg_sq().defined()) out.insert("max_exp_avg_sq", s->max_exp_avg_sq());
+  } else if (auto* s = dynamic_cast<const torch::optim::SGDParamState*>(&state)) {
+    if (s->momentum_buffer().defined()) out.insert("momentum_buffer", s->momentum_buffer());
+  } else {
+    TESSERA_FAIL("optimizer state of this optimizer type cannot be saved (supported: Adam, AdamW, SGD)");
+  }
+  return out;
+}
+
+std::unique_ptr<torch::optim::OptimizerParamState> make_parameter_state(const torch::optim::Optimizer& optimizer,
+                                                                        const Checkpoint& saved) {
+  auto tensor = [&](const char* key) { return saved.contains(key) ? saved.at(key).toTensor().clone() : at::Tensor(); };
+  auto step = [&]() -> std::int64_t {
+    if (!saved.contains("step")) return 0;
+    const c10::IValue& v = saved.at("step");
+    if (v.isTensor()) return static_cast<std::int64_t>(std::llround(v.toTensor().item<double>()));
+    if (v.isInt()) return v.toInt();
+    TESSERA_CHECK(v.isDouble(), "optimizer state 'step' is neither a tensor nor a number");
+    return static_cast<std::int64_t>(std::llround(v.toDouble()));
+  };
+  if (dynamic_cast<const torch::optim::AdamW*>(&optimizer)) {
+    auto s = std::make_unique<torch::optim::AdamWParamState>();
+    s->step(step()).exp_avg(tensor("exp_avg")).exp_avg_sq(tensor("exp_avg_sq")).max_exp_avg_sq(tensor("max_exp_avg_sq"));
+    return s;
+  }
+  if (dynamic_cast<const torch::optim::Adam*>(&optimizer)) {
+    auto s = std::make_unique<torch::optim::AdamParamState>();
+    s->step(step()).exp_avg(tensor("exp_avg")).exp_avg_sq(tensor("exp_avg_sq")).max_exp_avg_sq(tensor("max_exp_avg_sq"));
+    return s;
+  }
+  if (dynamic_cast<const torch::optim::SGD*>(&optimizer)) {
+    auto s = std::make_unique<torch::optim::SGDParamState>();
+    s->momentum_buffer(tensor("momentum_buffer"));
+    return s;
+  }
+  TESSERA_FAIL("optimizer state cannot be loaded into this optimizer type (supported: Adam, AdamW, SGD)");
 }
 
 }  // namespace tessera::sdk

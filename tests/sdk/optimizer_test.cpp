@@ -1,6 +1,6 @@
 // sdk::make_optimizer's Adam and AdamW step through LibTorch's fused kernel where it has one
 // and compute what LibTorch's own loop computes. LibTorch gained a CPU kernel in 2.4; below that
-// (Debian's bookworm 1.13) the toolkit registers its own (sdk/toolkit/src/fused_adam_cpu.cpp), which these
+// (Debian's bookworm 1.13) the toolkit registers its own (toolkit/src/fused_adam_cpu.cpp), which these
 // tests then run: the kernel and the optimizer's side (state, step counts, buckets, decoupled
 // weight decay, the fallbacks) are tested on every machine; on CUDA the real kernel runs in the
 // OneDevice tests. Kernel calls are counted by the dispatcher's RecordFunction observer.
@@ -18,7 +18,7 @@
 
 namespace {
 
-/// Below LibTorch 2.4 the CPU kernel is Tessera's own (sdk/toolkit/src/fused_adam_cpu.cpp).
+/// Below LibTorch 2.4 the CPU kernel is Tessera's own (toolkit/src/fused_adam_cpu.cpp).
 constexpr bool kTesserasCpuKernel = TORCH_VERSION_MAJOR < 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR < 4);
 
 /// Counts the fused Adam kernels the dispatcher runs on this thread while it lives.

@@ -5,9 +5,6 @@
 #include <map>
 #include <set>
 
-#include <torch/optim/adam.h>
-#include <torch/optim/adamw.h>
-#include <torch/optim/sgd.h>
 
 #include "tessera/core/checkpoint.hpp"
 #include "tessera/sdk/error.hpp"
@@ -21,84 +18,6 @@ namespace {
 
 using sdk::optimizer_state_key;
 
-/// Per-parameter state as a dict of tensors (Python's format: "step" is a tensor).
-sdk::Checkpoint param_state_dict(const torch::optim::OptimizerParamState& state) {
-  sdk::Checkpoint out = sdk::make_checkpoint();
-  if (auto* s = dynamic_cast<const torch::optim::AdamWParamState*>(&state)) {
-    out.insert("step", at::scalar_tensor(static_cast<double>(s->step()), at::kFloat));
-    out.insert("exp_avg", s->exp_avg());
-    out.insert("exp_avg_sq", s->exp_avg_sq());
-    if (s->max_exp_avg_sq().defined()) out.insert("max_exp_avg_sq", s->max_exp_avg_sq());
-  } else if (auto* s = dynamic_cast<const torch::optim::AdamParamState*>(&state)) {
-    out.insert("step", at::scalar_tensor(static_cast<double>(s->step()), at::kFloat));
-    out.insert("exp_avg", s->exp_avg());
-    out.insert("exp_avg_sq", s->exp_avg_sq());
-    if (s->max_exp_avg_sq().defined()) out.insert("max_exp_avg_sq", s->max_exp_avg_sq());
-  } else if (auto* s = dynamic_cast<const torch::optim::SGDParamState*>(&state)) {
-    if (s->momentum_buffer().defined()) out.insert("momentum_buffer", s->momentum_buffer());
-  } else {
-    TESSERA_FAIL("optimizer state of this optimizer type cannot be saved (supported: Adam, AdamW, SGD)");
-  }
-  return out;
-}
-
-/// Adam's and AdamW's options: the same fields in two classes with no common base.
-template <class AdamOptions>
-void insert_adam_options(sdk::Checkpoint& out, const AdamOptions& o) {
-  out.insert("lr", o.lr());
-  out.insert("betas", c10::ivalue::Tuple::create({std::get<0>(o.betas()), std::get<1>(o.betas())}));
-  out.insert("eps", o.eps());
-  out.insert("weight_decay", o.weight_decay());
-  out.insert("amsgrad", o.amsgrad());
-}
-
-sdk::Checkpoint group_options(const torch::optim::OptimizerOptions& options) {
-  sdk::Checkpoint out = sdk::make_checkpoint();
-  if (auto* o = dynamic_cast<const torch::optim::AdamWOptions*>(&options)) {
-    insert_adam_options(out, *o);
-  } else if (auto* o = dynamic_cast<const torch::optim::AdamOptions*>(&options)) {
-    insert_adam_options(out, *o);
-  } else if (auto* o = dynamic_cast<const torch::optim::SGDOptions*>(&options)) {
-    out.insert("lr", o->lr());
-    out.insert("momentum", o->momentum());
-    out.insert("dampening", o->dampening());
-    out.insert("weight_decay", o->weight_decay());
-    out.insert("nesterov", o->nesterov());
-  } else {
-    TESSERA_FAIL("optimizer options of this optimizer type cannot be saved (supported: Adam, AdamW, SGD)");
-  }
-  return out;
-}
-
-/// A fresh param state of the optimizer's type, filled from a saved dict.
-std::unique_ptr<torch::optim::OptimizerParamState> make_param_state(const torch::optim::Optimizer& optimizer,
-                                                                    const sdk::Checkpoint& saved) {
-  auto tensor = [&](const char* key) { return saved.contains(key) ? saved.at(key).toTensor().clone() : at::Tensor(); };
-  auto step = [&]() -> std::int64_t {
-    if (!saved.contains("step")) return 0;
-    const IValue& v = saved.at("step");
-    if (v.isTensor()) return static_cast<std::int64_t>(std::llround(v.toTensor().item<double>()));
-    if (v.isInt()) return v.toInt();
-    TESSERA_CHECK(v.isDouble(), "optimizer state 'step' is neither a tensor nor a number");
-    return static_cast<std::int64_t>(std::llround(v.toDouble()));
-  };
-  if (dynamic_cast<const torch::optim::AdamW*>(&optimizer)) {
-    auto s = std::make_unique<torch::optim::AdamWParamState>();
-    s->step(step()).exp_avg(tensor("exp_avg")).exp_avg_sq(tensor("exp_avg_sq")).max_exp_avg_sq(tensor("max_exp_avg_sq"));
-    return s;
-  }
-  if (dynamic_cast<const torch::optim::Adam*>(&optimizer)) {
-    auto s = std::make_unique<torch::optim::AdamParamState>();
-    s->step(step()).exp_avg(tensor("exp_avg")).exp_avg_sq(tensor("exp_avg_sq")).max_exp_avg_sq(tensor("max_exp_avg_sq"));
-    return s;
-  }
-  if (dynamic_cast<const torch::optim::SGD*>(&optimizer)) {
-    auto s = std::make_unique<torch::optim::SGDParamState>();
-    s->momentum_buffer(tensor("momentum_buffer"));
-    return s;
-  }
-  TESSERA_FAIL("optimizer state cannot be loaded into this optimizer type (supported: Adam, AdamW, SGD)");
-}
 
 }  // namespace
 
@@ -139,11 +58,11 @@ sdk::Checkpoint optimizer_state_dict(const torch::optim::Optimizer& optimizer,
   c10::impl::GenericList groups(c10::AnyType::get());
   std::int64_t index = 0;
   for (const auto& group : optimizer.param_groups()) {
-    sdk::Checkpoint saved_group = group_options(group.options());
+    sdk::Checkpoint saved_group = sdk::hyper_parameters(group.options());
     c10::List<std::int64_t> indices;
     for (const auto& p : group.params()) {
       auto it = optimizer.state().find(optimizer_state_key(p));
-      if (it != optimizer.state().end()) state.insert(index, param_state_dict(*it->second));
+      if (it != optimizer.state().end()) state.insert(index, sdk::parameter_state(*it->second));
       indices.push_back(index++);
     }
     saved_group.insert("params", indices);
@@ -194,34 +113,6 @@ std::pair<c10::impl::GenericDict, std::vector<std::string>> state_by_index(const
   return {state, saved_param_names(by_id)};
 }
 
-void set_group_options(torch::optim::OptimizerOptions& options, const sdk::Checkpoint& saved) {
-  auto number = [&](const char* key, double fallback) {
-    if (!saved.contains(key)) return fallback;
-    const IValue& v = saved.at(key);
-    TESSERA_CHECK(v.isDouble() || v.isInt(), "optimizer param group '", key, "' is not a number");
-    return v.isDouble() ? v.toDouble() : static_cast<double>(v.toInt());
-  };
-  auto flag = [&](const char* key, bool fallback) {
-    return saved.contains(key) && saved.at(key).isBool() ? saved.at(key).toBool() : fallback;
-  };
-  auto betas = [&](std::tuple<double, double> fallback) {
-    if (!saved.contains("betas") || !saved.at("betas").isTuple()) return fallback;
-    const auto& items = saved.at("betas").toTupleRef().elements();
-    TESSERA_CHECK(items.size() == 2, "optimizer param group 'betas' must have two entries");
-    return std::make_tuple(items[0].toDouble(), items[1].toDouble());
-  };
-  options.set_lr(number("lr", options.get_lr()));
-  if (auto* o = dynamic_cast<torch::optim::AdamWOptions*>(&options)) {
-    o->betas(betas(o->betas())).eps(number("eps", o->eps())).weight_decay(number("weight_decay", o->weight_decay()));
-    o->amsgrad(flag("amsgrad", o->amsgrad()));
-  } else if (auto* o = dynamic_cast<torch::optim::AdamOptions*>(&options)) {
-    o->betas(betas(o->betas())).eps(number("eps", o->eps())).weight_decay(number("weight_decay", o->weight_decay()));
-    o->amsgrad(flag("amsgrad", o->amsgrad()));
-  } else if (auto* o = dynamic_cast<torch::optim::SGDOptions*>(&options)) {
-    o->momentum(number("momentum", o->momentum())).dampening(number("dampening", o->dampening()));
-    o->weight_decay(number("weight_decay", o->weight_decay())).nesterov(flag("nesterov", o->nesterov()));
-  }
-}
 
 }  // namespace
 
@@ -236,8 +127,6 @@ std::function<void()> stage_optimizer_state_dict(torch::optim::Optimizer& optimi
   std::map<std::string, std::int64_t> saved_index;
   for (std::size_t i = 0; i < saved_names.size(); ++i) saved_index[saved_names[i]] = static_cast<std::int64_t>(i);
   const bool by_name = !saved_names.empty() && !param_names.empty();
-  const bool adam = dynamic_cast<const torch::optim::Adam*>(&optimizer) != nullptr ||
-                    dynamic_cast<const torch::optim::AdamW*>(&optimizer) != nullptr;
 
   std::int64_t count = 0;
   for (const auto& group : optimizer.param_groups()) count += static_cast<std::int64_t>(group.params().size());
@@ -248,10 +137,8 @@ std::function<void()> stage_optimizer_state_dict(torch::optim::Optimizer& optimi
   // Plan first, then apply: a mismatch must leave the optimizer untouched.
   std::vector<std::pair<at::Tensor, sdk::Checkpoint>> plan;
   std::set<std::int64_t> consumed;  // saved entries that went to a parameter
-  const bool sgd = dynamic_cast<const torch::optim::SGD*>(&optimizer) != nullptr;
-  const std::set<std::string> kept = adam  ? std::set<std::string>{"step", "exp_avg", "exp_avg_sq", "max_exp_avg_sq"}
-                                     : sgd ? std::set<std::string>{"step", "momentum_buffer"}
-                                           : std::set<std::string>{};
+  const sdk::OptimizerKind kind = sdk::optimizer_kind(optimizer);
+  const std::set<std::string> kept(kind.state.begin(), kind.state.end());
   std::int64_t index = 0;
   for (const auto& group : optimizer.param_groups()) {
     for (const auto& p : group.params()) {
@@ -267,10 +154,9 @@ std::function<void()> stage_optimizer_state_dict(torch::optim::Optimizer& optimi
       if (!state.contains(source)) continue;  // the parameter had no state yet (never stepped)
       consumed.insert(source);
       sdk::Checkpoint entry = state.at(source).toGenericDict();
-      if (adam)
-        for (const char* key : {"exp_avg", "exp_avg_sq"})
-          TESSERA_CHECK(entry.contains(key), "optimizer state of parameter '", name, "' has no '", key,
-                        "': the checkpoint was written by a different optimizer than this Adam/AdamW");
+      for (const std::string& key : kind.required_state)
+        TESSERA_CHECK(entry.contains(key), "optimizer state of parameter '", name, "' has no '", key,
+                      "': the checkpoint was written by a different optimizer than this ", kind.name);
       for (const auto& item : entry)
         TESSERA_CHECK(kept.empty() || kept.count(item.key().toStringRef()), "optimizer state '",
                       item.key().toStringRef(), "' of parameter '", name,
@@ -308,13 +194,13 @@ std::function<void()> stage_optimizer_state_dict(torch::optim::Optimizer& optimi
   const bool same_groups = groups.size() == optimizer.param_groups().size();
   if (same_groups) {
     for (std::size_t g = 0; g < groups.size(); ++g)
-      set_group_options(optimizer.param_groups()[g].options(), checkpoint_dict(groups[g], "optimizer param group"));
+      sdk::set_hyper_parameters(optimizer.param_groups()[g].options(), checkpoint_dict(groups[g], "optimizer param group"));
   } else if (!groups.empty() && !optimizer.param_groups().empty()) {
     // Regrouped optimizer (e.g. different no-decay split): keep its own settings but the saved lr.
-    set_group_options(optimizer.param_groups()[0].options(), checkpoint_dict(groups[0], "optimizer param group"));
+    sdk::set_hyper_parameters(optimizer.param_groups()[0].options(), checkpoint_dict(groups[0], "optimizer param group"));
   }
   return [&optimizer, plan = std::move(plan)] {
-    for (const auto& [p, entry] : plan) optimizer.state()[optimizer_state_key(p)] = make_param_state(optimizer, entry);
+    for (const auto& [p, entry] : plan) optimizer.state()[optimizer_state_key(p)] = sdk::make_parameter_state(optimizer, entry);
   };
 }
 

@@ -7,7 +7,7 @@
 #include <torch/nn/modules/batchnorm.h>
 
 #include "tessera/sdk/error.hpp"
-#include "tessera/toolkit/sync_batch_norm.hpp"
+#include "tessera/sdk/layer.hpp"
 
 namespace tessera::core::fsdp {
 
@@ -19,7 +19,7 @@ bool is_ignored_module(const std::string& path, const torch::nn::Module& module,
 
 bool is_batch_norm(const torch::nn::Module& m) {
   return dynamic_cast<const torch::nn::BatchNorm1dImpl*>(&m) || dynamic_cast<const torch::nn::BatchNorm2dImpl*>(&m) ||
-         dynamic_cast<const torch::nn::BatchNorm3dImpl*>(&m) || dynamic_cast<const toolkit::SyncBatchNorm2dImpl*>(&m);
+         dynamic_cast<const torch::nn::BatchNorm3dImpl*>(&m) || dynamic_cast<const sdk::BatchNormLayer*>(&m);
 }
 
 namespace {

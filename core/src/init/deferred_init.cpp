@@ -20,8 +20,7 @@
 
 #include "tessera/sdk/error.hpp"
 #include "tessera/sdk/tensor_parallel.hpp"
-#include "tessera/toolkit/sync_batch_norm.hpp"
-#include "tessera/toolkit/tensor_parallel.hpp"
+#include "tessera/sdk/layer.hpp"
 
 namespace tessera::core {
 
@@ -107,23 +106,8 @@ bool has_deferred_tensors(const torch::nn::Module& network) {
 void replay_deferred_init_rng() { arena().restore_rng(); }
 void release_deferred_init_memory() { arena().release(); }
 
-namespace {
-
-// LibTorch's LinearImpl::reset_parameters() on tensors of any shape (the fan-in is the
-// weight's second dimension: the full layer's when the SDK's TP layers hold full shapes).
-void reset_linear(at::Tensor& weight, at::Tensor& bias) {
-  torch::nn::init::kaiming_uniform_(weight, std::sqrt(5));
-  if (!bias.defined()) return;
-  const std::int64_t fan_in = std::get<0>(torch::nn::init::_calculate_fan_in_and_fan_out(weight));
-  const double bound = 1 / std::sqrt(static_cast<double>(fan_in));
-  torch::nn::init::uniform_(bias, -bound, bound);
-}
-
-}  // namespace
-
 bool reset_known_module(torch::nn::Module& m) {
-  if (auto* x = dynamic_cast<toolkit::ColumnParallelLinearImpl*>(&m)) return reset_linear(x->weight, x->bias), true;
-  if (auto* x = dynamic_cast<toolkit::RowParallelLinearImpl*>(&m)) return reset_linear(x->weight, x->bias), true;
+  if (auto* x = dynamic_cast<sdk::ResettableLayer*>(&m)) return x->reset_parameters(), true;
   if (auto* x = dynamic_cast<torch::nn::LinearImpl*>(&m)) return x->reset_parameters(), true;
   if (auto* x = dynamic_cast<torch::nn::EmbeddingImpl*>(&m)) return x->reset_parameters(), true;
   if (auto* x = dynamic_cast<torch::nn::LayerNormImpl*>(&m)) return x->reset_parameters(), true;
@@ -133,7 +117,6 @@ bool reset_known_module(torch::nn::Module& m) {
   if (auto* x = dynamic_cast<torch::nn::BatchNorm1dImpl*>(&m)) return x->reset_parameters(), true;
   if (auto* x = dynamic_cast<torch::nn::BatchNorm2dImpl*>(&m)) return x->reset_parameters(), true;
   if (auto* x = dynamic_cast<torch::nn::BatchNorm3dImpl*>(&m)) return x->reset_parameters(), true;
-  if (auto* x = dynamic_cast<toolkit::SyncBatchNorm2dImpl*>(&m)) return x->reset_parameters(), true;
   return false;
 }
 
@@ -197,8 +180,8 @@ void initialize_modules(torch::nn::Module& network, const std::set<const void*>&
     if (initialised) continue;
     TESSERA_FAIL("deferred init: module '", item.key(), "' of class '", m.name(),
                  "' has parameters but no known initialiser (tessera re-initialises LibTorch's Linear, Embedding, ",
-                 "LayerNorm, Conv1d-3d, BatchNorm1d-3d and the toolkit's SyncBatchNorm2d, ColumnParallelLinear and "
-                 "RowParallelLinear); ",
+                 "LayerNorm, Conv1d-3d, BatchNorm1d-3d and layers implementing tessera::sdk::ResettableLayer, such as ",
+                 "SyncBatchNorm2d, ColumnParallelLinear and RowParallelLinear); ",
                  "initialise it in the model's init_parameters(), give its parameters to such modules or set ",
                  "[strategy] deferred_init = false");
   }

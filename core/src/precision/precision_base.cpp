@@ -3,14 +3,13 @@
 #include <ATen/ATen.h>
 #include <ATen/autocast_mode.h>
 #include <c10/core/DefaultDtype.h>
-#include <torch/optim/adam.h>
-#include <torch/optim/adamw.h>
 
 #include <cmath>
 #include <map>
 
 #include "tessera/sdk/autocast.hpp"
 #include "tessera/sdk/error.hpp"
+#include "tessera/sdk/optimizer.hpp"
 #include "tessera/sdk/strategy.hpp"
 
 namespace tessera::core {
@@ -212,11 +211,11 @@ namespace {
 /// Adam's eps is added to a square root in the parameter's dtype: below half float16's
 /// smallest subnormal it rounds to 0 and the first zero second moment divides by zero.
 void check_eps_representable(const torch::optim::Optimizer& optimizer) {
+  if (sdk::optimizer_kind(optimizer).name.empty()) return;  // another class: nothing is known of it
   for (const auto& group : optimizer.param_groups()) {
-    double eps = -1;
-    if (auto* o = dynamic_cast<const torch::optim::AdamWOptions*>(&group.options())) eps = o->eps();
-    else if (auto* o = dynamic_cast<const torch::optim::AdamOptions*>(&group.options())) eps = o->eps();
-    if (eps < 0) continue;
+    const sdk::Checkpoint hyper = sdk::hyper_parameters(group.options());
+    if (!hyper.contains("eps")) continue;  // SGD
+    const double eps = hyper.at("eps").toDouble();
     for (const auto& p : group.params())
       TESSERA_CHECK(p.scalar_type() != at::kHalf || eps >= 6e-8, "[optimizer] eps = ", eps,
                     " is 0 in float16, the dtype of the optimizer's parameters under this precision: every step would ",

@@ -43,9 +43,8 @@ using ParamInitFn = std::function<bool(const std::string& path, torch::nn::Modul
 /// values of an eager build cut by the model's parallelize (one module's full tensors at a time).
 void initialize_modules(torch::nn::Module& network, const std::set<const void*>& params, c10::Device device,
                         const ParamInitFn& init, std::int64_t tp_rank = 0, std::int64_t tp_size = 1);
-/// LibTorch's own initialiser for `module`, if it is one of the classes above, or for the
-/// toolkit's ColumnParallelLinear / RowParallelLinear that of a torch::nn::Linear of the shapes
-/// they hold (initialize_modules gives them their full shapes first).
+/// LibTorch's own initialiser for `module`, if it is one of the classes above, or its own
+/// sdk::ResettableLayer::reset_parameters() (initialize_modules gives it its full shapes first).
 bool reset_known_module(torch::nn::Module& module);
 /// Rewinds the default CPU generator to where deferred_init_guard() started, so units
 /// initialised in construction order draw an eager build's values.

@@ -10,6 +10,7 @@
 #include <torch/optim/optimizer.h>
 
 #include "tessera/sdk/export.hpp"
+#include "tessera/sdk/types.hpp"
 
 namespace tessera::sdk {
 
@@ -40,6 +41,30 @@ TESSERA_SDK_API std::unique_ptr<torch::optim::Optimizer> make_optimizer(const st
 
 /// Whether this LibTorch has a fused Adam kernel for `device`'s backend.
 TESSERA_SDK_API bool has_fused_adam(const c10::Device& device);
+
+/// What an optimizer is, asked of it here and nowhere else: checkpoints, the lr monitor and the
+/// precision checks read its class, hyper-parameters and state through these functions, in
+/// PyTorch's state_dict names. LibTorch's Adam, AdamW and SGD (make_optimizer's, fused or not)
+/// are described; another class has an empty name and no state keys, and saving or loading
+/// its state is refused naming the supported ones.
+struct OptimizerKind {
+  std::string name;                ///< "AdamW", "Adam" or "SGD"; empty for another class
+  std::vector<std::string> state;  ///< the per-parameter state a checkpoint may hold for it
+  std::vector<std::string> required_state;  ///< what a saved state must hold (Adam's moments)
+};
+TESSERA_SDK_API OptimizerKind optimizer_kind(const torch::optim::Optimizer& optimizer);
+/// A param group's hyper-parameters: lr, betas, eps, weight_decay, amsgrad (Adam, AdamW); lr,
+/// momentum, dampening, weight_decay, nesterov (SGD). Throws sdk::Error for another class.
+TESSERA_SDK_API Checkpoint hyper_parameters(const torch::optim::OptimizerOptions& options);
+/// Sets those of `saved` (a param group of a state_dict; the others stay), lr for any class.
+/// Throws sdk::Error for a value of the wrong type, naming its key.
+TESSERA_SDK_API void set_hyper_parameters(torch::optim::OptimizerOptions& options, const Checkpoint& saved);
+/// A parameter's state ("step" as a float tensor, as PyTorch saves it). Throws for another class.
+TESSERA_SDK_API Checkpoint parameter_state(const torch::optim::OptimizerParamState& state);
+/// A new state of `optimizer`'s class holding `saved`'s values (tensors cloned). Throws for
+/// another class.
+TESSERA_SDK_API std::unique_ptr<torch::optim::OptimizerParamState> make_parameter_state(
+    const torch::optim::Optimizer& optimizer, const Checkpoint& saved);
 
 /// The key of `p`'s per-parameter state in a C++ optimizer's state(): its TensorImpl's
 /// printed address in LibTorch 1.x, the pointer itself in 2.x.

@@ -26,17 +26,9 @@ namespace tessera::sdk {
 /// the strategy API's classes in tessera/core (StrategyBase, Communicator, DeviceMesh,
 /// PrecisionBase): removing or changing any of them bumps the major, adding one bumps the minor.
 /// The installed CMake package's version is this ABI: find_package(TesseraSDK 7).
-/// History: 7: the tensor-parallel layers and regions (ColumnParallelLinear, RowParallelLinear,
-/// copy_to / reduce_from regions, tensor_parallel_traffic) and the CPU Adam kernel moved to the
-/// toolkit (tessera/toolkit/tensor_parallel.hpp); the contract keeps the group and placements.
-/// 6: no TOML++ type in the contract (Options holds its table privately; Value, keys(),
-/// value(), sub_table() for keys a factory parses itself), so the fingerprint drops TOML++. 5: the
-/// Options getters take a Key (name + doc), KeyObserver; Strategy::tensor_init_context removed
-/// (never called). 4: Callback::on_after_optimizer_step, Trainer::save_checkpoint(path,
-/// weights_only), StrategyMemoryLayout. 3: multi-argument units, Module::fsdp_wrap_policy, TOML++ in
-/// the fingerprint, descriptor sdk_version, callback plugins, Module::parallelize.
+/// What each ABI changed: sdk/CHANGELOG.md.
 inline constexpr std::uint32_t kAbiMajor = 7;
-inline constexpr std::uint32_t kAbiMinor = 0;
+inline constexpr std::uint32_t kAbiMinor = 1;
 
 enum class PluginKind : std::uint32_t { strategy = 1, precision, checkpoint_io, model, data, callback };
 TESSERA_SDK_API const char* to_string(PluginKind kind);

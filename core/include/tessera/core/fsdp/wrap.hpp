@@ -44,7 +44,7 @@ UnitPlan plan_units(torch::nn::Module& network, const FSDPOptions& options);
 /// Whether `module` at `path` is named, by path or class, in `ignored_modules`.
 bool is_ignored_module(const std::string& path, const torch::nn::Module& module,
                        const std::vector<std::string>& ignored_modules);
-/// LibTorch's BatchNorm1d-3d and the toolkit's SyncBatchNorm2d.
+/// LibTorch's BatchNorm1d-3d and layers implementing sdk::BatchNormLayer (SyncBatchNorm2d).
 bool is_batch_norm(const torch::nn::Module& module);
 
 /// "" when every class in `unit_classes` names a module of `network`; otherwise what is wrong:

@@ -16,6 +16,7 @@
 #include <torch/nn/modules/linear.h>
 #include <torch/nn/pimpl.h>
 
+#include "tessera/sdk/layer.hpp"
 #include "tessera/sdk/tensor_parallel.hpp"
 
 namespace tessera::toolkit {
@@ -59,7 +60,7 @@ struct ColumnParallelLinearOptions {
 /// all-reduced in backward); the output is this rank's piece of the last dimension (Megatron's
 /// gather_output = false), the input of a RowParallelLinear or of per-head attention.
 /// Parameters "weight" and "bias", as torch::nn::Linear's, so state-dict names do not change.
-class ColumnParallelLinearImpl : public torch::nn::Module, public TensorParallelModule {
+class ColumnParallelLinearImpl : public torch::nn::Module, public TensorParallelModule, public sdk::ResettableLayer {
  public:
   /// A new layer initialised as torch::nn::Linear(in, out) would be with the same generator
   /// state (the full weight is drawn, then cut), so it equals a sharded single-device layer.
@@ -71,6 +72,9 @@ class ColumnParallelLinearImpl : public torch::nn::Module, public TensorParallel
   at::Tensor forward(const at::Tensor& input);
   std::map<std::string, TensorParallelPlacement> tensor_parallel_placements() const override;
   void pretty_print(std::ostream& stream) const override;
+  /// torch::nn::Linear's initialisation of weight and bias as they are shaped now (deferred
+  /// init calls it on the full layer's shapes).
+  void reset_parameters() override;
 
   ColumnParallelLinearOptions options;
   std::shared_ptr<TensorParallelGroup> group;
@@ -94,7 +98,7 @@ struct RowParallelLinearOptions {
 /// y = x W^T + b with W [out, in] split on dim 1: this rank holds columns [out, in/tp]. The
 /// input is this rank's piece of the last dimension (a ColumnParallelLinear's output); the
 /// partial products are all-reduced, then the bias (replicated) is added once.
-class RowParallelLinearImpl : public torch::nn::Module, public TensorParallelModule {
+class RowParallelLinearImpl : public torch::nn::Module, public TensorParallelModule, public sdk::ResettableLayer {
  public:
   /// A new layer initialised as torch::nn::Linear(in, out) would be (see ColumnParallelLinear).
   RowParallelLinearImpl(const RowParallelLinearOptions& options, std::shared_ptr<TensorParallelGroup> group);
@@ -104,6 +108,9 @@ class RowParallelLinearImpl : public torch::nn::Module, public TensorParallelMod
   at::Tensor forward(const at::Tensor& input);
   std::map<std::string, TensorParallelPlacement> tensor_parallel_placements() const override;
   void pretty_print(std::ostream& stream) const override;
+  /// torch::nn::Linear's initialisation of weight and bias as they are shaped now (deferred
+  /// init calls it on the full layer's shapes).
+  void reset_parameters() override;
 
   RowParallelLinearOptions options;
   std::shared_ptr<TensorParallelGroup> group;

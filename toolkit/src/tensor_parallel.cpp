@@ -1,11 +1,13 @@
 #include "tessera/toolkit/tensor_parallel.hpp"
 
+#include <cmath>
 #include <ostream>
 #include <utility>
 
 #include <ATen/ATen.h>
 #include <ATen/core/ivalue.h>
 #include <torch/csrc/autograd/custom_function.h>
+#include <torch/nn/init.h>
 
 #include "tessera/sdk/autograd_graph.hpp"
 #include "tessera/sdk/error.hpp"
@@ -110,6 +112,16 @@ at::Tensor register_piece(torch::nn::Module& module, const std::string& name, co
   return module.register_parameter(name, piece, full.requires_grad());
 }
 
+/// LibTorch's LinearImpl::reset_parameters() on tensors of any shape (the fan-in is the
+/// weight's second dimension: the full layer's when deferred init calls it).
+void reset_linear(at::Tensor& weight, at::Tensor& bias) {
+  torch::nn::init::kaiming_uniform_(weight, std::sqrt(5));
+  if (!bias.defined()) return;
+  const std::int64_t fan_in = std::get<0>(torch::nn::init::_calculate_fan_in_and_fan_out(weight));
+  const double bound = 1 / std::sqrt(static_cast<double>(fan_in));
+  torch::nn::init::uniform_(bias, -bound, bound);
+}
+
 }  // namespace
 
 ColumnParallelLinearImpl::ColumnParallelLinearImpl(const ColumnParallelLinearOptions& o,
@@ -141,6 +153,8 @@ std::map<std::string, TensorParallelPlacement> ColumnParallelLinearImpl::tensor_
   if (bias.defined()) out["bias"] = {0, options.stride()};
   return out;
 }
+
+void ColumnParallelLinearImpl::reset_parameters() { reset_linear(weight, bias); }
 
 void ColumnParallelLinearImpl::pretty_print(std::ostream& stream) const {
   stream << "ColumnParallelLinear(in_features=" << options.in_features() << ", out_features=" << options.out_features()
@@ -175,6 +189,8 @@ at::Tensor RowParallelLinearImpl::forward(const at::Tensor& input) {
 std::map<std::string, TensorParallelPlacement> RowParallelLinearImpl::tensor_parallel_placements() const {
   return {{"weight", {1, 1}}};
 }
+
+void RowParallelLinearImpl::reset_parameters() { reset_linear(weight, bias); }
 
 void RowParallelLinearImpl::pretty_print(std::ostream& stream) const {
   stream << "RowParallelLinear(in_features=" << options.in_features() << ", out_features=" << options.out_features()

@@ -12,14 +12,20 @@
 
 #include <torch/nn/modules/batchnorm.h>
 
+#include "tessera/sdk/layer.hpp"
+
 namespace tessera::toolkit {
 
 /// Sums `tensor` over the data-parallel ranks, in place; every rank must call it in the same order.
 using AllReduceSum = std::function<void(at::Tensor& tensor)>;
 
-class SyncBatchNorm2dImpl : public torch::nn::BatchNormImplBase<2, SyncBatchNorm2dImpl> {
+class SyncBatchNorm2dImpl : public torch::nn::BatchNormImplBase<2, SyncBatchNorm2dImpl>,
+                            public sdk::ResettableLayer,
+                            public sdk::BatchNormLayer {
  public:
   using torch::nn::BatchNormImplBase<2, SyncBatchNorm2dImpl>::BatchNormImplBase;
+
+  void reset_parameters() override { torch::nn::BatchNormImplBase<2, SyncBatchNorm2dImpl>::reset_parameters(); }
 
   at::Tensor forward(const at::Tensor& input);
 

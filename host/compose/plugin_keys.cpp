@@ -1,4 +1,4 @@
-#include "cli/plugin_keys.hpp"
+#include "compose/plugin_keys.hpp"
 
 #include <algorithm>
 #include <map>
