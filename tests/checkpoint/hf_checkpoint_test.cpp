@@ -230,6 +230,9 @@ struct Source {
   int shards;          // 1: model.safetensors
   const char* export_dtype;
 };
+// Else GoogleTest prints a Source as its bytes (pointers), different at each run of the binary,
+// in the test names ctest lists and keys its cost data by.
+void PrintTo(const Source& s, std::ostream* os) { *os << s.dtype; }
 
 class HfRoundTrip : public ::testing::TestWithParam<Source> {};
 

@@ -144,6 +144,9 @@ struct Layout {
   int tp;                ///< ranks that see the same batch
   const char* path = "";  ///< what the log says carries a group's collectives
 };
+// Else GoogleTest prints a Layout as its bytes (pointers), different at each run of the binary,
+// in the test names ctest lists and keys its cost data by.
+void PrintTo(const Layout& l, std::ostream* os) { *os << l.name; }
 
 class Parity : public OnTwoHosts, public ::testing::WithParamInterface<Layout> {};
 
