@@ -385,7 +385,6 @@ int main(int argc, char** argv) {
     // ranks' output in a folder of its own, and they log into the run folder once it is chosen.
     const char* log_dir = std::getenv("TESSERA_LOG_DIR");
     const std::string capture = log_dir ? log_dir : host::job_log_directory(root, "node-" + std::to_string(config.launch.node_rank));
-    host::return_freed_pages();  // what the checks freed: not to be resident in ranks forked from here
     if (auto code = host::launch_or_join(config.launch, capture, argc, argv, cluster)) return *code;
     host::configure_threads(config.launch, cluster);
     host::keep_freed_pages(/*oversize_blocks_too=*/cluster.world_size == 1);

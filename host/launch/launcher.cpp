@@ -28,6 +28,7 @@
 #include "tessera/core/comm.hpp"
 #include "tessera/sdk/error.hpp"
 #include "tessera/toolkit/openblas.hpp"
+#include "train/allocator.hpp"
 
 namespace tessera::host {
 
@@ -205,6 +206,7 @@ std::optional<int> launch_or_join(const LaunchSettings& settings, const std::str
     std::cout << std::flush;
     std::cerr << std::flush;
     std::fflush(nullptr);  // else each rank would print what this process had buffered again
+    return_freed_pages();  // what the checks freed would be resident in every rank
   } else {
     start_store();
   }

@@ -291,6 +291,13 @@ double memory_available_bytes() {
   return -1;
 }
 
+std::int64_t proc_status_kb(const std::string& field) {
+  std::ifstream in("/proc/self/status");
+  for (std::string line; std::getline(in, line);)
+    if (line.rfind(field + ":", 0) == 0) return std::strtoll(line.c_str() + field.size() + 1, nullptr, 10);
+  return 0;
+}
+
 namespace {
 /// "name 12 MB, name 3 MB" of the rows in host memory (or on the device).
 std::string listed_rows(const MemoryPlan& plan, bool on_device) {

@@ -123,6 +123,9 @@ std::int64_t largest_batch_size(const PlanInputs& in, std::int64_t traced_batch_
 
 /// MemAvailable of /proc/meminfo in bytes, or -1; TESSERA_MEMORY_AVAILABLE_MB overrides it (tests).
 double memory_available_bytes();
+/// A field of this process's /proc/self/status in kB ("VmRSS", "VmHWM", "RssAnon"); 0 where it
+/// cannot be read.
+std::int64_t proc_status_kb(const std::string& field);
 /// A warning when `plan.job_bytes` (host memory) exceeds `available` bytes (fit prints it before any work); "" otherwise.
 std::string memory_warning(const MemoryPlan& plan, double available, std::int64_t local_ranks);
 /// "" unless a CUDA plan's device peak per rank exceeds `device_bytes` (a GPU's memory); else

@@ -7,9 +7,6 @@
 #include <unordered_map>
 #include <unordered_set>
 #include <cstdlib>
-#include <cstring>
-#include <fstream>
-#include <initializer_list>
 #include <functional>
 
 #include <ATen/ATen.h>
@@ -112,17 +109,6 @@ class CountingAllocator final : public c10::Allocator {
 };
 
 CountingAllocator& counting_allocator() { return CountingAllocator::instance(); }
-
-/// The sum of /proc/self/status's `fields` (VmRSS, RssAnon, ...), in bytes.
-double status_bytes(std::initializer_list<const char*> fields) {
-  std::ifstream in("/proc/self/status");
-  double bytes = 0;
-  for (std::string line; std::getline(in, line);)
-    for (const char* field : fields)
-      if (line.rfind(std::string(field) + ":", 0) == 0)
-        bytes += 1024.0 * std::strtod(line.c_str() + std::strlen(field) + 1, nullptr);
-  return bytes;
-}
 
 // A rank forked by tessera's launcher (host/launch/launcher.cpp) maps the launcher's anonymous
 // memory at once but none of its file pages: it faults in only the code it runs, not what
@@ -387,7 +373,8 @@ PlannedJob plan_job(const Config& config, bool trace_activations) {
   job_setup([&] { data->setup("fit"); });
   PlanInputs in;
   const bool forked_ranks = cluster.environment == "local" && job.local_ranks > 1;
-  in.baseline_bytes = forked_ranks ? status_bytes({"RssAnon", "RssShmem"}) + kForkedRankCodeBytes : status_bytes({"VmRSS"});
+  in.baseline_bytes = forked_ranks ? 1024.0 * (proc_status_kb("RssAnon") + proc_status_kb("RssShmem")) + kForkedRankCodeBytes
+                                   : 1024.0 * proc_status_kb("VmRSS");
   // A training rank holds ~40 MB more than this process does here, whatever the model and
   // strategy: the trainer's loop, loggers and data loader, c10d's store and process groups,
   // jemalloc's caches. Measured on the 2-core CI machine (bench/training/plan.sh: single

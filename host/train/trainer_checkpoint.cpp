@@ -19,6 +19,7 @@
 #include "tessera/sdk/checkpoint_io_features.hpp"
 #include "tessera/sdk/error.hpp"
 #include "tessera/sdk/huggingface.hpp"
+#include "plan/plan.hpp"
 #include "train/trainer.hpp"
 
 namespace tessera::host {
@@ -36,14 +37,6 @@ void refuse_weights_only(const sdk::Checkpoint& checkpoint, const std::string& p
                "): it has no optimizer state to resume training from. Evaluate it with validate, test or predict, ",
                "start a new run from its weights with [trainer] init_from, or resume fit from a checkpoint saved ",
                "without save_weights_only");
-}
-
-/// A field of /proc/self/status in kB ("VmRSS", "VmHWM"); 0 where it cannot be read.
-std::int64_t proc_status_kb(const std::string& field) {
-  std::ifstream in("/proc/self/status");
-  for (std::string line; std::getline(in, line);)
-    if (line.rfind(field + ":", 0) == 0) return std::strtoll(line.c_str() + field.size() + 1, nullptr, 10);
-  return 0;
 }
 
 /// Lowers the kernel's peak-RSS mark (VmHWM, getrusage's ru_maxrss) to the current RSS, so

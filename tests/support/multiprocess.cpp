@@ -115,6 +115,10 @@ void run_ranks(int world_size, std::chrono::seconds timeout,
   std::vector<std::string> logs(world_size);
   for (int rank = 0; rank < world_size; ++rank) {
     logs[rank] = ::testing::TempDir() + "tessera-rank-" + std::to_string(::getpid()) + "-" + std::to_string(rank) + ".log";
+    const std::map<std::string, std::string> rank_environment{
+        {kRankVariable, std::to_string(rank)}, {"WORLD_SIZE", std::to_string(world_size)},
+        {"MASTER_PORT", port},                 {"TESSERA_TEST_COLLECTIVE_TIMEOUT", collective_timeout},
+        {"OPENBLAS_NUM_THREADS", "1"},         {"OMP_NUM_THREADS", "1"}};
     if (fork_ranks) {
       const pid_t pid = ::fork();
       ASSERT_GE(pid, 0) << "cannot start rank " << rank << ": " << std::strerror(errno);
@@ -124,11 +128,7 @@ void run_ranks(int world_size, std::chrono::seconds timeout,
         ::dup2(log, STDOUT_FILENO);
         ::dup2(log, STDERR_FILENO);
         ::close(log);
-        for (const auto& [name, value] : std::map<std::string, std::string>{
-                 {kRankVariable, std::to_string(rank)}, {"WORLD_SIZE", std::to_string(world_size)},
-                 {"MASTER_PORT", port}, {"TESSERA_TEST_COLLECTIVE_TIMEOUT", collective_timeout},
-                 {"OPENBLAS_NUM_THREADS", "1"}, {"OMP_NUM_THREADS", "1"}})
-          ::setenv(name.c_str(), value.c_str(), 1);
+        for (const auto& [name, value] : rank_environment) ::setenv(name.c_str(), value.c_str(), 1);
         // The pools read those variables when they were loaded, in the parent: set them as such.
         at::set_num_threads(1);
         tessera::toolkit::openblas::set_num_threads(1);
@@ -139,12 +139,7 @@ void run_ranks(int world_size, std::chrono::seconds timeout,
     }
     std::vector<std::string> env_strings;
     for (char** e = environ; *e; ++e) env_strings.emplace_back(*e);
-    env_strings.push_back(std::string(kRankVariable) + "=" + std::to_string(rank));
-    env_strings.push_back("WORLD_SIZE=" + std::to_string(world_size));
-    env_strings.push_back("MASTER_PORT=" + port);
-    env_strings.push_back("TESSERA_TEST_COLLECTIVE_TIMEOUT=" + collective_timeout);
-    env_strings.push_back("OPENBLAS_NUM_THREADS=1");
-    env_strings.push_back("OMP_NUM_THREADS=1");
+    for (const auto& [name, value] : rank_environment) env_strings.push_back(name + "=" + value);
     std::vector<char*> env;
     for (auto& s : env_strings) env.push_back(s.data());
     env.push_back(nullptr);
