@@ -1,5 +1,7 @@
 // The one place Tessera calls c10d. Compiles against LibTorch 1.13 (ProcessGroupGloo is a
 // ProcessGroup) and 2.x (it is a Backend with the same collective methods).
+#include <signal.h>
+
 #include <algorithm>
 #include <chrono>
 #include <cstdlib>
@@ -482,6 +484,11 @@ void reduce_rows(const at::Tensor& rows, at::Tensor output, sdk::ReduceOp op) {
 CommunicatorPtr make_local_communicator() { return std::make_shared<LocalCommunicator>(); }
 
 CommunicatorPtr make_communicator(const sdk::ClusterInfo& cluster, const c10::Device& device, bool cuda_over_gloo) {
+  // A write to a peer that is gone must fail (EPIPE, which Gloo reports as the collective's
+  // error), not kill this rank with SIGPIPE before it can say which collective broke: Python,
+  // under which PyTorch's c10d runs, ignores SIGPIPE alike. A handler the program set stays.
+  struct sigaction pipe {};
+  if (::sigaction(SIGPIPE, nullptr, &pipe) == 0 && pipe.sa_handler == SIG_DFL) ::signal(SIGPIPE, SIG_IGN);
   TESSERA_CHECK(cluster.master_port > 0 && cluster.master_port < 65536, "MASTER_PORT ", cluster.master_port,
                 " is not a valid port");
   const double timeout_s = static_cast<double>(cluster.collective_timeout_s);
