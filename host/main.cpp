@@ -39,7 +39,7 @@ namespace {
 using namespace tessera;
 
 constexpr const char* kUsage = R"(usage:
-  tessera fit|validate|test|predict --config FILE.toml [--set section.key=value ...] [--ckpt-path last|best|PATH]
+  tessera fit|validate|test|predict --config FILE.toml [--set section.key=value ...] [--ckpt-path last|best|auto|PATH]
   tessera lr-find --config FILE.toml [--set section.key=value ...]
   tessera plan --config FILE.toml [--set section.key=value ...] [--json]
   tessera config --config FILE.toml [--set section.key=value ...]
@@ -357,8 +357,8 @@ int main(int argc, char** argv) {
     core::set_comm_settings({static_cast<double>(config.launch.rendezvous_timeout_s),
                              static_cast<double>(config.launch.checkpoint_timeout_s),
                              config.launch.shared_memory_collectives, config.launch.interface});
-    // [trainer] resume = "auto": fit goes on from the newest committed checkpoint, if any.
-    if (args.command == "fit" && args.ckpt_path.empty() && config.trainer.resume == "auto") args.ckpt_path = "last";
+    // [trainer] resume = "auto": fit goes on from the newest committed checkpoint that verifies, if any.
+    if (args.command == "fit" && args.ckpt_path.empty() && config.trainer.resume == "auto") args.ckpt_path = "auto";
     if (args.command == "plan") {
       check_plugins(config);
       host::PlannedJob job = host::plan_job(config);
@@ -368,7 +368,12 @@ int main(int argc, char** argv) {
     }
     if (std::getenv("TESSERA_LAUNCHED") == nullptr) {  // once per job, before any rank starts
       // A missing checkpoint, or one fit cannot resume from, stops us here.
-      const std::string checkpoint = host::Trainer::resolve_checkpoint(config, args.ckpt_path, args.command == "fit");
+      std::vector<std::string> notes;
+      const std::string checkpoint =
+          host::Trainer::resolve_checkpoint(config, args.ckpt_path, args.command == "fit", &notes);
+      for (const std::string& note : notes) std::cerr << "tessera: " << note << "\n";
+      // Ranks this process forks take the choice made here rather than verifying every checkpoint again.
+      if (args.ckpt_path == "auto") args.ckpt_path = checkpoint;
       if (args.command == "fit" && !checkpoint.empty()) host::Trainer::check_resumable(checkpoint);
       host::Trainer::check_weights_given(args.command, checkpoint, host::Trainer::initial_weights(config, checkpoint));
       TESSERA_CHECK(args.command != "lr-find" || config.trainer.fast_dev_run == 0, "[trainer] fast_dev_run runs ",

@@ -36,12 +36,14 @@ constexpr const char* kToolUsage = R"(usage:
                                                      a Hugging Face model folder (config.json from the
                                                      model, generation_config.json, safetensors shards
                                                      of at most --max-shard-size with their index),
-                                                     streamed; the model must speak Hugging Face's names
+                                                     streamed, and the run's tokenizer files; the model
+                                                     must speak Hugging Face's names
   tessera checkpoint gc ROOT [--dry-run]             lists and removes what interrupted saves left
                                                      anywhere under ROOT (a default_root_dir): only
                                                      those whose writer is gone (clean: the same)
 PATH is a full .ckpt file, a sharded checkpoint folder (or a `last` link to either), a torch.save'd
-state dict or a safetensors file; RUN_OR_CKPT is also a run folder (its checkpoints/last).
+state dict or a safetensors file; RUN_OR_CKPT is also a run folder (its checkpoints/last) or a
+default_root_dir (its newest run's last checkpoint, as --ckpt-path last finds it).
 )";
 
 
@@ -113,17 +115,7 @@ void inspect(const std::string& path) {
   }
 }
 
-void verify(const std::string& path) {
-  if (core::is_sharded_checkpoint(path)) {
-    core::verify_sharded(path);
-    std::cout << "ok: " << path << ": every file's size, checksums and save id match its manifest\n";
-    return;
-  }
-  sdk::Checkpoint c = core::load_checkpoint_file(path);
-  core::check_tensor_checksums(c, path);
-  std::cout << "ok: " << path << (c.contains(core::kTensorChecksumsKey) ? ": every tensor's checksum matches\n"
-                                                                          : ": readable (written without checksums)\n");
-}
+void verify(const std::string& path) { std::cout << "ok: " << path << ": " << core::verify_checkpoint(path) << "\n"; }
 
 void export_to(const std::string& path, const std::string& to) {
   const bool safetensors = to.size() > 12 && to.compare(to.size() - 12, 12, ".safetensors") == 0;

@@ -367,7 +367,8 @@ Config Config::load(const std::string& path, const std::vector<std::string>& ove
   TESSERA_CHECK(!t.has("init_from_strict") || !tr.init_from.empty(), t.locate("init_from_strict"),
                 " is set but no [trainer] init_from is: set init_from = PATH or remove init_from_strict");
   tr.resume = t.get_choice(
-      {"resume", "auto: fit resumes from the newest committed checkpoint under default_root_dir, as --ckpt-path last"},
+      {"resume", "auto: fit resumes from the newest committed checkpoint under default_root_dir that verifies (a "
+                 "damaged one is passed over and kept)"},
       "never", {"never", "auto"});
   tr.freeze = t.get_string_list(
       {"freeze", "module paths or parameter names whose parameters do not train (no gradient, no optimizer state)"},
@@ -378,6 +379,11 @@ Config Config::load(const std::string& path, const std::vector<std::string>& ove
       {"profiler",
        "simple: time per hook; trace: a Chrome trace; pytorch: LibTorch's profiler over steps 3-5; \"\": none"},
       "", {"", "simple", "trace", "pytorch"});
+  tr.nonfinite_loss = t.get_choice(
+      {"nonfinite_loss",
+       "a step whose loss is NaN/Inf on any rank: stop before the optimizer steps, naming where it appeared; skip: "
+       "skip that step's update (a grad scaler, when there is one, skips it either way)"},
+      "stop", {"stop", "skip"});
   tr.detect_anomaly = t.get_bool(
       {"detect_anomaly", "check gradients for NaN/Inf before each optimizer step and stop naming the parameter"},
       false);

@@ -65,6 +65,9 @@ struct TrainerSettings {
   double max_time_s = 0;                     ///< stop fit after this long (0: no limit); "DD:HH:MM:SS" in TOML
   std::string profiler;                      ///< "" (none), "simple" or "trace"
   bool sync_batchnorm = false;  ///< the model's toolkit::SyncBatchNorm2d layers normalise over every data-parallel rank
+  /// A step whose loss is NaN/Inf on any rank (and no grad scaler to skip it): "stop" the run
+  /// before the optimizer steps, with detect_anomaly's report; "skip" its optimizer step.
+  std::string nonfinite_loss = "stop";
   bool detect_anomaly = false;  ///< check the loss and the reduced gradients for NaN/Inf before each optimizer step
   /// true: fit starts a job whose memory plan exceeds the machine (a warning instead of a refusal).
   bool skip_memory_check = false;

@@ -34,6 +34,19 @@ std::optional<fs::path> newest_checkpoint(const fs::path& dir) {
   return fs::path(core::resolve_last(dir.string()));
 }
 
+/// The runs under `parent`, the newest (highest version_N) first; with a fixed [logger] version, that run only.
+std::vector<fs::path> runs_newest_first(const std::string& parent, const LoggerSettings& logger) {
+  if (!logger.version.empty()) return {run_directory(parent, logger.version)};
+  std::vector<std::pair<std::int64_t, fs::path>> numbered;
+  std::error_code ec;
+  for (const auto& entry : fs::directory_iterator(parent, ec))
+    if (auto n = version_number(entry.path())) numbered.emplace_back(*n, entry.path());
+  std::sort(numbered.rbegin(), numbered.rend());
+  std::vector<fs::path> runs;
+  for (auto& item : numbered) runs.push_back(std::move(item.second));
+  return runs;
+}
+
 }  // namespace
 
 std::string versions_parent(const std::string& default_root_dir, const LoggerSettings& logger) {
@@ -78,17 +91,28 @@ std::string run_directory(const std::string& parent, const std::string& version)
 }
 
 std::optional<std::string> newest_run_checkpoint(const std::string& parent, const LoggerSettings& logger) {
-  std::vector<std::pair<std::int64_t, fs::path>> runs;
-  std::error_code ec;
-  if (!logger.version.empty()) {
-    runs.emplace_back(0, run_directory(parent, logger.version));
-  } else {
-    for (const auto& entry : fs::directory_iterator(parent, ec))
-      if (auto n = version_number(entry.path())) runs.emplace_back(*n, entry.path());
-    std::sort(runs.rbegin(), runs.rend());
-  }
-  for (const auto& [n, run] : runs)
+  for (const fs::path& run : runs_newest_first(parent, logger))
     if (auto checkpoint = newest_checkpoint(run / "checkpoints")) return checkpoint->string();
+  return std::nullopt;
+}
+
+std::optional<std::string> newest_verified_checkpoint(const std::string& parent, const LoggerSettings& logger,
+                                                      std::vector<std::string>& passed_over) {
+  for (const fs::path& run : runs_newest_first(parent, logger)) {
+    const fs::path folder = run / "checkpoints";
+    std::error_code ec;
+    if (fs::is_symlink(folder / core::kLastPointer, ec) && !fs::exists(folder / core::kLastPointer, ec))
+      passed_over.push_back((folder / core::kLastPointer).string() + ": points at " +
+                            fs::read_symlink(folder / core::kLastPointer, ec).string() + ", which is gone");
+    for (const std::string& checkpoint : core::committed_checkpoints(folder.string())) {
+      try {
+        core::verify_checkpoint(checkpoint);
+        return checkpoint;
+      } catch (const std::exception& e) {
+        passed_over.push_back(checkpoint + ": " + e.what());
+      }
+    }
+  }
   return std::nullopt;
 }
 

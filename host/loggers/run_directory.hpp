@@ -4,6 +4,7 @@
 #include <cstdint>
 #include <optional>
 #include <string>
+#include <vector>
 
 #include "config/config.hpp"
 
@@ -32,6 +33,14 @@ std::string run_directory(const std::string& parent, const std::string& version)
 /// The newest committed checkpoint (the checkpoint folder's `last` pointer) of the newest run
 /// under `parent` that has one (with a fixed [logger] version, of that run only), if any.
 std::optional<std::string> newest_run_checkpoint(const std::string& parent, const LoggerSettings& logger);
+
+/// `--ckpt-path auto` ([trainer] resume = "auto"): the newest committed checkpoint that
+/// verifies (core::verify_checkpoint: every checksum), newest run first and, within a run,
+/// newest commit first, so that an auto-restarted job goes on from the last good save when the
+/// newest is damaged. Each checkpoint passed over is described in `passed_over` (its path and
+/// why); nullopt when none verifies or there is none.
+std::optional<std::string> newest_verified_checkpoint(const std::string& parent, const LoggerSettings& logger,
+                                                      std::vector<std::string>& passed_over);
 
 /// `--ckpt-path last`: the newest committed checkpoint (core::resolve_last: the checkpoint
 /// folder's `last` pointer) of the newest run under `parent` that has one. With a fixed

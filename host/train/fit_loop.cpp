@@ -103,7 +103,14 @@ void Trainer::resume_sample_position(std::int64_t saved_samples_per_batch) {
                      : ""));
 }
 
-Trainer::TrainedStep Trainer::train_step(core::DataLoader& loader, std::int64_t accumulate, double lr) {
+bool Trainer::loss_finite_on_every_rank(const at::Tensor& loss_sum) {
+  // One scalar all-reduce: a rank alone with a NaN loss must not step while the others stop.
+  const at::Tensor bad = at::logical_not(at::isfinite(loss_sum)).to(at::kFloat).reshape({1});
+  return strategy_->reduce(bad.to(strategy_->root_device()), sdk::ReduceOp::max).item<double>() == 0;
+}
+
+Trainer::TrainedStep Trainer::train_step(core::DataLoader& loader, std::int64_t accumulate, double lr,
+                                         bool check_loss) {
   const TrainerSettings& t = config_.trainer;
   for (auto& group : strategy_->optimizer().param_groups()) group.options().set_lr(lr);
   TrainedStep step;
@@ -138,12 +145,20 @@ Trainer::TrainedStep Trainer::train_step(core::DataLoader& loader, std::int64_t 
       step.last_batch = std::move(batch);
     }
   }
-  if (t.detect_anomaly) {
+  if (t.detect_anomaly || (check_loss && !loss_finite_on_every_rank(step.loss_sum))) {
     core::trace::Span span("hook", "[Trainer]detect_anomaly");
     AnomalyReport anomaly =
         check_finite_step(*strategy_, *model_, step.loss_sum, cluster_.global_rank, cluster_.world_size);
-    TESSERA_CHECK(anomaly.finite || anomaly.scaler_skips, "step ", global_step_ + 1, " ([trainer] detect_anomaly): ",
-                  anomaly.message);
+    const bool skip = !anomaly.finite && !anomaly.scaler_skips && !t.detect_anomaly && t.nonfinite_loss == "skip";
+    TESSERA_CHECK(anomaly.finite || anomaly.scaler_skips || skip, "step ", global_step_ + 1,
+                  t.detect_anomaly ? " ([trainer] detect_anomaly): " : " ([trainer] nonfinite_loss = \"stop\"): ",
+                  anomaly.message, t.detect_anomaly ? "" : "; [trainer] nonfinite_loss = \"skip\" skips such steps");
+    if (skip) {
+      strategy_->optimizer().zero_grad();
+      step.result.stepped = false;
+      step.nonfinite_skipped = true;
+      return step;
+    }
   }
   core::trace::Span span("hook", "[Strategy]optimizer_step");
   if (t.gradient_clip_algorithm == "value") {
@@ -235,9 +250,11 @@ void Trainer::log_peak_memory() {
 }
 
 void Trainer::fit(const std::string& ckpt_path) {
-  const std::string checkpoint = resolve_checkpoint(config_, ckpt_path, /*fit=*/true);  // before a new run folder exists
-  if (ckpt_path == "last" && checkpoint.empty())
-    log_.info("--ckpt-path last: no checkpoint yet in any run under " +
+  std::vector<std::string> notes;
+  const std::string checkpoint = resolve_checkpoint(config_, ckpt_path, /*fit=*/true, &notes);  // before a new run folder exists
+  for (const std::string& note : notes) log_.info(note);
+  if ((ckpt_path == "last" || ckpt_path == "auto") && checkpoint.empty() && notes.empty())
+    log_.info("--ckpt-path " + ckpt_path + ": no checkpoint yet in any run under " +
               versions_parent(config_.trainer.default_root_dir, config_.logger) +
               ": training starts from the beginning (as Lightning's; the same command resumes once one is saved)");
   const std::string initial = initial_weights(config_, checkpoint);
@@ -303,7 +320,12 @@ void Trainer::fit(const std::string& ckpt_path) {
         if (torch_profiler_) torch_profiler_->after_step(global_step_, global_step_ == total_steps_);
         clock.window_items += step.items;
         call("on_after_optimizer_step", [&](sdk::Callback& c) { c.on_after_optimizer_step(*this); });
-        if (!step.result.stepped) {  // the grad scaler saw inf/NaN: expected now and then, counted, not a failure
+        if (step.nonfinite_skipped) {
+          ++skipped_steps_;
+          log_.info("step " + std::to_string(global_step_) + ": non-finite loss, the optimizer step is skipped " +
+                    "([trainer] nonfinite_loss = \"skip\"), " + std::to_string(skipped_steps_) +
+                    " step(s) skipped so far");
+        } else if (!step.result.stepped) {  // the grad scaler saw inf/NaN: expected now and then, counted, not a failure
           ++skipped_steps_;
           const auto scale = precision_->state_dict();
           log_.info("step " + std::to_string(global_step_) + ": the grad scaler skipped the optimizer step (inf/NaN " +

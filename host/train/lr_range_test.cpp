@@ -75,7 +75,7 @@ Trainer::RangeTestResult Trainer::run_lr_range_test(TrainingData& data) {
       data.loader->set_epoch(epoch_);
     }
     const double lr = test.lr(step);
-    TrainedStep trained = train_step(*data.loader, accumulate, lr);
+    TrainedStep trained = train_step(*data.loader, accumulate, lr, /*check_loss=*/false);  // divergence ends the test
     next_batch_ += accumulate;
     ++global_step_;
     clock.window_items += trained.items;

@@ -279,14 +279,29 @@ void Trainer::open_run_directory() {
   log_.info("run directory: " + log_dir_);
 }
 
-std::string Trainer::resolve_checkpoint(const Config& config, const std::string& ckpt_path, bool fit) {
+std::string Trainer::resolve_checkpoint(const Config& config, const std::string& ckpt_path, bool fit,
+                                       std::vector<std::string>* notes) {
   if (ckpt_path.empty()) return "";
   const std::string runs = versions_parent(config.trainer.default_root_dir, config.logger);
+  if (ckpt_path == "auto") {
+    std::vector<std::string> passed_over;
+    const std::optional<std::string> good = newest_verified_checkpoint(runs, config.logger, passed_over);
+    TESSERA_CHECK(good || passed_over.empty() || fit, "--ckpt-path auto: no checkpoint under ", runs,
+                  " verifies:\n  ", sdk::join(passed_over, "\n  "));
+    if (notes != nullptr) {
+      for (const std::string& why : passed_over)
+        notes->push_back("resume = \"auto\": passed over a checkpoint that does not verify (it is kept): " + why);
+      if (!passed_over.empty())
+        notes->push_back(good ? "resume = \"auto\": resuming from " + *good + ", the newest checkpoint that verifies"
+                              : "resume = \"auto\": no checkpoint verifies; training starts from the beginning");
+    }
+    return good.value_or("");
+  }
   if (ckpt_path == "last" && fit) return newest_run_checkpoint(runs, config.logger).value_or("");
   if (ckpt_path == "last") return find_last_checkpoint(runs, config.logger);
   if (ckpt_path == "best") return find_best_checkpoint(runs, config.logger);
   TESSERA_CHECK(std::filesystem::exists(ckpt_path), "--ckpt-path ", ckpt_path,
-                " does not exist: pass a checkpoint written by tessera fit, \"last\" or \"best\"");
+                " does not exist: pass a checkpoint written by tessera fit, \"last\", \"best\" or \"auto\"");
   return ckpt_path;
 }
 

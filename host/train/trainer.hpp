@@ -35,7 +35,7 @@ class Trainer final : public sdk::Trainer {
   Trainer(Config config, const sdk::ClusterInfo& cluster, RunLog& log);
   ~Trainer() override;
 
-  /// `ckpt_path`: "" (none), "last" (see resolve_checkpoint) or a path.
+  /// `ckpt_path`: "" (none), "last", "best", "auto" (see resolve_checkpoint) or a path.
   void fit(const std::string& ckpt_path);
   void validate(const std::string& ckpt_path);
   void test(const std::string& ckpt_path);
@@ -53,8 +53,11 @@ class Trainer final : public sdk::Trainer {
   /// one its model_checkpoint recorded (find_best_checkpoint); any other value is a path that
   /// must exist. For `fit`, "last" with no checkpoint yet is "": training starts from the
   /// beginning (Lightning's fit(ckpt_path="last"), so that one command starts a job and resumes
-  /// it after a requeue); the other commands need one.
-  static std::string resolve_checkpoint(const Config& config, const std::string& ckpt_path, bool fit = false);
+  /// it after a requeue); the other commands need one. "auto" ([trainer] resume = "auto") is
+  /// the newest that verifies (newest_verified_checkpoint), what an auto-restarted job needs
+  /// when its newest save is damaged; what it passed over is said in `notes`.
+  static std::string resolve_checkpoint(const Config& config, const std::string& ckpt_path, bool fit = false,
+                                        std::vector<std::string>* notes = nullptr);
   /// [trainer] init_from when a command restores no checkpoint (`checkpoint`, resolved, is ""):
   /// the checkpoint whose weights the model starts from, checked to exist and to be one (any
   /// format load_checkpoint_file reads, or a sharded folder); "" when there is none to apply.
@@ -204,8 +207,13 @@ class Trainer final : public sdk::Trainer {
     sdk::StepOutput last_out;  ///< the last micro-batch's: its on_train_batch_end runs after the step
     sdk::Batch last_batch;
     sdk::StepResult result;
+    bool nonfinite_skipped = false;  ///< [trainer] nonfinite_loss = "skip" skipped its update
   };
-  TrainedStep train_step(core::DataLoader& loader, std::int64_t accumulate, double lr);
+  /// Whether the step's loss is finite on every rank (collective).
+  bool loss_finite_on_every_rank(const at::Tensor& loss_sum);
+  /// `check_loss`: a non-finite loss stops or skips the step ([trainer] nonfinite_loss); off
+  /// where it is the signal being waited for (the learning-rate range test's divergence).
+  TrainedStep train_step(core::DataLoader& loader, std::int64_t accumulate, double lr, bool check_loss = true);
   /// What every rank learns after a step, from one all-reduce: the global loss (the bar shows
   /// what the log shows), whether any rank must stop, and the items since the last log line.
   struct StepSync {

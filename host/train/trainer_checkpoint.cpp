@@ -48,6 +48,27 @@ bool reset_peak_rss() {
   return out.good();
 }
 
+/// "KEY = NOW, the checkpoint's model has THEN"; for a JSON object held as a string (the llama's
+/// hf_config_json), only the members that differ.
+std::string describe_change(const std::string& key, const std::string& now, const std::string& then) {
+  const std::string plain = key + " = " + now + ", the checkpoint's model has " + then;
+  nlohmann::json a, b;
+  try {
+    a = nlohmann::json::parse(nlohmann::json::parse(now).get<std::string>());
+    b = nlohmann::json::parse(nlohmann::json::parse(then).get<std::string>());
+  } catch (const std::exception&) {
+    return plain;
+  }
+  if (!a.is_object() || !b.is_object()) return plain;
+  std::vector<std::string> members;
+  for (const auto& [member, value] : a.items())
+    if (!b.contains(member)) members.push_back(member + " = " + value.dump() + " (the checkpoint's has none)");
+    else if (b[member] != value) members.push_back(member + " = " + value.dump() + " (the checkpoint's: " + b[member].dump() + ")");
+  for (const auto& [member, value] : b.items())
+    if (!a.contains(member)) members.push_back(member + " absent (the checkpoint's: " + value.dump() + ")");
+  return key + " differs in " + sdk::join(members, ", ");
+}
+
 }  // namespace
 
 void Trainer::save_checkpoint(const std::string& path, bool weights_only) {
@@ -126,7 +147,7 @@ void Trainer::check_resumed_hyper_parameters(const sdk::Checkpoint& checkpoint, 
   for (const auto& [key, value] : now) {
     // Keys only one side has: a plugin that gained or lost one, not a change of this run's.
     if (!recorded.count(key) || recorded.at(key) == value) continue;
-    const std::string line = "[model] " + key + " = " + text(value) + ", the checkpoint's model has " + text(recorded.at(key));
+    const std::string line = "[model] " + describe_change(key, text(value), text(recorded.at(key)));
     if (std::find(allowed.begin(), allowed.end(), key) != allowed.end()) {
       log_.info("note: resuming with a changed hyper-parameter ([trainer] resume_changed_hparams): " + line);
       continue;

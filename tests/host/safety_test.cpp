@@ -16,6 +16,7 @@
 #include <fstream>
 #include <sstream>
 #include <string>
+#include <vector>
 
 #include "loggers/record_file.hpp"
 #include "multiprocess.hpp"
@@ -268,6 +269,77 @@ TEST(Nonsense, ResumingWithChangedHyperParametersIsRefusedNamingEachKey) {
   EXPECT_EQ(allowed.exit_code, 0) << allowed.output;
   EXPECT_CONTAINS(allowed.output, "note: resuming with a changed hyper-parameter ([trainer] resume_changed_hparams): "
                                   "[model] n_head = 4");
+}
+
+// A llama's hyper-parameters include its whole config.json (hf_config_json): a changed
+// rope_theta is named as that member, not as the JSON text of both models.
+TEST(Nonsense, AChangedConfigJsonMemberIsNamedAloneOnResume) {
+  const std::string dir = tessera::testing::fresh_dir("hparams-config-json");
+  std::ofstream(dir + "/run.toml") << "[trainer]\nmax_steps = 1\ndefault_root_dir = \"" << dir << "\"\n"
+                                   << "enable_progress_bar = false\ncheckpoint_every_n_steps = 1\n"
+                                   << "[strategy]\nplugin = \"single_device\"\n"
+                                   << "[model]\nplugin = \"llama\"\nvocab_size = 256\nhidden_size = 16\n"
+                                   << "intermediate_size = 32\nnum_hidden_layers = 1\nnum_attention_heads = 2\n"
+                                   << "num_key_value_heads = 1\nrope_theta = 10000.0\n"
+                                   << "[data]\nplugin = \"text\"\nblock_size = 16\nbatch_size = 2\n";
+  ASSERT_EQ(run_tessera("fit --config " + dir + "/run.toml", "", 120).exit_code, 0);
+  auto changed = run_tessera("fit --config " + dir + "/run.toml --ckpt-path last --set trainer.max_steps=2 "
+                             "--set model.rope_theta=500000.0", "", 120);
+  EXPECT_NE(changed.exit_code, 0) << changed.output;
+  EXPECT_CONTAINS(changed.output, "[model] hf_config_json differs in rope_theta = 500000.0 (the checkpoint's: 10000.0)");
+  EXPECT_LACKS(changed.output, "intermediate_size");  // the members that agree are not printed
+  EXPECT_CONTAINS(changed.output, "[trainer] resume_changed_hparams = [\"hf_config_json\"]");
+}
+
+// [trainer] resume = "auto" passes over a damaged newest save for the newest that verifies,
+// says so, and keeps the damaged one as it was; --ckpt-path last still refuses it.
+TEST(Resume, AutoGoesOnFromTheNewestCheckpointThatVerifies) {
+  const std::string dir = tessera::testing::fresh_dir("resume-auto-damaged");
+  const std::string config = write_config(dir, 3, "[callbacks.model_checkpoint]\nevery_n_train_steps = 1\n"
+                                                  "save_top_k = -1\nsave_last = false\n");
+  {  // the callback's own section replaces [trainer] checkpoint_every_n_steps
+    std::string text = slurp(config);
+    text.erase(text.find("checkpoint_every_n_steps = 1\n"), 29);
+    std::ofstream(config) << text;
+  }
+  ASSERT_EQ(run_tessera("fit --config " + config, "", 120).exit_code, 0);
+  const std::vector<std::string> saves = tessera::core::committed_checkpoints(dir + "/version_0/checkpoints");
+  ASSERT_GE(saves.size(), 2u);
+  const std::string newest = saves[0], previous = saves[1];
+  {  // bit rot in the middle of the newest save: same size, other bytes
+    std::fstream file(newest, std::ios::in | std::ios::out | std::ios::binary);
+    file.seekp(static_cast<std::streamoff>(fs::file_size(newest) / 2));
+    file.write("\x7f\x7f\x7f\x7f\x7f\x7f\x7f\x7f\x7f\x7f\x7f\x7f\x7f\x7f\x7f\x7f", 16);
+  }
+  const std::string damaged = slurp(newest);
+  ASSERT_NE(run_tessera("checkpoint verify " + newest, "", 60).exit_code, 0) << "the damage must be detectable";
+  auto last = run_tessera("fit --config " + config + " --ckpt-path last --set trainer.max_steps=4", "", 120);
+  EXPECT_NE(last.exit_code, 0) << "an explicit --ckpt-path last is that checkpoint or an error\n" << last.output;
+  auto resumed = run_tessera("fit --config " + config + " --set trainer.max_steps=4 --set trainer.resume=auto", "", 120);
+  EXPECT_EQ(resumed.exit_code, 0) << resumed.output;
+  EXPECT_CONTAINS(resumed.output, "resume = \"auto\": passed over a checkpoint that does not verify (it is kept): " + newest);
+  EXPECT_CONTAINS(resumed.output, "resume = \"auto\": resuming from " + previous + ", the newest checkpoint that verifies");
+  EXPECT_CONTAINS(resumed.output, "step 3/4");  // the previous save was step 2's: steps 3 and 4 train again
+  EXPECT_EQ(slurp(newest), damaged) << "the damaged save was changed";
+}
+
+// A loss that turns NaN/Inf (here an absurd learning rate) stops the run before the optimizer
+// steps on it, on every rank, naming where it appeared; nonfinite_loss = "skip" skips such
+// steps instead and counts them.
+TEST(NonfiniteLoss, StopsBeforeTheOptimizerStepsUnlessToldToSkip) {
+  const std::string dir = tessera::testing::fresh_dir("nonfinite-loss");
+  const std::string config = write_config(dir, 4, "[optimizer]\nname = \"sgd\"\nlr = 1e30\n[launch]\ndevices = 2\n");
+  auto stopped = run_tessera("fit --config " + config, "", 120);
+  EXPECT_NE(stopped.exit_code, 0) << stopped.output;
+  EXPECT_CONTAINS(stopped.output, "step 2 ([trainer] nonfinite_loss = \"stop\"): the loss is NaN/Inf on rank(s) [0, 1]");
+  EXPECT_CONTAINS(stopped.output, "The optimizer did not step");
+  EXPECT_CONTAINS(stopped.output, "[trainer] nonfinite_loss = \"skip\" skips such steps");
+  EXPECT_LACKS(stopped.output, "step 2/4");
+  auto skipped = run_tessera("fit --config " + config + " --set trainer.nonfinite_loss=skip", "", 120);
+  EXPECT_EQ(skipped.exit_code, 0) << skipped.output;
+  EXPECT_CONTAINS(skipped.output, "step 2: non-finite loss, the optimizer step is skipped ([trainer] nonfinite_loss = "
+                                  "\"skip\"), 1 step(s) skipped so far");
+  EXPECT_CONTAINS(skipped.output, "step 4/4");
 }
 
 // ---------------------------------------------------------------- 9. weighted validation

@@ -18,6 +18,7 @@
 
 #include <ATen/ATen.h>
 
+#include "tessera/core/checkpoint.hpp"
 #include "tessera/core/checkpoint_folder.hpp"
 #include "tessera/core/sharded_checkpoint.hpp"
 #include "tessera/sdk/error.hpp"
@@ -218,23 +219,41 @@ std::vector<Leftover> remove_leftovers(const std::string& root) {
   return removed;
 }
 
-std::vector<std::string> prune_checkpoints(const std::string& folder, std::int64_t keep_last_k) {
-  std::vector<std::string> removed;
+std::vector<std::string> committed_checkpoints(const std::string& folder) {
   std::error_code ec;
-  if (keep_last_k <= 0 || !fs::is_directory(folder, ec)) return removed;
   std::vector<fs::path> committed;
+  if (!fs::is_directory(folder, ec)) return {};
   for (const auto& entry : fs::directory_iterator(folder, ec))
     if (is_committed(entry.path())) committed.push_back(entry.path());
   std::sort(committed.begin(), committed.end(),
             [](const fs::path& a, const fs::path& b) { return commit_time(a) > commit_time(b); });
+  return {committed.begin(), committed.end()};
+}
+
+std::string verify_checkpoint(const std::string& path) {
+  if (is_sharded_checkpoint(path)) {
+    verify_sharded(path);
+    return "every file's size, checksums and save id match its manifest";
+  }
+  const sdk::Checkpoint checkpoint = load_checkpoint_file(path);
+  check_tensor_checksums(checkpoint, path);
+  return checkpoint.contains(kTensorChecksumsKey) ? "every tensor's checksum matches"
+                                                  : "readable (written without checksums)";
+}
+
+std::vector<std::string> prune_checkpoints(const std::string& folder, std::int64_t keep_last_k) {
+  std::vector<std::string> removed;
+  std::error_code ec;
+  if (keep_last_k <= 0) return removed;
+  const std::vector<std::string> committed = committed_checkpoints(folder);
   fs::path last;
   if (fs::is_symlink(fs::path(folder) / kLastPointer, ec))
     last = fs::path(folder) / fs::read_symlink(fs::path(folder) / kLastPointer, ec);
   for (std::size_t i = static_cast<std::size_t>(keep_last_k); i < committed.size(); ++i) {
-    if (committed[i] == last) continue;
-    remove_tree(committed[i].string(), ec);
-    TESSERA_CHECK(!ec, "cannot remove old checkpoint ", committed[i].string(), ": ", ec.message());
-    removed.push_back(committed[i].string());
+    if (fs::path(committed[i]) == last) continue;
+    remove_tree(committed[i], ec);
+    TESSERA_CHECK(!ec, "cannot remove old checkpoint ", committed[i], ": ", ec.message());
+    removed.push_back(committed[i]);
   }
   return removed;
 }

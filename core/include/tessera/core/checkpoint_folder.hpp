@@ -71,6 +71,12 @@ struct Leftover {
 std::vector<Leftover> find_leftovers(const std::string& root);
 /// Removes those of find_leftovers(root) whose writer is gone; returns what was removed.
 std::vector<Leftover> remove_leftovers(const std::string& root);
+/// The committed checkpoints of `folder`, the newest commit first (none for a missing folder).
+std::vector<std::string> committed_checkpoints(const std::string& folder);
+/// Reads `path` (a checkpoint file or a sharded checkpoint's folder) and checks every checksum
+/// it records, and a sharded folder's file sizes and save id; throws naming the damaged file.
+/// Returns what was checked, for a message.
+std::string verify_checkpoint(const std::string& path);
 /// Removes all but the `keep_last_k` newest committed checkpoints of `folder` (never the one
 /// `last` points at; nothing for keep_last_k <= 0). Returns what was removed.
 std::vector<std::string> prune_checkpoints(const std::string& folder, std::int64_t keep_last_k);
