@@ -4,13 +4,15 @@
 
 #include <cmath>
 #include <limits>
+#include <sstream>
 
 #include <ATen/ATen.h>
 #include <torch/csrc/autograd/custom_function.h>
 #include <torch/version.h>
 
-#include "tessera/toolkit/batched_matmul.hpp"
+#include "tessera/sdk/autocast.hpp"
 #include "tessera/sdk/error.hpp"
+#include "tessera/toolkit/batched_matmul.hpp"
 
 namespace tessera::toolkit {
 
@@ -20,6 +22,40 @@ constexpr bool kHasSdpa = TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 &
 
 double resolved_scale(const at::Tensor& q, double scale) {
   return scale != 0.0 ? scale : 1.0 / std::sqrt(static_cast<double>(q.size(-1)));
+}
+
+/// The dtype the kernels compute in. q, k and v may differ: under autocast a model's rotary
+/// embedding (fp32 cos and sin) promotes q and k to fp32 while v stays the Linear's bf16 output.
+/// Autocast's own products would run in its dtype, so the kernels do (the math path's matmuls
+/// through autocast, the blocked kernel explicitly: its backward runs outside autocast); without
+/// autocast, the promoted type of the three, as LibTorch's arithmetic would give.
+at::ScalarType compute_dtype(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
+  const bool cuda = q.is_cuda();
+  if (at::isFloatingType(q.scalar_type()) && sdk::autocast_enabled(cuda)) return sdk::autocast_dtype(cuda);
+  return at::promote_types(at::promote_types(q.scalar_type(), k.scalar_type()), v.scalar_type());
+}
+
+std::string describe_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
+  std::ostringstream out;
+  out << "q " << q.scalar_type() << " " << q.sizes() << ", k " << k.scalar_type() << " " << k.sizes() << ", v "
+      << v.scalar_type() << " " << v.sizes();
+  return out.str();
+}
+
+/// LibTorch's errors inside a kernel, with the kernel and its inputs named: a dtype or shape
+/// error in attention is otherwise reported as the bare op's, with no hint of where it came from.
+template <typename F>
+auto naming_the_kernel(const char* kernel, const char* pass, const at::Tensor& q, const at::Tensor& k,
+                       const at::Tensor& v, F&& body) -> decltype(body()) {
+  try {
+    return body();
+  } catch (const c10::Error& e) {
+    const std::string message = e.what_without_backtrace();
+    TESSERA_FAIL("causal attention, the \"", kernel, "\" kernel's ", pass, " (", describe_inputs(q, k, v),
+                 "): ", message.substr(0, message.find('\n')), ". The model's [model] attention key chooses the ",
+                 "kernel: \"math\" takes the reference path (autograd through LibTorch's own ops), \"blocked\" ",
+                 "this kernel; please report the failure with the inputs above");
+  }
 }
 
 /// -inf where key j is in the future of query row r (j > offset + r), 0 elsewhere: [rows, keys].
@@ -36,8 +72,13 @@ at::Tensor repeat_kv(const at::Tensor& x, std::int64_t groups) {
   return x.unsqueeze(2).expand({B, H, groups, T, D}).reshape({B, H * groups, T, D});
 }
 
-at::Tensor math_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+at::Tensor math_attention(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
                           const CausalAttentionOptions& options) {
+  // Outside autocast, inputs of mixed dtypes meet in their promoted type (a GEMM takes one).
+  const at::ScalarType dtype = compute_dtype(q_in, k_in, v_in);
+  const bool autocast = sdk::autocast_enabled(q_in.is_cuda());
+  const at::Tensor q = autocast ? q_in : q_in.to(dtype), k = autocast ? k_in : k_in.to(dtype),
+                   v = autocast ? v_in : v_in.to(dtype);
   const std::int64_t B = q.size(0), H = q.size(1), Tq = q.size(2), D = q.size(3), Tk = k.size(2);
   const std::int64_t groups = H / k.size(1);
   at::Tensor kk = repeat_kv(k, groups).reshape({B * H, Tk, D}), vv = repeat_kv(v, groups).reshape({B * H, Tk, D});
@@ -80,56 +121,78 @@ class BlockedCausalAttention : public torch::autograd::Function<BlockedCausalAtt
 
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& q, const at::Tensor& k,
                             const at::Tensor& v, double scale, std::int64_t block) {
-    Shape s{q.size(0), q.size(1), k.size(1), q.size(1) / k.size(1), q.size(2), k.size(2), q.size(3), block, scale};
-    const std::int64_t BH = s.B * s.Hkv;
-    at::Tensor qg = q.contiguous().view({BH, s.groups, s.Tq, s.D});
-    at::Tensor kk = k.contiguous().view({BH, s.Tk, s.D}), vv = v.contiguous().view({BH, s.Tk, s.D});
-    at::Tensor out = at::empty_like(qg);
-    at::Tensor lse_all = at::empty({BH, s.groups, s.Tq}, q.options().dtype(at::kFloat));
-    for (std::int64_t t0 = 0; t0 < s.Tq; t0 += s.block) {
-      const std::int64_t n = std::min(s.block, s.Tq - t0), keys = s.Tk - s.Tq + t0 + n;
-      at::Tensor qb, lse;
-      at::Tensor p = probabilities(s, qg, kk, t0, n, qb, lse, /*have_lse=*/false).to(q.scalar_type());
-      out.narrow(2, t0, n).copy_(batched_matmul(p, vv.narrow(1, 0, keys)).view({BH, s.groups, n, s.D}));
-      lse_all.narrow(2, t0, n).copy_(lse.view({BH, s.groups, n}));
-    }
-    ctx->save_for_backward({qg, kk, vv, out, lse_all});
-    ctx->saved_data["shape"] = std::vector<std::int64_t>{s.B, s.H, s.Hkv, s.groups, s.Tq, s.Tk, s.D, s.block};
-    ctx->saved_data["scale"] = scale;
-    return out.view({s.B, s.H, s.Tq, s.D});
+    return naming_the_kernel("blocked", "forward", q, k, v, [&] {
+      // Every product in one dtype (compute_dtype); the gradients go back in each input's own.
+      const at::ScalarType dtype = compute_dtype(q, k, v);
+      Shape s{q.size(0), q.size(1), k.size(1), q.size(1) / k.size(1), q.size(2), k.size(2), q.size(3), block, scale};
+      const std::int64_t BH = s.B * s.Hkv;
+      at::Tensor qg = q.to(dtype).contiguous().view({BH, s.groups, s.Tq, s.D});
+      at::Tensor kk = k.to(dtype).contiguous().view({BH, s.Tk, s.D}), vv = v.to(dtype).contiguous().view({BH, s.Tk, s.D});
+      at::Tensor out = at::empty_like(qg);
+      at::Tensor lse_all = at::empty({BH, s.groups, s.Tq}, q.options().dtype(at::kFloat));
+      for (std::int64_t t0 = 0; t0 < s.Tq; t0 += s.block) {
+        const std::int64_t n = std::min(s.block, s.Tq - t0), keys = s.Tk - s.Tq + t0 + n;
+        at::Tensor qb, lse;
+        at::Tensor p = probabilities(s, qg, kk, t0, n, qb, lse, /*have_lse=*/false).to(dtype);
+        out.narrow(2, t0, n).copy_(batched_matmul(p, vv.narrow(1, 0, keys)).view({BH, s.groups, n, s.D}));
+        lse_all.narrow(2, t0, n).copy_(lse.view({BH, s.groups, n}));
+      }
+      ctx->save_for_backward({qg, kk, vv, out, lse_all});
+      ctx->saved_data["shape"] = std::vector<std::int64_t>{s.B, s.H, s.Hkv, s.groups, s.Tq, s.Tk, s.D, s.block};
+      ctx->saved_data["scale"] = scale;
+      ctx->saved_data["input_dtypes"] = std::vector<std::int64_t>{static_cast<std::int64_t>(q.scalar_type()),
+                                                                  static_cast<std::int64_t>(k.scalar_type()),
+                                                                  static_cast<std::int64_t>(v.scalar_type())};
+      return out.view({s.B, s.H, s.Tq, s.D});
+    });
   }
 
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grads) {
     const auto saved = ctx->get_saved_variables();
     const at::Tensor &qg = saved[0], &kk = saved[1], &vv = saved[2], &out = saved[3], &lse_all = saved[4];
-    const auto d = ctx->saved_data["shape"].toIntVector();
-    Shape s{d[0], d[1], d[2], d[3], d[4], d[5], d[6], d[7], ctx->saved_data["scale"].toDouble()};
-    const std::int64_t BH = s.B * s.Hkv;
-    const auto dtype = qg.scalar_type();
-    at::Tensor dout = grads[0].to(dtype).contiguous().view({BH, s.groups, s.Tq, s.D});
-    // D_i = rowsum(dO * O): the softmax backward's correction term (flash attention's D).
-    at::Tensor delta = (dout.to(at::kFloat) * out.to(at::kFloat)).sum(-1);
-    at::Tensor dq = at::empty_like(qg), dk = at::zeros_like(kk), dv = at::zeros_like(vv);
-    for (std::int64_t t0 = 0; t0 < s.Tq; t0 += s.block) {
-      const std::int64_t n = std::min(s.block, s.Tq - t0), keys = s.Tk - s.Tq + t0 + n;
-      at::Tensor qb, lse = lse_all.narrow(2, t0, n).reshape({BH, s.groups * n, 1});
-      at::Tensor p = probabilities(s, qg, kk, t0, n, qb, lse, /*have_lse=*/true);
-      at::Tensor dob = dout.narrow(2, t0, n).reshape({BH, s.groups * n, s.D});
-      at::Tensor kb = kk.narrow(1, 0, keys), vb = vv.narrow(1, 0, keys);
-      dv.narrow(1, 0, keys).add_(batched_matmul(p.to(dtype).transpose(1, 2), dob));
-      at::Tensor dp = batched_matmul(dob, vb.transpose(1, 2)).to(at::kFloat);
-      at::Tensor ds = p.mul_(dp.sub_(delta.narrow(2, t0, n).reshape({BH, s.groups * n, 1}))).mul_(s.scale).to(dtype);
-      dq.narrow(2, t0, n).copy_(batched_matmul(ds, kb).view({BH, s.groups, n, s.D}));
-      dk.narrow(1, 0, keys).add_(batched_matmul(ds.transpose(1, 2), qb));
-    }
-    return {dq.view({s.B, s.H, s.Tq, s.D}), dk.view({s.B, s.Hkv, s.Tk, s.D}), dv.view({s.B, s.Hkv, s.Tk, s.D}),
-            at::Tensor(), at::Tensor()};
+    return naming_the_kernel("blocked", "backward", qg, kk, vv, [&] {
+      const auto d = ctx->saved_data["shape"].toIntVector();
+      const auto input_dtypes = ctx->saved_data["input_dtypes"].toIntVector();
+      Shape s{d[0], d[1], d[2], d[3], d[4], d[5], d[6], d[7], ctx->saved_data["scale"].toDouble()};
+      const std::int64_t BH = s.B * s.Hkv;
+      // The dtype forward computed in (its saved tensors'), whatever autocast says now: backward
+      // runs outside the forward's autocast region.
+      const auto dtype = qg.scalar_type();
+      at::Tensor dout = grads[0].to(dtype).contiguous().view({BH, s.groups, s.Tq, s.D});
+      // D_i = rowsum(dO * O): the softmax backward's correction term (flash attention's D).
+      at::Tensor delta = (dout.to(at::kFloat) * out.to(at::kFloat)).sum(-1);
+      at::Tensor dq = at::empty_like(qg), dk = at::zeros_like(kk), dv = at::zeros_like(vv);
+      for (std::int64_t t0 = 0; t0 < s.Tq; t0 += s.block) {
+        const std::int64_t n = std::min(s.block, s.Tq - t0), keys = s.Tk - s.Tq + t0 + n;
+        at::Tensor qb, lse = lse_all.narrow(2, t0, n).reshape({BH, s.groups * n, 1});
+        at::Tensor p = probabilities(s, qg, kk, t0, n, qb, lse, /*have_lse=*/true);
+        at::Tensor dob = dout.narrow(2, t0, n).reshape({BH, s.groups * n, s.D});
+        at::Tensor kb = kk.narrow(1, 0, keys), vb = vv.narrow(1, 0, keys);
+        dv.narrow(1, 0, keys).add_(batched_matmul(p.to(dtype).transpose(1, 2), dob));
+        at::Tensor dp = batched_matmul(dob, vb.transpose(1, 2)).to(at::kFloat);
+        at::Tensor ds =
+            p.mul_(dp.sub_(delta.narrow(2, t0, n).reshape({BH, s.groups * n, 1}))).mul_(s.scale).to(dtype);
+        dq.narrow(2, t0, n).copy_(batched_matmul(ds, kb).view({BH, s.groups, n, s.D}));
+        dk.narrow(1, 0, keys).add_(batched_matmul(ds.transpose(1, 2), qb));
+      }
+      auto as_input = [&](const at::Tensor& g, std::size_t i) {
+        return g.to(static_cast<at::ScalarType>(input_dtypes[i]));
+      };
+      return torch::autograd::variable_list{as_input(dq.view({s.B, s.H, s.Tq, s.D}), 0),
+                                            as_input(dk.view({s.B, s.Hkv, s.Tk, s.D}), 1),
+                                            as_input(dv.view({s.B, s.Hkv, s.Tk, s.D}), 2), at::Tensor(), at::Tensor()};
+    });
   }
 };
 
 #if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 1)
-at::Tensor sdpa_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale) {
+at::Tensor sdpa_attention(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in, double scale) {
+  // SDPA takes one dtype: outside autocast (which casts for it) the promoted type of the three.
+  const bool autocast = sdk::autocast_enabled(q_in.is_cuda());
+  const at::ScalarType dtype = compute_dtype(q_in, k_in, v_in);
+  const at::Tensor q = autocast ? q_in : q_in.to(dtype), k = autocast ? k_in : k_in.to(dtype),
+                   v = autocast ? v_in : v_in.to(dtype);
   const std::int64_t Tq = q.size(2), Tk = k.size(2), groups = q.size(1) / k.size(1);
   // SDPA's is_causal aligns the mask top-left; a KV cache needs it bottom-right. One query sees
   // every key (no mask); a square one is is_causal; otherwise an explicit boolean mask.
