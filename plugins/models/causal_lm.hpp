@@ -13,11 +13,14 @@
 #include "tessera/sdk/error.hpp"
 #include "tessera/sdk/module.hpp"
 #include "tessera/sdk/tensor_parallel.hpp"
+#include "tessera/toolkit/fused.hpp"
 
 namespace tessera::models {
 
-/// `Net` is a LibTorch module holder whose forward(ids [B, T]) gives logits [B, T, vocab] and
-/// whose parallelize(tp) splits it over a tensor-parallel group.
+/// `Net` is a LibTorch module holder whose forward(ids [B, T]) gives logits [B, T, vocab],
+/// hidden_states(ids) the final hidden states [B, T, H] those are computed from,
+/// output_weight() lm_head's weight [vocab, H] (the token embedding's, tied), and
+/// parallelize(tp) splits it over a tensor-parallel group (lm_head stays whole on every rank).
 template <typename Net>
 class CausalLM : public sdk::Module {
  public:
@@ -56,6 +59,21 @@ class CausalLM : public sdk::Module {
  protected:
   explicit CausalLM(std::string name) : name_(std::move(name)) {}
 
+  /// The loss's [model] keys, read by each plugin's constructor.
+  void read_loss_options(const sdk::Options& o) {
+    fused_loss_ = o.get_bool({"fused_loss",
+                              "the loss as toolkit::linear_cross_entropy: lm_head and the cross-entropy chunk by chunk "
+                              "of tokens, never the whole [tokens, vocab] logits; false: the fp32 logits, then "
+                              "cross_entropy"},
+                             true);
+    loss_chunk_tokens_ = o.get_int(
+        {"loss_chunk_tokens", "tokens per chunk of the fused loss; 0: automatic (2^23 logits, 32 MiB in fp32, a chunk)"},
+        0, 0);
+    TESSERA_CHECK(fused_loss_ || loss_chunk_tokens_ == 0, o.locate("loss_chunk_tokens"), " = ", loss_chunk_tokens_,
+                  " sizes the fused loss's chunks, but ", o.locate("fused_loss"),
+                  " = false computes the whole logits: set fused_loss = true or leave loss_chunk_tokens out");
+  }
+
   /// The network, its parameters drawn from `seed`.
   virtual Net make_network(std::uint64_t seed) const = 0;
   /// Throws, naming the keys and the sizes that would do, when the network cannot split over tp ranks.
@@ -76,14 +94,27 @@ class CausalLM : public sdk::Module {
   std::shared_ptr<sdk::TensorParallelGroup> tp_;  // set once the network is split
 
  private:
-  /// fp32 logits for the loss (Hugging Face's ForCausalLMLoss); -100 targets are ignored.
+  /// Hugging Face's ForCausalLMLoss (the fp32 logits' cross-entropy, -100 targets ignored):
+  /// chunked through toolkit::linear_cross_entropy, or (fused_loss = false) from the whole logits.
+  /// Both run in the root FSDP unit, gathered from the start of the step's forward to its
+  /// backward, so lm_head's (or the tied embedding's) weight is whole here and its gradient
+  /// reaches the root's reduce-scatter through autograd.
   sdk::StepOutput lm_loss(const sdk::Batch& batch) {
-    at::Tensor logits = net_->forward(batch.input);
-    at::Tensor loss = torch::nn::functional::cross_entropy(logits.reshape({-1, logits.size(-1)}).to(at::kFloat),
-                                                           batch.target.reshape({-1}));
+    at::Tensor loss;
+    if (fused_loss_) {
+      at::Tensor hidden = net_->hidden_states(batch.input);
+      loss = toolkit::linear_cross_entropy(hidden.reshape({-1, hidden.size(-1)}), net_->output_weight(),
+                                           batch.target.reshape({-1}), {-100, loss_chunk_tokens_});
+    } else {
+      at::Tensor logits = net_->forward(batch.input);
+      loss = torch::nn::functional::cross_entropy(logits.reshape({-1, logits.size(-1)}).to(at::kFloat),
+                                                  batch.target.reshape({-1}));
+    }
     return sdk::StepOutput{loss, {{"loss", loss.detach()}}, batch.input.numel()};
   }
 
+  bool fused_loss_ = true;
+  std::int64_t loss_chunk_tokens_ = 0;  // 0: automatic
   std::string name_;  // the plugin's name, for messages
 };
 

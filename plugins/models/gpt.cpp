@@ -133,15 +133,22 @@ class GPTNetImpl : public torch::nn::Module {
   }
 
   at::Tensor forward(const at::Tensor& idx) {
+    at::Tensor x = hidden_states(idx);
+    // Tied: the output head is the token embedding itself (one parameter).
+    return lm_head ? lm_head(x) : at::matmul(x, wte->weight.t());
+  }
+  /// The output head's weight [vocab, n_embd]: lm_head's, or the token embedding's when tied.
+  at::Tensor output_weight() { return lm_head ? lm_head->weight : wte->weight; }
+
+  /// ln_f's output [B, T, n_embd], which the output head maps to the logits.
+  at::Tensor hidden_states(const at::Tensor& idx) {
     const std::int64_t T = idx.size(1);
     TESSERA_CHECK(T <= config.block_size, "gpt: a sequence of ", T, " tokens exceeds [model] block_size = ",
                   config.block_size, " (the positional table's length); set [data] block_size to at most that");
     at::Tensor pos = at::arange(T, at::TensorOptions().dtype(at::kLong).device(idx.device()));
     at::Tensor x = drop(wte(idx) + wpe(pos));
     for (auto& block : units) x = sdk::invoke(block, x);
-    x = ln_f(x);
-    // Tied: the output head is the token embedding itself (one parameter).
-    return lm_head ? lm_head(x) : at::matmul(x, wte->weight.t());
+    return ln_f(x);
   }
 
   /// One parameter's initialisation, by its name in the network (nanoGPT's): LayerNorms keep
@@ -202,6 +209,7 @@ class GPT final : public CausalLM<GPTNet> {
                         "false: nanoGPT's two param groups, no weight decay for biases and LayerNorm weights"},
                        true)),
         n_head_key_(o.locate("n_head")) {
+    read_loss_options(o);
     TESSERA_CHECK(config_.n_embd % config_.n_head == 0, o.locate("n_embd"), " = ", config_.n_embd,
                   " must be divisible by n_head = ", config_.n_head, " (",
                   o.locate("n_head"), ")");

@@ -250,6 +250,15 @@ class LlamaForCausalLMImpl : public torch::nn::Module {
   /// Logits [B, T, vocab] of `ids` [B, T] at positions offset .. offset + T - 1; with caches (one
   /// per layer), the earlier positions' keys and values come from them.
   at::Tensor forward(const at::Tensor& ids, std::vector<KVCache>* caches = nullptr, std::int64_t offset = 0) {
+    at::Tensor x = hidden_states(ids, caches, offset);
+    // Tied: the output head is the token embedding itself (one parameter).
+    return lm_head ? lm_head(x) : at::matmul(x, model->embed_tokens->weight.t());
+  }
+  /// The output head's weight [vocab, hidden]: lm_head's, or the token embedding's when tied.
+  at::Tensor output_weight() { return lm_head ? lm_head->weight : model->embed_tokens->weight; }
+
+  /// The final norm's output [B, T, hidden], which lm_head maps to the logits.
+  at::Tensor hidden_states(const at::Tensor& ids, std::vector<KVCache>* caches = nullptr, std::int64_t offset = 0) {
     at::Tensor x = model->embed_tokens(ids);
     // cos and sin in float32 (position * inv_freq, both halves), then in the activations' dtype.
     at::Tensor positions = at::arange(offset, offset + ids.size(1), at::TensorOptions().dtype(at::kFloat).device(x.device()));
@@ -262,9 +271,7 @@ class LlamaForCausalLMImpl : public torch::nn::Module {
     at::Tensor cos = emb.cos().to(x.scalar_type()), sin = emb.sin().to(x.scalar_type());
     for (std::size_t i = 0; i < model->units.size(); ++i)
       x = sdk::invoke(model->units[i], x, cos, sin, caches != nullptr ? &(*caches)[i] : static_cast<KVCache*>(nullptr));
-    x = model->norm(x);
-    // Tied: the output head is the token embedding itself (one parameter).
-    return lm_head ? lm_head(x) : at::matmul(x, model->embed_tokens->weight.t());
+    return model->norm(x);
   }
 
   /// One parameter's initialisation by its Hugging Face name (_init_weights): norms 1, biases 0,
@@ -338,6 +345,7 @@ class Llama final : public CausalLM<LlamaForCausalLM>, public sdk::HuggingFaceMo
         1.0, 0.0, 1.0);
     TESSERA_CHECK(top_p_ > 0.0, o.locate("top_p"), " must be in (0, 1]");
     heads_key_ = reader.where("num_key_value_heads");
+    read_loss_options(o);
   }
 
   /// [model] predict = "logits": the logits [B, T, vocab_size] (fp32) of the prompts.
