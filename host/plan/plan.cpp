@@ -124,6 +124,7 @@ MemoryPlan make_plan(const PlanInputs& in) {
   if (l.collective_buffer_bytes > 0)
     add("collective buffers", l.collective_buffer_bytes, "all-gather / reduce-scatter buffers alive at once", in.cuda);
   add("activations", in.activation_bytes, activations_detail, in.cuda);
+  if (in.loss_bytes > 0) add("loss workspace", in.loss_bytes, in.loss_method, in.cuda);
   if (in.cuda && in.cublas_workspace_bytes > 0)
     add("cuBLAS workspace", 2 * in.cublas_workspace_bytes,
         "LibTorch's, 2 x " + mb(in.cublas_workspace_bytes) + ": forward's thread's and autograd's device thread's", true);
@@ -269,6 +270,7 @@ std::int64_t largest_batch_size(const PlanInputs& in, std::int64_t traced_batch_
     PlanInputs scaled = in;
     const double ratio = static_cast<double>(batch_size) / static_cast<double>(traced_batch_size);
     scaled.activation_bytes *= ratio;
+    if (in.loss_bytes_per_sample) scaled.loss_bytes *= ratio;
     const MemoryPlan plan = make_plan(scaled);
     return (available < 0 || plan.job_bytes <= available) &&
            (!plan.cuda || device_bytes <= 0 || plan.device_peak <= device_bytes);

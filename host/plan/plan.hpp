@@ -27,6 +27,12 @@ struct PlanInputs {
   double baseline_bytes = 0;       ///< the process with LibTorch, the plugins and the data loaded
   double runtime_bytes = 0;        ///< what a training process holds beyond that (see plan_job.cpp)
   std::string activation_method;   ///< how the activations were measured, for the report
+  /// The loss path beyond the activations (toolkit::loss_path_memory of the traced loss): the
+  /// largest transient of the loss's forward or backward (the whole logits' gradients, or one
+  /// chunk of the fused loss) plus the fused loss's kept weight gradient.
+  double loss_bytes = 0;
+  bool loss_bytes_per_sample = false;  ///< the unfused logits': they grow with the batch
+  std::string loss_method;             ///< for the report
   /// The job trains on CUDA: every row but the trainer's runtime is device memory, except the
   /// parameters, gradients and optimizer state under cpu_offload, which stay in host memory.
   bool cuda = false;

@@ -21,7 +21,7 @@
 #include "compose/plugin_set.hpp"
 #include "launch/launcher.hpp"
 #include "tessera/core/deferred_init.hpp"
-#include "tessera/core/plugin_loader.hpp"
+#include "plugin_loader.hpp"
 #include "tessera/core/strategy_base.hpp"
 #include "tessera/sdk/autocast.hpp"
 #include "tessera/sdk/autograd_graph.hpp"
@@ -33,6 +33,7 @@
 #include "tessera/sdk/strategy_checks.hpp"
 #include "tessera/sdk/tensor_parallel.hpp"
 #include "tessera/sdk/unit.hpp"
+#include "tessera/toolkit/fused.hpp"
 #include "tessera/toolkit/tensor_parallel.hpp"
 #include "train/trainer.hpp"
 
@@ -230,6 +231,7 @@ struct Trace {
   std::string method;
   toolkit::TensorParallelTraffic tensor_parallel;  ///< the traced graph's activation all-reduces
   toolkit::TensorParallelTraffic recomputed;       ///< those the checkpointed units' recomputation makes again
+  toolkit::LossPathMemory loss;                    ///< the loss path beyond `saved` (scaled as it)
 };
 
 /// One training forward on the configured batch (real shapes, the parameters' values garbage
@@ -263,6 +265,8 @@ Trace trace_forward(sdk::Module& model, sdk::Precision& precision, sdk::DataModu
       sdk::StepOutput out = model.training_step(batch, 0);
       trace.saved = static_cast<double>(counter.live());
       trace.tensor_parallel = toolkit::tensor_parallel_traffic(out.loss);
+      trace.loss = toolkit::loss_path_memory(out.loss);
+      trace.saved -= trace.loss.kept_weight_gradient_bytes;  // per step, not per sample: a loss row
       if (count_cuda_autocast && sdk::autocast_enabled(/*cuda=*/false)) trace.cuda_autocast = cuda_autocast_extra(out.loss);
     }
   } catch (...) {
@@ -291,6 +295,10 @@ Trace trace_forward(sdk::Module& model, sdk::Precision& precision, sdk::DataModu
     const double scale = static_cast<double>(trace.samples) / static_cast<double>(n);
     trace.saved *= scale;
     trace.cuda_autocast.bytes *= scale;
+    if (trace.loss.unfused > 0) {
+      trace.loss.workspace_bytes *= scale;
+      trace.loss.logits = static_cast<std::int64_t>(static_cast<double>(trace.loss.logits) * scale);
+    }
     for (toolkit::TensorParallelTraffic* traffic : {&trace.tensor_parallel, &trace.recomputed}) {
       traffic->forward_all_reduce_bytes *= scale;
       traffic->backward_all_reduce_bytes *= scale;
@@ -430,6 +438,16 @@ PlannedJob plan_job(const Config& config, bool trace_activations) {
     in.activation_bytes = trace.saved;
     traced_samples = trace.samples;
     in.activation_method = trace.method;
+    const toolkit::LossPathMemory& loss = trace.loss;
+    in.loss_bytes = loss.workspace_bytes + loss.kept_weight_gradient_bytes;
+    in.loss_bytes_per_sample = loss.fused == 0;
+    if (loss.fused > 0)
+      in.loss_method = "the fused loss's chunk (logits, softmax, casts) and its kept weight gradient (" +
+                       mb(loss.kept_weight_gradient_bytes) + ")";
+    else if (loss.unfused > 0)
+      in.loss_method = "the logits (freed, still resident) and backward's gradients of them and of the "
+                       "log-probabilities, beside the kept log-probabilities (" + std::to_string(loss.logits) +
+                       " logits; [model] fused_loss = true holds a chunk instead)";
     if (trace.cuda_autocast.bytes > 0) {
       in.activation_bytes += trace.cuda_autocast.bytes;
       in.activation_method += "; +" + mb(trace.cuda_autocast.bytes) + " for the " +

@@ -247,8 +247,10 @@ TEST(LinearCrossEntropy, PeakMemoryIsAChunkNotTheLogits) {
   EXPECT_DOUBLE_EQ(fused_memory.workspace_bytes, 8.0 * chunk * vocab);
   const double kept = 4.0 * (rows * hidden + vocab * hidden);
   EXPECT_NEAR(fused_peak, fused_memory.workspace_bytes + kept, 0.25 * (fused_memory.workspace_bytes + kept));
-  // Unfused: the kept log-probabilities and the workspace, the largest moment of its backward.
-  EXPECT_NEAR(unfused_peak, logits_bytes + unfused_memory.workspace_bytes, 0.15 * unfused_peak);
+  // Unfused: live tensors peak at the start of backward (the kept log-probabilities and two
+  // gradients); the plan's workspace counts the freed forward logits too, resident in a rank.
+  EXPECT_NEAR(unfused_peak, 3.0 * logits_bytes, 0.15 * unfused_peak);
+  EXPECT_DOUBLE_EQ(unfused_memory.workspace_bytes, 3.0 * logits_bytes);
 }
 
 TEST(LinearCrossEntropy, ChunkRows) {
