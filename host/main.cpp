@@ -13,12 +13,14 @@
 #include <vector>
 
 #include <c10/util/Exception.h>
+#include <nlohmann/json.hpp>
 
 #include "cli/checkpoint_tool.hpp"
 #include "cli/config_reference.hpp"
 #include "cli/data_tool.hpp"
 #include "compose/plugin_set.hpp"
 #include "cli/tokenizer_tool.hpp"
+#include "cli/trained_data.hpp"
 #include "config/config.hpp"
 #include "launch/launcher.hpp"
 #include "loggers/run_directory.hpp"
@@ -39,10 +41,11 @@ namespace {
 using namespace tessera;
 
 constexpr const char* kUsage = R"(usage:
-  tessera fit|validate|test|predict --config FILE.toml [--set section.key=value ...] [--ckpt-path last|best|auto|PATH]
-  tessera lr-find --config FILE.toml [--set section.key=value ...]
-  tessera plan --config FILE.toml [--set section.key=value ...] [--json]
-  tessera config --config FILE.toml [--set section.key=value ...]
+  tessera fit|validate|test|predict --config FILE.toml [--set section.key=value | --unset section.key ...]
+                                    [--ckpt-path last|best|auto|PATH]
+  tessera lr-find --config FILE.toml [--set section.key=value | --unset section.key ...]
+  tessera plan --config FILE.toml [--set section.key=value | --unset section.key ...] [--json]
+  tessera config --config FILE.toml [--set section.key=value | --unset section.key ...]
   tessera config --reference [--config FILE.toml]
   tessera plugins [--config FILE.toml]
   tessera checkpoint inspect|verify|export PATH [--to FILE.safetensors|FILE.ckpt]
@@ -68,6 +71,9 @@ constexpr const char* kUsage = R"(usage:
   --set section.key=value overrides the config; values are TOML (numbers, true/false,
   "strings", [lists]); a bare word is a string. Example:
     tessera fit --config configs/gpt-fortunes.toml --set trainer.max_steps=50 --set launch.devices=2
+  --unset section.key removes a key of the config, --unset section a whole section; --set and
+  --unset apply in the order given. Switching a shipped config's strategy, e.g.:
+    tessera fit --config configs/llama-tokens.toml --unset strategy --set strategy.plugin=ddp
 )";
 
 struct Arguments {
@@ -90,7 +96,17 @@ Arguments parse(int argc, char** argv) {
       return words[++i];
     };
     if (w == "--config" || w.rfind("--config=", 0) == 0) args.config = value("--config");
-    else if (w == "--set" || w.rfind("--set=", 0) == 0) args.overrides.push_back(value("--set"));
+    else if (w == "--set" || w.rfind("--set=", 0) == 0) {
+      std::string assignment = value("--set");
+      TESSERA_CHECK(!host::is_unset(assignment), "--set ", assignment, ": expected section.key=value");
+      args.overrides.push_back(std::move(assignment));
+    } else if (w == "--unset" || w.rfind("--unset=", 0) == 0) {
+      const std::string name = value("--unset");
+      TESSERA_CHECK(!name.empty() && name.find('=') == std::string::npos, "--unset ", name,
+                    ": expected section.key (or a whole section), without a value, e.g. --unset ",
+                    "strategy.activation_checkpointing or --unset strategy");
+      args.overrides.push_back(host::kUnsetPrefix + name);
+    }
     else if (w == "--ckpt-path" || w.rfind("--ckpt-path=", 0) == 0) args.ckpt_path = value("--ckpt-path");
     else if (w == "--json") args.json = true;
     else if (w == "--reference") args.reference = true;
@@ -101,7 +117,8 @@ Arguments parse(int argc, char** argv) {
     } else {
       TESSERA_FAIL(
           "unexpected argument '", w, "'",
-          sdk::did_you_mean(w, {"--config", "--set", "--ckpt-path", "--json", "--reference", "--help", "--version"}));
+          sdk::did_you_mean(w, {"--config", "--set", "--unset", "--ckpt-path", "--json", "--reference", "--help",
+                                  "--version"}));
     }
   }
   TESSERA_CHECK(!args.command.empty(), "no command given");
@@ -121,12 +138,14 @@ Arguments parse(int argc, char** argv) {
 /// (a check across keys, e.g. n_embd % n_head, blames the file's key): the overrides of that section.
 std::string overrides_note(const std::string& message, const std::vector<std::string>& overrides) {
   std::string note;
-  if (message.find("--set ") != std::string::npos) return "";
+  if (message.find("--set ") != std::string::npos || message.find(host::kUnsetPrefix) != std::string::npos) return "";
   for (const std::string& assignment : overrides) {
-    const std::string section = assignment.substr(0, assignment.find_first_of(".="));
+    const bool unset = host::is_unset(assignment);
+    const std::string name = unset ? assignment.substr(std::string(host::kUnsetPrefix).size()) : assignment;
+    const std::string section = name.substr(0, name.find_first_of(".="));
     if (message.find("[" + section + "]") == std::string::npos && message.find("[" + section + ".") == std::string::npos)
       continue;
-    note += (note.empty() ? "" : ", ") + std::string("--set ") + assignment;
+    note += (note.empty() ? "" : ", ") + (unset ? assignment : "--set " + assignment);
   }
   return note.empty() ? "" : "\n  (the config as changed by " + note + ")";
 }
@@ -143,9 +162,38 @@ int list_plugins(const std::vector<std::string>& config_dirs) {
   return 0;
 }
 
+/// A Hugging Face model's context ([model] max_position_embeddings, from its config.json or the
+/// TOML) against the data's sequence length: positions past it were never trained (and rotary
+/// scaling is computed for it), so a longer block_size is refused before any work.
+void check_positions(const host::Config& config, const sdk::Checkpoint& model_hparams, std::int64_t length,
+                     const std::string& source) {
+  if (!model_hparams.contains("hf_config_json") || !model_hparams.at("hf_config_json").isString()) return;
+  nlohmann::json hf;
+  try {
+    hf = nlohmann::json::parse(model_hparams.at("hf_config_json").toStringRef());
+  } catch (const std::exception&) {
+    return;  // the model's own checks speak for its config.json
+  }
+  if (!hf.is_object() || !hf.contains("max_position_embeddings") || !hf.at("max_position_embeddings").is_number_integer())
+    return;
+  const std::int64_t context = hf.at("max_position_embeddings").get<std::int64_t>();
+  if (length <= context) return;
+  const sdk::Options& model = config.plugins.at("model");
+  const std::string key =
+      model.has("max_position_embeddings")
+          ? model.locate("max_position_embeddings") + " = " + std::to_string(context)
+      : model.has("config") ? "\"" + model.get_string("config", "") + "\": max_position_embeddings = " +
+                                  std::to_string(context) + " (the config.json of " + model.locate("config") + ")"
+                            : "[model] max_position_embeddings = " + std::to_string(context) + " (the model's default)";
+  TESSERA_FAIL(source, " = ", length, " is longer than the model's context, ", key,
+               ": positions past it were never trained. Set [data] block_size to at most ", context,
+               " (or, for a model meant for longer sequences, [model] max_position_embeddings to at least ", length, ")");
+}
+
 /// Creates (and drops) every configured plugin, so configuration errors stop the launcher
-/// before it starts any rank.
-void check_plugins(const host::Config& config, bool predicts_after_fit = false) {
+/// before it starts any rank. `predicts`: the job runs predict (the predict command, or fit with
+/// predict_after_fit), so what the data needs for it (a prompt, a tokenizer) is checked too.
+void check_plugins(const host::Config& config, const std::string& predicts = "") {
   core::PluginLoader loader(core::PluginLoader::search_path(config.plugin_dirs));
   // What the strategy can check about its precision and checkpoint IO (e.g. sharded state dicts
   // need an IO that writes shards) it checks when they are connected, as composing them does.
@@ -162,15 +210,15 @@ void check_plugins(const host::Config& config, bool predicts_after_fit = false) 
     const std::int64_t length = data.get_int("block_size", 0);
     host::Trainer::check_sequence_length(config, plugins.model->hyper_parameters(), length,
                                          data.locate("block_size") + " = " + std::to_string(length));
+    check_positions(config, plugins.model->hyper_parameters(), length, data.locate("block_size"));
   }
-  // fit's predict_after_fit samples once training is done: what the data needs for it (a prompt,
-  // a tokenizer) is checked now, not after hours of training.
-  if (predicts_after_fit) {
+  // predict, and fit's predict_after_fit once training is done: what the data needs for it (a
+  // prompt, a tokenizer) is checked now, before any rank starts (not after hours of training).
+  if (!predicts.empty()) {
     try {
       plugins.data->setup("predict");
     } catch (const sdk::Error& e) {
-      TESSERA_FAIL("[trainer] predict_after_fit = true samples from the model after fit, but the data cannot ",
-                   "predict: ", e.what());
+      TESSERA_FAIL(predicts, ", but the data cannot predict: ", e.what());
     }
   }
   host::make_callbacks(config, loader);
@@ -376,9 +424,17 @@ int main(int argc, char** argv) {
       if (args.ckpt_path == "auto") args.ckpt_path = checkpoint;
       if (args.command == "fit" && !checkpoint.empty()) host::Trainer::check_resumable(checkpoint);
       host::Trainer::check_weights_given(args.command, checkpoint, host::Trainer::initial_weights(config, checkpoint));
+      // Weights trained on other ids than this data's (bytes against a tokenizer's, or another
+      // tokenizer): the output is meaningless, so say so before it is printed.
+      if (args.command == "predict" || args.command == "validate" || args.command == "test")
+        if (const std::string warning = host::trained_data_warning(config, checkpoint); !warning.empty())
+          std::cerr << "tessera: warning: " << warning << "\n";
       TESSERA_CHECK(args.command != "lr-find" || config.trainer.fast_dev_run == 0, "[trainer] fast_dev_run runs ",
                     "every loop for a few batches; lr-find trains [lr_find] num_training steps: remove one of them");
-      check_plugins(config, args.command == "fit" && config.trainer.predict_after_fit);
+      check_plugins(config, args.command == "predict" ? "tessera predict generates from the data's prompt"
+                            : args.command == "fit" && config.trainer.predict_after_fit
+                                ? "[trainer] predict_after_fit = true samples from the model after fit"
+                                : "");
       check_local_ranks(config);
       if (args.command == "fit" || args.command == "lr-find") check_memory(config);
       if (args.command == "fit") remove_save_leftovers(root);

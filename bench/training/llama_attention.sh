@@ -28,6 +28,7 @@ num_hidden_layers = 4
 num_attention_heads = 6
 num_key_value_heads = 2
 tie_word_embeddings = true
+max_position_embeddings = 4096  # the longest T below (a longer block_size is refused)
 [data]
 plugin = "text"
 batch_size = 1

@@ -1,5 +1,6 @@
 #include "cli/hf_export.hpp"
 
+#include <algorithm>
 #include <filesystem>
 #include <functional>
 #include <iostream>
@@ -10,8 +11,10 @@
 #include <ATen/ATen.h>
 #include <nlohmann/json.hpp>
 
+#include "cli/trained_data.hpp"
 #include "compose/plugin_set.hpp"
 #include "config/config.hpp"
+#include "loggers/run_directory.hpp"
 #include "tessera/core/checkpoint.hpp"
 #include "tessera/core/checkpoint_folder.hpp"
 #include "tessera/core/huggingface.hpp"
@@ -35,6 +38,12 @@ std::pair<std::string, std::string> locate(const HfExportRequest& request) {
   std::error_code ec;
   fs::path source(request.source);
   std::string checkpoint = request.source, config = request.config;
+  if (fs::is_directory(source, ec) && !fs::exists(source / kRunConfig, ec) && !core::is_sharded_checkpoint(request.source)) {
+    // A default_root_dir (or its [logger] name folder): the newest run's last checkpoint, as
+    // --ckpt-path last finds it, so a documented command never names one version_N.
+    checkpoint = find_last_checkpoint(request.source, LoggerSettings{}, "export " + request.source);
+    source = fs::path(checkpoint);
+  }
   if (fs::is_directory(source, ec) && fs::exists(source / kRunConfig, ec)) {  // a run folder
     checkpoint = core::resolve_last((source / "checkpoints").string());
     if (config.empty()) config = (source / kRunConfig).string();
@@ -46,8 +55,8 @@ std::pair<std::string, std::string> locate(const HfExportRequest& request) {
       config = (folder.parent_path() / kRunConfig).string();
   }
   TESSERA_CHECK(!config.empty(), "export --format hf builds the model to ask for its config.json and found no run ",
-                "configuration for ", request.source, ": pass a run folder (runs/NAME/version_N), a checkpoint ",
-                "inside one, or --config FILE.toml");
+                "configuration for ", request.source, ": pass a default_root_dir (its newest run), a run folder ",
+                "(runs/NAME/version_N), a checkpoint inside one, or --config FILE.toml");
   return {checkpoint, config};
 }
 
@@ -79,6 +88,31 @@ std::string generation_config_json(const std::string& config_json) {
   for (const char* key : {"bos_token_id", "eos_token_id", "pad_token_id"})
     if (config.contains(key) && !config.at(key).is_null()) out[key] = config.at(key);
   return out.dump(2);
+}
+
+/// save_pretrained writes the tokenizer beside the model: the files of the tokenizer the run
+/// trained with (its [data] tokenizer's folder, else its init_from Hugging Face folder).
+void copy_tokenizer(const std::string& config_path, const std::string& to) {
+  std::string source;
+  const std::vector<fs::path> files = run_tokenizer_files(config_path, source);
+  if (files.empty()) {
+    std::cout << "no tokenizer files copied: " << config_path << " names no tokenizer ([data] tokenizer) and no "
+              << "Hugging Face folder holding one ([trainer] init_from); copy them into " << to << " yourself\n";
+    return;
+  }
+  std::vector<std::string> names;
+  for (const fs::path& file : files) {
+    std::string name = file.filename().string();
+    const auto& known = hf_tokenizer_files(file.parent_path());
+    if (std::find(known.begin(), known.end(), file) == known.end())  // e.g. sp.model: transformers reads tokenizer.model
+      name = file.extension() == ".json" ? "tokenizer.json" : "tokenizer.model";
+    std::error_code ec;
+    fs::copy_file(file, fs::path(to) / name, fs::copy_options::overwrite_existing, ec);
+    TESSERA_CHECK(!ec, "cannot copy the tokenizer file ", file.string(), " to ", (fs::path(to) / name).string(), ": ",
+                  ec.message());
+    names.push_back(name);
+  }
+  std::cout << "copied the tokenizer (" << sdk::join(names) << ") from " << source << "\n";
 }
 
 }  // namespace
@@ -136,6 +170,7 @@ void export_hf(const HfExportRequest& request) {
   std::cout << "exported " << checkpoint << " to " << request.to << " (Hugging Face: " << specs.size() << " tensors, "
             << core::hf_dtype_name(dtype) << ", " << done.total_bytes << " bytes in " << done.files.size()
             << (done.files.size() == 1 ? " file" : " files + " + std::string(core::kHfIndexName)) << ")\n";
+  copy_tokenizer(config_path, request.to);
 }
 
 }  // namespace tessera::host

@@ -1,7 +1,8 @@
 #pragma once
 /// `tessera checkpoint export RUN_OR_CKPT --to DIR --format hf`: a Hugging Face model folder
 /// (config.json from the model's sdk::HuggingFaceModel, generation_config.json, safetensors
-/// shards with their index) from a full or sharded checkpoint, streamed tensor by tensor.
+/// shards with their index) from a full or sharded checkpoint, streamed tensor by tensor, and
+/// the tokenizer files of the run (as save_pretrained writes them beside the model).
 #include <optional>
 #include <string>
 
@@ -10,7 +11,9 @@
 namespace tessera::host {
 
 struct HfExportRequest {
-  std::string source;   ///< a run folder (its checkpoints/last), a checkpoint, or a `last` link
+  /// a default_root_dir (its newest run's last checkpoint, as --ckpt-path last finds it), a run
+  /// folder (its checkpoints/last), a checkpoint, or a `last` link
+  std::string source;
   std::string to;       ///< the folder to create
   std::string config;   ///< the run's config.toml; "" finds it beside the checkpoint's run
   std::int64_t max_shard_bytes = 5'000'000'000;  ///< save_pretrained's default "5GB"

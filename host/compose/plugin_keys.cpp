@@ -110,13 +110,14 @@ std::shared_ptr<sdk::PluginObject> create_plugin(core::PluginLoader& loader, sdk
     }
   }
   if (!owners.empty()) {
-    std::string listed, back;
+    std::string listed, back, unsets;
     std::size_t best = 0;
     for (const std::string& key : unread) {
       if (!owners.count(key)) continue;
       std::string where = options.locate(key);
       where = where.substr(0, where.find(": ["));
       listed += "\n  " + key + " (" + where + "): a key of " + sdk::join(owners[key]);
+      unsets += " --unset " + section + "." + key;
     }
     for (const auto& [plugin, count] : coverage)
       if (count > best) best = count, back = plugin;
@@ -131,7 +132,9 @@ std::shared_ptr<sdk::PluginObject> create_plugin(core::PluginLoader& loader, sdk
                  section, "] to use ", name, ", or go back to the plugin they were written for: [", section,
                  "] plugin = \"", back, "\"",
                  others.empty() ? std::string() : " (" + others + ": not a key of any " +
-                                                      std::string(sdk::to_string(kind)) + " plugin found)");
+                                                      std::string(sdk::to_string(kind)) + " plugin found)",
+                 "\n  On the command line:", unsets, " --set ", section, ".plugin=", name, " (or --unset ", section,
+                 " --set ", section, ".plugin=", name, " for a fresh [", section, "])");
   }
   options.check_all_used({"plugin"});
   return object;

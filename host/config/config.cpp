@@ -172,7 +172,44 @@ std::string apply_override(toml::table& root, const std::string& assignment) {
   return created ? section : "";
 }
 
+/// Applies one --unset (section, section.key or section.table.key): removes that key or table,
+/// so that a shipped config can switch plugin (`--unset strategy --set strategy.plugin=ddp`)
+/// without the old plugin's keys being refused by the new one. A name the config does not hold
+/// is refused (a typo would otherwise leave the key in place, unnoticed).
+void apply_unset(toml::table& root, const std::string& dotted) {
+  std::vector<std::string> names;
+  for (std::size_t from = 0, to; from <= dotted.size(); from = to + 1) {
+    to = std::min(dotted.find('.', from), dotted.size());
+    names.push_back(dotted.substr(from, to - from));
+    TESSERA_CHECK(!names.back().empty(), "--unset ", dotted, ": empty name; expected section or section.key, e.g. ",
+                  "--unset strategy.activation_checkpointing or --unset strategy");
+  }
+  toml::table* table = &root;
+  std::string where = "the config";
+  for (std::size_t i = 0; i < names.size(); ++i) {
+    toml::node* node = table->get(names[i]);
+    if (node == nullptr) {
+      std::vector<std::string> keys;
+      for (const auto& [key, value] : *table) keys.push_back(std::string(key.str()));
+      TESSERA_FAIL("--unset ", dotted, ": ", where, " has no ", i == 0 ? "section [" + names[i] + "]" : "key " + names[i],
+                   sdk::did_you_mean(names[i], keys), keys.empty() ? std::string(" (it is empty)")
+                                                                  : "; it holds: " + sdk::join(keys));
+    }
+    if (i + 1 == names.size()) {
+      table->erase(names[i]);
+      return;
+    }
+    TESSERA_CHECK(node->is_table(), "--unset ", dotted, ": ", names[i], " is not a table, so it has no key ", names[i + 1]);
+    table = node->as_table();
+    where = "[";
+    for (std::size_t j = 0; j <= i; ++j) where += (j ? "." : "") + names[j];
+    where += "]";
+  }
+}
+
 }  // namespace
+
+bool is_unset(const std::string& override_entry) { return override_entry.rfind(kUnsetPrefix, 0) == 0; }
 
 double read_duration(const sdk::Options& options, const sdk::Key& key) {
   const sdk::Value value = options.value(key.name);
@@ -206,6 +243,10 @@ Config Config::load(const std::string& path, const std::vector<std::string>& ove
   }
   std::map<std::string, std::string> set_sections;  // a section that only --set names -> that --set
   for (const auto& assignment : overrides) {
+    if (is_unset(assignment)) {
+      apply_unset(root, assignment.substr(std::string(kUnsetPrefix).size()));
+      continue;
+    }
     std::string created = apply_override(root, assignment);
     if (!created.empty()) set_sections.emplace(created, "--set " + assignment);
   }

@@ -12,6 +12,11 @@
 
 namespace tessera::host {
 
+/// An entry of Config::load's overrides that removes a key or section (the CLI's --unset):
+/// kUnsetPrefix + "section.key". Every other entry is a --set's "section.key=value".
+inline constexpr const char* kUnsetPrefix = "--unset ";
+bool is_unset(const std::string& override_entry);
+
 /// Lightning's limit_{val,test,predict}_batches: an integer is a number of batches (0 skips
 /// the loop), a float in [0.0, 1.0] a fraction of them.
 struct BatchLimit {
@@ -145,8 +150,9 @@ class Config {
   Config(const Config&) = delete;
   Config& operator=(const Config&) = delete;
 
-  /// Parses `path`, applies `overrides` ("section.key=value", value parsed as TOML, else a
-  /// string) and validates every host-owned section. Throws sdk::Error naming file:line/key.
+  /// Parses `path`, applies `overrides` in order ("section.key=value", value parsed as TOML,
+  /// else a string; or kUnsetPrefix + "section[.key]", which removes that key or section) and
+  /// validates every host-owned section. Throws sdk::Error naming file:line/key.
   static Config load(const std::string& path, const std::vector<std::string>& overrides);
 
   const std::string& path() const { return path_; }

@@ -8,6 +8,7 @@
 #include <cmath>
 #include <filesystem>
 #include <numeric>
+#include <tuple>
 
 #include <ATen/ATen.h>
 
@@ -200,8 +201,15 @@ class Tokens final : public sdk::DataModule, public sdk::TokenVocabulary {
                                      false)),
         val_fraction_(o.get_double(
             {"val_fraction",
-             "the validation split: the last floor(val_fraction x documents) documents of each shard; 0: none"},
+             "the validation split: the last floor(val_fraction x documents) documents of each shard (before the "
+             "test split's); 0: none"},
             val_paths_.empty() ? 0.05 : 0.0, 0.0, 0.5)),
+        test_paths_(o.get_string_list(
+            {"test_path", "a separate prepared directory (or list) for `tessera test` instead of test_fraction"}, {})),
+        test_fraction_(o.get_double({"test_fraction",
+                                     "the test split (`tessera test`): the last floor(test_fraction x documents) "
+                                     "documents of each shard, after the validation split's; 0: none"},
+                                    0.0, 0.0, 0.5)),
         verify_(o.get_bool(
             {"verify", "at setup, check every shard's checksum, document offsets and largest id in one streaming pass"},
             true)),
@@ -226,19 +234,44 @@ class Tokens final : public sdk::DataModule, public sdk::TokenVocabulary {
     }
     TESSERA_CHECK(val_paths_.empty() || !o.has("val_fraction") || val_fraction_ == 0.0, o.locate("val_path"),
                   " and ", o.locate("val_fraction"), " both choose the validation data: keep one");
+    TESSERA_CHECK(test_paths_.empty() || test_fraction_ == 0.0, o.locate("test_path"), " and ",
+                  o.locate("test_fraction"), " both choose the test data: keep one");
+    TESSERA_CHECK(val_fraction_ + test_fraction_ < 1.0, o.locate("val_fraction"), " = ", val_fraction_, " and ",
+                  o.locate("test_fraction"), " = ", test_fraction_, " leave no document to train on");
   }
 
   void setup(const std::string& stage) override {
     if (stage == "predict") return setup_predict();
+    // `tessera test` reports test_loss: from a test split, never the validation one.
+    TESSERA_CHECK(stage != "test" || !test_paths_.empty() || test_fraction_ > 0, "tessera test evaluates the data's ",
+                  "test split, and the tokens plugin has none here: set ",
+                  options_.locate("test_fraction"), " (e.g. 0.05: the last 5% of each shard's documents, held out ",
+                  "from training and validation) or ", options_.locate("test_path"), " (a prepared directory); ",
+                  "for the validation split's loss run `tessera validate`");
     if (train_) return;
-    std::vector<std::shared_ptr<sdk::Dataset>> train, val;
+    std::vector<std::shared_ptr<sdk::Dataset>> train, val, test;
     for (const auto& path : paths_) {
       auto shards = open(path, "path");
-      auto [t, v] = split(shards);
+      auto [t, v, h] = split(shards);
       train.push_back(windows(std::move(t)));
       TESSERA_CHECK(train.back()->size() > 0, options_.locate("path"), " = \"", path, "\": its training part holds ",
                     "too few tokens for one window of block_size + 1 = ", block_size_ + 1);
       if (val_paths_.empty() && val_fraction_ > 0) val.push_back(windows(std::move(v)));
+      if (test_paths_.empty() && test_fraction_ > 0) test.push_back(windows(std::move(h)));
+    }
+    for (const auto& path : test_paths_) {
+      auto shards = open(path, "test_path");
+      test.push_back(windows(Split{shards, whole(shards)}));
+    }
+    if (!test.empty()) {
+      std::vector<double> sizes;
+      for (const auto& d : test) sizes.push_back(static_cast<double>(std::max<std::int64_t>(1, d->size())));
+      test_ = test.size() == 1 ? test[0] : std::make_shared<Blend>(test, sizes);
+      TESSERA_CHECK(test_->size() > 0,
+                    test_paths_.empty() ? options_.locate("test_fraction") + " = " + std::to_string(test_fraction_)
+                                        : options_.locate("test_path"),
+                    " leaves no test window of block_size + 1 = ", block_size_ + 1,
+                    " tokens (the test split takes whole documents from the end of each shard): raise it");
     }
     for (const auto& path : val_paths_) {
       auto shards = open(path, "val_path");
@@ -263,7 +296,7 @@ class Tokens final : public sdk::DataModule, public sdk::TokenVocabulary {
 
   std::shared_ptr<sdk::Dataset> train_dataset() override { return train_; }
   std::shared_ptr<sdk::Dataset> val_dataset() override { return val_; }
-  std::shared_ptr<sdk::Dataset> test_dataset() override { return val_; }
+  std::shared_ptr<sdk::Dataset> test_dataset() override { return test_; }
   std::shared_ptr<sdk::Dataset> predict_dataset() override { return prompt_dataset_; }
 
   std::string describe_prediction(const sdk::Batch&, const at::Tensor& output) const override {
@@ -310,17 +343,24 @@ class Tokens final : public sdk::DataModule, public sdk::TokenVocabulary {
     return parts;
   }
 
-  /// By documents: the last val_fraction of each shard's documents (rounded down) validate.
-  std::pair<Split, Split> split(const std::shared_ptr<TokenShards>& shards) const {
-    Split train{shards, {}}, val{shards, {}};
+  /// By documents: of each shard's documents, the last test_fraction (rounded down) test, the
+  /// val_fraction before them validate, the rest train.
+  std::tuple<Split, Split, Split> split(const std::shared_ptr<TokenShards>& shards) const {
+    Split train{shards, {}}, val{shards, {}}, test{shards, {}};
+    auto count = [](double fraction, std::int64_t docs) {
+      return static_cast<std::int64_t>(std::floor(fraction * static_cast<double>(docs)));
+    };
     for (std::int64_t s = 0; s < shards->shards(); ++s) {
       const std::int64_t docs = shards->documents(s);
-      const std::int64_t held = val_paths_.empty() ? static_cast<std::int64_t>(std::floor(val_fraction_ * static_cast<double>(docs))) : 0;
-      const std::int64_t cut = shards->document_start(s, docs - held);
-      if (docs - held > 0) train.parts.push_back(Part{s, 0, cut, 0, docs - held});
-      if (held > 0) val.parts.push_back(Part{s, cut, shards->tokens(s), docs - held, docs});
+      const std::int64_t tested = test_paths_.empty() ? count(test_fraction_, docs) : 0;
+      const std::int64_t held = val_paths_.empty() ? count(val_fraction_, docs) : 0;
+      const std::int64_t val_first = docs - tested - held, test_first = docs - tested;
+      const std::int64_t cut = shards->document_start(s, val_first), test_cut = shards->document_start(s, test_first);
+      if (val_first > 0) train.parts.push_back(Part{s, 0, cut, 0, val_first});
+      if (held > 0) val.parts.push_back(Part{s, cut, test_cut, val_first, test_first});
+      if (tested > 0) test.parts.push_back(Part{s, test_cut, shards->tokens(s), test_first, docs});
     }
-    return {std::move(train), std::move(val)};
+    return {std::move(train), std::move(val), std::move(test)};
   }
 
   std::shared_ptr<sdk::Dataset> windows(Split split) const {
@@ -393,13 +433,15 @@ class Tokens final : public sdk::DataModule, public sdk::TokenVocabulary {
   std::int64_t block_size_;
   bool document_aligned_;
   double val_fraction_;
+  std::vector<std::string> test_paths_;
+  double test_fraction_;
   bool verify_;
   std::string prompt_;
   bool accept_other_tokenizer_;
   std::int64_t vocab_size_ = 0;
   std::string vocab_source_, tokenizer_kind_, tokenizer_xxh64_;
   std::unique_ptr<toolkit::Tokenizer> tokenizer_;
-  std::shared_ptr<sdk::Dataset> train_, val_, prompt_dataset_;
+  std::shared_ptr<sdk::Dataset> train_, val_, test_, prompt_dataset_;
 };
 
 }  // namespace

@@ -175,6 +175,35 @@ TEST(Tokens, PackedWindowsRunAcrossDocumentsAndShards) {
   EXPECT_MENTIONS(vocabulary->vocab_source(), "manifest.json");
 }
 
+// The test split (issue 60 (e)): the last test_fraction of each shard's documents, after the
+// validation ones; a separate directory with test_path. None of it trains or validates.
+TEST(Tokens, TestSplitTakesTheDocumentsAfterTheValidationOnes) {
+  TempDir dir;
+  write_corpus(dir.path(), {iota_docs({10, 10, 10, 10}, 0)}, 1000);
+  auto data = make_data("path = \"" + dir.str() + "\"\nblock_size = 4\nval_fraction = 0.25\ntest_fraction = 0.25\n");
+  data->setup("test");
+  ASSERT_EQ(data->train_dataset()->size(), (20 - 1) / 4);  // documents 0 and 1
+  auto val = data->val_dataset(), test = data->test_dataset();
+  ASSERT_NE(test, nullptr);
+  ASSERT_NE(test, val);
+  EXPECT_EQ(row(val->get_batch({0}).input, 0), range(20, 4));  // document 2
+  EXPECT_EQ(test->size(), (10 - 1) / 4);                        // document 3
+  EXPECT_EQ(row(test->get_batch({0}).input, 0), range(30, 4));
+  EXPECT_EQ(row(test->get_batch({1}).target, 0), range(35, 4));
+
+  TempDir held_out("test");
+  write_corpus(held_out.path(), {iota_docs({9}, 100)}, 1000);
+  auto separate = make_data("path = \"" + dir.str() + "\"\ntest_path = \"" + held_out.str() + "\"\nblock_size = 4\nval_fraction = 0\n");
+  separate->setup("test");
+  EXPECT_EQ(row(separate->test_dataset()->get_batch({1}).target, 0), range(105, 4));
+  EXPECT_MENTIONS(error_of([&] {
+                    make_data("path = \"" + dir.str() + "\"\ntest_path = \"" + held_out.str() + "\"\ntest_fraction = 0.1\n");
+                  }),
+                  "both choose the test data");
+  EXPECT_MENTIONS(error_of([&] { make_data("path = \"" + dir.str() + "\"\nval_fraction = 0.5\ntest_fraction = 0.5\n"); }),
+                  "leave no document to train on");
+}
+
 TEST(Tokens, ValidationTakesWholeDocumentsFromTheEndOfEachShard) {
   TempDir dir;
   write_corpus(dir.path(), {iota_docs({10, 10}, 0), iota_docs({10}, 20)}, 1000);
@@ -188,7 +217,8 @@ TEST(Tokens, ValidationTakesWholeDocumentsFromTheEndOfEachShard) {
   ASSERT_NE(val, nullptr);
   ASSERT_EQ(val->size(), (10 - 1) / 4);
   EXPECT_EQ(row(val->get_batch({1}).input, 0), range(14, 4));
-  EXPECT_EQ(data->test_dataset(), val);
+  EXPECT_EQ(data->test_dataset(), nullptr) << "no test split: `tessera test` never reports the validation split";
+  EXPECT_MENTIONS(error_of([&] { data->setup("test"); }), "[data] test_fraction");
 
   TempDir held_out("val");
   write_corpus(held_out.path(), {iota_docs({9}, 100)}, 1000);
