@@ -1,4 +1,5 @@
-// The `tessera` command line: fit | validate | test | predict | lr-find | plan | config | plugins | checkpoint | tokenizer.
+// The `tessera` command line: fit | validate | test | predict | lr-find | plan | config | plugins | checkpoint | tokenizer
+// | data | report.
 #include <fcntl.h>
 #include <unistd.h>
 
@@ -26,6 +27,7 @@
 #include "loggers/run_directory.hpp"
 #include "loggers/run_log.hpp"
 #include "plan/plan_job.hpp"
+#include "report/report.hpp"
 #include "tessera/core/checkpoint_folder.hpp"
 #include "tessera/core/comm.hpp"
 #include "tessera/core/plugin_loader.hpp"
@@ -51,6 +53,7 @@ constexpr const char* kUsage = R"(usage:
   tessera checkpoint inspect|verify|export PATH [--to FILE.safetensors|FILE.ckpt]
   tessera tokenizer train|encode|decode|info|bench ...   (tessera tokenizer --help)
   tessera data prepare --tokenizer T --input FILES|DIRS|GLOBS --output DIR [...]   (data prepare --help)
+  tessera report RUN_DIR [--out FILE.html]   one HTML page of a run's curves, memory and config
   tessera --help | --version
 
   fit        train (resume with --ckpt-path last or a .ckpt path; start from another run's weights
@@ -367,6 +370,7 @@ int main(int argc, char** argv) {
   if (argc > 1 && std::string(argv[1]) == "checkpoint") return host::checkpoint_tool(argc - 1, argv + 1);
   if (argc > 1 && std::string(argv[1]) == "tokenizer") return host::tokenizer_tool(argc - 1, argv + 1);
   if (argc > 1 && std::string(argv[1]) == "data") return host::data_tool(argc - 1, argv + 1);
+  if (argc > 1 && std::string(argv[1]) == "report") return host::report_tool(argc - 1, argv + 1);
   Arguments args;
   try {
     for (int i = 1; i < argc; ++i) {

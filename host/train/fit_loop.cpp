@@ -233,8 +233,10 @@ void Trainer::log_peak_memory() {
   // Peak resident memory of the busiest rank: the figure FSDP is meant to lower.
   rusage usage{};
   ::getrusage(RUSAGE_SELF, &usage);
-  const double peak_mb =
-      max_over_ranks(static_cast<double>(std::max<std::int64_t>(usage.ru_maxrss, earlier_peak_rss_kb_)) / 1024.0);
+  const double own_mb = static_cast<double>(std::max<std::int64_t>(usage.ru_maxrss, earlier_peak_rss_kb_)) / 1024.0;
+  // Each rank's own, in its log only (`tessera report` draws them per rank).
+  log_.to_file("peak RSS of rank " + std::to_string(cluster_.global_rank) + ": " + RunLog::number(own_mb, 5) + " MB");
+  const double peak_mb = max_over_ranks(own_mb);
   log_.info("peak RSS per rank (max over ranks): " + RunLog::number(peak_mb, 5) + " MB");
   log_stage_metrics({{"peak_rss_mb", peak_mb}}, "train");
 #if TESSERA_WITH_CUDA
