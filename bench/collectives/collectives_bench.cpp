@@ -23,7 +23,7 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
-#include "tessera/core/cluster.hpp"
+#include "cluster/cluster.hpp"
 #include "tessera/core/comm.hpp"
 
 extern char** environ;

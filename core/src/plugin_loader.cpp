@@ -1,4 +1,4 @@
-#include "tessera/core/plugin_loader.hpp"
+#include "plugin_loader.hpp"
 
 #include <cxxabi.h>
 #include <dlfcn.h>

@@ -7,7 +7,7 @@
 #include <vector>
 
 #include "config/config.hpp"
-#include "tessera/core/plugin_loader.hpp"
+#include "plugin_loader.hpp"
 #include "tessera/sdk/callback.hpp"
 
 namespace tessera::host {

@@ -14,7 +14,7 @@
 #include "cli/hf_export.hpp"
 #include "tessera/core/checkpoint.hpp"
 #include "tessera/core/checkpoint_folder.hpp"
-#include "tessera/core/huggingface.hpp"
+#include "checkpoint/huggingface.hpp"
 #include "tessera/core/safetensors.hpp"
 #include "tessera/core/sharded_checkpoint.hpp"
 #include "tessera/sdk/error.hpp"

@@ -9,7 +9,7 @@
 
 #include "callbacks/callbacks.hpp"
 #include "config/config.hpp"
-#include "tessera/core/plugin_loader.hpp"
+#include "plugin_loader.hpp"
 #include "tessera/sdk/error.hpp"
 
 namespace tessera::host {

@@ -4,7 +4,7 @@
 #include <string>
 
 #include "config/config.hpp"
-#include "tessera/core/plugin_loader.hpp"
+#include "plugin_loader.hpp"
 
 namespace tessera::host {
 

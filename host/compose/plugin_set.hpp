@@ -5,7 +5,7 @@
 #include <memory>
 
 #include "config/config.hpp"
-#include "tessera/core/plugin_loader.hpp"
+#include "plugin_loader.hpp"
 #include "tessera/sdk/checkpoint_io.hpp"
 #include "tessera/sdk/data.hpp"
 #include "tessera/sdk/module.hpp"

@@ -24,7 +24,7 @@
 
 #include <ATen/Parallel.h>
 
-#include "tessera/core/cluster.hpp"
+#include "cluster/cluster.hpp"
 #include "tessera/core/comm.hpp"
 #include "tessera/sdk/error.hpp"
 #include "tessera/toolkit/openblas.hpp"

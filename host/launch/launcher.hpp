@@ -1,7 +1,7 @@
 #pragma once
 // The local launcher (Lightning's subprocess launcher): start and supervise this node's
 // ranks, or, started by a launcher, find this process's place in the job through the
-// cluster environments of tessera/core/cluster.hpp.
+// cluster environments of core/src/cluster/cluster.hpp.
 #include <optional>
 #include <string>
 

@@ -5,8 +5,8 @@
 
 #include <ATen/ATen.h>
 
-#include "tessera/core/data_loader.hpp"
-#include "tessera/core/trace.hpp"
+#include "data/data_loader.hpp"
+#include "trace/trace.hpp"
 #include "train/trainer_steps.hpp"
 
 namespace tessera::host {

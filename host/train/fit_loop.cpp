@@ -22,10 +22,10 @@
 #include "tessera/core/checkpoint.hpp"
 #include "tessera/core/clip_grad.hpp"
 #include "tessera/core/comm.hpp"
-#include "tessera/core/data_loader.hpp"
-#include "tessera/core/fsdp/wrap.hpp"
+#include "data/data_loader.hpp"
+#include "fsdp/wrap.hpp"
 #include "tessera/core/ledger.hpp"
-#include "tessera/core/trace.hpp"
+#include "trace/trace.hpp"
 #include "tessera/sdk/build_config.hpp"  // TESSERA_WITH_CUDA, before the #if below
 #include "tessera/sdk/checkpoint_io_features.hpp"
 #include "tessera/sdk/error.hpp"

@@ -4,7 +4,7 @@
 #include <cmath>
 #include <optional>
 
-#include "tessera/core/data_loader.hpp"
+#include "data/data_loader.hpp"
 #include "train/lr_find.hpp"
 #include "train/trainer_steps.hpp"
 

@@ -6,7 +6,7 @@
 #include <ATen/ATen.h>
 
 #include "tessera/core/checkpoint.hpp"
-#include "tessera/core/data_loader.hpp"
+#include "data/data_loader.hpp"
 #include "tessera/sdk/error.hpp"
 #include "train/trainer_steps.hpp"
 

@@ -5,7 +5,7 @@
 #include <string>
 #include <vector>
 
-#include "tessera/core/trace.hpp"
+#include "trace/trace.hpp"
 
 namespace tessera::host {
 

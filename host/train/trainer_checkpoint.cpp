@@ -13,7 +13,7 @@
 #include "tessera/core/checkpoint.hpp"
 #include "tessera/core/checkpoint_folder.hpp"
 #include "tessera/core/comm.hpp"
-#include "tessera/core/huggingface.hpp"
+#include "checkpoint/huggingface.hpp"
 #include "tessera/core/ledger.hpp"
 #include "tessera/core/sharded_checkpoint.hpp"
 #include "tessera/sdk/checkpoint_io_features.hpp"

@@ -13,7 +13,7 @@
 
 #include "multiprocess.hpp"
 #include "tessera/core/checkpoint.hpp"
-#include "tessera/core/plugin_loader.hpp"
+#include "plugin_loader.hpp"
 #include "tessera/sdk/checkpoint_io.hpp"
 #include "tessera/sdk/error.hpp"
 #include "errors.hpp"

@@ -19,7 +19,7 @@
 
 #include "multiprocess.hpp"
 #include "tessera/core/checkpoint.hpp"
-#include "tessera/core/huggingface.hpp"
+#include "checkpoint/huggingface.hpp"
 #include "tessera/core/safetensors.hpp"
 #include "tessera/core/sharded_checkpoint.hpp"
 #include "tessera/sdk/error.hpp"

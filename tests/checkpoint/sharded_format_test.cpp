@@ -16,7 +16,7 @@
 #include "multiprocess.hpp"
 #include "pieces_fixture.hpp"
 #include "tessera/core/checkpoint_folder.hpp"
-#include "tessera/core/plugin_loader.hpp"
+#include "plugin_loader.hpp"
 #include "tessera/core/sharded_checkpoint.hpp"
 #include "tessera/sdk/checkpoint_io.hpp"
 #include "tessera/sdk/toml_options.hpp"

@@ -10,7 +10,7 @@
 
 #include "config/config.hpp"
 #include "tessera/core/checkpoint.hpp"
-#include "tessera/core/plugin_loader.hpp"
+#include "plugin_loader.hpp"
 #include "tessera/sdk/error.hpp"
 #include "train/lr_find.hpp"
 #include "train/lr_schedule.hpp"

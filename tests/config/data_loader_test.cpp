@@ -8,7 +8,7 @@
 
 #include <ATen/ATen.h>
 
-#include "tessera/core/data_loader.hpp"
+#include "data/data_loader.hpp"
 #include "tessera/sdk/error.hpp"
 
 namespace {

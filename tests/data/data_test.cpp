@@ -16,7 +16,7 @@
 
 #include <ATen/ATen.h>
 
-#include "tessera/core/plugin_loader.hpp"
+#include "plugin_loader.hpp"
 #include "tessera/sdk/data.hpp"
 #include "tessera/sdk/error.hpp"
 #include "tessera/sdk/toml_options.hpp"

@@ -20,8 +20,8 @@
 
 #include "errors.hpp"
 #include "multiprocess.hpp"
-#include "tessera/core/data_loader.hpp"
-#include "tessera/core/plugin_loader.hpp"
+#include "data/data_loader.hpp"
+#include "plugin_loader.hpp"
 #include "tessera/sdk/data.hpp"
 #include "tessera/sdk/error.hpp"
 #include "tessera/sdk/token_data.hpp"

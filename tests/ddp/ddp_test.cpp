@@ -17,7 +17,7 @@
 #include <torch/optim/sgd.h>
 
 #include "multiprocess.hpp"
-#include "tessera/core/plugin_loader.hpp"
+#include "plugin_loader.hpp"
 #include "tessera/sdk/checkpoint_io.hpp"
 #include "tessera/sdk/module.hpp"
 #include "tessera/sdk/precision.hpp"

@@ -32,7 +32,8 @@ grep -q "TesseraSDK" "$work/probe-$((major + 1)).log"
 # The engine's installed headers are exactly the strategy API (core/CMakeLists.txt lists them):
 # the internals are not installed, and the installed ones compile together from the prefix alone.
 [ -f "$work/prefix/include/tessera/core/strategy_base.hpp" ]
-for internal in fsdp/flat_param.hpp fsdp/storage.hpp plugin_loader.hpp cluster.hpp data_loader.hpp trace.hpp; do
+for internal in fsdp/flat_param.hpp fsdp/storage.hpp fsdp/scheduler.hpp fsdp/autograd_seam.hpp fsdp/unit.hpp \
+                fsdp/layout.hpp plugin_loader.hpp cluster.hpp data_loader.hpp trace.hpp; do
   if [ -e "$work/prefix/include/tessera/core/$internal" ]; then echo "engine internal installed: $internal"; exit 1; fi
 done
 # The plugin contract holds no TOML++ type: no installed header names it, and the host's side of

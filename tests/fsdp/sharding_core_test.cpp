@@ -17,7 +17,7 @@
 #include "tessera/sdk/autocast.hpp"
 #include "tessera/core/comm.hpp"
 #include "tessera/core/fsdp.hpp"
-#include "tessera/core/fsdp/wrap.hpp"
+#include "fsdp/wrap.hpp"
 #include "tessera/sdk/error.hpp"
 #include "tessera/sdk/sharded.hpp"
 #include "tessera/sdk/unit.hpp"

@@ -13,7 +13,7 @@
 #include "multiprocess.hpp"
 #include "plan/plan.hpp"
 #include "tessera/core/comm.hpp"
-#include "tessera/core/fsdp/memory_plan.hpp"
+#include "fsdp/memory_plan.hpp"
 
 namespace {
 

@@ -14,7 +14,7 @@
 #include "sanitizers.hpp"
 #include "plan/plan.hpp"
 #include "tessera/core/comm.hpp"
-#include "tessera/core/fsdp/memory_plan.hpp"
+#include "fsdp/memory_plan.hpp"
 
 namespace {
 

@@ -3,7 +3,7 @@
 
 #include <gtest/gtest.h>
 
-#include "tessera/core/plugin_loader.hpp"
+#include "plugin_loader.hpp"
 #include "errors.hpp"
 #include "multiprocess.hpp"
 #include "tessera/sdk/toml_options.hpp"

@@ -11,7 +11,7 @@
 #include <torch/nn/functional/loss.h>
 
 #include "multiprocess.hpp"
-#include "tessera/core/plugin_loader.hpp"
+#include "plugin_loader.hpp"
 #include "tessera/sdk/data.hpp"
 #include "tessera/sdk/error.hpp"
 #include "tessera/sdk/module.hpp"

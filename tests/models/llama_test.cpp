@@ -23,7 +23,7 @@
 
 #include "multiprocess.hpp"
 #include "tessera/core/checkpoint.hpp"
-#include "tessera/core/plugin_loader.hpp"
+#include "plugin_loader.hpp"
 #include "tessera/core/safetensors.hpp"
 #include "tessera/sdk/error.hpp"
 #include "tessera/sdk/huggingface.hpp"

@@ -15,7 +15,7 @@
 #include <torch/nn/module.h>
 
 #include "tessera/sdk/autocast.hpp"
-#include "tessera/core/plugin_loader.hpp"
+#include "plugin_loader.hpp"
 #include "tessera/sdk/error.hpp"
 #include "tessera/sdk/module.hpp"
 #include "tessera/sdk/unit.hpp"

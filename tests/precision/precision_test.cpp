@@ -15,7 +15,7 @@
 #include "multiprocess.hpp"
 #include "tessera/sdk/autocast.hpp"
 #include "tessera/core/checkpoint.hpp"
-#include "tessera/core/plugin_loader.hpp"
+#include "plugin_loader.hpp"
 #include "tessera/core/precision_base.hpp"
 #include "tessera/core/strategy_base.hpp"
 #include "tessera/sdk/error.hpp"

@@ -12,7 +12,7 @@
 
 #include <ATen/core/Tensor.h>
 
-#include "tessera/core/cluster.hpp"
+#include "cluster/cluster.hpp"
 #include "tessera/sdk/types.hpp"
 
 namespace tessera::testing {

@@ -23,7 +23,7 @@
 #include "tessera/sdk/autocast.hpp"
 #include "tessera/core/comm.hpp"
 #include "tessera/core/deferred_init.hpp"
-#include "tessera/core/plugin_loader.hpp"
+#include "plugin_loader.hpp"
 #include "tessera/core/tp_group.hpp"
 #include "tessera/sdk/error.hpp"
 #include "tessera/sdk/module.hpp"

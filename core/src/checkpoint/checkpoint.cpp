@@ -28,7 +28,7 @@
 
 #include "loaded_weights.hpp"
 #include "python_pickle.hpp"
-#include "tessera/core/huggingface.hpp"
+#include "checkpoint/huggingface.hpp"
 #include "tessera/core/safetensors.hpp"
 #include "tessera/core/sharded_checkpoint.hpp"  // kManifestName
 #include "tessera/sdk/error.hpp"

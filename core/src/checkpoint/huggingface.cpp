@@ -1,4 +1,4 @@
-#include "tessera/core/huggingface.hpp"
+#include "checkpoint/huggingface.hpp"
 
 #include <fcntl.h>
 #include <unistd.h>

@@ -1,4 +1,4 @@
-#include "tessera/core/cluster.hpp"
+#include "cluster/cluster.hpp"
 
 #include <netinet/in.h>
 #include <sys/socket.h>

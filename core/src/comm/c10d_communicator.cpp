@@ -29,9 +29,9 @@
 #include "host_layout.hpp"
 #include "shared_memory_channel.hpp"
 #include "store_text.hpp"
-#include "tessera/core/cluster.hpp"
+#include "cluster/cluster.hpp"
 #include "tessera/core/comm.hpp"
-#include "tessera/core/trace.hpp"
+#include "trace/trace.hpp"
 #include "tessera/sdk/error.hpp"
 
 namespace tessera::core {

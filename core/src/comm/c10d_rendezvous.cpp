@@ -4,7 +4,7 @@
 
 #include "c10d_shared.hpp"
 #include "store_text.hpp"
-#include "tessera/core/cluster.hpp"
+#include "cluster/cluster.hpp"
 #include "tessera/core/ledger.hpp"
 #include "tessera/sdk/error.hpp"
 

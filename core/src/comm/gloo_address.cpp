@@ -12,7 +12,7 @@
 #include <cstdlib>
 
 #include "c10d_shared.hpp"
-#include "tessera/core/cluster.hpp"
+#include "cluster/cluster.hpp"
 #include "tessera/sdk/error.hpp"
 
 namespace tessera::core::c10d_detail {

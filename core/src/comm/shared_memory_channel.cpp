@@ -26,7 +26,7 @@
 #include "host_layout.hpp"
 #include "serial_work_queue.hpp"
 #include "store_text.hpp"
-#include "tessera/core/cluster.hpp"
+#include "cluster/cluster.hpp"
 #include "tessera/sdk/error.hpp"
 
 namespace tessera::core::detail {

@@ -1,4 +1,4 @@
-#include "tessera/core/data_loader.hpp"
+#include "data/data_loader.hpp"
 
 #include <ATen/ATen.h>
 #include <ATen/CPUGeneratorImpl.h>

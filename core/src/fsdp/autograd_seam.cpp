@@ -1,4 +1,4 @@
-#include "tessera/core/fsdp/autograd_seam.hpp"
+#include "fsdp/autograd_seam.hpp"
 
 #include "tessera/sdk/autocast.hpp"
 

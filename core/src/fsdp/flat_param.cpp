@@ -1,11 +1,11 @@
-#include "tessera/core/fsdp/flat_param.hpp"
+#include "fsdp/flat_param.hpp"
 
 #include <algorithm>
 
 #include <ATen/ATen.h>
 #include <torch/csrc/autograd/grad_mode.h>
 
-#include "tessera/core/fsdp/storage.hpp"
+#include "fsdp/storage.hpp"
 
 namespace tessera::core::fsdp {
 

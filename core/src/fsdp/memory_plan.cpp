@@ -1,4 +1,4 @@
-#include "tessera/core/fsdp/memory_plan.hpp"
+#include "fsdp/memory_plan.hpp"
 
 #include <algorithm>
 

@@ -1,4 +1,4 @@
-#include "tessera/core/fsdp/param_group.hpp"
+#include "fsdp/param_group.hpp"
 
 #include <ATen/ATen.h>
 

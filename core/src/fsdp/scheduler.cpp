@@ -1,4 +1,4 @@
-#include "tessera/core/fsdp/scheduler.hpp"
+#include "fsdp/scheduler.hpp"
 
 #include "tessera/sdk/build_config.hpp"  // TESSERA_WITH_CUDA, before the #if below
 

@@ -6,8 +6,8 @@
 #include <ATen/ATen.h>
 
 #include "tessera/core/checkpoint.hpp"
-#include "tessera/core/fsdp/memory_plan.hpp"
-#include "tessera/core/fsdp/wrap.hpp"
+#include "fsdp/memory_plan.hpp"
+#include "fsdp/wrap.hpp"
 #include "tessera/sdk/checkpoint_io_features.hpp"
 #include "tessera/sdk/error.hpp"
 

@@ -11,6 +11,7 @@
 #include "../checkpoint/loaded_weights.hpp"  // the engine's own, beside its sources
 #include "tessera/core/checkpoint.hpp"
 #include "tessera/sdk/error.hpp"
+#include "sharded_module_state.hpp"
 
 namespace tessera::core::fsdp {
 
@@ -26,9 +27,10 @@ at::Tensor cpu_copy(const at::Tensor& t) { return t.is_cpu() ? t.clone() : t.cpu
 
 sdk::StateDict ShardedModule::full_state_dict() {
   std::map<std::string, at::Tensor> by_name;
-  const bool keep = !options_.rank0_only || shard_group_->rank() == 0;
-  for (auto& u : units_) {
-    std::vector<at::Tensor> full = u->layout->gather_full_params(*shard_group_, device_, "state_dict all-gather of " + u->name);
+  const bool keep = !d_->options.rank0_only || d_->shard_group->rank() == 0;
+  for (auto& u : d_->units) {
+    std::vector<at::Tensor> full =
+        u->layout->gather_full_params(*d_->shard_group, d_->device, "state_dict all-gather of " + u->name);
     if (!keep) continue;
     const auto& params = u->layout->params();
     for (std::size_t i = 0; i < params.size(); ++i) {
@@ -38,10 +40,10 @@ sdk::StateDict ShardedModule::full_state_dict() {
   }
   sdk::StateDict state;
   if (!keep) return state;
-  for (const auto& p : replicated_)
+  for (const auto& p : d_->replicated)
     for (const auto& name : p.names) by_name[name] = p.tensor.detach().to(at::kCPU, at::kFloat).clone();
-  for (const auto& item : network_->named_parameters()) state.insert(item.key(), by_name.at(item.key()));
-  for (const auto& item : network_->named_buffers()) state.insert(item.key(), buffer_for_state(item.key(), item.value()));
+  for (const auto& item : d_->network->named_parameters()) state.insert(item.key(), by_name.at(item.key()));
+  for (const auto& item : d_->network->named_buffers()) state.insert(item.key(), buffer_for_state(item.key(), item.value()));
   return state;
 }
 
@@ -62,10 +64,10 @@ void ShardedModule::load_full_state_dict(const sdk::StateDict& state, bool stric
       check_weight_dtype(name, *value, p.tensor);
     }
   };
-  for (const auto& u : units_)
+  for (const auto& u : d_->units)
     for (const auto& p : u->layout->params()) check(p);
-  for (const auto& p : replicated_) check(p);
-  for (const auto& item : network_->named_buffers()) known.insert(item.key());
+  for (const auto& p : d_->replicated) check(p);
+  for (const auto& item : d_->network->named_buffers()) known.insert(item.key());
   for (const auto& item : state)
     if (!known.count(item.key())) unexpected.push_back(item.key());
   TESSERA_CHECK(!strict || (missing.empty() && unexpected.empty()), "checkpoint state_dict does not match the model: ",
@@ -76,7 +78,7 @@ void ShardedModule::load_full_state_dict(const sdk::StateDict& state, bool stric
   // agree on the first parameter holding a NaN or an infinity, in one collective.
   std::vector<const UnitParam*> order;  // every parameter, the same order on every rank
   std::int64_t first_bad = -1;
-  for (auto& u : units_) {
+  for (auto& u : d_->units) {
     std::vector<const at::Tensor*> values;
     for (const auto& p : u->layout->params()) values.push_back(state.find(p.names[0]));
     u->layout->load_full_params(values);
@@ -86,7 +88,7 @@ void ShardedModule::load_full_state_dict(const sdk::StateDict& state, bool stric
         first_bad = static_cast<std::int64_t>(order.size()) - 1;
     }
   }
-  for (const auto& p : replicated_) {
+  for (const auto& p : d_->replicated) {
     order.push_back(&p);
     if (const at::Tensor* value = state.find(p.names[0])) {
       p.tensor.detach().copy_(*value);
@@ -96,10 +98,10 @@ void ShardedModule::load_full_state_dict(const sdk::StateDict& state, bool stric
   // The first such index over the ranks (order.size(): none), exact as a float below 2^24.
   const std::int64_t mine = first_bad < 0 ? static_cast<std::int64_t>(order.size()) : first_bad;
   at::Tensor bad = at::full({1}, static_cast<double>(mine), fp32());
-  shard_group_->all_reduce(bad, sdk::ReduceOp::min, "non-finite weight check")->wait();
+  d_->shard_group->all_reduce(bad, sdk::ReduceOp::min, "non-finite weight check")->wait();
   const auto k = static_cast<std::size_t>(bad.item<double>());
   if (k < order.size()) check_finite_weight(order[k]->names[0], *state.find(order[k]->names[0]));  // throws
-  for (auto& item : network_->named_buffers())
+  for (auto& item : d_->network->named_buffers())
     if (const at::Tensor* value = state.find(item.key())) item.value().copy_(*value);
 }
 
@@ -112,8 +114,8 @@ sdk::Checkpoint ShardedModule::full_optim_state_dict(const torch::optim::Optimiz
   std::map<std::string, std::int64_t> index_of;
   for (std::size_t k = 0; k < names.size(); ++k) index_of[names[k]] = static_cast<std::int64_t>(k);
   c10::impl::GenericDict state(c10::IntType::get(), c10::AnyType::get());
-  const bool keep = !options_.rank0_only || shard_group_->rank() == 0;
-  for (auto& u : units_) {
+  const bool keep = !d_->options.rank0_only || d_->shard_group->rank() == 0;
+  for (auto& u : d_->units) {
     const auto& params = u->layout->params();
     const auto& tensors = u->layout->optimizer_tensors();
     std::vector<std::int64_t> index;  // -1: a frozen parameter, which the optimizer does not hold
@@ -131,12 +133,12 @@ sdk::Checkpoint ShardedModule::full_optim_state_dict(const torch::optim::Optimiz
                          : index[i] < 0 ? at::zeros_like(tensors[i])
                                         : local_state.at(index[i]).toGenericDict().at(key).toTensor());
       at::Tensor flag = at::full({1}, present ? 1.0 : 0.0, fp32());
-      shard_group_->all_reduce(flag, sdk::ReduceOp::max, "optimizer state check")->wait();
+      d_->shard_group->all_reduce(flag, sdk::ReduceOp::max, "optimizer state check")->wait();
       if (flag.item<double>() == 0) continue;
       for (auto& piece : pieces)
         if (!piece.defined()) piece = at::empty({0}, fp32());
       std::vector<at::Tensor> full =
-          u->layout->gather_full_state(pieces, *shard_group_, device_, "optimizer state all-gather of " + u->name);
+          u->layout->gather_full_state(pieces, *d_->shard_group, d_->device, "optimizer state all-gather of " + u->name);
       for (std::size_t i = 0; i < params.size(); ++i) full_states[i].insert(key, full[i]);
     }
     for (std::size_t i = 0; i < params.size(); ++i) {
@@ -146,7 +148,7 @@ sdk::Checkpoint ShardedModule::full_optim_state_dict(const torch::optim::Optimiz
       if (full_states[i].size() > 0) state.insert(index[i], full_states[i]);
     }
   }
-  for (const auto& p : replicated_) {
+  for (const auto& p : d_->replicated) {
     if (!index_of.count(p.names[0])) continue;  // frozen
     const std::int64_t k = index_of.at(p.names[0]);
     if (!local_state.contains(k)) continue;
@@ -185,7 +187,7 @@ sdk::Checkpoint ShardedModule::shard_full_optim_state_dict(const sdk::Checkpoint
     TESSERA_CHECK(it != index_of.end(), "optimizer state in the checkpoint has no entry for parameter '", name, "'");
     return it->second;
   };
-  for (auto& u : units_) {
+  for (auto& u : d_->units) {
     const auto& params = u->layout->params();
     const auto& tensors = u->layout->optimizer_tensors();
     for (std::size_t i = 0; i < params.size(); ++i) {
@@ -217,7 +219,7 @@ sdk::Checkpoint ShardedModule::shard_full_optim_state_dict(const sdk::Checkpoint
       state.insert(this_view, mine);
     }
   }
-  for (const UnitParam& p : replicated_) {
+  for (const UnitParam& p : d_->replicated) {
     if (!p.tensor.requires_grad()) continue;
     const std::string& name = p.names[0];
     const std::int64_t this_view = view++;
@@ -249,15 +251,16 @@ void ShardedModule::scatter_full_optim_state_dict(torch::optim::Optimizer& optim
   const bool rank0 = is_global_rank0();
   std::vector<char> bytes;
   if (rank0) bytes = torch::jit::pickle_save(full);
-  at::Tensor size = at::tensor({static_cast<std::int64_t>(bytes.size())}, at::kLong).to(device_);
+  at::Tensor size = at::tensor({static_cast<std::int64_t>(bytes.size())}, at::kLong).to(d_->device);
   auto spread = [&](at::Tensor& t, const std::string& tag) {
     // World rank 0 -> the first rank of every shard group -> every rank of each shard group.
-    if (shard_group_->rank() == 0 && replicate_group_->size() > 1) replicate_group_->broadcast(t, 0, tag)->wait();
-    if (shard_group_->size() > 1) shard_group_->broadcast(t, 0, tag)->wait();
+    if (d_->shard_group->rank() == 0 && d_->replicate_group->size() > 1)
+      d_->replicate_group->broadcast(t, 0, tag)->wait();
+    if (d_->shard_group->size() > 1) d_->shard_group->broadcast(t, 0, tag)->wait();
   };
   spread(size, "scatter_full_optim_state_dict size");
-  at::Tensor blob = rank0 ? at::from_blob(bytes.data(), {static_cast<std::int64_t>(bytes.size())}, at::kByte).to(device_).clone()
-                          : at::empty({size.cpu().item<std::int64_t>()}, at::TensorOptions(at::kByte).device(device_));
+  at::Tensor blob = rank0 ? at::from_blob(bytes.data(), {static_cast<std::int64_t>(bytes.size())}, at::kByte).to(d_->device).clone()
+                          : at::empty({size.cpu().item<std::int64_t>()}, at::TensorOptions(at::kByte).device(d_->device));
   spread(blob, "scatter_full_optim_state_dict");
   blob = blob.cpu();
   std::vector<char> received(static_cast<const char*>(blob.data_ptr()),
@@ -267,22 +270,22 @@ void ShardedModule::scatter_full_optim_state_dict(torch::optim::Optimizer& optim
 
 std::map<std::string, std::pair<std::int64_t, std::int64_t>> ShardedModule::owned_ranges() const {
   std::map<std::string, std::pair<std::int64_t, std::int64_t>> out;
-  for (const auto& u : units_) {
+  for (const auto& u : d_->units) {
     const auto& params = u->layout->params();
     for (std::size_t i = 0; i < params.size(); ++i) {
       const OwnedRange owned = u->layout->owned_range(i);
       for (const auto& name : params[i].names) out[name] = {owned.start, owned.length};
     }
   }
-  for (const auto& p : replicated_)
+  for (const auto& p : d_->replicated)
     for (const auto& name : p.names) out[name] = {0, p.tensor.numel()};
-  for (const auto& item : network_->named_buffers()) out[item.key()] = {0, item.value().numel()};
+  for (const auto& item : d_->network->named_buffers()) out[item.key()] = {0, item.value().numel()};
   return out;
 }
 
 sdk::StateDict ShardedModule::sharded_state_dict() const {
   sdk::StateDict state;
-  for (const auto& u : units_) {
+  for (const auto& u : d_->units) {
     const auto& params = u->layout->params();
     const auto& tensors = u->layout->optimizer_tensors();
     for (std::size_t i = 0; i < params.size(); ++i) {
@@ -291,9 +294,9 @@ sdk::StateDict ShardedModule::sharded_state_dict() const {
       for (const auto& name : params[i].names) state.insert(name, piece);
     }
   }
-  for (const auto& p : replicated_)
+  for (const auto& p : d_->replicated)
     for (const auto& name : p.names) state.insert(name, p.tensor.detach().reshape({-1}).to(at::kCPU, at::kFloat).clone());
-  for (const auto& item : network_->named_buffers())
+  for (const auto& item : d_->network->named_buffers())
     state.insert(item.key(), buffer_for_state(item.key(), item.value()).reshape({-1}).to(at::kCPU).clone());
   return state;
 }
@@ -307,32 +310,32 @@ void ShardedModule::load_sharded_state_dict(const sdk::StateDict& state) {
     return *value;
   };
   torch::NoGradGuard no_grad;
-  for (auto& u : units_) {
+  for (auto& u : d_->units) {
     const auto& params = u->layout->params();
     const auto& tensors = u->layout->optimizer_tensors();
     for (std::size_t i = 0; i < params.size(); ++i)
       tensors[i].detach().copy_(piece_for(params[i].names, tensors[i].numel()).view(tensors[i].sizes()));
   }
-  for (const auto& p : replicated_)
+  for (const auto& p : d_->replicated)
     p.tensor.detach().copy_(piece_for(p.names, p.tensor.numel()).view(p.tensor.sizes()));
-  for (auto& item : network_->named_buffers())
+  for (auto& item : d_->network->named_buffers())
     item.value().copy_(piece_for({item.key()}, item.value().numel()).view(item.value().sizes()));
   // One-rank shard groups keep the gathered storage: refresh it from the loaded shards.
-  for (auto& u : units_) u->gathered = false;
+  for (auto& u : d_->units) u->gathered = false;
 }
 
 sdk::StateDict ShardedModule::local_state_dict() const {
   sdk::StateDict state;
-  for (const auto& u : units_) state.insert(flat_param_key(*u), u->layout->local_shard().detach().to(at::kCPU).clone());
-  for (const auto& p : replicated_) state.insert(p.names[0], p.tensor.detach().to(at::kCPU, at::kFloat).clone());
-  for (const auto& item : network_->named_buffers())
+  for (const auto& u : d_->units) state.insert(flat_param_key(*u), u->layout->local_shard().detach().to(at::kCPU).clone());
+  for (const auto& p : d_->replicated) state.insert(p.names[0], p.tensor.detach().to(at::kCPU, at::kFloat).clone());
+  for (const auto& item : d_->network->named_buffers())
     state.insert(item.key(), buffer_for_state(item.key(), item.value()).to(at::kCPU).clone());
   return state;
 }
 
 void ShardedModule::load_local_state_dict(const sdk::StateDict& state) {
   torch::NoGradGuard no_grad;
-  for (auto& u : units_) {
+  for (auto& u : d_->units) {
     const at::Tensor* value = state.find(flat_param_key(*u));
     const std::int64_t expected = u->layout->local_shard().numel();
     TESSERA_CHECK(value != nullptr && value->numel() == expected, "LOCAL state dict: '", flat_param_key(*u), "' ",
@@ -342,12 +345,12 @@ void ShardedModule::load_local_state_dict(const sdk::StateDict& state) {
     u->layout->load_local_shard(*value);
     u->gathered = false;
   }
-  for (const auto& p : replicated_) {
+  for (const auto& p : d_->replicated) {
     const at::Tensor* value = state.find(p.names[0]);
     TESSERA_CHECK(value != nullptr, "LOCAL state dict: no entry for ignored parameter '", p.names[0], "'");
     p.tensor.detach().copy_(*value);
   }
-  for (auto& item : network_->named_buffers())
+  for (auto& item : d_->network->named_buffers())
     if (const at::Tensor* value = state.find(item.key())) item.value().copy_(*value);
 }
 

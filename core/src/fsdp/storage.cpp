@@ -1,4 +1,4 @@
-#include "tessera/core/fsdp/storage.hpp"
+#include "fsdp/storage.hpp"
 
 #include <map>
 #include <mutex>

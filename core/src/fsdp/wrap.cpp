@@ -1,4 +1,4 @@
-#include "tessera/core/fsdp/wrap.hpp"
+#include "fsdp/wrap.hpp"
 
 #include <algorithm>
 #include <unordered_map>

@@ -12,7 +12,7 @@
 
 #include "../checkpoint/loaded_weights.hpp"  // the engine's own, beside its sources
 #include "tessera/core/checkpoint.hpp"
-#include "tessera/core/cluster.hpp"
+#include "cluster/cluster.hpp"
 #include "tessera/core/clip_grad.hpp"
 #include "tessera/core/deferred_init.hpp"
 #include "tessera/sdk/error.hpp"

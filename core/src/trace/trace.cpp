@@ -1,4 +1,4 @@
-#include "tessera/core/trace.hpp"
+#include "trace/trace.hpp"
 
 #include <atomic>
 #include <mutex>

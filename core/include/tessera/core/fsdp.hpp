@@ -18,8 +18,6 @@
 #include "tessera/core/comm.hpp"
 #include "tessera/core/deferred_init.hpp"
 #include "tessera/core/fsdp/options.hpp"
-#include "tessera/core/fsdp/scheduler.hpp"
-#include "tessera/core/fsdp/unit.hpp"
 #include "tessera/sdk/checkpoint_io.hpp"
 #include "tessera/sdk/guard.hpp"
 #include "tessera/sdk/optimizer.hpp"
@@ -31,6 +29,8 @@ namespace tessera::core::fsdp {
 /// start of this rank's piece and the full shape (pieces are 1-D slices of the flattened
 /// tensor). Saved in sharded checkpoints as kShardMetadataKey: {name: [start, ndim, dims...]}.
 constexpr const char* kShardMetadataKey = "fsdp_shard_metadata";
+
+struct FSDPUnit;
 
 using core::deferred_init_guard;
 using core::has_deferred_tensors;
@@ -50,16 +50,16 @@ class ShardedModule {
   std::vector<sdk::NamedParameter> optimizer_parameters() const;
 
   /// Before a step's forward: gathers the root unit (and attaches gradients when training).
-  void begin_forward(bool training) { scheduler_->begin_forward(training); }
+  void begin_forward(bool training);
   /// After a forward without backward (evaluation): frees what was gathered.
-  void end_forward() { scheduler_->end_forward(); }
+  void end_forward();
   /// Around loss.backward(): with `sync` false gradients accumulate unsharded (no_sync).
-  void begin_backward(bool sync) { scheduler_->begin_backward(sync); }
-  void finish_backward() { scheduler_->finish_backward(); }
+  void begin_backward(bool sync);
+  void finish_backward();
   /// After optimizer.step(): clears the sharded gradients.
-  void after_optimizer_step() { scheduler_->zero_grad(); }
+  void after_optimizer_step();
   /// The most units (the root aside) gathered or gathering at once so far (limit_all_gathers).
-  std::int64_t peak_units_gathered() const { return scheduler_->peak_units_gathered(); }
+  std::int64_t peak_units_gathered() const;
 
   /// Total norm of the sharded gradients over all ranks; scales them to `max_norm`.
   double clip_grad_norm(double max_norm, double norm_type);
@@ -119,12 +119,16 @@ class ShardedModule {
 
   /// "name:numel" of every unit in order: what ranks compare before the first step.
   std::string plan() const;
-  std::size_t num_units() const { return units_.size(); }
+  std::size_t num_units() const;
   /// Bytes of sharded state (master shards + sharded grads) on this rank.
   std::int64_t sharded_bytes() const;
-  const FSDPOptions& options() const { return options_; }
+  const FSDPOptions& options() const;
 
  private:
+  /// The engine's state (the units, their layouts, the scheduler), private to the engine
+  /// (core/src/fsdp/sharded_module_state.hpp): what a strategy compiles against stays this header.
+  struct State;
+
   void build_units();
   FSDPUnit& unit_named(const std::string& name);
   void cast_buffers();
@@ -132,20 +136,10 @@ class ShardedModule {
   at::Tensor buffer_for_state(const std::string& name, const at::Tensor& buffer) const;
   sdk::GuardPtr summon_full_params_on_cpu(bool writeback, bool rank0_only);
   void attach_full_grads();
-  bool is_global_rank0() const { return shard_group_->rank() == 0 && replicate_group_->rank() == 0; }
-  at::TensorOptions fp32() const { return at::TensorOptions().dtype(at::kFloat).device(device_); }
+  bool is_global_rank0() const;
+  at::TensorOptions fp32() const;
 
-  std::shared_ptr<torch::nn::Module> network_;
-  FSDPOptions options_;
-  CommunicatorPtr shard_group_;
-  CommunicatorPtr replicate_group_;
-  c10::Device device_{c10::kCPU};
-  std::vector<std::unique_ptr<FSDPUnit>> units_;  // children in registration order, root last
-  std::vector<UnitParam> replicated_;  // ignored modules' and exempt norm layers' parameters
-  std::vector<std::shared_ptr<torch::nn::Module>> norm_layers_;  // outside the mixed-precision policy
-  std::map<std::string, at::ScalarType> buffer_dtypes_;  // buffers cast to buffer_dtype: their own dtype
-  std::unique_ptr<Scheduler> scheduler_;
-  bool summoned_ = false;
+  std::unique_ptr<State> d_;
 };
 
 }  // namespace tessera::core::fsdp

@@ -5,7 +5,7 @@
 /// own N-D shape (a dim-0 slice). A unit's pieces sit one after another in one shard buffer,
 /// so one all-gather and one reduce-scatter still move a whole unit; the gathered rows are
 /// copied out into the parameters, and the gradients copied in, around each collective.
-#include "tessera/core/fsdp/flat_param.hpp"
+#include "fsdp/flat_param.hpp"
 
 namespace tessera::core::fsdp {
 

@@ -11,7 +11,7 @@
 #include <torch/nn/module.h>
 
 #include "tessera/core/comm.hpp"
-#include "tessera/core/fsdp/layout.hpp"
+#include "fsdp/layout.hpp"
 
 namespace tessera::core::fsdp {
 

@@ -5,7 +5,7 @@
 /// per-parameter views of the master shard.
 #include <vector>
 
-#include "tessera/core/fsdp/layout.hpp"
+#include "fsdp/layout.hpp"
 #include "tessera/sdk/precision.hpp"
 
 namespace tessera::core::fsdp {

@@ -9,9 +9,9 @@
 #include <vector>
 
 #include "tessera/core/comm.hpp"
-#include "tessera/core/fsdp/autograd_seam.hpp"
+#include "fsdp/autograd_seam.hpp"
 #include "tessera/core/fsdp/options.hpp"
-#include "tessera/core/fsdp/unit.hpp"
+#include "fsdp/unit.hpp"
 
 namespace tessera::core::fsdp {
 

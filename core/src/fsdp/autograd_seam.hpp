@@ -7,7 +7,7 @@
 
 #include <ATen/core/Tensor.h>
 
-#include "tessera/core/fsdp/unit.hpp"
+#include "fsdp/unit.hpp"
 #include "tessera/sdk/unit.hpp"
 
 namespace tessera::core::fsdp {
