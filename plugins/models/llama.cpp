@@ -22,6 +22,7 @@
 #include "tessera/sdk/tensor_parallel.hpp"
 #include "tessera/sdk/unit.hpp"
 #include "tessera/toolkit/attention.hpp"
+#include "tessera/toolkit/fused.hpp"
 #include "tessera/toolkit/sampling.hpp"
 #include "tessera/toolkit/tensor_parallel.hpp"
 
@@ -95,29 +96,45 @@ torch::nn::AnyModule make_linear(torch::nn::Module& parent, const std::string& n
 
 // --- modules (modeling_llama.py) ---------------------------------------------------------------
 
+/// Which of the toolkit's fused kernels the modules run ([model] fused_rms_norm, fused_rotary,
+/// fused_swiglu); each off runs the unfused math Hugging Face's modeling code writes.
+struct LlamaKernels {
+  bool rms_norm = true, rotary = true, swiglu = true;
+};
+
 /// RMSNorm computed in fp32, cast back to the input's dtype before the weight (LlamaRMSNorm).
 class LlamaRMSNormImpl : public torch::nn::Module {
  public:
-  LlamaRMSNormImpl(std::int64_t hidden_size, double eps) : torch::nn::Module("LlamaRMSNorm"), eps_(eps) {
+  LlamaRMSNormImpl(std::int64_t hidden_size, double eps, bool fused = false)
+      : torch::nn::Module("LlamaRMSNorm"), eps_(eps), fused_(fused) {
     weight = register_parameter("weight", at::ones({hidden_size}));
   }
   at::Tensor forward(const at::Tensor& x) {
+    if (fused_) return toolkit::rms_norm(x, weight, eps_);
     at::Tensor h = x.to(at::kFloat);
     at::Tensor variance = h.pow(2).mean(-1, /*keepdim=*/true);
     h = h * at::rsqrt(variance + eps_);
     return weight * h.to(x.scalar_type());
   }
+  /// {x + delta, forward(x + delta)}: the residual add and the norm, one fused node when fused.
+  std::pair<at::Tensor, at::Tensor> add_forward(const at::Tensor& x, const at::Tensor& delta) {
+    if (fused_) return toolkit::add_rms_norm(x, delta, weight, eps_);
+    at::Tensor h = x + delta;
+    return {h, forward(h)};
+  }
   at::Tensor weight;
 
  private:
   double eps_;
+  bool fused_;
 };
 TORCH_MODULE(LlamaRMSNorm);
 
 class LlamaAttentionImpl : public torch::nn::Module {
  public:
-  LlamaAttentionImpl(const LlamaConfig& c, const toolkit::CausalAttentionOptions& attention)
+  LlamaAttentionImpl(const LlamaConfig& c, const toolkit::CausalAttentionOptions& attention, bool fused_rotary)
       : torch::nn::Module("LlamaAttention"),
+        fused_rotary_(fused_rotary),
         heads_(c.num_attention_heads),
         kv_heads_(c.num_key_value_heads),
         head_dim_(c.head_dim),
@@ -138,8 +155,12 @@ class LlamaAttentionImpl : public torch::nn::Module {
     at::Tensor q = heads(q_proj.forward<at::Tensor>(x));
     at::Tensor k = heads(k_proj.forward<at::Tensor>(x));
     at::Tensor v = heads(v_proj.forward<at::Tensor>(x));
-    q = q * cos + rotate_half(q) * sin;
-    k = k * cos + rotate_half(k) * sin;
+    if (fused_rotary_) {
+      std::tie(q, k) = toolkit::rotary_embedding(q, k, cos, sin);
+    } else {
+      q = q * cos + rotate_half(q) * sin;
+      k = k * cos + rotate_half(k) * sin;
+    }
     if (cache != nullptr) std::tie(k, v) = cache->append(k, v);
     at::Tensor y = toolkit::causal_attention(q, k, v, attention_);
     return o_proj.forward<at::Tensor>(y.transpose(1, 2).reshape({B, T, -1}));
@@ -162,6 +183,7 @@ class LlamaAttentionImpl : public torch::nn::Module {
     return torch::nn::AnyModule(replace_module(name, toolkit::ColumnParallelLinear(linear.get<torch::nn::LinearImpl>(), tp)));
   }
 
+  bool fused_rotary_;
   std::int64_t heads_, kv_heads_, head_dim_;
   toolkit::CausalAttentionOptions attention_;
 };
@@ -170,13 +192,14 @@ TORCH_MODULE(LlamaAttention);
 /// SwiGLU: down(silu(gate(x)) * up(x)).
 class LlamaMLPImpl : public torch::nn::Module {
  public:
-  explicit LlamaMLPImpl(const LlamaConfig& c) : torch::nn::Module("LlamaMLP") {
+  LlamaMLPImpl(const LlamaConfig& c, bool fused_swiglu) : torch::nn::Module("LlamaMLP"), fused_swiglu_(fused_swiglu) {
     gate_proj = make_linear(*this, "gate_proj", c.hidden_size, c.intermediate_size, c.mlp_bias);
     up_proj = make_linear(*this, "up_proj", c.hidden_size, c.intermediate_size, c.mlp_bias);
     down_proj = make_linear(*this, "down_proj", c.intermediate_size, c.hidden_size, c.mlp_bias);
   }
   at::Tensor forward(const at::Tensor& x) {
-    return down_proj.forward<at::Tensor>(at::silu(gate_proj.forward<at::Tensor>(x)) * up_proj.forward<at::Tensor>(x));
+    at::Tensor gate = gate_proj.forward<at::Tensor>(x), up = up_proj.forward<at::Tensor>(x);
+    return down_proj.forward<at::Tensor>(fused_swiglu_ ? toolkit::swiglu(gate, up) : at::silu(gate) * up);
   }
   /// gate and up column-parallel, down row-parallel.
   void parallelize(const std::shared_ptr<sdk::TensorParallelGroup>& tp) {
@@ -188,23 +211,27 @@ class LlamaMLPImpl : public torch::nn::Module {
         replace_module("down_proj", toolkit::RowParallelLinear(down_proj.get<torch::nn::LinearImpl>(), tp)));
   }
   torch::nn::AnyModule gate_proj, up_proj, down_proj;
+
+ private:
+  bool fused_swiglu_;
 };
 TORCH_MODULE(LlamaMLP);
 
 /// The FSDP unit: pre-norm attention and pre-norm MLP, each added to the residual.
 class LlamaDecoderLayerImpl : public torch::nn::Module {
  public:
-  LlamaDecoderLayerImpl(const LlamaConfig& c, const toolkit::CausalAttentionOptions& attention)
+  LlamaDecoderLayerImpl(const LlamaConfig& c, const toolkit::CausalAttentionOptions& attention, const LlamaKernels& k)
       : torch::nn::Module("LlamaDecoderLayer"),
-        self_attn(register_module("self_attn", LlamaAttention(c, attention))),
-        mlp(register_module("mlp", LlamaMLP(c))),
-        input_layernorm(register_module("input_layernorm", LlamaRMSNorm(c.hidden_size, c.rms_norm_eps))),
-        post_attention_layernorm(
-            register_module("post_attention_layernorm", LlamaRMSNorm(c.hidden_size, c.rms_norm_eps))) {}
+        self_attn(register_module("self_attn", LlamaAttention(c, attention, k.rotary))),
+        mlp(register_module("mlp", LlamaMLP(c, k.swiglu))),
+        input_layernorm(register_module("input_layernorm", LlamaRMSNorm(c.hidden_size, c.rms_norm_eps, k.rms_norm))),
+        post_attention_layernorm(register_module("post_attention_layernorm",
+                                                 LlamaRMSNorm(c.hidden_size, c.rms_norm_eps, k.rms_norm))) {}
 
+  /// h = x + attention(norm(x)); h + mlp(norm(h)), the first add fused into the second norm.
   at::Tensor forward(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, KVCache* cache) {
-    at::Tensor h = x + self_attn(input_layernorm(x), cos, sin, cache);
-    return h + mlp(post_attention_layernorm(h));
+    auto [h, normed] = post_attention_layernorm->add_forward(x, self_attn(input_layernorm(x), cos, sin, cache));
+    return h + mlp(normed);
   }
 
   LlamaAttention self_attn;
@@ -216,17 +243,17 @@ TORCH_MODULE(LlamaDecoderLayer);
 /// LlamaModel: embed_tokens, layers, norm.
 class LlamaModelImpl : public torch::nn::Module {
  public:
-  LlamaModelImpl(const LlamaConfig& c, const toolkit::CausalAttentionOptions& attention)
+  LlamaModelImpl(const LlamaConfig& c, const toolkit::CausalAttentionOptions& attention, const LlamaKernels& kernels)
       : torch::nn::Module("LlamaModel") {
     auto embedding = torch::nn::EmbeddingOptions(c.vocab_size, c.hidden_size);
     if (c.pad_token_id) embedding.padding_idx(*c.pad_token_id);
     embed_tokens = register_module("embed_tokens", torch::nn::Embedding(embedding));
     layers = register_module("layers", torch::nn::ModuleList());
     for (std::int64_t i = 0; i < c.num_hidden_layers; ++i) {
-      units.emplace_back(c, attention);
+      units.emplace_back(c, attention, kernels);
       layers->push_back(units.back());
     }
-    norm = register_module("norm", LlamaRMSNorm(c.hidden_size, c.rms_norm_eps));
+    norm = register_module("norm", LlamaRMSNorm(c.hidden_size, c.rms_norm_eps, kernels.rms_norm));
   }
   torch::nn::Embedding embed_tokens{nullptr};
   torch::nn::ModuleList layers{nullptr};
@@ -237,10 +264,11 @@ TORCH_MODULE(LlamaModel);
 
 class LlamaForCausalLMImpl : public torch::nn::Module {
  public:
-  LlamaForCausalLMImpl(const LlamaConfig& c, const toolkit::CausalAttentionOptions& attention, std::uint64_t seed)
+  LlamaForCausalLMImpl(const LlamaConfig& c, const toolkit::CausalAttentionOptions& attention, std::uint64_t seed,
+                       const LlamaKernels& kernels = {})
       : torch::nn::Module(c.model_type == "qwen2" ? "Qwen2ForCausalLM" : "LlamaForCausalLM"),
         config(c) {
-    model = register_module("model", LlamaModel(c, attention));
+    model = register_module("model", LlamaModel(c, attention, kernels));
     if (!c.tie_word_embeddings)
       lm_head = register_module("lm_head",
                                 torch::nn::Linear(torch::nn::LinearOptions(c.hidden_size, c.vocab_size).bias(false)));
@@ -346,6 +374,17 @@ class Llama final : public CausalLM<LlamaForCausalLM>, public sdk::HuggingFaceMo
     TESSERA_CHECK(top_p_ > 0.0, o.locate("top_p"), " must be in (0, 1]");
     heads_key_ = reader.where("num_key_value_heads");
     read_loss_options(o);
+    kernels_.rms_norm = o.get_bool(
+        {"fused_rms_norm",
+         "RMSNorm as toolkit::rms_norm (one pass a row; the residual add before post_attention_layernorm fused in); "
+         "false (the default until it is measured faster): Hugging Face's chain of ops"},
+        false);
+    kernels_.rotary = o.get_bool(
+        {"fused_rotary", "the rotary embedding of q and k as toolkit::rotary_embedding (one pass); false: rotate_half"},
+        false);
+    kernels_.swiglu = o.get_bool(
+        {"fused_swiglu", "the MLP's silu(gate) * up as toolkit::swiglu (one pass, gate and up kept); false: two ops"},
+        false);
   }
 
   /// [model] predict = "logits": the logits [B, T, vocab_size] (fp32) of the prompts.
@@ -465,7 +504,7 @@ class Llama final : public CausalLM<LlamaForCausalLM>, public sdk::HuggingFaceMo
 
  private:
   LlamaForCausalLM make_network(std::uint64_t seed) const override {
-    return LlamaForCausalLM(config_, attention_, seed);
+    return LlamaForCausalLM(config_, attention_, seed, kernels_);
   }
   bool init_parameter(const std::string& name, at::Tensor& parameter) const override {
     return LlamaForCausalLMImpl::init_parameter(name, parameter, config_, init_seed_);
@@ -485,6 +524,7 @@ class Llama final : public CausalLM<LlamaForCausalLM>, public sdk::HuggingFaceMo
 
   LlamaConfig config_;
   toolkit::CausalAttentionOptions attention_;
+  LlamaKernels kernels_;
   bool predict_logits_ = false;
   std::int64_t max_new_tokens_ = 64;
   double temperature_ = 0.0;

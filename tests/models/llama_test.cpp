@@ -123,6 +123,13 @@ TEST(LlamaReference, EqualsHuggingFaceModelingCode) {
   for (const char* name : kConfigs) check_against_reference(name, "");
 }
 
+// The toolkit's fused RMSNorm (with the residual add), rotary embedding and SwiGLU: the same
+// logits, loss, gradients and greedy tokens as Hugging Face's chains of ops.
+TEST(LlamaReference, EqualsWithTheFusedKernels) {
+  for (const char* name : kConfigs)
+    check_against_reference(name, "fused_rms_norm = true\nfused_rotary = true\nfused_swiglu = true\n");
+}
+
 TEST(LlamaReference, EqualsWithTheMathAndBlockedKernels) {
   // 13 positions in query blocks of 4: four blocks, the last one partial.
   for (const char* name : {"gqa_untied", "bias_head_dim"}) {

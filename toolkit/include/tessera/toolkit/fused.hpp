@@ -3,6 +3,7 @@
 /// whose CPU implementation the tests check against the plain LibTorch math it replaces
 /// (tests/kernels), and which a model turns off by a [model] key to get that math back.
 #include <cstdint>
+#include <utility>
 
 #include <ATen/core/Tensor.h>
 
@@ -55,5 +56,34 @@ struct LossPathMemory {
   std::int64_t logits = 0;   ///< elements of the unfused logits
 };
 LossPathMemory loss_path_memory(const at::Tensor& loss);
+
+}  // namespace tessera::toolkit
+
+namespace tessera::toolkit {
+
+// --- RMSNorm, rotary embedding, SwiGLU --------------------------------------------------------
+// On the CPU each runs one pass per row (at::parallel_for over rows) for fp32 and bf16 tensors
+// and keeps less for backward than the unfused chain of ATen ops; other dtypes and devices run
+// the unfused math itself (a CUDA kernel takes its place where the toolkit is built with CUDA).
+
+/// LlamaRMSNorm: weight * (x * rsqrt(mean(x^2, -1) + eps)), the normalisation in fp32 and cast
+/// to x's dtype before the weight multiplies it; the result in the promotion of x's and weight's
+/// dtypes. x [..., D] (any strides), weight [D]; differentiable in both.
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
+
+/// The residual add fused in: h = x + delta (their promoted dtype), returns {h, rms_norm(h)}.
+std::pair<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::Tensor& delta, const at::Tensor& weight,
+                                               double eps);
+
+/// Rotary embedding of queries and keys (Hugging Face's apply_rotary_pos_emb): x * cos +
+/// rotate_half(x) * sin for q [B, Hq, T, D] and k [B, Hkv, T, D] (grouped-query: Hkv divides
+/// Hq; any strides), cos and sin [T, D] (no gradient); returns new contiguous [B, H, T, D]
+/// tensors in the promotion of q's (k's) and cos's dtypes, differentiable in q and k.
+std::pair<at::Tensor, at::Tensor> rotary_embedding(const at::Tensor& q, const at::Tensor& k, const at::Tensor& cos,
+                                                   const at::Tensor& sin);
+
+/// SwiGLU's gate: silu(gate) * up, same shapes (any strides), their promoted dtype; backward
+/// recomputes silu from the kept gate (the unfused chain keeps silu(gate) as well).
+at::Tensor swiglu(const at::Tensor& gate, const at::Tensor& up);
 
 }  // namespace tessera::toolkit
