@@ -98,33 +98,23 @@ TEST(FusedRmsNorm, EqualsTheUnfusedMath) {
 
 TEST(FusedRmsNorm, AddRmsNormEqualsTheAddThenTheNorm) {
   const double eps = 1e-5;
+  const Fn fused = [&](const Tensors& in) {
+    auto [h, y] = tk::add_rms_norm(in[0], in[1], in[2], eps);
+    return Tensors{h, y};
+  };
+  const Fn unfused = [&](const Tensors& in) {
+    at::Tensor h = in[0] + in[1];
+    return Tensors{h, rms_norm_math(h, in[2], eps)};
+  };
   for (at::ScalarType dtype : {at::kFloat, at::kBFloat16}) {
     SCOPED_TRACE(::testing::Message() << dtype);
     at::Tensor x = randn({3, 7, 64}, 4).to(dtype), delta = randn({3, 7, 64}, 5).to(dtype);
     at::Tensor w = (1 + 0.1 * randn({64}, 6)).to(dtype);
-    expect_same(
-        [&](const Tensors& in) {
-          auto [h, y] = tk::add_rms_norm(in[0], in[1], in[2], eps);
-          return Tensors{h, y};
-        },
-        [&](const Tensors& in) {
-          at::Tensor h = in[0] + in[1];
-          return Tensors{h, rms_norm_math(h, in[2], eps)};
-        },
-        {x, delta, w}, tolerance(dtype));
+    expect_same(fused, unfused, {x, delta, w}, tolerance(dtype));
   }
   // Under bf16 autocast the residual is fp32 and the attention's output bf16: h in fp32.
   at::Tensor x = randn({5, 33}, 7), delta = randn({5, 33}, 8).to(at::kBFloat16), w = at::ones({33});
-  expect_same(
-      [&](const Tensors& in) {
-        auto [h, y] = tk::add_rms_norm(in[0], in[1], in[2], eps);
-        return Tensors{h, y};
-      },
-      [&](const Tensors& in) {
-        at::Tensor h = in[0] + in[1];
-        return Tensors{h, rms_norm_math(h, in[2], eps)};
-      },
-      {x, delta, w}, 1e-5);
+  expect_same(fused, unfused, {x, delta, w}, 1e-5);
 }
 
 TEST(FusedRotary, EqualsRotateHalfOnGroupedQueryShapes) {
