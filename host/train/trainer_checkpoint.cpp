@@ -182,14 +182,15 @@ std::string Trainer::initial_weights(const Config& config, const std::string& ch
   if (!checkpoint.empty() || path.empty()) return "";
   TESSERA_CHECK(std::filesystem::exists(path), "[trainer] init_from = \"", path, "\" does not exist: give a checkpoint ",
                 "(a .ckpt file, a sharded checkpoint folder or a `last` link to one), a torch.save'd state dict, a ",
-                ".safetensors file or a Hugging Face model folder; relative paths are taken from the working directory");
+                ".safetensors file, a Hugging Face model folder or a PyTorch DCP folder; relative paths are taken ",
+                "from the working directory");
   try {
     if (core::is_hf_directory(path)) {
       (void)core::read_hf_directory(path);  // the index, every file and header; the names and shapes at load
       return path;
     }
     std::error_code ec;
-    if (std::filesystem::is_directory(path, ec) && !core::is_sharded_checkpoint(path))
+    if (std::filesystem::is_directory(path, ec) && !core::is_sharded_checkpoint(path) && !core::is_dcp_checkpoint(path))
       for (const char* name : {core::kHfConfigName, core::kHfWeightsName, core::kHfIndexName})
         TESSERA_CHECK(!std::filesystem::exists(std::filesystem::path(path) / name, ec), "it holds ", name,
                       " but is not a Hugging Face model folder: that needs ", core::kHfConfigName, " and ",
@@ -370,6 +371,8 @@ std::vector<std::string> Trainer::matching_weights(const std::map<std::string, s
 }
 
 void Trainer::load_matching_weights(const std::string& path) {
+  TESSERA_CHECK(!core::is_dcp_checkpoint(path), "[trainer] init_from = \"", path, "\" is a PyTorch DCP folder, which ",
+                "loads by name and shape in full only: set init_from_strict = true (the default)");
   std::map<std::string, std::vector<std::int64_t>> shapes;
   if (core::is_sharded_checkpoint(path)) {
     // The strategy reads a sharded folder as the pieces its rank owns, every one of which must be

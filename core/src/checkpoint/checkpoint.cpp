@@ -14,6 +14,7 @@
 #include <filesystem>
 #include <fstream>
 #include <functional>
+#include <limits>
 #include <map>
 #include <type_traits>
 
@@ -26,6 +27,7 @@
 
 #include <c10/util/strides.h>
 
+#include "embedded_archives.hpp"
 #include "loaded_weights.hpp"
 #include "python_pickle.hpp"
 #include "checkpoint/huggingface.hpp"
@@ -236,20 +238,23 @@ bool points_into_mapping(const at::Tensor& t) {
   return t.defined() && t.has_storage() && t.storage().data_ptr().get_deleter() == &release_mapping;
 }
 
-/// The zip reader's view of the mapping (the archive's directory and the pickle are copied out).
+/// The zip reader's view of bytes [begin, begin + size) of the mapping: a whole file, or one
+/// archive embedded in it (DCP's .distcp). The archive's directory and the pickle are copied out.
 class MappedAdapter final : public caffe2::serialize::ReadAdapterInterface {
  public:
-  explicit MappedAdapter(std::shared_ptr<MappedFile> file) : file_(std::move(file)) {}
-  std::size_t size() const override { return file_->size; }
+  MappedAdapter(std::shared_ptr<MappedFile> file, std::size_t begin, std::size_t size)
+      : file_(std::move(file)), begin_(begin), size_(size) {}
+  std::size_t size() const override { return size_; }
   std::size_t read(std::uint64_t pos, void* buf, std::size_t n, const char*) const override {
-    if (pos >= file_->size) return 0;
-    n = std::min<std::size_t>(n, file_->size - pos);
-    std::memcpy(buf, file_->base + pos, n);
+    if (pos >= size_) return 0;
+    n = std::min<std::size_t>(n, size_ - pos);
+    std::memcpy(buf, file_->base + begin_ + pos, n);
     return n;
   }
 
  private:
   std::shared_ptr<MappedFile> file_;
+  std::size_t begin_, size_;
 };
 
 void for_each_tensor(const IValue& v, const std::string& path,
@@ -320,18 +325,23 @@ sdk::StateDict map_safetensors(const std::string& path, const std::shared_ptr<Ma
   return state;
 }
 
-/// load_pickle of a file mapped already.
-IValue unpickle(const std::string& path, const std::shared_ptr<MappedFile>& file) {
-  const std::size_t size = file->size;
+/// load_pickle of bytes [begin, begin + size) of a file mapped already (its whole size by default).
+IValue unpickle(const std::string& path, const std::shared_ptr<MappedFile>& file, std::size_t begin = 0,
+                std::size_t size = std::numeric_limits<std::size_t>::max()) {
+  if (size == std::numeric_limits<std::size_t>::max()) size = file->size - begin;
+  TESSERA_CHECK(begin <= file->size && size <= file->size - begin, path, ": bytes [", begin, ", ", begin + size,
+                ") lie past its end (", file->size, " bytes): truncated, or not the file its index describes");
+  const char* const base = file->base + begin;
   // torch.save's format is a zip archive: anything else is not a checkpoint at all.
-  TESSERA_CHECK(size >= 4 && std::memcmp(file->base, "PK\x03\x04", 4) == 0, path,
+  TESSERA_CHECK(size >= 4 && std::memcmp(base, "PK\x03\x04", 4) == 0, path,
+                begin == 0 ? std::string() : " bytes [" + std::to_string(begin) + ", " + std::to_string(begin + size) + ")",
                 " is not a checkpoint: it is not in torch.save's zip format");
   IValue value;
   try {
     // pickle_load's reading (torch/csrc/jit/serialization/import_read.cpp), except that each
     // storage points at its record in the mapped file instead of being copied out of it:
     // torch.save and pickle_save store records uncompressed, 64-byte aligned.
-    caffe2::serialize::PyTorchStreamReader reader(std::make_shared<MappedAdapter>(file));
+    caffe2::serialize::PyTorchStreamReader reader(std::make_shared<MappedAdapter>(file, begin, size));
     auto [record, record_size] = reader.getRecord("data.pkl");
     std::vector<std::string> globals;
     const std::string pickle =
@@ -350,7 +360,7 @@ IValue unpickle(const std::string& path, const std::shared_ptr<MappedFile>& file
     auto read_record = [&](const std::string& key) {
       const std::size_t offset = reader.getRecordOffset("data/" + key);
       TESSERA_CHECK(offset <= size, path, ": tensor record ", key, " starts past the end of the file (truncated)");
-      return mapped_bytes(file, offset);
+      return mapped_bytes(file, begin + offset);
     };
     torch::jit::Unpickler unpickler(read, nullptr, nullptr, read_record, c10::nullopt);
     unpickler.set_version(reader.version());
@@ -366,9 +376,9 @@ IValue unpickle(const std::string& path, const std::shared_ptr<MappedFile>& file
   // Before any tensor is touched: every storage lies inside the file.
   for_each_tensor(value, "", [&](const std::string& name, const at::Tensor& t) {
     if (!points_into_mapping(t)) return;
-    const char* begin = static_cast<const char*>(t.storage().data());
-    TESSERA_CHECK(begin + t.storage().nbytes() <= file->base + file->size, path, ": tensor ", name,
-                  " extends past the end of the file (truncated or damaged)");
+    const char* start = static_cast<const char*>(t.storage().data());
+    TESSERA_CHECK(start + t.storage().nbytes() <= base + size, path, ": tensor ", name, " extends past the end of ",
+                  base == file->base ? "" : "its archive in ", "the file (truncated or damaged)");
   });
   return value;
 }
@@ -376,6 +386,14 @@ IValue unpickle(const std::string& path, const std::shared_ptr<MappedFile>& file
 }  // namespace
 
 IValue load_pickle(const std::string& path) { return unpickle(path, map_file(path)); }
+
+EmbeddedArchives::EmbeddedArchives(const std::string& path) : path_(path), file_(map_file(path)) {}
+
+std::size_t EmbeddedArchives::size() const { return std::static_pointer_cast<MappedFile>(file_)->size; }
+
+IValue EmbeddedArchives::load(std::uint64_t offset, std::uint64_t length) const {
+  return unpickle(path_, std::static_pointer_cast<MappedFile>(file_), offset, length);
+}
 
 namespace {
 

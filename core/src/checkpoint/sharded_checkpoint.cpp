@@ -1,4 +1,5 @@
 #include "tessera/core/sharded_checkpoint.hpp"
+#include "dcp.hpp"
 
 #include <fcntl.h>
 #include <stdio.h>  // renameat2
@@ -280,6 +281,12 @@ bool is_sharded_checkpoint(const std::string& path) {
   return fs::is_directory(path, ec) && fs::exists(fs::path(path) / kManifestName, ec);
 }
 
+bool is_dcp_checkpoint(const std::string& path) {
+  std::error_code ec;
+  return fs::is_directory(path, ec) && fs::is_regular_file(fs::path(path) / kDcpMetadataName, ec) &&
+         !fs::exists(fs::path(path) / kManifestName, ec);
+}
+
 std::string model_tensor_key(const std::string& name, const std::string& dict) { return dict + "/" + name; }
 
 std::map<std::string, const ManifestTensor*> model_tensors(const Manifest& manifest) {
@@ -530,6 +537,7 @@ sdk::Checkpoint load_shard(const std::string& path, std::int64_t rank) {
 }
 
 sdk::Checkpoint read_trainer_state(const std::string& path) {
+  if (is_dcp_checkpoint(path)) return dcp_trainer_state(read_dcp_metadata(path));
   sdk::Checkpoint state =
       is_sharded_checkpoint(path)
           ? checkpoint_dict(decode(json::parse(read_manifest(path).trainer_state),

@@ -6,6 +6,8 @@
 #include <ATen/ATen.h>
 
 #include "tessera/core/checkpoint.hpp"
+#include "tessera/core/sharded_checkpoint.hpp"
+#include "checkpoint/dcp.hpp"
 #include "fsdp/memory_plan.hpp"
 #include "fsdp/wrap.hpp"
 #include "tessera/sdk/checkpoint_io_features.hpp"
@@ -140,6 +142,11 @@ void ShardedStrategy::save_checkpoint(const sdk::Checkpoint& checkpoint, const s
 
 sdk::Checkpoint ShardedStrategy::load_checkpoint(const std::string& path) {
   loaded_ = "full";
+  if (is_dcp_checkpoint(path)) {  // each rank reads the chunks that overlap its own pieces
+    sdk::Checkpoint out = load_dcp(path, owned_pieces(), dcp_model_shape(*module_));
+    loaded_ = "sharded";
+    return out;
+  }
   std::error_code ec;
   if (!std::filesystem::is_directory(path, ec)) return StrategyBase::load_checkpoint(path);
   sdk::CheckpointMetadata meta = checkpoint_io().read_metadata(path);

@@ -10,8 +10,10 @@
 #include <torch/cuda.h>
 #include <torch/csrc/autograd/grad_mode.h>
 
+#include "../checkpoint/dcp.hpp"
 #include "../checkpoint/loaded_weights.hpp"  // the engine's own, beside its sources
 #include "tessera/core/checkpoint.hpp"
+#include "tessera/core/sharded_checkpoint.hpp"
 #include "cluster/cluster.hpp"
 #include "tessera/core/clip_grad.hpp"
 #include "tessera/core/deferred_init.hpp"
@@ -287,7 +289,14 @@ void StrategyBase::remove_checkpoint(const std::string& path) {
 }
 
 sdk::Checkpoint StrategyBase::load_checkpoint(const std::string& path) {
-  // A sharded checkpoint (fsdp state_dict_type = "sharded") is consolidated to full tensors.
+  // A PyTorch DCP folder or a sharded checkpoint (fsdp state_dict_type = "sharded") is
+  // consolidated to full tensors.
+  if (is_dcp_checkpoint(path)) {
+    std::map<std::string, StackedPieces> wanted;
+    for (const auto& item : StrategyBase::lightning_module_state_dict())
+      wanted.emplace(item.key(), StackedPieces{TensorPiece::whole(item.value().sizes())});
+    return load_dcp(path, wanted, dcp_model_shape(*module_));
+  }
   std::error_code ec;
   if (std::filesystem::is_directory(path, ec)) {
     sdk::CheckpointMetadata meta = checkpoint_io().read_metadata(path);

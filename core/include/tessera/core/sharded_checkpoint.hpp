@@ -73,6 +73,10 @@ struct Manifest {
 
 /// Whether `path` is a folder in this format (it has a manifest).
 bool is_sharded_checkpoint(const std::string& path);
+/// PyTorch Distributed Checkpoint (torch.distributed.checkpoint) folders, told by their metadata
+/// file: strategies read them (init_from, --ckpt-path) as they read this format.
+constexpr const char* kDcpMetadataName = ".metadata";
+bool is_dcp_checkpoint(const std::string& path);
 /// Reads and checks the manifest: format, a version this build reads, every field present.
 Manifest read_manifest(const std::string& path);
 /// The model's tensors in the manifest, by their names in the model ("w" for "state_dict/w"),
