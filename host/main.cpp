@@ -51,7 +51,7 @@ constexpr const char* kUsage = R"(usage:
   tessera config --reference [--config FILE.toml]
   tessera plugins [--config FILE.toml]
   tessera checkpoint inspect|verify|export PATH [--to FILE.safetensors|FILE.ckpt]
-  tessera tokenizer train|encode|decode|info|bench ...   (tessera tokenizer --help)
+  tessera tokenizer train|encode|decode|info|bench|chat ...   (tessera tokenizer --help)
   tessera data prepare --tokenizer T --input FILES|DIRS|GLOBS --output DIR [...]   (data prepare --help)
   tessera report RUN_DIR [--out FILE.html]   one HTML page of a run's curves, memory and config
   tessera --help | --version

@@ -16,7 +16,10 @@
 #include <string>
 #include <vector>
 
+#include <nlohmann/json.hpp>
+
 #include "tessera/sdk/error.hpp"
+#include "tessera/toolkit/chat_template.hpp"
 #include "tessera/toolkit/tokenizer.hpp"
 
 #include "cli/corpus_files.hpp"
@@ -32,6 +35,7 @@ constexpr const char* kToolUsage = R"(usage:
   tessera tokenizer decode --tokenizer T [--skip-special-tokens] ID...
   tessera tokenizer info --tokenizer T
   tessera tokenizer bench --tokenizer T FILE...
+  tessera tokenizer chat --tokenizer DIR --input CONVERSATIONS.jsonl [--add-generation-prompt] [--now TIME]
 
   train    trains a SentencePiece model (SentencePiece's own trainer) on the lines of the inputs
            (files, folders read recursively, quoted globs; hidden and binary files skipped, as
@@ -43,6 +47,12 @@ constexpr const char* kToolUsage = R"(usage:
   decode   prints the text of the ids
   info     prints the kind, vocabulary size, BOS/EOS/PAD ids and special tokens
   bench    encodes the files on one thread and prints MB/s and tokens/s
+  chat     renders each line of CONVERSATIONS.jsonl, {"messages": [...]} with optional "tools",
+           "documents" and template keywords (such as "enable_thinking": false), through the chat
+           template of the Hugging Face folder DIR, as transformers' apply_chat_template(tokenize=False)
+           renders it, and prints each as one JSON string per line. --add-generation-prompt ends each
+           with the assistant's header; --now YYYY-MM-DDTHH:MM:SS fixes the local time the template's
+           strftime_now sees (default: now), so that renders repeat.
   T is a SentencePiece tokenizer.model, a Hugging Face tokenizer.json, or a directory holding one.
 )";
 
@@ -110,11 +120,13 @@ struct Options {
   long vocab_size = 0, max_sentences = 200000;
   std::string character_coverage;
   bool byte_fallback = false, add_special = false, skip_special = false, has_text = false;
+  bool add_generation_prompt = false;
+  std::string now;
 };
 
 Options parse(const std::vector<std::string>& words) {
   Options o;
-  const std::vector<std::string> commands{"train", "encode", "decode", "info", "bench"};
+  const std::vector<std::string> commands{"train", "encode", "decode", "info", "bench", "chat"};
   for (std::size_t i = 0; i < words.size(); ++i) {
     const std::string& w = words[i];
     const auto value = [&]() -> std::string {
@@ -159,14 +171,19 @@ Options parse(const std::vector<std::string>& words) {
       o.add_special = true;
     } else if (w == "--skip-special-tokens") {
       o.skip_special = true;
+    } else if (w == "--add-generation-prompt") {
+      o.add_generation_prompt = true;
+    } else if (w == "--now") {
+      o.now = value();
     } else {
       TESSERA_CHECK(w.rfind("--", 0) != 0, "unknown option '", w, "' for tokenizer ", o.command);
       o.positional.push_back(w);
     }
   }
   TESSERA_CHECK(!o.command.empty(), "tokenizer needs a command");
-  const bool train = o.command == "train";
-  TESSERA_CHECK(train || o.inputs.empty(), "--input is for train (encode and bench take FILE arguments)");
+  const bool train = o.command == "train", chat = o.command == "chat";
+  TESSERA_CHECK(train || chat || o.inputs.empty(), "--input is for train and chat (encode and bench take FILE arguments)");
+  TESSERA_CHECK(chat || (!o.add_generation_prompt && o.now.empty()), "--add-generation-prompt and --now are for chat");
   TESSERA_CHECK(train || (o.vocab_size == 0 && o.type.empty() && o.output.empty() && !o.byte_fallback &&
                           o.character_coverage.empty()),
                 "--vocab-size, --type, --output, --byte-fallback and --character-coverage are for train");
@@ -175,6 +192,10 @@ Options parse(const std::vector<std::string>& words) {
   if (train) {
     TESSERA_CHECK(!o.inputs.empty() && o.vocab_size > 0 && !o.type.empty() && !o.output.empty(),
                   "train needs --input, --vocab-size, --type and --output");
+    TESSERA_CHECK(o.positional.empty(), "unexpected argument '", o.positional.front(), "'");
+  } else if (chat) {
+    TESSERA_CHECK(!o.tokenizer.empty(), "chat needs --tokenizer DIR");
+    TESSERA_CHECK(o.inputs.size() == 1, "chat needs one --input CONVERSATIONS.jsonl");
     TESSERA_CHECK(o.positional.empty(), "unexpected argument '", o.positional.front(), "'");
   } else {
     TESSERA_CHECK(!o.tokenizer.empty(), o.command, " needs --tokenizer");
@@ -219,9 +240,42 @@ void print_ids(const std::vector<toolkit::TokenId>& ids) {
   std::cout << "\n";
 }
 
+// --now: a local time, as datetime.now() would give it.
+std::chrono::system_clock::time_point parse_now(const std::string& text) {
+  std::tm tm{};
+  const char* end = strptime(text.c_str(), "%Y-%m-%dT%H:%M:%S", &tm);
+  TESSERA_CHECK(end && *end == '\0', "--now is YYYY-MM-DDTHH:MM:SS, not '", text, "'");
+  tm.tm_isdst = -1;
+  return std::chrono::system_clock::from_time_t(std::mktime(&tm));
+}
+
+void chat(const Options& o) {
+  const auto templates = toolkit::ChatTemplate::load(o.tokenizer);
+  toolkit::RenderOptions options;
+  if (!o.now.empty()) options.now = parse_now(o.now);
+  std::ifstream in(o.inputs[0], std::ios::binary);
+  TESSERA_CHECK(in, "cannot read ", o.inputs[0]);
+  std::size_t line_number = 0;
+  for (std::string line; std::getline(in, line);) {
+    ++line_number;
+    if (line.find_first_not_of(" \t\r") == std::string::npos) continue;
+    std::string rendered;
+    try {
+      rendered = templates.apply(line, o.add_generation_prompt, options);
+    } catch (const sdk::Error& e) {
+      TESSERA_FAIL(o.inputs[0], ":", line_number, ": ", e.what());
+    }
+    std::cout << nlohmann::json(rendered).dump() << "\n";
+  }
+}
+
 int run(const Options& o) {
   if (o.command == "train") {
     train(o);
+    return 0;
+  }
+  if (o.command == "chat") {
+    chat(o);
     return 0;
   }
   const auto tokenizer = toolkit::load_tokenizer(o.tokenizer);

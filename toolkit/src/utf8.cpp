@@ -37,7 +37,7 @@ int scan(const unsigned char* p, std::size_t left) {
 
 }  // namespace
 
-void check_utf8(std::string_view text, const std::string& source) {
+std::optional<std::size_t> invalid_utf8_offset(std::string_view text) {
   const auto* p = reinterpret_cast<const unsigned char*>(text.data());
   for (std::size_t i = 0; i < text.size();) {
     if (p[i] < 0x80) {
@@ -45,9 +45,15 @@ void check_utf8(std::string_view text, const std::string& source) {
       continue;
     }
     const int n = scan(p + i, text.size() - i);
-    TESSERA_CHECK(n > 0, "text given to tokenizer ", source, " is not valid UTF-8 (byte ", i, ")");
+    if (n <= 0) return i;
     i += n;
   }
+  return std::nullopt;
+}
+
+void check_utf8(std::string_view text, const std::string& source) {
+  const auto bad = invalid_utf8_offset(text);
+  TESSERA_CHECK(!bad, "text given to tokenizer ", source, " is not valid UTF-8 (byte ", bad.value_or(0), ")");
 }
 
 std::string utf8_lossy(std::string_view bytes) {

@@ -1,5 +1,6 @@
 #pragma once
 // UTF-8 helpers the tokenizers share (private to the toolkit).
+#include <optional>
 #include <string>
 #include <string_view>
 
@@ -7,6 +8,9 @@ namespace tessera::toolkit {
 
 /// Raises sdk::Error naming `source` and the byte offset when `text` is not valid UTF-8.
 void check_utf8(std::string_view text, const std::string& source);
+
+/// The byte offset of the first invalid UTF-8 sequence in `text`, or nullopt.
+std::optional<std::size_t> invalid_utf8_offset(std::string_view text);
 
 /// `bytes` as UTF-8, each maximal invalid subsequence replaced by U+FFFD (Rust's
 /// String::from_utf8_lossy, which the Hugging Face decoders use).
