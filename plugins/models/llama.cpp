@@ -1,4 +1,5 @@
-// `llama`: Hugging Face's LlamaForCausalLM (and Qwen2ForCausalLM, its q/k/v-bias variant), with
+// `llama`: Hugging Face's LlamaForCausalLM and its variants Qwen2ForCausalLM (q/k/v biases),
+// Qwen3ForCausalLM (q/k RMSNorm per head) and MistralForCausalLM (no biases), with
 // Hugging Face's parameter names and config.json keys, so checkpoints move in and out without a
 // mapping table. Each LlamaDecoderLayer is an FSDP unit run through sdk::invoke(); parallelize()
 // splits heads and the MLP over a tensor-parallel group; predict_step decodes with a KV cache.
@@ -102,7 +103,8 @@ struct LlamaKernels {
   bool rms_norm = true, rotary = true, swiglu = true;
 };
 
-/// RMSNorm computed in fp32, cast back to the input's dtype before the weight (LlamaRMSNorm).
+/// RMSNorm computed in fp32, cast back to the input's dtype before the weight (LlamaRMSNorm,
+/// Qwen3RMSNorm).
 class LlamaRMSNormImpl : public torch::nn::Module {
  public:
   LlamaRMSNormImpl(std::int64_t hidden_size, double eps, bool fused = false)
@@ -110,11 +112,14 @@ class LlamaRMSNormImpl : public torch::nn::Module {
     weight = register_parameter("weight", at::ones({hidden_size}));
   }
   at::Tensor forward(const at::Tensor& x) {
-    if (fused_) return toolkit::rms_norm(x, weight, eps_);
+    // A q/k norm under tensor parallelism sees this rank's heads only: the weight's gradient is
+    // the sum over the tp ranks' (forward identity, backward all-reduce).
+    const at::Tensor w = tp ? toolkit::copy_to_tensor_parallel_region(weight, tp) : weight;
+    if (fused_) return toolkit::rms_norm(x, w, eps_);
     at::Tensor h = x.to(at::kFloat);
     at::Tensor variance = h.pow(2).mean(-1, /*keepdim=*/true);
     h = h * at::rsqrt(variance + eps_);
-    return weight * h.to(x.scalar_type());
+    return w * h.to(x.scalar_type());
   }
   /// {x + delta, forward(x + delta)}: the residual add and the norm, one fused node when fused.
   std::pair<at::Tensor, at::Tensor> add_forward(const at::Tensor& x, const at::Tensor& delta) {
@@ -123,6 +128,7 @@ class LlamaRMSNormImpl : public torch::nn::Module {
     return {h, forward(h)};
   }
   at::Tensor weight;
+  std::shared_ptr<sdk::TensorParallelGroup> tp;  // set on a norm of per-head activations (parallelize)
 
  private:
   double eps_;
@@ -132,7 +138,8 @@ TORCH_MODULE(LlamaRMSNorm);
 
 class LlamaAttentionImpl : public torch::nn::Module {
  public:
-  LlamaAttentionImpl(const LlamaConfig& c, const toolkit::CausalAttentionOptions& attention, bool fused_rotary)
+  LlamaAttentionImpl(const LlamaConfig& c, const toolkit::CausalAttentionOptions& attention, bool fused_rotary,
+                     bool fused_rms_norm)
       : torch::nn::Module("LlamaAttention"),
         fused_rotary_(fused_rotary),
         heads_(c.num_attention_heads),
@@ -144,6 +151,10 @@ class LlamaAttentionImpl : public torch::nn::Module {
     k_proj = make_linear(*this, "k_proj", c.hidden_size, kv_heads_ * head_dim_, c.qkv_bias());
     v_proj = make_linear(*this, "v_proj", c.hidden_size, kv_heads_ * head_dim_, c.qkv_bias());
     o_proj = make_linear(*this, "o_proj", heads_ * head_dim_, c.hidden_size, c.o_bias());
+    if (c.qk_norm()) {
+      q_norm = register_module("q_norm", LlamaRMSNorm(head_dim_, c.rms_norm_eps, fused_rms_norm));
+      k_norm = register_module("k_norm", LlamaRMSNorm(head_dim_, c.rms_norm_eps, fused_rms_norm));
+    }
   }
 
   /// x [B, T, hidden]; cos, sin [T, head_dim] for the T positions; with a cache, the keys and
@@ -151,10 +162,16 @@ class LlamaAttentionImpl : public torch::nn::Module {
   at::Tensor forward(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, KVCache* cache) {
     const std::int64_t B = x.size(0), T = x.size(1);
     // Under tensor parallelism this rank holds heads / tp query and kv_heads / tp key-value heads.
-    auto heads = [&](const at::Tensor& t) { return t.view({B, T, -1, head_dim_}).transpose(1, 2); };
+    auto heads = [&](const at::Tensor& t) { return t.view({B, T, -1, head_dim_}); };
     at::Tensor q = heads(q_proj.forward<at::Tensor>(x));
     at::Tensor k = heads(k_proj.forward<at::Tensor>(x));
-    at::Tensor v = heads(v_proj.forward<at::Tensor>(x));
+    at::Tensor v = heads(v_proj.forward<at::Tensor>(x)).transpose(1, 2);
+    if (q_norm) {  // Qwen3: each query and key head normalised over head_dim, before the rotary embedding
+      q = q_norm(q);
+      k = k_norm(k);
+    }
+    q = q.transpose(1, 2);
+    k = k.transpose(1, 2);
     if (fused_rotary_) {
       std::tie(q, k) = toolkit::rotary_embedding(q, k, cos, sin);
     } else {
@@ -171,9 +188,12 @@ class LlamaAttentionImpl : public torch::nn::Module {
     for (auto* p : {&q_proj, &k_proj, &v_proj}) *p = column(*p, tp);
     o_proj = torch::nn::AnyModule(
         replace_module("o_proj", toolkit::RowParallelLinear(o_proj.get<torch::nn::LinearImpl>(), tp)));
+    for (auto* norm : {&q_norm, &k_norm})
+      if (*norm) (*norm)->tp = tp;  // replicated; each rank normalises its own heads
   }
 
   torch::nn::AnyModule q_proj, k_proj, v_proj, o_proj;
+  LlamaRMSNorm q_norm{nullptr}, k_norm{nullptr};  // Qwen3's
 
  private:
   torch::nn::AnyModule column(torch::nn::AnyModule& linear, const std::shared_ptr<sdk::TensorParallelGroup>& tp) {
@@ -222,7 +242,7 @@ class LlamaDecoderLayerImpl : public torch::nn::Module {
  public:
   LlamaDecoderLayerImpl(const LlamaConfig& c, const toolkit::CausalAttentionOptions& attention, const LlamaKernels& k)
       : torch::nn::Module("LlamaDecoderLayer"),
-        self_attn(register_module("self_attn", LlamaAttention(c, attention, k.rotary))),
+        self_attn(register_module("self_attn", LlamaAttention(c, attention, k.rotary, k.rms_norm))),
         mlp(register_module("mlp", LlamaMLP(c, k.swiglu))),
         input_layernorm(register_module("input_layernorm", LlamaRMSNorm(c.hidden_size, c.rms_norm_eps, k.rms_norm))),
         post_attention_layernorm(register_module("post_attention_layernorm",
@@ -266,8 +286,7 @@ class LlamaForCausalLMImpl : public torch::nn::Module {
  public:
   LlamaForCausalLMImpl(const LlamaConfig& c, const toolkit::CausalAttentionOptions& attention, std::uint64_t seed,
                        const LlamaKernels& kernels = {})
-      : torch::nn::Module(c.model_type == "qwen2" ? "Qwen2ForCausalLM" : "LlamaForCausalLM"),
-        config(c) {
+      : torch::nn::Module(c.architecture()), config(c) {
     model = register_module("model", LlamaModel(c, attention, kernels));
     if (!c.tie_word_embeddings)
       lm_head = register_module("lm_head",
@@ -287,6 +306,13 @@ class LlamaForCausalLMImpl : public torch::nn::Module {
 
   /// The final norm's output [B, T, hidden], which lm_head maps to the logits.
   at::Tensor hidden_states(const at::Tensor& ids, std::vector<KVCache>* caches = nullptr, std::int64_t offset = 0) {
+    // Mistral's sliding window is accepted only where no position can leave it (llama_config.cpp):
+    // a longer generation would need the mask it does not apply.
+    const auto window = config.attention_window();
+    TESSERA_CHECK(!window || offset + ids.size(1) <= *window, "llama: position ", offset + ids.size(1) - 1,
+                  " is outside sliding_window = ", *window, " (", config.architecture(),
+                  "), whose banded attention mask is not implemented; valid: sequences of at most ", *window,
+                  " positions, prompt and generated tokens together");
     at::Tensor x = model->embed_tokens(ids);
     // cos and sin in float32 (position * inv_freq, both halves), then in the activations' dtype.
     at::Tensor positions = at::arange(offset, offset + ids.size(1), at::TensorOptions().dtype(at::kFloat).device(x.device()));
@@ -461,7 +487,7 @@ class Llama final : public CausalLM<LlamaForCausalLM>, public sdk::HuggingFaceMo
   std::string hf_config_json() const override {
     const LlamaConfig& c = config_;
     json j;
-    j["architectures"] = {c.model_type == "qwen2" ? "Qwen2ForCausalLM" : "LlamaForCausalLM"};
+    j["architectures"] = {c.architecture()};
     j["model_type"] = c.model_type;
     j["vocab_size"] = c.vocab_size;
     j["hidden_size"] = c.hidden_size;
@@ -492,7 +518,11 @@ class Llama final : public CausalLM<LlamaForCausalLM>, public sdk::HuggingFaceMo
     j["attention_bias"] = c.attention_bias;
     j["attention_dropout"] = 0.0;
     if (c.model_type == "llama") j["mlp_bias"] = c.mlp_bias;
-    if (c.model_type == "qwen2") j["use_sliding_window"] = false;
+    if (c.model_type != "llama") j["sliding_window"] = c.sliding_window ? json(*c.sliding_window) : json();
+    if (c.model_type == "qwen2" || c.model_type == "qwen3") {
+      j["use_sliding_window"] = false;
+      j["max_window_layers"] = c.max_window_layers;
+    }
     j["use_cache"] = true;
     j["pad_token_id"] = c.pad_token_id ? json(*c.pad_token_id) : json();
     j["bos_token_id"] = c.bos_token_id ? json(*c.bos_token_id) : json();
@@ -537,7 +567,9 @@ class Llama final : public CausalLM<LlamaForCausalLM>, public sdk::HuggingFaceMo
 
 sdk::PluginEntry llama_entry() {
   return sdk::plugin_entry<Llama>(
-      "llama", "Hugging Face's LlamaForCausalLM (and Qwen2): HF names and config.json; LlamaDecoderLayers are FSDP units");
+      "llama",
+      "Hugging Face's LlamaForCausalLM (and Qwen2, Qwen3, Mistral): HF names and config.json; LlamaDecoderLayers are "
+      "FSDP units");
 }
 
 }  // namespace tessera::models

@@ -15,7 +15,38 @@ using json = nlohmann::json;
 
 namespace {
 
-const std::vector<std::string> kModelTypes{"llama", "qwen2"};
+/// Each model_type: its transformers class and the defaults its config class gives the keys that
+/// differ between them when config.json (or [model]) leaves them out.
+struct ModelType {
+  const char* name;
+  const char* architecture;
+  const char* what;  // for the list of supported types
+  std::int64_t vocab_size, intermediate_size, max_position_embeddings;
+  std::int64_t num_key_value_heads;  // 0: num_attention_heads
+  std::int64_t head_dim;             // 0: hidden_size / num_attention_heads
+  std::int64_t sliding_window;       // 0: none (LlamaConfig has no window)
+};
+const ModelType kModelTypes[] = {
+    {"llama", "LlamaForCausalLM", "", 32000, 11008, 2048, 0, 0, 0},
+    {"qwen2", "Qwen2ForCausalLM", "q/k/v biases", 151936, 22016, 32768, 0, 0, 4096},
+    {"qwen3", "Qwen3ForCausalLM", "q/k RMSNorm per head", 151936, 22016, 32768, 0, 128, 4096},
+    {"mistral", "MistralForCausalLM", "no biases", 32000, 14336, 131072, 8, 0, 4096},
+};
+
+const ModelType* find_model_type(const std::string& name) {
+  for (const ModelType& t : kModelTypes)
+    if (name == t.name) return &t;
+  return nullptr;
+}
+
+std::string supported_model_types() {
+  std::vector<std::string> out;
+  for (const ModelType& t : kModelTypes)
+    out.push_back("\"" + std::string(t.name) + "\" (" + t.architecture + (*t.what ? std::string(": ") + t.what : "") +
+                  ")");
+  return sdk::join(out);
+}
+
 const std::vector<std::string> kRopeTypes{"default", "linear", "llama3"};
 
 /// A [model] value as JSON (rope_scaling tables, eos_token_id lists).
@@ -159,42 +190,82 @@ void check_allocatable(const LlamaConfig& c, const LlamaConfigReader& r) {
                 " makes a model whose size in bytes overflows a 64-bit integer; valid: a model that fits in memory");
 }
 
+/// The sliding window of Mistral (and of Qwen2/Qwen3 with use_sliding_window), which no attention
+/// kernel here implements: refused wherever it could mask a key, kept (and written back) elsewhere.
+void read_sliding_window(const LlamaConfigReader& r, const ModelType& type, LlamaConfig& c) {
+  const std::string key = "sliding_window";
+  // 0, or null in config.json, is no window (a [model] table cannot say null); absent, the
+  // config class's default.
+  const bool null = !r.has(key) && r.file().contains(key);
+  const std::int64_t window = r.get_int(
+      {key,
+       "Hugging Face's sliding_window (mistral; qwen2/qwen3 with use_sliding_window), 0: none; not implemented: "
+       "mistral's must be none or at least max_position_embeddings (no position leaves it), llama has none"},
+      null ? 0 : type.sliding_window, 0);
+  if (window > 0) c.sliding_window = window;
+  const bool sliding = r.get_bool({"use_sliding_window", "Qwen2's and Qwen3's use_sliding_window (false only)"}, false);
+  TESSERA_CHECK(!sliding, r.where("use_sliding_window"),
+                " = true is not supported (no attention kernel here slides a window); supported: false");
+  c.max_window_layers = r.get_int({"max_window_layers",
+                                   "Qwen2's and Qwen3's max_window_layers (the layers from it on would slide; unused, "
+                                   "as use_sliding_window is false)"},
+                                  28, 0);
+  TESSERA_CHECK(!c.sliding_window || c.model_type != "llama", r.where(key), " = ", window,
+                " is not supported: LlamaForCausalLM has no sliding window; valid: 0 or null (none)");
+  // A window of at least max_position_embeddings never masks a key: [data] block_size may not
+  // exceed max_position_embeddings, and a position past the window is refused (hidden_states).
+  TESSERA_CHECK(
+      !c.sliding_window || c.model_type != "mistral" || window >= c.max_position_embeddings, r.where(key), " = ",
+      window, " is not supported: sliding-window attention is not implemented; valid: ",
+      "null or 0 (no window; config.json's \"sliding_window\": null, as Mistral v0.2 and later), or a window ",
+      "of at least max_position_embeddings = ", c.max_position_embeddings, ", which no position leaves");
+}
+
 }  // namespace
+
+std::string LlamaConfig::architecture() const {
+  const ModelType* type = find_model_type(model_type);
+  TESSERA_CHECK(type != nullptr, "llama: model_type \"", model_type, "\" is not supported");
+  return type->architecture;
+}
 
 LlamaConfig read_llama_config(const LlamaConfigReader& r) {
   const std::string model_type_where = r.where("model_type");
   LlamaConfig c;
   c.model_type = r.get_string(
-      {"model_type", "Hugging Face's model_type: llama (LlamaForCausalLM) or qwen2 (Qwen2ForCausalLM: q/k/v biases)"},
+      {"model_type",
+       "Hugging Face's model_type: llama (LlamaForCausalLM), qwen2 (Qwen2ForCausalLM: q/k/v "
+       "biases), qwen3 (Qwen3ForCausalLM: q/k RMSNorm per head) or mistral (MistralForCausalLM: no biases)"},
       "llama");
-  if (std::find(kModelTypes.begin(), kModelTypes.end(), c.model_type) == kModelTypes.end())
-    TESSERA_FAIL(model_type_where, ": model_type \"", c.model_type, "\" is not supported; supported: \"llama\" ",
-                 "(LlamaForCausalLM), \"qwen2\" (Qwen2ForCausalLM)");
-  c.vocab_size = r.get_int({"vocab_size", "Hugging Face's vocab_size: rows of the token embedding"},
-                           c.model_type == "qwen2" ? 151936 : 32000);
+  const ModelType* type = find_model_type(c.model_type);
+  if (type == nullptr)
+    TESSERA_FAIL(model_type_where, ": model_type \"", c.model_type,
+                 "\" is not supported; supported: ", supported_model_types());
+  c.vocab_size = r.get_int({"vocab_size", "Hugging Face's vocab_size: rows of the token embedding"}, type->vocab_size);
   c.hidden_size = r.get_int({"hidden_size", "Hugging Face's hidden_size: the residual stream width"}, 4096);
-  c.intermediate_size =
-      r.get_int({"intermediate_size", "Hugging Face's intermediate_size: the SwiGLU MLP's inner width"},
-                c.model_type == "qwen2" ? 22016 : 11008);
+  c.intermediate_size = r.get_int(
+      {"intermediate_size", "Hugging Face's intermediate_size: the SwiGLU MLP's inner width"}, type->intermediate_size);
   c.num_hidden_layers = r.get_int({"num_hidden_layers", "Hugging Face's num_hidden_layers: decoder layers"}, 32);
   c.num_attention_heads = r.get_int({"num_attention_heads", "Hugging Face's num_attention_heads: query heads"}, 32);
   c.num_key_value_heads = r.get_int(
       {"num_key_value_heads",
        "Hugging Face's num_key_value_heads: key/value heads (fewer than query heads: grouped-query attention)"},
-      c.num_attention_heads, 1, c.num_attention_heads);
+      type->num_key_value_heads > 0 ? type->num_key_value_heads : c.num_attention_heads, 1, c.num_attention_heads);
   TESSERA_CHECK(c.num_attention_heads % c.num_key_value_heads == 0, r.where("num_key_value_heads"), " = ",
                 c.num_key_value_heads, " must divide num_attention_heads = ", c.num_attention_heads,
                 " (each key-value head serves a group of query heads)");
-  // head_dim: explicit, or hidden_size / num_attention_heads (null counts as absent, as in HF).
-  if (!r.has("head_dim"))
+  // head_dim: explicit, else the model type's (Qwen3Config's 128), else hidden_size /
+  // num_attention_heads (null counts as absent, as in HF).
+  if (!r.has("head_dim") && type->head_dim == 0)
     TESSERA_CHECK(c.hidden_size % c.num_attention_heads == 0, r.where("hidden_size"), " = ", c.hidden_size,
                   " must be divisible by num_attention_heads = ", c.num_attention_heads, " (or set head_dim)");
-  c.head_dim = r.get_int({"head_dim", "Hugging Face's head_dim (default hidden_size / num_attention_heads)"},
-                         c.hidden_size / c.num_attention_heads, 2);
+  c.head_dim = r.get_int(
+      {"head_dim", "Hugging Face's head_dim (default hidden_size / num_attention_heads; qwen3: 128, as Qwen3Config)"},
+      type->head_dim > 0 ? type->head_dim : c.hidden_size / c.num_attention_heads, 2);
   TESSERA_CHECK(c.head_dim % 2 == 0, r.where("head_dim"), " = ", c.head_dim, " must be even (rotary embeddings)");
   c.max_position_embeddings =
       r.get_int({"max_position_embeddings", "Hugging Face's max_position_embeddings: the context"},
-                c.model_type == "qwen2" ? 32768 : 2048);
+                type->max_position_embeddings);
   c.rms_norm_eps =
       r.get_double({"rms_norm_eps", "Hugging Face's rms_norm_eps: RMSNorm's epsilon"}, 1e-6, 0.0, /*exclusive=*/true);
   c.rope_theta = r.get_double(
@@ -206,9 +277,19 @@ LlamaConfig read_llama_config(const LlamaConfigReader& r) {
   c.tie_word_embeddings = r.get_bool(
       {"tie_word_embeddings", "Hugging Face's tie_word_embeddings: lm_head shares the token embedding's weight"},
       false);
-  c.attention_bias =
-      r.get_bool({"attention_bias", "Hugging Face's attention_bias: biases in q/k/v/o projections"}, false);
-  c.mlp_bias = r.get_bool({"mlp_bias", "Hugging Face's mlp_bias: biases in the MLP's projections"}, false);
+  c.attention_bias = r.get_bool(
+      {"attention_bias",
+       "Hugging Face's attention_bias: biases in q/k/v/o projections (llama, qwen3; qwen2 biases q/k/v always; "
+       "mistral: false only)"},
+      false);
+  c.mlp_bias = r.get_bool(
+      {"mlp_bias", "Hugging Face's mlp_bias: biases in the MLP's projections (llama; the others: false only)"}, false);
+  // Where transformers' modeling code writes no bias it ignores the key: true would build
+  // parameters the class has not, so it is refused.
+  TESSERA_CHECK(!c.attention_bias || c.model_type != "mistral", r.where("attention_bias"),
+                " = true is not supported: ", type->architecture, " has no attention biases; valid: false");
+  TESSERA_CHECK(!c.mlp_bias || c.model_type == "llama", r.where("mlp_bias"),
+                " = true is not supported: ", type->architecture, "'s MLP has no biases; valid: false");
   const std::string act =
       r.get_string({"hidden_act", "Hugging Face's hidden_act: the MLP's activation (silu)"}, "silu");
   TESSERA_CHECK(act == "silu", r.where("hidden_act"), " = \"", act, "\" is not supported; supported: \"silu\" (SwiGLU)");
@@ -216,10 +297,7 @@ LlamaConfig read_llama_config(const LlamaConfigReader& r) {
       {"attention_dropout", "Hugging Face's attention_dropout (0.0 only, as every released Llama)"}, 0.0, 0.0);
   TESSERA_CHECK(attention_dropout == 0.0, r.where("attention_dropout"), " = ", attention_dropout,
                 " is not supported; supported: 0.0 (as every released Llama)");
-  if (c.model_type == "qwen2") {
-    const bool sliding = r.get_bool({"use_sliding_window", "Qwen2's use_sliding_window (false only)"}, false);
-    TESSERA_CHECK(!sliding, r.where("use_sliding_window"), " = true is not supported; supported: false");
-  }
+  read_sliding_window(r, *type, c);
   // rope_scaling (transformers 4.x) or rope_parameters (5.x, which carries rope_theta too).
   json scaling = r.get_json("rope_scaling");
   if (scaling.is_null()) {

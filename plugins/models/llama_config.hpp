@@ -1,6 +1,7 @@
 #pragma once
-// The llama plugin's configuration: Hugging Face's config.json keys (LlamaConfig's defaults),
-// from [model] TOML keys over the file [model] config names.
+// The llama plugin's configuration: Hugging Face's config.json keys (the defaults of the
+// model_type's config class: LlamaConfig, Qwen2Config, Qwen3Config or MistralConfig), from
+// [model] TOML keys over the file [model] config names.
 #include <cstdint>
 #include <optional>
 #include <string>
@@ -20,7 +21,8 @@ struct RopeScaling {
   double original_max_position_embeddings = 8192;
 };
 
-/// config.json's keys, Hugging Face's LlamaConfig defaults.
+/// config.json's keys; the member defaults are LlamaConfig's (read_llama_config applies the
+/// model_type's own).
 struct LlamaConfig {
   std::string model_type = "llama";
   std::int64_t vocab_size = 32000, hidden_size = 4096, intermediate_size = 11008, num_hidden_layers = 32,
@@ -30,9 +32,22 @@ struct LlamaConfig {
   std::optional<RopeScaling> rope_scaling;
   std::optional<std::int64_t> pad_token_id, bos_token_id;
   std::vector<std::int64_t> eos_token_id;
-  /// Qwen2 biases q, k and v but not o; Llama's attention_bias biases all four.
+  /// As read (none: 0 or null), written back to config.json: Mistral's window (accepted only where
+  /// no position can leave it), Qwen2/Qwen3's (unused: use_sliding_window = true is refused).
+  std::optional<std::int64_t> sliding_window;
+  std::int64_t max_window_layers = 28;  // Qwen2/Qwen3's
+  /// Qwen2 biases q, k and v but not o; Llama's and Qwen3's attention_bias bias all four
+  /// (Mistral's is refused: it has no biases).
   bool qkv_bias() const { return model_type == "qwen2" || attention_bias; }
-  bool o_bias() const { return model_type == "llama" && attention_bias; }
+  bool o_bias() const { return model_type != "qwen2" && attention_bias; }
+  /// Qwen3: RMSNorm of each query and key head (q_norm, k_norm over head_dim) before the rotary embedding.
+  bool qk_norm() const { return model_type == "qwen3"; }
+  /// The transformers class of model_type ("LlamaForCausalLM", "Qwen3ForCausalLM", ...).
+  std::string architecture() const;
+  /// The window Mistral's attention would slide (accepted only when no position reaches past it).
+  std::optional<std::int64_t> attention_window() const {
+    return model_type == "mistral" ? sliding_window : std::nullopt;
+  }
 };
 
 /// The configuration: config.json's values (when [model] config names one) under the TOML keys.

@@ -13,8 +13,12 @@ The model is an independent PyTorch implementation of transformers'
 src/transformers/models/llama/modeling_llama.py (LlamaRMSNorm, LlamaRotaryEmbedding with
 modeling_rope_utils' default / linear / llama3 inverse frequencies, rotate_half,
 apply_rotary_pos_emb, repeat_kv, eager_attention_forward with the additive causal mask,
-LlamaMLP, LlamaDecoderLayer, LlamaModel, LlamaForCausalLM) and of Qwen2's variant (biased q/k/v,
-unbiased o_proj), written for this test: no transformers package is needed. Greedy generation
+LlamaMLP, LlamaDecoderLayer, LlamaModel, LlamaForCausalLM) and of its variants, written for
+this test: no transformers package is needed. Qwen2 (modeling_qwen2.py): biased q/k/v, unbiased
+o_proj. Qwen3 (modeling_qwen3.py): Qwen3RMSNorm of each query and key head (q_norm, k_norm over
+head_dim) before the rotary embedding, attention_bias on all four projections, no MLP bias, and
+Qwen3Config's head_dim of 128 when config.json has none. Mistral (modeling_mistral.py): no biases;
+sliding_window null. Greedy generation
 recomputes the whole sequence for every token (no cache), as generate(use_cache=False) would.
 """
 import json
@@ -46,7 +50,21 @@ CONFIGS = {
     "qwen2": dict(model_type="qwen2", vocab_size=260, hidden_size=32, intermediate_size=56, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True, rope_theta=1000000.0,
                   rms_norm_eps=1e-6),
+    # Qwen3: q/k norms, explicit head_dim (4 x 16 != 32), tied; a window present but unused
+    "qwen3": dict(model_type="qwen3", vocab_size=280, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=16, tie_word_embeddings=True,
+                  rope_theta=1000000.0, use_sliding_window=False, sliding_window=4096, max_window_layers=2,
+                  eos_token_id=2),
+    # Qwen3 with attention_bias (q, k, v and o), MQA, no head_dim: Qwen3Config's 128 (2 x 128 != 32)
+    "qwen3_bias": dict(model_type="qwen3", vocab_size=264, hidden_size=32, intermediate_size=40, num_hidden_layers=2,
+                       num_attention_heads=2, num_key_value_heads=1, attention_bias=True, rms_norm_eps=1e-5),
+    # Mistral: the Llama layout without biases, explicit head_dim (6 x 12 != 48), no sliding window
+    "mistral": dict(model_type="mistral", vocab_size=250, hidden_size=48, intermediate_size=64, num_hidden_layers=2,
+                    num_attention_heads=6, num_key_value_heads=2, head_dim=12, sliding_window=None,
+                    bos_token_id=1, eos_token_id=2),
 }
+ARCHITECTURES = dict(llama="LlamaForCausalLM", qwen2="Qwen2ForCausalLM", qwen3="Qwen3ForCausalLM",
+                     mistral="MistralForCausalLM")
 
 DEFAULTS = dict(model_type="llama", hidden_act="silu", max_position_embeddings=2048, initializer_range=0.02,
                 rms_norm_eps=1e-6, rope_theta=10000.0, rope_scaling=None, attention_bias=False,
@@ -58,8 +76,8 @@ class Config:
     def __init__(self, d):
         for k, v in {**DEFAULTS, **d}.items():
             setattr(self, k, v)
-        if getattr(self, "head_dim", None) is None:
-            self.head_dim = self.hidden_size // self.num_attention_heads
+        if getattr(self, "head_dim", None) is None:  # Qwen3Config's head_dim defaults to 128
+            self.head_dim = 128 if self.model_type == "qwen3" else self.hidden_size // self.num_attention_heads
 
 
 # --- modeling_rope_utils.py ---------------------------------------------------------------------
@@ -169,18 +187,26 @@ class LlamaAttention(nn.Module):
         self.head_dim = config.head_dim
         self.num_key_value_groups = config.num_attention_heads // config.num_key_value_heads
         self.scaling = self.head_dim ** -0.5
-        qkv_bias = config.attention_bias or config.model_type == "qwen2"
-        o_bias = config.attention_bias and config.model_type == "llama"
+        # Qwen2: q/k/v always biased, o never; Llama, Qwen3: attention_bias on all four; Mistral: none
+        qkv_bias = config.model_type == "qwen2" or (config.attention_bias and config.model_type != "mistral")
+        o_bias = config.attention_bias and config.model_type in ("llama", "qwen3")
         self.q_proj = nn.Linear(config.hidden_size, config.num_attention_heads * self.head_dim, bias=qkv_bias)
         self.k_proj = nn.Linear(config.hidden_size, config.num_key_value_heads * self.head_dim, bias=qkv_bias)
         self.v_proj = nn.Linear(config.hidden_size, config.num_key_value_heads * self.head_dim, bias=qkv_bias)
         self.o_proj = nn.Linear(config.num_attention_heads * self.head_dim, config.hidden_size, bias=o_bias)
+        self.qk_norm = config.model_type == "qwen3"
+        if self.qk_norm:  # Qwen3RMSNorm is LlamaRMSNorm, over head_dim only
+            self.q_norm = LlamaRMSNorm(self.head_dim, eps=config.rms_norm_eps)
+            self.k_norm = LlamaRMSNorm(self.head_dim, eps=config.rms_norm_eps)
 
     def forward(self, hidden_states, position_embeddings, attention_mask):
         input_shape = hidden_states.shape[:-1]
         hidden_shape = (*input_shape, -1, self.head_dim)
-        query_states = self.q_proj(hidden_states).view(hidden_shape).transpose(1, 2)
-        key_states = self.k_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+        query_states = self.q_proj(hidden_states).view(hidden_shape)
+        key_states = self.k_proj(hidden_states).view(hidden_shape)
+        if self.qk_norm:  # Qwen3Attention: normalised per head before the transpose and the rotary embedding
+            query_states, key_states = self.q_norm(query_states), self.k_norm(key_states)
+        query_states, key_states = query_states.transpose(1, 2), key_states.transpose(1, 2)
         value_states = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
         cos, sin = position_embeddings
         query_states, key_states = apply_rotary_pos_emb(query_states, key_states, cos, sin)
@@ -274,7 +300,7 @@ def main(out_dir):
         d = os.path.join(out_dir, name)
         os.makedirs(d, exist_ok=True)
         cfg = {k: v for k, v in {**DEFAULTS, **overrides}.items()}
-        cfg["architectures"] = ["Qwen2ForCausalLM" if config.model_type == "qwen2" else "LlamaForCausalLM"]
+        cfg["architectures"] = [ARCHITECTURES[config.model_type]]
         cfg["torch_dtype"] = "float32"
         cfg["transformers_version"] = "4.48.0"
         with open(os.path.join(d, "config.json"), "w") as f:

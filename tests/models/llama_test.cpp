@@ -1,11 +1,13 @@
 // The `llama` model against an independent implementation: llama_reference.py writes random
 // Hugging Face checkpoints (GQA, tied and untied, llama3 rope scaling, attention and MLP biases,
-// explicit head_dim, Qwen2) with what Hugging Face's modeling code computes on them (a PyTorch
-// transcription of modeling_llama.py in the script). Tessera loads each config.json and
+// explicit head_dim, Qwen2, Qwen3 with and without attention biases, Mistral) with what Hugging
+// Face's modeling code computes on them (a PyTorch transcription of modeling_llama.py and its
+// Qwen2, Qwen3 and Mistral variants in the script). Tessera loads each config.json and
 // model.safetensors under Hugging Face's own names, and its logits, loss, every gradient and
 // its greedy tokens (KV cache) must equal the reference's, with each attention kernel. Also:
 // the toolkit's causal attention (blocked vs math, forward and backward, GQA, KV-cache offsets),
-// config.json refusals, the tensor-parallel size check and hf_config_json's round trip.
+// config.json refusals (sliding windows among them), the tensor-parallel size check and
+// hf_config_json's round trip.
 #include <cmath>
 #include <cstdlib>
 #include <filesystem>
@@ -86,7 +88,8 @@ void load_hf_weights(torch::nn::Module& net, const Tensors& weights) {
 
 double max_diff(const at::Tensor& a, const at::Tensor& b) { return (a - b).abs().max().item<double>(); }
 
-const char* const kConfigs[] = {"gqa_untied", "tied_llama3", "bias_head_dim", "qwen2"};
+const char* const kConfigs[] = {"gqa_untied", "tied_llama3", "bias_head_dim", "qwen2",
+                                "qwen3",      "qwen3_bias",  "mistral"};
 
 /// One configuration with one attention kernel: logits, loss, gradients and greedy tokens.
 void check_against_reference(const std::string& name, const std::string& extra) {
@@ -132,7 +135,7 @@ TEST(LlamaReference, EqualsWithTheFusedKernels) {
 
 TEST(LlamaReference, EqualsWithTheMathAndBlockedKernels) {
   // 13 positions in query blocks of 4: four blocks, the last one partial.
-  for (const char* name : {"gqa_untied", "bias_head_dim"}) {
+  for (const char* name : {"gqa_untied", "bias_head_dim", "qwen3"}) {
     check_against_reference(name, "attention = \"math\"\n");
     check_against_reference(name, "attention = \"blocked\"\nattention_query_block = 4\n");
   }
@@ -191,7 +194,9 @@ TEST(LlamaConfig, HfConfigJsonRoundTrips) {
                             "num_attention_heads", "num_key_value_heads", "tie_word_embeddings", "attention_bias",
                             "rms_norm_eps", "rope_theta", "eos_token_id", "pad_token_id", "architectures"})
       EXPECT_EQ(written.at(key), original.at(key)) << name << " " << key;
-    if (original.contains("head_dim")) EXPECT_EQ(written.at("head_dim"), original.at("head_dim"));
+    for (const char* key : {"head_dim", "sliding_window", "use_sliding_window", "max_window_layers"})
+      if (original.contains(key)) EXPECT_EQ(written.at(key), original.at(key)) << name << " " << key;
+    if (std::string(name) == "qwen3_bias") EXPECT_EQ(written.at("head_dim"), 128) << "Qwen3Config's default";
     if (!original.at("rope_scaling").is_null())
       for (const auto& [key, value] : original.at("rope_scaling").items())
         EXPECT_EQ(written.at("rope_scaling").at(key), value) << name << " rope_scaling." << key;
@@ -214,9 +219,12 @@ std::string error_of(const std::string& toml_text) {
 
 TEST(LlamaConfig, RefusalsNameWhatIsSupported) {
   const std::string dir = tessera::testing::fresh_dir("llama-refusals");
-  std::ofstream(dir + "/mistral.json") << R"({"model_type": "mistral", "hidden_size": 16})";
-  std::string e = error_of("config = \"" + dir + "/mistral.json\"\n");
-  EXPECT_NE(e.find("model_type \"mistral\" is not supported; supported: \"llama\""), std::string::npos) << e;
+  std::ofstream(dir + "/gemma.json") << R"({"model_type": "gemma", "hidden_size": 16})";
+  std::string e = error_of("config = \"" + dir + "/gemma.json\"\n");
+  EXPECT_NE(e.find("model_type \"gemma\" is not supported; supported: \"llama\" (LlamaForCausalLM), \"qwen2\" "
+                   "(Qwen2ForCausalLM: q/k/v biases), \"qwen3\" (Qwen3ForCausalLM: q/k RMSNorm per head), \"mistral\" "
+                   "(MistralForCausalLM: no biases)"),
+            std::string::npos) << e;
   std::ofstream(dir + "/yarn.json")
       << R"({"model_type": "llama", "hidden_size": 16, "intermediate_size": 8, "num_hidden_layers": 1,
              "num_attention_heads": 2, "vocab_size": 8, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}})";
@@ -234,6 +242,83 @@ TEST(LlamaConfig, RefusalsNameWhatIsSupported) {
   e = error_of("hidden_size = 16\nintermediate_size = 8\nnum_hidden_layers = 1\nnum_attention_heads = 2\n"
                "vocab_size = 8\nhidden_act = \"gelu\"\n");
   EXPECT_NE(e.find("hidden_act = \"gelu\" is not supported; supported: \"silu\""), std::string::npos) << e;
+}
+
+// Issue 60.2: no attention kernel here slides a window. Mistral's sliding_window is refused unless
+// no position can leave it (null, or at least max_position_embeddings, which [data] block_size may
+// not exceed, and predict refuses a position past it); Qwen's use_sliding_window = true is
+// refused; biases a model type does not have are refused. Each message names the key, where it
+// was set (config.json, [model], or the config class's default) and what is valid.
+TEST(LlamaConfig, SlidingWindowRefusedUnlessNoPositionLeavesIt) {
+  const std::string dir = tessera::testing::fresh_dir("llama-sliding-window");
+  auto write = [&](const std::string& name, const std::string& keys) {
+    const std::string path = dir + "/" + name + ".json";
+    std::ofstream(path) << R"({"vocab_size": 64, "hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1,
+        "num_attention_heads": 2, "num_key_value_heads": 1, "max_position_embeddings": 64, )" << keys << "}";
+    return path;
+  };
+  const auto npos = std::string::npos;
+  const std::string mistral = write("mistral", R"("model_type": "mistral", "sliding_window": 32)");
+  const std::string refused = " is not supported: sliding-window attention is not implemented; valid: null or 0 (no "
+                              "window; config.json's \"sliding_window\": null, as Mistral v0.2 and later), or a window "
+                              "of at least max_position_embeddings = 64, which no position leaves";
+  std::string e = error_of("config = \"" + mistral + "\"\n");
+  EXPECT_NE(e.find("\"" + mistral + "\": sliding_window = 32" + refused), npos) << e;
+  e = error_of("config = \"" + mistral + "\"\nsliding_window = 48\n");
+  EXPECT_NE(e.find("test.toml:2: [model] sliding_window = 48" + refused), npos) << e;
+  // Neither says: MistralConfig's 4096, against its max_position_embeddings of 131072.
+  e = error_of("model_type = \"mistral\"\nvocab_size = 64\nhidden_size = 16\nintermediate_size = 32\n"
+               "num_hidden_layers = 1\nnum_attention_heads = 8\n");
+  EXPECT_NE(e.find("test.toml: [model] sliding_window = 4096 is not supported"), npos) << e;
+  EXPECT_NE(e.find("max_position_embeddings = 131072"), npos) << e;
+  e = error_of("config = \"" + mistral + "\"\nsliding_window = 64\nattention_bias = true\n");
+  EXPECT_NE(e.find("[model] attention_bias = true is not supported: MistralForCausalLM has no attention biases; "
+                   "valid: false"), npos) << e;
+
+  // A window of max_position_embeddings is accepted: 57 prompt tokens and 8 generated need
+  // positions 0 to 63; one more prompt token would reach position 64, which is refused.
+  auto generator =
+      make_model("config = \"" + mistral + "\"\nsliding_window = 64\nmax_new_tokens = 8\ntemperature = 0\n");
+  EXPECT_EQ(generator->predict_step(sdk::Batch{at::ones({1, 57}, at::kLong), {}}, 0).size(1), 65);
+  try {
+    generator->predict_step(sdk::Batch{at::ones({1, 58}, at::kLong), {}}, 0);
+    ADD_FAILURE() << "position 64 attended to a window of 64";
+  } catch (const sdk::Error& error) {
+    EXPECT_NE(std::string(error.what()).find("llama: position 64 is outside sliding_window = 64 (MistralForCausalLM)"),
+              npos) << error.what();
+  }
+
+  const std::string qwen3 =
+      write("qwen3", R"("model_type": "qwen3", "head_dim": 8, "use_sliding_window": true, "sliding_window": 16)");
+  e = error_of("config = \"" + qwen3 + "\"\n");
+  EXPECT_NE(e.find("\"" + qwen3 + "\": use_sliding_window = true is not supported (no attention kernel here slides a "
+                   "window); supported: false"), npos) << e;
+  // use_sliding_window = false (Qwen3's default) beside a window: accepted, the window unused.
+  EXPECT_NE(make_model("config = \"" + qwen3 + "\"\nuse_sliding_window = false\n"), nullptr);
+  e = error_of("config = \"" + qwen3 + "\"\nuse_sliding_window = false\nmlp_bias = true\n");
+  EXPECT_NE(e.find("[model] mlp_bias = true is not supported: Qwen3ForCausalLM's MLP has no biases; valid: false"),
+            npos) << e;
+  // A Llama has no window; 0 says none where null cannot be written (a [model] table).
+  const std::string llama = "vocab_size = 64\nhidden_size = 16\nintermediate_size = 32\nnum_hidden_layers = 1\n"
+                            "num_attention_heads = 2\n";
+  e = error_of(llama + "sliding_window = 16\n");
+  EXPECT_NE(e.find("test.toml:6: [model] sliding_window = 16 is not supported: LlamaForCausalLM has no sliding window; "
+                   "valid: 0 or null (none)"), npos) << e;
+  EXPECT_NE(make_model(llama + "sliding_window = 0\n"), nullptr);
+  e = error_of("config = \"" + mistral + "\"\nsliding_window = -1\n");
+  EXPECT_NE(e.find("test.toml:2: [model] sliding_window = -1 is out of range; valid: an integer >= 0"), npos) << e;
+  auto unwindowed = make_model("config = \"" + mistral + "\"\nsliding_window = 0\n");
+  EXPECT_TRUE(nlohmann::json::parse(dynamic_cast<sdk::HuggingFaceModel*>(unwindowed.get())->hf_config_json())
+                  .at("sliding_window").is_null()) << "0 is written back as null";
+
+  // Through the binary: fit refuses config.json's window before any rank starts.
+  std::ofstream(dir + "/run.toml") << "[trainer]\ndefault_root_dir = \"" << dir << "\"\nmax_steps = 1\n"
+                                   << "[model]\nplugin = \"llama\"\nconfig = \"" << mistral << "\"\n"
+                                   << "[data]\nplugin = \"text\"\nblock_size = 8\n";
+  const auto r = tessera::testing::run_tessera("fit --config " + dir + "/run.toml", "", 60);
+  EXPECT_EQ(r.exit_code, 1) << r.output;
+  EXPECT_NE(r.output.find("\"" + mistral + "\": sliding_window = 32" + refused), npos) << r.output;
+  EXPECT_FALSE(std::filesystem::exists(dir + "/version_0")) << "a run started: " << r.output;
 }
 
 // Issue 59.1-2: one range check serves a config.json key and its TOML twin (the same message
@@ -400,6 +485,12 @@ TEST(LlamaTensorParallel, PlanSplitsHeadsAndRefusesATpNotDividingKeyValueHeads) 
   EXPECT_EQ(placements.at("model.layers.0.mlp.down_proj.weight").dim, 1);
   EXPECT_EQ(model->network()->named_parameters()["model.layers.0.self_attn.k_proj.weight"].sizes(),
             (at::IntArrayRef{4, 32})) << "one of two key-value heads of 4";
+  // Qwen3's q/k norms act on head_dim: replicated, whole on each tp rank (their gradients summed).
+  auto qwen3 = make_model(toml + "model_type = \"qwen3\"\nhead_dim = 4\n");
+  qwen3->parallelize(sdk::ParallelContext{std::make_shared<PlaceOnlyGroup>(1, 2)});
+  EXPECT_EQ(sdk::tensor_parallel_placements(*qwen3->network()).count("model.layers.0.self_attn.q_norm.weight"), 0u);
+  EXPECT_EQ(qwen3->network()->named_parameters()["model.layers.0.self_attn.k_norm.weight"].sizes(),
+            (at::IntArrayRef{4}));
 }
 
 TEST(LlamaTensorParallel, FitRefusesBeforeAnyRankStarts) {
