@@ -14,6 +14,7 @@
 #include "cli/hf_export.hpp"
 #include "tessera/core/checkpoint.hpp"
 #include "tessera/core/checkpoint_folder.hpp"
+#include "checkpoint/dcp.hpp"
 #include "checkpoint/huggingface.hpp"
 #include "tessera/core/safetensors.hpp"
 #include "tessera/core/sharded_checkpoint.hpp"
@@ -38,6 +39,11 @@ constexpr const char* kToolUsage = R"(usage:
                                                      of at most --max-shard-size with their index),
                                                      streamed, and the run's tokenizer files; the model
                                                      must speak Hugging Face's names
+  tessera checkpoint export RUN_OR_CKPT --to DIR --format dcp
+                                                     a PyTorch Distributed Checkpoint folder that
+                                                     torch.distributed.checkpoint.load reads: the
+                                                     weights by name, the optimizer state and step as
+                                                     torchtitan names them; streamed
   tessera checkpoint gc ROOT [--dry-run]             lists and removes what interrupted saves left
                                                      anywhere under ROOT (a default_root_dir): only
                                                      those whose writer is gone (clean: the same)
@@ -175,6 +181,12 @@ void export_to(const std::string& path, const std::string& to) {
   std::cout << "exported " << path << " to " << to << "\n";
 }
 
+void export_dcp(const std::string& source, const std::string& to) {
+  const std::string checkpoint = locate_checkpoint(source).first;
+  const std::size_t tensors = core::export_dcp(checkpoint, to);
+  std::cout << "exported " << checkpoint << " to " << to << " (a PyTorch DCP folder, " << tensors << " tensors)\n";
+}
+
 HfExportRequest hf_request(const std::string& path, const std::string& to,
                            const std::map<std::string, std::string>& options) {
   HfExportRequest request{path, to};
@@ -198,6 +210,7 @@ int checkpoint_tool(int argc, char** argv) {
   bool dry_run = false;
   std::map<std::string, std::string> hf_options;  // --format, --max-shard-size, --dtype, --config
   std::optional<HfExportRequest> hf;
+  bool dcp = false;  // --format dcp
   try {
     for (std::size_t i = 0; i < words.size(); ++i) {
       const std::string& w = words[i];
@@ -234,10 +247,17 @@ int checkpoint_tool(int argc, char** argv) {
                   "--to DIR --format hf");
     if (!hf_options.empty()) {
       TESSERA_CHECK(command == "export", hf_options.begin()->first, " is for export only");
-      TESSERA_CHECK(hf_options.count("--format") && hf_options.at("--format") == "hf",
-                    hf_options.count("--format") ? "--format " + hf_options.at("--format") + " is not a format export writes (hf)"
-                                                 : hf_options.begin()->first + " applies to --format hf only");
-      hf = hf_request(path, to, hf_options);
+      const std::string format = hf_options.count("--format") ? hf_options.at("--format") : "";
+      TESSERA_CHECK(format == "hf" || format == "dcp",
+                    format.empty() ? hf_options.begin()->first + " applies to --format hf only"
+                                   : "--format " + format + " is not a format export writes (hf, dcp)");
+      if (format == "dcp") {
+        for (const auto& [option, value] : hf_options)
+          TESSERA_CHECK(option == "--format", option, " applies to --format hf only");
+        dcp = true;
+      } else {
+        hf = hf_request(path, to, hf_options);
+      }
     }
   } catch (const sdk::Error& e) {
     std::cerr << "tessera checkpoint: " << e.what() << "\n\n" << kToolUsage;
@@ -253,6 +273,7 @@ int checkpoint_tool(int argc, char** argv) {
     TESSERA_CHECK(fs::exists(path, ec), "checkpoint ", path, " does not exist");
     if (command == "inspect") inspect(path);
     else if (command == "verify") verify(path);
+    else if (dcp) export_dcp(path, to);
     else if (!hf) export_to(path, to);
     else export_hf(*hf);
     return 0;

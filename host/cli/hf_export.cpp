@@ -33,27 +33,37 @@ using json = nlohmann::ordered_json;
 
 constexpr const char* kRunConfig = "config.toml";  // what each run folder keeps (Trainer)
 
-/// The checkpoint and the run configuration that built its model.
-std::pair<std::string, std::string> locate(const HfExportRequest& request) {
+}  // namespace
+
+std::pair<std::string, std::string> locate_checkpoint(const std::string& where) {
   std::error_code ec;
-  fs::path source(request.source);
-  std::string checkpoint = request.source, config = request.config;
-  if (fs::is_directory(source, ec) && !fs::exists(source / kRunConfig, ec) && !core::is_sharded_checkpoint(request.source)) {
+  fs::path source(where);
+  std::string checkpoint = where, config;
+  if (fs::is_directory(source, ec) && !fs::exists(source / kRunConfig, ec) && !core::is_sharded_checkpoint(where)) {
     // A default_root_dir (or its [logger] name folder): the newest run's last checkpoint, as
     // --ckpt-path last finds it, so a documented command never names one version_N.
-    checkpoint = find_last_checkpoint(request.source, LoggerSettings{}, "export " + request.source);
+    checkpoint = find_last_checkpoint(where, LoggerSettings{}, "export " + where);
     source = fs::path(checkpoint);
   }
   if (fs::is_directory(source, ec) && fs::exists(source / kRunConfig, ec)) {  // a run folder
     checkpoint = core::resolve_last((source / "checkpoints").string());
-    if (config.empty()) config = (source / kRunConfig).string();
+    config = (source / kRunConfig).string();
   } else {
     if (source.filename() == core::kLastPointer) checkpoint = core::resolve_last(source.parent_path().string());
     // <run>/checkpoints/<checkpoint>: the run's config is two levels up.
     const fs::path folder = fs::absolute(checkpoint).lexically_normal().parent_path();
-    if (config.empty() && folder.filename() == "checkpoints" && fs::exists(folder.parent_path() / kRunConfig, ec))
+    if (folder.filename() == "checkpoints" && fs::exists(folder.parent_path() / kRunConfig, ec))
       config = (folder.parent_path() / kRunConfig).string();
   }
+  return {checkpoint, config};
+}
+
+namespace {
+
+/// The checkpoint and the run configuration that built its model.
+std::pair<std::string, std::string> locate(const HfExportRequest& request) {
+  auto [checkpoint, config] = locate_checkpoint(request.source);
+  if (!request.config.empty()) config = request.config;
   TESSERA_CHECK(!config.empty(), "export --format hf builds the model to ask for its config.json and found no run ",
                 "configuration for ", request.source, ": pass a default_root_dir (its newest run), a run folder ",
                 "(runs/NAME/version_N), a checkpoint inside one, or --config FILE.toml");

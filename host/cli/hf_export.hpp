@@ -5,6 +5,7 @@
 /// the tokenizer files of the run (as save_pretrained writes them beside the model).
 #include <optional>
 #include <string>
+#include <utility>
 
 #include <c10/core/ScalarType.h>
 
@@ -19,6 +20,10 @@ struct HfExportRequest {
   std::int64_t max_shard_bytes = 5'000'000'000;  ///< save_pretrained's default "5GB"
   std::optional<at::ScalarType> dtype;           ///< floating tensors converted to it; none: as stored
 };
+
+/// The checkpoint a RUN_OR_CKPT names (HfExportRequest::source's forms), and the run
+/// configuration beside it when there is one ("" otherwise).
+std::pair<std::string, std::string> locate_checkpoint(const std::string& source);
 
 /// Writes the folder; throws sdk::Error naming what is missing or refused (a model without
 /// sdk::HuggingFaceModel, rank-local sharded state, no config to build the model from).

@@ -228,4 +228,73 @@ TEST(DcpInitFrom, RefusesWhatDoesNotFitBeforeAnyStep) {
   EXPECT_FALSE(fs::exists(run_dir(dir) + "/checkpoints/last.ckpt"));
 }
 
+// ---- out ------------------------------------------------------------------------------------
+
+// What the writer's pickle says is what the reader reads; an export that does not commit
+// leaves nothing that reads as a checkpoint (not even its hidden temporary folder).
+TEST(DcpExport, AnUncommittedWriteLeavesNoFolder) {
+  const std::string dir = tessera::testing::fresh_dir("dcp-writer");
+  {
+    core::DcpWriter writer(dir + "/out");
+    writer.add("w", at::arange(6, at::kFloat).reshape({2, 3}));
+    writer.add("optimizer.state.w.step", at::scalar_tensor(3.0), {"optimizer", "state.w.step"});
+  }
+  EXPECT_TRUE(fs::is_empty(dir)) << "an abandoned export left files";
+  core::DcpWriter writer(dir + "/out");
+  writer.add("w", at::arange(6, at::kFloat).reshape({2, 3}));
+  writer.add("i", at::arange(4, at::kLong));
+  writer.commit();
+  const core::DcpMetadata m = core::read_dcp_metadata(dir + "/out");
+  ASSERT_EQ(m.tensors.size(), 2u);
+  EXPECT_EQ(m.tensors.at("w").size, (std::vector<std::int64_t>{2, 3}));
+  EXPECT_EQ(m.tensors.at("i").dtype, at::kLong);
+  EXPECT_THROW(core::DcpWriter{dir + "/out"}, sdk::Error);  // an existing folder is never overwritten
+}
+
+/// A fit of the fixture's model from `ckpt` to `steps`; its run folder.
+std::string fit_from(const std::string& name, const std::string& ckpt, int steps, const std::string& sets = "") {
+  const std::string dir = tessera::testing::fresh_dir(name);
+  auto r = run_tessera("fit --config " + write_config(dir) + " --set launch.devices=2 --set strategy.plugin=fsdp2" +
+                           " --set trainer.max_steps=" + std::to_string(steps) + " " + sets + " --ckpt-path " + ckpt,
+                       "", 240);
+  EXPECT_EQ(r.exit_code, 0) << r.output;
+  return run_dir(dir);
+}
+
+// `checkpoint export --format dcp` of a full and of a sharded (3-rank) checkpoint: resuming
+// from either export goes on exactly as resuming from the checkpoint itself (the same loss,
+// bitwise the same weights), and the two exports hold the same tensors.
+TEST(DcpExport, ResumesAsTheCheckpointItselfDoes) {
+  const std::string dir = tessera::testing::fresh_dir("dcp-export");
+  const std::string full = fit_from("dcp-export-full", kFixtures + "/fsdp2", 2) + "/checkpoints/last.ckpt";
+  const std::string sharded_run = fit_from("dcp-export-sharded", kFixtures + "/fsdp2", 2,
+                                           "--set launch.devices=3 --set checkpoint_io.plugin=distributed");
+  for (const auto& [source, to] : {std::pair{full, dir + "/from-full"}, std::pair{sharded_run, dir + "/from-sharded"}}) {
+    auto r = run_tessera("checkpoint export " + source + " --to " + to + " --format dcp");
+    ASSERT_EQ(r.exit_code, 0) << r.output;
+    EXPECT_NE(r.output.find("a PyTorch DCP folder"), std::string::npos) << r.output;
+  }
+  const core::DcpMetadata a = core::read_dcp_metadata(dir + "/from-full");
+  const core::DcpMetadata b = core::read_dcp_metadata(dir + "/from-sharded");
+  ASSERT_EQ(a.tensors.size(), b.tensors.size());
+  EXPECT_EQ(a.tensors.size(), 21u * 4 + 1);  // weights, exp_avg, exp_avg_sq, step; train_state.step
+  EXPECT_TRUE(a.tensors.count("optimizer.state.model.layers.1.mlp.up_proj.weight.exp_avg_sq"));
+
+  // Resumed from each export and from the checkpoint it came from: the same run, bitwise.
+  for (const auto& [source, exported] : {std::pair{full, dir + "/from-full"},
+                                         std::pair{sharded_run + "/checkpoints/last", dir + "/from-sharded"}}) {
+    const std::string reference = fit_from("dcp-export-ref", source, 3);
+    const std::string resumed = fit_from("dcp-export-resumed", exported, 3);
+    const auto want = tessera::testing::metric_series(reference + "/metrics.csv", "train", "train_loss");
+    const auto got = tessera::testing::metric_series(resumed + "/metrics.csv", "train", "train_loss");
+    ASSERT_EQ(got.count(3), 1u) << exported;
+    EXPECT_EQ(got.at(3), want.at(3)) << exported;
+    const auto w = tessera::testing::checkpoint_state(reference + "/checkpoints/last.ckpt");
+    const auto g = tessera::testing::checkpoint_state(resumed + "/checkpoints/last.ckpt");
+    for (const auto& [name, t] : w)
+      EXPECT_TRUE(g.at(name).equal(t)) << exported << " " << name << ": max difference "
+                                       << (g.at(name) - t).abs().max().item<double>();
+  }
+}
+
 }  // namespace

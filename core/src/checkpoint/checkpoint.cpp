@@ -198,6 +198,10 @@ IValue typed_containers(const IValue& v) {
 }  // namespace
 
 void save_pickle(const IValue& value, const std::string& path) {
+  atomic_write(path, [&](std::ostream& out) { write_archive(value, out); });
+}
+
+std::size_t write_archive(const IValue& value, std::ostream& out) {
   std::vector<char> pickle;
   torch::jit::Pickler pickler([&](const char* data, std::size_t n) { pickle.insert(pickle.end(), data, data + n); },
                               /*tensor_table=*/nullptr, /*type_renamer=*/nullptr, /*memoized_class_types=*/nullptr,
@@ -208,14 +212,15 @@ void save_pickle(const IValue& value, const std::string& path) {
   // torch.save's container: data.pkl, then each storage as data/<index> (pickle_save's own),
   // streamed into the file: pickle_save built the whole file in memory first (a second copy
   // of the checkpoint, tens of GB for a large model's full state on rank 0).
-  atomic_write(path, [&](std::ostream& out) {
-    caffe2::serialize::PyTorchStreamWriter writer([&](const void* data, std::size_t n) {
-      out.write(static_cast<const char*>(data), static_cast<std::streamsize>(n));
-      return n;
-    });
-    torch::jit::writeArchiveAndTensors("data", pickle.data(), pickle.size(), pickler.tensorData(), writer);
-    writer.writeEndOfFile();
+  std::size_t written = 0;
+  caffe2::serialize::PyTorchStreamWriter writer([&](const void* data, std::size_t n) {
+    out.write(static_cast<const char*>(data), static_cast<std::streamsize>(n));
+    written += n;
+    return n;
   });
+  torch::jit::writeArchiveAndTensors("data", pickle.data(), pickle.size(), pickler.tensorData(), writer);
+  writer.writeEndOfFile();
+  return written;
 }
 
 namespace {

@@ -10,9 +10,13 @@
 #include <ATen/ATen.h>
 #include <nlohmann/json.hpp>
 
+#include "checkpoint_json.hpp"
+#include "durable.hpp"
 #include "embedded_archives.hpp"
 #include "pickle_tree.hpp"
 #include "tessera/core/checkpoint.hpp"
+#include "tessera/core/checkpoint_folder.hpp"  // remove_tree
+#include "tessera/core/safetensors.hpp"
 #include "tessera/core/sharded_checkpoint.hpp"
 #include "tessera/sdk/error.hpp"
 #include "tessera/sdk/huggingface.hpp"
@@ -520,6 +524,324 @@ sdk::Checkpoint load_dcp(const std::string& path, const std::map<std::string, St
   out.insert("precision_plugin", sdk::make_checkpoint());
   out.insert("tessera_source", std::string("dcp"));
   return out;
+}
+
+// ---- writing ------------------------------------------------------------------------------
+
+namespace {
+
+constexpr const char* kDataFile = "__0_0.distcp";
+
+/// The few pickle opcodes .metadata needs (protocol 2, which every Python 3 reads), written as
+/// Python's pickler writes the same dataclasses: NEWOBJ of the class, then BUILD with its state.
+class Pickler {
+ public:
+  std::string bytes{"\x80\x02"};
+
+  void global(const std::string& module, const std::string& name) { bytes += "c" + module + "\n" + name + "\n"; }
+  void none() { bytes += 'N'; }
+  void boolean(bool b) { bytes += b ? '\x88' : '\x89'; }
+  void integer(std::int64_t v) {
+    if (v >= std::numeric_limits<std::int32_t>::min() && v <= std::numeric_limits<std::int32_t>::max()) {
+      bytes += 'J';
+      little(static_cast<std::uint64_t>(v), 4);
+    } else {
+      bytes += "\x8a\x08";  // LONG1 of 8 bytes, two's complement
+      little(static_cast<std::uint64_t>(v), 8);
+    }
+  }
+  void string(const std::string& s) {
+    bytes += 'X';
+    little(s.size(), 4);
+    bytes += s;
+  }
+  void mark() { bytes += '('; }
+  void tuple() { bytes += 't'; }  // MARK ... TUPLE
+  void empty_tuple() { bytes += ')'; }
+  void tuple1() { bytes += '\x85'; }
+  void reduce() { bytes += 'R'; }
+  void empty_dict() { bytes += '}'; }
+  void set_items() { bytes += 'u'; }  // MARK key value ... SETITEMS
+  void empty_list() { bytes += ']'; }
+  void appends() { bytes += 'e'; }  // MARK item ... APPENDS
+  void stop() { bytes += '.'; }
+
+  /// `module.name()` then BUILD with the dict `fields` writes: what a dataclass pickles as.
+  template <typename Fields>
+  void dataclass(const std::string& module, const std::string& name, Fields fields) {
+    global(module, name);
+    empty_tuple();
+    bytes += '\x81';  // NEWOBJ
+    empty_dict();
+    mark();
+    fields();
+    set_items();
+    bytes += 'b';  // BUILD
+  }
+  void size(const std::vector<std::int64_t>& dims) {  // torch.Size((...))
+    global("torch", "Size");
+    if (dims.empty()) {
+      empty_tuple();
+    } else {
+      mark();
+      for (std::int64_t d : dims) integer(d);
+      tuple();
+    }
+    tuple1();
+    reduce();
+  }
+
+ private:
+  void little(std::uint64_t v, int n) {
+    for (int i = 0; i < n; ++i) bytes += static_cast<char>((v >> (8 * i)) & 0xff);
+  }
+};
+
+std::string dtype_name(at::ScalarType dtype) {
+  switch (dtype) {
+    case at::kFloat: return "float32";
+    case at::kDouble: return "float64";
+    case at::kHalf: return "float16";
+    case at::kBFloat16: return "bfloat16";
+    case at::kLong: return "int64";
+    case at::kInt: return "int32";
+    case at::kShort: return "int16";
+    case at::kChar: return "int8";
+    case at::kByte: return "uint8";
+    case at::kBool: return "bool";
+    default: TESSERA_FAIL("a ", dtype, " tensor cannot be written to a DCP folder");
+  }
+}
+
+}  // namespace
+
+std::string dcp_metadata_pickle(const DcpMetadata& metadata,
+                                const std::map<std::string, std::vector<std::string>>& planner_paths) {
+  const std::string meta = "torch.distributed.checkpoint.metadata";
+  Pickler p;
+  p.dataclass(meta, "Metadata", [&] {
+    p.string("state_dict_metadata");
+    p.empty_dict();
+    p.mark();
+    for (const auto& [fqn, t] : metadata.tensors) {
+      p.string(fqn);
+      p.dataclass(meta, "TensorStorageMetadata", [&] {
+        p.string("properties");
+        // TensorProperties pickles through __getstate__: (dtype, layout, requires_grad,
+        // memory_format, pin_memory), the layout and memory format by name and by number.
+        p.global(meta, "TensorProperties");
+        p.empty_tuple();
+        p.bytes += '\x81';
+        p.mark();
+        p.global("torch", dtype_name(t.dtype));
+        p.global("torch.serialization", "_get_layout");
+        p.string("torch.strided");
+        p.tuple1();
+        p.reduce();
+        p.boolean(false);
+        p.global(meta, "_MEM_FORMAT_ENCODING");
+        p.integer(0);  // TORCH_CONTIGUOUS_FORMAT
+        p.tuple1();
+        p.reduce();
+        p.boolean(false);
+        p.tuple();
+        p.bytes += 'b';
+        p.string("size");
+        p.size(t.size);
+        p.string("chunks");
+        p.empty_list();
+        p.mark();
+        for (const DcpChunk& c : t.chunks)
+          p.dataclass(meta, "ChunkStorageMetadata", [&] {
+            p.string("offsets");
+            p.size(c.offsets);
+            p.string("sizes");
+            p.size(c.sizes);
+          });
+        p.appends();
+      });
+    }
+    p.set_items();
+    p.string("planner_data");
+    p.empty_dict();
+    p.mark();
+    for (const auto& [fqn, t] : metadata.tensors) {
+      p.string(fqn);
+      p.mark();
+      auto path = planner_paths.find(fqn);
+      if (path == planner_paths.end() || path->second.empty()) p.string(fqn);
+      else for (const std::string& part : path->second) p.string(part);
+      p.tuple();
+    }
+    p.set_items();
+    p.string("storage_data");
+    p.empty_dict();
+    p.mark();
+    for (const auto& [fqn, t] : metadata.tensors)
+      for (std::size_t i = 0; i < t.chunks.size(); ++i) {
+        const DcpChunk& c = t.chunks[i];
+        p.dataclass(meta, "MetadataIndex", [&] {
+          p.string("fqn");
+          p.string(fqn);
+          p.string("offset");
+          p.size(c.offsets);
+          p.string("index");
+          p.integer(static_cast<std::int64_t>(i));
+        });
+        p.dataclass("torch.distributed.checkpoint.filesystem", "_StorageInfo", [&] {
+          p.string("relative_path");
+          p.string(c.storage.file);
+          p.string("offset");
+          p.integer(static_cast<std::int64_t>(c.storage.offset));
+          p.string("length");
+          p.integer(static_cast<std::int64_t>(c.storage.length));
+        });
+      }
+    p.set_items();
+    p.string("storage_meta");
+    p.none();
+  });
+  p.stop();
+  return p.bytes;
+}
+
+DcpWriter::DcpWriter(std::string path) : path_(fs::absolute(path).lexically_normal().string()) {
+  std::error_code ec;
+  TESSERA_CHECK(!fs::exists(path_, ec), path_, " exists: export writes a new folder (remove it, or pick another)");
+  temp_ = temporary_folder(path_, new_save_id());
+  fs::create_directories(temp_, ec);
+  TESSERA_CHECK(!ec, "cannot create ", temp_, ": ", ec.message());
+  data_ = std::make_unique<std::ofstream>(fs::path(temp_) / kDataFile, std::ios::binary);
+  TESSERA_CHECK(data_->good(), "cannot write ", temp_, "/", kDataFile);
+}
+
+DcpWriter::~DcpWriter() {
+  if (committed_) return;
+  data_.reset();
+  std::error_code ignored;
+  remove_tree(temp_, ignored);
+}
+
+void DcpWriter::add(const std::string& key, const at::Tensor& value, std::vector<std::string> planner_path) {
+  TESSERA_CHECK(!committed_ && !metadata_.tensors.count(key), "DCP export: '", key, "' written twice");
+  const at::Tensor t = value.detach().cpu().contiguous();
+  DcpTensor entry;
+  entry.dtype = t.scalar_type();
+  (void)dtype_name(entry.dtype);  // refuses what the metadata cannot name, before writing
+  entry.size = t.sizes().vec();
+  DcpChunk chunk;
+  chunk.offsets.assign(entry.size.size(), 0);
+  chunk.sizes = entry.size;
+  chunk.storage = {kDataFile, written_, write_archive(t, *data_)};
+  TESSERA_CHECK(data_->good(), "cannot write ", temp_, "/", kDataFile, " (disk full?)");
+  written_ += chunk.storage.length;
+  entry.chunks.push_back(std::move(chunk));
+  metadata_.tensors.emplace(key, std::move(entry));
+  if (!planner_path.empty()) planner_paths_.emplace(key, std::move(planner_path));
+}
+
+void DcpWriter::commit() {
+  data_->close();
+  TESSERA_CHECK(data_->good(), "cannot write ", temp_, "/", kDataFile);
+  detail::fsync_path(fs::path(temp_) / kDataFile, false);
+  {
+    std::ofstream out(fs::path(temp_) / kDcpMetadataName, std::ios::binary);
+    out << dcp_metadata_pickle(metadata_, planner_paths_);
+    out.close();
+    TESSERA_CHECK(out.good(), "cannot write ", temp_, "/", kDcpMetadataName);
+  }
+  detail::fsync_path(fs::path(temp_) / kDcpMetadataName, false);
+  detail::fsync_path(temp_, true);
+  std::error_code ec;
+  fs::rename(temp_, path_, ec);
+  TESSERA_CHECK(!ec, "cannot rename ", temp_, " to ", path_, ": ", ec.message());
+  detail::fsync_path(fs::path(path_).parent_path(), true);
+  committed_ = true;
+}
+
+namespace {
+
+/// An optimizer's per-parameter value as a tensor ("step" may be a number).
+at::Tensor state_tensor(const c10::IValue& v) {
+  if (v.isTensor()) return v.toTensor();
+  if (v.isInt()) return at::scalar_tensor(static_cast<double>(v.toInt()), at::kFloat);
+  TESSERA_CHECK(v.isDouble(), "optimizer state holds a ", v.tagKind(), ", which a DCP folder cannot hold");
+  return at::scalar_tensor(v.toDouble(), at::kFloat);
+}
+
+void add_optimizer_entry(DcpWriter& writer, const std::string& param, const std::string& key, const at::Tensor& t) {
+  const std::string flat = "state." + param + "." + key;
+  writer.add("optimizer." + flat, t, {"optimizer", flat});
+}
+
+}  // namespace
+
+std::size_t export_dcp(const std::string& checkpoint, const std::string& to) {
+  DcpWriter writer(to);
+  std::size_t count = 0;
+  std::int64_t global_step = -1;
+  if (is_sharded_checkpoint(checkpoint)) {
+    ShardedReader reader(read_manifest(checkpoint));
+    const Manifest& m = reader.manifest();
+    TESSERA_CHECK(!holds_rank_local_state(m), "checkpoint ", checkpoint, " holds rank-local state (fsdp ",
+                  "state_dict_type = \"local\"), not the model's tensors: resume it so and save with [strategy] ",
+                  "state_dict_type = \"sharded\" or \"full\" to export it");
+    for (const auto& [name, t] : model_tensors(m)) {  // each assembled from its pieces, then written
+      writer.add(name, reader.read(model_tensor_key(name), TensorPiece::whole(t->global_shape)));
+      ++count;
+    }
+    for (const auto& [key, t] : m.tensors) {
+      if (key.rfind("optimizer/", 0) != 0) continue;
+      const std::size_t slash = key.rfind('/');
+      add_optimizer_entry(writer, key.substr(10, slash - 10), key.substr(slash + 1),
+                          reader.read(key, TensorPiece::whole(t.global_shape)));
+      ++count;
+    }
+    // The steps are scalars in rank 0's own entries (its file's tessera.tree).
+    SafetensorsReader& own = reader.file("rank-0-of-" + std::to_string(m.world_size) + ".safetensors");
+    const auto tree = nlohmann::ordered_json::parse(own.metadata().at("tessera.tree"));
+    if (tree.contains("optimizer_states") && !tree["optimizer_states"].empty()) {
+      const auto& optimizer = tree["optimizer_states"][0];
+      const auto& names = optimizer.at("param_names");
+      if (optimizer.at("state").contains("__int_dict__"))
+        for (const auto& kv : optimizer.at("state").at("__int_dict__"))
+          if (kv.at(1).contains("step")) {
+            const c10::IValue step = checkpoint_json::decode(kv.at(1).at("step"), [&](const std::string& n) { return own.read(n); });
+            add_optimizer_entry(writer, names.at(kv.at(0).get<std::size_t>()).get<std::string>(), "step",
+                                state_tensor(step));
+            ++count;
+          }
+    }
+    const sdk::Checkpoint state = read_trainer_state(checkpoint);
+    if (state.contains("global_step")) global_step = state.at("global_step").toInt();
+  } else {
+    const sdk::Checkpoint c = load_checkpoint_file(checkpoint);
+    check_tensor_checksums(c, checkpoint);
+    for (const auto& item : state_dict_from(checkpoint_get(c, "state_dict"), checkpoint + " [state_dict]")) {
+      writer.add(item.key(), item.value());
+      release_loaded_pages(item.value());
+      ++count;
+    }
+    if (c.contains("optimizer_states") && !c.at("optimizer_states").toListRef().empty()) {
+      const sdk::Checkpoint by_name = rekey_optim_state_dict(
+          checkpoint_dict(c.at("optimizer_states").toListRef()[0], checkpoint + " [optimizer_states][0]"),
+          OptimStateKeyType::PARAM_NAME);
+      for (const auto& param : checkpoint_dict(checkpoint_get(by_name, "state"), checkpoint + " optimizer state"))
+        for (const auto& entry : checkpoint_dict(param.value(), checkpoint + " optimizer state")) {
+          const at::Tensor t = state_tensor(entry.value());
+          add_optimizer_entry(writer, param.key().toStringRef(), entry.key().toStringRef(), t);
+          release_loaded_pages(t);
+          ++count;
+        }
+    }
+    if (c.contains("global_step")) global_step = c.at("global_step").toInt();
+  }
+  if (global_step >= 0) {
+    writer.add("train_state.step", at::scalar_tensor(global_step, at::kLong), {"train_state", "step"});
+    ++count;
+  }
+  writer.commit();
+  return count;
 }
 
 }  // namespace tessera::core

@@ -4,11 +4,14 @@
 // shape, dtype and chunks (offsets and sizes) and of where each chunk is stored, and data files
 // `__R_K.distcp` holding each chunk as a torch.save record at a recorded byte range.
 #include <cstdint>
+#include <fstream>
 #include <map>
+#include <memory>
 #include <string>
 #include <string_view>
 #include <vector>
 
+#include <ATen/core/Tensor.h>
 #include <c10/core/ScalarType.h>
 
 #include "tessera/core/tensor_piece.hpp"
@@ -70,5 +73,41 @@ DcpModelShape dcp_model_shape(const sdk::Module& model);
 /// overlap a wanted piece are read. Names and shapes are compared before any tensor data is read.
 sdk::Checkpoint load_dcp(const std::string& path, const std::map<std::string, StackedPieces>& wanted,
                          const DcpModelShape& shape);
+
+/// Writes a DCP folder that torch.distributed.checkpoint.load reads (FileSystemReader, PyTorch
+/// 2.x): each tensor added is one chunk, a torch.save record appended to `__0_0.distcp`; commit()
+/// writes `.metadata` and renames the hidden temporary folder into place (fsynced first), so an
+/// interrupted export never leaves a folder that reads as a checkpoint. `path` must not exist.
+class DcpWriter {
+ public:
+  explicit DcpWriter(std::string path);
+  ~DcpWriter();  ///< removes the temporary folder unless committed
+  DcpWriter(const DcpWriter&) = delete;
+  DcpWriter& operator=(const DcpWriter&) = delete;
+  /// `value` whole under `key`; `planner_path`: the nesting of the state dict it came from
+  /// (DCP's planner_data: {"optimizer": {"state.w.exp_avg": t}} is {"optimizer", "state.w.exp_avg"}),
+  /// empty for a top-level key.
+  void add(const std::string& key, const at::Tensor& value, std::vector<std::string> planner_path = {});
+  void commit();
+
+ private:
+  std::string path_, temp_;
+  std::unique_ptr<std::ofstream> data_;
+  std::uint64_t written_ = 0;
+  DcpMetadata metadata_;
+  std::map<std::string, std::vector<std::string>> planner_paths_;
+  bool committed_ = false;
+};
+
+/// `tessera checkpoint export CKPT --to DIR --format dcp`: a full checkpoint file or a sharded
+/// folder (any world size) as a DCP folder, streamed one tensor at a time: the weights under
+/// their own names (as `dcp.load(model.state_dict())` asks for them), the optimizer moments and
+/// steps as torchtitan's OptimizersContainer names them (optimizer.state.<name>.<moment>), the
+/// global step as its train_state.step. Returns the number of tensors written.
+std::size_t export_dcp(const std::string& checkpoint, const std::string& to);
+
+/// The pickle DcpWriter writes as `.metadata` (for tests: parse_dcp_metadata reads it back).
+std::string dcp_metadata_pickle(const DcpMetadata& metadata,
+                                const std::map<std::string, std::vector<std::string>>& planner_paths);
 
 }  // namespace tessera::core

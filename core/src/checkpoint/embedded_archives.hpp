@@ -3,6 +3,7 @@
 // tensor chunk as a torch.save record at the offset and length its `.metadata` records.
 #include <cstdint>
 #include <memory>
+#include <ostream>
 #include <string>
 
 #include <ATen/core/ivalue.h>
@@ -23,5 +24,9 @@ class EmbeddedArchives {
   std::string path_;
   std::shared_ptr<void> file_;  // checkpoint.cpp's MappedFile
 };
+
+/// Appends `value` to `out` as torch.save writes a file (a zip archive; torch.load reads the
+/// bytes back); returns how many bytes it wrote. What save_pickle writes, without the file.
+std::size_t write_archive(const c10::IValue& value, std::ostream& out);
 
 }  // namespace tessera::core

@@ -1,4 +1,5 @@
 #include "checkpoint/huggingface.hpp"
+#include "durable.hpp"
 
 #include <fcntl.h>
 #include <unistd.h>
@@ -37,15 +38,6 @@ std::string shape_text(const std::vector<std::int64_t>& shape) {
   std::ostringstream out;
   out << at::IntArrayRef(shape);
   return out.str();
-}
-
-void fsync_path(const std::string& path, bool directory) {
-  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | (directory ? O_DIRECTORY : 0));
-  TESSERA_CHECK(fd >= 0, "cannot open ", path, " to fsync it: ", std::strerror(errno));
-  const bool ok = ::fsync(fd) == 0;
-  const int error = errno;
-  ::close(fd);
-  TESSERA_CHECK(ok, "cannot fsync ", path, ": ", std::strerror(error));
 }
 
 /// Keys of `a` and `b` (both objects) whose values differ, recursively into objects both have.
@@ -244,7 +236,7 @@ HfExport write_hf_directory(const std::string& dir, const std::vector<TensorSpec
         out << text;
         out.close();
         TESSERA_CHECK(out.good(), "cannot write ", path);
-        fsync_path(path, false);
+        detail::fsync_path(path, false);
       });
     };
     write_text(kHfConfigName, config_json + "\n");
@@ -268,11 +260,11 @@ HfExport write_hf_directory(const std::string& dir, const std::vector<TensorSpec
       nlohmann::json index = {{"metadata", {{"total_size", result.total_bytes}}}, {"weight_map", weight_map}};
       write_text(kHfIndexName, index.dump(2));
     }
-    fsync_path(temp.string(), true);
+    detail::fsync_path(temp.string(), true);
     if (fs::exists(target, ec)) fs::remove(target, ec);  // empty, checked above
     fs::rename(temp, target, ec);
     TESSERA_CHECK(!ec, "cannot rename ", temp.string(), " to ", target.string(), ": ", ec.message());
-    fsync_path(target.parent_path().string(), true);
+    detail::fsync_path(target.parent_path().string(), true);
   } catch (...) {
     std::error_code ignored;
     remove_tree(temp.string(), ignored);

@@ -1,5 +1,6 @@
 #include "tessera/core/sharded_checkpoint.hpp"
 #include "dcp.hpp"
+#include "durable.hpp"
 
 #include <fcntl.h>
 #include <stdio.h>  // renameat2
@@ -50,15 +51,6 @@ std::string record_name(std::int64_t rank, std::int64_t world) {
   return "rank-" + std::to_string(rank) + "-of-" + std::to_string(world) + ".json";
 }
 
-void fsync_path(const fs::path& path, bool directory) {
-  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | (directory ? O_DIRECTORY : 0));
-  TESSERA_CHECK(fd >= 0, "cannot open ", path.string(), " to fsync it: ", std::strerror(errno));
-  const bool ok = ::fsync(fd) == 0;
-  const int error = errno;
-  ::close(fd);
-  TESSERA_CHECK(ok, "cannot fsync ", path.string(), ": ", std::strerror(error));
-}
-
 json piece_json(const TensorPiece& piece) {
   return {{"kind", piece.kind == TensorPiece::Kind::flat ? "flat" : "box"},
           {"offsets", piece.offsets},
@@ -103,6 +95,17 @@ void check_save_id(const SafetensorsReader& reader, const Manifest& m) {
 }
 
 }  // namespace
+
+namespace detail {
+void fsync_path(const fs::path& path, bool directory) {
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | (directory ? O_DIRECTORY : 0));
+  TESSERA_CHECK(fd >= 0, "cannot open ", path.string(), " to fsync it: ", std::strerror(errno));
+  const bool ok = ::fsync(fd) == 0;
+  const int error = errno;
+  ::close(fd);
+  TESSERA_CHECK(ok, "cannot fsync ", path.string(), ": ", std::strerror(error));
+}
+}  // namespace detail
 
 std::string new_save_id() {
   std::random_device device;
@@ -260,7 +263,7 @@ void commit_shards(const std::string& path, std::int64_t world, const std::strin
     manifest["files"] = files;
     for (std::int64_t r = 0; r < world; ++r) fs::remove(folder / record_name(r, world), ec);
     write_json(folder / kManifestName, manifest);
-    fsync_path(folder, true);
+    detail::fsync_path(folder, true);
     // Publish: a plain rename, or an atomic exchange with the checkpoint already at `path`.
     const fs::path target(path);
     if (::renameat2(AT_FDCWD, folder.c_str(), AT_FDCWD, target.c_str(), RENAME_NOREPLACE) != 0) {
@@ -269,7 +272,7 @@ void commit_shards(const std::string& path, std::int64_t world, const std::strin
                     "cannot exchange ", folder.string(), " with ", path, ": ", std::strerror(errno));
       remove_tree(folder.string(), ec);  // now the replaced checkpoint
     }
-    fsync_path(target.has_parent_path() ? target.parent_path() : fs::path("."), true);
+    detail::fsync_path(target.has_parent_path() ? target.parent_path() : fs::path("."), true);
   } catch (...) {
     remove_tree(folder.string(), ec);
     throw;

@@ -2,8 +2,8 @@
 """Writes the DCP fixtures of dcp_test: folders saved by PyTorch's own torch.distributed.checkpoint.
 
 Usage (PyTorch >= 2.4, with DTensor; Debian bookworm's 1.13 has no working DCP):
-    make_fixtures.sh   (builds a Debian trixie chroot with python3-torch 2.6 and runs this there)
-    python3 make_fixtures.py OUT_DIR
+    sudo bash tests/checkpoint/dcp/pytorch2.sh tests/checkpoint/dcp/fixtures make_fixtures.py /io
+    (pytorch2.sh runs it under Debian trixie's PyTorch 2.6 in a chroot; or: python3 make_fixtures.py OUT_DIR)
 
 A 2-rank Gloo job takes one AdamW step of a tiny Llama, every rank on the same row, and saves the
 state an FSDP2 job holds (each parameter and moment a DTensor, Shard(0) over a 1-D mesh of the 2
