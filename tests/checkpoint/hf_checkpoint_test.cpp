@@ -19,6 +19,7 @@
 
 #include "multiprocess.hpp"
 #include "tessera/core/checkpoint.hpp"
+#include "checkpoint/dcp.hpp"
 #include "checkpoint/huggingface.hpp"
 #include "tessera/core/safetensors.hpp"
 #include "tessera/core/sharded_checkpoint.hpp"
@@ -318,34 +319,46 @@ TEST(HfExport, TrainedShardedCheckpointRoundTripsBitwise) {
 
 // A ~270 MB fp32 folder (3 files) loaded under fsdp by 1, 2 and 4 ranks: each maps the files
 // and copies out its flat range of each unit, so what the load adds to a rank's peak RSS is
-// about model/N (plus, at most, one unit's worth where ranges cut pages), not the model.
+// about model/N (plus, at most, one unit's worth where ranges cut pages), not the model. The
+// same tensors as a PyTorch DCP folder (one chunk per tensor, in one data file) load the same
+// way: each rank maps the data file and copies its part out of each chunk's mapped record.
 TEST(HfImport, EachRankHoldsAboutItsShardWhileLoading) {
   const std::string dir = tessera::testing::fresh_dir("hf-memory");
   const std::string model = "hidden_size = 1024\nintermediate_size = 4096\nnum_hidden_layers = 8\n";
   python("write " + dir + "/src --hidden 1024 --intermediate 4096 --layers 8 --shards 3");
+  {
+    const core::HfDirectory hf = core::read_hf_directory(dir + "/src");
+    core::DcpWriter dcp(dir + "/dcp");
+    for (const auto& [name, t] : hf.tensors) dcp.add(name, core::SafetensorsReader(dir + "/src/" + t.file).read(name));
+    dcp.commit();
+  }
   double file_mb = 0;
   for (const auto& e : fs::directory_iterator(dir + "/src"))
     if (e.path().extension() == ".safetensors") file_mb += static_cast<double>(fs::file_size(e.path())) / 1048576.0;
   const double unit_mb = 2.0 * 1024 * 4096 * 4 / 1048576.0;  // one layer's up and down projections
   ASSERT_GT(file_mb, 250.0);
-  std::map<int, double> peak;
-  for (int ranks : {1, 2, 4}) {
-    const std::string run = dir + "/r" + std::to_string(ranks);
-    fs::create_directories(run);
-    auto r = run_tessera("validate --config " + write_config(run, model) + " --set launch.devices=" +
-                             std::to_string(ranks) + " --set strategy.plugin=fsdp --set trainer.limit_val_batches=1" +
-                             " --set trainer.init_from=" + dir + "/src",
-                         "", 180);
-    ASSERT_EQ(r.exit_code, 0) << r.output;
-    std::smatch m;
-    ASSERT_TRUE(std::regex_search(r.output, m, std::regex(R"(load peak \+([0-9]+) MB RSS per rank)")))
-        << "the init_from line names no load peak (no /proc/self/clear_refs?)\n" << r.output;
-    peak[ranks] = std::stod(m[1]);
+  for (const char* source : {"src", "dcp"}) {
+    std::map<int, double> peak;
+    for (int ranks : {1, 2, 4}) {
+      const std::string run = dir + "/" + source + std::to_string(ranks);
+      fs::create_directories(run);
+      auto r = run_tessera("validate --config " + write_config(run, model) + " --set launch.devices=" +
+                               std::to_string(ranks) + " --set strategy.plugin=fsdp --set trainer.limit_val_batches=1" +
+                               " --set trainer.init_from=" + dir + "/" + source,
+                           "", 180);
+      ASSERT_EQ(r.exit_code, 0) << r.output;
+      std::smatch m;
+      ASSERT_TRUE(std::regex_search(r.output, m, std::regex(R"(load peak \+([0-9]+) MB RSS per rank)")))
+          << "the init_from line names no load peak (no /proc/self/clear_refs?)\n" << r.output;
+      peak[ranks] = std::stod(m[1]);
+    }
+    std::cout << "[ " << (source == std::string("src") ? "hf" : "dcp") << " load ] " << file_mb << " MB, unit "
+              << unit_mb << " MB: load peak per rank +" << peak[1] << " MB on 1 fsdp rank, +" << peak[2] << " on 2, +"
+              << peak[4] << " on 4\n";
+    for (int ranks : {1, 2, 4})
+      EXPECT_LE(peak[ranks], 1.15 * (file_mb / ranks + unit_mb))
+          << source << ", " << ranks << " ranks: a rank holds more than its shard";
   }
-  std::cout << "[ hf load ] " << file_mb << " MB folder, unit " << unit_mb << " MB: load peak per rank +" << peak[1]
-            << " MB on 1 fsdp rank, +" << peak[2] << " on 2, +" << peak[4] << " on 4\n";
-  for (int ranks : {1, 2, 4})
-    EXPECT_LE(peak[ranks], 1.15 * (file_mb / ranks + unit_mb)) << ranks << " ranks: a rank holds more than its shard";
 }
 
 // ---- refusals, before any step ---------------------------------------------------------------
