@@ -207,6 +207,11 @@ void Trainer::check_data_against_model(const std::string& stage) {
   std::shared_ptr<sdk::Dataset> dataset = stage == "fit"        ? data_->train_dataset()
                                           : stage == "validate" ? data_->val_dataset()
                                                                 : data_->test_dataset();
+  // `validate` and `test` evaluate one split: without it they would end having evaluated nothing.
+  TESSERA_CHECK(stage == "fit" || (dataset && dataset->size() > 0), "tessera ", stage, ": data plugin '",
+                config_.plugin_names.at("data"), "' has no ", stage == "test" ? "test" : "validation",
+                " data (its ", stage == "test" ? "test_dataset()" : "val_dataset()",
+                " is empty): give it one (see `tessera config --reference` for its [data] keys)");
   if (!dataset || dataset->size() == 0) return;
   const sdk::Batch sample = dataset->get_batch({0});
   // Token sequences only: [batch, time] integer ids.

@@ -115,19 +115,35 @@ class Text final : public sdk::DataModule {
                       block_size_, 1)),
         val_fraction_(
             o.get_double({"val_fraction", "the share of the text held out for validation (its end)"}, 0.05, 0.0, 0.5)),
+        test_fraction_(o.get_double({"test_fraction", "the share of the text held out for `tessera test` (after the "
+                                                      "validation part); 0: no test split"},
+                                    0.0, 0.0, 0.5)),
         prompt_(o.get_string({"prompt", "the text predict continues"}, "Q: ")) {
     TESSERA_CHECK(!prompt_.empty(), o.locate("prompt"), " must not be empty");
   }
 
   void setup(const std::string& stage) override {
     // Predicting needs only the prompt: no corpus has to be installed for it.
+    // Held-out data is never reported under another split's name.
+    TESSERA_CHECK(stage != "test" || test_fraction_ > 0, "tessera test evaluates the data's test split, and the text ",
+                  "plugin has none here: set ", options_.locate("test_fraction"), " (e.g. 0.05: the last 5% of the ",
+                  "text, after the validation part)");
     if (stage == "predict" || bytes_.defined()) return;
     std::string text = read_corpus();
     at::Tensor bytes = at::empty({static_cast<std::int64_t>(text.size())}, at::kByte);
     std::memcpy(bytes.data_ptr(), text.data(), text.size());
-    const std::int64_t split = static_cast<std::int64_t>(static_cast<double>(text.size()) * (1.0 - val_fraction_));
+    const auto at_fraction = [&](double f) { return static_cast<std::int64_t>(static_cast<double>(text.size()) * f); };
+    const std::int64_t split = at_fraction(1.0 - val_fraction_ - test_fraction_);
+    const std::int64_t test_start = test_fraction_ > 0 ? at_fraction(1.0 - test_fraction_) : bytes.numel();
     auto train = std::make_shared<TextWindows>(bytes.narrow(0, 0, split), block_size_, stride_);
-    auto val = std::make_shared<TextWindows>(bytes.narrow(0, split, bytes.numel() - split), block_size_, block_size_);
+    auto val = std::make_shared<TextWindows>(bytes.narrow(0, split, test_start - split), block_size_, block_size_);
+    if (test_fraction_ > 0) {
+      test_ = std::make_shared<TextWindows>(bytes.narrow(0, test_start, bytes.numel() - test_start), block_size_,
+                                            block_size_);
+      TESSERA_CHECK(test_->size() > 0, options_.locate("test_fraction"), " = ", test_fraction_, " leaves ",
+                    bytes.numel() - test_start, " bytes in the test part of \"", path_, "\", too few for one window ",
+                    "of block_size + 1 = ", block_size_ + 1, " bytes; raise test_fraction");
+    }
     const char* hint = " bytes, too few for one window of block_size + 1 = ";
     TESSERA_CHECK(train->size() > 0, options_.locate("path"), " = \"", path_, "\": the training part holds ", split, hint,
                   block_size_ + 1, " bytes");
@@ -140,7 +156,7 @@ class Text final : public sdk::DataModule {
   }
   std::shared_ptr<sdk::Dataset> train_dataset() override { return train_; }
   std::shared_ptr<sdk::Dataset> val_dataset() override { return val_; }
-  std::shared_ptr<sdk::Dataset> test_dataset() override { return val_; }  // the held-out tail
+  std::shared_ptr<sdk::Dataset> test_dataset() override { return test_; }  // null without test_fraction
   std::shared_ptr<sdk::Dataset> predict_dataset() override { return std::make_shared<Prompt>(prompt_); }
 
   std::string describe_prediction(const sdk::Batch&, const at::Tensor& output) const override {
@@ -201,10 +217,10 @@ class Text final : public sdk::DataModule {
   sdk::Options options_;
   std::string path_;
   std::int64_t block_size_, stride_;
-  double val_fraction_;
+  double val_fraction_, test_fraction_;
   std::string prompt_;
   at::Tensor bytes_;
-  std::shared_ptr<sdk::Dataset> train_, val_;
+  std::shared_ptr<sdk::Dataset> train_, val_, test_;
 };
 
 }  // namespace

@@ -108,7 +108,16 @@ TEST(Text, WindowsAreIndexedByStrideAndSplitAtTheEnd) {
   sdk::Batch v = val->get_batch({1});
   EXPECT_EQ(row(v.input, 0), bytes_of(corpus, 84, 4));
   EXPECT_EQ(row(v.target, 0), bytes_of(corpus, 85, 4));
-  EXPECT_EQ(data->test_dataset()->size(), val->size());
+  EXPECT_EQ(data->test_dataset(), nullptr) << "no test_fraction: no test split (never the validation part again)";
+  EXPECT_MENTIONS(error_of([&] { data->setup("test"); }), "the text plugin has none here: set test.toml: [data] test_fraction");
+  // test_fraction: the last bytes, after the validation part (which shrinks by nothing).
+  auto split = make_data("text", "path = \"" + (dir.path() / "corpus.txt").string() +
+                                     "\"\nblock_size = 4\nstride = 3\nval_fraction = 0.2\ntest_fraction = 0.1\n");
+  split->setup("test");
+  EXPECT_EQ(split->train_dataset()->size(), (70 - 5) / 3 + 1);
+  EXPECT_EQ(split->val_dataset()->size(), (20 - 5) / 4 + 1);
+  ASSERT_EQ(split->test_dataset()->size(), (10 - 5) / 4 + 1);
+  EXPECT_EQ(row(split->test_dataset()->get_batch({0}).input, 0), bytes_of(corpus, 90, 4));
 
   // Order is the sampler's alone: the same index gives the same sample, whatever the batch.
   EXPECT_TRUE(at::equal(train->get_batch({7}).input, train->get_batch({3, 7}).input[1].unsqueeze(0)));

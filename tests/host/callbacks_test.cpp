@@ -163,7 +163,7 @@ TEST(Callbacks, CkptPathBestWithoutAMonitorOrWithoutASave) {
   EXPECT_NE(r.exit_code, 0);
   EXPECT_NE(r.output.find("--ckpt-path best: no checkpoint in any run under " + dir), std::string::npos) << r.output;
   ASSERT_EQ(run_tessera("fit --config " + config + " --set trainer.max_steps=6").exit_code, 0);
-  r = run_tessera("test --config " + config + " --ckpt-path best --set trainer.limit_test_batches=1");
+  r = run_tessera("test --config " + config + " --ckpt-path best --set trainer.limit_test_batches=1 --set data.test_fraction=0.02");
   ASSERT_EQ(r.exit_code, 0) << r.output;
   EXPECT_NE(r.output.find("restored " + dir + "/version_0/checkpoints/step=4.ckpt"), std::string::npos) << r.output;
 

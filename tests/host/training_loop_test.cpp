@@ -69,7 +69,7 @@ TEST(Trainer, ValidateAndTestPrintMetricsFromACheckpoint) {
   ASSERT_EQ(run_tessera("fit --config " + write_config(dir) + " --set trainer.max_steps=2").exit_code, 0);
   for (const char* stage : {"validate", "test"}) {
     auto r = run_tessera(std::string(stage) + " --config " + dir + "/run.toml --ckpt-path last " +
-                         "--set trainer.limit_val_batches=2 --set trainer.limit_test_batches=2");
+                         "--set trainer.limit_val_batches=2 --set trainer.limit_test_batches=2 --set data.test_fraction=0.02");
     ASSERT_EQ(r.exit_code, 0) << r.output;
     std::string prefix = std::string(stage) == "validate" ? "val_loss " : "test_loss ";
     EXPECT_NE(r.output.find(std::string(stage) + ":  " + prefix), std::string::npos) << r.output;

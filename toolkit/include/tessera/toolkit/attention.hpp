@@ -5,7 +5,8 @@
 /// Shapes: q [B, Hq, Tq, D]; k and v [B, Hkv, Tk, D] with Hq a multiple of Hkv (grouped-query
 /// attention: query head h reads key/value head h / (Hq / Hkv), Hugging Face's repeat_kv) and
 /// Tk >= Tq. The queries are the last Tq of the Tk positions (a KV cache holds the first
-/// Tk - Tq): query i sees keys 0 .. Tk - Tq + i. Returns [B, Hq, Tq, D] in q's dtype.
+/// Tk - Tq): query i sees keys 0 .. Tk - Tq + i. Returns [B, Hq, Tq, D] in the dtype the products
+/// ran in: autocast's under autocast (q, k and v may then differ), else q, k and v's promoted one.
 #include <cstdint>
 #include <functional>
 #include <string>
