@@ -224,6 +224,17 @@ TEST(ChatTemplate, ConstructsRenderAsJinja2) {
       "{{ l < 'a' }}", "{{ 3 in 'abc' }}", "{{ d|tojson(sort_keys=true) if false else missing|tojson }}", "{{ range(200000)|length }}",
       "{% for a, b in [(1, 2, 3)] %}{% endfor %}", "{% set x = 1 %}{% set x.y = 2 %}", "{{ l.append(4) }}", "{{ 'a'.nope() }}",
       "{{ [1, 2]|last }} {{ (l|select)|last }}", "{{ l|selectattr('x')|length }}", "{{ {'a': 1}['a'].b.c }}", "{{ d.items()[0] }}",
+      // jinja2's generator filters run only as far as they are read; falsy input gives nothing.
+      "{% set g = i|map(attribute='x') %}{{ 'unread' if g else 'never' }} {{ n|map('upper')|list }} {{ e|select|list }} {{ missing|items|list }}",
+      "{{ [messages[0], 7]|map(attribute='role.x')|first }}", "{{ [messages[0], 7]|map(attribute='role.x')|list }}",
+      "{{ i|selectattr('x')|list }}", "{% if i|map('upper') %}truthy{% endif %}{{ (l|unique)|first }} {{ [[1], 2]|unique|first }}",
+      // An unknown filter or test inside an if (jinja2's soft frames) fails only when reached.
+      "{% if false %}{{ x|nosuchfilter }}{% endif %}{{ 'x' if true else y|nosuchfilter }}{% if false %}{{ x is nosuchtest }}{% endif %}ok",
+      "{% if true %}{{ x|nosuchfilter }}{% endif %}", "{% if false %}{{ x|truncate(3) }}{% endif %}fine",
+      // Odd corners found by random templates against jinja2.
+      "{{ d|indent }}", "{{ missing|indent }}", "{{ missing|int }}", "{{ missing|float }}", "{{ missing is callable }}",
+      "{{ (1,) in d }} {{ missing in d }} {{ {(1, 'a'): 'tuple key'} }} {{ -2 * (1,) }} {{ [messages[-1].role|safe, 'x'] }}",
+      "{{ (not 'ab' is mapping)[:2] }}|{{ [2.5, (1e3 is integer)[:2]] }}", "{% for x in 3.0[:2] %}{% endfor %}",
   };
   std::vector<std::pair<std::string, std::string>> cases;
   for (const auto& t : templates) cases.emplace_back(t, v);

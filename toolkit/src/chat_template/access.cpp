@@ -360,12 +360,18 @@ Value get_item(Env& env, const Value& obj, const Value& key) {
   return fallback();
 }
 
-Value get_slice(Env& env, const Value& obj, const Value& start, const Value& stop, const Value& step) {
+Value get_slice(Env& env, const Value& obj, const Value& start, const Value& stop, const Value& step, bool folded) {
   if (obj.is_undefined()) fail("UndefinedError: ", obj.undefined_hint());
   const bool sliceable = obj.is_string() || (obj.is_sequence() && (obj.seq().kind == Sequence::Kind::list ||
                                                                     obj.seq().kind == Sequence::Kind::tuple ||
                                                                     obj.seq().kind == Sequence::Kind::range));
   // jinja2 compiles a slice to a plain Python subscript: what Python refuses raises.
+  const bool index_like = [&] {
+    for (const Value* b : {&start, &stop, &step})
+      if (!b->is_none() && !b->is_integral()) return false;
+    return true;
+  }();
+  if (folded && (!sliceable || !index_like)) return Value::undefined(obj.type_name() + " object has no element slice");
   if (!sliceable) fail("TypeError: '", obj.type_name(), "' object is not subscriptable by a slice");
   for (const Value* bound : {&start, &stop, &step}) {
     if (bound->is_undefined()) fail("UndefinedError: ", bound->undefined_hint());

@@ -22,7 +22,8 @@ struct Expr {
     dict,       // children: key, value, key, value, ...
     getattr,    // children[0] . name
     getitem,    // children[0] [ children[1] ]
-    slice,      // children[0] [ children[1] : children[2] : children[3] ] (null where omitted)
+    slice,      // children[0] [ children[1] : children[2] : children[3] ] (null where omitted);
+                // value true when jinja2 would fold it (a literal's slice)
     call,       // children[0] ( children[1..] , kwargs )
     filter,     // children[0] | name ( children[1..] , kwargs ); children[0] null in a filter block
     test,       // children[0] is name ( children[1..] , kwargs )

@@ -39,8 +39,9 @@ bool apply_test(Env& env, const std::string& name, const Value& input, CallArgs&
 Value get_attribute(Env& env, const Value& obj, const std::string& name);
 /// obj[key]: an index (negative from the end), a dict key, else obj's attribute `key`.
 Value get_item(Env& env, const Value& obj, const Value& key);
-/// obj[start:stop:step] (null Values left out).
-Value get_slice(Env& env, const Value& obj, const Value& start, const Value& stop, const Value& step);
+/// obj[start:stop:step] (None where left out). A slice Python refuses raises, or is Undefined
+/// when `folded` (jinja2 evaluated a literal's slice at compile time through getitem).
+Value get_slice(Env& env, const Value& obj, const Value& start, const Value& stop, const Value& step, bool folded);
 
 /// The items of iterating `v` (a dict's keys, a string's characters); consumes an iterator.
 std::vector<Value> iterate(const Value& v);

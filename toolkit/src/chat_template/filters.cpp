@@ -3,6 +3,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <functional>
 #include <map>
 #include <set>
 
@@ -23,6 +24,22 @@ Value generator(std::vector<Value> items, const char* type = "generator") {
   for (const auto& v : items) it->shape.add(v);
   it->items = std::move(items);
   return Value(std::move(it));
+}
+
+// A generator filter's result: what `produce` made before it failed, and the failure, raised
+// only when read (a budget failure is not deferred).
+Value lazily(const std::function<void(std::vector<Value>&)>& produce, const char* type = "generator") {
+  std::vector<Value> out;
+  std::optional<Failure> pending;
+  try {
+    produce(out);
+  } catch (const Failure& f) {
+    if (f.kind == TemplateError::Kind::budget) throw;
+    pending = f;
+  }
+  Value v = generator(std::move(out), type);
+  v.iter().pending = std::move(pending);
+  return v;
 }
 
 // make_attrgetter: "a.b.0" looked up part by part as item first (environment.getitem).
@@ -125,20 +142,21 @@ Value f_abs(Env&, const Value& v, CallArgs& a) {
 }
 
 Value f_batch(Env&, const Value& v, CallArgs& a) {
-  Params p("batch", a, {"linecount", "fill_with"});
-  const std::int64_t n = as_int(p.need(0, "batch"), "linecount");
-  if (n <= 0) unsupported("batch() with a count below 1");
-  std::vector<Value> batches, current;
-  for (auto& item : iterate(v)) {
-    current.push_back(item);
-    if (static_cast<std::int64_t>(current.size()) == n) batches.push_back(Value::list(std::move(current))), current.clear();
-  }
-  if (!current.empty()) {
-    if (p.has(1) && !p[1].is_none())
-      while (static_cast<std::int64_t>(current.size()) < n) current.push_back(p[1]);
-    batches.push_back(Value::list(std::move(current)));
-  }
-  return generator(std::move(batches));
+  return lazily([&](std::vector<Value>& batches) {
+    Params p("batch", a, {"linecount", "fill_with"});
+    const std::int64_t n = as_int(p.need(0, "batch"), "linecount");
+    if (n <= 0) unsupported("batch() with a count below 1");
+    std::vector<Value> current;
+    for (auto& item : iterate(v)) {
+      current.push_back(item);
+      if (static_cast<std::int64_t>(current.size()) == n) batches.push_back(Value::list(std::move(current))), current.clear();
+    }
+    if (!current.empty()) {
+      if (p.has(1) && !p[1].is_none())
+        while (static_cast<std::int64_t>(current.size()) < n) current.push_back(p[1]);
+      batches.push_back(Value::list(std::move(current)));
+    }
+  });
 }
 
 Value f_capitalize(Env& env, const Value& v, CallArgs& a) {
@@ -184,6 +202,7 @@ Value f_first(Env&, const Value& v, CallArgs& a) {
   if (v.is_iterator()) {
     auto& it = v.iter();
     if (it.position < it.items.size()) return it.items[it.position++];
+    it.exhausted();
   } else {
     auto items = iterate(v);
     if (!items.empty()) return items.front();
@@ -202,6 +221,7 @@ Value f_last(Env&, const Value& v, CallArgs& a) {
 Value f_float(Env&, const Value& v, CallArgs& a) {
   Params p("float", a, {"default"});
   const Value fallback = p.get(0, Value(0.0));
+  if (v.is_undefined()) fail("UndefinedError: ", v.undefined_hint());  // Undefined.__float__
   if (v.is_number()) return Value(v.as_double());
   if (v.is_string()) {
     const auto f = parse_float(v.str());
@@ -222,7 +242,10 @@ Value f_indent(Env& env, const Value& v, CallArgs& a) {
     indention = std::string(static_cast<std::size_t>(std::max<std::int64_t>(w, 0)), ' ');
   }
   const bool first = truthy(p.get(1, Value(false))), blank = truthy(p.get(2, Value(false)));
-  const auto lines = text::splitlines(to_str(v) + "\n");
+  // do_indent starts with `s += "\n"`: only a string takes it.
+  if (v.is_undefined()) fail("UndefinedError: ", v.undefined_hint());
+  if (!v.is_string()) fail("TypeError: unsupported operand type(s) for +=: '", v.type_name(), "' and 'str'");
+  const auto lines = text::splitlines(v.str() + "\n");
   std::string rv;
   if (blank) {
     for (std::size_t i = 0; i < lines.size(); ++i) rv += (i ? "\n" + indention : "") + lines[i];
@@ -238,6 +261,7 @@ Value f_int(Env&, const Value& v, CallArgs& a) {
   Params p("int", a, {"default", "base"});
   const Value fallback = p.get(0, Value(0));
   const std::int64_t base = as_int(p.get(1, Value(10)), "base");
+  if (v.is_undefined()) fail("UndefinedError: ", v.undefined_hint());  // Undefined.__int__
   if (v.is_string()) {
     if (auto i = parse_int(v.str(), base)) return Value(*i);
     if (auto f = parse_float(v.str())) {
@@ -256,11 +280,13 @@ Value f_int(Env&, const Value& v, CallArgs& a) {
 
 Value f_items(Env&, const Value& v, CallArgs& a) {
   Params p("items", a, {});
-  if (v.is_undefined()) return generator({}, "list_iterator");
-  if (!v.is_dict()) fail("TypeError: Can only get item pairs from a mapping.");
-  std::vector<Value> items;
-  for (const auto& [k, val] : v.dict().items) items.push_back(Value::tuple({k, val}));
-  return generator(std::move(items), "dict_itemiterator");
+  return lazily(
+      [&](std::vector<Value>& items) {
+        if (v.is_undefined()) return;
+        if (!v.is_dict()) fail("TypeError: Can only get item pairs from a mapping.");
+        for (const auto& [k, val] : v.dict().items) items.push_back(Value::tuple({k, val}));
+      },
+      "generator");
 }
 
 Value f_join(Env& env, const Value& v, CallArgs& a) {
@@ -298,33 +324,34 @@ Value f_upper(Env& env, const Value& v, CallArgs& a) {
 }
 
 Value f_map(Env& env, const Value& v, CallArgs& a) {
-  std::vector<Value> out;
-  const auto items = iterate(v);
-  env.count_steps(static_cast<std::int64_t>(items.size()));
-  bool by_attribute = a.positional.empty();
-  for (const auto& [k, _] : a.keyword) by_attribute = by_attribute || k == "attribute";
-  if (by_attribute) {
-    Params p("map", a, {"attribute", "default"});
-    const Value& attribute = p.need(0, "map");
-    for (const auto& item : items) {
-      Value x = attribute_of(env, item, attribute);
-      if (x.is_undefined() && p.has(1)) x = p[1];
-      out.push_back(std::move(x));
+  return lazily([&](std::vector<Value>& out) {
+    if (!truthy(v)) return;  // `if value:`, as do_map
+    bool by_attribute = a.positional.empty();
+    for (const auto& [k, _] : a.keyword) by_attribute = by_attribute || k == "attribute";
+    if (by_attribute) {
+      Params p("map", a, {"attribute", "default"});
+      const Value& attribute = p.need(0, "map");
+      for (const auto& item : iterate(v)) {
+        env.count_steps(1);
+        Value x = attribute_of(env, item, attribute);
+        if (x.is_undefined() && p.has(1) && !p[1].is_none()) x = p[1];
+        out.push_back(std::move(x));
+      }
+      return;
     }
-    return generator(std::move(out));
-  }
-  if (!a.positional[0].is_string()) fail("TypeError: map needs a filter name");
-  const std::string name = a.positional[0].str();
-  if (!has_filter(name)) {
-    if (is_jinja_filter(name)) unsupported("the filter '", name, "'");
-    fail("TemplateRuntimeError: No filter named '", name, "'.");
-  }
-  CallArgs rest{std::vector<Value>(a.positional.begin() + 1, a.positional.end()), a.keyword};
-  for (const auto& item : items) {
-    CallArgs copy = rest;
-    out.push_back(apply_filter(env, name, item, copy));
-  }
-  return generator(std::move(out));
+    if (!a.positional[0].is_string()) fail("TypeError: map needs a filter name");
+    const std::string name = a.positional[0].str();
+    if (!has_filter(name)) {
+      if (is_jinja_filter(name)) unsupported("the filter '", name, "'");
+      fail("TemplateRuntimeError: No filter named '", name, "'.");
+    }
+    CallArgs rest{std::vector<Value>(a.positional.begin() + 1, a.positional.end()), a.keyword};
+    for (const auto& item : iterate(v)) {
+      env.count_steps(1);
+      CallArgs copy = rest;
+      out.push_back(apply_filter(env, name, item, copy));
+    }
+  });
 }
 
 Value min_max(Env& env, const Value& v, CallArgs& a, bool max) {
@@ -348,33 +375,33 @@ Value f_min(Env& env, const Value& v, CallArgs& a) { return min_max(env, v, a, f
 
 // select / reject / selectattr / rejectattr.
 Value select(Env& env, const Value& v, CallArgs& a, bool by_attribute, bool keep, const char* callee) {
-  if (!a.keyword.empty()) fail("TypeError: ", callee, "() takes no keyword arguments");
-  std::size_t next = 0;
-  Value attribute;
-  if (by_attribute) {
-    if (a.positional.empty()) fail("TypeError: ", callee, "() missing the attribute");
-    attribute = a.positional[next++];
-  }
-  std::string test;
-  if (next < a.positional.size()) {
-    if (!a.positional[next].is_string()) fail("TypeError: ", callee, "() needs a test name");
-    test = a.positional[next++].str();
-    if (!has_test(test)) {
-      if (is_jinja_test(test)) unsupported("the test '", test, "'");
-      fail("TemplateRuntimeError: No test named '", test, "'.");
+  return lazily([&](std::vector<Value>& out) {
+    if (!truthy(v)) return;  // `if value:`, as select_or_reject
+    std::size_t next = 0;
+    Value attribute;
+    if (by_attribute) {
+      if (a.positional.empty()) fail("FilterArgumentError: Missing parameter for attribute name");
+      attribute = a.positional[next++];
     }
-  }
-  CallArgs rest{std::vector<Value>(a.positional.begin() + static_cast<std::ptrdiff_t>(next), a.positional.end()), {}};
-  std::vector<Value> out;
-  const auto items = iterate(v);
-  env.count_steps(static_cast<std::int64_t>(items.size()));
-  for (const auto& item : items) {
-    const Value x = by_attribute ? attribute_of(env, item, attribute) : item;
-    CallArgs copy = rest;
-    const bool passed = test.empty() ? truthy(x) : apply_test(env, test, x, copy);
-    if (passed == keep) out.push_back(item);
-  }
-  return generator(std::move(out));
+    std::string test;
+    if (next < a.positional.size()) {
+      if (!a.positional[next].is_string()) fail("TypeError: ", callee, "() needs a test name");
+      test = a.positional[next++].str();
+      if (!has_test(test)) {
+        if (is_jinja_test(test)) unsupported("the test '", test, "'");
+        fail("TemplateRuntimeError: No test named '", test, "'.");
+      }
+    }
+    CallArgs rest{std::vector<Value>(a.positional.begin() + static_cast<std::ptrdiff_t>(next), a.positional.end()),
+                  a.keyword};
+    for (const auto& item : iterate(v)) {
+      env.count_steps(1);
+      const Value x = by_attribute ? attribute_of(env, item, attribute) : item;
+      CallArgs copy = rest;
+      const bool passed = test.empty() ? truthy(x) : apply_test(env, test, x, copy);
+      if (passed == keep) out.push_back(item);
+    }
+  });
 }
 Value f_select(Env& env, const Value& v, CallArgs& a) { return select(env, v, a, false, true, "select"); }
 Value f_reject(Env& env, const Value& v, CallArgs& a) { return select(env, v, a, false, false, "reject"); }
@@ -546,18 +573,18 @@ Value f_trim(Env& env, const Value& v, CallArgs& a) {
 }
 
 Value f_unique(Env& env, const Value& v, CallArgs& a) {
-  Params p("unique", a, {"case_sensitive", "attribute"});
-  const bool case_sensitive = truthy(p.get(0, Value(false)));
-  std::set<std::string> seen;
-  std::vector<Value> out;
-  for (const auto& item : iterate(v)) {
-    Value k = p.has(1) && !p[1].is_none() ? attribute_of(env, item, p[1]) : item;
-    if (!case_sensitive) k = ignore_case(k);
-    const std::string id = key_identity(k);
-    if (id.empty()) fail("TypeError: unhashable type: '", k.type_name(), "'");
-    if (seen.insert(id).second) out.push_back(item);
-  }
-  return generator(std::move(out));
+  return lazily([&](std::vector<Value>& out) {
+    Params p("unique", a, {"case_sensitive", "attribute"});
+    const bool case_sensitive = truthy(p.get(0, Value(false)));
+    std::set<std::string> seen;
+    for (const auto& item : iterate(v)) {
+      Value k = p.has(1) && !p[1].is_none() ? attribute_of(env, item, p[1]) : item;
+      if (!case_sensitive) k = ignore_case(k);
+      const std::string id = key_identity(k);
+      if (id.empty()) fail("TypeError: unhashable type: '", k.type_name(), "'");
+      if (seen.insert(id).second) out.push_back(item);
+    }
+  });
 }
 
 Value f_wordcount(Env&, const Value& v, CallArgs& a) {
@@ -604,7 +631,9 @@ bool t_float(Env&, const Value& v, CallArgs& a) { return no_args("float", a) && 
 bool t_number(Env&, const Value& v, CallArgs& a) { return no_args("number", a) && v.is_number(); }
 bool t_string(Env&, const Value& v, CallArgs& a) { return no_args("string", a) && v.is_string(); }
 bool t_mapping(Env&, const Value& v, CallArgs& a) { return no_args("mapping", a) && v.is_dict(); }
-bool t_callable(Env&, const Value& v, CallArgs& a) { return no_args("callable", a) && v.is_callable(); }
+bool t_callable(Env&, const Value& v, CallArgs& a) {
+  return no_args("callable", a) && (v.is_callable() || v.is_undefined());  // Undefined defines __call__
+}
 bool t_escaped(Env&, const Value& v, CallArgs& a) { return no_args("escaped", a) && v.is_markup(); }
 bool t_iterable(Env&, const Value& v, CallArgs& a) {
   return no_args("iterable", a) && (v.is_string() || v.is_sequence() || v.is_dict() || v.is_iterator() || v.is_undefined());
@@ -677,12 +706,24 @@ bool is_jinja_filter(const std::string& name) {
 
 bool is_jinja_test(const std::string& name) { return name == "filter" || name == "test"; }
 
+// A name the parser let through only because it sits in an if or an inline if (jinja2 then
+// fails when it is reached, not when it is compiled).
 Value apply_filter(Env& env, const std::string& name, const Value& input, CallArgs& args) {
-  return filters().at(name)(env, input, args);
+  const auto it = filters().find(name);
+  if (it == filters().end()) {
+    if (is_jinja_filter(name)) unsupported("the filter '", name, "'");
+    fail("TemplateRuntimeError: No filter named '", name, "' found.");
+  }
+  return it->second(env, input, args);
 }
 
 bool apply_test(Env& env, const std::string& name, const Value& input, CallArgs& args) {
-  return tests().at(name)(env, input, args);
+  const auto it = tests().find(name);
+  if (it == tests().end()) {
+    if (is_jinja_test(name)) unsupported("the test '", name, "'");
+    fail("TemplateRuntimeError: No test named '", name, "' found.");
+  }
+  return it->second(env, input, args);
 }
 
 }  // namespace tessera::toolkit::jinja

@@ -43,7 +43,10 @@ std::pair<double, double> float_divmod(double x, double y) {
 }
 
 Value repeat(Env& env, const Value& seq, std::int64_t n) {
-  if (n <= 0) return seq.is_string() ? Value(std::string()) : Value::list({});
+  if (n <= 0) {
+    if (seq.is_string()) return Value(std::string());
+    return seq.seq().kind == Sequence::Kind::tuple ? Value::tuple({}) : Value::list({});
+  }
   if (seq.is_string()) {
     env.check_size(seq.str().size() * static_cast<std::size_t>(std::min<std::int64_t>(n, INT32_MAX)));
     std::string out;
@@ -98,6 +101,7 @@ bool contains(const Value& item, const Value& container) {
     auto& it = container.iter();
     while (it.position < it.items.size())
       if (equal(it.items[it.position++], item)) return true;
+    it.exhausted();
     return false;
   }
   if (container.is_undefined()) return false;
@@ -135,6 +139,9 @@ Value binary_op(Env& env, const std::string& op, const Value& a, const Value& b)
     type_error(op, a, b);
   }
   if (op == "-") {
+    if (a.is_sequence() && a.seq().kind != Sequence::Kind::list && a.seq().kind != Sequence::Kind::tuple &&
+        a.seq().kind != Sequence::Kind::range)
+      unsupported("set operations on dict views");
     if (ints) return check_overflow(__builtin_sub_overflow(a.as_int(), b.as_int(), &r)), Value(r);
     if (numbers) return Value(a.as_double() - b.as_double());
     type_error(op, a, b);
@@ -222,6 +229,7 @@ std::vector<Value> iterate(const Value& v) {
     auto& it = v.iter();
     std::vector<Value> rest(it.items.begin() + static_cast<std::ptrdiff_t>(it.position), it.items.end());
     it.position = it.items.size();
+    it.exhausted();
     return rest;
   }
   if (v.is_undefined()) return {};

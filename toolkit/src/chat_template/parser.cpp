@@ -23,10 +23,93 @@ class Parser {
   Body parse_template() {
     Body body = subparse({});
     if (cur().type != Token::Type::eof) error("unexpected '" + describe(cur()) + "'");
+    check(body, false);
     return body;
   }
 
  private:
+  // --- after parsing: names, and what jinja2's compiler folds ------------------------------
+  // A filter or test that does not exist (or that this interpreter lacks) is refused here,
+  // except in a "soft frame" (an if's test and branches, an inline if), where jinja2 only
+  // fails if it is reached; a for, macro, with or block body starts a frame that is not soft.
+  void check(const Body& body, bool soft) {
+    for (const auto& s : body) check(*s, soft);
+  }
+
+  void check(const Stmt& s, bool soft) {
+    switch (s.kind) {
+      case Stmt::Kind::if_:
+        for (const auto& [test, body] : s.branches) check(*test, true), check(body, true);
+        check(s.else_body, true);
+        return;
+      case Stmt::Kind::for_:
+        check(*s.exprs[0], soft);
+        if (s.exprs[1]) check(*s.exprs[1], false);
+        check(s.body, false);
+        check(s.else_body, false);
+        return;
+      case Stmt::Kind::macro:
+        for (const auto& d : s.defaults) check(*d, false);
+        check(s.body, false);
+        return;
+      case Stmt::Kind::output:
+        check(*s.exprs[0], soft);
+        if (constant(*s.exprs[0])) fold_slices(*s.exprs[0]);
+        return;
+      default:
+        for (const auto& e : s.exprs)
+          if (e) check(*e, soft);
+        check(s.body, false);
+    }
+  }
+
+  void check(Expr& e, bool soft) {
+    if ((e.kind == Expr::Kind::filter && !has_filter(e.name)) || (e.kind == Expr::Kind::test && !has_test(e.name))) {
+      const bool filter = e.kind == Expr::Kind::filter;
+      const std::string what = std::string(filter ? "filter" : "test");
+      if (!soft) {
+        if (filter ? is_jinja_filter(e.name) : is_jinja_test(e.name))
+          throw TemplateError(TemplateError::Kind::unsupported, origin_, e.line, e.column,
+                              "the " + what + " '" + e.name + "' is not supported by Tessera's chat template interpreter");
+        throw TemplateError(TemplateError::Kind::syntax, origin_, e.line, e.column, "No " + what + " named '" + e.name + "'.");
+      }
+    }
+    const bool inner_soft = soft || e.kind == Expr::Kind::condition;
+    for (auto& c : e.children)
+      if (c) check(*c, inner_soft);
+    for (auto& [_, c] : e.kwargs) check(*c, inner_soft);
+  }
+
+  // jinja2 computes a {{ }} whose expression is all literals at compile time (as_const), and
+  // there a slice goes through the sandbox's getitem, which turns a TypeError into Undefined;
+  // everywhere else a slice is a plain Python subscript, and the TypeError is raised.
+  static bool constant(const Expr& e) {
+    switch (e.kind) {
+      case Expr::Kind::constant: return true;
+      case Expr::Kind::filter:
+        // Filters that take the context are never folded.
+        if (e.name == "map" || e.name == "select" || e.name == "reject" || e.name == "selectattr" ||
+            e.name == "rejectattr" || !e.children[0])
+          return false;
+        [[fallthrough]];
+      case Expr::Kind::list: case Expr::Kind::tuple: case Expr::Kind::dict: case Expr::Kind::unary:
+      case Expr::Kind::binary: case Expr::Kind::compare: case Expr::Kind::concat: case Expr::Kind::getattr:
+      case Expr::Kind::getitem: case Expr::Kind::slice: case Expr::Kind::test: case Expr::Kind::condition:
+        for (const auto& c : e.children)
+          if (c && !constant(*c)) return false;
+        for (const auto& [_, c] : e.kwargs)
+          if (!constant(*c)) return false;
+        return true;
+      default: return false;
+    }
+  }
+
+  static void fold_slices(Expr& e) {
+    if (e.kind == Expr::Kind::slice) e.value = Value(true);
+    for (auto& c : e.children)
+      if (c) fold_slices(*c);
+  }
+
   // --- the token stream ---------------------------------------------------------------
   const Token& cur() const { return t_[pos_]; }
   const Token& look() const { return t_[std::min(pos_ + 1, t_.size() - 1)]; }
@@ -714,10 +797,6 @@ class Parser {
       inline_first = false;
       const Token& t = cur();
       const std::string name = dotted_name();
-      if (!has_filter(name)) {
-        if (is_jinja_filter(name)) refuse("the filter '" + name + "'", t);
-        error("No filter named '" + name + "'.", &t);
-      }
       auto f = node(Expr::Kind::filter, t);
       f->name = name;
       f->children.push_back(std::move(n));
@@ -730,12 +809,7 @@ class Parser {
   ExprPtr parse_test(ExprPtr n) {
     const Token& is = advance();
     const bool negated = skip_name("not");
-    const Token& t = cur();
     const std::string name = dotted_name();
-    if (!has_test(name)) {
-      if (is_jinja_test(name)) refuse("the test '" + name + "'", t);
-      error("No test named '" + name + "'.", &t);
-    }
     auto test = node(Expr::Kind::test, is);
     test->name = name;
     test->children.push_back(std::move(n));

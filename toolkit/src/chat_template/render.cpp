@@ -310,7 +310,7 @@ class Renderer final : public Env {
         const Value obj = eval(*e.children[0], scope);
         const auto part = [&](std::size_t i) { return e.children[i] ? eval(*e.children[i], scope) : Value(None{}); };
         const Value start = part(1), stop = part(2), step = part(3);
-        return get_slice(*this, obj, start, stop, step);
+        return get_slice(*this, obj, start, stop, step, e.value.is_bool());
       }
       case Expr::Kind::call: {
         const Value callee = eval(*e.children[0], scope);

@@ -210,6 +210,16 @@ std::string key_identity(const Value& key) {
     return "f" + float_repr(f);
   }
   if (key.is_none()) return "n";
+  if (key.is_undefined()) return "u";  // Undefined hashes (by its type)
+  if (key.is_sequence() && key.seq().kind == Sequence::Kind::tuple) {
+    std::string id = "t(";
+    for (const auto& item : key.seq().items) {
+      const std::string part = key_identity(item);
+      if (part.empty()) return {};
+      id += std::to_string(part.size()) + ":" + part;
+    }
+    return id + ")";
+  }
   return {};
 }
 
@@ -317,7 +327,7 @@ std::string float_repr(double f) {
 }
 
 std::string repr(const Value& v) {
-  if (v.is_string()) return string_repr(v.str());
+  if (v.is_string()) return v.is_markup() ? "Markup(" + string_repr(v.str()) + ")" : string_repr(v.str());
   if (v.is_undefined()) return "Undefined";
   if (v.is_none()) return "None";
   if (v.is_bool()) return v.as_bool() ? "True" : "False";

@@ -17,6 +17,8 @@
 
 #include <nlohmann/json.hpp>
 
+#include "chat_template/errors.hpp"
+
 namespace tessera::toolkit::jinja {
 
 class Value;
@@ -125,12 +127,19 @@ struct Sequence {
 };
 
 /// What select/map/unique/|items/|reverse return in jinja2: a one-pass iterator. It is always
-/// truthy, has no length, and is consumed by iterating it.
+/// truthy, has no length, and is consumed by iterating it. jinja2's generator filters run only
+/// as far as they are consumed: `pending` is the failure met after `items`, raised by whatever
+/// reads past them (and never, if nothing does).
 struct Iterator {
   std::string type;  // "generator", "dict_itemiterator", "list_reverseiterator"
   std::vector<Value> items;
   std::size_t position = 0;
   Shape shape;
+  std::optional<Failure> pending;
+  /// Raises the pending failure (the reader has read past the items).
+  void exhausted() const {
+    if (pending) throw *pending;
+  }
 };
 
 /// An insertion-ordered mapping, as a Python dict. Keys are None, bool, int, float or str,
