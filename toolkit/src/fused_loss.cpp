@@ -1,6 +1,7 @@
 // Chunked linear + cross-entropy (Liger-Kernel's fused linear cross-entropy, llm.c's fused
 // classifier): the forward computes each chunk's logits, loss and gradients and keeps only the
-// gradients with respect to the hidden states and the weight.
+// gradients with respect to the hidden states and the weight. On CUDA (where the toolkit is
+// built with it) one kernel turns a chunk's logits into their loss and, in place, their gradient.
 #include <algorithm>
 
 #include <ATen/ATen.h>
@@ -9,8 +10,12 @@
 
 #include "tessera/sdk/autocast.hpp"
 #include "tessera/sdk/autograd_graph.hpp"
+#include "tessera/sdk/build_config.hpp"
 #include "tessera/sdk/error.hpp"
 #include "tessera/toolkit/fused.hpp"
+#if TESSERA_WITH_CUDA
+#include "cuda/fused_ops_cuda.hpp"
+#endif
 
 namespace tessera::toolkit {
 
@@ -46,31 +51,59 @@ Result chunked(const at::Tensor& hidden, const at::Tensor& weight, const at::Ten
   const at::Tensor t = target.to(at::kLong).reshape({-1});
   const at::Tensor valid = t.ne(options.ignore_index);
   const at::Tensor count = valid.sum().to(at::kFloat);  // a tensor: no host sync on a device
-  // Each valid row's share of the mean; ignored rows 0 (all ignored: zero gradients, NaN loss).
-  const at::Tensor row_scale = at::where(valid, count.reciprocal(), at::zeros({}, count.options())).unsqueeze(1);
-  const at::Tensor safe_target = t.masked_fill(valid.logical_not(), 0).unsqueeze(1);
-  const at::Tensor minus_valid = valid.to(at::kFloat).neg_().unsqueeze(1);
-  at::Tensor loss_sum = at::zeros({}, hidden.options().dtype(at::kFloat));
+  const bool want_grad = grad_hidden || grad_weight;
+#if TESSERA_WITH_CUDA
+  // The kernel reads the logits in the products' dtype and writes their gradient over them.
+  const bool device_kernel = w.is_cuda() && (dtype == at::kFloat || dtype == at::kBFloat16);
+#else
+  constexpr bool device_kernel = false;
+#endif
+  // The kernel's: each row's loss (0 where ignored), and d loss / d row loss of a valid row.
+  at::Tensor row_loss, inv_count;
+  // ATen's: each valid row's share of the mean, ignored rows 0 (all ignored: zero gradients,
+  // NaN loss); the targets with ignored ones replaced by a valid class; -1 for each valid row.
+  at::Tensor row_scale, safe_target, minus_valid;
+  if (device_kernel) {
+    row_loss = at::empty({rows}, hidden.options().dtype(at::kFloat));
+    inv_count = count.reciprocal();
+  } else {
+    row_scale = at::where(valid, count.reciprocal(), at::zeros({}, count.options())).unsqueeze(1);
+    safe_target = t.masked_fill(valid.logical_not(), 0).unsqueeze(1);
+    minus_valid = valid.to(at::kFloat).neg_().unsqueeze(1);
+  }
+  at::Tensor loss_sum = device_kernel ? at::Tensor() : at::zeros({}, hidden.options().dtype(at::kFloat));
   Result out;
   if (grad_hidden) out.grad_hidden = at::empty({rows, hidden_size}, hidden.options());
   at::Tensor grad_w32;  // fp32 whatever the weight's dtype: the chunks' sum rounds once
   if (grad_weight) grad_w32 = at::zeros({vocab, hidden_size}, weight.options().dtype(at::kFloat));
   for (std::int64_t r0 = 0; r0 < rows; r0 += chunk) {
     const std::int64_t n = std::min(chunk, rows - r0);
-    const at::Tensor hc = h.narrow(0, r0, n), tc = safe_target.narrow(0, r0, n);
-    at::Tensor logp;
-    {
-      at::Tensor logits = at::mm(hc, w.t());
-      if (logits.scalar_type() != at::kFloat) logits = logits.to(at::kFloat);
-      logp = at::log_softmax(logits, 1);
+    const at::Tensor hc = h.narrow(0, r0, n);
+    at::Tensor gc;  // d loss / d logits [n, vocab] in `dtype`
+#if TESSERA_WITH_CUDA
+    if (device_kernel) {
+      gc = at::mm(hc, w.t());
+      cuda::cross_entropy_rows(gc, t.narrow(0, r0, n), options.ignore_index, want_grad ? inv_count : at::Tensor(),
+                               row_loss.narrow(0, r0, n));
     }
-    loss_sum.add_((logp.gather(1, tc) * minus_valid.narrow(0, r0, n)).sum());
-    if (!grad_hidden && !grad_weight) continue;
-    // d loss / d logits = (softmax - one_hot(target)) / count, in place of the log-probabilities.
-    at::Tensor g = logp.exp_();
-    g.scatter_add_(1, tc, minus_valid.narrow(0, r0, n));
-    g.mul_(row_scale.narrow(0, r0, n));
-    const at::Tensor gc = g.to(dtype);
+#endif
+    if (!device_kernel) {
+      const at::Tensor tc = safe_target.narrow(0, r0, n);
+      at::Tensor logp;
+      {
+        at::Tensor logits = at::mm(hc, w.t());
+        if (logits.scalar_type() != at::kFloat) logits = logits.to(at::kFloat);
+        logp = at::log_softmax(logits, 1);
+      }
+      loss_sum.add_((logp.gather(1, tc) * minus_valid.narrow(0, r0, n)).sum());
+      if (!want_grad) continue;
+      // d loss / d logits = (softmax - one_hot(target)) / count, in place of the log-probabilities.
+      at::Tensor g = logp.exp_();
+      g.scatter_add_(1, tc, minus_valid.narrow(0, r0, n));
+      g.mul_(row_scale.narrow(0, r0, n));
+      gc = g.to(dtype);
+    }
+    if (!want_grad) continue;
     if (grad_hidden) {
       at::Tensor slice = out.grad_hidden.narrow(0, r0, n);
       if (slice.scalar_type() == dtype) at::mm_out(slice, gc, w);
@@ -81,15 +114,17 @@ Result chunked(const at::Tensor& hidden, const at::Tensor& weight, const at::Ten
       else grad_w32.add_(at::mm(gc.t(), hc));
     }
   }
+  if (device_kernel) loss_sum = row_loss.sum();
   out.loss = loss_sum.div_(count);
   if (grad_weight) out.grad_weight = grad_w32.to(weight.scalar_type());
   // A chunk: its fp32 logits and log-probabilities (or the product in `dtype` and its upcast),
-  // then the low-precision copy of its gradient; the weight's cast, the fp32 accumulator when the
-  // weight is not fp32, and each chunk's low-precision weight gradient before it is added.
+  // then the low-precision copy of its gradient (the CUDA kernel: the product in `dtype` alone);
+  // the weight's cast, the fp32 accumulator when the weight is not fp32, and each chunk's
+  // low-precision weight gradient before it is added.
   const double logits = static_cast<double>(std::min(chunk, rows)) * static_cast<double>(vocab);
   const double low = static_cast<double>(c10::elementSize(dtype));
   const double matrix = static_cast<double>(vocab) * static_cast<double>(hidden_size);
-  double workspace = 8.0 * logits + (dtype != at::kFloat ? low * logits : 0.0);
+  double workspace = device_kernel ? low * logits : 8.0 * logits + (dtype != at::kFloat ? low * logits : 0.0);
   if (dtype != weight.scalar_type()) workspace += low * matrix;
   if (grad_weight && weight.scalar_type() != at::kFloat) workspace += 4.0 * matrix;
   if (grad_weight && dtype != at::kFloat) workspace += low * matrix;

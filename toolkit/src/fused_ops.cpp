@@ -1,7 +1,8 @@
 // RMSNorm (with the residual add), rotary embedding and SwiGLU as single autograd nodes whose
 // CPU kernels make one pass over each row in fp32 (at::parallel_for over rows; the inner loops
 // are written for the compiler's vectoriser: -O3 -fopenmp-simd, see toolkit/CMakeLists.txt).
-// Elsewhere (other dtypes, devices) each runs the unfused ATen math it replaces.
+// On CUDA tensors, where the toolkit is built with CUDA, the nodes launch toolkit/cuda's
+// kernels instead. Elsewhere (other dtypes, devices) each runs the unfused ATen math it replaces.
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -12,8 +13,12 @@
 #include <c10/util/BFloat16.h>
 #include <torch/csrc/autograd/custom_function.h>
 
+#include "tessera/sdk/build_config.hpp"
 #include "tessera/sdk/error.hpp"
 #include "tessera/toolkit/fused.hpp"
+#if TESSERA_WITH_CUDA
+#include "cuda/fused_ops_cuda.hpp"
+#endif
 
 namespace tessera::toolkit {
 
@@ -24,6 +29,14 @@ using torch::autograd::variable_list;
 using bf16 = c10::BFloat16;
 
 bool kernel_dtype(at::ScalarType t) { return t == at::kFloat || t == at::kBFloat16; }
+
+/// A device with kernels for these ops: the CPU, and CUDA where the toolkit is built with it.
+bool kernel_device(const at::Tensor& t) {
+#if TESSERA_WITH_CUDA
+  if (t.is_cuda()) return true;
+#endif
+  return t.is_cpu();
+}
 
 /// Calls f(T{}) with T the C++ type of `t` (fp32 or bf16).
 template <typename F>
@@ -111,15 +124,23 @@ void rms_backward_kernel(const Out* dy, const In* h, const float* w, const float
 }
 
 struct RmsForward {
-  at::Tensor y, rstd;
+  at::Tensor h, y, rstd;  // h: the normalised input, as rms_backward reads it
 };
 
-/// h [rows, D] contiguous (fp32/bf16), weight [D] -> y in promote(h, weight), rstd fp32 [rows].
-RmsForward rms_forward(const at::Tensor& h, const at::Tensor& weight, double eps) {
+/// x [..., D] (fp32/bf16), weight [D] -> h = x (+ delta, if defined), y in promote(h, weight),
+/// rstd fp32 [rows].
+RmsForward rms_forward(const at::Tensor& x, const at::Tensor& delta, const at::Tensor& weight, double eps) {
+#if TESSERA_WITH_CUDA
+  if (x.is_cuda()) {  // one kernel for the add and the norm
+    cuda::RmsNormTensors r = cuda::rms_norm_forward(x, delta, weight, eps);
+    return {r.h, r.y, r.rstd};
+  }
+#endif
+  const at::Tensor h = (delta.defined() ? at::add(x, delta) : x).contiguous();
   const std::int64_t D = h.size(-1), rows = h.numel() / std::max<std::int64_t>(D, 1);
   const at::ScalarType out_type = at::promote_types(h.scalar_type(), weight.scalar_type());
   at::Tensor w = weight.to(at::kFloat).contiguous();
-  RmsForward out{at::empty(h.sizes(), h.options().dtype(out_type)), at::empty({rows}, h.options().dtype(at::kFloat))};
+  RmsForward out{h, at::empty(h.sizes(), h.options().dtype(out_type)), at::empty({rows}, h.options().dtype(at::kFloat))};
   with_type(h.scalar_type(), [&](auto in) {
     using In = decltype(in);
     with_type(out_type, [&](auto o) {
@@ -134,6 +155,9 @@ RmsForward rms_forward(const at::Tensor& h, const at::Tensor& weight, double eps
 /// {dh (h's dtype), dweight (weight's dtype)}; dh_extra (h's dtype, or undefined) is added to dh.
 std::pair<at::Tensor, at::Tensor> rms_backward(const at::Tensor& dy_in, const at::Tensor& h, const at::Tensor& weight,
                                                const at::Tensor& rstd, const at::Tensor& dh_extra_in) {
+#if TESSERA_WITH_CUDA
+  if (h.is_cuda()) return cuda::rms_norm_backward(dy_in, h, weight, rstd, dh_extra_in);
+#endif
   const std::int64_t D = h.size(-1), rows = h.numel() / std::max<std::int64_t>(D, 1);
   const at::ScalarType out_type = at::promote_types(h.scalar_type(), weight.scalar_type());
   at::Tensor dy = dy_in.to(out_type).contiguous();
@@ -156,9 +180,8 @@ std::pair<at::Tensor, at::Tensor> rms_backward(const at::Tensor& dy_in, const at
 class RmsNormFunction : public torch::autograd::Function<RmsNormFunction> {
  public:
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight, double eps) {
-    at::Tensor h = x.contiguous();
-    RmsForward f = rms_forward(h, weight, eps);
-    ctx->save_for_backward({h, weight, f.rstd});
+    RmsForward f = rms_forward(x, at::Tensor(), weight, eps);
+    ctx->save_for_backward({f.h, weight, f.rstd});
     return f.y;
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
@@ -173,12 +196,11 @@ class AddRmsNormFunction : public torch::autograd::Function<AddRmsNormFunction> 
  public:
   static variable_list forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& delta,
                                const at::Tensor& weight, double eps) {
-    at::Tensor h = at::add(x, delta).contiguous();
-    RmsForward f = rms_forward(h, weight, eps);
-    ctx->save_for_backward({h, weight, f.rstd});
+    RmsForward f = rms_forward(x, delta, weight, eps);
+    ctx->save_for_backward({f.h, weight, f.rstd});
     ctx->saved_data["x_dtype"] = static_cast<std::int64_t>(x.scalar_type());
     ctx->saved_data["delta_dtype"] = static_cast<std::int64_t>(delta.scalar_type());
-    return {h, f.y};
+    return {f.h, f.y};
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     const auto saved = ctx->get_saved_variables();
@@ -191,7 +213,7 @@ class AddRmsNormFunction : public torch::autograd::Function<AddRmsNormFunction> 
 };
 
 bool rms_fusable(const at::Tensor& x, const at::Tensor& weight) {
-  return x.is_cpu() && weight.is_cpu() && kernel_dtype(x.scalar_type()) && kernel_dtype(weight.scalar_type()) &&
+  return kernel_device(x) && weight.device() == x.device() && kernel_dtype(x.scalar_type()) && kernel_dtype(weight.scalar_type()) &&
          weight.dim() == 1 && x.dim() >= 1 && x.size(-1) == weight.size(0) && x.numel() > 0;
 }
 
@@ -248,27 +270,40 @@ at::Tensor rotary(const at::Tensor& x_in, const at::Tensor& c, const at::Tensor&
   return out;
 }
 
+/// q's and k's rotary (or its transpose) into new contiguous tensors; undefined stays undefined.
+/// c and s: fp32 contiguous on the CPU, as given on CUDA (whose kernel reads fp32 or bf16).
+std::pair<at::Tensor, at::Tensor> rotary_pair(const at::Tensor& q, const at::Tensor& k, const at::Tensor& c,
+                                              const at::Tensor& s, at::ScalarType q_out, at::ScalarType k_out,
+                                              bool backward) {
+#if TESSERA_WITH_CUDA
+  if (c.is_cuda()) return cuda::rotary_embedding(q, k, c, s, q_out, k_out, backward);  // one launch for both
+#endif
+  return {q.defined() ? rotary(q, c, s, q_out, backward) : at::Tensor(),
+          k.defined() ? rotary(k, c, s, k_out, backward) : at::Tensor()};
+}
+
 class RotaryFunction : public torch::autograd::Function<RotaryFunction> {
  public:
   static variable_list forward(AutogradContext* ctx, const at::Tensor& q, const at::Tensor& k, const at::Tensor& cos,
                                const at::Tensor& sin) {
-    at::Tensor c = cos.to(at::kFloat).contiguous(), s = sin.to(at::kFloat).contiguous();
+    const bool cpu = cos.is_cpu();
+    at::Tensor c = cpu ? cos.to(at::kFloat).contiguous() : cos, s = cpu ? sin.to(at::kFloat).contiguous() : sin;
     ctx->save_for_backward({c, s});
     ctx->saved_data["q_dtype"] = static_cast<std::int64_t>(q.scalar_type());
     ctx->saved_data["k_dtype"] = static_cast<std::int64_t>(k.scalar_type());
-    return {rotary(q, c, s, at::promote_types(q.scalar_type(), cos.scalar_type()), false),
-            rotary(k, c, s, at::promote_types(k.scalar_type(), cos.scalar_type()), false)};
+    auto [qr, kr] = rotary_pair(q, k, c, s, at::promote_types(q.scalar_type(), cos.scalar_type()),
+                                at::promote_types(k.scalar_type(), cos.scalar_type()), false);
+    return {qr, kr};
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     const auto saved = ctx->get_saved_variables();
     const auto q_dtype = static_cast<at::ScalarType>(ctx->saved_data["q_dtype"].toInt());
     const auto k_dtype = static_cast<at::ScalarType>(ctx->saved_data["k_dtype"].toInt());
-    auto grad = [&](const at::Tensor& g, at::ScalarType dtype) {
-      if (!g.defined()) return at::Tensor();
-      at::Tensor gg = kernel_dtype(g.scalar_type()) ? g : g.to(at::kFloat);
-      return rotary(gg, saved[0], saved[1], dtype, true);
+    auto kernel_input = [](const at::Tensor& g) {
+      return !g.defined() || kernel_dtype(g.scalar_type()) ? g : g.to(at::kFloat);
     };
-    return {grad(grads[0], q_dtype), grad(grads[1], k_dtype), at::Tensor(), at::Tensor()};
+    auto [dq, dk] = rotary_pair(kernel_input(grads[0]), kernel_input(grads[1]), saved[0], saved[1], q_dtype, k_dtype, true);
+    return {dq, dk, at::Tensor(), at::Tensor()};
   }
 };
 
@@ -333,39 +368,56 @@ void swiglu_backward_kernel(const D* dy, const G* gate, const U* up, G* dgate, U
   });
 }
 
+/// silu(gate) * up; gate and up contiguous on the CPU (CUDA's kernels take row strides).
+at::Tensor swiglu_forward(const at::Tensor& gate, const at::Tensor& up) {
+#if TESSERA_WITH_CUDA
+  if (gate.is_cuda()) return cuda::swiglu_forward(gate, up);
+#endif
+  const at::ScalarType out_type = at::promote_types(gate.scalar_type(), up.scalar_type());
+  at::Tensor y = at::empty(gate.sizes(), gate.options().dtype(out_type));
+  with_type(gate.scalar_type(), [&](auto g) {
+    with_type(up.scalar_type(), [&](auto u) {
+      with_type(out_type, [&](auto o) {
+        swiglu_forward_kernel(gate.data_ptr<decltype(g)>(), up.data_ptr<decltype(u)>(), y.data_ptr<decltype(o)>(),
+                              gate.numel());
+      });
+    });
+  });
+  return y;
+}
+
+/// {dgate, dup} of swiglu_forward(gate, up) under dy.
+std::pair<at::Tensor, at::Tensor> swiglu_backward(const at::Tensor& dy_in, const at::Tensor& gate, const at::Tensor& up) {
+#if TESSERA_WITH_CUDA
+  if (gate.is_cuda()) return cuda::swiglu_backward(dy_in, gate, up);
+#endif
+  const at::ScalarType out_type = at::promote_types(gate.scalar_type(), up.scalar_type());
+  at::Tensor dy = dy_in.to(out_type).contiguous();
+  at::Tensor dgate = at::empty_like(gate), dup = at::empty_like(up);
+  with_type(gate.scalar_type(), [&](auto g) {
+    with_type(up.scalar_type(), [&](auto u) {
+      with_type(out_type, [&](auto o) {
+        using G = decltype(g);
+        using U = decltype(u);
+        swiglu_backward_kernel(dy.data_ptr<decltype(o)>(), gate.data_ptr<G>(), up.data_ptr<U>(), dgate.data_ptr<G>(),
+                               dup.data_ptr<U>(), gate.numel());
+      });
+    });
+  });
+  return {dgate, dup};
+}
+
 class SwiGLUFunction : public torch::autograd::Function<SwiGLUFunction> {
  public:
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& gate_in, const at::Tensor& up_in) {
-    at::Tensor gate = gate_in.contiguous(), up = up_in.contiguous();
-    const at::ScalarType out_type = at::promote_types(gate.scalar_type(), up.scalar_type());
-    at::Tensor y = at::empty(gate.sizes(), gate.options().dtype(out_type));
-    with_type(gate.scalar_type(), [&](auto g) {
-      with_type(up.scalar_type(), [&](auto u) {
-        with_type(out_type, [&](auto o) {
-          swiglu_forward_kernel(gate.data_ptr<decltype(g)>(), up.data_ptr<decltype(u)>(), y.data_ptr<decltype(o)>(),
-                                gate.numel());
-        });
-      });
-    });
+    const bool cpu = gate_in.is_cpu();
+    at::Tensor gate = cpu ? gate_in.contiguous() : gate_in, up = cpu ? up_in.contiguous() : up_in;
     ctx->save_for_backward({gate, up});
-    return y;
+    return swiglu_forward(gate, up);
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     const auto saved = ctx->get_saved_variables();
-    const at::Tensor &gate = saved[0], &up = saved[1];
-    const at::ScalarType out_type = at::promote_types(gate.scalar_type(), up.scalar_type());
-    at::Tensor dy = grads[0].to(out_type).contiguous();
-    at::Tensor dgate = at::empty_like(gate), dup = at::empty_like(up);
-    with_type(gate.scalar_type(), [&](auto g) {
-      with_type(up.scalar_type(), [&](auto u) {
-        with_type(out_type, [&](auto o) {
-          using G = decltype(g);
-          using U = decltype(u);
-          swiglu_backward_kernel(dy.data_ptr<decltype(o)>(), gate.data_ptr<G>(), up.data_ptr<U>(), dgate.data_ptr<G>(),
-                                 dup.data_ptr<U>(), gate.numel());
-        });
-      });
-    });
+    auto [dgate, dup] = swiglu_backward(grads[0], saved[0], saved[1]);
     return {dgate, dup};
   }
 };
@@ -379,7 +431,7 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
 
 std::pair<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::Tensor& delta, const at::Tensor& weight,
                                                double eps) {
-  const bool fusable = rms_fusable(x, weight) && delta.is_cpu() && kernel_dtype(delta.scalar_type()) &&
+  const bool fusable = rms_fusable(x, weight) && delta.device() == x.device() && kernel_dtype(delta.scalar_type()) &&
                        kernel_dtype(at::promote_types(x.scalar_type(), delta.scalar_type()));
   if (!fusable) {
     at::Tensor h = x + delta;
@@ -395,7 +447,8 @@ std::pair<at::Tensor, at::Tensor> rotary_embedding(const at::Tensor& q, const at
                     q.size(3) == k.size(3) && q.size(3) % 2 == 0,
                 "rotary_embedding: q [B, Hq, T, D] and k [B, Hkv, T, D] with an even D expected, found ", q.sizes(),
                 " and ", k.sizes());
-  const bool fusable = q.is_cpu() && k.is_cpu() && cos.is_cpu() && kernel_dtype(q.scalar_type()) &&
+  const bool fusable = kernel_device(q) && k.device() == q.device() && cos.device() == q.device() &&
+                       sin.device() == q.device() && kernel_dtype(q.scalar_type()) &&
                        kernel_dtype(k.scalar_type()) && kernel_dtype(cos.scalar_type()) &&
                        cos.scalar_type() == sin.scalar_type() && cos.dim() == 2 && cos.sizes() == sin.sizes() &&
                        cos.size(0) == q.size(2) && cos.size(1) == q.size(3) && !cos.requires_grad() &&
@@ -406,7 +459,7 @@ std::pair<at::Tensor, at::Tensor> rotary_embedding(const at::Tensor& q, const at
 }
 
 at::Tensor swiglu(const at::Tensor& gate, const at::Tensor& up) {
-  const bool fusable = gate.is_cpu() && up.is_cpu() && gate.sizes() == up.sizes() && kernel_dtype(gate.scalar_type()) &&
+  const bool fusable = kernel_device(gate) && up.device() == gate.device() && gate.sizes() == up.sizes() && kernel_dtype(gate.scalar_type()) &&
                        kernel_dtype(up.scalar_type());
   if (!fusable) return at::silu(gate) * up;
   return SwiGLUFunction::apply(gate, up);
