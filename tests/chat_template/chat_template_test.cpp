@@ -9,10 +9,12 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <sstream>
+#include <thread>
 
 #include "tessera/toolkit/chat_template.hpp"
 
@@ -45,12 +47,19 @@ std::string read_file(const fs::path& path) {
   return out.str();
 }
 
+const fs::path kScratch = fs::temp_directory_path() / ("tessera_chat_template_test_" + std::to_string(getpid()));
+
 fs::path scratch(const std::string& name) {
-  const fs::path dir = fs::temp_directory_path() / ("tessera_chat_template_test_" + std::to_string(getpid())) / name;
+  const fs::path dir = kScratch / name;
   fs::remove_all(dir);
   fs::create_directories(dir);
   return dir;
 }
+
+struct RemoveScratch : ::testing::Environment {
+  void TearDown() override { fs::remove_all(kScratch); }
+};
+const auto* const kRemoveScratch = ::testing::AddGlobalTestEnvironment(new RemoveScratch);
 
 // Runs `command` with stdin from `input`, returns (exit code, stdout).
 std::pair<int, std::string> run(const std::string& command, const fs::path& input = "/dev/null") {
@@ -318,6 +327,29 @@ TEST(ChatTemplate, CommandPrintsEachConversationRendered) {
       EXPECT_GE(lines_of(ours.second).size(), 5u);
     }
   }
+}
+
+// One parsed template, rendered by several threads at once, renders as it does alone.
+TEST(ChatTemplate, RendersOnManyThreadsAtOnce) {
+  const ChatTemplate chat = ChatTemplate::load(kDir / "models" / "qwen3");
+  std::vector<std::string> conversations;
+  std::istringstream in(read_file(kDir / "conversations.jsonl"));
+  std::size_t index = 0;
+  for (std::string line; std::getline(in, line); ++index)
+    if (index != 3 && index != 8) conversations.push_back(line);  // those two qwen3 refuses
+  std::vector<std::string> alone;
+  for (const auto& c : conversations) alone.push_back(chat.apply(c, true));
+  std::vector<std::thread> threads;
+  std::atomic<int> differing{0};
+  for (int t = 0; t < 4; ++t)
+    threads.emplace_back([&, t] {
+      for (int i = 0; i < 50; ++i) {
+        const std::size_t k = static_cast<std::size_t>(t + i) % conversations.size();
+        differing += chat.apply(conversations[k], true) != alone[k];
+      }
+    });
+  for (auto& thread : threads) thread.join();
+  EXPECT_EQ(differing.load(), 0);
 }
 
 TemplateError error_of(const std::string& source, const std::string& variables = "{}",
