@@ -1,7 +1,8 @@
 // The toolkit's CUDA kernels (toolkit/cuda) on the device against its CPU kernels (which
 // fused_ops_test and fused_loss_test check against the unfused math): each fused op on CUDA
 // copies of the inputs against the same op on the CPU, values and gradients, and the launchers'
-// in-place rotary. Built only where the toolkit is built with CUDA; skipped without a GPU.
+// in-place rotary. Built only where the toolkit is built with CUDA; skipped without a GPU. Named
+// CUDA.* as the other GPU tests, so that bench/gpu/build_and_bench.sh's `test` runs them.
 // Tolerances, relative to the largest magnitude: fp32 2e-5 (sums in another order); bf16 1e-2
 // (both round once from fp32, and may land one bf16 step, 2^-8, apart).
 #include <gtest/gtest.h>
@@ -82,7 +83,7 @@ void expect_cuda_matches_cpu(const Fn& fn, const Tensors& inputs, const std::str
     if (inputs[i].is_floating_point()) expect_close(got.grads[i], want.grads[i], "gradient of input " + std::to_string(i));
 }
 
-TEST(CudaFusedRmsNorm, MatchesTheCpuKernel) {
+TEST(CUDA, FusedRmsNormMatchesTheCpuKernel) {
   SKIP_WITHOUT_GPU();
   const Fn fn = [](const Tensors& in) { return Tensors{tk::rms_norm(in[0], in[1], 1e-6)}; };
   for (at::ScalarType x_type : {at::kFloat, at::kBFloat16})
@@ -100,7 +101,7 @@ TEST(CudaFusedRmsNorm, MatchesTheCpuKernel) {
     }
 }
 
-TEST(CudaFusedRmsNorm, AddRmsNormMatchesTheCpuKernel) {
+TEST(CUDA, FusedAddRmsNormMatchesTheCpuKernel) {
   SKIP_WITHOUT_GPU();
   const Fn fn = [](const Tensors& in) {
     auto [h, y] = tk::add_rms_norm(in[0], in[1], in[2], 1e-5);
@@ -123,7 +124,7 @@ at::Tensor rotary_angles(std::int64_t T, std::int64_t D) {
   return at::cat({freqs, freqs}, -1);
 }
 
-TEST(CudaFusedRotary, MatchesTheCpuKernelOnGroupedQueryShapes) {
+TEST(CUDA, FusedRotaryMatchesTheCpuKernelOnGroupedQueryShapes) {
   SKIP_WITHOUT_GPU();
   const std::int64_t B = 2, Hq = 6, Hkv = 2, T = 9, D = 10;
   const at::Tensor emb = rotary_angles(T, D);
@@ -144,7 +145,7 @@ TEST(CudaFusedRotary, MatchesTheCpuKernelOnGroupedQueryShapes) {
 }
 
 /// The launcher with out == x: forward and backward overwrite q and k where they lie.
-TEST(CudaFusedRotary, TheLauncherRotatesInPlace) {
+TEST(CUDA, FusedRotaryLauncherRotatesInPlace) {
   SKIP_WITHOUT_GPU();
   namespace kc = tessera::toolkit::cuda;
   const std::int64_t B = 2, Hq = 4, Hkv = 1, T = 5, D = 8;
@@ -185,7 +186,7 @@ TEST(CudaFusedRotary, TheLauncherRotatesInPlace) {
   expect_close(dgk, k_leaf.grad(), "k's gradient in place");
 }
 
-TEST(CudaFusedSwiGLU, MatchesTheCpuKernel) {
+TEST(CUDA, FusedSwiGLUMatchesTheCpuKernel) {
   SKIP_WITHOUT_GPU();
   const Fn fn = [](const Tensors& in) { return Tensors{tk::swiglu(in[0], in[1])}; };
   for (at::ScalarType g_type : {at::kFloat, at::kBFloat16})
@@ -204,7 +205,7 @@ TEST(CudaFusedSwiGLU, MatchesTheCpuKernel) {
   expect_cuda_matches_cpu(fn, {extreme, at::ones_like(extreme)}, "SwiGLUFunction");
 }
 
-TEST(CudaLinearCrossEntropy, MatchesTheCpuPath) {
+TEST(CUDA, FusedLinearCrossEntropyMatchesTheCpuPath) {
   SKIP_WITHOUT_GPU();
   for (at::ScalarType dtype : {at::kFloat, at::kBFloat16})
     // Several chunks with a short last one; one chunk of a Llama 3-sized vocabulary.
@@ -223,7 +224,7 @@ TEST(CudaLinearCrossEntropy, MatchesTheCpuPath) {
     }
 }
 
-TEST(CudaLinearCrossEntropy, IgnoredAndOutOfRangeTargets) {
+TEST(CUDA, FusedLinearCrossEntropyIgnoredAndOutOfRangeTargets) {
   SKIP_WITHOUT_GPU();
   const at::Device cuda(at::kCUDA, 0);
   const at::Tensor hidden = on(randn({4, 8}, 25), cuda).requires_grad_(true), weight = on(randn({50, 8}, 26), cuda);
