@@ -4,6 +4,8 @@
 //  `distributed`: sharded checkpoints: a folder with one safetensors file per rank and a JSON
 //                 manifest, committed by rank 0 once every rank's file is written
 //                 (core/sharded_checkpoint.hpp); full saves as `torch`.
+//  `dcp`:         PyTorch Distributed Checkpoint folders, each rank's chunks and rank 0's
+//                 .metadata, committed as `distributed` commits (core/src/checkpoint/dcp.hpp).
 // Both read either format (and the sharded pickles before the manifest): `plugin` chooses how
 // saves are written. Both: `last` points at the newest commit, interrupted saves are swept
 // before this process's first save into a folder, keep_last_k prunes after a commit, and
@@ -234,6 +236,9 @@ class TorchCheckpointIO : public tessera::sdk::CheckpointIO,
 
   /// A sharded folder: the manifest's format, or the one before it (metadata.json + shard-R-of-N.pt pickles).
   static CheckpointMetadata folder_metadata(const std::string& path) {
+    // Strategies read DCP folders themselves (the chunks overlapping their pieces).
+    TESSERA_CHECK(!tessera::core::is_dcp_checkpoint(path), path, " is a PyTorch DCP folder: the strategy reads it ",
+                  "(init_from, --ckpt-path), not checkpoint_io");
     if (fs::exists(fs::path(path) / tessera::core::kManifestName)) {
       tessera::core::Manifest manifest = tessera::core::read_manifest(path);
       return CheckpointMetadata{true, manifest.world_size, tessera::core::kShardedFormatName};
@@ -316,10 +321,51 @@ class DistributedCheckpointIO final : public TorchCheckpointIO {
   std::map<std::string, std::string> pending_;  // path -> save id of rank 0's saves not yet finalized
 };
 
+/// Saves PyTorch Distributed Checkpoint folders (torch.distributed.checkpoint.load reads them;
+/// core/src/checkpoint/dcp.hpp): each rank writes its own chunks, rank 0 the .metadata, with
+/// the commit protocol of `distributed`; full saves (rank 0 alone) as one rank's folder.
+class DcpCheckpointIO final : public TorchCheckpointIO {
+ public:
+  explicit DcpCheckpointIO(const tessera::sdk::Options& options) : TorchCheckpointIO(options) {
+    TESSERA_CHECK(!async_, options.locate("async"), " = true: checkpoint_io \"dcp\" saves synchronously; ",
+                  "asynchronous saves are checkpoint_io \"distributed\"'s");
+  }
+
+  bool saves_sharded() const override { return true; }
+
+  void save_checkpoint(const Checkpoint& checkpoint, const std::string& path, const ShardInfo& shard) override {
+    TESSERA_CHECK(checkpoint.contains("save_id") && checkpoint.at("save_id").isString(), "DCP checkpoint ", path,
+                  ": the checkpoint has no 'save_id' (the same string on every rank of one save; the trainer sets it)");
+    const std::string save_id = checkpoint.at("save_id").toStringRef();
+    const std::int64_t rank = shard.sharded ? shard.rank : 0, world = shard.sharded ? shard.world_size : 1;
+    if (rank == 0) {
+      sweep_once(path, save_id);
+      pending_[path] = save_id;
+    }
+    tessera::core::write_dcp_shard(checkpoint, path, rank, world, save_id);
+  }
+
+  void finalize_checkpoint(const std::string& path, const ShardInfo& shard) override {
+    auto it = pending_.find(path);
+    TESSERA_CHECK(it != pending_.end(), "DCP checkpoint ", path,
+                  ": finalize_checkpoint on a rank that did not save rank 0's part of it");
+    const std::string save_id = it->second;
+    pending_.erase(it);
+    tessera::core::commit_dcp(path, shard.sharded ? shard.world_size : 1, save_id);
+    committed(path);
+  }
+
+ private:
+  std::map<std::string, std::string> pending_;  // path -> save id of rank 0's saves not yet finalized
+};
+
 }  // namespace
 
 TESSERA_PLUGIN(checkpoint_io, TESSERA_VERSION,
                tessera::sdk::plugin_entry<TorchCheckpointIO>("torch", "one full .ckpt file, readable by torch.load"),
                tessera::sdk::plugin_entry<DistributedCheckpointIO>(
                    "distributed", "sharded checkpoints: one safetensors file per rank plus a JSON manifest, "
-                                  "committed atomically"));
+                                  "committed atomically"),
+               tessera::sdk::plugin_entry<DcpCheckpointIO>(
+                   "dcp", "PyTorch Distributed Checkpoint folders (torch.distributed.checkpoint reads them): each "
+                          "rank's chunks plus rank 0's .metadata, committed atomically"));

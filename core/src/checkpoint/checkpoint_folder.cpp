@@ -20,6 +20,7 @@
 
 #include "tessera/core/checkpoint.hpp"
 #include "tessera/core/checkpoint_folder.hpp"
+#include "dcp.hpp"
 #include "tessera/core/sharded_checkpoint.hpp"
 #include "tessera/sdk/error.hpp"
 #include "tessera/sdk/strategy.hpp"
@@ -40,7 +41,7 @@ fs::path folder_of(const std::string& path) {
 bool is_committed(const fs::path& entry) {
   std::error_code ec;
   if (fs::is_symlink(entry, ec)) return false;
-  if (fs::is_directory(entry, ec)) return fs::exists(entry / kManifestName, ec);
+  if (fs::is_directory(entry, ec)) return fs::exists(entry / kManifestName, ec) || is_dcp_checkpoint(entry.string());
   if (!fs::is_regular_file(entry, ec) || entry.filename().string().front() == '.') return false;
   char magic[4] = {};
   std::ifstream in(entry, std::ios::binary);
@@ -51,7 +52,8 @@ bool is_committed(const fs::path& entry) {
 /// When a checkpoint was committed: its manifest's time, or the file's.
 fs::file_time_type commit_time(const fs::path& entry) {
   std::error_code ec;
-  return fs::is_directory(entry, ec) ? fs::last_write_time(entry / kManifestName, ec) : fs::last_write_time(entry, ec);
+  if (!fs::is_directory(entry, ec)) return fs::last_write_time(entry, ec);
+  return fs::last_write_time(entry / (is_dcp_checkpoint(entry.string()) ? kDcpMetadataName : kManifestName), ec);
 }
 
 }  // namespace
@@ -231,6 +233,10 @@ std::vector<std::string> committed_checkpoints(const std::string& folder) {
 }
 
 std::string verify_checkpoint(const std::string& path) {
+  if (is_dcp_checkpoint(path)) {
+    (void)read_dcp_metadata(path);
+    return "its .metadata reads and every chunk's byte range lies in its file (DCP records no checksums)";
+  }
   if (is_sharded_checkpoint(path)) {
     verify_sharded(path);
     return "every file's size, checksums and save id match its manifest";

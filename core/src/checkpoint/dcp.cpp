@@ -151,6 +151,9 @@ bool is_training_state_key(const std::string& key) {
   return false;
 }
 
+/// Where a DCP save of tessera's keeps rank r's trainer state (a bytes item).
+std::string trainer_state_key(std::int64_t rank) { return "tessera.trainer_state.rank_" + std::to_string(rank); }
+
 /// The per-parameter optimizer tensors read: Adam's and AdamW's moments, SGD's momentum.
 const std::vector<std::string> kMoments{"exp_avg", "exp_avg_sq", "max_exp_avg_sq", "momentum_buffer"};
 
@@ -281,8 +284,16 @@ DcpMetadata read_dcp_metadata(const std::string& folder) {
   return m;
 }
 
-sdk::Checkpoint dcp_trainer_state(const DcpMetadata& metadata) {
+sdk::Checkpoint dcp_trainer_state(const std::string& path) {
+  const DcpMetadata metadata = read_dcp_metadata(path);
   sdk::Checkpoint state = sdk::make_checkpoint();
+  if (auto it = metadata.bytes.find(trainer_state_key(0)); it != metadata.bytes.end()) {  // a save of tessera's
+    state = checkpoint_dict(
+        EmbeddedArchives((fs::path(path) / it->second.file).string()).load(it->second.offset, it->second.length),
+        "DCP checkpoint " + path + " [" + it->first + "]");
+    (void)state.erase("optimizer_states");
+    return state;
+  }
   bool moments = false;
   for (const auto& [key, t] : metadata.tensors) moments = moments || is_optimizer_moment(key);
   if (!moments) state.insert(kWeightsOnlyKey, true);
@@ -422,7 +433,7 @@ class ChunkReader {
 }  // namespace
 
 sdk::Checkpoint load_dcp(const std::string& path, const std::map<std::string, StackedPieces>& wanted,
-                         const DcpModelShape& shape) {
+                         const DcpModelShape& shape, std::int64_t rank) {
   const DcpMetadata m = read_dcp_metadata(path);
   // Names and shapes first: every wanted tensor found, every model key in the folder used.
   std::map<std::string, Source> sources;
@@ -497,8 +508,18 @@ sdk::Checkpoint load_dcp(const std::string& path, const std::map<std::string, St
   TESSERA_CHECK(names.empty() || missing.empty(), "DCP checkpoint ", path, " has optimizer state for ", names.size(),
                 " parameters but none for ", sdk::join(missing), ": resuming would train those from zero moments; ",
                 "load its weights with [trainer] init_from instead");
+  // A folder tessera saved: its own trainer state, this rank's (rank 0's when the save had fewer).
+  std::optional<sdk::Checkpoint> own;
+  for (const std::int64_t r : {rank, std::int64_t{0}})
+    if (auto it = m.bytes.find(trainer_state_key(r)); !own && it != m.bytes.end())
+      own = checkpoint_dict(
+          EmbeddedArchives((fs::path(path) / it->second.file).string()).load(it->second.offset, it->second.length),
+          "DCP checkpoint " + path + " [" + it->first + "]");
   if (names.empty()) {
-    out.insert(kWeightsOnlyKey, true);
+    if (!own) out.insert(kWeightsOnlyKey, true);
+    else
+      for (const auto& e : *own)
+        if (e.key().toStringRef() != "state_dict") out.insert_or_assign(e.key(), e.value());
     return out;
   }
   sdk::Checkpoint optimizer = sdk::make_checkpoint();
@@ -513,6 +534,18 @@ sdk::Checkpoint load_dcp(const std::string& path, const std::map<std::string, St
   states.push_back(optimizer);
   out.insert("optimizer_states", states);
 
+  if (own) {  // everything but the tensors, as saved; the optimizer's hyper-parameters too
+    for (const auto& e : *own) {
+      const std::string key = e.key().toStringRef();
+      if (key == "optimizer_states" && !e.value().toListRef().empty())
+        optimizer.insert_or_assign("param_groups", checkpoint_get(checkpoint_dict(e.value().toListRef()[0],
+                                                                                  "[optimizer_states][0]"),
+                                                                  "param_groups"));
+      else if (key != "state_dict" && key != "optimizer_states")
+        out.insert_or_assign(e.key(), e.value());
+    }
+    return out;
+  }
   // The step: torchtitan's train_state.step, else the optimizer's (one per optimizer step).
   std::int64_t global_step = step < 0 ? 0 : static_cast<std::int64_t>(step + 0.5);
   if (auto it = m.tensors.find("train_state.step"); it != m.tensors.end() && it->second.size.empty())
@@ -661,6 +694,12 @@ std::string dcp_metadata_pickle(const DcpMetadata& metadata,
         p.appends();
       });
     }
+    for (const auto& [fqn, b] : metadata.bytes) {
+      p.string(fqn);
+      p.global(meta, "BytesStorageMetadata");  // a dataclass without fields: no BUILD
+      p.empty_tuple();
+      p.bytes += '\x81';
+    }
     p.set_items();
     p.string("planner_data");
     p.empty_dict();
@@ -673,10 +712,37 @@ std::string dcp_metadata_pickle(const DcpMetadata& metadata,
       else for (const std::string& part : path->second) p.string(part);
       p.tuple();
     }
+    for (const auto& [fqn, b] : metadata.bytes) {
+      p.string(fqn);
+      p.mark();
+      p.string(fqn);
+      p.tuple();
+    }
     p.set_items();
     p.string("storage_data");
     p.empty_dict();
     p.mark();
+    auto storage_info = [&](const DcpStorage& storage) {
+      p.dataclass("torch.distributed.checkpoint.filesystem", "_StorageInfo", [&] {
+        p.string("relative_path");
+        p.string(storage.file);
+        p.string("offset");
+        p.integer(static_cast<std::int64_t>(storage.offset));
+        p.string("length");
+        p.integer(static_cast<std::int64_t>(storage.length));
+      });
+    };
+    for (const auto& [fqn, b] : metadata.bytes) {
+      p.dataclass(meta, "MetadataIndex", [&] {
+        p.string("fqn");
+        p.string(fqn);
+        p.string("offset");
+        p.none();
+        p.string("index");
+        p.none();
+      });
+      storage_info(b);
+    }
     for (const auto& [fqn, t] : metadata.tensors)
       for (std::size_t i = 0; i < t.chunks.size(); ++i) {
         const DcpChunk& c = t.chunks[i];
@@ -688,14 +754,7 @@ std::string dcp_metadata_pickle(const DcpMetadata& metadata,
           p.string("index");
           p.integer(static_cast<std::int64_t>(i));
         });
-        p.dataclass("torch.distributed.checkpoint.filesystem", "_StorageInfo", [&] {
-          p.string("relative_path");
-          p.string(c.storage.file);
-          p.string("offset");
-          p.integer(static_cast<std::int64_t>(c.storage.offset));
-          p.string("length");
-          p.integer(static_cast<std::int64_t>(c.storage.length));
-        });
+        storage_info(c.storage);
       }
     p.set_items();
     p.string("storage_meta");
@@ -842,6 +901,161 @@ std::size_t export_dcp(const std::string& checkpoint, const std::string& to) {
   }
   writer.commit();
   return count;
+}
+
+// ---- saves during training ([checkpoint_io] plugin = "dcp") ----------------------------------
+
+namespace {
+
+std::string shard_data_file(std::int64_t rank) { return "__" + std::to_string(rank) + "_0.distcp"; }
+std::string shard_record(std::int64_t rank) { return "rank-" + std::to_string(rank) + ".dcp.json"; }
+
+/// DCP's planner_data for tessera's keys: optimizer entries nested under "optimizer" (the
+/// state dict {"optimizer": {"state.<name>.<m>": t}}), train_state.step under "train_state".
+std::vector<std::string> planner_path(const std::string& key) {
+  if (key.rfind("optimizer.", 0) == 0) return {"optimizer", key.substr(10)};
+  if (key == "train_state.step") return {"train_state", "step"};
+  return {};
+}
+
+}  // namespace
+
+void write_dcp_shard(const sdk::Checkpoint& checkpoint, const std::string& path, std::int64_t rank,
+                     std::int64_t world, const std::string& save_id) {
+  TESSERA_CHECK(!checkpoint.contains("fsdp_state_dict_type") ||
+                    checkpoint.at("fsdp_state_dict_type").toStringRef() != "local",
+                "checkpoint_io \"dcp\" writes pieces of global tensors, and [strategy] state_dict_type = \"local\" ",
+                "saves rank-local flat shards: use state_dict_type = \"sharded\" or \"full\"");
+  const fs::path folder = temporary_folder(path, save_id);
+  std::error_code ec;
+  fs::create_directories(folder, ec);
+  TESSERA_CHECK(!ec, "cannot create ", folder.string(), ": ", ec.message());
+  const sdk::StateDict state = state_dict_from(checkpoint_get(checkpoint, "state_dict"), "checkpoint [state_dict]");
+  std::map<std::string, StackedPieces> pieces;
+  if (checkpoint.contains(kTensorPiecesKey) || checkpoint.contains(kLegacyShardMetadataKey))
+    pieces = stacked_pieces_from_ivalue(
+        checkpoint.at(checkpoint.contains(kTensorPiecesKey) ? kTensorPiecesKey : kLegacyShardMetadataKey),
+        "checkpoint [" + std::string(kTensorPiecesKey) + "]", &state);
+  else  // a full save (rank 0 alone) or a replicated one: whole tensors
+    for (const auto& item : state) pieces[item.key()] = {TensorPiece::whole(item.value().sizes())};
+
+  const std::string data_name = shard_data_file(rank);
+  std::ofstream data(folder / data_name, std::ios::binary);
+  checkpoint_json::json record = {{"save_id", save_id}, {"file", data_name}, {"tensors", checkpoint_json::json::array()},
+                                  {"bytes", checkpoint_json::json::array()}};
+  std::uint64_t written = 0;
+  auto add_chunk = [&](const std::string& key, const TensorPiece& box, const at::Tensor& part) {
+    const at::Tensor t = part.detach().cpu().contiguous();
+    const std::uint64_t length = write_archive(t, data);
+    record["tensors"].push_back({{"key", key}, {"dtype", dtype_name(t.scalar_type())},
+                                 {"size", box.global_shape}, {"offsets", box.offsets}, {"sizes", box.lengths},
+                                 {"offset", written}, {"length", length}});
+    written += length;
+  };
+  auto add_pieces = [&](const std::string& key, const std::string& param, const at::Tensor& local) {
+    auto it = pieces.find(param);
+    TESSERA_CHECK(it != pieces.end(), "checkpoint tensor ", key, ": '", param, "' has no piece description");
+    const StackedPieces& stack = it->second;
+    const std::vector<at::Tensor> parts = stack.size() == 1 ? std::vector<at::Tensor>{local} : split_stacked(local, stack);
+    for (std::size_t k = 0; k < stack.size(); ++k)
+      for (const auto& [box, part] : as_boxes(stack[k], parts[k].contiguous())) add_chunk(key, box, part);
+  };
+  for (const auto& item : state) add_pieces(item.key(), item.key(), item.value());
+
+  // The rest of this rank's checkpoint: the optimizer's moments as pieces, its steps once
+  // (rank 0), the other entries as this rank's trainer state.
+  sdk::Checkpoint rest = sdk::make_checkpoint();
+  for (const auto& e : checkpoint) {
+    const std::string key = e.key().toStringRef();
+    if (key == "state_dict" || key == kTensorPiecesKey || key == kLegacyShardMetadataKey) continue;
+    if (key != "optimizer_states" || e.value().toListRef().empty()) {
+      rest.insert(e.key(), e.value());
+      continue;
+    }
+    const sdk::Checkpoint opt = checkpoint_dict(e.value().toListRef()[0], "checkpoint [optimizer_states][0]");
+    std::vector<std::string> names;
+    for (const c10::IValue& n : checkpoint_get(opt, "param_names").toListRef()) names.push_back(n.toStringRef());
+    for (const auto& entry : checkpoint_dict(checkpoint_get(opt, "state"), "optimizer state")) {
+      const std::int64_t index = entry.key().toInt();
+      TESSERA_CHECK(index >= 0 && index < static_cast<std::int64_t>(names.size()), "optimizer state of parameter ",
+                    "index ", index, " but 'param_names' has ", names.size(), " entries");
+      const std::string& name = names[static_cast<std::size_t>(index)];
+      for (const auto& m : checkpoint_dict(entry.value(), "optimizer state of " + name)) {
+        const std::string key_m = "optimizer.state." + name + "." + m.key().toStringRef();
+        if (m.key().toStringRef() == "step") {
+          if (rank == 0) add_chunk(key_m, TensorPiece::whole({}), state_tensor(m.value()));
+        } else {
+          add_pieces(key_m, name, m.value().toTensor());
+        }
+      }
+    }
+    sdk::Checkpoint groups = sdk::make_checkpoint();  // hyper-parameters and names, no tensors
+    groups.insert("param_groups", checkpoint_get(opt, "param_groups"));
+    groups.insert("param_names", checkpoint_get(opt, "param_names"));
+    c10::impl::GenericList list(c10::AnyType::get());
+    list.push_back(groups);
+    rest.insert("optimizer_states", list);
+  }
+  const std::uint64_t length = write_archive(rest, data);
+  record["bytes"].push_back({{"key", trainer_state_key(rank)}, {"offset", written}, {"length", length}});
+  data.close();
+  TESSERA_CHECK(data.good(), "cannot write ", (folder / data_name).string(), " (disk full?)");
+  detail::fsync_path(folder / data_name, false);
+  // The record last: rank 0 commits only what every rank finished.
+  const fs::path record_file = folder / shard_record(rank);
+  checkpoint_json::write_json(record_file.string() + ".tmp", record);
+  detail::fsync_path(record_file.string() + ".tmp", false);
+  fs::rename(record_file.string() + ".tmp", record_file, ec);
+  TESSERA_CHECK(!ec, "cannot rename ", record_file.string(), ".tmp: ", ec.message());
+}
+
+void commit_dcp(const std::string& path, std::int64_t world, const std::string& save_id) {
+  const fs::path folder = temporary_folder(path, save_id);
+  std::error_code ec;
+  try {
+    DcpMetadata m;
+    std::map<std::string, std::vector<std::string>> paths;
+    for (std::int64_t r = 0; r < world; ++r) {
+      const fs::path record_file = folder / shard_record(r);
+      TESSERA_CHECK(fs::exists(record_file, ec), "DCP checkpoint ", path, ": rank ", r, " of ", world,
+                    " did not finish writing its part; the previous checkpoint is kept");
+      const auto record = checkpoint_json::read_json(record_file, "the save record");
+      TESSERA_CHECK(record.at("save_id").get<std::string>() == save_id, record_file.string(),
+                    " belongs to another save");
+      const std::string file = record.at("file").get<std::string>();
+      for (const auto& t : record.at("tensors")) {
+        const std::string key = t.at("key").get<std::string>();
+        DcpTensor& entry = m.tensors[key];
+        const auto size = t.at("size").get<std::vector<std::int64_t>>();
+        const at::ScalarType dtype = dtypes().at("torch." + t.at("dtype").get<std::string>());
+        if (entry.chunks.empty()) entry.size = size, entry.dtype = dtype;
+        TESSERA_CHECK(entry.size == size && entry.dtype == dtype, "DCP checkpoint ", path, ": rank ", r, " saved ",
+                      key, " with another shape or dtype than the rank before it");
+        entry.chunks.push_back({t.at("offsets").get<std::vector<std::int64_t>>(),
+                                t.at("sizes").get<std::vector<std::int64_t>>(),
+                                {file, t.at("offset").get<std::uint64_t>(), t.at("length").get<std::uint64_t>()}});
+        if (auto p = planner_path(key); !p.empty()) paths[key] = p;
+      }
+      for (const auto& b : record.at("bytes"))
+        m.bytes[b.at("key").get<std::string>()] = {file, b.at("offset").get<std::uint64_t>(),
+                                                   b.at("length").get<std::uint64_t>()};
+    }
+    const std::string pickle = dcp_metadata_pickle(m, paths);
+    (void)parse_dcp_metadata(pickle, "the .metadata of " + path);  // every tensor covered exactly, as a reader checks
+    for (std::int64_t r = 0; r < world; ++r) fs::remove(folder / shard_record(r), ec);
+    {
+      std::ofstream out(folder / kDcpMetadataName, std::ios::binary);
+      out << pickle;
+      out.close();
+      TESSERA_CHECK(out.good(), "cannot write ", (folder / kDcpMetadataName).string());
+    }
+    detail::fsync_path(folder / kDcpMetadataName, false);
+    detail::fsync_path(folder, true);
+    detail::publish_folder(folder, path);
+  } catch (...) {
+    remove_tree(folder.string(), ec);
+    throw;
+  }
 }
 
 }  // namespace tessera::core

@@ -49,9 +49,9 @@ DcpMetadata parse_dcp_metadata(std::string_view pickle, const std::string& what)
 /// DIR/.metadata parsed, and every storage range checked against the size of its file.
 DcpMetadata read_dcp_metadata(const std::string& folder);
 
-/// What read_trainer_state says of a DCP folder without reading tensors: weights-only when it
-/// holds no optimizer moments.
-sdk::Checkpoint dcp_trainer_state(const DcpMetadata& metadata);
+/// What read_trainer_state says of a DCP folder without reading tensors: a save of tessera's
+/// gives rank 0's trainer state; a foreign folder is weights-only when it holds no optimizer moments.
+sdk::Checkpoint dcp_trainer_state(const std::string& path);
 
 /// The head counts a torchtitan Llama's q/k weights are permuted by (its Hugging Face
 /// converter's `_permute`): from the model's Hugging Face config.json; zero when unknown.
@@ -71,8 +71,10 @@ DcpModelShape dcp_model_shape(const sdk::Module& model);
 /// back to Hugging Face's rotary layout by `shape`'s head counts); optimizer moments as
 /// `optimizer.state.<fqn>.<moment>` (torchtitan), `optim.state.` or `state.`. Only the chunks that
 /// overlap a wanted piece are read. Names and shapes are compared before any tensor data is read.
+/// A folder tessera saved (write_dcp_shard) also restores its trainer state: rank `rank`'s
+/// entries (rank 0's when the save had fewer ranks).
 sdk::Checkpoint load_dcp(const std::string& path, const std::map<std::string, StackedPieces>& wanted,
-                         const DcpModelShape& shape);
+                         const DcpModelShape& shape, std::int64_t rank = 0);
 
 /// Writes a DCP folder that torch.distributed.checkpoint.load reads (FileSystemReader, PyTorch
 /// 2.x): each tensor added is one chunk, a torch.save record appended to `__0_0.distcp`; commit()

@@ -105,6 +105,18 @@ void fsync_path(const fs::path& path, bool directory) {
   ::close(fd);
   TESSERA_CHECK(ok, "cannot fsync ", path.string(), ": ", std::strerror(error));
 }
+
+void publish_folder(const fs::path& folder, const fs::path& target) {
+  // A plain rename, or an atomic exchange with the checkpoint already at `target`.
+  if (::renameat2(AT_FDCWD, folder.c_str(), AT_FDCWD, target.c_str(), RENAME_NOREPLACE) != 0) {
+    TESSERA_CHECK(errno == EEXIST, "cannot rename ", folder.string(), " to ", target.string(), ": ", std::strerror(errno));
+    TESSERA_CHECK(::renameat2(AT_FDCWD, folder.c_str(), AT_FDCWD, target.c_str(), RENAME_EXCHANGE) == 0,
+                  "cannot exchange ", folder.string(), " with ", target.string(), ": ", std::strerror(errno));
+    std::error_code ec;
+    remove_tree(folder.string(), ec);  // now the replaced checkpoint
+  }
+  fsync_path(target.has_parent_path() ? target.parent_path() : fs::path("."), true);
+}
 }  // namespace detail
 
 std::string new_save_id() {
@@ -264,15 +276,7 @@ void commit_shards(const std::string& path, std::int64_t world, const std::strin
     for (std::int64_t r = 0; r < world; ++r) fs::remove(folder / record_name(r, world), ec);
     write_json(folder / kManifestName, manifest);
     detail::fsync_path(folder, true);
-    // Publish: a plain rename, or an atomic exchange with the checkpoint already at `path`.
-    const fs::path target(path);
-    if (::renameat2(AT_FDCWD, folder.c_str(), AT_FDCWD, target.c_str(), RENAME_NOREPLACE) != 0) {
-      TESSERA_CHECK(errno == EEXIST, "cannot rename ", folder.string(), " to ", path, ": ", std::strerror(errno));
-      TESSERA_CHECK(::renameat2(AT_FDCWD, folder.c_str(), AT_FDCWD, target.c_str(), RENAME_EXCHANGE) == 0,
-                    "cannot exchange ", folder.string(), " with ", path, ": ", std::strerror(errno));
-      remove_tree(folder.string(), ec);  // now the replaced checkpoint
-    }
-    detail::fsync_path(target.has_parent_path() ? target.parent_path() : fs::path("."), true);
+    detail::publish_folder(folder, path);
   } catch (...) {
     remove_tree(folder.string(), ec);
     throw;
@@ -540,7 +544,7 @@ sdk::Checkpoint load_shard(const std::string& path, std::int64_t rank) {
 }
 
 sdk::Checkpoint read_trainer_state(const std::string& path) {
-  if (is_dcp_checkpoint(path)) return dcp_trainer_state(read_dcp_metadata(path));
+  if (is_dcp_checkpoint(path)) return dcp_trainer_state(path);
   sdk::Checkpoint state =
       is_sharded_checkpoint(path)
           ? checkpoint_dict(decode(json::parse(read_manifest(path).trainer_state),

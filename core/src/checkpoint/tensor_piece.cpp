@@ -152,6 +152,14 @@ std::string TensorPiece::to_string() const {
   return out.str();
 }
 
+std::vector<std::pair<TensorPiece, at::Tensor>> as_boxes(const TensorPiece& piece, const at::Tensor& local) {
+  if (piece.global_shape.empty()) return {{piece, local}};  // a scalar: one box of no dims
+  std::vector<std::pair<TensorPiece, at::Tensor>> out;
+  for (Box& b : boxes_of(piece, local, "stored"))
+    out.emplace_back(TensorPiece::box(piece.global_shape, b.offsets, b.lengths), std::move(b.data));
+  return out;
+}
+
 std::int64_t copy_overlap(const TensorPiece& src_piece, const at::Tensor& src, const TensorPiece& dst_piece,
                           const at::Tensor& dst) {
   TESSERA_CHECK(src_piece.global_shape == dst_piece.global_shape, "copy_overlap: pieces of different tensors (",

@@ -143,7 +143,7 @@ void ShardedStrategy::save_checkpoint(const sdk::Checkpoint& checkpoint, const s
 sdk::Checkpoint ShardedStrategy::load_checkpoint(const std::string& path) {
   loaded_ = "full";
   if (is_dcp_checkpoint(path)) {  // each rank reads the chunks that overlap its own pieces
-    sdk::Checkpoint out = load_dcp(path, owned_pieces(), dcp_model_shape(*module_));
+    sdk::Checkpoint out = load_dcp(path, owned_pieces(), dcp_model_shape(*module_), global_rank());
     loaded_ = "sharded";
     return out;
   }

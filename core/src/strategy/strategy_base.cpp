@@ -295,7 +295,7 @@ sdk::Checkpoint StrategyBase::load_checkpoint(const std::string& path) {
     std::map<std::string, StackedPieces> wanted;
     for (const auto& item : StrategyBase::lightning_module_state_dict())
       wanted.emplace(item.key(), StackedPieces{TensorPiece::whole(item.value().sizes())});
-    return load_dcp(path, wanted, dcp_model_shape(*module_));
+    return load_dcp(path, wanted, dcp_model_shape(*module_), global_rank());
   }
   std::error_code ec;
   if (std::filesystem::is_directory(path, ec)) {

@@ -71,6 +71,20 @@ struct Manifest {
   std::string trainer_state;                        ///< rank 0's checkpoint tree (JSON), for tools
 };
 
+/// PyTorch DCP folders saved during training ([checkpoint_io] plugin = "dcp"), with the commit protocol of
+/// tessera's sharded saves: each rank writes its pieces of the weights and optimizer moments as
+/// chunks of `__R_0.distcp` (a flat range as the boxes it decomposes into) and its other entries
+/// (loops, RNG, callbacks, the optimizer's param_groups) as the bytes item
+/// `tessera.trainer_state.rank_R` (a torch.save'd dict), into the save's temporary folder, fsyncs
+/// it, then writes its record. A full save is rank 0's alone with world 1. Rank-local fsdp state
+/// (state_dict_type = "local") is refused.
+void write_dcp_shard(const sdk::Checkpoint& checkpoint, const std::string& path, std::int64_t rank,
+                     std::int64_t world, const std::string& save_id);
+/// Rank 0, after every rank's write_dcp_shard: merges the records into `.metadata` (checked as a
+/// reader checks it: every tensor covered exactly), fsyncs and publishes the folder at `path`
+/// (exchanging it with a checkpoint there). On failure the temporary folder goes, `path` stays.
+void commit_dcp(const std::string& path, std::int64_t world, const std::string& save_id);
+
 /// Whether `path` is a folder in this format (it has a manifest).
 bool is_sharded_checkpoint(const std::string& path);
 /// PyTorch Distributed Checkpoint (torch.distributed.checkpoint) folders, told by their metadata

@@ -52,6 +52,11 @@ std::int64_t copy_overlap(const TensorPiece& src_piece, const at::Tensor& src, c
 /// overlap. It may hold elements `wanted` does not need (copy_overlap skips them).
 std::pair<TensorPiece, std::int64_t> needed_extent(const TensorPiece& stored, const TensorPiece& wanted);
 
+/// `piece` as boxes of its global tensor, each with the part of `local` (laid out as
+/// piece.local_shape()) that holds it: a box is itself, a flat range the <= 2*ndim-1 boxes it
+/// decomposes into (what a format of boxes, DCP's chunks, stores).
+std::vector<std::pair<TensorPiece, at::Tensor>> as_boxes(const TensorPiece& piece, const at::Tensor& local);
+
 /// Where tensor pieces are stored in a checkpoint dictionary (pieces_to_ivalue's format).
 constexpr const char* kTensorPiecesKey = "tensor_pieces";
 /// The key of the format the fsdp strategy wrote before TensorPiece: {name: [start, ndim, dims...]}
