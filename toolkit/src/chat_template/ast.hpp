@@ -24,7 +24,7 @@ struct Expr {
     getitem,    // children[0] [ children[1] ]
     slice,      // children[0] [ children[1] : children[2] : children[3] ] (null where omitted);
                 // value true when jinja2 would fold it (a literal's slice)
-    call,       // children[0] ( children[1..] , kwargs )
+    call,       // children[0] ( children[1..] , kwargs ); a kwarg named "*" or "**" is *args / **kwargs
     filter,     // children[0] | name ( children[1..] , kwargs ); children[0] null in a filter block
     test,       // children[0] is name ( children[1..] , kwargs )
     unary,      // name ("-", "+", "not") children[0]
@@ -64,6 +64,7 @@ struct Stmt {
     set_block,   // {% set target | filter %}body{% endset %}: exprs[0] the filter chain or null
     filter_block,// {% filter f %}body{% endfilter %}: exprs[0] the filter chain
     macro,       // name(params = defaults): body
+    call_block,  // {% call(params = defaults) exprs[0] %}body{% endcall %}: the call gets caller=body
     break_,
     continue_,
     scope,       // {% with targets = exprs %}, and {% generation %} (transformers' tag, a call
@@ -79,6 +80,7 @@ struct Stmt {
   Body body, else_body;
   std::vector<std::string> params;
   std::vector<ExprPtr> defaults;  // of the last defaults.size() params
+  bool uses_caller = false;       // a macro whose body names `caller` (it then takes caller=)
 };
 
 }  // namespace tessera::toolkit::jinja

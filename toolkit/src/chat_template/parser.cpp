@@ -12,7 +12,7 @@ namespace {
 // Deeper nesting than this is refused before the recursive descent can exhaust the stack.
 constexpr int kMaxParseDepth = 200;
 
-const char* const kUnsupportedTags[] = {"block", "extends", "include", "import", "from", "call", "autoescape"};
+const char* const kUnsupportedTags[] = {"block", "extends", "include", "import", "from", "autoescape"};
 // Chains such as a + b + c + ... build deep trees without recursing in the parser.
 constexpr int kMaxTreeDepth = 1000;
 
@@ -49,7 +49,9 @@ class Parser {
         check(s.else_body, false);
         return;
       case Stmt::Kind::macro:
+      case Stmt::Kind::call_block:
         for (const auto& d : s.defaults) check(*d, false);
+        for (const auto& e : s.exprs) check(*e, soft);
         check(s.body, false);
         return;
       case Stmt::Kind::output:
@@ -264,6 +266,7 @@ class Parser {
     if (tag == "macro") return parse_macro();
     if (tag == "with") return parse_with();
     if (tag == "filter") return parse_filter_block();
+    if (tag == "call") return parse_call_block();
     if (tag == "print") {
       advance();
       auto s = stmt(Stmt::Kind::output, t);
@@ -399,26 +402,53 @@ class Parser {
     return s;
   }
 
-  std::unique_ptr<Stmt> parse_macro() {
-    const Token& t = advance();
-    auto s = stmt(Stmt::Kind::macro, t);
-    s->text = expect_name().text;
+  // "(a, b=default)" of a macro or a call block.
+  void parse_signature(Stmt& s) {
     expect_op("(");
     while (!is_op(")")) {
-      if (!s->params.empty()) expect_op(",");
-      s->params.push_back(expect_name().text);
+      if (!s.params.empty()) expect_op(",");
+      s.params.push_back(expect_name().text);
       if (skip_op("=")) {
-        s->defaults.push_back(parse_expression());
-      } else if (!s->defaults.empty()) {
+        s.defaults.push_back(parse_expression());
+      } else if (!s.defaults.empty()) {
         error("non-default argument follows default argument");
       }
     }
     expect_op(")");
+  }
+
+  // A body of its own (a macro's, a call block's): break and continue do not reach out of it,
+  // and whether it names `caller` is recorded.
+  Body callable_body(Stmt& s, const char* end) {
     const int saved = loops_;
+    const bool saved_caller = names_caller_;
     loops_ = 0;
-    s->body = statements({"endmacro"});
+    names_caller_ = false;
+    Body body = statements({end});
+    s.uses_caller = names_caller_;
     loops_ = saved;
+    names_caller_ = saved_caller;
     advance();
+    return body;
+  }
+
+  std::unique_ptr<Stmt> parse_macro() {
+    const Token& t = advance();
+    auto s = stmt(Stmt::Kind::macro, t);
+    s->text = expect_name().text;
+    parse_signature(*s);
+    s->body = callable_body(*s, "endmacro");
+    return s;
+  }
+
+  std::unique_ptr<Stmt> parse_call_block() {
+    const Token& t = advance();
+    auto s = stmt(Stmt::Kind::call_block, t);
+    if (is_op("(")) parse_signature(*s);
+    ExprPtr call = parse_expression();
+    if (call->kind != Expr::Kind::call) error("expected call", &t);
+    s->exprs.push_back(std::move(call));
+    s->body = callable_body(*s, "endcall");
     return s;
   }
 
@@ -591,6 +621,7 @@ class Parser {
       } else {
         n->kind = Expr::Kind::name;
         n->name = t.text;
+        names_caller_ = names_caller_ || t.text == "caller";
       }
       return n;
     }
@@ -749,8 +780,15 @@ class Parser {
         expect_op(",");
         if (is_op(")")) break;
       }
-      if (is_op("*") || is_op("**")) refuse("a call with *args or **kwargs", cur());
-      if (cur().type == Token::Type::name && look().type == Token::Type::op && look().text == "=") {
+      if (is_op("*") || is_op("**")) {
+        // *args and **kwargs: kept as keywords "*" and "**", at most one each, in that order.
+        const std::string star = advance().text;
+        for (const auto& [key, _] : n.kwargs)
+          if (key == "**" || key == star) error("invalid syntax for function call expression", &open);
+        n.kwargs.emplace_back(star, parse_expression());
+      } else if (cur().type == Token::Type::name && look().type == Token::Type::op && look().text == "=") {
+        for (const auto& [key, _] : n.kwargs)
+          if (key == "**") error("invalid syntax for function call expression", &open);
         std::string key = advance().text;
         advance();
         n.kwargs.emplace_back(std::move(key), parse_expression());
@@ -834,6 +872,7 @@ class Parser {
   const std::string& origin_;
   std::size_t pos_ = 0;
   int depth_ = 0, loops_ = 0;
+  bool names_caller_ = false;
   std::vector<std::vector<const char*>> looking_for_;
 };
 

@@ -1,5 +1,6 @@
 #include "chat_template/render.hpp"
 
+#include <algorithm>
 #include <unordered_map>
 
 #include "chat_template/builtins.hpp"
@@ -20,7 +21,7 @@ enum class Flow { normal, break_, continue_ };
 // an undefined value.
 bool unsupported_name(const std::string& name) {
   return name == "lipsum" || name == "cycler" || name == "joiner" || name == "self" || name == "varargs" ||
-         name == "kwargs" || name == "caller";
+         name == "kwargs";
 }
 
 class Renderer final : public Env {
@@ -113,8 +114,19 @@ class Renderer final : public Env {
           return Flow::normal;
         }
         case Stmt::Kind::macro:
-          scope->vars[s.text] = make_macro(s, scope);
+          scope->vars[s.text] = make_macro(s.text, s, scope);
           return Flow::normal;
+        case Stmt::Kind::call_block: {
+          // The called macro gets caller=, a macro of the block's body (in this scope).
+          const Expr& call = *s.exprs[0];
+          const Value callee = eval(*call.children[0], scope);
+          CallArgs args = arguments(call, 1, scope);
+          args.keyword.emplace_back("caller", make_macro("caller", s, scope));
+          if (callee.is_undefined()) fail("UndefinedError: ", callee.undefined_hint());
+          if (!callee.is_callable()) fail("TypeError: '", callee.type_name(), "' object is not callable");
+          append(out, to_str(callee.callable().call(args)));
+          return Flow::normal;
+        }
         case Stmt::Kind::break_: return Flow::break_;
         case Stmt::Kind::continue_: return Flow::continue_;
         case Stmt::Kind::scope: {
@@ -210,15 +222,17 @@ class Renderer final : public Env {
     return Value(std::shared_ptr<const Dict>(std::move(d)));
   }
 
-  Value make_macro(const Stmt& s, const ScopePtr& scope) {
+  // A macro (or a call block's caller) over `s`'s parameters and body, seeing `scope`.
+  Value make_macro(const std::string& name, const Stmt& s, const ScopePtr& scope) {
     std::weak_ptr<Scope> defined_in = scope;
-    return Value(std::shared_ptr<const Callable>(std::make_shared<Callable>(Callable{s.text, [this, &s, defined_in](CallArgs& a) {
+    return Value(std::shared_ptr<const Callable>(std::make_shared<Callable>(Callable{name, [this, &s, name, defined_in](CallArgs& a) {
       const ScopePtr parent = defined_in.lock();
       if (!parent) unsupported("calling a macro after the scope that defined it has ended");
       Depth depth(*this);
       if (a.positional.size() > s.params.size())
-        fail("TypeError: macro '", s.text, "' takes not more than ", s.params.size(), " argument(s)");
+        fail("TypeError: macro '", name, "' takes not more than ", s.params.size(), " argument(s)");
       auto frame = child(parent);
+      if (s.uses_caller) frame->vars["caller"] = Value::undefined("No caller defined");
       std::vector<bool> given(s.params.size(), false);
       for (std::size_t i = 0; i < a.positional.size(); ++i) {
         frame->vars[s.params[i]] = a.positional[i];
@@ -226,9 +240,13 @@ class Renderer final : public Env {
       }
       for (auto& [key, value] : a.keyword) {
         const auto it = std::find(s.params.begin(), s.params.end(), key);
-        if (it == s.params.end()) fail("TypeError: macro '", s.text, "' takes no keyword argument '", key, "'");
+        if (it == s.params.end() && key == "caller" && s.uses_caller) {
+          frame->vars["caller"] = value;
+          continue;
+        }
+        if (it == s.params.end()) fail("TypeError: macro '", name, "' takes no keyword argument '", key, "'");
         const auto i = static_cast<std::size_t>(it - s.params.begin());
-        if (given[i]) fail("TypeError: macro '", s.text, "' got multiple values for argument '", key, "'");
+        if (given[i]) fail("TypeError: macro '", name, "' got multiple values for argument '", key, "'");
         frame->vars[key] = value;
         given[i] = true;
       }
@@ -256,10 +274,31 @@ class Renderer final : public Env {
     return Value::undefined("'" + name + "' is undefined");
   }
 
+  // The call's arguments, *args and **kwargs spread after the others, as Python spreads them.
   CallArgs arguments(const Expr& e, std::size_t first, const ScopePtr& scope) {
     CallArgs args;
     for (std::size_t i = first; i < e.children.size(); ++i) args.positional.push_back(eval(*e.children[i], scope));
-    for (const auto& [key, value] : e.kwargs) args.keyword.emplace_back(key, eval(*value, scope));
+    std::optional<Value> star, star_star;
+    for (const auto& [key, value] : e.kwargs) {
+      if (key == "*") {
+        star = eval(*value, scope);
+      } else if (key == "**") {
+        star_star = eval(*value, scope);
+      } else {
+        args.keyword.emplace_back(key, eval(*value, scope));
+      }
+    }
+    if (star)
+      for (auto& v : iterate(*star)) args.positional.push_back(std::move(v));
+    if (star_star) {
+      if (!star_star->is_dict()) fail("TypeError: argument after ** must be a mapping, not ", star_star->type_name());
+      for (const auto& [k, v] : star_star->dict().items) {
+        if (!k.is_string()) fail("TypeError: keywords must be strings");
+        for (const auto& [existing, _] : args.keyword)
+          if (existing == k.str()) fail("TypeError: got multiple values for keyword argument '", k.str(), "'");
+        args.keyword.emplace_back(k.str(), v);
+      }
+    }
     return args;
   }
 
