@@ -452,8 +452,12 @@ TEST(ChatTemplate, TheRenderBudgetRefusesHostileTemplates) {
             std::string::npos);
   budget("{{ 'x' * 1000000000 }}");
   budget("{% for i in range(100000) %}{{ 'y' * 1000 }}{% endfor %}");
-  // Recursion without end.
+  // Recursion without end, and recursion inside deep expressions (stack, not count, runs out).
   EXPECT_NE(budget("{% macro f(n) %}{{ f(n + 1) }}{% endmacro %}{{ f(0) }}").find("nested"), std::string::npos);
+  EXPECT_NE(budget("{% macro f(n) %}{{ " + std::string(90, '[') + "f(n + 1)" + std::string(90, ']') +
+                   " }}{% endmacro %}{{ f(0) }}")
+                .find("stack"),
+            std::string::npos);
   // Nesting deeper than the parser allows: parentheses, blocks, long chains.
   budget("{{ " + std::string(5000, '(') + "1" + std::string(5000, ')') + " }}");
   std::string blocks;

@@ -31,6 +31,8 @@ class Renderer final : public Env {
   }
 
   std::string run(const std::vector<std::pair<std::string, Value>>& variables) {
+    const char here = 0;
+    stack_base_ = &here;
     auto root = std::make_shared<Scope>();
     for (const auto& [name, value] : variables) root->vars[name] = value;
     std::string out;
@@ -80,9 +82,19 @@ class Renderer final : public Env {
     return Flow::normal;
   }
 
+  // The stack the recursion has taken since run() began (it grows down on every platform we build for).
+  void check_stack() const {
+    const char here = 0;
+    if (static_cast<std::size_t>(stack_base_ - &here) > options_.limits.max_stack_bytes)
+      throw Failure{TemplateError::Kind::budget, "the render budget's stack (" +
+                                                     std::to_string(options_.limits.max_stack_bytes) +
+                                                     " bytes) is spent: the template nests too deeply"};
+  }
+
   Flow exec(const Stmt& s, const ScopePtr& scope, std::string& out) {
     try {
       count_steps(1);
+      check_stack();
       switch (s.kind) {
         case Stmt::Kind::data:
           append(out, s.text);
@@ -316,6 +328,7 @@ class Renderer final : public Env {
   Value eval(const Expr& e, const ScopePtr& scope) {
     try {
       count_steps(1);
+      check_stack();
       return eval_node(e, scope);
     } catch (const Failure& f) {
       located(f, e.line, e.column);
@@ -415,6 +428,7 @@ class Renderer final : public Env {
   std::chrono::system_clock::time_point now_;
   std::int64_t steps_ = 0;
   int depth_ = 0;
+  const char* stack_base_ = nullptr;
 };
 
 }  // namespace

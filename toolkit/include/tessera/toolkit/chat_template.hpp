@@ -51,6 +51,9 @@ struct RenderLimits {
   std::size_t max_bytes = 64u << 20;
   /// Nested macro calls and loops.
   int max_depth = 200;
+  /// Stack the evaluator's recursion may take (nesting within nesting: macros calling macros
+  /// inside deep expressions), so that a render fits a thread's stack.
+  std::size_t max_stack_bytes = 1u << 20;
 };
 
 struct RenderOptions {
