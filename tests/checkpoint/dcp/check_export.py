@@ -9,6 +9,7 @@ dict (the names a model's state_dict() has) and, on 2 Gloo ranks, into Shard(0) 
 state an FSDP2 job holds); the optimizer moments load through the nesting torchtitan's
 OptimizersContainer gives them ({"optimizer": {"state.<name>.exp_avg": ...}}). Prints "ok ...".
 """
+import faulthandler
 import os
 import sys
 
@@ -35,6 +36,7 @@ def plain(folder, weights):
 
 
 def rank_main(rank, world, folder, weights, port):
+    faulthandler.dump_traceback_later(90, exit=True)  # a hung rank says where, and ends
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), USE_LIBUV="0")
     dist.init_process_group("gloo", rank=rank, world_size=world)
     mesh = init_device_mesh("cpu", (world,))
