@@ -5,6 +5,7 @@
 #include <iostream>
 #include <map>
 #include <optional>
+#include <set>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -48,8 +49,9 @@ constexpr const char* kToolUsage = R"(usage:
                                                      anywhere under ROOT (a default_root_dir): only
                                                      those whose writer is gone (clean: the same)
 PATH is a full .ckpt file, a sharded checkpoint folder (or a `last` link to either), a torch.save'd
-state dict or a safetensors file; RUN_OR_CKPT is also a run folder (its checkpoints/last) or a
-default_root_dir (its newest run's last checkpoint, as --ckpt-path last finds it).
+state dict or a safetensors file; inspect and verify also read PyTorch DCP folders. RUN_OR_CKPT is
+also a run folder (its checkpoints/last) or a default_root_dir (its newest run's last checkpoint,
+as --ckpt-path last finds it).
 )";
 
 
@@ -92,6 +94,27 @@ void collect_garbage(const std::string& root, bool dry_run) {
 }
 
 void inspect(const std::string& path) {
+  if (core::is_dcp_checkpoint(path)) {
+    const core::DcpMetadata m = core::read_dcp_metadata(path);
+    std::set<std::string> files;
+    for (const auto& [name, t] : m.tensors)
+      for (const auto& c : t.chunks) files.insert(c.storage.file);
+    std::uintmax_t bytes = 0;
+    for (const auto& file : files) bytes += fs::file_size(fs::path(path) / file);
+    const sdk::Checkpoint state = core::read_trainer_state(path);
+    std::cout << "PyTorch DCP checkpoint " << path << "\n  " << files.size() << " data files, " << megabytes(static_cast<double>(bytes))
+              << (state.contains("global_step") ? ", saved by tessera at step " + std::to_string(state.at("global_step").toInt()) : "")
+              << "\n  tensors (" << m.tensors.size() << "):\n";
+    for (const auto& [name, t] : m.tensors)
+      std::cout << "    " << name << "  " << t.dtype << " " << shape_of(t.size) << "  " << t.chunks.size()
+                << " chunk(s)\n";
+    if (!m.bytes.empty()) {
+      std::cout << "  other items (" << m.bytes.size() << ", torch.save'd objects: tessera's trainer state is read, "
+                << "others are not):\n";
+      for (const auto& [name, b] : m.bytes) std::cout << "    " << name << "  " << b.length << " bytes\n";
+    }
+    return;
+  }
   if (core::is_sharded_checkpoint(path)) {
     const core::Manifest m = core::read_manifest(path);
     std::int64_t bytes = 0;

@@ -315,6 +315,10 @@ TEST(DcpSave, ResumesExactlyAndAcrossLayouts) {
     EXPECT_EQ(m.bytes.size(), 3u);  // each rank's trainer state
     EXPECT_GE(m.tensors.at("model.layers.0.mlp.up_proj.weight").chunks.size(), 3u) << strategy;
     EXPECT_EQ(core::read_trainer_state(step2).at("global_step").toInt(), 2);
+    auto inspect = run_tessera("checkpoint inspect " + step2);
+    EXPECT_NE(inspect.output.find("PyTorch DCP checkpoint " + step2 + "\n  3 data files"), std::string::npos)
+        << inspect.output;
+    EXPECT_NE(inspect.output.find("saved by tessera at step 2"), std::string::npos) << inspect.output;
 
     const std::string resumed = fit_from(std::string("dcp-save-resumed-") + strategy, step2, 4, sets + plugin);
     const auto want = tessera::testing::metric_series(whole + "/metrics.csv", "train", "train_loss");
