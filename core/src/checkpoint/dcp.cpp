@@ -656,7 +656,9 @@ std::string dcp_metadata_pickle(const DcpMetadata& metadata,
     p.string("state_dict_metadata");
     p.empty_dict();
     p.mark();
-    for (const auto& [fqn, t] : metadata.tensors) {
+    for (const auto& tensor : metadata.tensors) {
+      const std::string& fqn = tensor.first;
+      const DcpTensor& t = tensor.second;
       p.string(fqn);
       p.dataclass(meta, "TensorStorageMetadata", [&] {
         p.string("properties");
@@ -694,7 +696,9 @@ std::string dcp_metadata_pickle(const DcpMetadata& metadata,
         p.appends();
       });
     }
-    for (const auto& [fqn, b] : metadata.bytes) {
+    for (const auto& item : metadata.bytes) {
+      const std::string& fqn = item.first;
+      const DcpStorage& b = item.second;
       p.string(fqn);
       p.global(meta, "BytesStorageMetadata");  // a dataclass without fields: no BUILD
       p.empty_tuple();
@@ -704,7 +708,9 @@ std::string dcp_metadata_pickle(const DcpMetadata& metadata,
     p.string("planner_data");
     p.empty_dict();
     p.mark();
-    for (const auto& [fqn, t] : metadata.tensors) {
+    for (const auto& tensor : metadata.tensors) {
+      const std::string& fqn = tensor.first;
+      const DcpTensor& t = tensor.second;
       p.string(fqn);
       p.mark();
       auto path = planner_paths.find(fqn);
@@ -712,7 +718,9 @@ std::string dcp_metadata_pickle(const DcpMetadata& metadata,
       else for (const std::string& part : path->second) p.string(part);
       p.tuple();
     }
-    for (const auto& [fqn, b] : metadata.bytes) {
+    for (const auto& item : metadata.bytes) {
+      const std::string& fqn = item.first;
+      const DcpStorage& b = item.second;
       p.string(fqn);
       p.mark();
       p.string(fqn);
@@ -732,7 +740,9 @@ std::string dcp_metadata_pickle(const DcpMetadata& metadata,
         p.integer(static_cast<std::int64_t>(storage.length));
       });
     };
-    for (const auto& [fqn, b] : metadata.bytes) {
+    for (const auto& item : metadata.bytes) {
+      const std::string& fqn = item.first;
+      const DcpStorage& b = item.second;
       p.dataclass(meta, "MetadataIndex", [&] {
         p.string("fqn");
         p.string(fqn);
@@ -743,9 +753,10 @@ std::string dcp_metadata_pickle(const DcpMetadata& metadata,
       });
       storage_info(b);
     }
-    for (const auto& [fqn, t] : metadata.tensors)
-      for (std::size_t i = 0; i < t.chunks.size(); ++i) {
-        const DcpChunk& c = t.chunks[i];
+    for (const auto& tensor : metadata.tensors)
+      for (std::size_t i = 0; i < tensor.second.chunks.size(); ++i) {
+        const std::string& fqn = tensor.first;
+        const DcpChunk& c = tensor.second.chunks[i];
         p.dataclass(meta, "MetadataIndex", [&] {
           p.string("fqn");
           p.string(fqn);
