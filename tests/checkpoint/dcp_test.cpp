@@ -237,7 +237,7 @@ TEST(DcpExport, AnUncommittedWriteLeavesNoFolder) {
   {
     core::DcpWriter writer(dir + "/out");
     writer.add("w", at::arange(6, at::kFloat).reshape({2, 3}));
-    writer.add("optimizer.state.w.step", at::scalar_tensor(3.0), {"optimizer", "state.w.step"});
+    writer.add("optimizer.state.w.step", at::scalar_tensor(3.0));
   }
   EXPECT_TRUE(fs::is_empty(dir)) << "an abandoned export left files";
   core::DcpWriter writer(dir + "/out");

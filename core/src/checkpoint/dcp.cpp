@@ -565,6 +565,15 @@ namespace {
 
 constexpr const char* kDataFile = "__0_0.distcp";
 
+/// DCP's planner_data for a key tessera writes: optimizer entries nested under "optimizer" (the
+/// state dict {"optimizer": {"state.<name>.<m>": t}}, torchtitan's), train_state.step under
+/// "train_state", every other key at the top level.
+std::vector<std::string> planner_path(const std::string& key) {
+  if (key.rfind("optimizer.", 0) == 0) return {"optimizer", key.substr(10)};
+  if (key == "train_state.step") return {"train_state", "step"};
+  return {key};
+}
+
 /// The few pickle opcodes .metadata needs (protocol 2, which every Python 3 reads), written as
 /// Python's pickler writes the same dataclasses: NEWOBJ of the class, then BUILD with its state.
 class Pickler {
@@ -599,17 +608,22 @@ class Pickler {
   void appends() { bytes += 'e'; }  // MARK item ... APPENDS
   void stop() { bytes += '.'; }
 
-  /// `module.name()` then BUILD with the dict `fields` writes: what a dataclass pickles as.
-  template <typename Fields>
-  void dataclass(const std::string& module, const std::string& name, Fields fields) {
+  /// `module.name()`: NEWOBJ of the class with no arguments.
+  void new_object(const std::string& module, const std::string& name) {
     global(module, name);
     empty_tuple();
     bytes += '\x81';  // NEWOBJ
+  }
+  void build() { bytes += 'b'; }  // BUILD: the object below gets the state on top
+  /// `module.name()` then BUILD with the dict `fields` writes: what a dataclass pickles as.
+  template <typename Fields>
+  void dataclass(const std::string& module, const std::string& name, Fields fields) {
+    new_object(module, name);
     empty_dict();
     mark();
     fields();
     set_items();
-    bytes += 'b';  // BUILD
+    build();
   }
   void size(const std::vector<std::int64_t>& dims) {  // torch.Size((...))
     global("torch", "Size");
@@ -648,8 +662,7 @@ std::string dtype_name(at::ScalarType dtype) {
 
 }  // namespace
 
-std::string dcp_metadata_pickle(const DcpMetadata& metadata,
-                                const std::map<std::string, std::vector<std::string>>& planner_paths) {
+std::string dcp_metadata_pickle(const DcpMetadata& metadata) {
   const std::string meta = "torch.distributed.checkpoint.metadata";
   Pickler p;
   p.dataclass(meta, "Metadata", [&] {
@@ -664,9 +677,7 @@ std::string dcp_metadata_pickle(const DcpMetadata& metadata,
         p.string("properties");
         // TensorProperties pickles through __getstate__: (dtype, layout, requires_grad,
         // memory_format, pin_memory), the layout and memory format by name and by number.
-        p.global(meta, "TensorProperties");
-        p.empty_tuple();
-        p.bytes += '\x81';
+        p.new_object(meta, "TensorProperties");
         p.mark();
         p.global("torch", dtype_name(t.dtype));
         p.global("torch.serialization", "_get_layout");
@@ -680,7 +691,7 @@ std::string dcp_metadata_pickle(const DcpMetadata& metadata,
         p.reduce();
         p.boolean(false);
         p.tuple();
-        p.bytes += 'b';
+        p.build();
         p.string("size");
         p.size(t.size);
         p.string("chunks");
@@ -697,35 +708,22 @@ std::string dcp_metadata_pickle(const DcpMetadata& metadata,
       });
     }
     for (const auto& item : metadata.bytes) {
-      const std::string& fqn = item.first;
-      const DcpStorage& b = item.second;
-      p.string(fqn);
-      p.global(meta, "BytesStorageMetadata");  // a dataclass without fields: no BUILD
-      p.empty_tuple();
-      p.bytes += '\x81';
+      p.string(item.first);
+      p.new_object(meta, "BytesStorageMetadata");  // a dataclass without fields: no BUILD
     }
     p.set_items();
+    // planner_data: each key's path in the nested state dict it was flattened from.
     p.string("planner_data");
     p.empty_dict();
     p.mark();
-    for (const auto& tensor : metadata.tensors) {
-      const std::string& fqn = tensor.first;
-      const DcpTensor& t = tensor.second;
+    auto planner_entry = [&](const std::string& fqn) {
       p.string(fqn);
       p.mark();
-      auto path = planner_paths.find(fqn);
-      if (path == planner_paths.end() || path->second.empty()) p.string(fqn);
-      else for (const std::string& part : path->second) p.string(part);
+      for (const std::string& part : planner_path(fqn)) p.string(part);
       p.tuple();
-    }
-    for (const auto& item : metadata.bytes) {
-      const std::string& fqn = item.first;
-      const DcpStorage& b = item.second;
-      p.string(fqn);
-      p.mark();
-      p.string(fqn);
-      p.tuple();
-    }
+    };
+    for (const auto& tensor : metadata.tensors) planner_entry(tensor.first);
+    for (const auto& item : metadata.bytes) planner_entry(item.first);
     p.set_items();
     p.string("storage_data");
     p.empty_dict();
@@ -792,7 +790,7 @@ DcpWriter::~DcpWriter() {
   remove_tree(temp_, ignored);
 }
 
-void DcpWriter::add(const std::string& key, const at::Tensor& value, std::vector<std::string> planner_path) {
+void DcpWriter::add(const std::string& key, const at::Tensor& value) {
   TESSERA_CHECK(!committed_ && !metadata_.tensors.count(key), "DCP export: '", key, "' written twice");
   const at::Tensor t = value.detach().cpu().contiguous();
   DcpTensor entry;
@@ -807,7 +805,6 @@ void DcpWriter::add(const std::string& key, const at::Tensor& value, std::vector
   written_ += chunk.storage.length;
   entry.chunks.push_back(std::move(chunk));
   metadata_.tensors.emplace(key, std::move(entry));
-  if (!planner_path.empty()) planner_paths_.emplace(key, std::move(planner_path));
 }
 
 void DcpWriter::commit() {
@@ -816,7 +813,7 @@ void DcpWriter::commit() {
   detail::fsync_path(fs::path(temp_) / kDataFile, false);
   {
     std::ofstream out(fs::path(temp_) / kDcpMetadataName, std::ios::binary);
-    out << dcp_metadata_pickle(metadata_, planner_paths_);
+    out << dcp_metadata_pickle(metadata_);
     out.close();
     TESSERA_CHECK(out.good(), "cannot write ", temp_, "/", kDcpMetadataName);
   }
@@ -840,8 +837,7 @@ at::Tensor state_tensor(const c10::IValue& v) {
 }
 
 void add_optimizer_entry(DcpWriter& writer, const std::string& param, const std::string& key, const at::Tensor& t) {
-  const std::string flat = "state." + param + "." + key;
-  writer.add("optimizer." + flat, t, {"optimizer", flat});
+  writer.add("optimizer.state." + param + "." + key, t);
 }
 
 }  // namespace
@@ -907,7 +903,7 @@ std::size_t export_dcp(const std::string& checkpoint, const std::string& to) {
     if (c.contains("global_step")) global_step = c.at("global_step").toInt();
   }
   if (global_step >= 0) {
-    writer.add("train_state.step", at::scalar_tensor(global_step, at::kLong), {"train_state", "step"});
+    writer.add("train_state.step", at::scalar_tensor(global_step, at::kLong));
     ++count;
   }
   writer.commit();
@@ -920,14 +916,6 @@ namespace {
 
 std::string shard_data_file(std::int64_t rank) { return "__" + std::to_string(rank) + "_0.distcp"; }
 std::string shard_record(std::int64_t rank) { return "rank-" + std::to_string(rank) + ".dcp.json"; }
-
-/// DCP's planner_data for tessera's keys: optimizer entries nested under "optimizer" (the
-/// state dict {"optimizer": {"state.<name>.<m>": t}}), train_state.step under "train_state".
-std::vector<std::string> planner_path(const std::string& key) {
-  if (key.rfind("optimizer.", 0) == 0) return {"optimizer", key.substr(10)};
-  if (key == "train_state.step") return {"train_state", "step"};
-  return {};
-}
 
 }  // namespace
 
@@ -1025,7 +1013,6 @@ void commit_dcp(const std::string& path, std::int64_t world, const std::string& 
   std::error_code ec;
   try {
     DcpMetadata m;
-    std::map<std::string, std::vector<std::string>> paths;
     for (std::int64_t r = 0; r < world; ++r) {
       const fs::path record_file = folder / shard_record(r);
       TESSERA_CHECK(fs::exists(record_file, ec), "DCP checkpoint ", path, ": rank ", r, " of ", world,
@@ -1045,13 +1032,12 @@ void commit_dcp(const std::string& path, std::int64_t world, const std::string& 
         entry.chunks.push_back({t.at("offsets").get<std::vector<std::int64_t>>(),
                                 t.at("sizes").get<std::vector<std::int64_t>>(),
                                 {file, t.at("offset").get<std::uint64_t>(), t.at("length").get<std::uint64_t>()}});
-        if (auto p = planner_path(key); !p.empty()) paths[key] = p;
       }
       for (const auto& b : record.at("bytes"))
         m.bytes[b.at("key").get<std::string>()] = {file, b.at("offset").get<std::uint64_t>(),
                                                    b.at("length").get<std::uint64_t>()};
     }
-    const std::string pickle = dcp_metadata_pickle(m, paths);
+    const std::string pickle = dcp_metadata_pickle(m);
     (void)parse_dcp_metadata(pickle, "the .metadata of " + path);  // every tensor covered exactly, as a reader checks
     for (std::int64_t r = 0; r < world; ++r) fs::remove(folder / shard_record(r), ec);
     {

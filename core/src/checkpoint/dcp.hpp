@@ -86,10 +86,9 @@ class DcpWriter {
   ~DcpWriter();  ///< removes the temporary folder unless committed
   DcpWriter(const DcpWriter&) = delete;
   DcpWriter& operator=(const DcpWriter&) = delete;
-  /// `value` whole under `key`; `planner_path`: the nesting of the state dict it came from
-  /// (DCP's planner_data: {"optimizer": {"state.w.exp_avg": t}} is {"optimizer", "state.w.exp_avg"}),
-  /// empty for a top-level key.
-  void add(const std::string& key, const at::Tensor& value, std::vector<std::string> planner_path = {});
+  /// `value` whole under `key` (optimizer.* and train_state.* keys are recorded as nested under
+  /// "optimizer" / "train_state" in DCP's planner_data, as torchtitan's state dict nests them).
+  void add(const std::string& key, const at::Tensor& value);
   void commit();
 
  private:
@@ -97,7 +96,6 @@ class DcpWriter {
   std::unique_ptr<std::ofstream> data_;
   std::uint64_t written_ = 0;
   DcpMetadata metadata_;
-  std::map<std::string, std::vector<std::string>> planner_paths_;
   bool committed_ = false;
 };
 
@@ -109,7 +107,6 @@ class DcpWriter {
 std::size_t export_dcp(const std::string& checkpoint, const std::string& to);
 
 /// The pickle DcpWriter writes as `.metadata` (for tests: parse_dcp_metadata reads it back).
-std::string dcp_metadata_pickle(const DcpMetadata& metadata,
-                                const std::map<std::string, std::vector<std::string>>& planner_paths);
+std::string dcp_metadata_pickle(const DcpMetadata& metadata);
 
 }  // namespace tessera::core
