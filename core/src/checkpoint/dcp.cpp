@@ -154,6 +154,17 @@ bool is_training_state_key(const std::string& key) {
 /// Where a DCP save of tessera's keeps rank r's trainer state (a bytes item).
 std::string trainer_state_key(std::int64_t rank) { return "tessera.trainer_state.rank_" + std::to_string(rank); }
 
+/// Rank `rank`'s trainer state in a DCP save of tessera's (rank 0's when the save had fewer
+/// ranks); none in a folder another program wrote.
+std::optional<sdk::Checkpoint> saved_trainer_state(const std::string& path, const DcpMetadata& m, std::int64_t rank) {
+  for (const std::int64_t r : {rank, std::int64_t{0}})
+    if (auto it = m.bytes.find(trainer_state_key(r)); it != m.bytes.end())
+      return checkpoint_dict(
+          EmbeddedArchives((fs::path(path) / it->second.file).string()).load(it->second.offset, it->second.length),
+          "DCP checkpoint " + path + " [" + it->first + "]");
+  return std::nullopt;
+}
+
 /// The per-parameter optimizer tensors read: Adam's and AdamW's moments, SGD's momentum.
 const std::vector<std::string> kMoments{"exp_avg", "exp_avg_sq", "max_exp_avg_sq", "momentum_buffer"};
 
@@ -286,14 +297,11 @@ DcpMetadata read_dcp_metadata(const std::string& folder) {
 
 sdk::Checkpoint dcp_trainer_state(const std::string& path) {
   const DcpMetadata metadata = read_dcp_metadata(path);
-  sdk::Checkpoint state = sdk::make_checkpoint();
-  if (auto it = metadata.bytes.find(trainer_state_key(0)); it != metadata.bytes.end()) {  // a save of tessera's
-    state = checkpoint_dict(
-        EmbeddedArchives((fs::path(path) / it->second.file).string()).load(it->second.offset, it->second.length),
-        "DCP checkpoint " + path + " [" + it->first + "]");
-    (void)state.erase("optimizer_states");
-    return state;
+  if (std::optional<sdk::Checkpoint> saved = saved_trainer_state(path, metadata, 0)) {  // a save of tessera's
+    (void)saved->erase("optimizer_states");
+    return *saved;
   }
+  sdk::Checkpoint state = sdk::make_checkpoint();
   bool moments = false;
   for (const auto& [key, t] : metadata.tensors) moments = moments || is_optimizer_moment(key);
   if (!moments) state.insert(kWeightsOnlyKey, true);
@@ -509,12 +517,7 @@ sdk::Checkpoint load_dcp(const std::string& path, const std::map<std::string, St
                 " parameters but none for ", sdk::join(missing), ": resuming would train those from zero moments; ",
                 "load its weights with [trainer] init_from instead");
   // A folder tessera saved: its own trainer state, this rank's (rank 0's when the save had fewer).
-  std::optional<sdk::Checkpoint> own;
-  for (const std::int64_t r : {rank, std::int64_t{0}})
-    if (auto it = m.bytes.find(trainer_state_key(r)); !own && it != m.bytes.end())
-      own = checkpoint_dict(
-          EmbeddedArchives((fs::path(path) / it->second.file).string()).load(it->second.offset, it->second.length),
-          "DCP checkpoint " + path + " [" + it->first + "]");
+  const std::optional<sdk::Checkpoint> own = saved_trainer_state(path, m, rank);
   if (names.empty()) {
     if (!own) out.insert(kWeightsOnlyKey, true);
     else
