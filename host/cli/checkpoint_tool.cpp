@@ -39,7 +39,11 @@ constexpr const char* kToolUsage = R"(usage:
                                                      model, generation_config.json, safetensors shards
                                                      of at most --max-shard-size with their index),
                                                      streamed, and the run's tokenizer files; the model
-                                                     must speak Hugging Face's names
+                                                     must speak Hugging Face's names; a LoRA run's
+                                                     adapters are merged in (W + alpha / r B A)
+  tessera checkpoint export RUN_OR_CKPT --to DIR --format peft [--dtype bf16|fp32|fp16]
+                                                     a LoRA run's adapters as PEFT writes them
+                                                     (adapter_model.safetensors, adapter_config.json)
   tessera checkpoint export RUN_OR_CKPT --to DIR --format dcp
                                                      a PyTorch Distributed Checkpoint folder that
                                                      torch.distributed.checkpoint.load reads: the
@@ -233,7 +237,8 @@ int checkpoint_tool(int argc, char** argv) {
   bool dry_run = false;
   std::map<std::string, std::string> hf_options;  // --format, --max-shard-size, --dtype, --config
   std::optional<HfExportRequest> hf;
-  bool dcp = false;  // --format dcp
+  bool dcp = false;   // --format dcp
+  bool peft = false;  // --format peft
   try {
     for (std::size_t i = 0; i < words.size(); ++i) {
       const std::string& w = words[i];
@@ -271,10 +276,15 @@ int checkpoint_tool(int argc, char** argv) {
     if (!hf_options.empty()) {
       TESSERA_CHECK(command == "export", hf_options.begin()->first, " is for export only");
       const std::string format = hf_options.count("--format") ? hf_options.at("--format") : "";
-      TESSERA_CHECK(format == "hf" || format == "dcp",
+      TESSERA_CHECK(format == "hf" || format == "dcp" || format == "peft",
                     format.empty() ? hf_options.begin()->first + " applies to --format hf only"
-                                   : "--format " + format + " is not a format export writes (hf, dcp)");
-      if (format == "dcp") {
+                                   : "--format " + format + " is not a format export writes (hf, peft, dcp)");
+      if (format == "peft") {
+        for (const auto& [option, value] : hf_options)
+          TESSERA_CHECK(option == "--format" || option == "--dtype", option, " applies to --format hf only");
+        hf = hf_request(path, to, hf_options);
+        peft = true;
+      } else if (format == "dcp") {
         for (const auto& [option, value] : hf_options)
           TESSERA_CHECK(option == "--format", option, " applies to --format hf only");
         dcp = true;
@@ -298,6 +308,7 @@ int checkpoint_tool(int argc, char** argv) {
     else if (command == "verify") verify(path);
     else if (dcp) export_dcp(path, to);
     else if (!hf) export_to(path, to);
+    else if (peft) export_peft(*hf);
     else export_hf(*hf);
     return 0;
   } catch (const std::exception& e) {

@@ -2,10 +2,12 @@
 
 #include <algorithm>
 #include <filesystem>
+#include <fstream>
 #include <functional>
 #include <iostream>
 #include <map>
 #include <memory>
+#include <optional>
 #include <vector>
 
 #include <ATen/ATen.h>
@@ -19,6 +21,7 @@
 #include "tessera/core/checkpoint_folder.hpp"
 #include "checkpoint/huggingface.hpp"
 #include "plugin_loader.hpp"
+#include "tessera/core/safetensors.hpp"
 #include "tessera/core/sharded_checkpoint.hpp"
 #include "tessera/sdk/error.hpp"
 #include "tessera/sdk/huggingface.hpp"
@@ -125,45 +128,125 @@ void copy_tokenizer(const std::string& config_path, const std::string& to) {
   std::cout << "copied the tokenizer (" << sdk::join(names) << ") from " << source << "\n";
 }
 
+/// A checkpoint's model tensors, full file or sharded folder, each read when asked for.
+struct CheckpointTensors {
+  explicit CheckpointTensors(const std::string& checkpoint) {
+    if (core::is_sharded_checkpoint(checkpoint)) {
+      sharded = std::make_unique<core::ShardedReader>(core::read_manifest(checkpoint));
+      TESSERA_CHECK(!core::holds_rank_local_state(sharded->manifest()), "checkpoint ", checkpoint,
+                    " holds rank-local state (fsdp state_dict_type = \"local\"), not the model's tensors; resume it ",
+                    "and save with [strategy] state_dict_type = \"sharded\" or \"full\" to export it");
+      for (const auto& [name, t] : core::model_tensors(sharded->manifest()))
+        specs.push_back({name, core::scalar_type_of(t->dtype, name), t->global_shape});
+      // Each tensor assembled from the byte ranges of its pieces just before it is written.
+      read = [this](std::size_t i) {
+        return sharded->read(core::model_tensor_key(specs[i].name), core::TensorPiece::whole(specs[i].shape));
+      };
+    } else {
+      file = core::load_checkpoint_file(checkpoint);
+      core::check_tensor_checksums(file, checkpoint);
+      const sdk::StateDict state =
+          core::state_dict_from(core::checkpoint_get(file, "state_dict"), checkpoint + " [state_dict]");
+      for (const auto& item : state) {
+        specs.push_back({item.key(), item.value().scalar_type(), item.value().sizes().vec()});
+        mapped.push_back(item.value());
+      }
+      // Mapped: each tensor's pages are dropped once it is written (when the next one is asked
+      // for); the adapters a merge reads beside a weight are small.
+      read = [this, previous = mapped.size()](std::size_t i) mutable {
+        if (previous < mapped.size() && previous != i) core::release_loaded_pages(mapped[previous]);
+        previous = i;
+        return mapped[i];
+      };
+    }
+    TESSERA_CHECK(!specs.empty(), "checkpoint ", checkpoint, " holds no model tensors");
+    for (std::size_t i = 0; i < specs.size(); ++i) index[specs[i].name] = i;
+  }
+  CheckpointTensors(const CheckpointTensors&) = delete;
+  CheckpointTensors& operator=(const CheckpointTensors&) = delete;
+
+  std::vector<core::TensorSpec> specs;
+  std::function<at::Tensor(std::size_t)> read;
+  std::map<std::string, std::size_t> index;
+  std::unique_ptr<core::ShardedReader> sharded;
+  std::vector<at::Tensor> mapped;
+  sdk::Checkpoint file = sdk::make_checkpoint();  // the last mapped tensor's pages go with it
+};
+
+/// The LoRA configuration a checkpoint's hyper_parameters record ([model.lora]); none without.
+struct LoraRecord {
+  std::int64_t r = 0;
+  double alpha = 0, dropout = 0;
+  std::vector<std::string> target_modules;
+  std::string base_model, base_hash;
+  double scaling() const { return alpha / static_cast<double>(r); }
+};
+
+std::optional<LoraRecord> lora_record(const std::string& checkpoint) {
+  const sdk::Checkpoint state = core::read_trainer_state(checkpoint);
+  if (!state.contains("hyper_parameters") || !state.at("hyper_parameters").isGenericDict()) return std::nullopt;
+  const auto h = state.at("hyper_parameters").toGenericDict();
+  if (!h.contains("lora_r")) return std::nullopt;
+  LoraRecord out;
+  out.r = h.at("lora_r").toInt();
+  out.alpha = h.at("lora_alpha").toDouble();
+  out.dropout = h.at("lora_dropout").toDouble();
+  const std::string targets = h.at("lora_target_modules").toStringRef();
+  for (std::size_t start = 0; start < targets.size();) {
+    const std::size_t comma = std::min(targets.find(',', start), targets.size());
+    if (comma > start) out.target_modules.push_back(targets.substr(start, comma - start));
+    start = comma + 1;
+  }
+  if (h.contains("lora_base_model_name_or_path")) out.base_model = h.at("lora_base_model_name_or_path").toStringRef();
+  if (h.contains("lora_base_hash")) out.base_hash = h.at("lora_base_hash").toStringRef();
+  return out;
+}
+
+bool ends_with(const std::string& name, const std::string& tail) {
+  return name.size() >= tail.size() && name.compare(name.size() - tail.size(), tail.size(), tail) == 0;
+}
+bool is_adapter(const std::string& name) { return ends_with(name, ".lora_A.weight") || ends_with(name, ".lora_B.weight"); }
+
 }  // namespace
 
 void export_hf(const HfExportRequest& request) {
   const std::pair<std::string, std::string> located = locate(request);
   const std::string& checkpoint = located.first;
   const std::string& config_path = located.second;
+  CheckpointTensors tensors(checkpoint);
   std::vector<core::TensorSpec> specs;
   std::function<at::Tensor(std::size_t)> read;
-  std::unique_ptr<core::ShardedReader> sharded;
-  std::vector<at::Tensor> mapped;
-  sdk::Checkpoint file = sdk::make_checkpoint();
-  if (core::is_sharded_checkpoint(checkpoint)) {
-    sharded = std::make_unique<core::ShardedReader>(core::read_manifest(checkpoint));
-    TESSERA_CHECK(!core::holds_rank_local_state(sharded->manifest()), "checkpoint ", checkpoint,
-                  " holds rank-local state (fsdp state_dict_type = \"local\"), not the model's tensors; resume it and ",
-                  "save with [strategy] state_dict_type = \"sharded\" or \"full\" to export it");
-    for (const auto& [name, t] : core::model_tensors(sharded->manifest()))
-      specs.push_back({name, core::scalar_type_of(t->dtype, name), t->global_shape});
-    // Each tensor assembled from the byte ranges of its pieces just before it is written.
-    read = [&](std::size_t i) {
-      return sharded->read(core::model_tensor_key(specs[i].name), core::TensorPiece::whole(specs[i].shape));
-    };
+  const std::optional<LoraRecord> lora = lora_record(checkpoint);
+  std::size_t merged = 0;
+  if (!lora) {
+    specs = tensors.specs;
+    read = tensors.read;
   } else {
-    file = core::load_checkpoint_file(checkpoint);
-    core::check_tensor_checksums(file, checkpoint);
-    const sdk::StateDict state =
-        core::state_dict_from(core::checkpoint_get(file, "state_dict"), checkpoint + " [state_dict]");
-    for (const auto& item : state) {
-      specs.push_back({item.key(), item.value().scalar_type(), item.value().sizes().vec()});
-      mapped.push_back(item.value());
+    // PEFT's merge_and_unload: each adapted weight becomes W + (alpha / r) B A (in fp32), the
+    // adapters are left out, and every tensor keeps the base's Hugging Face name.
+    std::vector<std::size_t> source;                                      // specs[j] is tensors.specs[source[j]]
+    std::map<std::size_t, std::pair<std::size_t, std::size_t>> adapters;  // j -> (its A, its B)
+    for (std::size_t i = 0; i < tensors.specs.size(); ++i) {
+      const std::string& name = tensors.specs[i].name;
+      if (is_adapter(name)) continue;
+      if (ends_with(name, ".weight")) {
+        const std::string module = name.substr(0, name.size() - 7);
+        auto a = tensors.index.find(module + ".lora_A.weight"), b = tensors.index.find(module + ".lora_B.weight");
+        if (a != tensors.index.end() && b != tensors.index.end()) adapters[specs.size()] = {a->second, b->second};
+      }
+      source.push_back(i);
+      specs.push_back(tensors.specs[i]);
     }
-    // Mapped: each tensor's pages are dropped once it is written (when the next one is asked for).
-    read = [&, previous = mapped.size()](std::size_t i) mutable {
-      if (previous < mapped.size()) core::release_loaded_pages(mapped[previous]);
-      previous = i;
-      return mapped[i];
+    merged = adapters.size();
+    TESSERA_CHECK(merged > 0, "checkpoint ", checkpoint, " records [model.lora] but holds no lora_A / lora_B tensors");
+    read = [&tensors, source, adapters, scaling = lora->scaling()](std::size_t j) {
+      auto it = adapters.find(j);
+      if (it == adapters.end()) return tensors.read(source[j]);
+      const at::Tensor a = tensors.read(it->second.first).to(at::kFloat);
+      const at::Tensor b = tensors.read(it->second.second).to(at::kFloat);
+      return tensors.read(source[j]).to(at::kFloat) + at::matmul(b, a) * scaling;
     };
   }
-  TESSERA_CHECK(!specs.empty(), "checkpoint ", checkpoint, " holds no model tensors");
   // The dtype asked for, else the stored one (the first floating tensor's: tessera keeps one).
   std::optional<at::ScalarType> stored;
   for (const auto& s : specs)
@@ -178,9 +261,67 @@ void export_hf(const HfExportRequest& request) {
       [&](std::size_t i) { return read(i).to(specs[i].dtype).contiguous(); },
       config_json, generation_config_json(config_json), request.max_shard_bytes);
   std::cout << "exported " << checkpoint << " to " << request.to << " (Hugging Face: " << specs.size() << " tensors, "
+            << (lora ? std::to_string(merged) + " with their LoRA adapters merged (W + alpha / r B A), " : "")
             << core::hf_dtype_name(dtype) << ", " << done.total_bytes << " bytes in " << done.files.size()
             << (done.files.size() == 1 ? " file" : " files + " + std::string(core::kHfIndexName)) << ")\n";
   copy_tokenizer(config_path, request.to);
+}
+
+void export_peft(const HfExportRequest& request) {
+  const std::string checkpoint = locate_checkpoint(request.source).first;
+  const std::optional<LoraRecord> lora = lora_record(checkpoint);
+  TESSERA_CHECK(lora, "checkpoint ", checkpoint, " was not trained with LoRA (its hyper_parameters record no ",
+                "[model.lora]): --format peft writes a LoRA adapter; export the whole model with --format hf");
+  CheckpointTensors tensors(checkpoint);
+  std::vector<core::TensorSpec> specs;
+  std::vector<std::size_t> source;
+  for (std::size_t i = 0; i < tensors.specs.size(); ++i) {
+    if (!is_adapter(tensors.specs[i].name)) continue;
+    core::TensorSpec spec = tensors.specs[i];
+    spec.name = "base_model.model." + spec.name;  // PEFT's PeftModel wraps the model as base_model.model
+    if (request.dtype && at::isFloatingType(spec.dtype)) spec.dtype = *request.dtype;
+    specs.push_back(spec);
+    source.push_back(i);
+  }
+  TESSERA_CHECK(!specs.empty(), "checkpoint ", checkpoint, " records [model.lora] but holds no lora_A / lora_B tensors");
+  std::error_code ec;
+  fs::create_directories(request.to, ec);
+  TESSERA_CHECK(!ec, "cannot create ", request.to, ": ", ec.message());
+  const std::string weights = (fs::path(request.to) / "adapter_model.safetensors").string();
+  core::atomic_write_file(weights, [&](const std::string& temp) {
+    core::write_safetensors(
+        temp, specs, [&](std::size_t i) { return tensors.read(source[i]).to(specs[i].dtype).contiguous(); },
+        {{"format", "pt"}});
+  });
+  // LoraConfig's fields as PEFT writes them (to_dict), those Tessera computes with set, the
+  // others at PEFT's defaults.
+  json config;
+  config["base_model_name_or_path"] = lora->base_model.empty() ? json() : json(lora->base_model);
+  config["bias"] = "none";
+  config["fan_in_fan_out"] = false;
+  config["inference_mode"] = true;
+  config["init_lora_weights"] = true;
+  config["layers_to_transform"] = nullptr;
+  config["layers_pattern"] = nullptr;
+  config["lora_alpha"] = lora->alpha;
+  config["lora_dropout"] = lora->dropout;
+  config["modules_to_save"] = nullptr;
+  config["peft_type"] = "LORA";
+  config["r"] = lora->r;
+  config["revision"] = nullptr;
+  config["target_modules"] = lora->target_modules;
+  config["task_type"] = "CAUSAL_LM";
+  config["use_dora"] = false;
+  config["use_rslora"] = false;
+  core::atomic_write_file((fs::path(request.to) / "adapter_config.json").string(), [&](const std::string& temp) {
+    std::ofstream out(temp);
+    out << config.dump(2) << "\n";
+    TESSERA_CHECK(out.good(), "cannot write ", temp);
+  });
+  std::cout << "exported " << checkpoint << " to " << request.to << " (PEFT LoRA adapter: " << specs.size()
+            << " tensors, r " << lora->r << ", lora_alpha " << lora->alpha << ", target_modules "
+            << sdk::join(lora->target_modules) << "; base "
+            << (lora->base_model.empty() ? std::string("not recorded") : lora->base_model) << ")\n";
 }
 
 }  // namespace tessera::host

@@ -29,4 +29,10 @@ std::pair<std::string, std::string> locate_checkpoint(const std::string& source)
 /// sdk::HuggingFaceModel, rank-local sharded state, no config to build the model from).
 void export_hf(const HfExportRequest& request);
 
+/// `--format peft`: a LoRA run's adapters as PEFT's save_pretrained writes them:
+/// adapter_model.safetensors (PEFT's names: "base_model.model." + the module path +
+/// ".lora_A.weight") and adapter_config.json (r, lora_alpha, lora_dropout, target_modules,
+/// base_model_name_or_path: the run's init_from). Refused for a checkpoint without [model.lora].
+void export_peft(const HfExportRequest& request);
+
 }  // namespace tessera::host

@@ -136,8 +136,11 @@ void Trainer::setup(const std::string& stage, const std::string& command) {
   const std::int64_t frozen = freeze_parameters(config_, *model_->network());
   for (const auto& item : model_->network()->named_parameters()) model_shapes_[item.key()] = item.value().sizes().vec();
   for (const auto& item : model_->network()->named_buffers()) model_shapes_[item.key()] = item.value().sizes().vec();
-  std::int64_t parameters = 0;
-  for (const auto& p : model_->network()->parameters()) parameters += p.numel();
+  std::int64_t parameters = 0, trainable = 0;
+  for (const auto& p : model_->network()->parameters()) {
+    parameters += p.numel();
+    if (p.requires_grad()) trainable += p.numel();
+  }
   strategy_->setup(model_, config_.optimizer);
   for (const auto& item : model_->network()->named_parameters())
     trainable_at_setup_.emplace_back(item.key(), item.value(), item.value().requires_grad());
@@ -147,6 +150,9 @@ void Trainer::setup(const std::string& stage, const std::string& command) {
             precision_->precision() + ", model " + config_.plugin_names.at("model") + " (" +
             RunLog::number(static_cast<double>(parameters) / 1e6, 4) + "M parameters" +
             (frozen > 0 ? ", " + RunLog::number(static_cast<double>(frozen) / 1e6, 4) + "M frozen by [trainer] freeze" : "") +
+            (trainable + frozen < parameters ? ", " + RunLog::number(static_cast<double>(trainable) / 1e6, 4) +
+                                                   "M trainable (the model froze the rest: LoRA's base)"
+                                             : "") +
             "), data " +
             config_.plugin_names.at("data") + ", " + std::to_string(cluster_.world_size) + " rank(s) [" +
             cluster_.environment + "] on " + strategy_->root_device().str() +

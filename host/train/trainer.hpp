@@ -272,6 +272,16 @@ class Trainer final : public sdk::Trainer {
   /// The model's parameters and buffers as configure_model built them (full shapes, before the
   /// strategy shards or splits them): what a non-strict init_from matches against.
   std::map<std::string, std::vector<std::int64_t>> model_shapes_;
+  /// A LoRA model's base ([model.lora]): what its init_from was and a digest of its files, saved
+  /// in each checkpoint's hyper_parameters (lora_base_model_name_or_path, lora_base_hash) and
+  /// carried on by a resumed run; empty without LoRA or init_from.
+  std::string lora_base_, lora_base_hash_;
+  /// init_from of a LoRA model from a base without adapters (a Hugging Face folder, a full
+  /// fine-tuning checkpoint): true when `names` hold every tensor of the model but its adapters
+  /// and none of these (refused naming the difference otherwise); the adapters then keep their
+  /// initialisation (PEFT's: lora_B = 0, so step 1 computes the base's outputs). False for a
+  /// model without adapters or names holding some (loaded strictly).
+  bool loads_lora_base(const std::vector<std::string>& names, const std::string& path) const;
   /// Each parameter's requires_grad after the strategy's setup (check_trainable_unchanged).
   std::vector<std::tuple<std::string, at::Tensor, bool>> trainable_at_setup_;
   /// Which parameters train is fixed at setup: the optimizer holds those (and fsdp/fsdp2 built

@@ -2,7 +2,10 @@
 // checkpoint's weights (init_from, strict or by matching name and shape).
 #include <algorithm>
 #include <chrono>
+#include <cstdio>
+#include <filesystem>
 #include <fstream>
+#include <set>
 
 #include <nlohmann/json.hpp>
 
@@ -20,13 +23,52 @@
 #include "tessera/sdk/error.hpp"
 #include "tessera/sdk/huggingface.hpp"
 #include "plan/plan.hpp"
+#include "tessera/toolkit/lora.hpp"
 #include "train/trainer.hpp"
+
+#define XXH_INLINE_ALL
+#include <xxhash.h>
 
 namespace tessera::host {
 
 namespace {
 
 using core::kWeightsOnlyKey;
+
+/// "xxh64:<hex>" of a LoRA base's files: config.json and the weights files of a Hugging Face
+/// folder (sorted by name), or the one file; read once at init_from (disk speed).
+std::string base_digest(const std::string& path) {
+  namespace fs = std::filesystem;
+  std::vector<fs::path> files;
+  std::error_code ec;
+  if (fs::is_directory(path, ec)) {
+    for (const auto& entry : fs::directory_iterator(path, ec)) {
+      const std::string ext = entry.path().extension().string();
+      if (entry.is_regular_file() && (entry.path().filename() == "config.json" || ext == ".safetensors" ||
+                                      ext == ".bin" || ext == ".ckpt" || ext == ".distcp" || ext == ".json"))
+        files.push_back(entry.path());
+    }
+    std::sort(files.begin(), files.end());
+  } else {
+    files.push_back(path);
+  }
+  XXH64_state_t* state = XXH64_createState();
+  XXH64_reset(state, 0);
+  std::vector<char> buffer(std::size_t{1} << 22);
+  for (const fs::path& file : files) {
+    const std::string name = file.filename().string();
+    XXH64_update(state, name.data(), name.size());
+    std::ifstream in(file, std::ios::binary);
+    while (in) {
+      in.read(buffer.data(), static_cast<std::streamsize>(buffer.size()));
+      XXH64_update(state, buffer.data(), static_cast<std::size_t>(in.gcount()));
+    }
+  }
+  char hex[17];
+  std::snprintf(hex, sizeof hex, "%016llx", static_cast<unsigned long long>(XXH64_digest(state)));
+  XXH64_freeState(state);
+  return std::string("xxh64:") + hex;
+}
 
 void refuse_weights_only(const sdk::Checkpoint& checkpoint, const std::string& path) {
   if (!checkpoint.contains(kWeightsOnlyKey) || !checkpoint.at(kWeightsOnlyKey).toBool()) return;
@@ -95,7 +137,12 @@ void Trainer::save_checkpoint(const std::string& path, bool weights_only) {
   checkpoint.insert("epoch", epoch_);
   checkpoint.insert("batch_in_epoch", next_batch_);
   if (samples_per_batch_ > 0) checkpoint.insert("samples_per_batch", samples_per_batch_);
-  checkpoint.insert("hyper_parameters", model_->hyper_parameters());
+  sdk::Checkpoint hyper_parameters = model_->hyper_parameters();
+  if (hyper_parameters.contains("lora_r") && !lora_base_.empty()) {
+    hyper_parameters.insert("lora_base_model_name_or_path", lora_base_);
+    hyper_parameters.insert("lora_base_hash", lora_base_hash_);
+  }
+  checkpoint.insert("hyper_parameters", hyper_parameters);
   sdk::Checkpoint callback_states = sdk::make_checkpoint();  // Lightning's "callbacks": state_key -> state
   for (const auto& [name, callback] : callbacks_)
     if (std::string key = callback->state_key(); !key.empty()) callback_states.insert(key, callback->state_dict());
@@ -225,7 +272,9 @@ void Trainer::restore(const std::string& path, Restore what) {
     try {
       const core::HfDirectory hf = core::read_hf_directory(path);
       // Tensors first: a shape error names the tensor, its file and both shapes.
-      if (strict) core::check_hf_against_model(hf, model_shapes_, /*strict=*/true);
+      std::vector<std::string> names;
+      for (const auto& item : hf.tensors) names.push_back(item.first);
+      if (strict && !loads_lora_base(names, path)) core::check_hf_against_model(hf, model_shapes_, /*strict=*/true);
       if (const auto* model = dynamic_cast<const sdk::HuggingFaceModel*>(model_.get()))
         core::check_hf_config(hf.config_json, model->hf_config_json(),
                               (std::filesystem::path(path) / core::kHfConfigName).string(), /*model_type_only=*/!strict);
@@ -243,7 +292,14 @@ void Trainer::restore(const std::string& path, Restore what) {
     try {
       checkpoint = strategy_->load_checkpoint(file);
       if (with_training_state) check_resumed_hyper_parameters(checkpoint, file);  // before shapes can disagree
-      strategy_->load_model_state_dict(model_weights(checkpoint, file), /*strict=*/true);
+      const sdk::StateDict weights = model_weights(checkpoint, file);
+      std::vector<std::string> names;
+      for (const auto& item : weights) names.push_back(item.key());
+      const bool base_only = what == Restore::initial_weights && loads_lora_base(names, path);
+      strategy_->load_model_state_dict(weights, /*strict=*/!base_only);
+      if (base_only)
+        log_.info("[trainer] init_from = " + path + ": the base of the LoRA model ([model.lora]); its adapters start " +
+                  "from PEFT's initialisation (lora_A kaiming uniform, lora_B zeros)");
     } catch (const std::exception& e) {
       const auto* torch_error = dynamic_cast<const c10::Error*>(&e);
       const std::string message = torch_error ? torch_error->what_without_backtrace() : e.what();
@@ -257,6 +313,15 @@ void Trainer::restore(const std::string& path, Restore what) {
                    "purpose (a new head, added layers), [trainer] init_from_strict = false loads the tensors that ",
                    "match by name and shape and keeps the model's initialisation for the others");
     }
+  }
+  if (what == Restore::initial_weights && model_->hyper_parameters().contains("lora_r")) {
+    lora_base_ = std::filesystem::absolute(path).lexically_normal().string();
+    lora_base_hash_ = base_digest(path);
+  }
+  if (with_training_state && checkpoint.contains("hyper_parameters") && checkpoint.at("hyper_parameters").isGenericDict()) {
+    const auto h = checkpoint.at("hyper_parameters").toGenericDict();  // a resumed LoRA run keeps its base's identity
+    if (h.contains("lora_base_model_name_or_path")) lora_base_ = h.at("lora_base_model_name_or_path").toStringRef();
+    if (h.contains("lora_base_hash")) lora_base_hash_ = h.at("lora_base_hash").toStringRef();
   }
   if (with_training_state) {
     refuse_weights_only(checkpoint, path);
@@ -312,6 +377,25 @@ void Trainer::restore(const std::string& path, Restore what) {
             (what == Restore::initial_weights ? " ([trainer] init_from)" : "") +
             " in " + RunLog::number(seconds, 3) + " s" +
             (busiest_mb >= 0 ? ", load peak +" + std::to_string(std::llround(busiest_mb)) + " MB RSS per rank" : ""));
+}
+
+bool Trainer::loads_lora_base(const std::vector<std::string>& names, const std::string& path) const {
+  std::vector<std::string> adapters, missing, unexpected;
+  for (const auto& [name, shape] : model_shapes_)
+    if (toolkit::is_lora_parameter(name)) adapters.push_back(name);
+  if (adapters.empty()) return false;
+  const std::set<std::string> given(names.begin(), names.end());
+  for (const std::string& name : names)
+    if (toolkit::is_lora_parameter(name)) return false;  // a LoRA checkpoint: loaded strictly, adapters included
+  for (const auto& [name, shape] : model_shapes_)
+    if (!toolkit::is_lora_parameter(name) && !given.count(name)) missing.push_back(name);
+  for (const std::string& name : names)
+    if (!model_shapes_.count(name)) unexpected.push_back(name);
+  TESSERA_CHECK(missing.empty() && unexpected.empty(), "[trainer] init_from = \"", path,
+                "\" is not the base of this LoRA model ([model.lora]): ", missing.size(), " of the base's tensors ",
+                "missing [", sdk::join(missing), "], ", unexpected.size(), " not in the model [", sdk::join(unexpected),
+                "]");
+  return true;
 }
 
 sdk::StateDict Trainer::model_weights(const sdk::Checkpoint& checkpoint, const std::string& path) {

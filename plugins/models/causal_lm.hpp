@@ -4,7 +4,9 @@
 // prompts, and parallelize() splits the network once over a tensor-parallel group.
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
+#include <vector>
 
 #include <ATen/ATen.h>
 #include <ATen/CPUGeneratorImpl.h>
@@ -14,6 +16,7 @@
 #include "tessera/sdk/module.hpp"
 #include "tessera/sdk/tensor_parallel.hpp"
 #include "tessera/toolkit/fused.hpp"
+#include "tessera/toolkit/lora.hpp"
 
 namespace tessera::models {
 
@@ -41,6 +44,9 @@ class CausalLM : public sdk::Module {
     const std::int64_t tp = context.tp->size();
     if (tp == 1 || context.tp == tp_) return;  // applied once
     TESSERA_CHECK(net_, name_, ": parallelize before configure_model()");
+    TESSERA_CHECK(!lora_, "[model.lora] with tensor_parallel_size = ", tp,
+                  ": LoRA adapters are not split over a tensor-parallel group yet; train them with "
+                  "tensor_parallel_size = 1 (fsdp2 shards the frozen base over the data-parallel ranks)");
     TESSERA_CHECK(!tp_, name_, ": the network is already split over a tensor-parallel group of ", tp_ ? tp_->size() : 0,
                   "; configure_model() again before parallelizing over another group");
     check_splits(tp);
@@ -74,6 +80,22 @@ class CausalLM : public sdk::Module {
                   " = false computes the whole logits: set fused_loss = true or leave loss_chunk_tokens out");
   }
 
+  /// The [model.lora] table (LoRA on when present), read by each plugin's constructor:
+  /// `valid` are the Linear names it may adapt, `defaults` PEFT's target_modules for the model.
+  void read_lora(const sdk::Options& o, const std::vector<std::string>& valid, const std::vector<std::string>& defaults) {
+    lora_ = toolkit::read_lora_options(o, valid, defaults);
+    lora_targets_ = valid;
+  }
+  /// The LoRA configuration in hyper_parameters (PEFT's adapter_config.json keys, for export and
+  /// the checks of a resumed run); nothing without LoRA.
+  void insert_lora_hyper_parameters(sdk::Checkpoint& h) const {
+    if (!lora_) return;
+    h.insert("lora_r", lora_->r);
+    h.insert("lora_alpha", lora_->alpha);
+    h.insert("lora_dropout", lora_->dropout);
+    h.insert("lora_target_modules", sdk::join(lora_->target_modules, ","));
+  }
+
   /// The network, its parameters drawn from `seed`.
   virtual Net make_network(std::uint64_t seed) const = 0;
   /// Throws, naming the keys and the sizes that would do, when the network cannot split over tp ranks.
@@ -90,6 +112,8 @@ class CausalLM : public sdk::Module {
   }
 
   Net net_{nullptr};
+  std::optional<toolkit::LoraOptions> lora_;  // [model.lora]; none: full fine-tuning
+  std::vector<std::string> lora_targets_;     // the Linear names LoRA may adapt
   std::uint64_t init_seed_ = 0;                   // trainer.seed at configure_model(), for init_parameters()
   std::shared_ptr<sdk::TensorParallelGroup> tp_;  // set once the network is split
 

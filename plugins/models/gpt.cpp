@@ -1,6 +1,7 @@
 // `gpt`: a byte-level decoder-only transformer (nanoGPT's architecture). Each Block is an
 // FSDP unit: the network runs it through sdk::invoke(); parallelize() splits its attention heads
 // and MLP over a tensor-parallel group (Megatron-style).
+#include <algorithm>
 #include <cmath>
 
 #include <ATen/ATen.h>
@@ -19,6 +20,7 @@
 #include "tessera/sdk/tensor_parallel.hpp"
 #include "tessera/sdk/unit.hpp"
 #include "tessera/toolkit/attention.hpp"
+#include "tessera/toolkit/lora.hpp"
 #include "tessera/toolkit/sampling.hpp"
 #include "tessera/toolkit/tensor_parallel.hpp"
 
@@ -33,6 +35,12 @@ using sdk::Batch;
 namespace {
 
 constexpr std::int64_t kByteVocab = 256;  // the default: bytes (the `text` data plugin)
+
+/// The Linear modules of a Block that [model.lora] target_modules may name: the fused q/k/v
+/// projection `attn`, the attention output `proj`, the MLP's `fc` and `fc_proj` (GPT-2's c_attn,
+/// c_proj, c_fc, mlp.c_proj); PEFT's default for GPT-2 is its fused c_attn, so `attn` here.
+const std::vector<std::string> kLoraTargets{"attn", "proj", "fc", "fc_proj"};
+const std::vector<std::string> kLoraDefaultTargets{"attn"};
 
 struct GPTConfig {
   std::int64_t n_layer, n_head, n_embd, block_size;
@@ -69,6 +77,16 @@ class BlockImpl : public torch::nn::Module {
     y = y.transpose(1, 2).contiguous().view({B, T, local});
     at::Tensor h = x + dropout(proj.forward<at::Tensor>(y));
     return h + dropout(fc_proj.forward<at::Tensor>(F::gelu(fc.forward<at::Tensor>(ln_2(h)))));
+  }
+
+  /// LoRA on the targeted Linear modules (kLoraTargets' names); `matched` gains each one applied.
+  void add_lora(const toolkit::LoraOptions& lora, std::vector<std::string>& matched) {
+    for (auto [name, linear] : {std::pair{"attn", &attn}, {"proj", &proj}, {"fc", &fc}, {"fc_proj", &fc_proj}}) {
+      const auto& targets = lora.target_modules;
+      if (std::find(targets.begin(), targets.end(), name) == targets.end()) continue;
+      *linear = replace(name, toolkit::LoraLinear(linear->get<torch::nn::LinearImpl>(), lora));
+      if (std::find(matched.begin(), matched.end(), name) == matched.end()) matched.push_back(name);
+    }
   }
 
   /// Megatron's plan: q, k, v and fc column-parallel (q, k and v each split by head: the
@@ -117,7 +135,8 @@ TORCH_MODULE(Block);
 
 class GPTNetImpl : public torch::nn::Module {
  public:
-  GPTNetImpl(const GPTConfig& c, std::uint64_t init_seed) : torch::nn::Module("GPT"), config(c) {
+  GPTNetImpl(const GPTConfig& c, std::uint64_t init_seed, const std::optional<toolkit::LoraOptions>& lora = {})
+      : torch::nn::Module("GPT"), config(c) {
     wte = register_module("wte", torch::nn::Embedding(c.vocab_size, c.n_embd));
     wpe = register_module("wpe", torch::nn::Embedding(c.block_size, c.n_embd));
     drop = register_module("drop", torch::nn::Dropout(c.dropout));
@@ -129,6 +148,12 @@ class GPTNetImpl : public torch::nn::Module {
     ln_f = register_module("ln_f", torch::nn::LayerNorm(torch::nn::LayerNormOptions({c.n_embd})));
     if (!c.tie_embeddings)
       lm_head = register_module("lm_head", torch::nn::Linear(torch::nn::LinearOptions(c.n_embd, c.vocab_size).bias(false)));
+    if (lora) {  // before the draws: the adapters are initialised with the rest
+      std::vector<std::string> matched;
+      for (auto& block : units) block->add_lora(*lora, matched);
+      toolkit::check_lora_targets_matched(*lora, matched, kLoraTargets);
+      toolkit::mark_only_lora_as_trainable(*this);
+    }
     for (auto& item : named_parameters()) init_parameter(item.key(), item.value(), c.n_layer, init_seed);
   }
 
@@ -164,6 +189,7 @@ class GPTNetImpl : public torch::nn::Module {
       return true;
     }
     const std::string key = name.rfind('.', 0) == 0 ? name.substr(1) : name;  // a root unit's path is ""
+    if (toolkit::init_lora_parameter(key, p, seed)) return true;  // PEFT's: lora_A kaiming uniform, lora_B zeros
     // Drawn on the CPU whatever the device: CUDA's Philox would give a GPU build other values.
     at::Generator generator = at::detail::createCPUGenerator(XXH64(key.data(), key.size(), seed));
     const double residual_std = 0.02 / std::sqrt(2.0 * static_cast<double>(n_layer));
@@ -210,6 +236,7 @@ class GPT final : public CausalLM<GPTNet> {
                        true)),
         n_head_key_(o.locate("n_head")) {
     read_loss_options(o);
+    read_lora(o, kLoraTargets, kLoraDefaultTargets);
     TESSERA_CHECK(config_.n_embd % config_.n_head == 0, o.locate("n_embd"), " = ", config_.n_embd,
                   " must be divisible by n_head = ", config_.n_head, " (",
                   o.locate("n_head"), ")");
@@ -277,11 +304,12 @@ class GPT final : public CausalLM<GPTNet> {
     h.insert("top_k", top_k_);
     h.insert("weight_decay_norms_and_biases", weight_decay_norms_and_biases_);
     h.insert("vocab_size", config_.vocab_size);
+    insert_lora_hyper_parameters(h);
     return h;
   }
 
  private:
-  GPTNet make_network(std::uint64_t seed) const override { return GPTNet(config_, seed); }
+  GPTNet make_network(std::uint64_t seed) const override { return GPTNet(config_, seed, lora_); }
   bool init_parameter(const std::string& name, at::Tensor& parameter) const override {
     return GPTNetImpl::init_parameter(name, parameter, config_.n_layer, init_seed_);
   }

@@ -3,6 +3,7 @@
 // Hugging Face's parameter names and config.json keys, so checkpoints move in and out without a
 // mapping table. Each LlamaDecoderLayer is an FSDP unit run through sdk::invoke(); parallelize()
 // splits heads and the MLP over a tensor-parallel group; predict_step decodes with a KV cache.
+#include <algorithm>
 #include <cmath>
 #include <limits>
 #include <optional>
@@ -24,6 +25,7 @@
 #include "tessera/sdk/unit.hpp"
 #include "tessera/toolkit/attention.hpp"
 #include "tessera/toolkit/fused.hpp"
+#include "tessera/toolkit/lora.hpp"
 #include "tessera/toolkit/sampling.hpp"
 #include "tessera/toolkit/tensor_parallel.hpp"
 
@@ -36,6 +38,11 @@ using json = nlohmann::json;
 using sdk::Batch;
 
 namespace {
+
+/// The Linear modules [model.lora] target_modules may name (PEFT's names for LlamaForCausalLM),
+/// and PEFT's default for the llama family (TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING).
+const std::vector<std::string> kLoraTargets{"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"};
+const std::vector<std::string> kLoraDefaultTargets{"q_proj", "v_proj"};
 
 // --- rotary embeddings (modeling_rope_utils.py) ------------------------------------------------
 
@@ -93,6 +100,17 @@ torch::nn::AnyModule make_linear(torch::nn::Module& parent, const std::string& n
                                  bool bias) {
   return torch::nn::AnyModule(
       parent.register_module(name, torch::nn::Linear(torch::nn::LinearOptions(in, out).bias(bias))));
+}
+
+/// Replaces `linear` (the child `name` of `parent`) by a LoRA layer over it when [model.lora]
+/// targets `name`, noting the match.
+void adapt_linear(torch::nn::Module& parent, const std::string& name, torch::nn::AnyModule& linear,
+                  const toolkit::LoraOptions& lora, std::vector<std::string>& matched) {
+  const auto& targets = lora.target_modules;
+  if (std::find(targets.begin(), targets.end(), name) == targets.end()) return;
+  linear = torch::nn::AnyModule(
+      parent.replace_module(name, toolkit::LoraLinear(linear.get<torch::nn::LinearImpl>(), lora)));
+  if (std::find(matched.begin(), matched.end(), name) == matched.end()) matched.push_back(name);
 }
 
 // --- modules (modeling_llama.py) ---------------------------------------------------------------
@@ -192,6 +210,14 @@ class LlamaAttentionImpl : public torch::nn::Module {
       if (*norm) (*norm)->tp = tp;  // replicated; each rank normalises its own heads
   }
 
+  /// LoRA on the targeted projections (PEFT's names: q_proj, k_proj, v_proj, o_proj).
+  void add_lora(const toolkit::LoraOptions& lora, std::vector<std::string>& matched) {
+    adapt_linear(*this, "q_proj", q_proj, lora, matched);
+    adapt_linear(*this, "k_proj", k_proj, lora, matched);
+    adapt_linear(*this, "v_proj", v_proj, lora, matched);
+    adapt_linear(*this, "o_proj", o_proj, lora, matched);
+  }
+
   torch::nn::AnyModule q_proj, k_proj, v_proj, o_proj;
   LlamaRMSNorm q_norm{nullptr}, k_norm{nullptr};  // Qwen3's
 
@@ -229,6 +255,12 @@ class LlamaMLPImpl : public torch::nn::Module {
         replace_module("up_proj", toolkit::ColumnParallelLinear(up_proj.get<torch::nn::LinearImpl>(), tp)));
     down_proj = torch::nn::AnyModule(
         replace_module("down_proj", toolkit::RowParallelLinear(down_proj.get<torch::nn::LinearImpl>(), tp)));
+  }
+  /// LoRA on the targeted projections (gate_proj, up_proj, down_proj).
+  void add_lora(const toolkit::LoraOptions& lora, std::vector<std::string>& matched) {
+    adapt_linear(*this, "gate_proj", gate_proj, lora, matched);
+    adapt_linear(*this, "up_proj", up_proj, lora, matched);
+    adapt_linear(*this, "down_proj", down_proj, lora, matched);
   }
   torch::nn::AnyModule gate_proj, up_proj, down_proj;
 
@@ -285,12 +317,21 @@ TORCH_MODULE(LlamaModel);
 class LlamaForCausalLMImpl : public torch::nn::Module {
  public:
   LlamaForCausalLMImpl(const LlamaConfig& c, const toolkit::CausalAttentionOptions& attention, std::uint64_t seed,
-                       const LlamaKernels& kernels = {})
+                       const LlamaKernels& kernels = {}, const std::optional<toolkit::LoraOptions>& lora = {})
       : torch::nn::Module(c.architecture()), config(c) {
     model = register_module("model", LlamaModel(c, attention, kernels));
     if (!c.tie_word_embeddings)
       lm_head = register_module("lm_head",
                                 torch::nn::Linear(torch::nn::LinearOptions(c.hidden_size, c.vocab_size).bias(false)));
+    if (lora) {  // before the draws: the adapters are initialised with the rest
+      std::vector<std::string> matched;
+      for (auto& layer : model->units) {
+        layer->self_attn->add_lora(*lora, matched);
+        layer->mlp->add_lora(*lora, matched);
+      }
+      toolkit::check_lora_targets_matched(*lora, matched, kLoraTargets);
+      toolkit::mark_only_lora_as_trainable(*this);
+    }
     for (auto& item : named_parameters()) init_parameter(item.key(), item.value(), c, seed);
   }
 
@@ -335,6 +376,7 @@ class LlamaForCausalLMImpl : public torch::nn::Module {
   static bool init_parameter(const std::string& name, at::Tensor& p, const LlamaConfig& c, std::uint64_t seed) {
     torch::NoGradGuard no_grad;
     const std::string key = name.rfind('.', 0) == 0 ? name.substr(1) : name;  // a root unit's path is ""
+    if (toolkit::init_lora_parameter(key, p, seed)) return true;  // PEFT's: lora_A kaiming uniform, lora_B zeros
     auto ends_with = [&](const std::string& tail) {
       return key.size() >= tail.size() && key.compare(key.size() - tail.size(), tail.size(), tail) == 0;
     };
@@ -400,6 +442,7 @@ class Llama final : public CausalLM<LlamaForCausalLM>, public sdk::HuggingFaceMo
     TESSERA_CHECK(top_p_ > 0.0, o.locate("top_p"), " must be in (0, 1]");
     heads_key_ = reader.where("num_key_value_heads");
     read_loss_options(o);
+    read_lora(o, kLoraTargets, kLoraDefaultTargets);
     kernels_.rms_norm = o.get_bool(
         {"fused_rms_norm",
          "RMSNorm as toolkit::rms_norm (one pass a row; the residual add before post_attention_layernorm fused in); "
@@ -481,6 +524,7 @@ class Llama final : public CausalLM<LlamaForCausalLM>, public sdk::HuggingFaceMo
     h.insert("top_k", top_k_);
     h.insert("top_p", top_p_);
     h.insert("vocab_size", config_.vocab_size);
+    insert_lora_hyper_parameters(h);
     return h;
   }
 
@@ -534,7 +578,7 @@ class Llama final : public CausalLM<LlamaForCausalLM>, public sdk::HuggingFaceMo
 
  private:
   LlamaForCausalLM make_network(std::uint64_t seed) const override {
-    return LlamaForCausalLM(config_, attention_, seed, kernels_);
+    return LlamaForCausalLM(config_, attention_, seed, kernels_, lora_);
   }
   bool init_parameter(const std::string& name, at::Tensor& parameter) const override {
     return LlamaForCausalLMImpl::init_parameter(name, parameter, config_, init_seed_);
