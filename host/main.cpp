@@ -45,6 +45,7 @@ using namespace tessera;
 constexpr const char* kUsage = R"(usage:
   tessera fit|validate|test|predict --config FILE.toml [--set section.key=value | --unset section.key ...]
                                     [--ckpt-path last|best|auto|PATH]
+  tessera predict --config FILE.toml --messages CONVERSATION.json   (a chat reply, [data] prompt_messages)
   tessera lr-find --config FILE.toml [--set section.key=value | --unset section.key ...]
   tessera plan --config FILE.toml [--set section.key=value | --unset section.key ...] [--json]
   tessera config --config FILE.toml [--set section.key=value | --unset section.key ...]
@@ -83,6 +84,7 @@ struct Arguments {
   std::string command, config, ckpt_path;
   std::vector<std::string> overrides;
   bool json = false;
+  bool messages = false;  // --messages given
   bool reference = false;  ///< tessera config --reference
 };
 
@@ -111,7 +113,11 @@ Arguments parse(int argc, char** argv) {
       args.overrides.push_back(host::kUnsetPrefix + name);
     }
     else if (w == "--ckpt-path" || w.rfind("--ckpt-path=", 0) == 0) args.ckpt_path = value("--ckpt-path");
-    else if (w == "--json") args.json = true;
+    else if (w == "--messages" || w.rfind("--messages=", 0) == 0) {
+      // The conversation predict answers: [data] prompt_messages, set from the command line.
+      args.messages = true;
+      args.overrides.push_back("data.prompt_messages=" + nlohmann::json(value("--messages")).dump());
+    } else if (w == "--json") args.json = true;
     else if (w == "--reference") args.reference = true;
     else if (args.command.empty() && w.rfind("-", 0) != 0) {
       TESSERA_CHECK(std::find(commands.begin(), commands.end(), w) != commands.end(), "unknown command '", w, "'",
@@ -120,8 +126,8 @@ Arguments parse(int argc, char** argv) {
     } else {
       TESSERA_FAIL(
           "unexpected argument '", w, "'",
-          sdk::did_you_mean(w, {"--config", "--set", "--unset", "--ckpt-path", "--json", "--reference", "--help",
-                                  "--version"}));
+          sdk::did_you_mean(w, {"--config", "--set", "--unset", "--ckpt-path", "--messages", "--json", "--reference",
+                                  "--help", "--version"}));
     }
   }
   TESSERA_CHECK(!args.command.empty(), "no command given");
@@ -129,6 +135,7 @@ Arguments parse(int argc, char** argv) {
   TESSERA_CHECK(args.command == "plugins" || args.reference || !args.config.empty(), args.command,
                 " needs --config FILE.toml");
   TESSERA_CHECK(!args.json || args.command == "plan", "--json applies to `tessera plan` only");
+  TESSERA_CHECK(!args.messages || args.command == "predict", "--messages applies to `tessera predict` only");
   const bool reads_checkpoint = args.command == "fit" || args.command == "validate" || args.command == "test" ||
                                 args.command == "predict";
   TESSERA_CHECK(args.ckpt_path.empty() || reads_checkpoint, "--ckpt-path does not apply to `tessera ", args.command, "`",

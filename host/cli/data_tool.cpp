@@ -27,6 +27,8 @@
 #include <nlohmann/json.hpp>
 
 #include "tessera/sdk/error.hpp"
+#include "tessera/toolkit/chat_data.hpp"
+#include "tessera/toolkit/chat_template.hpp"
 #include "tessera/toolkit/token_shards.hpp"
 #include "tessera/toolkit/tokenizer.hpp"
 
@@ -45,6 +47,8 @@ constexpr const char* kDataUsage = R"(usage:
   tessera data prepare --tokenizer T --input FILES|DIRS|GLOBS... --output DIR
                        [--text-key text] [--split file|blank-line|percent|line] [--jobs N]
                        [--shard-size 256M]
+  tessera data prepare --format chat --tokenizer DIR --input CONVERSATIONS.jsonl --output DIR
+                       [--loss-on assistant|all] [--max-length N] [--overflow truncate|drop]
 
   --tokenizer   a SentencePiece tokenizer.model, a Hugging Face tokenizer.json, or a folder with one
   --input       files, folders (read recursively; hidden and binary files skipped) or quoted globs;
@@ -55,7 +59,15 @@ constexpr const char* kDataUsage = R"(usage:
                 fortune format), or one per line (line)
   --jobs        tokenizing threads (default: every core)
   --shard-size  input text per shard (K, M, G suffixes; default 256M)
-Every document gets the tokenizer's EOS id appended. DIR receives manifest.json and
+  --format      text (the default: documents) or chat: each JSON line a conversation,
+                {"messages": [{"role": ..., "content": ...}, ...]} with optional "tools", rendered
+                through the chat template of the tokenizer's folder (tokenizer_config.json) as
+                transformers' apply_chat_template renders and tokenizes it
+  --loss-on     chat: which tokens the loss trains on: assistant (the default: what each assistant
+                message adds to the rendering, its end-of-turn markup included) or all
+  --max-length  chat: tokens a conversation may have (0, the default: any); a longer one is
+                truncated to its first N tokens or dropped (--overflow; default truncate), and counted
+Every text document gets the tokenizer's EOS id appended (a chat template ends its own turns). DIR receives manifest.json and
 shard_NNNNN.bin (token ids) + shard_NNNNN.idx (document offsets); the `tokens` data plugin reads
 it ([data] plugin = "tokens", path = "DIR"). Rerunning after an interruption skips finished shards.
 )";
@@ -65,6 +77,9 @@ struct Settings {
   std::vector<std::string> inputs;
   std::string text_key = "text", split = "file";
   std::int64_t jobs = 0, shard_bytes = std::int64_t{256} << 20;
+  std::string format = "text", loss_on = "assistant", overflow = "truncate";
+  std::int64_t max_length = 0;
+  bool chat() const { return format == "chat"; }
 };
 
 std::int64_t parse_size(const std::string& text) {
@@ -85,12 +100,25 @@ std::int64_t parse_size(const std::string& text) {
   return static_cast<std::int64_t>(value * scale);
 }
 
+std::int64_t parse_count(const std::string& flag, const std::string& text) {
+  std::size_t used = 0;
+  long long value = -1;
+  try {
+    value = std::stoll(text, &used);
+  } catch (const std::exception&) {
+  }
+  TESSERA_CHECK(used == text.size() && value >= 0, flag, " ", text, " is not a count (0, 1, 2, ...)");
+  return value;
+}
+
 Settings parse(int argc, char** argv) {
   Settings s;
   TESSERA_CHECK(argc >= 2 && std::string(argv[1]) == "prepare", "unknown data command",
                 argc >= 2 ? " '" + std::string(argv[1]) + "'" : std::string(), ": the one command is `data prepare`");
+  std::set<std::string> given;
   for (int i = 2; i < argc; ++i) {
     const std::string flag = argv[i];
+    given.insert(flag);
     auto value = [&]() -> std::string {
       TESSERA_CHECK(i + 1 < argc, flag, " needs a value");
       return argv[++i];
@@ -99,8 +127,12 @@ Settings parse(int argc, char** argv) {
     else if (flag == "--output") s.output = value();
     else if (flag == "--text-key") s.text_key = value();
     else if (flag == "--split") s.split = value();
-    else if (flag == "--jobs") s.jobs = std::stoll(value());
+    else if (flag == "--jobs") s.jobs = parse_count(flag, value());
     else if (flag == "--shard-size") s.shard_bytes = parse_size(value());
+    else if (flag == "--format") s.format = value();
+    else if (flag == "--loss-on") s.loss_on = value();
+    else if (flag == "--overflow") s.overflow = value();
+    else if (flag == "--max-length") s.max_length = parse_count(flag, value());
     else if (flag == "--input") {
       s.inputs.push_back(value());
       while (i + 1 < argc && std::string(argv[i + 1]).rfind("--", 0) != 0) s.inputs.push_back(argv[++i]);
@@ -113,6 +145,13 @@ Settings parse(int argc, char** argv) {
   TESSERA_CHECK(!s.output.empty(), "--output is required");
   const std::set<std::string> splits{"file", "blank-line", "percent", "line"};
   TESSERA_CHECK(splits.count(s.split), "--split ", s.split, ": valid: file, blank-line, percent, line");
+  TESSERA_CHECK(s.format == "text" || s.format == "chat", "--format ", s.format, ": valid: text, chat");
+  TESSERA_CHECK(s.loss_on == "assistant" || s.loss_on == "all", "--loss-on ", s.loss_on, ": valid: assistant, all");
+  TESSERA_CHECK(s.overflow == "truncate" || s.overflow == "drop", "--overflow ", s.overflow, ": valid: truncate, drop");
+  for (const std::string& flag : {"--loss-on", "--max-length", "--overflow"})
+    TESSERA_CHECK(s.chat() || !given.count(flag), flag, " applies to --format chat only");
+  for (const std::string& flag : {"--split", "--text-key"})
+    TESSERA_CHECK(!s.chat() || !given.count(flag), flag, " applies to --format text only (a chat line is a conversation)");
   TESSERA_CHECK(s.jobs >= 0, "--jobs must be at least 1");
   if (s.jobs == 0) s.jobs = std::max(1u, std::thread::hardware_concurrency());
   return s;
@@ -157,6 +196,16 @@ void read_documents(const fs::path& file, const Settings& s,
                     const std::function<void(std::string_view, std::int64_t)>& emit) {
   std::ifstream in(file, std::ios::binary);
   TESSERA_CHECK(in, "cannot open ", file);
+  if (s.chat()) {  // a conversation a line: parsed, rendered and checked by the encoder (chat_encoder)
+    TESSERA_CHECK(is_json_lines(file), file.string(), ": --format chat reads JSON Lines (*.jsonl, *.ndjson), one ",
+                  "conversation {\"messages\": [...]} a line");
+    std::int64_t number = 0;
+    for_each_line(in, [&](std::string_view line) {
+      ++number;
+      if (line.find_first_not_of(" \t\r") != std::string_view::npos) emit(line, number);
+    });
+    return;
+  }
   if (is_json_lines(file)) {
     std::int64_t number = 0;
     for_each_line(in, [&](std::string_view line) {
@@ -228,8 +277,11 @@ json plan_of(const Settings& s, const std::vector<fs::path>& files, const std::s
                       {"bytes", fs::file_size(f)},
                       {"mtime_ns", std::chrono::duration_cast<std::chrono::nanoseconds>(time).count()}});
   }
-  return {{"tokenizer_xxh64", tokenizer_hash}, {"text_key", s.text_key},    {"split", s.split},
-          {"shard_bytes", s.shard_bytes},      {"inputs", inputs}};
+  json plan = {{"tokenizer_xxh64", tokenizer_hash}, {"text_key", s.text_key},    {"split", s.split},
+               {"shard_bytes", s.shard_bytes},      {"inputs", inputs}};
+  if (s.chat())  // absent for text: a text preparation of an earlier tessera still resumes
+    plan["chat"] = {{"loss_on", s.loss_on}, {"max_length", s.max_length}, {"overflow", s.overflow}};
+  return plan;
 }
 
 std::string human(double value) {
@@ -262,6 +314,7 @@ class Preparation {
     manifest_.vocab_size = tokenizer_->vocab_size();
     manifest_.dtype = toolkit::dtype_for(manifest_.vocab_size);
     manifest_.eos_id = *eos;
+    manifest_.content = s_.format;
 
     fs::create_directories(s_.output);
     const json plan = plan_of(s_, files_, manifest_.tokenizer_xxh64);
@@ -293,7 +346,7 @@ class Preparation {
     start_ = Clock::now();
     std::vector<std::string> sources;
     for (const auto& file : files_) sources.push_back(file.string());
-    pool_ = std::make_unique<TokenizerPool>(*tokenizer_, manifest_.eos_id, s_.jobs, std::move(sources));
+    pool_ = std::make_unique<TokenizerPool>(s_.chat() ? chat_encoder() : text_encoder(), s_.jobs, std::move(sources));
     writer_ = std::make_unique<SerialWorker>();
     for (std::size_t f = 0; f < files_.size(); ++f)
       read_documents(files_[f], s_, [&](std::string_view doc, std::int64_t line) { add(doc, f, line); });
@@ -313,12 +366,52 @@ class Preparation {
               << manifest_.total_tokens() << " tokens (" << toolkit::to_string(manifest_.dtype) << ", vocab_size "
               << manifest_.vocab_size << ", EOS " << manifest_.eos_id << ") in " << manifest_.shards.size()
               << " shard(s)" << (skipped_ > 0 ? ", " + std::to_string(skipped_.load()) + " already finished" : "")
+              << chat_counts()
               << "; " << human(static_cast<double>(tokenized_bytes_) / std::max(seconds, 1e-9)) << "B/s of text tokenized in "
               << seconds << " s with " << s_.jobs << " thread(s)\n";
     return 0;
   }
 
  private:
+  DocumentEncoder text_encoder() const {
+    return [this](std::string_view document, std::vector<toolkit::TokenId>& tokens, std::vector<std::uint8_t>&) {
+      const std::vector<toolkit::TokenId> ids = tokenizer_->encode(document, /*add_special_tokens=*/false);
+      tokens.insert(tokens.end(), ids.begin(), ids.end());
+      tokens.push_back(manifest_.eos_id);
+      return true;
+    };
+  }
+
+  /// A conversation through the chat template, its loss mask, --max-length and --overflow.
+  DocumentEncoder chat_encoder() {
+    std::error_code ec;
+    const fs::path folder = fs::is_directory(s_.tokenizer, ec) ? s_.tokenizer : s_.tokenizer.parent_path();
+    chat_template_ = std::make_unique<toolkit::ChatTemplate>(toolkit::ChatTemplate::load(folder));
+    const auto loss = s_.loss_on == "all" ? toolkit::ChatLoss::all : toolkit::ChatLoss::assistant;
+    return [this, loss](std::string_view line, std::vector<toolkit::TokenId>& tokens, std::vector<std::uint8_t>& mask) {
+      toolkit::ChatTokens chat = toolkit::encode_chat(*chat_template_, *tokenizer_, line, loss);
+      if (s_.max_length > 0 && static_cast<std::int64_t>(chat.ids.size()) > s_.max_length) {
+        if (s_.overflow == "drop") return ++dropped_long_, false;
+        ++truncated_;
+        chat.ids.resize(static_cast<std::size_t>(s_.max_length));
+        chat.labels.resize(chat.ids.size());
+      }
+      // Nothing to train on (no assistant message, or truncated before one): a row of it would
+      // divide a zero loss by zero labels.
+      if (std::find(chat.labels.begin(), chat.labels.end(), 1) == chat.labels.end()) return ++dropped_unlabelled_, false;
+      tokens.insert(tokens.end(), chat.ids.begin(), chat.ids.end());
+      mask.insert(mask.end(), chat.labels.begin(), chat.labels.end());
+      return true;
+    };
+  }
+
+  std::string chat_counts() const {
+    if (!s_.chat()) return "";
+    return "; conversations: " + std::to_string(truncated_.load()) + " truncated to --max-length, " +
+           std::to_string(dropped_long_.load()) + " dropped as longer than it, " +
+           std::to_string(dropped_unlabelled_.load()) + " dropped with no token to train on";
+  }
+
   /// The reader's side: a document joins the current batch and shard.
   void add(std::string_view doc, std::size_t file, std::int64_t line) {
     if (!in_shard_) begin_shard();
@@ -356,7 +449,7 @@ class Preparation {
     } else {
       writer_->post([this, shard] {
         shard_name_ = shard;
-        shard_writer_ = std::make_unique<toolkit::ShardWriter>(s_.output, shard, manifest_.dtype);
+        shard_writer_ = std::make_unique<toolkit::ShardWriter>(s_.output, shard, manifest_.dtype, s_.chat());
       });
     }
   }
@@ -371,8 +464,9 @@ class Preparation {
       } catch (const std::exception& e) {
         TESSERA_FAIL("tokenizing ", shard_name_, ": ", e.what());
       }
-      shard_writer_->append(batch->tokens, batch->ends);
+      shard_writer_->append(batch->tokens, batch->ends, batch->mask);
       std::vector<toolkit::TokenId>().swap(batch->tokens);
+      std::vector<std::uint8_t>().swap(batch->mask);
     });
   }
 
@@ -407,6 +501,8 @@ class Preparation {
           info.documents = record.at("documents").get<std::int64_t>();
           info.xxh64 = record.at("xxh64").get<std::string>();
           info.offsets_xxh64 = record.at("offsets_xxh64").get<std::string>();
+          info.mask_file = record.value("mask", std::string());
+          info.mask_xxh64 = record.value("mask_xxh64", std::string());
           if (info.file == file) recorded_[file] = info;
         } catch (const json::exception&) {  // unreadable: that shard is prepared again
         }
@@ -430,7 +526,17 @@ class Preparation {
                 << "prepared again\n";
       return false;
     }
-    for (const auto& [file, recorded] : {std::pair{bin, it->second.xxh64}, std::pair{idx, it->second.offsets_xxh64}}) {
+    std::vector<std::pair<std::string, std::string>> files{{bin, it->second.xxh64}, {idx, it->second.offsets_xxh64}};
+    if (s_.chat()) {
+      std::error_code ec;
+      if (it->second.mask_file != shard + ".mask" || !fs::is_regular_file(s_.output / it->second.mask_file, ec)) {
+        std::cerr << "prepare: " << (s_.output / bin).string() << " has no loss mask recorded: prepared again\n";
+        recorded_.erase(it);
+        return false;
+      }
+      files.emplace_back(it->second.mask_file, it->second.mask_xxh64);
+    }
+    for (const auto& [file, recorded] : files) {
       const std::string now = toolkit::xxh64_file(s_.output / file);
       if (now == recorded) continue;
       std::cerr << "prepare: " << (s_.output / file).string() << " does not match the checksum recorded when it was "
@@ -442,8 +548,13 @@ class Preparation {
   }
 
   static json to_json(const toolkit::ShardInfo& info) {
-    return {{"file", info.file},          {"offsets_file", info.offsets_file}, {"tokens", info.tokens},
-            {"documents", info.documents}, {"xxh64", info.xxh64},               {"offsets_xxh64", info.offsets_xxh64}};
+    json j = {{"file", info.file},          {"offsets_file", info.offsets_file}, {"tokens", info.tokens},
+              {"documents", info.documents}, {"xxh64", info.xxh64},               {"offsets_xxh64", info.offsets_xxh64}};
+    if (!info.mask_file.empty()) {
+      j["mask"] = info.mask_file;
+      j["mask_xxh64"] = info.mask_xxh64;
+    }
+    return j;
   }
 
   /// prepare.json, through a temporary file and a rename: a kill leaves the old one or the new.
@@ -505,6 +616,8 @@ class Preparation {
   std::vector<fs::path> files_;
   std::int64_t total_bytes_;
   std::unique_ptr<toolkit::Tokenizer> tokenizer_;
+  std::unique_ptr<toolkit::ChatTemplate> chat_template_;  ///< --format chat's
+  std::atomic<std::int64_t> truncated_{0}, dropped_long_{0}, dropped_unlabelled_{0};
   toolkit::TokenManifest manifest_;
   bool resuming_ = false;
   json plan_;  ///< prepare.json: the plan and the shards finished (the writer's, once shards are written)

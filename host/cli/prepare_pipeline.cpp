@@ -4,9 +4,8 @@
 
 namespace tessera::host {
 
-TokenizerPool::TokenizerPool(const toolkit::Tokenizer& tokenizer, toolkit::TokenId eos, std::int64_t threads,
-                             std::vector<std::string> sources)
-    : tokenizer_(tokenizer), eos_(eos), sources_(std::move(sources)), capacity_(static_cast<std::size_t>(4 * threads)) {
+TokenizerPool::TokenizerPool(DocumentEncoder encode, std::int64_t threads, std::vector<std::string> sources)
+    : encode_(std::move(encode)), sources_(std::move(sources)), capacity_(static_cast<std::size_t>(4 * threads)) {
   for (std::int64_t t = 0; t < threads; ++t) threads_.emplace_back([this] { work(); });
 }
 
@@ -48,16 +47,14 @@ void TokenizerPool::work() {
       for (std::size_t d = 0; d < batch->starts.size(); ++d) {
         const std::size_t end = d + 1 < batch->starts.size() ? batch->starts[d + 1] : batch->text.size();
         const std::string_view document(batch->text.data() + batch->starts[d], end - batch->starts[d]);
-        std::vector<toolkit::TokenId> ids;
+        bool kept = false;
         try {
-          ids = tokenizer_.encode(document, /*add_special_tokens=*/false);
+          kept = encode_(document, batch->tokens, batch->mask);
         } catch (const std::exception& e) {  // the input's file and line, not only the shard's
           const auto& [file, line] = batch->origins[d];
           TESSERA_FAIL(sources_.at(file), ":", line, " (the document starting there): ", e.what());
         }
-        batch->tokens.insert(batch->tokens.end(), ids.begin(), ids.end());
-        batch->tokens.push_back(eos_);
-        batch->ends.push_back(batch->tokens.size());
+        if (kept) batch->ends.push_back(batch->tokens.size());
       }
     } catch (const std::exception& e) {
       std::lock_guard<std::mutex> lock(mutex_);

@@ -10,6 +10,7 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <string_view>
 #include <thread>
 #include <utility>
 #include <vector>
@@ -18,15 +19,22 @@
 
 namespace tessera::host {
 
-/// Documents tokenized together by one thread: their tokens end to end, each followed by EOS.
+/// Documents tokenized together by one thread: their tokens end to end (text: each followed by
+/// EOS), with a chat corpus's loss mask beside them.
 struct Batch {
   std::string text;                  ///< the documents end to end
   std::vector<std::size_t> starts;   ///< where each document starts in `text`
   std::vector<std::pair<std::size_t, std::int64_t>> origins;  ///< each document's input file and first line
   std::vector<toolkit::TokenId> tokens;
   std::vector<std::uint64_t> ends;  ///< where each document's tokens end in `tokens`
+  std::vector<std::uint8_t> mask;   ///< one byte per token (chat: 1 for a label), else empty
   bool done = false;
 };
+
+/// One document's tokens (and mask, for a masked corpus) appended to `tokens` (`mask`); returns
+/// false for a document left out (it adds nothing). Called from several threads at once.
+using DocumentEncoder =
+    std::function<bool(std::string_view document, std::vector<toolkit::TokenId>& tokens, std::vector<std::uint8_t>& mask)>;
 
 /// Tokenizing threads fed batches while the reader goes on reading: the reading, tokenizing and
 /// writing of a corpus overlap. At most a few batches wait per thread, so memory stays bounded
@@ -34,8 +42,7 @@ struct Batch {
 class TokenizerPool {
  public:
   /// `sources`: the input files, which a tokenizing error names (with the document's line).
-  TokenizerPool(const toolkit::Tokenizer& tokenizer, toolkit::TokenId eos, std::int64_t threads,
-                std::vector<std::string> sources);
+  TokenizerPool(DocumentEncoder encode, std::int64_t threads, std::vector<std::string> sources);
   ~TokenizerPool();
   TokenizerPool(const TokenizerPool&) = delete;
   TokenizerPool& operator=(const TokenizerPool&) = delete;
@@ -50,8 +57,7 @@ class TokenizerPool {
  private:
   void work();
 
-  const toolkit::Tokenizer& tokenizer_;
-  const toolkit::TokenId eos_;
+  const DocumentEncoder encode_;
   const std::vector<std::string> sources_;
   const std::size_t capacity_;
   std::mutex mutex_;

@@ -1,12 +1,16 @@
 // `tokens`: language modelling over corpora prepared by `tessera data prepare` (token shards,
 // memory-mapped), one directory or a weighted blend of several (Megatron's). Samples are windows
-// of block_size + 1 tokens: packed across documents, or one per document (document_aligned).
+// of block_size + 1 tokens: packed across documents, one per document (document_aligned), or rows
+// of whole documents each attending only to itself (packing). A prepared loss mask (chat data)
+// turns the targets it does not train on into -100, which the loss ignores.
 // Every dataset is an sdk::LargeDataset: the host's sampler shuffles it per index and reads ahead
 // on a background thread, and nothing here holds an array that grows with the corpus (per-shard
 // ranges only; the shards stay on disk, shared between the ranks through the page cache).
 #include <algorithm>
 #include <cmath>
 #include <filesystem>
+#include <fstream>
+#include <iterator>
 #include <numeric>
 #include <tuple>
 
@@ -15,6 +19,8 @@
 #include "data.hpp"
 #include "tessera/sdk/error.hpp"
 #include "tessera/sdk/token_data.hpp"
+#include "tessera/toolkit/chat_data.hpp"
+#include "tessera/toolkit/chat_template.hpp"
 #include "tessera/toolkit/token_shards.hpp"
 #include "tessera/toolkit/tokenizer.hpp"
 
@@ -36,6 +42,24 @@ struct Split {
   std::vector<Part> parts;  // one per shard at most
 };
 
+/// Reads `count` tokens from token `begin` of `shard` as a sample's input and targets: input[t] =
+/// token t, target[t] = token t + 1, or -100 where the loss mask says token t + 1 is not a label.
+/// `input` and `target` hold count - 1 positions.
+void read_sample(const TokenShards& shards, std::int64_t shard, std::int64_t begin, std::int64_t count,
+                 std::int64_t* input, std::int64_t* target, std::vector<std::int64_t>& ids, std::vector<std::uint8_t>& mask) {
+  ids.resize(static_cast<std::size_t>(count));
+  shards.read(shard, begin, count, ids.data());
+  const bool masked = shards.manifest().has_mask();
+  if (masked) {
+    mask.resize(static_cast<std::size_t>(count));
+    shards.read_mask(shard, begin, count, mask.data());
+  }
+  for (std::int64_t t = 0; t + 1 < count; ++t) {
+    input[t] = ids[t];
+    target[t] = !masked || mask[t + 1] ? ids[t + 1] : -100;
+  }
+}
+
 /// Windows of block_size + 1 tokens over a split's token stream (its parts back to back), at
 /// multiples of block_size: sample i is tokens [i * block, i * block + block + 1).
 class PackedWindows final : public sdk::Dataset, public sdk::LargeDataset {
@@ -51,23 +75,32 @@ class PackedWindows final : public sdk::Dataset, public sdk::LargeDataset {
   std::int64_t size() const override { return total_ <= block_ ? 0 : (total_ - 1) / block_; }
   sdk::Batch get_batch(const std::vector<std::int64_t>& indices) const override {
     const auto n = static_cast<std::int64_t>(indices.size());
-    at::Tensor windows = at::empty({n, block_ + 1}, at::kLong);
+    const bool masked = split_.shards && split_.shards->manifest().has_mask();
+    at::Tensor windows = at::empty({n, block_ + 1}, at::kLong), labels;
+    if (masked) labels = at::empty({n, block_ + 1}, at::kByte);
     std::int64_t* out = windows.data_ptr<std::int64_t>();
     for (std::int64_t row = 0; row < n; ++row) {
       const std::int64_t i = indices[row];
       TESSERA_CHECK(i >= 0 && i < size(), "tokens: sample index ", i, " is out of range [0, ", size(), ")");
-      read(i * block_, block_ + 1, out + row * (block_ + 1));
+      read(i * block_, block_ + 1, out + row * (block_ + 1),
+           masked ? labels.data_ptr<std::uint8_t>() + row * (block_ + 1) : nullptr);
     }
-    return sdk::Batch{windows.narrow(1, 0, block_).contiguous(), windows.narrow(1, 1, block_).contiguous()};
+    at::Tensor target = windows.narrow(1, 1, block_).contiguous();
+    if (masked) target.masked_fill_(labels.narrow(1, 1, block_).eq(0), -100);  // context, not a label
+    return sdk::Batch{windows.narrow(1, 0, block_).contiguous(), target};
   }
 
  private:
-  void read(std::int64_t at, std::int64_t count, std::int64_t* out) const {
+  void read(std::int64_t at, std::int64_t count, std::int64_t* out, std::uint8_t* mask) const {
     auto k = static_cast<std::size_t>(std::upper_bound(starts_.begin(), starts_.end(), at) - starts_.begin() - 1);
     while (count > 0) {
       const Part& p = split_.parts[k];
       const std::int64_t offset = at - starts_[k], take = std::min(count, p.end - p.begin - offset);
       split_.shards->read(p.shard, p.begin + offset, take, out);
+      if (mask != nullptr) {
+        split_.shards->read_mask(p.shard, p.begin + offset, take, mask);
+        mask += take;
+      }
       out += take;
       at += take;
       count -= take;
@@ -95,7 +128,8 @@ class DocumentWindows final : public sdk::Dataset, public sdk::LargeDataset {
     const auto n = static_cast<std::int64_t>(indices.size());
     const std::int64_t eos = split_.shards->manifest().eos_id;
     at::Tensor input = at::full({n, block_}, eos, at::kLong), target = at::full({n, block_}, -100, at::kLong);
-    std::vector<std::int64_t> window(static_cast<std::size_t>(block_ + 1));
+    std::vector<std::int64_t> ids;
+    std::vector<std::uint8_t> mask;
     for (std::int64_t row = 0; row < n; ++row) {
       const std::int64_t i = indices[row];
       TESSERA_CHECK(i >= 0 && i < documents_, "tokens: sample index ", i, " is out of range [0, ", documents_, ")");
@@ -104,13 +138,8 @@ class DocumentWindows final : public sdk::Dataset, public sdk::LargeDataset {
       const std::int64_t d = p.first + (i - starts_[k]);
       const std::int64_t begin = split_.shards->document_start(p.shard, d);
       const std::int64_t length = std::min(split_.shards->document_start(p.shard, d + 1) - begin, block_ + 1);
-      split_.shards->read(p.shard, begin, length, window.data());
-      std::int64_t* in = input[row].data_ptr<std::int64_t>();
-      std::int64_t* tg = target[row].data_ptr<std::int64_t>();
-      for (std::int64_t t = 0; t + 1 < length; ++t) {
-        in[t] = window[t];
-        tg[t] = window[t + 1];
-      }
+      read_sample(*split_.shards, p.shard, begin, length, input[row].data_ptr<std::int64_t>(),
+                  target[row].data_ptr<std::int64_t>(), ids, mask);
     }
     return sdk::Batch{input, target};
   }
@@ -119,6 +148,80 @@ class DocumentWindows final : public sdk::Dataset, public sdk::LargeDataset {
   Split split_;
   std::int64_t block_, documents_ = 0;
   std::vector<std::int64_t> starts_;
+};
+
+/// Rows of block_size positions, each holding whole documents back to back (their first
+/// block_size + 1 tokens; torchtune's PackedDataset without splitting a sample across rows),
+/// filled in document order at setup: a row is closed when the next document does not fit. Each
+/// row's position_ids restart at every document, so the model attends within each and a packed
+/// document's loss is the one it has alone. The positions a row has left after its last document
+/// are padding (EOS in, -100 out, a sample of their own): `padding()` says how many there are.
+class PackedDocuments final : public sdk::Dataset, public sdk::LargeDataset {
+ public:
+  PackedDocuments(Split split, std::int64_t block) : split_(std::move(split)), block_(block) {
+    for (std::size_t k = 0; k < split_.parts.size(); ++k) {
+      const Part& p = split_.parts[k];
+      std::int64_t used = block_;  // the open row's positions; full: none open
+      for (std::int64_t d = p.first; d < p.last; ++d) {
+        const std::int64_t positions = sample_tokens(p.shard, d) - 1;  // a sample of L tokens trains L - 1
+        if (positions <= 0) continue;
+        if (used + positions > block_) {
+          padding_ += block_ - used;  // the closed row's tail (0 when none was open)
+          rows_.push_back(Row{k, d, 0});
+          used = 0;
+        }
+        ++rows_.back().documents;
+        used += positions;
+      }
+      if (used < block_) padding_ += block_ - used;
+    }
+  }
+  std::int64_t size() const override { return static_cast<std::int64_t>(rows_.size()); }
+  /// Positions of all rows that hold no document (their tails).
+  std::int64_t padding() const { return padding_; }
+
+  sdk::Batch get_batch(const std::vector<std::int64_t>& indices) const override {
+    const auto n = static_cast<std::int64_t>(indices.size());
+    const std::int64_t eos = split_.shards->manifest().eos_id;
+    at::Tensor input = at::full({n, block_}, eos, at::kLong), target = at::full({n, block_}, -100, at::kLong);
+    at::Tensor positions = at::empty({n, block_}, at::kLong);
+    std::vector<std::int64_t> ids;
+    std::vector<std::uint8_t> mask;
+    for (std::int64_t r = 0; r < n; ++r) {
+      const std::int64_t i = indices[r];
+      TESSERA_CHECK(i >= 0 && i < size(), "tokens: sample index ", i, " is out of range [0, ", size(), ")");
+      const Row& row = rows_[static_cast<std::size_t>(i)];
+      const Part& p = split_.parts[row.part];
+      std::int64_t* in = input[r].data_ptr<std::int64_t>();
+      std::int64_t* tg = target[r].data_ptr<std::int64_t>();
+      std::int64_t* pos = positions[r].data_ptr<std::int64_t>();
+      std::int64_t at = 0;
+      for (std::int64_t d = row.first; d < row.first + row.documents; ++d) {
+        const std::int64_t length = sample_tokens(p.shard, d);
+        if (length <= 1) continue;  // trains nothing: left out when the rows were built
+        read_sample(*split_.shards, p.shard, split_.shards->document_start(p.shard, d), length, in + at, tg + at, ids,
+                    mask);
+        for (std::int64_t t = 0; t + 1 < length; ++t) pos[at + t] = t;
+        at += length - 1;
+      }
+      for (std::int64_t t = at; t < block_; ++t) pos[t] = t - at;  // the padding: a sample of its own
+    }
+    return sdk::Batch{input, target, positions};
+  }
+
+ private:
+  struct Row {
+    std::size_t part;
+    std::int64_t first, documents;
+  };
+  /// A document's tokens as a sample: at most block_size + 1.
+  std::int64_t sample_tokens(std::int64_t shard, std::int64_t d) const {
+    return std::min(split_.shards->document_start(shard, d + 1) - split_.shards->document_start(shard, d), block_ + 1);
+  }
+
+  Split split_;
+  std::int64_t block_, padding_ = 0;
+  std::vector<Row> rows_;
 };
 
 /// Megatron's blend: the index space [0, sum of sizes) cut into one range per dataset in
@@ -149,12 +252,14 @@ class Blend final : public sdk::Dataset, public sdk::LargeDataset {
       auto k = static_cast<std::size_t>(std::upper_bound(starts_.begin(), starts_.end(), i) - starts_.begin() - 1);
       rows.push_back(parts_[k]->get_batch({(i - starts_[k]) % parts_[k]->size()}));
     }
-    std::vector<at::Tensor> inputs, targets;
+    std::vector<at::Tensor> inputs, targets, positions;
     for (auto& r : rows) {
       inputs.push_back(r.input);
       targets.push_back(r.target);
+      if (r.position_ids.defined()) positions.push_back(r.position_ids);
     }
-    return sdk::Batch{at::cat(inputs), at::cat(targets)};
+    TESSERA_CHECK(positions.empty() || positions.size() == rows.size(), "tokens: a blend of packed and unpacked rows");
+    return sdk::Batch{at::cat(inputs), at::cat(targets), positions.empty() ? at::Tensor() : at::cat(positions)};
   }
 
  private:
@@ -163,7 +268,7 @@ class Blend final : public sdk::Dataset, public sdk::LargeDataset {
   std::int64_t total_ = 0;
 };
 
-/// One sample: the encoded prompt.
+/// One sample: the encoded prompt (text, or a conversation rendered with the generation prompt).
 class Prompt final : public sdk::Dataset {
  public:
   explicit Prompt(std::vector<toolkit::TokenId> ids) : ids_(std::move(ids)) {}
@@ -199,6 +304,10 @@ class Tokens final : public sdk::DataModule, public sdk::TokenVocabulary {
                                       "one window per document from its first token (shorter ones padded) instead of "
                                       "windows packed across documents"},
                                      false)),
+        packing_(o.get_bool({"packing",
+                             "rows of whole documents back to back, each attending only to itself (position ids "
+                             "restart at every document): short samples (chat data) fill rows instead of padding"},
+                            false)),
         val_fraction_(o.get_double(
             {"val_fraction",
              "the validation split: the last floor(val_fraction x documents) documents of each shard (before the "
@@ -215,6 +324,12 @@ class Tokens final : public sdk::DataModule, public sdk::TokenVocabulary {
             true)),
         prompt_(
             o.get_string({"prompt", "the text predict (and predict_after_fit) generates from; needs tokenizer"}, "")),
+        prompt_messages_(o.get_string(
+            {"prompt_messages",
+             "a JSON file with a conversation {\"messages\": [...]} that predict answers: rendered through the chat "
+             "template of the tokenizer's folder with the generation prompt; prints the reply up to its end-of-turn "
+             "token (`tessera predict --messages FILE` sets it)"},
+            "")),
         accept_other_tokenizer_(o.get_bool(
             {"accept_other_tokenizer",
              "use [data] tokenizer although its file's xxh64 is not the one manifest.json records (a re-saved copy "
@@ -232,6 +347,11 @@ class Tokens final : public sdk::DataModule, public sdk::TokenVocabulary {
                     " directories: blending them needs [data] weights (one positive number each)");
       weights_ = {1.0};
     }
+    TESSERA_CHECK(prompt_.empty() || prompt_messages_.empty(), o.locate("prompt"), " and ", o.locate("prompt_messages"),
+                  " both give what predict continues: keep one");
+    TESSERA_CHECK(!(packing_ && document_aligned_), o.locate("packing"), " and ", o.locate("document_aligned"),
+                  " both choose how documents become samples: packing already starts every sample at a document; "
+                  "keep one");
     TESSERA_CHECK(val_paths_.empty() || !o.has("val_fraction") || val_fraction_ == 0.0, o.locate("val_path"),
                   " and ", o.locate("val_fraction"), " both choose the validation data: keep one");
     TESSERA_CHECK(test_paths_.empty() || test_fraction_ == 0.0, o.locate("test_path"), " and ",
@@ -299,7 +419,7 @@ class Tokens final : public sdk::DataModule, public sdk::TokenVocabulary {
   std::shared_ptr<sdk::Dataset> test_dataset() override { return test_; }
   std::shared_ptr<sdk::Dataset> predict_dataset() override { return prompt_dataset_; }
 
-  std::string describe_prediction(const sdk::Batch&, const at::Tensor& output) const override {
+  std::string describe_prediction(const sdk::Batch& batch, const at::Tensor& output) const override {
     at::Tensor ids = output.to(at::kLong).cpu().contiguous();
     if (ids.dim() < 2) ids = ids.reshape({1, -1});
     std::string text;
@@ -307,6 +427,12 @@ class Tokens final : public sdk::DataModule, public sdk::TokenVocabulary {
       if (row > 0) text += "\n---\n";
       const std::int64_t* p = ids[row].data_ptr<std::int64_t>();
       std::vector<toolkit::TokenId> tokens(p, p + ids.size(1));
+      if (!prompt_messages_.empty() && tokenizer_ && ids.size(1) >= batch.input.size(1)) {
+        // A chat reply: what follows the rendered prompt, up to the end of the assistant's turn.
+        tokens.erase(tokens.begin(), tokens.begin() + batch.input.size(1));
+        const auto eos = tokenizer_->eos_id();
+        if (eos) tokens.erase(std::find(tokens.begin(), tokens.end(), *eos), tokens.end());
+      }
       text += tokenizer_ ? tokenizer_->decode(tokens, /*skip_special_tokens=*/true) : ids_text(tokens);
     }
     return text;
@@ -364,6 +490,7 @@ class Tokens final : public sdk::DataModule, public sdk::TokenVocabulary {
   }
 
   std::shared_ptr<sdk::Dataset> windows(Split split) const {
+    if (packing_) return std::make_shared<PackedDocuments>(std::move(split), block_size_);
     if (document_aligned_) return std::make_shared<DocumentWindows>(std::move(split), block_size_);
     return std::make_shared<PackedWindows>(std::move(split), block_size_);
   }
@@ -396,7 +523,9 @@ class Tokens final : public sdk::DataModule, public sdk::TokenVocabulary {
 
   void setup_predict() {
     if (prompt_dataset_) return;
-    TESSERA_CHECK(!prompt_.empty(), options_.locate("prompt"), " is needed by predict: the text generation starts from");
+    TESSERA_CHECK(!prompt_.empty() || !prompt_messages_.empty(), options_.locate("prompt"),
+                  " (a text to continue) or ", options_.locate("prompt_messages"),
+                  " (a conversation to answer) is needed by predict: what generation starts from");
     TESSERA_CHECK(!tokenizer_path_.empty(), options_.locate("tokenizer"),
                   " is needed by predict: the tokenizer file that turns [data] prompt into ids and the generated ids "
                   "back into text");
@@ -414,9 +543,30 @@ class Tokens final : public sdk::DataModule, public sdk::TokenVocabulary {
       vocab_size_ = tokenizer_->vocab_size();
       vocab_source_ = tokenizer_path_;
     }
-    std::vector<toolkit::TokenId> ids = tokenizer_->encode(prompt_, /*add_special_tokens=*/false);
-    TESSERA_CHECK(!ids.empty(), options_.locate("prompt"), " = \"", prompt_, "\" encodes to no token");
+    std::vector<toolkit::TokenId> ids;
+    if (!prompt_messages_.empty()) {
+      ids = chat_prompt();
+    } else {
+      ids = tokenizer_->encode(prompt_, /*add_special_tokens=*/false);
+      TESSERA_CHECK(!ids.empty(), options_.locate("prompt"), " = \"", prompt_, "\" encodes to no token");
+    }
     prompt_dataset_ = std::make_shared<Prompt>(std::move(ids));
+  }
+
+  /// [data] prompt_messages rendered with the generation prompt by the tokenizer folder's template.
+  std::vector<toolkit::TokenId> chat_prompt() const {
+    std::ifstream in(prompt_messages_, std::ios::binary);
+    TESSERA_CHECK(in, options_.locate("prompt_messages"), " = \"", prompt_messages_, "\": cannot read the file");
+    const std::string conversation((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+    std::error_code ec;
+    const fs::path folder = fs::is_directory(tokenizer_path_, ec) ? fs::path(tokenizer_path_)
+                                                                   : fs::path(tokenizer_path_).parent_path();
+    try {
+      const auto chat_template = toolkit::ChatTemplate::load(folder);
+      return toolkit::encode_chat_prompt(chat_template, *tokenizer_, conversation);
+    } catch (const std::exception& e) {
+      TESSERA_FAIL(options_.locate("prompt_messages"), " = \"", prompt_messages_, "\": ", e.what());
+    }
   }
 
   static std::string ids_text(const std::vector<toolkit::TokenId>& ids) {
@@ -432,11 +582,13 @@ class Tokens final : public sdk::DataModule, public sdk::TokenVocabulary {
   std::string tokenizer_path_;
   std::int64_t block_size_;
   bool document_aligned_;
+  bool packing_;
   double val_fraction_;
   std::vector<std::string> test_paths_;
   double test_fraction_;
   bool verify_;
   std::string prompt_;
+  std::string prompt_messages_;
   bool accept_other_tokenizer_;
   std::int64_t vocab_size_ = 0;
   std::string vocab_source_, tokenizer_kind_, tokenizer_xxh64_;

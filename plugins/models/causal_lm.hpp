@@ -20,8 +20,9 @@
 
 namespace tessera::models {
 
-/// `Net` is a LibTorch module holder whose forward(ids [B, T]) gives logits [B, T, vocab],
-/// hidden_states(ids) the final hidden states [B, T, H] those are computed from,
+/// `Net` is a LibTorch module holder whose forward(ids [B, T], position_ids) gives logits
+/// [B, T, vocab], hidden_states(ids, position_ids) the final hidden states [B, T, H] those are
+/// computed from (position_ids: sdk::Batch's, undefined unless the rows are packed),
 /// output_weight() lm_head's weight [vocab, H] (the token embedding's, tied), and
 /// parallelize(tp) splits it over a tensor-parallel group (lm_head stays whole on every rank).
 template <typename Net>
@@ -126,11 +127,11 @@ class CausalLM : public sdk::Module {
   sdk::StepOutput lm_loss(const sdk::Batch& batch) {
     at::Tensor loss;
     if (fused_loss_) {
-      at::Tensor hidden = net_->hidden_states(batch.input);
+      at::Tensor hidden = net_->hidden_states(batch.input, batch.position_ids);
       loss = toolkit::linear_cross_entropy(hidden.reshape({-1, hidden.size(-1)}), net_->output_weight(),
                                            batch.target.reshape({-1}), {-100, loss_chunk_tokens_});
     } else {
-      at::Tensor logits = net_->forward(batch.input);
+      at::Tensor logits = net_->forward(batch.input, batch.position_ids);
       loss = torch::nn::functional::cross_entropy(logits.reshape({-1, logits.size(-1)}).to(at::kFloat),
                                                   batch.target.reshape({-1}));
     }

@@ -62,7 +62,8 @@ class BlockImpl : public torch::nn::Module {
         fc_proj(linear("fc_proj", 4 * c.n_embd, c.n_embd, c.bias)),
         dropout(register_module("dropout", torch::nn::Dropout(c.dropout))) {}
 
-  at::Tensor forward(const at::Tensor& x) {
+  /// x [B, T, C]; `segments` [B, T] keep packed samples' attention apart (empty: one per row).
+  at::Tensor forward(const at::Tensor& x, const at::Tensor& segments) {
     // Under tensor parallelism this rank computes n_head / tp of the heads; C is the full width.
     const std::int64_t B = x.size(0), T = x.size(1), C = x.size(2), D = C / n_head_;
     const std::int64_t H = n_head_ / tp_size(), local = H * D;
@@ -73,7 +74,7 @@ class BlockImpl : public torch::nn::Module {
     toolkit::CausalAttentionOptions attention;
     if (dropout->is_training() && dropout->options.p() > 0.0)
       attention.dropout = [this](const at::Tensor& probs) { return attention_dropout(probs); };
-    at::Tensor y = toolkit::causal_attention(heads(qkv[0]), heads(qkv[1]), heads(qkv[2]), attention);
+    at::Tensor y = toolkit::causal_attention(heads(qkv[0]), heads(qkv[1]), heads(qkv[2]), attention, segments);
     y = y.transpose(1, 2).contiguous().view({B, T, local});
     at::Tensor h = x + dropout(proj.forward<at::Tensor>(y));
     return h + dropout(fc_proj.forward<at::Tensor>(F::gelu(fc.forward<at::Tensor>(ln_2(h)))));
@@ -157,22 +158,31 @@ class GPTNetImpl : public torch::nn::Module {
     for (auto& item : named_parameters()) init_parameter(item.key(), item.value(), c.n_layer, init_seed);
   }
 
-  at::Tensor forward(const at::Tensor& idx) {
-    at::Tensor x = hidden_states(idx);
+  at::Tensor forward(const at::Tensor& idx, const at::Tensor& position_ids = {}) {
+    at::Tensor x = hidden_states(idx, position_ids);
     // Tied: the output head is the token embedding itself (one parameter).
     return lm_head ? lm_head(x) : at::matmul(x, wte->weight.t());
   }
   /// The output head's weight [vocab, n_embd]: lm_head's, or the token embedding's when tied.
   at::Tensor output_weight() { return lm_head ? lm_head->weight : wte->weight; }
 
-  /// ln_f's output [B, T, n_embd], which the output head maps to the logits.
-  at::Tensor hidden_states(const at::Tensor& idx) {
+  /// ln_f's output [B, T, n_embd], which the output head maps to the logits. `position_ids`
+  /// (packed rows) restart the positional table and the attention at each sample.
+  at::Tensor hidden_states(const at::Tensor& idx, const at::Tensor& position_ids = {}) {
     const std::int64_t T = idx.size(1);
     TESSERA_CHECK(T <= config.block_size, "gpt: a sequence of ", T, " tokens exceeds [model] block_size = ",
                   config.block_size, " (the positional table's length); set [data] block_size to at most that");
+    TESSERA_CHECK(!position_ids.defined() || position_ids.sizes() == idx.sizes(), "gpt: position_ids ",
+                  position_ids.defined() ? position_ids.sizes() : at::IntArrayRef{}, " must be shaped as the ids ",
+                  idx.sizes());
     at::Tensor pos = at::arange(T, at::TensorOptions().dtype(at::kLong).device(idx.device()));
+    at::Tensor segments = at::empty({0}, pos.options());  // empty: one sample per row
+    if (position_ids.defined()) {
+      pos = position_ids.to(idx.device(), at::kLong);
+      segments = toolkit::segments_from_positions(pos);
+    }
     at::Tensor x = drop(wte(idx) + wpe(pos));
-    for (auto& block : units) x = sdk::invoke(block, x);
+    for (auto& block : units) x = sdk::invoke(block, x, segments);
     return ln_f(x);
   }
 

@@ -175,9 +175,11 @@ class LlamaAttentionImpl : public torch::nn::Module {
     }
   }
 
-  /// x [B, T, hidden]; cos, sin [T, head_dim] for the T positions; with a cache, the keys and
-  /// values of the positions before them are read from it and these are appended.
-  at::Tensor forward(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, KVCache* cache) {
+  /// x [B, T, hidden]; cos, sin [T, head_dim] for the T positions ([B, 1, T, head_dim] for packed
+  /// rows, whose `segments` [B, T] keep attention inside each sample; empty: none); with a cache,
+  /// the keys and values of the positions before them are read from it and these are appended.
+  at::Tensor forward(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& segments,
+                     KVCache* cache) {
     const std::int64_t B = x.size(0), T = x.size(1);
     // Under tensor parallelism this rank holds heads / tp query and kv_heads / tp key-value heads.
     auto heads = [&](const at::Tensor& t) { return t.view({B, T, -1, head_dim_}); };
@@ -190,14 +192,14 @@ class LlamaAttentionImpl : public torch::nn::Module {
     }
     q = q.transpose(1, 2);
     k = k.transpose(1, 2);
-    if (fused_rotary_) {
+    if (fused_rotary_ && cos.dim() == 2) {  // the fused kernel takes one set of positions for every row
       std::tie(q, k) = toolkit::rotary_embedding(q, k, cos, sin);
     } else {
       q = q * cos + rotate_half(q) * sin;
       k = k * cos + rotate_half(k) * sin;
     }
     if (cache != nullptr) std::tie(k, v) = cache->append(k, v);
-    at::Tensor y = toolkit::causal_attention(q, k, v, attention_);
+    at::Tensor y = toolkit::causal_attention(q, k, v, attention_, segments);
     return o_proj.forward<at::Tensor>(y.transpose(1, 2).reshape({B, T, -1}));
   }
 
@@ -281,8 +283,10 @@ class LlamaDecoderLayerImpl : public torch::nn::Module {
                                                  LlamaRMSNorm(c.hidden_size, c.rms_norm_eps, k.rms_norm))) {}
 
   /// h = x + attention(norm(x)); h + mlp(norm(h)), the first add fused into the second norm.
-  at::Tensor forward(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, KVCache* cache) {
-    auto [h, normed] = post_attention_layernorm->add_forward(x, self_attn(input_layernorm(x), cos, sin, cache));
+  at::Tensor forward(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& segments,
+                     KVCache* cache) {
+    auto [h, normed] =
+        post_attention_layernorm->add_forward(x, self_attn(input_layernorm(x), cos, sin, segments, cache));
     return h + mlp(normed);
   }
 
@@ -338,19 +342,30 @@ class LlamaForCausalLMImpl : public torch::nn::Module {
   /// Logits [B, T, vocab] of `ids` [B, T] at positions offset .. offset + T - 1; with caches (one
   /// per layer), the earlier positions' keys and values come from them.
   at::Tensor forward(const at::Tensor& ids, std::vector<KVCache>* caches = nullptr, std::int64_t offset = 0) {
-    at::Tensor x = hidden_states(ids, caches, offset);
+    return logits(hidden_states(ids, {}, caches, offset));
+  }
+  /// The same for packed rows: `position_ids` [B, T] (sdk::Batch's; undefined: 0 .. T-1).
+  at::Tensor forward(const at::Tensor& ids, const at::Tensor& position_ids) {
+    return logits(hidden_states(ids, position_ids));
+  }
+  at::Tensor logits(const at::Tensor& x) {
     // Tied: the output head is the token embedding itself (one parameter).
     return lm_head ? lm_head(x) : at::matmul(x, model->embed_tokens->weight.t());
   }
   /// The output head's weight [vocab, hidden]: lm_head's, or the token embedding's when tied.
   at::Tensor output_weight() { return lm_head ? lm_head->weight : model->embed_tokens->weight; }
 
-  /// The final norm's output [B, T, hidden], which lm_head maps to the logits.
-  at::Tensor hidden_states(const at::Tensor& ids, std::vector<KVCache>* caches = nullptr, std::int64_t offset = 0) {
+  /// The final norm's output [B, T, hidden], which lm_head maps to the logits. `position_ids`
+  /// (packed rows) restart the rotary positions and the attention at each sample.
+  at::Tensor hidden_states(const at::Tensor& ids, const at::Tensor& position_ids = {},
+                           std::vector<KVCache>* caches = nullptr, std::int64_t offset = 0) {
+    TESSERA_CHECK(!position_ids.defined() || (caches == nullptr && position_ids.sizes() == ids.sizes()),
+                  "llama: position_ids ", position_ids.defined() ? position_ids.sizes() : at::IntArrayRef{},
+                  " must be shaped as the ids ", ids.sizes(), " (and packed rows take no KV cache)");
     // Mistral's sliding window is accepted only where no position can leave it (llama_config.cpp):
     // a longer generation would need the mask it does not apply.
     const auto window = config.attention_window();
-    TESSERA_CHECK(!window || offset + ids.size(1) <= *window, "llama: position ", offset + ids.size(1) - 1,
+    TESSERA_CHECK(!window || offset + ids.size(1) <= *window,  // packed samples are shorter than their row "llama: position ", offset + ids.size(1) - 1,
                   " is outside sliding_window = ", *window, " (", config.architecture(),
                   "), whose banded attention mask is not implemented; valid: sequences of at most ", *window,
                   " positions, prompt and generated tokens together");
@@ -361,11 +376,17 @@ class LlamaForCausalLMImpl : public torch::nn::Module {
     // while the model is built is scratch memory.
     if (!inv_freq_.defined()) inv_freq_ = rope_inv_freq(config);
     if (inv_freq_.device() != x.device()) inv_freq_ = inv_freq_.to(x.device());
-    at::Tensor freqs = positions.unsqueeze(1) * inv_freq_.unsqueeze(0);
+    at::Tensor freqs = positions.unsqueeze(1) * inv_freq_.unsqueeze(0);  // [T, head_dim / 2]
+    at::Tensor segments = at::empty({0}, ids.options().dtype(at::kLong));  // empty: one sample per row
+    if (position_ids.defined()) {  // [B, 1, T, head_dim / 2]: each row's own positions, broadcast over heads
+      freqs = (position_ids.to(x.device(), at::kFloat).unsqueeze(-1) * inv_freq_).unsqueeze(1);
+      segments = toolkit::segments_from_positions(position_ids.to(x.device()));
+    }
     at::Tensor emb = at::cat({freqs, freqs}, -1);
     at::Tensor cos = emb.cos().to(x.scalar_type()), sin = emb.sin().to(x.scalar_type());
     for (std::size_t i = 0; i < model->units.size(); ++i)
-      x = sdk::invoke(model->units[i], x, cos, sin, caches != nullptr ? &(*caches)[i] : static_cast<KVCache*>(nullptr));
+      x = sdk::invoke(model->units[i], x, cos, sin, segments,
+                      caches != nullptr ? &(*caches)[i] : static_cast<KVCache*>(nullptr));
     return model->norm(x);
   }
 

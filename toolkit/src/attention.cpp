@@ -65,6 +65,13 @@ at::Tensor causal_bias(std::int64_t rows, std::int64_t keys, std::int64_t offset
   return at::zeros({rows, keys}, options).masked_fill_(j > r, -std::numeric_limits<double>::infinity());
 }
 
+/// -inf where key j belongs to another sample than query row r, 0 elsewhere: [B, rows, keys] for
+/// queries of segments `rows` [B, rows] and keys of segments `keys` [B, keys].
+at::Tensor segment_bias(const at::Tensor& rows, const at::Tensor& keys, const at::TensorOptions& options) {
+  return at::zeros({rows.size(0), rows.size(1), keys.size(1)}, options)
+      .masked_fill_(rows.unsqueeze(2) != keys.unsqueeze(1), -std::numeric_limits<double>::infinity());
+}
+
 /// Hugging Face's repeat_kv: [B, Hkv, T, D] -> [B, Hkv * groups, T, D], head h reading h / groups.
 at::Tensor repeat_kv(const at::Tensor& x, std::int64_t groups) {
   if (groups == 1) return x;
@@ -73,7 +80,7 @@ at::Tensor repeat_kv(const at::Tensor& x, std::int64_t groups) {
 }
 
 at::Tensor math_attention(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
-                          const CausalAttentionOptions& options) {
+                          const CausalAttentionOptions& options, const at::Tensor& segments) {
   // Outside autocast, inputs of mixed dtypes meet in their promoted type (a GEMM takes one).
   const at::ScalarType dtype = compute_dtype(q_in, k_in, v_in);
   const bool autocast = sdk::autocast_enabled(q_in.is_cuda());
@@ -83,9 +90,12 @@ at::Tensor math_attention(const at::Tensor& q_in, const at::Tensor& k_in, const 
   const std::int64_t groups = H / k.size(1);
   at::Tensor kk = repeat_kv(k, groups).reshape({B * H, Tk, D}), vv = repeat_kv(v, groups).reshape({B * H, Tk, D});
   // mask + scale q k^T in one batched GEMM (the values of scaling and masking after it).
-  at::Tensor scores = batched_matmul(q.reshape({B * H, Tq, D}), kk.transpose(1, 2),
-                                     Tq > 1 ? causal_bias(Tq, Tk, Tk - Tq, q.options()) : at::Tensor(),
-                                     resolved_scale(q, options.scale));
+  at::Tensor bias = Tq > 1 ? causal_bias(Tq, Tk, Tk - Tq, q.options()) : at::Tensor();
+  if (segments.defined())  // [B, Tq, Tk] per row, the same for each of its heads
+    bias = (bias.defined() ? segment_bias(segments, segments, q.options()).add_(bias)
+                           : segment_bias(segments, segments, q.options()))
+               .unsqueeze(1).expand({B, H, Tq, Tk}).reshape({B * H, Tq, Tk});
+  at::Tensor scores = batched_matmul(q.reshape({B * H, Tq, D}), kk.transpose(1, 2), bias, resolved_scale(q, options.scale));
   // Softmax in fp32 for low-precision inputs (Hugging Face's eager attention).
   at::Tensor probs = scores.scalar_type() == at::kFloat || scores.scalar_type() == at::kDouble
                          ? at::softmax(scores, -1)
@@ -109,18 +119,24 @@ class BlockedCausalAttention : public torch::autograd::Function<BlockedCausalAtt
   /// [B Hkv, groups n, D], keys and values [B Hkv, keys, D]. `lse` given: exp(s - lse) (backward),
   /// else computed and returned through it (forward).
   static at::Tensor probabilities(const Shape& s, const at::Tensor& qg, const at::Tensor& kk, std::int64_t t0,
-                                  std::int64_t n, at::Tensor& qb, at::Tensor& lse, bool have_lse) {
+                                  std::int64_t n, at::Tensor& qb, at::Tensor& lse, bool have_lse,
+                                  const at::Tensor& segments) {
     const std::int64_t BH = s.B * s.Hkv, keys = s.Tk - s.Tq + t0 + n;
     qb = qg.narrow(2, t0, n).reshape({BH, s.groups * n, s.D});
     at::Tensor bias;
     if (n > 1) bias = causal_bias(n, keys, s.Tk - s.Tq + t0, qg.options()).repeat({s.groups, 1});
+    if (segments.numel() > 0) {  // a block's rows are (group, query): each row's sample mask, per head
+      at::Tensor other = segment_bias(segments.narrow(1, s.Tk - s.Tq + t0, n), segments.narrow(1, 0, keys), qg.options());
+      other = other.view({s.B, 1, 1, n, keys}).expand({s.B, s.Hkv, s.groups, n, keys}).reshape({BH, s.groups * n, keys});
+      bias = bias.defined() ? other.add_(bias) : other;
+    }
     at::Tensor scores = batched_matmul(qb, kk.narrow(1, 0, keys).transpose(1, 2), bias, s.scale).to(at::kFloat);
     if (!have_lse) lse = at::logsumexp(scores, -1, /*keepdim=*/true);
     return scores.sub_(lse).exp_();
   }
 
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& q, const at::Tensor& k,
-                            const at::Tensor& v, double scale, std::int64_t block) {
+                            const at::Tensor& v, const at::Tensor& segments, double scale, std::int64_t block) {
     return naming_the_kernel("blocked", "forward", q, k, v, [&] {
       // Every product in one dtype (compute_dtype); the gradients go back in each input's own.
       const at::ScalarType dtype = compute_dtype(q, k, v);
@@ -133,11 +149,11 @@ class BlockedCausalAttention : public torch::autograd::Function<BlockedCausalAtt
       for (std::int64_t t0 = 0; t0 < s.Tq; t0 += s.block) {
         const std::int64_t n = std::min(s.block, s.Tq - t0), keys = s.Tk - s.Tq + t0 + n;
         at::Tensor qb, lse;
-        at::Tensor p = probabilities(s, qg, kk, t0, n, qb, lse, /*have_lse=*/false).to(dtype);
+        at::Tensor p = probabilities(s, qg, kk, t0, n, qb, lse, /*have_lse=*/false, segments).to(dtype);
         out.narrow(2, t0, n).copy_(batched_matmul(p, vv.narrow(1, 0, keys)).view({BH, s.groups, n, s.D}));
         lse_all.narrow(2, t0, n).copy_(lse.view({BH, s.groups, n}));
       }
-      ctx->save_for_backward({qg, kk, vv, out, lse_all});
+      ctx->save_for_backward({qg, kk, vv, out, lse_all, segments});
       ctx->saved_data["shape"] = std::vector<std::int64_t>{s.B, s.H, s.Hkv, s.groups, s.Tq, s.Tk, s.D, s.block};
       ctx->saved_data["scale"] = scale;
       ctx->saved_data["input_dtypes"] = std::vector<std::int64_t>{static_cast<std::int64_t>(q.scalar_type()),
@@ -150,7 +166,8 @@ class BlockedCausalAttention : public torch::autograd::Function<BlockedCausalAtt
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grads) {
     const auto saved = ctx->get_saved_variables();
-    const at::Tensor &qg = saved[0], &kk = saved[1], &vv = saved[2], &out = saved[3], &lse_all = saved[4];
+    const at::Tensor &qg = saved[0], &kk = saved[1], &vv = saved[2], &out = saved[3], &lse_all = saved[4],
+                     &segments = saved[5];
     return naming_the_kernel("blocked", "backward", qg, kk, vv, [&] {
       const auto d = ctx->saved_data["shape"].toIntVector();
       const auto input_dtypes = ctx->saved_data["input_dtypes"].toIntVector();
@@ -166,7 +183,7 @@ class BlockedCausalAttention : public torch::autograd::Function<BlockedCausalAtt
       for (std::int64_t t0 = 0; t0 < s.Tq; t0 += s.block) {
         const std::int64_t n = std::min(s.block, s.Tq - t0), keys = s.Tk - s.Tq + t0 + n;
         at::Tensor qb, lse = lse_all.narrow(2, t0, n).reshape({BH, s.groups * n, 1});
-        at::Tensor p = probabilities(s, qg, kk, t0, n, qb, lse, /*have_lse=*/true);
+        at::Tensor p = probabilities(s, qg, kk, t0, n, qb, lse, /*have_lse=*/true, segments);
         at::Tensor dob = dout.narrow(2, t0, n).reshape({BH, s.groups * n, s.D});
         at::Tensor kb = kk.narrow(1, 0, keys), vb = vv.narrow(1, 0, keys);
         dv.narrow(1, 0, keys).add_(batched_matmul(p.to(dtype).transpose(1, 2), dob));
@@ -181,13 +198,15 @@ class BlockedCausalAttention : public torch::autograd::Function<BlockedCausalAtt
       };
       return torch::autograd::variable_list{as_input(dq.view({s.B, s.H, s.Tq, s.D}), 0),
                                             as_input(dk.view({s.B, s.Hkv, s.Tk, s.D}), 1),
-                                            as_input(dv.view({s.B, s.Hkv, s.Tk, s.D}), 2), at::Tensor(), at::Tensor()};
+                                            as_input(dv.view({s.B, s.Hkv, s.Tk, s.D}), 2), at::Tensor(), at::Tensor(),
+                                            at::Tensor()};
     });
   }
 };
 
 #if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 1)
-at::Tensor sdpa_attention(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in, double scale) {
+at::Tensor sdpa_attention(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in, double scale,
+                          const at::Tensor& segments) {
   // SDPA takes one dtype: outside autocast (which casts for it) the promoted type of the three.
   const bool autocast = sdk::autocast_enabled(q_in.is_cuda());
   const at::ScalarType dtype = compute_dtype(q_in, k_in, v_in);
@@ -196,9 +215,14 @@ at::Tensor sdpa_attention(const at::Tensor& q_in, const at::Tensor& k_in, const 
   const std::int64_t Tq = q.size(2), Tk = k.size(2), groups = q.size(1) / k.size(1);
   // SDPA's is_causal aligns the mask top-left; a KV cache needs it bottom-right. One query sees
   // every key (no mask); a square one is is_causal; otherwise an explicit boolean mask.
-  const bool causal = Tq == Tk && Tq > 1;
+  bool causal = Tq == Tk && Tq > 1;
   c10::optional<at::Tensor> mask;  // true: the query may attend to the key
   if (Tq != Tk && Tq > 1) mask = at::ones({Tq, Tk}, q.options().dtype(at::kBool)).tril(Tk - Tq);
+  if (segments.defined()) {  // block-diagonal causal: [B, 1, T, T]
+    mask = (segments.unsqueeze(2) == segments.unsqueeze(1)).logical_and_(at::ones({Tq, Tk}, q.options().dtype(at::kBool)).tril())
+               .unsqueeze(1);
+    causal = false;
+  }
 #if TORCH_VERSION_MAJOR > 2 || TORCH_VERSION_MINOR >= 5
   // CUDA's flash kernel reads each key/value head for its group of query heads (enable_gqa). The
   // CPU's flash kernel takes no GQA: asked for it, SDPA falls back to the math path and its
@@ -223,7 +247,7 @@ AttentionKernel causal_attention_kernel(const at::Tensor& q, const at::Tensor& k
 }
 
 at::Tensor causal_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                            const CausalAttentionOptions& options) {
+                            const CausalAttentionOptions& options, const at::Tensor& segments) {
   TESSERA_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, "causal_attention: q, k and v must be [B, H, T, D], found ",
                 q.sizes(), ", ", k.sizes(), ", ", v.sizes());
   TESSERA_CHECK(k.sizes() == v.sizes() && q.size(0) == k.size(0) && q.size(3) == k.size(3) && k.size(1) > 0 &&
@@ -232,23 +256,36 @@ at::Tensor causal_attention(const at::Tensor& q, const at::Tensor& k, const at::
                 ": k and v must be alike, with as many batch rows and head dims as q, a number of heads dividing q's "
                 "and at least q's positions");
   TESSERA_CHECK(options.query_block > 0, "causal_attention: query_block must be positive, found ", options.query_block);
+  const bool packed = segments.defined() && segments.numel() > 0;  // an empty tensor: none
+  TESSERA_CHECK(!packed || (segments.dim() == 2 && segments.size(0) == q.size(0) &&
+                                        segments.size(1) == q.size(2) && q.size(2) == k.size(2)),
+                "causal_attention: segments ", segments.defined() ? segments.sizes() : at::IntArrayRef{},
+                " must be [B, T] for q ", q.sizes(), " and k ", k.sizes(), " of as many positions (packed rows take no KV cache)");
+  const at::Tensor segs = packed ? segments.to(q.device(), at::kLong) : at::Tensor();
   const double scale = resolved_scale(q, options.scale);
   switch (causal_attention_kernel(q, k, options)) {
     case AttentionKernel::sdpa:
 #if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 1)
-      return sdpa_attention(q, k, v, scale);
+      return sdpa_attention(q, k, v, scale, segs);
 #else
       TESSERA_FAIL("causal_attention: the sdpa kernel needs LibTorch 2.1 or later (this is ", TORCH_VERSION,
                    "); use \"automatic\" (the blocked kernel here) or \"blocked\"");
 #endif
     case AttentionKernel::blocked:
-      return BlockedCausalAttention::apply(q, k, v, scale, options.query_block);
+      // LibTorch 1.13's autograd functions take no undefined tensor: no segments is an empty one.
+      return BlockedCausalAttention::apply(q, k, v, segs.defined() ? segs : at::empty({0}, at::kLong), scale,
+                                           options.query_block);
     default: {
       CausalAttentionOptions math = options;
       math.scale = scale;
-      return math_attention(q, k, v, math);
+      return math_attention(q, k, v, math, segs);
     }
   }
+}
+
+at::Tensor segments_from_positions(const at::Tensor& position_ids) {
+  TESSERA_CHECK(position_ids.dim() == 2, "position_ids must be [B, T], found ", position_ids.sizes());
+  return position_ids.eq(0).cumsum(1);
 }
 
 AttentionKernel parse_attention_kernel(const std::string& name, const std::string& what) {

@@ -171,6 +171,13 @@ TokenManifest read_manifest(const fs::path& dir) {
   try {
     TESSERA_CHECK(j.value("format", std::string()) == "tessera-tokens", path,
                   ": \"format\" is not \"tessera-tokens\" (not a manifest written by tessera data prepare)");
+    const std::int64_t version = j.contains("version") ? integer(j, "version") : 1;
+    TESSERA_CHECK(version >= 1 && version <= kManifestVersion, path, ": \"version\" is ", version,
+                  "; this tessera reads token manifests of versions 1 to ", kManifestVersion,
+                  " (a newer tessera wrote it)");
+    m.content = j.value("content", std::string("text"));
+    TESSERA_CHECK(m.content == "text" || m.content == "chat", path, ": \"content\" is \"", m.content,
+                  "\"; valid: \"text\", \"chat\"");
     const auto& t = j.at("tokenizer");
     m.tokenizer_name = t.at("name").get<std::string>();
     m.tokenizer_kind = t.at("kind").get<std::string>();
@@ -191,6 +198,14 @@ TokenManifest read_manifest(const fs::path& dir) {
       info.offsets_file = s.at("offsets").get<std::string>();
       info.xxh64 = s.at("xxh64").get<std::string>();
       info.offsets_xxh64 = s.at("offsets_xxh64").get<std::string>();
+      if (s.contains("mask")) {
+        info.mask_file = s.at("mask").get<std::string>();
+        info.mask_xxh64 = s.at("mask_xxh64").get<std::string>();
+      }
+      TESSERA_CHECK(m.shards.empty() || info.mask_file.empty() == m.shards.front().mask_file.empty(), path,
+                    ": shard ", info.file, (info.mask_file.empty() ? " has no" : " has a"), " loss mask, shard ",
+                    m.shards.front().file, (info.mask_file.empty() ? " has one" : " none"),
+                    ": a prepared directory is masked throughout or not at all");
       TESSERA_CHECK(info.tokens >= 0 && info.documents >= 0, path, ": shard ", info.file,
                     " has a negative token or document count");
       m.shards.push_back(std::move(info));
@@ -203,15 +218,18 @@ TokenManifest read_manifest(const fs::path& dir) {
 
 void write_manifest(const fs::path& dir, const TokenManifest& m) {
   json shards = json::array();
-  for (const auto& s : m.shards)
-    shards.push_back({{"file", s.file},
-                      {"tokens", s.tokens},
-                      {"documents", s.documents},
-                      {"offsets", s.offsets_file},
-                      {"xxh64", s.xxh64},
-                      {"offsets_xxh64", s.offsets_xxh64}});
+  for (const auto& s : m.shards) {
+    json shard = {{"file", s.file},     {"tokens", s.tokens},  {"documents", s.documents},
+                  {"offsets", s.offsets_file}, {"xxh64", s.xxh64}, {"offsets_xxh64", s.offsets_xxh64}};
+    if (!s.mask_file.empty()) {
+      shard["mask"] = s.mask_file;
+      shard["mask_xxh64"] = s.mask_xxh64;
+    }
+    shards.push_back(std::move(shard));
+  }
   json j = {{"format", "tessera-tokens"},
-            {"version", 1},
+            {"version", kManifestVersion},
+            {"content", m.content},
             {"tokenizer", {{"name", m.tokenizer_name}, {"kind", m.tokenizer_kind}, {"xxh64", m.tokenizer_xxh64}}},
             {"vocab_size", m.vocab_size},
             {"dtype", to_string(m.dtype)},
@@ -227,20 +245,25 @@ struct ShardWriter::File : AtomicFile {
   using AtomicFile::AtomicFile;
 };
 
-ShardWriter::ShardWriter(const fs::path& dir, const std::string& name, TokenDtype dtype)
+ShardWriter::ShardWriter(const fs::path& dir, const std::string& name, TokenDtype dtype, bool masked)
     : name_(name),
       dtype_(dtype),
       tokens_(std::make_unique<File>(dir / (name + ".bin"))),
-      offsets_(std::make_unique<File>(dir / (name + ".idx"))) {
+      offsets_(std::make_unique<File>(dir / (name + ".idx"))),
+      mask_(masked ? std::make_unique<File>(dir / (name + ".mask")) : nullptr) {
   const std::uint64_t zero = 0;
   offsets_->write(&zero, sizeof zero);
 }
 
 ShardWriter::~ShardWriter() = default;
 
-void ShardWriter::append(const std::vector<TokenId>& tokens, const std::vector<std::uint64_t>& ends) {
+void ShardWriter::append(const std::vector<TokenId>& tokens, const std::vector<std::uint64_t>& ends,
+                         const std::vector<std::uint8_t>& mask) {
   TESSERA_CHECK(ends.empty() ? tokens.empty() : ends.back() == tokens.size(), "shard ", name_,
                 ": document ends do not span the ", tokens.size(), " tokens appended");
+  TESSERA_CHECK(mask_ ? mask.size() == tokens.size() : mask.empty(), "shard ", name_, ": ", mask.size(),
+                " mask bytes for ", tokens.size(), " tokens", mask_ ? "" : " (the writer is not masked)");
+  for (std::uint8_t b : mask) TESSERA_CHECK(b <= 1, "shard ", name_, ": mask byte ", int(b), " is not 0 or 1");
   // Little-endian on disk: this is a little-endian-only build (x86-64, aarch64).
   static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__, "token shards are little-endian");
   const std::int64_t limit = dtype_ == TokenDtype::uint16 ? 65536 : (std::int64_t{1} << 32);
@@ -260,6 +283,7 @@ void ShardWriter::append(const std::vector<TokenId>& tokens, const std::vector<s
   std::vector<std::uint64_t> offsets(ends);
   for (auto& o : offsets) o += written_tokens_;
   offsets_->write(offsets.data(), offsets.size() * sizeof(std::uint64_t));
+  if (mask_) mask_->write(mask.data(), mask.size());
   written_tokens_ += tokens.size();
   documents_ += static_cast<std::int64_t>(ends.size());
 }
@@ -270,7 +294,11 @@ ShardInfo ShardWriter::finish() {
   info.offsets_file = name_ + ".idx";
   info.tokens = static_cast<std::int64_t>(written_tokens_);
   info.documents = documents_;
-  info.offsets_xxh64 = offsets_->commit();  // the offsets first: a finished .bin means a finished shard
+  if (mask_) {
+    info.mask_file = name_ + ".mask";
+    info.mask_xxh64 = mask_->commit();
+  }
+  info.offsets_xxh64 = offsets_->commit();  // the tokens last: a finished .bin means a finished shard
   info.xxh64 = tokens_->commit();
   return info;
 }
@@ -317,8 +345,10 @@ TokenShards::TokenShards(const fs::path& dir, bool verify) : dir_(dir), manifest
   const std::size_t width = dtype_bytes(manifest_.dtype);
   for (const auto& s : manifest_.shards) {
     const fs::path file = dir / s.file, offsets = dir / s.offsets_file;
-    for (const auto& [path, expected] : {std::pair{file, static_cast<std::uintmax_t>(s.tokens) * width},
-                                         std::pair{offsets, static_cast<std::uintmax_t>(s.documents + 1) * 8}}) {
+    std::vector<std::pair<fs::path, std::uintmax_t>> expected_sizes{
+        {file, static_cast<std::uintmax_t>(s.tokens) * width}, {offsets, static_cast<std::uintmax_t>(s.documents + 1) * 8}};
+    if (!s.mask_file.empty()) expected_sizes.emplace_back(dir / s.mask_file, static_cast<std::uintmax_t>(s.tokens));
+    for (const auto& [path, expected] : expected_sizes) {
       std::error_code ec;
       TESSERA_CHECK(fs::is_regular_file(path, ec), path, " is missing (listed in ", manifest_path,
                     "): the prepared directory is incomplete; rerun `tessera data prepare` with the same arguments");
@@ -357,8 +387,24 @@ TokenShards::TokenShards(const fs::path& dir, bool verify) : dir_(dir), manifest
       TESSERA_CHECK(static_cast<std::int64_t>(largest) < manifest_.vocab_size, file, ": token id ", largest,
                     " is out of range for vocab_size ", manifest_.vocab_size, " (", manifest_path, ")");
     }
+    if (verify && !s.mask_file.empty()) {
+      const fs::path mask = dir / s.mask_file;
+      XXH64_state_t* state = XXH64_createState();
+      XXH64_reset(state, 0);
+      bool binary = true;
+      stream_file(mask, [&](const char* bytes, std::size_t n) {
+        XXH64_update(state, bytes, n);
+        for (std::size_t i = 0; i < n; ++i) binary = binary && static_cast<std::uint8_t>(bytes[i]) <= 1;
+      });
+      const std::string hash = xxh64_hex(XXH64_digest(state));
+      XXH64_freeState(state);
+      TESSERA_CHECK(hash == s.mask_xxh64, mask, ": checksum ", hash, " differs from ", manifest_path, "'s ",
+                    s.mask_xxh64, " (the file is damaged or was changed after prepare)");
+      TESSERA_CHECK(binary, mask, ": holds a byte other than 0 and 1 (not a loss mask)");
+    }
     tokens_.push_back(std::make_unique<MappedFile>(file));
     offsets_.push_back(std::make_unique<MappedFile>(offsets));
+    masks_.push_back(s.mask_file.empty() ? nullptr : std::make_unique<MappedFile>(dir / s.mask_file));
     if (verify) {
       const auto* o = reinterpret_cast<const std::uint64_t*>(offsets_.back()->data());
       bool ordered = o[0] == 0 && o[s.documents] == static_cast<std::uint64_t>(s.tokens);
@@ -400,6 +446,12 @@ void TokenShards::read(std::int64_t shard, std::int64_t begin, std::int64_t coun
   }
   TESSERA_CHECK(largest < manifest_.vocab_size, shard_path(shard), ": token id ", largest, " near token ", begin,
                 " is out of range for vocab_size ", manifest_.vocab_size, " (", dir_ / kManifestName, ")");
+}
+
+void TokenShards::read_mask(std::int64_t shard, std::int64_t begin, std::int64_t count, std::uint8_t* out) const {
+  TESSERA_CHECK(masks_[shard] != nullptr, shard_path(shard), " has no loss mask");
+  std::memcpy(out, masks_[shard]->data() + begin, static_cast<std::size_t>(count));
+  for (std::int64_t i = 0; i < count; ++i) out[i] = out[i] != 0;  // unverified bytes: still 0 or 1
 }
 
 }  // namespace tessera::toolkit

@@ -149,7 +149,7 @@ sdk::Batch StrategyBase::prepare_batch(const sdk::Batch& batch) {
     at::Tensor on_device = t.to(device_, /*non_blocking=*/true);
     return on_device.is_floating_point() ? precision().convert_input(on_device) : on_device;
   };
-  return sdk::Batch{move(batch.input), move(batch.target)};
+  return sdk::Batch{move(batch.input), move(batch.target), move(batch.position_ids)};
 }
 
 sdk::StepOutput StrategyBase::training_step(const sdk::Batch& batch, std::int64_t batch_idx) {

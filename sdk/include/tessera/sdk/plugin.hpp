@@ -25,9 +25,9 @@ namespace tessera::sdk {
 /// The ABI is the SDK library's exported names, the vtables of its interfaces and the layout of
 /// the strategy API's classes in tessera/core (StrategyBase, Communicator, DeviceMesh,
 /// PrecisionBase): removing or changing any of them bumps the major, adding one bumps the minor.
-/// The installed CMake package's version is this ABI: find_package(TesseraSDK 8).
+/// The installed CMake package's version is this ABI: find_package(TesseraSDK 9).
 /// What each ABI changed: sdk/CHANGELOG.md.
-inline constexpr std::uint32_t kAbiMajor = 8;
+inline constexpr std::uint32_t kAbiMajor = 9;
 inline constexpr std::uint32_t kAbiMinor = 0;
 
 enum class PluginKind : std::uint32_t { strategy = 1, precision, checkpoint_io, model, data, callback };

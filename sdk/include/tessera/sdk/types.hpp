@@ -14,9 +14,14 @@
 namespace tessera::sdk {
 
 /// One batch as a data plugin produces it: `input` and (optionally) `target`, batch on dim 0.
+/// `position_ids` [B, T] (optional, token data) is each token's position within its sample for
+/// rows that pack several samples, restarting at 0 where a sample starts (Hugging Face's
+/// padding-free convention): a model keeps attention inside each sample and restarts its
+/// positional encoding there. Undefined: every row is one sequence, positions 0 .. T-1.
 struct Batch {
   at::Tensor input;
   at::Tensor target;
+  at::Tensor position_ids;
   std::int64_t size() const { return input.defined() ? input.size(0) : 0; }
 };
 

@@ -49,8 +49,15 @@ struct CausalAttentionOptions {
 
 /// softmax(scale q k^T + causal mask) v; differentiable in q, k and v. The blocked and SDPA
 /// paths equal the math path within float rounding (1e-5 in fp32; tests/models).
+/// `segments` [B, T] (packed rows: which sample each position belongs to, non-decreasing along
+/// T; needs Tq == Tk) also masks keys of other samples: the mask is block-diagonal causal, and
+/// each sample attends as if it were alone in its row. Undefined or empty: one sample per row.
 at::Tensor causal_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                            const CausalAttentionOptions& options = {});
+                            const CausalAttentionOptions& options = {}, const at::Tensor& segments = {});
+
+/// The segments of packed rows from their position ids [B, T] (restarting at 0 where a sample
+/// starts): segment s of a row is its s-th sample.
+at::Tensor segments_from_positions(const at::Tensor& position_ids);
 
 /// The kernel `causal_attention` runs for these options and shapes (automatic resolved).
 AttentionKernel causal_attention_kernel(const at::Tensor& q, const at::Tensor& k, const CausalAttentionOptions& options);
