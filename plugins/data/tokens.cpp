@@ -524,8 +524,8 @@ class Tokens final : public sdk::DataModule, public sdk::TokenVocabulary {
   void setup_predict() {
     if (prompt_dataset_) return;
     TESSERA_CHECK(!prompt_.empty() || !prompt_messages_.empty(), options_.locate("prompt"),
-                  " (a text to continue) or ", options_.locate("prompt_messages"),
-                  " (a conversation to answer) is needed by predict: what generation starts from");
+                  " is needed by predict: the text generation starts from (or ", options_.locate("prompt_messages"),
+                  ": a conversation to answer)");
     TESSERA_CHECK(!tokenizer_path_.empty(), options_.locate("tokenizer"),
                   " is needed by predict: the tokenizer file that turns [data] prompt into ids and the generated ids "
                   "back into text");

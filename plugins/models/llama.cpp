@@ -365,7 +365,7 @@ class LlamaForCausalLMImpl : public torch::nn::Module {
     // Mistral's sliding window is accepted only where no position can leave it (llama_config.cpp):
     // a longer generation would need the mask it does not apply.
     const auto window = config.attention_window();
-    TESSERA_CHECK(!window || offset + ids.size(1) <= *window,  // packed samples are shorter than their row "llama: position ", offset + ids.size(1) - 1,
+    TESSERA_CHECK(!window || offset + ids.size(1) <= *window, "llama: position ", offset + ids.size(1) - 1,
                   " is outside sliding_window = ", *window, " (", config.architecture(),
                   "), whose banded attention mask is not implemented; valid: sequences of at most ", *window,
                   " positions, prompt and generated tokens together");
