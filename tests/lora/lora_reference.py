@@ -151,7 +151,7 @@ def merge(adapter_dir, base_dir, hf_dir):
     adapters = read_safetensors(os.path.join(adapter_dir, "adapter_model.safetensors"))
     merged = read_safetensors(os.path.join(base_dir, "model.safetensors"))
     for name, a in adapters.items():
-        assert name.startswith(PREFIX) and name.endswith(".lora_A.weight"), name if "lora_B" not in name else name
+        assert name.startswith(PREFIX) and (name.endswith(".lora_A.weight") or name.endswith(".lora_B.weight")), name
         if not name.endswith(".lora_A.weight"):
             continue
         module = name[len(PREFIX):-len(".lora_A.weight")]

@@ -337,6 +337,30 @@ TEST(LoraFit, FSDP2MatchesSingleDeviceAndShardsOnlyAdapterState) {
   EXPECT_EQ(optimizer_parameters(tessera::testing::run_dir(run.dir) + "/checkpoints/last.ckpt"), 28u);
 }
 
+// FSDP1: each LlamaDecoderLayer's flat parameter holds frozen base weights and trained adapters
+// (as PyTorch's use_orig_params = True allows); the flat gradient is zero over the frozen part, and
+// the unit's post-backward waits for its input gradient, which still needs the frozen weights.
+TEST(LoraFit, FSDPFlatUnitsOfFrozenAndTrainedParametersMatchSingleDevice) {
+  const FitRun run = fit("fsdp", 2, "--set strategy.plugin=fsdp --set strategy.activation_checkpointing=LlamaDecoderLayer");
+  expect_same(single_device(), run, "fsdp x2", 2e-5);
+  expect_only_adapters_trained(run);
+  EXPECT_EQ(optimizer_parameters(tessera::testing::run_dir(run.dir) + "/checkpoints/last.ckpt"), 28u);
+}
+
+// The adapters are not split over a tensor-parallel group: refused at setup, before any step.
+TEST(LoraFit, TensorParallelIsRefusedBeforeAnyStep) {
+  const std::string dir = tessera::testing::fresh_dir("lora-tp");
+  const auto r = run_tessera("fit --config " + run_config(dir, 1) + " --set launch.devices=2 --set strategy.plugin=fsdp2 "
+                             "--set strategy.tensor_parallel_size=2 --set data.batch_size=2 2>&1",
+                             "", 120);
+  EXPECT_NE(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("[model.lora] with tensor_parallel_size = 2: LoRA adapters are not split over a "
+                          "tensor-parallel group yet"),
+            std::string::npos)
+      << r.output;
+  EXPECT_EQ(r.output.find("epoch 0 step 1"), std::string::npos) << r.output;
+}
+
 TEST(LoraFit, ResumeIsBitwise) {
   const FitRun& whole = single_device();
   const std::string dir = tessera::testing::fresh_dir("lora-resume");

@@ -54,8 +54,9 @@ struct BackwardHook : public torch::autograd::Function<BackwardHook> {
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     auto ref = state_of<UnitRef>(ctx);
-    if (ctx->saved_data["post"].toBool()) ref->hooks->post_backward(*ref->unit);
-    else ref->hooks->pre_backward(*ref->unit);
+    FSDPUnit& unit = *ref->unit;
+    if (!ctx->saved_data["post"].toBool()) ref->hooks->pre_backward(unit);
+    else if (unit.expected_grads == 0 || --unit.pending_grads == 0) ref->hooks->post_backward(unit);  // see has_frozen
     grads.resize(grads.size() + 2);  // for the state and flag arguments
     return grads;
   }
@@ -212,13 +213,18 @@ std::vector<at::Tensor> checkpointed_forward(UnitHooks& hooks, FSDPUnit& unit, s
 void install_post_backward_hooks(UnitHooks& hooks, FSDPUnit& unit) {
   unit.accumulators.clear();
   unit.expected_grads = 0;
+  unit.has_frozen = false;
   for (const auto& p : unit.layout->params()) {
-    if (!p.tensor.requires_grad()) continue;
+    if (!p.tensor.requires_grad()) {
+      unit.has_frozen = true;
+      continue;
+    }
     auto accumulator = torch::autograd::impl::grad_accumulator(p.tensor);
     accumulator->add_post_hook(std::make_unique<GradientReadyHook>(hooks, unit));
     unit.accumulators.push_back(std::move(accumulator));
     ++unit.expected_grads;
   }
+  unit.has_frozen = unit.has_frozen && unit.expected_grads > 0;
 }
 
 }  // namespace tessera::core::fsdp

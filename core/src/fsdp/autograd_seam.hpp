@@ -28,7 +28,9 @@ std::vector<at::Tensor> attach_pre_backward(UnitHooks& hooks, FSDPUnit& unit, co
 
 /// `inputs`, through an identity whose backward calls hooks.post_backward(unit) once the
 /// unit's backward has produced their gradients: for a unit with no trainable parameter (a
-/// frozen block), whose parameters' accumulators never fire. Inputs that need no gradient pass unchanged.
+/// frozen block), whose parameters' accumulators never fire, and for one with frozen and
+/// trainable ones (FSDPUnit::has_frozen), where it counts down with the accumulators. Inputs
+/// that need no gradient pass unchanged.
 std::vector<at::Tensor> attach_post_backward(UnitHooks& hooks, FSDPUnit& unit, const std::vector<at::Tensor>& inputs);
 
 /// Activation checkpointing: runs `forward(inputs)` keeping no activations; in backward,

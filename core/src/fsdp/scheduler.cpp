@@ -77,7 +77,10 @@ std::vector<at::Tensor> Scheduler::run_forward(FSDPUnit& unit, sdk::UnitFunction
   std::vector<at::Tensor> outputs;
   std::vector<at::Tensor> cast_inputs =
       options_.cast_forward_inputs ? cast_floating(inputs, unit.layout->compute_dtype()) : inputs;
-  if (grad && unit.expected_grads == 0) cast_inputs = attach_post_backward(*this, unit, cast_inputs);
+  if (grad && (unit.expected_grads == 0 || unit.has_frozen)) {
+    if (unit.has_frozen && any_requires_grad(cast_inputs)) ++unit.input_hooks;
+    cast_inputs = attach_post_backward(*this, unit, cast_inputs);
+  }
   if (grad && unit.checkpointed && any_requires_grad(cast_inputs)) {
     outputs = checkpointed_forward(*this, unit, std::move(forward), cast_inputs);
   } else {
@@ -199,6 +202,7 @@ void Scheduler::pre_backward(FSDPUnit& unit) {
 
 void Scheduler::begin_forward(bool training) {
   FSDPUnit& root = *units_.back();
+  for (auto& u : units_) u->input_hooks = 0;  // a forward no backward followed (validation) counts no more
   unshard(root, Phase::forward);
   if (training) {
     accumulating_ = true;
@@ -222,7 +226,8 @@ void Scheduler::begin_backward(bool sync) {
   freeze_order();
   sync_ = sync;
   for (auto& u : units_) {
-    u->pending_grads = u->expected_grads;
+    u->pending_grads = u->expected_grads + u->input_hooks;
+    u->input_hooks = 0;
     u->reduced = false;
   }
 }

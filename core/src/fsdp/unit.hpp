@@ -43,6 +43,12 @@ struct FSDPUnit {
   // grad_accumulator()'s pointer: shared_ptr before LibTorch 2.14, intrusive_ptr since.
   std::vector<decltype(torch::autograd::impl::grad_accumulator(at::Tensor()))> accumulators;
   std::int64_t expected_grads = 0, pending_grads = 0;
+  /// Frozen and trainable parameters in one unit (LoRA's adapters beside their frozen base): the
+  /// last adapter gradient can be ready while the unit's backward still needs a frozen weight
+  /// (the input gradient through a base Linear), so its post-backward also waits for the hook on
+  /// its inputs, counted once per forward that attached it (input_hooks).
+  bool has_frozen = false;
+  std::int64_t input_hooks = 0;
 };
 
 }  // namespace tessera::core::fsdp
