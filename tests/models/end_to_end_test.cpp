@@ -195,4 +195,29 @@ TEST(MainJob, TheReadmePipelineTrainsTheLlamaOnTokensAndSamples) {
   EXPECT_NE(job.output.find("llama-tokens: tokenizer, prepare, fit and sample in"), std::string::npos) << job.output;
 }
 
+// The shipped SFT example as a new user runs it (configs/llama-sft.sh, shortened): a tokenizer
+// folder with a chat template and the riddles as conversations, a base pre-trained and exported,
+// the chat data prepared with the answers' mask, LoRA fine-tuning with packing on 2 ranks, a chat
+// reply, the PEFT adapter and the merged Hugging Face folder.
+TEST(SftExample, LoraOnTheRiddlesGivesAReplyAnAdapterAndAMergedFolder) {
+  namespace fs = std::filesystem;
+  const fs::path root = tessera::testing::fresh_dir("sft-example");
+  fs::create_directories(root / "configs" / "sft");
+  for (const char* file : {"llama-sft.sh", "llama-sft.toml", "llama-sft-base.toml", "sft/chat_folder.py"})
+    fs::copy_file(fs::path(TESSERA_SOURCE_DIR) / "configs" / file, root / "configs" / file);
+  auto job = tessera::testing::run_command(
+      "cd " + root.string() + " && timeout 300 env SFT_BASE_STEPS=20 TESSERA=" + tessera::testing::tessera_binary() +
+      " bash configs/llama-sft.sh --set trainer.max_steps=10 --set trainer.enable_progress_bar=false 2>&1");
+  ASSERT_EQ(job.exit_code, 0) << job.output;
+  EXPECT_NE(job.output.find("riddles.jsonl (125 conversations)"), std::string::npos) << job.output;
+  EXPECT_NE(job.output.find("0 dropped with no token to train on"), std::string::npos) << job.output;
+  EXPECT_NE(job.output.find("trainable (the model froze the rest: LoRA's base)"), std::string::npos) << job.output;
+  for (const char* file : {"base/config.json", "base/tokenizer.json", "chat/shard_00000.mask",
+                           "adapter/adapter_config.json", "adapter/adapter_model.safetensors", "merged/config.json",
+                           "merged/tokenizer_config.json"})
+    EXPECT_TRUE(fs::exists(root / "runs/llama-sft" / file)) << file << "\n" << job.output;
+  EXPECT_NE(job.output.find("llama-sft: tokenizer, base, chat data, LoRA fit, reply, adapter and merged folder in"),
+            std::string::npos) << job.output;
+}
+
 }  // namespace
