@@ -5,7 +5,8 @@
 // turns the targets it does not train on into -100, which the loss ignores.
 // Every dataset is an sdk::LargeDataset: the host's sampler shuffles it per index and reads ahead
 // on a background thread, and nothing here holds an array that grows with the corpus (per-shard
-// ranges only; the shards stay on disk, shared between the ranks through the page cache).
+// ranges only, and packing's one entry per row; the shards stay on disk, shared between the ranks
+// through the page cache).
 #include <algorithm>
 #include <cmath>
 #include <filesystem>
@@ -155,7 +156,8 @@ class DocumentWindows final : public sdk::Dataset, public sdk::LargeDataset {
 /// filled in document order at setup: a row is closed when the next document does not fit. Each
 /// row's position_ids restart at every document, so the model attends within each and a packed
 /// document's loss is the one it has alone. The positions a row has left after its last document
-/// are padding (EOS in, -100 out, a sample of their own): `padding()` says how many there are.
+/// are padding (EOS in, -100 out, a sample of their own), and a batch is cut to its fullest row,
+/// so what a step computes of them is the difference between its rows.
 class PackedDocuments final : public sdk::Dataset, public sdk::LargeDataset {
  public:
   PackedDocuments(Split split, std::int64_t block) : split_(std::move(split)), block_(block) {
@@ -166,19 +168,15 @@ class PackedDocuments final : public sdk::Dataset, public sdk::LargeDataset {
         const std::int64_t positions = sample_tokens(p.shard, d) - 1;  // a sample of L tokens trains L - 1
         if (positions <= 0) continue;
         if (used + positions > block_) {
-          padding_ += block_ - used;  // the closed row's tail (0 when none was open)
           rows_.push_back(Row{k, d, 0});
           used = 0;
         }
         ++rows_.back().documents;
         used += positions;
       }
-      if (used < block_) padding_ += block_ - used;
     }
   }
   std::int64_t size() const override { return static_cast<std::int64_t>(rows_.size()); }
-  /// Positions of all rows that hold no document (their tails).
-  std::int64_t padding() const { return padding_; }
 
   sdk::Batch get_batch(const std::vector<std::int64_t>& indices) const override {
     const auto n = static_cast<std::int64_t>(indices.size());
@@ -187,6 +185,7 @@ class PackedDocuments final : public sdk::Dataset, public sdk::LargeDataset {
     at::Tensor positions = at::empty({n, block_}, at::kLong);
     std::vector<std::int64_t> ids;
     std::vector<std::uint8_t> mask;
+    std::int64_t longest = 1;  // positions of the fullest row
     for (std::int64_t r = 0; r < n; ++r) {
       const std::int64_t i = indices[r];
       TESSERA_CHECK(i >= 0 && i < size(), "tokens: sample index ", i, " is out of range [0, ", size(), ")");
@@ -205,8 +204,11 @@ class PackedDocuments final : public sdk::Dataset, public sdk::LargeDataset {
         at += length - 1;
       }
       for (std::int64_t t = at; t < block_; ++t) pos[t] = t - at;  // the padding: a sample of its own
+      longest = std::max(longest, at);
     }
-    return sdk::Batch{input, target, positions};
+    // No step computes positions that no row of its batch fills.
+    return sdk::Batch{input.narrow(1, 0, longest).contiguous(), target.narrow(1, 0, longest).contiguous(),
+                      positions.narrow(1, 0, longest).contiguous()};
   }
 
  private:
@@ -220,7 +222,7 @@ class PackedDocuments final : public sdk::Dataset, public sdk::LargeDataset {
   }
 
   Split split_;
-  std::int64_t block_, padding_ = 0;
+  std::int64_t block_;
   std::vector<Row> rows_;
 };
 
@@ -253,7 +255,15 @@ class Blend final : public sdk::Dataset, public sdk::LargeDataset {
       rows.push_back(parts_[k]->get_batch({(i - starts_[k]) % parts_[k]->size()}));
     }
     std::vector<at::Tensor> inputs, targets, positions;
+    std::int64_t longest = 0;
+    for (const auto& r : rows) longest = std::max(longest, r.input.size(1));
     for (auto& r : rows) {
+      if (r.position_ids.defined() && r.input.size(1) < longest) {  // packed rows are cut to their fill
+        const std::int64_t pad = longest - r.input.size(1);
+        r.input = at::cat({r.input, at::zeros({1, pad}, r.input.options())}, 1);
+        r.target = at::cat({r.target, at::full({1, pad}, -100, r.target.options())}, 1);
+        r.position_ids = at::cat({r.position_ids, at::arange(pad, r.position_ids.options()).unsqueeze(0)}, 1);
+      }
       inputs.push_back(r.input);
       targets.push_back(r.target);
       if (r.position_ids.defined()) positions.push_back(r.position_ids);

@@ -314,6 +314,22 @@ TEST(Packing, RowsHoldWholeDocumentsWithPositionsRestartingAtEach) {
     EXPECT_EQ(b.input[0][t].item<std::int64_t>(), input0[t]);
     EXPECT_EQ(b.target[0][t].item<std::int64_t>(), target0[t]);
   }
+  // A batch is cut to its fullest row: row 2 alone fills 4 positions.
+  EXPECT_EQ(rows->get_batch({2}).input.size(1), 4);
+  EXPECT_EQ(rows->get_batch({0, 2}).position_ids.size(1), 6);
+  // A blend's rows, each cut to its own fill, meet in one batch padded to the longest.
+  const fs::path other = write_documents(fresh("rows_other"), {3, 3}, 64);
+  auto blend = make_plugin<sdk::DataModule>(sdk::PluginKind::data, "data", "tokens",
+                                            "path = [\"" + dir.string() + "\", \"" + other.string() +
+                                                "\"]\nweights = [1.0, 1.0]\nblock_size = 8\npacking = true\nval_fraction = 0\n");
+  blend->setup("fit");
+  const std::int64_t blended = blend->train_dataset()->size();
+  std::vector<std::int64_t> every(static_cast<std::size_t>(blended));
+  std::iota(every.begin(), every.end(), 0);
+  const sdk::Batch mixed = blend->train_dataset()->get_batch(every);
+  EXPECT_EQ(mixed.input.size(1), 8);
+  EXPECT_EQ(mixed.position_ids.sizes(), mixed.target.sizes());
+  fs::remove_all(other);
   auto refused = [&](const std::string& toml_text) {
     try {
       make_plugin<sdk::DataModule>(sdk::PluginKind::data, "data", "tokens", toml_text);
