@@ -59,8 +59,11 @@ class UnitLayout {
   /// The unsharded gradients as the reduce-scatter's input, in `dtype`; when that is a copy,
   /// the unsharded gradients are freed already (as free_unsharded_grads()).
   virtual at::Tensor reduce_scatter_input(at::ScalarType dtype) = 0;
-  /// Elements of this rank's reduced gradient (the reduce-scatter's output).
+  /// Elements of this rank's shard (the all-gather's input).
   virtual std::int64_t shard_numel() const = 0;
+  /// Elements of this rank's reduced gradient (the reduce-scatter's output): shard_numel(), or
+  /// fewer where a layout reduces its trainable parameters only (frozen ones beside them).
+  virtual std::int64_t reduce_numel() const { return shard_numel(); }
   /// Adds this rank's reduced gradient into the sharded gradient. Returns true when it left
   /// a device-to-host copy in flight (cpu_offload), to be waited for on the stream.
   virtual bool accumulate_sharded_grad(const at::Tensor& reduced) = 0;

@@ -17,6 +17,10 @@ FSDPParamGroup::FSDPParamGroup(std::vector<UnitParam> params, const Config& conf
     r.shard_offset = shard_numel_;
     r.owned = std::max<std::int64_t>(0, std::min(r.chunk, r.rows - config_.rank * r.chunk));
     shard_numel_ += r.chunk * r.row_numel;
+    if (p.tensor.requires_grad()) {
+      r.reduce_offset = reduce_numel_;
+      reduce_numel_ += r.chunk * r.row_numel;
+    }
     rows_.push_back(r);
   }
   // A unit with no elements still takes part in its collectives, with one element of padding.
@@ -57,6 +61,31 @@ at::Tensor FSDPParamGroup::copy_in(const at::Tensor& unsharded, at::ScalarType d
   for (std::size_t i = 0; i < params_.size(); ++i)
     copy_rows(rows_of(unsharded, i), chunks_of(gathered, i), i, /*into_chunks=*/true);
   return gathered;
+}
+
+at::Tensor FSDPParamGroup::reduce_scatter_input(at::ScalarType dtype) {
+  if (!reduces_subset()) return FlatParamHandle::reduce_scatter_input(dtype);
+  at::Tensor input = at::zeros({config_.world * reduce_numel_}, grad_full_.options().dtype(dtype));
+  for (std::size_t i = 0; i < params_.size(); ++i) {
+    const Rows& r = rows_[i];
+    if (r.reduce_offset < 0) continue;
+    const at::Tensor chunks = input.view({config_.world, reduce_numel_})
+                                  .narrow(1, r.reduce_offset, r.chunk * r.row_numel)
+                                  .view({config_.world, r.chunk, r.row_numel});
+    copy_rows(rows_of(grad_full_, i), chunks, i, /*into_chunks=*/true);
+  }
+  free_unsharded_grads();  // copied: the unsharded gradients go now
+  return input;
+}
+
+bool FSDPParamGroup::accumulate_sharded_grad(const at::Tensor& reduced) {
+  if (!reduces_subset()) return FlatParamHandle::accumulate_sharded_grad(reduced);
+  at::Tensor shard = at::zeros({shard_numel_}, reduced.options());  // the frozen parameters' pieces: zero
+  for (const Rows& r : rows_)
+    if (r.reduce_offset >= 0)
+      shard.narrow(0, r.shard_offset, r.chunk * r.row_numel)
+          .copy_(reduced.narrow(0, r.reduce_offset, r.chunk * r.row_numel));
+  return FlatParamHandle::accumulate_sharded_grad(shard);
 }
 
 at::Tensor FSDPParamGroup::owned_part(const at::Tensor& unsharded) const {

@@ -15,6 +15,12 @@ class FSDPParamGroup final : public FlatParamHandle {
 
   OwnedRange owned_range(std::size_t i) const override;
   at::Tensor owned_part(const at::Tensor& unsharded) const override;
+  /// A unit of frozen and trainable parameters (LoRA's base and adapters) reduces the trainable
+  /// parameters' chunks only, as FSDP2 reduces the parameters that have gradients: the frozen
+  /// ones' zeros are neither sent nor summed.
+  at::Tensor reduce_scatter_input(at::ScalarType dtype) override;
+  std::int64_t reduce_numel() const override { return reduces_subset() ? reduce_numel_ : shard_numel_; }
+  bool accumulate_sharded_grad(const at::Tensor& reduced) override;
 
  protected:
   bool gathers_in_place() const override { return false; }
@@ -30,7 +36,9 @@ class FSDPParamGroup final : public FlatParamHandle {
     std::int64_t chunk = 0;         ///< rows per rank (the last ranks' padded)
     std::int64_t shard_offset = 0;  ///< where its chunk starts in every rank's shard
     std::int64_t owned = 0;         ///< rows this rank owns
+    std::int64_t reduce_offset = -1;  ///< where its chunk starts in every rank's reduced gradient; -1: frozen
   };
+  bool reduces_subset() const { return reduce_numel_ > 0 && reduce_numel_ < shard_numel_; }
   /// Parameter i of `unsharded` as [rows, row_numel].
   at::Tensor rows_of(const at::Tensor& unsharded, std::size_t i) const;
   /// Parameter i's padded chunks in a gathered buffer, [world, chunk, row_numel].
@@ -39,6 +47,7 @@ class FSDPParamGroup final : public FlatParamHandle {
   void copy_rows(const at::Tensor& rows, const at::Tensor& chunks, std::size_t i, bool into_chunks) const;
 
   std::vector<Rows> rows_;
+  std::int64_t reduce_numel_ = 0;  ///< the trainable parameters' chunks
 };
 
 }  // namespace tessera::core::fsdp

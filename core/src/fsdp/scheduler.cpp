@@ -249,7 +249,7 @@ void Scheduler::reduce_gradients(FSDPUnit& u) {
   at::ScalarType reduce_dtype = options_.mixed_precision.reduce_dtype.value_or(u.layout->compute_dtype());
   u.reduce_input = u.layout->reduce_scatter_input(reduce_dtype);
   if (shard_group_->size() > 1) {
-    u.reduce_output = at::empty({u.layout->shard_numel()}, u.reduce_input.options());
+    u.reduce_output = at::empty({u.layout->reduce_numel()}, u.reduce_input.options());
     u.reduce_handle = shard_group_->reduce_scatter(u.reduce_output, u.reduce_input, sdk::ReduceOp::mean, u.reduce_tag);
   } else {
     u.reduce_output = u.reduce_input;
