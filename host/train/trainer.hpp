@@ -282,6 +282,10 @@ class Trainer final : public sdk::Trainer {
   /// initialisation (PEFT's: lora_B = 0, so step 1 computes the base's outputs). False for a
   /// model without adapters or names holding some (loaded strictly).
   bool loads_lora_base(const std::vector<std::string>& names, const std::string& path) const;
+  /// init_from a PEFT adapter folder (adapter_config.json + adapter_model.safetensors): its base
+  /// (base_model_name_or_path, a Hugging Face folder here) into the model, then the adapter, after
+  /// checking r, lora_alpha and target_modules against [model.lora].
+  void restore_peft(const std::string& path);
   /// Each parameter's requires_grad after the strategy's setup (check_trainable_unchanged).
   std::vector<std::tuple<std::string, at::Tensor, bool>> trainable_at_setup_;
   /// Which parameters train is fixed at setup: the optimizer holds those (and fsdp/fsdp2 built

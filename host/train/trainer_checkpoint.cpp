@@ -224,6 +224,41 @@ void Trainer::remove_checkpoint(const std::string& path) {
   log_.to_file("checkpoint removed: " + path);
 }
 
+namespace {
+
+constexpr const char* kPeftConfigName = "adapter_config.json";
+constexpr const char* kPeftWeightsName = "adapter_model.safetensors";
+
+bool is_peft_directory(const std::string& path) {
+  std::error_code ec;
+  return std::filesystem::is_directory(path, ec) && std::filesystem::exists(std::filesystem::path(path) / kPeftConfigName, ec);
+}
+
+/// A PEFT folder's adapter_config.json, checked: a LoRA adapter whose weights file is there and
+/// whose base is a Hugging Face folder on this machine.
+nlohmann::json read_peft_config(const std::string& path) {
+  const std::filesystem::path dir(path);
+  std::ifstream in(dir / kPeftConfigName);
+  nlohmann::json config;
+  try {
+    config = nlohmann::json::parse(in);
+  } catch (const std::exception& e) {
+    TESSERA_FAIL((dir / kPeftConfigName).string(), " is not JSON: ", e.what());
+  }
+  TESSERA_CHECK(config.value("peft_type", "") == "LORA", (dir / kPeftConfigName).string(), ": peft_type ",
+                config.contains("peft_type") ? config.at("peft_type").dump() : "(none)",
+                "; tessera continues LoRA adapters (\"LORA\") only");
+  TESSERA_CHECK(std::filesystem::exists(dir / kPeftWeightsName), "PEFT folder ", path, " has no ", kPeftWeightsName,
+                " (adapter_model.bin, PyTorch's pickle, is not read: save it with safe_serialization=True)");
+  const nlohmann::json base = config.value("base_model_name_or_path", nlohmann::json());
+  TESSERA_CHECK(base.is_string() && core::is_hf_directory(base.get<std::string>()), (dir / kPeftConfigName).string(),
+                ": base_model_name_or_path = ", base.dump(), " is not a Hugging Face model folder on this machine; ",
+                "the adapter's base must be one (download it and write its path there)");
+  return config;
+}
+
+}  // namespace
+
 std::string Trainer::initial_weights(const Config& config, const std::string& checkpoint) {
   const std::string& path = config.trainer.init_from;
   if (!checkpoint.empty() || path.empty()) return "";
@@ -232,6 +267,11 @@ std::string Trainer::initial_weights(const Config& config, const std::string& ch
                 ".safetensors file, a Hugging Face model folder or a PyTorch DCP folder; relative paths are taken ",
                 "from the working directory");
   try {
+    if (is_peft_directory(path)) {
+      const nlohmann::json peft = read_peft_config(path);
+      (void)core::read_hf_directory(peft.at("base_model_name_or_path").get<std::string>());
+      return path;
+    }
     if (core::is_hf_directory(path)) {
       (void)core::read_hf_directory(path);  // the index, every file and header; the names and shapes at load
       return path;
@@ -256,7 +296,71 @@ void Trainer::check_weights_given(const std::string& command, const std::string&
                 "model's random initial weights");
 }
 
+void Trainer::restore_peft(const std::string& path) {
+  nlohmann::json peft;
+  try {
+    peft = read_peft_config(path);
+  } catch (const sdk::Error& e) {
+    TESSERA_FAIL("[trainer] init_from = \"", path, "\": ", e.what());
+  }
+  const sdk::Checkpoint h = model_->hyper_parameters();
+  TESSERA_CHECK(h.contains("lora_r"), "[trainer] init_from = \"", path, "\" is a PEFT LoRA adapter, but model '",
+                config_.plugin_names.at("model"), "' has no [model.lora]: add the table with the adapter's r = ",
+                peft.value("r", nlohmann::json()).dump(), ", alpha = ", peft.value("lora_alpha", nlohmann::json()).dump(),
+                " and target_modules = ", peft.value("target_modules", nlohmann::json()).dump());
+  std::vector<std::string> differ;
+  const std::int64_t r = h.at("lora_r").toInt();
+  const double alpha = h.at("lora_alpha").toDouble();
+  std::vector<std::string> targets;
+  {
+    const std::string joined = h.at("lora_target_modules").toStringRef();
+    for (std::size_t start = 0; start < joined.size();) {
+      const std::size_t comma = std::min(joined.find(',', start), joined.size());
+      targets.push_back(joined.substr(start, comma - start));
+      start = comma + 1;
+    }
+  }
+  if (peft.value("r", nlohmann::json()) != nlohmann::json(r))
+    differ.push_back("r: the adapter's " + peft.value("r", nlohmann::json()).dump() + ", [model.lora] " + std::to_string(r));
+  if (!peft.contains("lora_alpha") || !peft.at("lora_alpha").is_number() || peft.at("lora_alpha").get<double>() != alpha)
+    differ.push_back("lora_alpha: the adapter's " + peft.value("lora_alpha", nlohmann::json()).dump() +
+                     ", [model.lora] alpha " + nlohmann::json(alpha).dump());
+  std::vector<std::string> theirs;
+  if (peft.contains("target_modules") && peft.at("target_modules").is_array())
+    for (const auto& t : peft.at("target_modules")) theirs.push_back(t.is_string() ? t.get<std::string>() : t.dump());
+  std::vector<std::string> a = theirs, b = targets;
+  std::sort(a.begin(), a.end());
+  std::sort(b.begin(), b.end());
+  if (a != b)
+    differ.push_back("target_modules: the adapter's " + peft.value("target_modules", nlohmann::json()).dump() +
+                     ", [model.lora] " + nlohmann::json(targets).dump());
+  TESSERA_CHECK(differ.empty(), "[trainer] init_from = \"", path, "\": the adapter does not fit [model.lora]: ",
+                sdk::join(differ, "; "), "; set [model.lora] as the adapter's adapter_config.json has it");
+  const std::string base = peft.at("base_model_name_or_path").get<std::string>();
+  restore(base, Restore::initial_weights);  // the base, strictly; the adapters keep their initialisation
+  const std::string weights = (std::filesystem::path(path) / kPeftWeightsName).string();
+  try {
+    const sdk::StateDict state = model_weights(strategy_->load_checkpoint(weights), weights);  // base_model.model. dropped
+    std::vector<std::string> missing, unexpected;
+    for (const auto& [name, shape] : model_shapes_)
+      if (toolkit::is_lora_parameter(name) && !state.contains(name)) missing.push_back(name);
+    for (const auto& item : state)
+      if (!toolkit::is_lora_parameter(item.key()) || !model_shapes_.count(item.key())) unexpected.push_back(item.key());
+    TESSERA_CHECK(missing.empty() && unexpected.empty(), "its tensors are not the model's adapters: ", missing.size(),
+                  " missing [", sdk::join(missing), "], ", unexpected.size(), " not adapters of the model [",
+                  sdk::join(unexpected), "]");
+    strategy_->load_model_state_dict(state, /*strict=*/false);
+  } catch (const std::exception& e) {
+    const auto* torch_error = dynamic_cast<const c10::Error*>(&e);
+    TESSERA_FAIL("[trainer] init_from = \"", path, "\" (", kPeftWeightsName, "): ",
+                 torch_error ? torch_error->what_without_backtrace() : e.what());
+  }
+  log_.info("[trainer] init_from = " + path + ": the PEFT adapter (r " + std::to_string(r) + ", lora_alpha " +
+            nlohmann::json(alpha).dump() + ") on its base " + base + ", continued");
+}
+
 void Trainer::restore(const std::string& path, Restore what) {
+  if (what == Restore::initial_weights && is_peft_directory(path)) return restore_peft(path);
   const bool with_training_state = what == Restore::training_state;
   core::LedgerPhase phase("load_checkpoint");
   // The memory a load costs (the busiest rank's peak above what it held before): about its

@@ -380,6 +380,30 @@ TEST(LoraFit, ResumeIsBitwise) {
   EXPECT_TRUE(h.contains("lora_base_hash")) << "a resumed run keeps its base's identity";
 }
 
+// init_from a PEFT folder: its base (base_model_name_or_path) and then its adapter; with lr 0 the
+// checkpoint holds both as the folders do, bitwise. An adapter of another rank is refused first.
+TEST(LoraFit, InitFromAPeftFolderContinuesItsAdapter) {
+  const std::string dir = tessera::testing::fresh_dir("lora-from-peft");
+  const std::string adapter = reference_dir() + "/adapter";
+  const std::string sets = " --set trainer.init_from=" + adapter + " --set trainer.max_steps=1 --set optimizer.lr=0 "
+                           "--set launch.devices=1 --set strategy.plugin=single_device --set data.batch_size=4 2>&1";
+  const std::string config = run_config(dir, 1);
+  auto r = run_tessera("fit --config " + config + " --set model.lora.r=8" + sets);
+  EXPECT_NE(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("the adapter does not fit [model.lora]: r: the adapter's 4, [model.lora] 8"), std::string::npos)
+      << r.output;
+  EXPECT_FALSE(fs::exists(dir + "/version_0/checkpoints")) << "refused before any step";
+  r = run_tessera("fit --config " + config + sets);
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("the PEFT adapter (r 4, lora_alpha 8.0) on its base"), std::string::npos) << r.output;
+  const Tensors state = tessera::testing::checkpoint_state(tessera::testing::run_dir(dir) + "/checkpoints/last.ckpt");
+  const Tensors base = read_tensors(reference_dir() + "/base/model.safetensors");
+  const Tensors peft = read_tensors(adapter + "/adapter_model.safetensors");
+  EXPECT_EQ(state.size(), base.size() + peft.size());
+  for (const auto& [name, t] : base) EXPECT_TRUE(state.at(name).equal(t)) << name;
+  for (const auto& [name, t] : peft) EXPECT_TRUE(state.at(name.substr(kPeftPrefix.size())).equal(t)) << name;
+}
+
 TEST(LoraExport, PeftFolderMergedInPythonEqualsTheMergedHfExport) {
   const FitRun& run = single_device();
   ASSERT_FALSE(run.state.empty());
