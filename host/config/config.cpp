@@ -411,6 +411,12 @@ Config Config::load(const std::string& path, const std::vector<std::string>& ove
       {"resume", "auto: fit resumes from the newest committed checkpoint under default_root_dir that verifies (a "
                  "damaged one is passed over and kept)"},
       "never", {"never", "auto"});
+  // Lightning-style spelling of [checkpoint_io] plugin: one key chooses how checkpoints are written.
+  tr.checkpoint_format = t.get_choice(
+      {"checkpoint_format",
+       "how checkpoints are saved: torch (one full file), distributed (Tessera's sharded folder) or dcp (PyTorch's "
+       "Distributed Checkpoint folder); the [checkpoint_io] plugin it names (\"\": [checkpoint_io] plugin's)"},
+      "", {"", "torch", "distributed", "dcp"});
   tr.freeze = t.get_string_list(
       {"freeze", "module paths or parameter names whose parameters do not train (no gradient, no optimizer state)"},
       {});
@@ -569,6 +575,12 @@ Config Config::load(const std::string& path, const std::vector<std::string>& ove
     sdk::Options options = section(name);
     config.plugin_names[name] = options.get_string({"plugin", "the " + name + " plugin (tessera plugins lists them)"},
                                                    kDefaultPlugins.at(name));
+    if (name == "checkpoint_io" && !config.trainer.checkpoint_format.empty()) {
+      TESSERA_CHECK(!options.has("plugin") || config.plugin_names[name] == config.trainer.checkpoint_format,
+                    options.locate("plugin"), " = \"", config.plugin_names[name], "\" and [trainer] checkpoint_format = \"",
+                    config.trainer.checkpoint_format, "\" choose different checkpoint formats: keep one");
+      config.plugin_names[name] = config.trainer.checkpoint_format;
+    }
     if (name == "data") {  // the host's own keys in [data]; the rest belong to the plugin
       config.data.batch_size = options.get_int(
           {"batch_size",

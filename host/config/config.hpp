@@ -58,6 +58,7 @@ struct TrainerSettings {
   bool predict_after_fit = false;            ///< print one predict batch (e.g. a text sample) at the end
   /// A checkpoint whose weights a run starts from (fine-tuning) when it resumes from none.
   std::string init_from;
+  std::string checkpoint_format;  ///< "": the [checkpoint_io] plugin's; else that plugin's name
   /// false: init_from loads the tensors whose name and shape are the model's; the others keep
   /// the model's initialisation (a new head, added adapters), listed in the log.
   bool init_from_strict = true;

@@ -297,14 +297,15 @@ TEST(DcpExport, ResumesAsTheCheckpointItselfDoes) {
   }
 }
 
-// ---- saves during training ([checkpoint_io] plugin = "dcp") -----------------------------------
+// ---- saves during training ([trainer] checkpoint_format = "dcp", i.e. [checkpoint_io] plugin = "dcp") --
 
 // Each rank writes its own chunks (fsdp's flat ranges as boxes, fsdp2's dim-0 slices), rank 0
 // the .metadata: a run resumed from its step-2 save at the same layout goes on exactly as the
 // uninterrupted run; another strategy and world size read it too; PyTorch's reader's checks
 // (every tensor covered once) hold.
 TEST(DcpSave, ResumesExactlyAndAcrossLayouts) {
-  const std::string sets = " --set checkpoint_io.plugin=dcp --set strategy.state_dict_type=sharded"
+  const std::string sets = " --unset checkpoint_io.plugin --set trainer.checkpoint_format=dcp"
+                           " --set strategy.state_dict_type=sharded"
                            " --set trainer.checkpoint_every_n_steps=2 --set launch.devices=3";
   for (const char* strategy : {"fsdp", "fsdp2"}) {
     const std::string plugin = std::string(" --set strategy.plugin=") + strategy;

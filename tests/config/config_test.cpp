@@ -126,6 +126,19 @@ TEST(Config, DefaultsAreSensible) {
   EXPECT_TRUE(c.data.shuffle);
 }
 
+// Issue 64's spelling: [trainer] checkpoint_format names the [checkpoint_io] plugin.
+TEST(Config, CheckpointFormatChoosesTheCheckpointIoPlugin) {
+  EXPECT_EQ(Config::load(write_toml("[trainer]\ncheckpoint_format = \"dcp\"\n"), {}).plugin_names.at("checkpoint_io"),
+            "dcp");
+  EXPECT_EQ(Config::load(write_toml("[trainer]\ncheckpoint_format = \"dcp\"\n[checkpoint_io]\nplugin = \"dcp\"\n"), {})
+                .plugin_names.at("checkpoint_io"),
+            "dcp");
+  EXPECT_CONTAINS(load_error("[trainer]\ncheckpoint_format = \"dcp\"\n[checkpoint_io]\nplugin = \"torch\"\n"),
+                  "[checkpoint_io] plugin = \"torch\" and [trainer] checkpoint_format = \"dcp\" choose different "
+                  "checkpoint formats: keep one");
+  EXPECT_CONTAINS(load_error("[trainer]\ncheckpoint_format = \"pt\"\n"), "checkpoint_format");
+}
+
 TEST(Config, ScheduleKeysMayLiveInTheOptimizerSection) {
   Config c = Config::load(write_toml("[optimizer]\nlr = 0.01\nwarmup_steps = 3\nmin_lr = 0.001\n"), {});
   EXPECT_EQ(c.schedule.warmup_steps, 3);
