@@ -5,6 +5,8 @@
 // splits heads and the MLP over a tensor-parallel group; predict_step decodes with a KV cache.
 #include <algorithm>
 #include <cmath>
+#include <filesystem>
+#include <fstream>
 #include <limits>
 #include <optional>
 
@@ -462,6 +464,7 @@ class Llama final : public CausalLM<LlamaForCausalLM>, public sdk::HuggingFaceMo
         1.0, 0.0, 1.0);
     TESSERA_CHECK(top_p_ > 0.0, o.locate("top_p"), " must be in (0, 1]");
     heads_key_ = reader.where("num_key_value_heads");
+    stop_ids_ = generation_eos_ids(reader.path());
     read_loss_options(o);
     read_lora(o, kLoraTargets, kLoraDefaultTargets);
     kernels_.rms_norm = o.get_bool(
@@ -494,7 +497,7 @@ class Llama final : public CausalLM<LlamaForCausalLM>, public sdk::HuggingFaceMo
     for (auto& cache : caches) cache.capacity = T + max_new_tokens_;
     const std::int64_t pad = config_.pad_token_id ? *config_.pad_token_id
                                                   : (config_.eos_token_id.empty() ? 0 : config_.eos_token_id[0]);
-    at::Tensor eos = at::tensor(config_.eos_token_id, at::kLong).to(prompt.device());
+    at::Tensor eos = at::tensor(stop_ids_, at::kLong).to(prompt.device());
     at::Tensor out = at::full({B, T + max_new_tokens_}, pad, prompt.options());
     out.narrow(1, 0, T).copy_(prompt);
     at::Tensor finished = at::zeros({B}, prompt.options().dtype(at::kBool));
@@ -514,6 +517,31 @@ class Llama final : public CausalLM<LlamaForCausalLM>, public sdk::HuggingFaceMo
   }
 
   std::vector<std::string> fsdp_unit_classes() const override { return {"LlamaDecoderLayer"}; }
+
+  /// What ends a generated row, as transformers' generate() has it: config.json's eos_token_id and
+  /// those of the generation_config.json beside it (a chat model lists its end-of-turn token there).
+  std::vector<std::int64_t> generation_eos_ids(const std::string& config_path) const {
+    std::vector<std::int64_t> ids = config_.eos_token_id;
+    if (config_path.empty()) return ids;
+    const std::filesystem::path file = std::filesystem::path(config_path).parent_path() / "generation_config.json";
+    std::ifstream in(file);
+    if (!in) return ids;
+    nlohmann::json generation;
+    try {
+      generation = nlohmann::json::parse(in);
+    } catch (const std::exception& e) {
+      TESSERA_FAIL(file.string(), " is not JSON: ", e.what());
+    }
+    const nlohmann::json eos = generation.is_object() ? generation.value("eos_token_id", nlohmann::json()) : nlohmann::json();
+    for (const auto& id : eos.is_array() ? eos : nlohmann::json::array({eos})) {
+      if (id.is_null()) continue;
+      TESSERA_CHECK(id.is_number_integer() && id.get<std::int64_t>() >= 0 && id.get<std::int64_t>() < config_.vocab_size,
+                    file.string(), ": eos_token_id ", id.dump(), " is not a token id below vocab_size = ",
+                    config_.vocab_size);
+      if (std::find(ids.begin(), ids.end(), id.get<std::int64_t>()) == ids.end()) ids.push_back(id.get<std::int64_t>());
+    }
+    return ids;
+  }
 
   /// Each tp rank takes num_attention_heads / tp query heads, num_key_value_heads / tp key-value
   /// heads and intermediate_size / tp MLP units.
@@ -626,6 +654,7 @@ class Llama final : public CausalLM<LlamaForCausalLM>, public sdk::HuggingFaceMo
   std::int64_t top_k_ = 50;
   double top_p_ = 1.0;
   std::string heads_key_;  // where num_key_value_heads came from, for the tensor-parallel size error
+  std::vector<std::int64_t> stop_ids_;  // eos_token_id of config.json and generation_config.json
 };
 
 }  // namespace

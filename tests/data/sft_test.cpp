@@ -456,4 +456,37 @@ TEST(ChatPredict, TheConversationIsRenderedWithTheGenerationPromptAndTheReplyEnd
   fs::remove_all(dir);
 }
 
+// Generation ends where transformers' generate() ends it: at config.json's eos_token_id and at the
+// ids the generation_config.json beside it lists (where chat models name their end-of-turn token).
+TEST(ChatPredict, GenerationStopsAtTheGenerationConfigsEosTokens) {
+  const fs::path dir = fresh("generation_config");
+  write(dir / "config.json", json{{"architectures", {"LlamaForCausalLM"}}, {"vocab_size", 96}, {"hidden_size", 32},
+                                  {"intermediate_size", 64}, {"num_hidden_layers", 2}, {"num_attention_heads", 4},
+                                  {"num_key_value_heads", 2}, {"max_position_embeddings", 64}}
+                                 .dump());
+  const std::string toml = "config = \"" + (dir / "config.json").string() + "\"\nmax_new_tokens = 6\ntemperature = 0\n";
+  const at::Tensor prompt = at::arange(1, 9, at::kLong).unsqueeze(0);
+  auto generate = [&] {
+    at::manual_seed(5);
+    auto model = make_plugin<sdk::Module>(sdk::PluginKind::model, "model", "llama", toml);
+    model->configure_model();
+    return model->predict_step(sdk::Batch{prompt, {}}, 0);
+  };
+  const at::Tensor free_run = generate();
+  const std::int64_t first = free_run[0][8].item<std::int64_t>();
+  ASSERT_NE(free_run.narrow(1, 9, 5).ne(0).sum().item<std::int64_t>(), 0) << "the check below could not fail";
+  write(dir / "generation_config.json", json{{"eos_token_id", {95, first}}}.dump());
+  const at::Tensor stopped = generate();
+  EXPECT_EQ(stopped[0][8].item<std::int64_t>(), first);
+  EXPECT_TRUE(stopped.narrow(1, 9, 5).eq(0).all().item<bool>()) << stopped;  // padded after the end of the turn
+  write(dir / "generation_config.json", json{{"eos_token_id", 96}}.dump());
+  try {
+    generate();
+    ADD_FAILURE() << "an eos_token_id past the vocabulary was accepted";
+  } catch (const std::exception& e) {
+    EXPECT_MENTIONS(std::string(e.what()), "generation_config.json: eos_token_id 96 is not a token id below vocab_size = 96");
+  }
+  fs::remove_all(dir);
+}
+
 }  // namespace
