@@ -254,6 +254,25 @@ TEST(ChatData, TheTokensPluginTrainsOnlyTheLabelsAndReadsVersion1Manifests) {
     EXPECT_EQ(batch.target[0][t].item<std::int64_t>(), mask[t + 1] ? ids[t + 1] : -100) << "position " << t;
   EXPECT_EQ(batch.input[0][0].item<std::int64_t>(), ids[0]);
 
+  // A damaged mask is refused naming the file; rerunning the prepare prepares that shard again
+  // (its mask checked against the checksum recorded when it was written, never re-recorded).
+  {
+    std::fstream mask_file(dir / "out" / "shard_00000.mask", std::ios::in | std::ios::out | std::ios::binary);
+    mask_file.seekp(3);
+    mask_file.put(static_cast<char>(mask[3] ? 0 : 1));
+  }
+  try {
+    toolkit::TokenShards damaged(dir / "out", true);
+    ADD_FAILURE() << "a damaged mask was read";
+  } catch (const std::exception& e) {
+    EXPECT_MENTIONS(std::string(e.what()), "shard_00000.mask\": checksum");
+  }
+  const auto rerun = run_tessera("data prepare --format chat --tokenizer " + tokenizer_dir.string() + " --input " +
+                                 input.string() + " --output " + (dir / "out").string() + " 2>&1");
+  ASSERT_EQ(rerun.exit_code, 0) << rerun.output;
+  EXPECT_MENTIONS(rerun.output, "shard_00000.mask does not match the checksum recorded when it was written");
+  EXPECT_NO_THROW(toolkit::TokenShards(dir / "out", true));
+
   // A version 1 manifest (no "content", no masks) still reads, as text.
   {
     std::ifstream in(dir / "out" / toolkit::kManifestName);
