@@ -391,14 +391,20 @@ class Preparation {
     return [this, loss](std::string_view line, std::vector<toolkit::TokenId>& tokens, std::vector<std::uint8_t>& mask) {
       toolkit::ChatTokens chat = toolkit::encode_chat(*chat_template_, *tokenizer_, line, loss);
       if (s_.max_length > 0 && static_cast<std::int64_t>(chat.ids.size()) > s_.max_length) {
-        if (s_.overflow == "drop") return ++dropped_long_, false;
+        if (s_.overflow == "drop") {
+          ++dropped_long_;
+          return false;
+        }
         ++truncated_;
         chat.ids.resize(static_cast<std::size_t>(s_.max_length));
         chat.labels.resize(chat.ids.size());
       }
       // Nothing to train on (no assistant message, or truncated before one): a row of it would
       // divide a zero loss by zero labels.
-      if (std::find(chat.labels.begin(), chat.labels.end(), 1) == chat.labels.end()) return ++dropped_unlabelled_, false;
+      if (std::find(chat.labels.begin(), chat.labels.end(), 1) == chat.labels.end()) {
+        ++dropped_unlabelled_;
+        return false;
+      }
       tokens.insert(tokens.end(), chat.ids.begin(), chat.ids.end());
       mask.insert(mask.end(), chat.labels.begin(), chat.labels.end());
       return true;
