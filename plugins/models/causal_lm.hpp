@@ -85,7 +85,6 @@ class CausalLM : public sdk::Module {
   /// `valid` are the Linear names it may adapt, `defaults` PEFT's target_modules for the model.
   void read_lora(const sdk::Options& o, const std::vector<std::string>& valid, const std::vector<std::string>& defaults) {
     lora_ = toolkit::read_lora_options(o, valid, defaults);
-    lora_targets_ = valid;
   }
   /// The LoRA configuration in hyper_parameters (PEFT's adapter_config.json keys, for export and
   /// the checks of a resumed run); nothing without LoRA.
@@ -114,7 +113,6 @@ class CausalLM : public sdk::Module {
 
   Net net_{nullptr};
   std::optional<toolkit::LoraOptions> lora_;  // [model.lora]; none: full fine-tuning
-  std::vector<std::string> lora_targets_;     // the Linear names LoRA may adapt
   std::uint64_t init_seed_ = 0;                   // trainer.seed at configure_model(), for init_parameters()
   std::shared_ptr<sdk::TensorParallelGroup> tp_;  // set once the network is split
 

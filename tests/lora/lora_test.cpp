@@ -347,6 +347,34 @@ TEST(LoraFit, FSDPFlatUnitsOfFrozenAndTrainedParametersMatchSingleDevice) {
   EXPECT_EQ(optimizer_parameters(tessera::testing::run_dir(run.dir) + "/checkpoints/last.ckpt"), 28u);
 }
 
+// The gpt's LoRA (its own Linear names) under fsdp2 equals one device too.
+TEST(LoraFit, GPTUnderFSDP2MatchesSingleDevice) {
+  auto gpt_fit = [](const std::string& name, int world, const std::string& sets) {
+    FitRun run;
+    run.dir = tessera::testing::fresh_dir("lora-gpt-" + name);
+    std::ofstream(run.dir + "/run.toml")
+        << "[trainer]\nmax_steps = 4\nlog_every_n_steps = 1\nseed = 7\ndefault_root_dir = \"" << run.dir
+        << "\"\nenable_progress_bar = false\n[optimizer]\nname = \"sgd\"\nlr = 0.5\nmomentum = 0.9\n"
+        << "schedule = \"constant\"\n[model]\nplugin = \"gpt\"\nn_layer = 2\nn_head = 3\nn_embd = 36\nblock_size = 16\n"
+        << "[model.lora]\nr = 2\ntarget_modules = \"all-linear\"\n[data]\nplugin = \"text\"\nblock_size = 16\nstride = 61\n";
+    const auto r = run_tessera("fit --config " + run.dir + "/run.toml --set launch.devices=" + std::to_string(world) +
+                                   " --set data.batch_size=" + std::to_string(kGlobalBatch / world) + " " + sets + " 2>&1",
+                               "", 240);
+    EXPECT_EQ(r.exit_code, 0) << r.output;
+    if (r.exit_code != 0) return run;
+    const std::string folder = tessera::testing::run_dir(run.dir);
+    run.losses = tessera::testing::metric_series(folder + "/metrics.csv", "train", "train_loss");
+    run.state = tessera::testing::checkpoint_state(folder + "/checkpoints/last.ckpt");
+    return run;
+  };
+  const FitRun one = gpt_fit("single", 1, "--set strategy.plugin=single_device");
+  const FitRun two = gpt_fit("fsdp2", 2, "--set strategy.plugin=fsdp2");
+  expect_same(one, two, "gpt fsdp2 dp 2", 2e-5);
+  std::size_t adapters = 0;
+  for (const auto& [name, t] : one.state) adapters += tessera::toolkit::is_lora_parameter(name) ? 1 : 0;
+  EXPECT_EQ(adapters, 2u * 4u * 2u) << "A and B of attn, proj, fc, fc_proj in 2 blocks";
+}
+
 // The adapters are not split over a tensor-parallel group: refused at setup, before any step.
 TEST(LoraFit, TensorParallelIsRefusedBeforeAnyStep) {
   const std::string dir = tessera::testing::fresh_dir("lora-tp");
