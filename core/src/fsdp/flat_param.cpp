@@ -56,18 +56,19 @@ void FlatParamHandle::shard(at::Tensor flat) {
   at::ScalarType grad_dtype = config_.mixed_precision.keep_low_precision_grads ? compute_dtype_ : master_dtype_;
   // A unit with nothing to train (a frozen backbone's) never receives a gradient: none is kept.
   trainable_ = std::any_of(params_.begin(), params_.end(), [](const UnitParam& p) { return p.tensor.requires_grad(); });
-  shard_grad_ = at::zeros({trainable_ ? shard_numel_ : 0}, config_.shard_options.dtype(grad_dtype));
+  shard_grad_ = at::zeros({trainable_ ? sharded_grad_numel() : 0}, config_.shard_options.dtype(grad_dtype));
   // The buffers are built one at a time so that deferred init peaks at about one unit.
   full_ = flat.scalar_type() == compute_dtype_ ? flat : flat.to(compute_dtype_);
   flat.reset();
   grad_full_ = at::empty({0}, at::TensorOptions().dtype(compute_dtype_).device(config_.device));
-  grad_full_.unsafeGetTensorImpl()->set_sizes_contiguous({padded_});  // sized now, allocated in backward
+  grad_full_.unsafeGetTensorImpl()->set_sizes_contiguous({unsharded_grad_numel()});  // sized now, allocated in backward
   point_params_at(full_);
   free_unsharded(/*recycle=*/false);  // what sharding frees is really freed
   for (std::size_t i = 0; i < params_.size(); ++i) {
     auto [start, length] = shard_slice(i);
     at::Tensor view = shard_.narrow(0, start, length).view(piece_shape(i, length));
-    if (trainable_) view.mutable_grad() = shard_grad_.narrow(0, start, length).view(view.sizes());
+    if (trainable_ && sharded_grad_offset(i) >= 0)
+      view.mutable_grad() = shard_grad_.narrow(0, sharded_grad_offset(i), length).view(view.sizes());
     optimizer_views_.push_back(view);
   }
 }
@@ -147,8 +148,10 @@ void FlatParamHandle::free_unsharded(bool recycle) {
 void FlatParamHandle::attach_unsharded_grads() {
   alloc_storage(grad_full_);
   grad_full_.zero_();
-  std::vector<at::Tensor> views = unflatten(grad_full_);
-  for (std::size_t i = 0; i < params_.size(); ++i) params_[i].tensor.mutable_grad() = views[i];
+  for (std::size_t i = 0; i < params_.size(); ++i) {
+    const std::int64_t offset = unsharded_grad_offset(i);
+    if (offset >= 0) params_[i].tensor.mutable_grad() = grad_full_.narrow(0, offset, numels_[i]).view(params_[i].tensor.sizes());
+  }
 }
 
 at::Tensor FlatParamHandle::reduce_scatter_input(at::ScalarType dtype) {
@@ -196,9 +199,9 @@ void FlatParamHandle::zero_sharded_grads(bool release) {
   }
   shard_grad_written_ = false;
   for (std::size_t i = 0; trainable_ && i < optimizer_views_.size(); ++i)
-    if (!optimizer_views_[i].grad().defined())  // zero_grad(set_to_none) in LibTorch 2.x
-      optimizer_views_[i].mutable_grad() =
-          shard_grad_.narrow(0, shard_slice(i).first, optimizer_views_[i].numel()).view(optimizer_views_[i].sizes());
+    if (!optimizer_views_[i].grad().defined() && sharded_grad_offset(i) >= 0)  // zero_grad(set_to_none) in LibTorch 2.x
+      optimizer_views_[i].mutable_grad() = shard_grad_.narrow(0, sharded_grad_offset(i), optimizer_views_[i].numel())
+                                               .view(optimizer_views_[i].sizes());
 }
 
 void FlatParamHandle::materialize_sharded_grads() {

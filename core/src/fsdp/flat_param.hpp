@@ -82,6 +82,13 @@ class FlatParamHandle : public UnitLayout {
   virtual at::Tensor copy_in(const at::Tensor& unsharded, at::ScalarType dtype) const;
   /// Where parameter i's owned elements sit in the shard: [start, start + length).
   virtual std::pair<std::int64_t, std::int64_t> shard_slice(std::size_t i) const;
+  /// Where parameter i's gradient lives in the unsharded gradient buffer and in the sharded
+  /// gradient (-1: nowhere, a frozen parameter of a layout that keeps gradients of the trainable
+  /// ones only), and those buffers' sizes; the flat layout keeps one for every parameter.
+  virtual std::int64_t unsharded_grad_offset(std::size_t i) const { return offsets_[i]; }
+  virtual std::int64_t unsharded_grad_numel() const { return padded_; }
+  virtual std::int64_t sharded_grad_offset(std::size_t i) const { return shard_slice(i).first; }
+  virtual std::int64_t sharded_grad_numel() const { return shard_numel_; }
   /// The shape the optimizer sees parameter i's piece of `length` elements in.
   virtual std::vector<std::int64_t> piece_shape(std::size_t, std::int64_t length) const { return {length}; }
 

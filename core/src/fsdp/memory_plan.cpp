@@ -79,21 +79,21 @@ sdk::MemoryLayout plan_sharded_memory(const ShardedPlanInput& in) {
   // reduction: `trained_*` count the others.
   std::int64_t shard_total = 0, trainable_total = 0, gathered_total = 0, child_gathered_total = 0;
   std::int64_t trained_shard_total = 0, trained_gathered_total = 0, trained_big = 0;
-  // What the reductions move: a per-parameter unit reduces its trainable parameters only
-  // (FSDPParamGroup), a flat one its whole flat gradient (frozen parts as zeros).
-  std::int64_t reduced_shard_total = 0;
+  // A per-parameter unit keeps, and reduces, the gradients of its trainable parameters only
+  // (FSDPParamGroup); a flat one its whole flat gradient (frozen parts as zeros).
   for (std::size_t i = 0; i < n_units; ++i) {
     shard_total += shards[i].shard;
     trainable_total += shards[i].trainable_shard;
     gathered_total += shards[i].gathered;
     if (i < children) child_gathered_total += shards[i].gathered;
     if (shards[i].trainable_shard == 0) continue;
-    trained_shard_total += shards[i].shard;
-    trained_gathered_total += shards[i].gathered;
-    reduced_shard_total += in.layout == ParamLayout::per_parameter ? shards[i].trainable_shard : shards[i].shard;
-    if (i < children) trained_big = std::max(trained_big, shards[i].gathered);
+    const std::int64_t grad_shard = in.layout == ParamLayout::per_parameter ? shards[i].trainable_shard : shards[i].shard;
+    trained_shard_total += grad_shard;
+    trained_gathered_total += grad_shard * s;
+    if (i < children) trained_big = std::max(trained_big, grad_shard * s);
   }
-  const std::int64_t trained_root = root.trainable_shard > 0 ? root.gathered : 0;
+  const std::int64_t trained_root =
+      root.trainable_shard == 0 ? 0 : in.layout == ParamLayout::per_parameter ? root.trainable_shard * s : root.gathered;
   out.units = static_cast<std::int64_t>(n_units);
   out.largest_unit = children > 0 ? in.units[largest].name + " (" + std::to_string(big.numel) + " elements)"
                                   : "<root> (" + std::to_string(root.numel) + " elements)";
@@ -189,11 +189,11 @@ sdk::MemoryLayout plan_sharded_memory(const ShardedPlanInput& in) {
                                  group});
     }
     out.collectives.push_back({"reduce_scatter", "gradient reduce-scatter of every unit (" + r + every + ")",
-                               reductions * bytes_of(reduced_shard_total * s, in.reduce_dtype), s});
+                               reductions * bytes_of(trained_gathered_total, in.reduce_dtype), s});
   }
   if (in.replicate_size > 1)
     out.collectives.push_back({"all_reduce", "gradient all-reduce of the shards over replicas (" + r + every + ")",
-                               reductions * bytes_of(reduced_shard_total, in.reduce_dtype), in.replicate_size});
+                               reductions * bytes_of(trained_shard_total, in.reduce_dtype), in.replicate_size});
   if (in.replicated_trainable_numel > 0 && s * in.replicate_size > 1)
     out.collectives.push_back({"all_reduce", "gradient all-reduce of the ignored (replicated) parameters (fp32" + every + ")",
                                reductions * bytes_of(in.replicated_trainable_numel, c10::ScalarType::Float), s * in.replicate_size});

@@ -17,9 +17,12 @@ FSDPParamGroup::FSDPParamGroup(std::vector<UnitParam> params, const Config& conf
     r.shard_offset = shard_numel_;
     r.owned = std::max<std::int64_t>(0, std::min(r.chunk, r.rows - config_.rank * r.chunk));
     shard_numel_ += r.chunk * r.row_numel;
+    grad_offsets_.push_back(-1);
     if (p.tensor.requires_grad()) {
       r.reduce_offset = reduce_numel_;
       reduce_numel_ += r.chunk * r.row_numel;
+      grad_offsets_.back() = trainable_numel_;
+      trainable_numel_ += p.tensor.numel();
     }
     rows_.push_back(r);
   }
@@ -72,20 +75,11 @@ at::Tensor FSDPParamGroup::reduce_scatter_input(at::ScalarType dtype) {
     const at::Tensor chunks = input.view({config_.world, reduce_numel_})
                                   .narrow(1, r.reduce_offset, r.chunk * r.row_numel)
                                   .view({config_.world, r.chunk, r.row_numel});
-    copy_rows(rows_of(grad_full_, i), chunks, i, /*into_chunks=*/true);
+    const at::Tensor rows = grad_full_.narrow(0, grad_offsets_[i], numels_[i]).view({r.rows, r.row_numel});
+    copy_rows(rows, chunks, i, /*into_chunks=*/true);
   }
   free_unsharded_grads();  // copied: the unsharded gradients go now
   return input;
-}
-
-bool FSDPParamGroup::accumulate_sharded_grad(const at::Tensor& reduced) {
-  if (!reduces_subset()) return FlatParamHandle::accumulate_sharded_grad(reduced);
-  at::Tensor shard = at::zeros({shard_numel_}, reduced.options());  // the frozen parameters' pieces: zero
-  for (const Rows& r : rows_)
-    if (r.reduce_offset >= 0)
-      shard.narrow(0, r.shard_offset, r.chunk * r.row_numel)
-          .copy_(reduced.narrow(0, r.reduce_offset, r.chunk * r.row_numel));
-  return FlatParamHandle::accumulate_sharded_grad(shard);
 }
 
 at::Tensor FSDPParamGroup::owned_part(const at::Tensor& unsharded) const {

@@ -18,15 +18,23 @@ class FSDPParamGroup final : public FlatParamHandle {
   /// A unit of frozen and trainable parameters (LoRA's base and adapters) reduces the trainable
   /// parameters' chunks only, as FSDP2 reduces the parameters that have gradients: the frozen
   /// ones' zeros are neither sent nor summed.
+  /// Its gradients, unsharded and sharded, are kept for the trainable parameters only.
   at::Tensor reduce_scatter_input(at::ScalarType dtype) override;
   std::int64_t reduce_numel() const override { return reduces_subset() ? reduce_numel_ : shard_numel_; }
-  bool accumulate_sharded_grad(const at::Tensor& reduced) override;
 
  protected:
   bool gathers_in_place() const override { return false; }
   void copy_out(const at::Tensor& gathered, const at::Tensor& unsharded) const override;
   at::Tensor copy_in(const at::Tensor& unsharded, at::ScalarType dtype) const override;
   std::pair<std::int64_t, std::int64_t> shard_slice(std::size_t i) const override;
+  std::int64_t unsharded_grad_offset(std::size_t i) const override {
+    return reduces_subset() ? grad_offsets_[i] : FlatParamHandle::unsharded_grad_offset(i);
+  }
+  std::int64_t unsharded_grad_numel() const override { return reduces_subset() ? trainable_numel_ : padded_; }
+  std::int64_t sharded_grad_offset(std::size_t i) const override {
+    return reduces_subset() ? rows_[i].reduce_offset : FlatParamHandle::sharded_grad_offset(i);
+  }
+  std::int64_t sharded_grad_numel() const override { return reduce_numel(); }
   std::vector<std::int64_t> piece_shape(std::size_t i, std::int64_t length) const override;
 
  private:
@@ -48,6 +56,8 @@ class FSDPParamGroup final : public FlatParamHandle {
 
   std::vector<Rows> rows_;
   std::int64_t reduce_numel_ = 0;  ///< the trainable parameters' chunks
+  std::vector<std::int64_t> grad_offsets_;  ///< in the unsharded gradient of the trainable parameters; -1: frozen
+  std::int64_t trainable_numel_ = 0;
 };
 
 }  // namespace tessera::core::fsdp
