@@ -198,20 +198,25 @@ TEST(LoraConfig, RefusalsNameTheKeyAndTheValidNames) {
   e = error_of([&] { make_model("gpt", "[lora]\ntarget_modules = \"q_proj\"\n"); });
   EXPECT_NE(e.find("\"q_proj\" names no Linear module of this model"), std::string::npos) << e;
   EXPECT_NE(e.find("valid: attn, proj, fc, fc_proj or \"all-linear\""), std::string::npos) << e;
-  for (const char* r : {"0", "-2"}) {
-    e = error_of([&] { make_model("llama", llama + "[lora]\nr = " + r + "\n"); });
-    EXPECT_NE(e.find("[model.lora] r"), std::string::npos) << e;
-  }
+  e = error_of([&] { make_model("llama", llama + "[lora]\nr = -2\n"); });
+  EXPECT_NE(e.find("[model.lora] r"), std::string::npos) << e;
+  // r turns LoRA on (0, the default, leaves it off): another key set without it is refused.
+  e = error_of([&] { make_model("llama", llama + "[lora]\nalpha = 16\n"); });
+  EXPECT_NE(e.find("[model.lora] r = 0 leaves LoRA off, but [model.lora] sets alpha: set r (PEFT's default is 8)"),
+            std::string::npos) << e;
   e = error_of([&] { make_model("llama", llama + "[lora]\ndropout = 1.0\n"); });
   EXPECT_NE(e.find("[model.lora] dropout = 1 would drop every input of the adapters"), std::string::npos) << e;
-  e = error_of([&] { make_model("llama", llama + "[lora]\ntarget_modules = []\n"); });
+  e = error_of([&] { make_model("llama", llama + "[lora]\nr = 4\ntarget_modules = []\n"); });
   EXPECT_NE(e.find("target_modules is empty: LoRA would train nothing"), std::string::npos) << e;
   e = error_of([&] { make_model("llama", llama + "[lora]\nrank = 4\n"); });
   EXPECT_NE(e.find("rank"), std::string::npos) << e;
-  // Without the table: no adapter, nothing frozen; with it and no target_modules: PEFT's q_proj, v_proj.
-  auto plain = make_model("llama", llama);
-  for (const auto& item : plain->network()->named_parameters()) EXPECT_TRUE(item.value().requires_grad()) << item.key();
-  auto defaults = make_model("llama", llama + "[lora]\n");
+  // Without r (the table absent, or listing only defaults): no adapter, nothing frozen; with r and
+  // no target_modules: PEFT's q_proj, v_proj.
+  for (const std::string& off : {std::string(), std::string("[lora]\nalpha = 8.0\ndropout = 0.0\n")}) {
+    auto plain = make_model("llama", llama + off);
+    for (const auto& item : plain->network()->named_parameters()) EXPECT_TRUE(item.value().requires_grad()) << item.key();
+  }
+  auto defaults = make_model("llama", llama + "[lora]\nr = 8\n");
   std::set<std::string> adapted;
   for (const auto& item : defaults->network()->named_parameters())
     if (tessera::toolkit::is_lora_parameter(item.key()))

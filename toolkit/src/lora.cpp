@@ -14,10 +14,13 @@ namespace tessera::toolkit {
 
 std::optional<LoraOptions> read_lora_options(const sdk::Options& model, const std::vector<std::string>& valid_targets,
                                              const std::vector<std::string>& default_targets) {
-  const bool present = model.has("lora");
+  // r turns LoRA on, not the table's presence: `tessera config` lists [model.lora] with its
+  // defaults, and a listing taken as a config (or with every default written out) must train as
+  // the config it lists.
   const sdk::Options t = model.sub_table("lora");
   LoraOptions o;
-  o.r = t.get_int({"r", "LoRA: the adapters' rank (PEFT's r); [model.lora] present turns LoRA on"}, 8, 1);
+  o.r = t.get_int({"r", "LoRA: the adapters' rank (PEFT's r; 8 is PEFT's default); 0: no LoRA"}, 0, 0);
+  const bool present = o.r > 0;
   o.alpha = t.get_double({"alpha", "LoRA: PEFT's lora_alpha; the adapter's output is scaled by alpha / r"}, 8.0, 0.0);
   o.dropout = t.get_double({"dropout", "LoRA: PEFT's lora_dropout on the adapter's input, while training"}, 0.0, 0.0,
                            1.0);
@@ -40,6 +43,10 @@ std::optional<LoraOptions> read_lora_options(const sdk::Options& model, const st
   }
   TESSERA_CHECK(!present || !o.target_modules.empty(), t.locate("target_modules"),
                 " is empty: LoRA would train nothing; valid: ", valid, " or \"all-linear\"");
+  const bool defaults = o.alpha == 8.0 && o.dropout == 0.0 && targets == default_targets;
+  TESSERA_CHECK(present || defaults, t.locate("r"), " = 0 leaves LoRA off, but [model.lora] sets ",
+                o.alpha != 8.0 ? "alpha" : o.dropout != 0.0 ? "dropout" : "target_modules",
+                ": set r (PEFT's default is 8) to train adapters, or remove the key");
   t.check_all_used();
   if (!present) return std::nullopt;
   return o;
