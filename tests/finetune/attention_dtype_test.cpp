@@ -48,8 +48,18 @@ TEST(BlockedAttention, MixedDtypesUnderAutocastEqualTheMathPath) {
   // Both compute their products in bf16 (autocast's dtype): bf16 rounding apart.
   const double scale = b.out.abs().max().item<double>();
   EXPECT_LE(max_diff(a.out, b.out), 0.02 * scale);
-  for (auto [x, y, name] : {std::tuple{a.dq, b.dq, "dq"}, std::tuple{a.dk, b.dk, "dk"}, std::tuple{a.dv, b.dv, "dv"}})
-    EXPECT_LE(max_diff(x, y), 0.03 * y.to(at::kFloat).abs().max().item<double>()) << name;
+  // Each gradient as close to the exact one (fp64, no autocast) as the math path's: how far bf16
+  // products land from it depends on the CPU (oneDNN's bf16 kernels differ between AVX2 and
+  // AVX-512 machines: 3% of the largest dk apart on one, 5% on the other), the kernel must not.
+  at::Tensor qd = q.to(at::kDouble).requires_grad_(), kd = k.to(at::kDouble).requires_grad_(),
+             vd = v.to(at::kDouble).requires_grad_();
+  toolkit::causal_attention(qd, kd, vd, math).backward(dout.to(at::kDouble));
+  for (auto [x, y, exact, name] : {std::tuple{a.dq, b.dq, qd.grad(), "dq"}, std::tuple{a.dk, b.dk, kd.grad(), "dk"},
+                                   std::tuple{a.dv, b.dv, vd.grad(), "dv"}}) {
+    const double math_error = max_diff(y, exact), largest = exact.abs().max().item<double>();
+    EXPECT_LE(math_error, 0.08 * largest) << name << ": the math path is not bf16-close to the exact gradient";
+    EXPECT_LE(max_diff(x, exact), 1.25 * math_error + 0.005 * largest) << name;
+  }
 }
 
 // Without autocast, mixed inputs meet in their promoted type (fp32 here), and the kernel equals

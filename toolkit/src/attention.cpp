@@ -135,8 +135,14 @@ class BlockedCausalAttention : public torch::autograd::Function<BlockedCausalAtt
     return scores.sub_(lse).exp_();
   }
 
+  /// Packed rows' segments ([B, T], or empty): a plain argument, not an input autograd tracks.
+  struct Segments {
+    at::Tensor ids;
+  };
+
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& q, const at::Tensor& k,
-                            const at::Tensor& v, const at::Tensor& segments, double scale, std::int64_t block) {
+                            const at::Tensor& v, Segments packed, double scale, std::int64_t block) {
+    const at::Tensor& segments = packed.ids;
     return naming_the_kernel("blocked", "forward", q, k, v, [&] {
       // Every product in one dtype (compute_dtype); the gradients go back in each input's own.
       const at::ScalarType dtype = compute_dtype(q, k, v);
@@ -153,7 +159,8 @@ class BlockedCausalAttention : public torch::autograd::Function<BlockedCausalAtt
         out.narrow(2, t0, n).copy_(batched_matmul(p, vv.narrow(1, 0, keys)).view({BH, s.groups, n, s.D}));
         lse_all.narrow(2, t0, n).copy_(lse.view({BH, s.groups, n}));
       }
-      ctx->save_for_backward({qg, kk, vv, out, lse_all, segments});
+      ctx->save_for_backward({qg, kk, vv, out, lse_all});
+      ctx->saved_data["segments"] = segments;
       ctx->saved_data["shape"] = std::vector<std::int64_t>{s.B, s.H, s.Hkv, s.groups, s.Tq, s.Tk, s.D, s.block};
       ctx->saved_data["scale"] = scale;
       ctx->saved_data["input_dtypes"] = std::vector<std::int64_t>{static_cast<std::int64_t>(q.scalar_type()),
@@ -166,8 +173,8 @@ class BlockedCausalAttention : public torch::autograd::Function<BlockedCausalAtt
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grads) {
     const auto saved = ctx->get_saved_variables();
-    const at::Tensor &qg = saved[0], &kk = saved[1], &vv = saved[2], &out = saved[3], &lse_all = saved[4],
-                     &segments = saved[5];
+    const at::Tensor &qg = saved[0], &kk = saved[1], &vv = saved[2], &out = saved[3], &lse_all = saved[4];
+    const at::Tensor segments = ctx->saved_data["segments"].toTensor();
     return naming_the_kernel("blocked", "backward", qg, kk, vv, [&] {
       const auto d = ctx->saved_data["shape"].toIntVector();
       const auto input_dtypes = ctx->saved_data["input_dtypes"].toIntVector();
@@ -272,9 +279,10 @@ at::Tensor causal_attention(const at::Tensor& q, const at::Tensor& k, const at::
                    "); use \"automatic\" (the blocked kernel here) or \"blocked\"");
 #endif
     case AttentionKernel::blocked:
-      // LibTorch 1.13's autograd functions take no undefined tensor: no segments is an empty one.
-      return BlockedCausalAttention::apply(q, k, v, segs.defined() ? segs : at::empty({0}, at::kLong), scale,
-                                           options.query_block);
+      // An IValue holds no undefined tensor: no segments is an empty one.
+      return BlockedCausalAttention::apply(
+          q, k, v, BlockedCausalAttention::Segments{segs.defined() ? segs : at::empty({0}, at::kLong)}, scale,
+          options.query_block);
     default: {
       CausalAttentionOptions math = options;
       math.scale = scale;
