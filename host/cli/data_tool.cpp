@@ -384,9 +384,8 @@ class Preparation {
 
   /// A conversation through the chat template, its loss mask, --max-length and --overflow.
   DocumentEncoder chat_encoder() {
-    std::error_code ec;
-    const fs::path folder = fs::is_directory(s_.tokenizer, ec) ? s_.tokenizer : s_.tokenizer.parent_path();
-    chat_template_ = std::make_unique<toolkit::ChatTemplate>(toolkit::ChatTemplate::load(folder));
+    // load() takes the tokenizer file's folder, as --tokenizer may name the file.
+    chat_template_ = std::make_unique<toolkit::ChatTemplate>(toolkit::ChatTemplate::load(s_.tokenizer));
     const auto loss = s_.loss_on == "all" ? toolkit::ChatLoss::all : toolkit::ChatLoss::assistant;
     return [this, loss](std::string_view line, std::vector<toolkit::TokenId>& tokens, std::vector<std::uint8_t>& mask) {
       toolkit::ChatTokens chat = toolkit::encode_chat(*chat_template_, *tokenizer_, line, loss);

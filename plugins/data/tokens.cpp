@@ -568,11 +568,8 @@ class Tokens final : public sdk::DataModule, public sdk::TokenVocabulary {
     std::ifstream in(prompt_messages_, std::ios::binary);
     TESSERA_CHECK(in, options_.locate("prompt_messages"), " = \"", prompt_messages_, "\": cannot read the file");
     const std::string conversation((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-    std::error_code ec;
-    const fs::path folder = fs::is_directory(tokenizer_path_, ec) ? fs::path(tokenizer_path_)
-                                                                   : fs::path(tokenizer_path_).parent_path();
     try {
-      const auto chat_template = toolkit::ChatTemplate::load(folder);
+      const auto chat_template = toolkit::ChatTemplate::load(tokenizer_path_);  // a file: its folder's
       return toolkit::encode_chat_prompt(chat_template, *tokenizer_, conversation);
     } catch (const std::exception& e) {
       TESSERA_FAIL(options_.locate("prompt_messages"), " = \"", prompt_messages_, "\": ", e.what());
