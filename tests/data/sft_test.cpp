@@ -3,7 +3,6 @@
 // mask found by rendering; the `tokens` plugin's targets honouring it; packed rows whose samples'
 // losses equal each sample run alone through the llama and gpt plugins (fp32, 1e-5); predict's
 // chat prompt and its reply cut at the end of the turn.
-#include <unistd.h>
 
 #include <filesystem>
 #include <fstream>
@@ -34,6 +33,8 @@ namespace sdk = tessera::sdk;
 namespace toolkit = tessera::toolkit;
 using json = nlohmann::json;
 using tessera::core::PluginLoader;
+using tessera::testing::fresh_dir;
+using tessera::testing::remove_dir;
 using tessera::testing::run_tessera;
 
 #define EXPECT_MENTIONS(text, part) EXPECT_NE((text).find(part), std::string::npos) << "missing '" << (part) << "' in: " << (text)
@@ -52,12 +53,6 @@ std::shared_ptr<T> make_plugin(sdk::PluginKind kind, const std::string& section,
   return plugin;
 }
 
-fs::path fresh(const std::string& name) {
-  const fs::path dir = fs::temp_directory_path() / ("tessera_sft_" + name + "_" + std::to_string(::getpid()));
-  fs::remove_all(dir);
-  fs::create_directories(dir);
-  return dir;
-}
 
 void write(const fs::path& path, const std::string& text) { std::ofstream(path, std::ios::binary) << text; }
 
@@ -161,7 +156,7 @@ std::vector<std::string> labelled_spans(const toolkit::Tokenizer& tokenizer, con
 }
 
 TEST(ChatData, PrepareMasksWhatEachAssistantMessageAddsFoundByRendering) {
-  const fs::path dir = fresh("prepare");
+  const fs::path dir = fresh_dir("sft_prepare");
   const fs::path tokenizer_dir = qwen_style_tokenizer(dir / "tokenizer");
   const fs::path input = write_conversations(dir);
   const auto r = run_tessera("data prepare --format chat --tokenizer " + tokenizer_dir.string() + " --input " +
@@ -228,11 +223,11 @@ TEST(ChatData, PrepareMasksWhatEachAssistantMessageAddsFoundByRendering) {
                                       input.string() + " --output " + (dir / "x").string() + " 2>&1");
   EXPECT_NE(wrong_flag.exit_code, 0);
   EXPECT_MENTIONS(wrong_flag.output, "--loss-on applies to --format chat only");
-  fs::remove_all(dir);
+  remove_dir(dir);
 }
 
 TEST(ChatData, TheTokensPluginTrainsOnlyTheLabelsAndReadsVersion1Manifests) {
-  const fs::path dir = fresh("plugin");
+  const fs::path dir = fresh_dir("sft_plugin");
   const fs::path tokenizer_dir = qwen_style_tokenizer(dir / "tokenizer");
   const fs::path input = write_conversations(dir);
   ASSERT_EQ(run_tessera("data prepare --format chat --tokenizer " + tokenizer_dir.string() + " --input " +
@@ -288,7 +283,7 @@ TEST(ChatData, TheTokensPluginTrainsOnlyTheLabelsAndReadsVersion1Manifests) {
   const toolkit::TokenShards old(dir / "out", true);
   EXPECT_FALSE(old.manifest().has_mask());
   EXPECT_EQ(old.manifest().content, "text");
-  fs::remove_all(dir);
+  remove_dir(dir);
 }
 
 /// A corpus written directly: documents of the given lengths, ids counting up from 1.
@@ -312,7 +307,7 @@ fs::path write_documents(const fs::path& dir, const std::vector<int>& lengths, s
 }
 
 TEST(Packing, RowsHoldWholeDocumentsWithPositionsRestartingAtEach) {
-  const fs::path dir = write_documents(fresh("rows"), {5, 3, 9, 2, 4, 1, 12}, 64);
+  const fs::path dir = write_documents(fresh_dir("sft_rows"), {5, 3, 9, 2, 4, 1, 12}, 64);
   auto data = make_plugin<sdk::DataModule>(sdk::PluginKind::data, "data", "tokens",
                                            "path = \"" + dir.string() + "\"\nblock_size = 8\npacking = true\nval_fraction = 0\n");
   data->setup("fit");
@@ -337,7 +332,7 @@ TEST(Packing, RowsHoldWholeDocumentsWithPositionsRestartingAtEach) {
   EXPECT_EQ(rows->get_batch({2}).input.size(1), 4);
   EXPECT_EQ(rows->get_batch({0, 2}).position_ids.size(1), 6);
   // A blend's rows, each cut to its own fill, meet in one batch padded to the longest.
-  const fs::path other = write_documents(fresh("rows_other"), {3, 3}, 64);
+  const fs::path other = write_documents(fresh_dir("sft_rows_other"), {3, 3}, 64);
   auto blend = make_plugin<sdk::DataModule>(sdk::PluginKind::data, "data", "tokens",
                                             "path = [\"" + dir.string() + "\", \"" + other.string() +
                                                 "\"]\nweights = [1.0, 1.0]\nblock_size = 8\npacking = true\nval_fraction = 0\n");
@@ -348,7 +343,7 @@ TEST(Packing, RowsHoldWholeDocumentsWithPositionsRestartingAtEach) {
   const sdk::Batch mixed = blend->train_dataset()->get_batch(every);
   EXPECT_EQ(mixed.input.size(1), 8);
   EXPECT_EQ(mixed.position_ids.sizes(), mixed.target.sizes());
-  fs::remove_all(other);
+  remove_dir(other);
   auto refused = [&](const std::string& toml_text) {
     try {
       make_plugin<sdk::DataModule>(sdk::PluginKind::data, "data", "tokens", toml_text);
@@ -359,7 +354,7 @@ TEST(Packing, RowsHoldWholeDocumentsWithPositionsRestartingAtEach) {
   };
   EXPECT_MENTIONS(refused("path = \"" + dir.string() + "\"\npacking = true\ndocument_aligned = true\n"),
                   "both choose how documents become samples");
-  fs::remove_all(dir);
+  remove_dir(dir);
 }
 
 /// Mean loss over the positions [begin, end) of `row` of a batch, every other target ignored.
@@ -378,7 +373,7 @@ class PackedLosses : public ::testing::TestWithParam<PackedCase> {};
 // Three documents packed into one row of 48 positions (blocks of 16 queries for the blocked kernel):
 // each one's loss in the row equals its loss alone, and so do the gradients of their sum.
 TEST_P(PackedLosses, EqualEachSampleRunAlone) {
-  const fs::path dir = write_documents(fresh("loss_" + GetParam().plugin), {21, 14, 11}, 96);
+  const fs::path dir = write_documents(fresh_dir("sft_loss_" + GetParam().plugin), {21, 14, 11}, 96);
   auto data = make_plugin<sdk::DataModule>(sdk::PluginKind::data, "data", "tokens",
                                            "path = \"" + dir.string() + "\"\nblock_size = 48\npacking = true\nval_fraction = 0\n");
   data->setup("fit");
@@ -434,7 +429,7 @@ TEST_P(PackedLosses, EqualEachSampleRunAlone) {
   });
   for (std::size_t i = 0; i < packed_grads.size(); ++i)
     EXPECT_LT((packed_grads[i] - separate_grads[i]).abs().max().item<double>(), 1e-5) << "parameter " << i;
-  fs::remove_all(dir);
+  remove_dir(dir);
 }
 
 const std::string kLlama =
@@ -449,7 +444,7 @@ INSTANTIATE_TEST_SUITE_P(
     [](const auto& info) { return info.param.plugin + std::to_string(info.index); });
 
 TEST(ChatPredict, TheConversationIsRenderedWithTheGenerationPromptAndTheReplyEndsWithTheTurn) {
-  const fs::path dir = fresh("predict");
+  const fs::path dir = fresh_dir("sft_predict");
   const fs::path tokenizer_dir = qwen_style_tokenizer(dir / "tokenizer");
   const json conversation = {{"messages", {message("user", "What is FSDP?")}}};
   write(dir / "conversation.json", conversation.dump());
@@ -472,13 +467,13 @@ TEST(ChatPredict, TheConversationIsRenderedWithTheGenerationPromptAndTheReplyEnd
   output.push_back(*tokenizer->eos_id());
   for (auto id : tokenizer->encode("<|im_start|>user\nmore", false)) output.push_back(id);
   EXPECT_EQ(data->describe_prediction(prompt, at::tensor(output).unsqueeze(0)), "Sharded training.");
-  fs::remove_all(dir);
+  remove_dir(dir);
 }
 
 // Generation ends where transformers' generate() ends it: at config.json's eos_token_id and at the
 // ids the generation_config.json beside it lists (where chat models name their end-of-turn token).
 TEST(ChatPredict, GenerationStopsAtTheGenerationConfigsEosTokens) {
-  const fs::path dir = fresh("generation_config");
+  const fs::path dir = fresh_dir("sft_generation_config");
   write(dir / "config.json", json{{"architectures", {"LlamaForCausalLM"}}, {"vocab_size", 96}, {"hidden_size", 32},
                                   {"intermediate_size", 64}, {"num_hidden_layers", 2}, {"num_attention_heads", 4},
                                   {"num_key_value_heads", 2}, {"max_position_embeddings", 64}}
@@ -505,7 +500,7 @@ TEST(ChatPredict, GenerationStopsAtTheGenerationConfigsEosTokens) {
   } catch (const std::exception& e) {
     EXPECT_MENTIONS(std::string(e.what()), "generation_config.json: eos_token_id 96 is not a token id below vocab_size = 96");
   }
-  fs::remove_all(dir);
+  remove_dir(dir);
 }
 
 }  // namespace
