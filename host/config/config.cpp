@@ -431,6 +431,13 @@ Config Config::load(const std::string& path, const std::vector<std::string>& ove
        "a step whose loss is NaN/Inf on any rank: stop before the optimizer steps, naming where it appeared; skip: "
        "skip that step's update (a grad scaler, when there is one, skips it either way)"},
       "stop", {"stop", "skip"});
+  tr.loss_average = t.get_choice(
+      {"loss_average",
+       "labels: a step's loss is the mean over every label of the global batch (integer targets that are not -100, "
+       "else rows), whatever rank and micro-batch holds it, as one device computes it on the whole batch (Hugging "
+       "Face's average_tokens_across_devices); micro_batches: each micro-batch's mean weighs the same (DDP's mean of "
+       "means, which over-weighs the labels of a micro-batch that has few)"},
+      "labels", {"labels", "micro_batches"});
   tr.detect_anomaly = t.get_bool(
       {"detect_anomaly", "check gradients for NaN/Inf before each optimizer step and stop naming the parameter"},
       false);

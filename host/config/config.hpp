@@ -74,6 +74,10 @@ struct TrainerSettings {
   /// A step whose loss is NaN/Inf on any rank (and no grad scaler to skip it): "stop" the run
   /// before the optimizer steps, with detect_anomaly's report; "skip" its optimizer step.
   std::string nonfinite_loss = "stop";
+  /// "labels": a step's loss is the mean over every label of the global batch (all ranks and
+  /// micro-batches; a -100 target is none), as one device computes it on the whole batch;
+  /// "micro_batches": each micro-batch's mean weighs the same (DDP's mean of the ranks' means).
+  std::string loss_average = "labels";
   bool detect_anomaly = false;  ///< check the loss and the reduced gradients for NaN/Inf before each optimizer step
   /// true: fit starts a job whose memory plan exceeds the machine (a warning instead of a refusal).
   bool skip_memory_check = false;

@@ -44,7 +44,10 @@ Trainer::Evaluation Trainer::evaluate(const std::string& stage, const BatchLimit
   auto network = model_->network();
   network->train(false);
   // Each batch's metrics weighted by its size (as Lightning's): a short last batch counts for
-  // its samples, and the result is the per-sample mean over every rank's batches.
+  // its samples, and the result is the per-sample mean over every rank's batches. Its size is
+  // its labels under [trainer] loss_average = "labels", as in training: a masked or packed
+  // row's mean counts for the tokens it was taken over.
+  const bool by_labels = config_.trainer.loss_average == "labels";
   std::map<std::string, double> sums;
   double samples = 0;
   const std::string title = stage == "test" ? "testing    " : "validation ";
@@ -53,7 +56,9 @@ Trainer::Evaluation Trainer::evaluate(const std::string& stage, const BatchLimit
     sdk::StepOutput out = run_step(stage == "test" ? "test_step" : "validation_step", [&] {
       return stage == "test" ? strategy_->test_step(batch, i) : strategy_->validation_step(batch, i);
     });
-    const double weight = static_cast<double>(std::max<std::int64_t>(1, batch.size()));
+    const double weight = by_labels ? label_count(batch).item<double>()
+                                    : static_cast<double>(std::max<std::int64_t>(1, batch.size()));
+    if (weight == 0) continue;  // no label: its mean is 0 / 0
     samples += weight;
     for (const auto& [name, value] : out.metrics) sums[stage + "_" + name] += value.item<double>() * weight;
     log_.progress(title + RunLog::bar(static_cast<double>(i + 1) / static_cast<double>(batches)) + "  " +

@@ -109,19 +109,44 @@ bool Trainer::loss_finite_on_every_rank(const at::Tensor& loss_sum) {
   return strategy_->reduce(bad.to(strategy_->root_device()), sdk::ReduceOp::max).item<double>() == 0;
 }
 
+at::Tensor label_count(const sdk::Batch& batch) {
+  const bool labels = batch.target.defined() && !at::isFloatingType(batch.target.scalar_type());
+  return labels ? batch.target.ne(-100).sum().to(at::kFloat) : at::full({}, static_cast<double>(batch.size()), at::kFloat);
+}
+
+at::Tensor Trainer::loss_divisors(const std::vector<sdk::Batch>& batches) {
+  const auto accumulate = static_cast<double>(batches.size());
+  const auto on_root = at::TensorOptions().dtype(at::kFloat).device(strategy_->root_device());
+  if (config_.trainer.loss_average == "micro_batches") return at::full({static_cast<std::int64_t>(batches.size())}, accumulate, on_root);
+  // Counted where the loader made them (the host: no sync).
+  std::vector<at::Tensor> counts;
+  for (const sdk::Batch& b : batches) counts.push_back(label_count(b));
+  const at::Tensor local = at::stack(counts).to(on_root);
+  // Every rank's labels in one scalar all-reduce; its result stays on the device (no .item()).
+  const at::Tensor total = strategy_->reduce(local.sum().reshape({1}), sdk::ReduceOp::sum);
+  // The mean's weights: loss_m x labels_m x world / total, whose gradient the strategy's average
+  // over ranks turns into the global batch's mean (tensor-parallel ranks count their shared batch
+  // alike, so the world's total is tp times the data ranks' and the ratio holds). Equal counts give
+  // exactly `accumulate`; a micro-batch without labels gets inf (its loss weighs nothing).
+  return total / (local * static_cast<double>(cluster_.world_size));
+}
+
 Trainer::TrainedStep Trainer::train_step(core::DataLoader& loader, std::int64_t accumulate, double lr,
                                          bool check_loss) {
   const TrainerSettings& t = config_.trainer;
   for (auto& group : strategy_->optimizer().param_groups()) group.options().set_lr(lr);
   TrainedStep step;
+  // The step's micro-batches first: their label counts weigh each one's loss before any backward.
+  std::vector<sdk::Batch> batches;
+  {
+    core::trace::Span span("hook", "[DataLoader]next");
+    for (std::int64_t m = 0; m < accumulate; ++m) batches.push_back(loader.batch(next_batch_ + m));
+  }
+  const at::Tensor divisors = loss_divisors(batches);
   for (std::int64_t m = 0; m < accumulate; ++m) {
     const std::int64_t batch_idx = next_batch_ + m;
     core::ledger_set_step(global_step_ + 1, m);
-    sdk::Batch batch;
-    {
-      core::trace::Span span("hook", "[DataLoader]next");
-      batch = loader.batch(batch_idx);
-    }
+    sdk::Batch batch = std::move(batches[static_cast<std::size_t>(m)]);
     call("on_train_batch_start", [&](sdk::Callback& c) { c.on_train_batch_start(*this, batch, batch_idx); });
     check_trainable_unchanged();
     sdk::StepOutput out;
@@ -129,13 +154,15 @@ Trainer::TrainedStep Trainer::train_step(core::DataLoader& loader, std::int64_t 
       core::trace::Span span("hook", "[Strategy]training_step");
       out = run_step("training_step", [&] { return strategy_->training_step(batch, batch_idx); });
     }
+    // A micro-batch without labels adds nothing (its mean loss is 0 / 0).
+    const at::Tensor divisor = divisors[m].to(out.loss.device());
+    // fp32 whatever the loss's dtype: a bf16 divisor would be off by up to 0.4%.
+    const at::Tensor weighted = at::where(at::isinf(divisor), at::zeros({}, divisor.options()), out.loss / divisor);
     {
       core::trace::Span span("hook", "[Strategy]backward");
-      run_step("backward", [&] {
-        strategy_->backward(out.loss / static_cast<double>(accumulate), /*sync_gradients=*/m == accumulate - 1);
-      });
+      run_step("backward", [&] { strategy_->backward(weighted, /*sync_gradients=*/m == accumulate - 1); });
     }
-    const at::Tensor loss = out.loss.detach().to(at::kFloat);
+    const at::Tensor loss = weighted.detach().to(at::kFloat);
     step.loss_sum = step.loss_sum.defined() ? step.loss_sum + loss : loss;
     step.items += out.items;
     if (m < accumulate - 1) {
@@ -173,11 +200,10 @@ Trainer::TrainedStep Trainer::train_step(core::DataLoader& loader, std::int64_t 
   return step;
 }
 
-Trainer::StepSync Trainer::synchronise_step(const at::Tensor& loss_sum, std::int64_t accumulate, bool out_of_time,
-                                            std::int64_t window_items) {
+Trainer::StepSync Trainer::synchronise_step(const at::Tensor& loss_sum, bool out_of_time, std::int64_t window_items) {
   // Built on the device by kernels only: a host-to-device copy would wait for the step as well.
   const auto on_root = at::TensorOptions().dtype(at::kFloat).device(strategy_->root_device());
-  std::vector<at::Tensor> parts{(loss_sum.to(on_root) / static_cast<double>(accumulate)).reshape({})};
+  std::vector<at::Tensor> parts{loss_sum.to(on_root).reshape({})};
   for (const bool flag : {StopSignals::received() == SIGINT, StopSignals::received() == SIGTERM, out_of_time, should_stop_})
     parts.push_back(at::full({}, flag ? 1.0 : 0.0, on_root));
   parts.push_back(at::full({}, static_cast<double>(window_items), on_root));
@@ -341,7 +367,7 @@ void Trainer::fit(const std::string& ckpt_path) {
         // The step's one all-reduce and its one wait for the device.
         const double elapsed = std::chrono::duration<double>(Clock::now() - clock.run_start).count();
         const StepSync sync =
-            synchronise_step(step.loss_sum, accumulate, t.max_time_s > 0 && elapsed >= t.max_time_s, clock.window_items);
+            synchronise_step(step.loss_sum, t.max_time_s > 0 && elapsed >= t.max_time_s, clock.window_items);
         callback_metrics_["train_loss"] = sync.loss;
         report_step(sync, step.result, lr, clock);
         const std::int64_t epoch_step = next_batch_ / accumulate;  // steps done in this epoch

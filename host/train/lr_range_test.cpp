@@ -80,7 +80,7 @@ Trainer::RangeTestResult Trainer::run_lr_range_test(TrainingData& data) {
     ++global_step_;
     clock.window_items += trained.items;
     faults_.at_step(global_step_);
-    const StepSync sync = synchronise_step(trained.loss_sum, accumulate, /*out_of_time=*/false, clock.window_items);
+    const StepSync sync = synchronise_step(trained.loss_sum, /*out_of_time=*/false, clock.window_items);
     const bool go_on = test.record(sync.loss);  // the global loss: every rank decides alike
     report_step(sync, trained.result, lr, clock);
     if (sync.signal != 0) {  // SIGINT / SIGTERM on some rank

@@ -202,13 +202,16 @@ class Trainer final : public sdk::Trainer {
   /// One optimizer step at learning rate `lr`, from micro-batch next_batch_ of `loader`: `accumulate`
   /// micro-batches forward and backward, the anomaly check, clipping, the optimizer step.
   struct TrainedStep {
-    at::Tensor loss_sum;       ///< the micro-batches' losses summed, on the loss's device
+    at::Tensor loss_sum;       ///< the micro-batches' weighted losses summed ([trainer] loss_average), on the loss's device
     std::int64_t items = 0;    ///< tokens or samples this rank trained on
     sdk::StepOutput last_out;  ///< the last micro-batch's: its on_train_batch_end runs after the step
     sdk::Batch last_batch;
     sdk::StepResult result;
     bool nonfinite_skipped = false;  ///< [trainer] nonfinite_loss = "skip" skipped its update
   };
+  /// What each micro-batch's loss is divided by ([trainer] loss_average), on the root device:
+  /// `accumulate` for each, or (labels) the global batch's labels over its own x world (collective).
+  at::Tensor loss_divisors(const std::vector<sdk::Batch>& batches);
   /// Whether the step's loss is finite on every rank (collective).
   bool loss_finite_on_every_rank(const at::Tensor& loss_sum);
   /// `check_loss`: a non-finite loss stops or skips the step ([trainer] nonfinite_loss); off
@@ -222,8 +225,7 @@ class Trainer final : public sdk::Trainer {
     bool out_of_time = false, callback_stop = false;
     double items = 0;
   };
-  StepSync synchronise_step(const at::Tensor& loss_sum, std::int64_t accumulate, bool out_of_time,
-                            std::int64_t window_items);
+  StepSync synchronise_step(const at::Tensor& loss_sum, bool out_of_time, std::int64_t window_items);
   /// fit's clock: the ETA, and the throughput since the last log line.
   struct FitClock {
     std::chrono::steady_clock::time_point run_start, window_start;

@@ -17,6 +17,10 @@ namespace tessera::host {
 /// A log line: `head`, then "  name value" for each metric.
 std::string metrics_line(const std::string& head, const std::map<std::string, double>& metrics, int precision = 4);
 
+/// A batch's labels, what [trainer] loss_average = "labels" averages over: its integer targets
+/// that are not -100 (Hugging Face's num_items_in_batch), else its rows. A float scalar tensor.
+at::Tensor label_count(const sdk::Batch& batch);
+
 /// LibTorch's dtype errors inside a step under autocast, explained: the classic is LibTorch
 /// 1.13's CPU autocast leaving LayerNorm out of its cast lists, so a LayerNorm fed by a bf16
 /// Linear output meets its fp32 weight. Other errors are rethrown unchanged (call it from a

@@ -153,11 +153,11 @@ class DocumentWindows final : public sdk::Dataset, public sdk::LargeDataset {
 
 /// Rows of block_size positions, each holding whole documents back to back (their first
 /// block_size + 1 tokens; torchtune's PackedDataset without splitting a sample across rows),
-/// filled in document order at setup: a row is closed when the next document does not fit. Each
-/// row's position_ids restart at every document, so the model attends within each and a packed
-/// document's loss is the one it has alone. The positions a row has left after its last document
-/// are padding (EOS in, -100 out, a sample of their own), and a batch is cut to its fullest row,
-/// so what a step computes of them is the difference between its rows.
+/// filled in document order at setup: a row is closed when the next document does not fit. A
+/// batch is its rows' documents end to end in one row [1, their positions] (Hugging Face's
+/// DataCollatorWithFlattening: padding-free, no position is a pad), whose position_ids restart at
+/// every document, so the model attends within each and a packed document's loss is the one it
+/// has alone.
 class PackedDocuments final : public sdk::Dataset, public sdk::LargeDataset {
  public:
   PackedDocuments(Split split, std::int64_t block) : split_(std::move(split)), block_(block) {
@@ -168,10 +168,11 @@ class PackedDocuments final : public sdk::Dataset, public sdk::LargeDataset {
         const std::int64_t positions = sample_tokens(p.shard, d) - 1;  // a sample of L tokens trains L - 1
         if (positions <= 0) continue;
         if (used + positions > block_) {
-          rows_.push_back(Row{k, d, 0});
+          rows_.push_back(Row{k, d, 0, 0});
           used = 0;
         }
         ++rows_.back().documents;
+        rows_.back().positions += positions;
         used += positions;
       }
     }
@@ -179,22 +180,22 @@ class PackedDocuments final : public sdk::Dataset, public sdk::LargeDataset {
   std::int64_t size() const override { return static_cast<std::int64_t>(rows_.size()); }
 
   sdk::Batch get_batch(const std::vector<std::int64_t>& indices) const override {
-    const auto n = static_cast<std::int64_t>(indices.size());
-    const std::int64_t eos = split_.shards->manifest().eos_id;
-    at::Tensor input = at::full({n, block_}, eos, at::kLong), target = at::full({n, block_}, -100, at::kLong);
-    at::Tensor positions = at::empty({n, block_}, at::kLong);
+    std::int64_t total = 0;
+    for (std::int64_t i : indices) {
+      TESSERA_CHECK(i >= 0 && i < size(), "tokens: sample index ", i, " is out of range [0, ", size(), ")");
+      total += rows_[static_cast<std::size_t>(i)].positions;
+    }
+    at::Tensor input = at::empty({1, total}, at::kLong), target = at::empty({1, total}, at::kLong);
+    at::Tensor positions = at::empty({1, total}, at::kLong);
+    std::int64_t* in = input.data_ptr<std::int64_t>();
+    std::int64_t* tg = target.data_ptr<std::int64_t>();
+    std::int64_t* pos = positions.data_ptr<std::int64_t>();
     std::vector<std::int64_t> ids;
     std::vector<std::uint8_t> mask;
-    std::int64_t longest = 1;  // positions of the fullest row
-    for (std::int64_t r = 0; r < n; ++r) {
-      const std::int64_t i = indices[r];
-      TESSERA_CHECK(i >= 0 && i < size(), "tokens: sample index ", i, " is out of range [0, ", size(), ")");
+    std::int64_t at = 0;
+    for (std::int64_t i : indices) {
       const Row& row = rows_[static_cast<std::size_t>(i)];
       const Part& p = split_.parts[row.part];
-      std::int64_t* in = input[r].data_ptr<std::int64_t>();
-      std::int64_t* tg = target[r].data_ptr<std::int64_t>();
-      std::int64_t* pos = positions[r].data_ptr<std::int64_t>();
-      std::int64_t at = 0;
       for (std::int64_t d = row.first; d < row.first + row.documents; ++d) {
         const std::int64_t length = sample_tokens(p.shard, d);
         if (length <= 1) continue;  // trains nothing: left out when the rows were built
@@ -203,18 +204,14 @@ class PackedDocuments final : public sdk::Dataset, public sdk::LargeDataset {
         for (std::int64_t t = 0; t + 1 < length; ++t) pos[at + t] = t;
         at += length - 1;
       }
-      for (std::int64_t t = at; t < block_; ++t) pos[t] = t - at;  // the padding: a sample of its own
-      longest = std::max(longest, at);
     }
-    // No step computes positions that no row of its batch fills.
-    return sdk::Batch{input.narrow(1, 0, longest).contiguous(), target.narrow(1, 0, longest).contiguous(),
-                      positions.narrow(1, 0, longest).contiguous()};
+    return sdk::Batch{input, target, positions};
   }
 
  private:
   struct Row {
     std::size_t part;
-    std::int64_t first, documents;
+    std::int64_t first, documents, positions;
   };
   /// A document's tokens as a sample: at most block_size + 1.
   std::int64_t sample_tokens(std::int64_t shard, std::int64_t d) const {
@@ -255,21 +252,15 @@ class Blend final : public sdk::Dataset, public sdk::LargeDataset {
       rows.push_back(parts_[k]->get_batch({(i - starts_[k]) % parts_[k]->size()}));
     }
     std::vector<at::Tensor> inputs, targets, positions;
-    std::int64_t longest = 0;
-    for (const auto& r : rows) longest = std::max(longest, r.input.size(1));
     for (auto& r : rows) {
-      if (r.position_ids.defined() && r.input.size(1) < longest) {  // packed rows are cut to their fill
-        const std::int64_t pad = longest - r.input.size(1);
-        r.input = at::cat({r.input, at::zeros({1, pad}, r.input.options())}, 1);
-        r.target = at::cat({r.target, at::full({1, pad}, -100, r.target.options())}, 1);
-        r.position_ids = at::cat({r.position_ids, at::arange(pad, r.position_ids.options()).unsqueeze(0)}, 1);
-      }
       inputs.push_back(r.input);
       targets.push_back(r.target);
       if (r.position_ids.defined()) positions.push_back(r.position_ids);
     }
     TESSERA_CHECK(positions.empty() || positions.size() == rows.size(), "tokens: a blend of packed and unpacked rows");
-    return sdk::Batch{at::cat(inputs), at::cat(targets), positions.empty() ? at::Tensor() : at::cat(positions)};
+    // Packed rows come flattened, [1, positions]: they go on end to end (still padding-free).
+    const std::int64_t dim = positions.empty() ? 0 : 1;
+    return sdk::Batch{at::cat(inputs, dim), at::cat(targets, dim), positions.empty() ? at::Tensor() : at::cat(positions, dim)};
   }
 
  private:
@@ -316,7 +307,8 @@ class Tokens final : public sdk::DataModule, public sdk::TokenVocabulary {
                                      false)),
         packing_(o.get_bool({"packing",
                              "rows of whole documents back to back, each attending only to itself (position ids "
-                             "restart at every document): short samples (chat data) fill rows instead of padding"},
+                             "restart at every document): short samples (chat data) fill rows instead of padding; a "
+                             "batch is its rows end to end in one row [1, tokens], padding-free"},
                             false)),
         val_fraction_(o.get_double(
             {"val_fraction",

@@ -170,11 +170,16 @@ class GPTNetImpl : public torch::nn::Module {
   /// (packed rows) restart the positional table and the attention at each sample.
   at::Tensor hidden_states(const at::Tensor& idx, const at::Tensor& position_ids = {}) {
     const std::int64_t T = idx.size(1);
-    TESSERA_CHECK(T <= config.block_size, "gpt: a sequence of ", T, " tokens exceeds [model] block_size = ",
-                  config.block_size, " (the positional table's length); set [data] block_size to at most that");
     TESSERA_CHECK(!position_ids.defined() || position_ids.sizes() == idx.sizes(), "gpt: position_ids ",
                   position_ids.defined() ? position_ids.sizes() : at::IntArrayRef{}, " must be shaped as the ids ",
                   idx.sizes());
+    // A packed row is longer than its samples: its positions are what must fit the table (read
+    // where the batch is on the host; on a device the lookup itself refuses).
+    const std::int64_t span = !position_ids.defined() ? T
+                              : position_ids.is_cpu() && position_ids.numel() > 0 ? position_ids.max().item<std::int64_t>() + 1
+                                                                                  : 0;
+    TESSERA_CHECK(span <= config.block_size, "gpt: a sequence of ", span, " tokens exceeds [model] block_size = ",
+                  config.block_size, " (the positional table's length); set [data] block_size to at most that");
     at::Tensor pos = at::arange(T, at::TensorOptions().dtype(at::kLong).device(idx.device()));
     at::Tensor segments = at::empty({0}, pos.options());  // empty: one sample per row
     if (position_ids.defined()) {

@@ -367,7 +367,11 @@ class LlamaForCausalLMImpl : public torch::nn::Module {
     // Mistral's sliding window is accepted only where no position can leave it (llama_config.cpp):
     // a longer generation would need the mask it does not apply.
     const auto window = config.attention_window();
-    TESSERA_CHECK(!window || offset + ids.size(1) <= *window, "llama: position ", offset + ids.size(1) - 1,
+    // A packed row ([1, its samples' tokens]) spans what its longest sample does.
+    const std::int64_t span = window && position_ids.defined() && position_ids.numel() > 0
+                                  ? position_ids.max().item<std::int64_t>() + 1
+                                  : offset + ids.size(1);
+    TESSERA_CHECK(!window || span <= *window, "llama: position ", span - 1,
                   " is outside sliding_window = ", *window, " (", config.architecture(),
                   "), whose banded attention mask is not implemented; valid: sequences of at most ", *window,
                   " positions, prompt and generated tokens together");

@@ -7,6 +7,8 @@
 #include <filesystem>
 #include <fstream>
 #include <functional>
+#include <limits>
+#include <map>
 #include <numeric>
 #include <string>
 #include <vector>
@@ -312,26 +314,27 @@ TEST(Packing, RowsHoldWholeDocumentsWithPositionsRestartingAtEach) {
                                            "path = \"" + dir.string() + "\"\nblock_size = 8\npacking = true\nval_fraction = 0\n");
   data->setup("fit");
   // Positions trained (length - 1): 4, 2, 8, 1, 3, 0 (left out), 8 (12 cut to block_size + 1 = 9
-  // tokens). Rows of 8: [4 2 | pad 2], [8], [1 3 | pad 4], [8].
+  // tokens). Rows of at most 8: [4 2], [8], [1 3], [8].
   auto rows = data->train_dataset();
   ASSERT_EQ(rows->size(), 4);
+  // A batch is its rows end to end in one row, padding-free: 6 + 8 + 4 + 8 positions.
   const sdk::Batch b = rows->get_batch({0, 1, 2, 3});
   ASSERT_TRUE(b.position_ids.defined());
-  const std::vector<std::vector<std::int64_t>> positions{
-      {0, 1, 2, 3, 0, 1, 0, 1}, {0, 1, 2, 3, 4, 5, 6, 7}, {0, 0, 1, 2, 0, 1, 2, 3}, {0, 1, 2, 3, 4, 5, 6, 7}};
-  for (std::int64_t r = 0; r < 4; ++r)
-    for (std::int64_t t = 0; t < 8; ++t)
-      EXPECT_EQ(b.position_ids[r][t].item<std::int64_t>(), positions[r][t]) << "row " << r << " position " << t;
+  ASSERT_EQ(b.input.sizes(), (std::vector<std::int64_t>{1, 26}));
+  ASSERT_EQ(b.target.sizes(), b.input.sizes());
+  ASSERT_EQ(b.position_ids.sizes(), b.input.sizes());
+  const std::vector<std::int64_t> positions{0, 1, 2, 3, 0, 1, 0, 1, 2, 3, 4, 5, 6, 7, 0, 0, 1, 2, 0, 1, 2, 3, 4, 5, 6, 7};
+  for (std::int64_t t = 0; t < 26; ++t) EXPECT_EQ(b.position_ids[0][t].item<std::int64_t>(), positions[t]) << "position " << t;
+  EXPECT_EQ(b.target.eq(-100).sum().item<std::int64_t>(), 0) << "a pad position";
   // Row 0: document 0 (ids 1..5) then document 1 (ids 6..8), each predicting only its own tokens.
-  const std::vector<std::int64_t> input0{1, 2, 3, 4, 6, 7, 0, 0}, target0{2, 3, 4, 5, 7, 8, -100, -100};
-  for (std::int64_t t = 0; t < 8; ++t) {
+  const std::vector<std::int64_t> input0{1, 2, 3, 4, 6, 7}, target0{2, 3, 4, 5, 7, 8};
+  for (std::int64_t t = 0; t < 6; ++t) {
     EXPECT_EQ(b.input[0][t].item<std::int64_t>(), input0[t]);
     EXPECT_EQ(b.target[0][t].item<std::int64_t>(), target0[t]);
   }
-  // A batch is cut to its fullest row: row 2 alone fills 4 positions.
   EXPECT_EQ(rows->get_batch({2}).input.size(1), 4);
-  EXPECT_EQ(rows->get_batch({0, 2}).position_ids.size(1), 6);
-  // A blend's rows, each cut to its own fill, meet in one batch padded to the longest.
+  EXPECT_EQ(rows->get_batch({0, 2}).position_ids.size(1), 10);
+  // A blend's rows, flattened alike, go end to end.
   const fs::path other = write_documents(fresh_dir("sft_rows_other"), {3, 3}, 64);
   auto blend = make_plugin<sdk::DataModule>(sdk::PluginKind::data, "data", "tokens",
                                             "path = [\"" + dir.string() + "\", \"" + other.string() +
@@ -340,8 +343,11 @@ TEST(Packing, RowsHoldWholeDocumentsWithPositionsRestartingAtEach) {
   const std::int64_t blended = blend->train_dataset()->size();
   std::vector<std::int64_t> every(static_cast<std::size_t>(blended));
   std::iota(every.begin(), every.end(), 0);
+  std::int64_t expected = 0;
+  for (std::int64_t i : every) expected += blend->train_dataset()->get_batch({i}).input.size(1);
   const sdk::Batch mixed = blend->train_dataset()->get_batch(every);
-  EXPECT_EQ(mixed.input.size(1), 8);
+  EXPECT_EQ(mixed.input.size(0), 1);
+  EXPECT_EQ(mixed.input.size(1), expected);
   EXPECT_EQ(mixed.position_ids.sizes(), mixed.target.sizes());
   remove_dir(other);
   auto refused = [&](const std::string& toml_text) {
@@ -442,6 +448,89 @@ INSTANTIATE_TEST_SUITE_P(
                       PackedCase{"llama", kLlama + "attention = \"blocked\"\nattention_query_block = 16\nfused_rotary = true\n"},
                       PackedCase{"gpt", "vocab_size = 96\nn_layer = 2\nn_head = 4\nn_embd = 32\nblock_size = 48\ndropout = 0.0\n"}),
     [](const auto& info) { return info.param.plugin + std::to_string(info.index); });
+
+// --- the loss over the global batch's labels, through the binary ---------------------------------
+
+/// 24 conversations whose answers differ in length, prepared with their loss masks: windows and
+/// packed rows hold different numbers of labels, rank by rank and micro-batch by micro-batch.
+fs::path prepared_chat(const fs::path& dir) {
+  const fs::path tokenizer_dir = qwen_style_tokenizer(dir / "tokenizer");
+  std::string lines;
+  for (int i = 0; i < 24; ++i)
+    lines += json{{"messages", {message("system", "S"), message("user", "q" + std::to_string(i)),
+                                message("assistant", std::string(static_cast<std::size_t>(1 + (i * 7) % 29), 'a' + i % 5))}}}
+                 .dump() +
+             "\n";
+  write(dir / "chat.jsonl", lines);
+  const auto r = run_tessera("data prepare --format chat --tokenizer " + tokenizer_dir.string() + " --input " +
+                             (dir / "chat.jsonl").string() + " --output " + (dir / "data").string() + " 2>&1");
+  EXPECT_EQ(r.exit_code, 0) << r.output;
+  return dir / "data";
+}
+
+struct LabelRun {
+  std::map<std::int64_t, double> losses;
+  std::map<std::string, at::Tensor> state;
+};
+
+/// Three SGD steps of a small llama from one seed; `world` ranks of `batch` samples each.
+LabelRun fit_labels(const fs::path& data, const std::string& name, int world, int batch, const std::string& sets) {
+  const std::string dir = fresh_dir("sft_labels_" + name);
+  std::ofstream(dir + "/run.toml") << "[trainer]\nmax_steps = 3\nlog_every_n_steps = 1\nseed = 11\n"
+                                   << "default_root_dir = \"" << dir << "\"\nenable_progress_bar = false\n"
+                                   << "[optimizer]\nname = \"sgd\"\nlr = 1.0\nschedule = \"constant\"\n"
+                                   << "[model]\nplugin = \"llama\"\nvocab_size = 264\nhidden_size = 32\n"
+                                   << "intermediate_size = 64\nnum_hidden_layers = 1\nnum_attention_heads = 4\n"
+                                   << "num_key_value_heads = 2\nmax_position_embeddings = 128\n"
+                                   << "[data]\nplugin = \"tokens\"\npath = \"" << data.string()
+                                   << "\"\nblock_size = 64\nval_fraction = 0\n";
+  const auto r = run_tessera("fit --config " + dir + "/run.toml --set launch.devices=" + std::to_string(world) +
+                                 " --set data.batch_size=" + std::to_string(batch) + " " + sets + " 2>&1",
+                             "", 180);
+  EXPECT_EQ(r.exit_code, 0) << r.output;
+  LabelRun run;
+  if (r.exit_code != 0) return run;
+  const std::string folder = tessera::testing::run_dir(dir);
+  run.losses = tessera::testing::metric_series(folder + "/metrics.csv", "train", "train_loss");
+  run.state = tessera::testing::checkpoint_state(folder + "/checkpoints/last.ckpt");
+  remove_dir(dir);
+  return run;
+}
+
+/// The largest difference between two runs' weights (infinity if they do not compare).
+double weight_difference(const LabelRun& a, const LabelRun& b) {
+  if (a.state.empty() || a.state.size() != b.state.size()) return std::numeric_limits<double>::infinity();
+  double worst = 0;
+  for (const auto& [name, t] : a.state) worst = std::max(worst, (t - b.state.at(name)).abs().max().item<double>());
+  return worst;
+}
+
+// Masked chat rows hold different numbers of labels, so the mean of each rank's (or micro-batch's)
+// mean is not the global batch's mean: [trainer] loss_average = "labels" (the default) weighs each
+// micro-batch by its labels over the global batch's, so ddp on 2 ranks and 2 accumulated
+// micro-batches train what one device does on the whole batch, unpacked and packed (padding-free
+// rows of different lengths); "micro_batches" (DDP's mean of means) is seen to differ.
+TEST(LabelAverage, RanksAndMicroBatchesTrainWhatOneDeviceDoesOnTheGlobalBatch) {
+  const fs::path dir = fresh_dir("sft_labels");
+  const fs::path data = prepared_chat(dir);
+  for (const std::string packing : {"false", "true"}) {
+    SCOPED_TRACE("packing = " + packing);
+    const std::string packed = " --set data.packing=" + packing;
+    const LabelRun one = fit_labels(data, "one", 1, 4, "--set strategy.plugin=single_device" + packed);
+    const LabelRun ddp = fit_labels(data, "ddp", 2, 2, "--set strategy.plugin=ddp" + packed);
+    const LabelRun accumulated =
+        fit_labels(data, "accumulated", 1, 2, "--set strategy.plugin=single_device --set trainer.accumulate_grad_batches=2" + packed);
+    ASSERT_EQ(one.losses.size(), 3u);
+    for (const LabelRun* run : {&ddp, &accumulated}) {
+      ASSERT_EQ(run->losses.size(), 3u);
+      for (const auto& [step, loss] : one.losses) EXPECT_NEAR(run->losses.at(step), loss, 1e-5) << "step " << step;
+      EXPECT_LT(weight_difference(one, *run), 1e-5);
+    }
+    const LabelRun means = fit_labels(data, "means", 2, 2, "--set strategy.plugin=ddp --set trainer.loss_average=micro_batches" + packed);
+    EXPECT_GT(weight_difference(one, means), 1e-4) << "the check above could not fail: every micro-batch holds as many labels";
+  }
+  remove_dir(dir);
+}
 
 TEST(ChatPredict, TheConversationIsRenderedWithTheGenerationPromptAndTheReplyEndsWithTheTurn) {
   const fs::path dir = fresh_dir("sft_predict");

@@ -15,6 +15,7 @@
 #include <functional>
 #include <map>
 #include <memory>
+#include <limits>
 #include <string>
 
 #include <gtest/gtest.h>
@@ -550,6 +551,52 @@ TEST(CausalAttention, BlockedEqualsMathForwardAndBackward) {
   blocked.query_block = 8;
   // MHA, GQA, and queries after a cache of 9 positions.
   expect_equals_math(blocked, {{4, 4, 37, 37}, {6, 2, 37, 37}, {6, 3, 21, 30}});
+}
+
+// Packed rows (segments): the blocked kernel equals the math path's block-diagonal mask, rows
+// whose samples start at different positions in one batch, MHA and GQA; so does the automatic
+// choice (the blocked kernel for packed rows on the CPU). A block reads no key before its first
+// query's sample: keys and values of the first sample set to NaN leave the later samples finite
+// and equal to those samples run alone.
+TEST(CausalAttention, PackedBlockedReadsOnlyEachSamplesKeys) {
+  at::manual_seed(5);
+  const at::Tensor segments = at::stack({at::cat({at::zeros({5}), at::ones({19}), at::full({13}, 2.0)}),
+                                         at::cat({at::zeros({30}), at::ones({7})})})
+                                  .to(at::kLong);
+  for (auto [H, Hkv] : {std::pair<std::int64_t, std::int64_t>{4, 4}, {6, 2}}) {
+    SCOPED_TRACE("H " + std::to_string(H) + " Hkv " + std::to_string(Hkv));
+    at::Tensor q = at::randn({2, H, 37, 8}), k = at::randn({2, Hkv, 37, 8}), v = at::randn({2, Hkv, 37, 8});
+    at::Tensor dout = at::randn({2, H, 37, 8});
+    auto run_packed = [&](toolkit::AttentionKernel kernel) {
+      toolkit::CausalAttentionOptions o;
+      o.kernel = kernel;
+      o.query_block = 8;
+      at::Tensor q_ = q.clone().requires_grad_(true), k_ = k.clone().requires_grad_(true), v_ = v.clone().requires_grad_(true);
+      at::Tensor out = toolkit::causal_attention(q_, k_, v_, o, segments);
+      out.backward(dout);
+      return Grads{out.detach(), q_.grad(), k_.grad(), v_.grad()};
+    };
+    const Grads math = run_packed(toolkit::AttentionKernel::math);
+    for (auto kernel : {toolkit::AttentionKernel::blocked, toolkit::AttentionKernel::automatic}) {
+      const Grads b = run_packed(kernel);
+      EXPECT_LE(max_diff(math.out, b.out), 1e-5);
+      EXPECT_LE(max_diff(math.dq, b.dq), 1e-5);
+      EXPECT_LE(max_diff(math.dk, b.dk), 1e-5);
+      EXPECT_LE(max_diff(math.dv, b.dv), 1e-5);
+    }
+  }
+  // One row: a sample of 16 positions (two blocks of 8), then one of 21.
+  const at::Tensor one = at::cat({at::zeros({16}), at::ones({21})}).to(at::kLong).unsqueeze(0);
+  at::Tensor q = at::randn({1, 4, 37, 8}), k = at::randn({1, 2, 37, 8}), v = at::randn({1, 2, 37, 8});
+  k.narrow(2, 0, 16).fill_(std::numeric_limits<float>::quiet_NaN());
+  v.narrow(2, 0, 16).fill_(std::numeric_limits<float>::quiet_NaN());
+  toolkit::CausalAttentionOptions blocked;
+  blocked.kernel = toolkit::AttentionKernel::blocked;
+  blocked.query_block = 8;
+  const at::Tensor packed = toolkit::causal_attention(q, k, v, blocked, one).narrow(2, 16, 21);
+  const at::Tensor alone = toolkit::causal_attention(q.narrow(2, 16, 21), k.narrow(2, 16, 21), v.narrow(2, 16, 21), blocked);
+  ASSERT_TRUE(at::isfinite(packed).all().item<bool>()) << "a block read the keys of an earlier sample";
+  EXPECT_LE(max_diff(packed, alone), 1e-5);
 }
 
 // LibTorch 2.x's SDPA (the default kernel there) computes the math path within 1e-5, forward and

@@ -115,24 +115,46 @@ class BlockedCausalAttention : public torch::autograd::Function<BlockedCausalAtt
     double scale;
   };
 
-  /// One block's probabilities [B Hkv, groups n, keys] (float) and its inputs: queries
-  /// [B Hkv, groups n, D], keys and values [B Hkv, keys, D]. `lse` given: exp(s - lse) (backward),
-  /// else computed and returned through it (forward).
+  /// One block's probabilities [B Hkv, groups n, keys - k0] (float) and its inputs: queries
+  /// [B Hkv, groups n, D], keys and values [B Hkv, keys, D], of which the block reads [k0, keys):
+  /// k0 > 0 where packed samples start after it (see key_starts). `lse` given: exp(s - lse)
+  /// (backward), else computed and returned through it (forward).
   static at::Tensor probabilities(const Shape& s, const at::Tensor& qg, const at::Tensor& kk, std::int64_t t0,
-                                  std::int64_t n, at::Tensor& qb, at::Tensor& lse, bool have_lse,
+                                  std::int64_t n, std::int64_t k0, at::Tensor& qb, at::Tensor& lse, bool have_lse,
                                   const at::Tensor& segments) {
-    const std::int64_t BH = s.B * s.Hkv, keys = s.Tk - s.Tq + t0 + n;
+    const std::int64_t BH = s.B * s.Hkv, keys = s.Tk - s.Tq + t0 + n, width = keys - k0;
     qb = qg.narrow(2, t0, n).reshape({BH, s.groups * n, s.D});
     at::Tensor bias;
-    if (n > 1) bias = causal_bias(n, keys, s.Tk - s.Tq + t0, qg.options()).repeat({s.groups, 1});
+    if (n > 1) bias = causal_bias(n, width, s.Tk - s.Tq + t0 - k0, qg.options()).repeat({s.groups, 1});
     if (segments.numel() > 0) {  // a block's rows are (group, query): each row's sample mask, per head
-      at::Tensor other = segment_bias(segments.narrow(1, s.Tk - s.Tq + t0, n), segments.narrow(1, 0, keys), qg.options());
-      other = other.view({s.B, 1, 1, n, keys}).expand({s.B, s.Hkv, s.groups, n, keys}).reshape({BH, s.groups * n, keys});
+      at::Tensor other =
+          segment_bias(segments.narrow(1, s.Tk - s.Tq + t0, n), segments.narrow(1, k0, width), qg.options());
+      other = other.view({s.B, 1, 1, n, width}).expand({s.B, s.Hkv, s.groups, n, width}).reshape({BH, s.groups * n, width});
       bias = bias.defined() ? other.add_(bias) : other;
     }
-    at::Tensor scores = batched_matmul(qb, kk.narrow(1, 0, keys).transpose(1, 2), bias, s.scale).to(at::kFloat);
+    at::Tensor scores = batched_matmul(qb, kk.narrow(1, k0, width).transpose(1, 2), bias, s.scale).to(at::kFloat);
     if (!have_lse) lse = at::logsumexp(scores, -1, /*keepdim=*/true);
     return scores.sub_(lse).exp_();
+  }
+
+  /// The first key each query block can see (varlen attention without padding): the start of
+  /// the sample of its first query, the earliest over the batch's rows; 0 for every block of
+  /// unpacked rows. Read on the host once per call (packed batches come from the host).
+  static std::vector<std::int64_t> key_starts(const Shape& s, const at::Tensor& segments) {
+    const std::int64_t offset = s.Tk - s.Tq;  // the keys before the first query (0 when packed)
+    std::vector<std::int64_t> starts;
+    for (std::int64_t t0 = 0; t0 < s.Tq; t0 += s.block) starts.push_back(segments.numel() > 0 ? offset + t0 : 0);
+    if (segments.numel() == 0) return starts;
+    const at::Tensor segs = segments.to(at::kCPU, at::kLong).contiguous();
+    std::vector<std::int64_t> start(static_cast<std::size_t>(s.Tk));  // where each key's sample starts
+    for (std::int64_t b = 0; b < s.B; ++b) {
+      const std::int64_t* row = segs[b].data_ptr<std::int64_t>();
+      for (std::int64_t t = 0; t < s.Tk; ++t)
+        start[static_cast<std::size_t>(t)] = t > 0 && row[t] == row[t - 1] ? start[static_cast<std::size_t>(t - 1)] : t;
+      for (std::size_t i = 0; i < starts.size(); ++i)
+        starts[i] = std::min(starts[i], start[static_cast<std::size_t>(offset) + i * static_cast<std::size_t>(s.block)]);
+    }
+    return starts;
   }
 
   /// Packed rows' segments ([B, T], or empty): a plain argument, not an input autograd tracks.
@@ -152,15 +174,17 @@ class BlockedCausalAttention : public torch::autograd::Function<BlockedCausalAtt
       at::Tensor kk = k.to(dtype).contiguous().view({BH, s.Tk, s.D}), vv = v.to(dtype).contiguous().view({BH, s.Tk, s.D});
       at::Tensor out = at::empty_like(qg);
       at::Tensor lse_all = at::empty({BH, s.groups, s.Tq}, q.options().dtype(at::kFloat));
-      for (std::int64_t t0 = 0; t0 < s.Tq; t0 += s.block) {
-        const std::int64_t n = std::min(s.block, s.Tq - t0), keys = s.Tk - s.Tq + t0 + n;
+      const std::vector<std::int64_t> starts = key_starts(s, segments);
+      for (std::int64_t t0 = 0, i = 0; t0 < s.Tq; t0 += s.block, ++i) {
+        const std::int64_t n = std::min(s.block, s.Tq - t0), keys = s.Tk - s.Tq + t0 + n, k0 = starts[i];
         at::Tensor qb, lse;
-        at::Tensor p = probabilities(s, qg, kk, t0, n, qb, lse, /*have_lse=*/false, segments).to(dtype);
-        out.narrow(2, t0, n).copy_(batched_matmul(p, vv.narrow(1, 0, keys)).view({BH, s.groups, n, s.D}));
+        at::Tensor p = probabilities(s, qg, kk, t0, n, k0, qb, lse, /*have_lse=*/false, segments).to(dtype);
+        out.narrow(2, t0, n).copy_(batched_matmul(p, vv.narrow(1, k0, keys - k0)).view({BH, s.groups, n, s.D}));
         lse_all.narrow(2, t0, n).copy_(lse.view({BH, s.groups, n}));
       }
       ctx->save_for_backward({qg, kk, vv, out, lse_all});
       ctx->saved_data["segments"] = segments;
+      ctx->saved_data["key_starts"] = starts;
       ctx->saved_data["shape"] = std::vector<std::int64_t>{s.B, s.H, s.Hkv, s.groups, s.Tq, s.Tk, s.D, s.block};
       ctx->saved_data["scale"] = scale;
       ctx->saved_data["input_dtypes"] = std::vector<std::int64_t>{static_cast<std::int64_t>(q.scalar_type()),
@@ -187,18 +211,20 @@ class BlockedCausalAttention : public torch::autograd::Function<BlockedCausalAtt
       // D_i = rowsum(dO * O): the softmax backward's correction term (flash attention's D).
       at::Tensor delta = (dout.to(at::kFloat) * out.to(at::kFloat)).sum(-1);
       at::Tensor dq = at::empty_like(qg), dk = at::zeros_like(kk), dv = at::zeros_like(vv);
-      for (std::int64_t t0 = 0; t0 < s.Tq; t0 += s.block) {
-        const std::int64_t n = std::min(s.block, s.Tq - t0), keys = s.Tk - s.Tq + t0 + n;
+      const auto starts = ctx->saved_data["key_starts"].toIntVector();
+      for (std::int64_t t0 = 0, i = 0; t0 < s.Tq; t0 += s.block, ++i) {
+        const std::int64_t n = std::min(s.block, s.Tq - t0), k0 = starts[static_cast<std::size_t>(i)],
+                           width = s.Tk - s.Tq + t0 + n - k0;
         at::Tensor qb, lse = lse_all.narrow(2, t0, n).reshape({BH, s.groups * n, 1});
-        at::Tensor p = probabilities(s, qg, kk, t0, n, qb, lse, /*have_lse=*/true, segments);
+        at::Tensor p = probabilities(s, qg, kk, t0, n, k0, qb, lse, /*have_lse=*/true, segments);
         at::Tensor dob = dout.narrow(2, t0, n).reshape({BH, s.groups * n, s.D});
-        at::Tensor kb = kk.narrow(1, 0, keys), vb = vv.narrow(1, 0, keys);
-        dv.narrow(1, 0, keys).add_(batched_matmul(p.to(dtype).transpose(1, 2), dob));
+        at::Tensor kb = kk.narrow(1, k0, width), vb = vv.narrow(1, k0, width);
+        dv.narrow(1, k0, width).add_(batched_matmul(p.to(dtype).transpose(1, 2), dob));
         at::Tensor dp = batched_matmul(dob, vb.transpose(1, 2)).to(at::kFloat);
         at::Tensor ds =
             p.mul_(dp.sub_(delta.narrow(2, t0, n).reshape({BH, s.groups * n, 1}))).mul_(s.scale).to(dtype);
         dq.narrow(2, t0, n).copy_(batched_matmul(ds, kb).view({BH, s.groups, n, s.D}));
-        dk.narrow(1, 0, keys).add_(batched_matmul(ds.transpose(1, 2), qb));
+        dk.narrow(1, k0, width).add_(batched_matmul(ds.transpose(1, 2), qb));
       }
       auto as_input = [&](const at::Tensor& g, std::size_t i) {
         return g.to(static_cast<at::ScalarType>(input_dtypes[i]));
@@ -270,7 +296,10 @@ at::Tensor causal_attention(const at::Tensor& q, const at::Tensor& k, const at::
                 " must be [B, T] for q ", q.sizes(), " and k ", k.sizes(), " of as many positions (packed rows take no KV cache)");
   const at::Tensor segs = packed ? segments.to(q.device(), at::kLong) : at::Tensor();
   const double scale = resolved_scale(q, options.scale);
-  switch (causal_attention_kernel(q, k, options)) {
+  AttentionKernel kernel = causal_attention_kernel(q, k, options);
+  if (packed && options.kernel == AttentionKernel::automatic && !q.is_cuda() && kernel == AttentionKernel::sdpa)
+    kernel = q.size(2) <= options.query_block ? AttentionKernel::math : AttentionKernel::blocked;
+  switch (kernel) {
     case AttentionKernel::sdpa:
 #if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 1)
       return sdpa_attention(q, k, v, scale, segs);

@@ -18,7 +18,9 @@ namespace tessera::toolkit {
 /// Which kernel computes the attention.
 enum class AttentionKernel {
   /// LibTorch's scaled_dot_product_attention (2.x: flash / memory-efficient kernels on CUDA,
-  /// fused kernels on the CPU) where the LibTorch has it; elsewhere `blocked`.
+  /// fused kernels on the CPU) where the LibTorch has it; elsewhere `blocked`. Packed rows
+  /// (segments) on the CPU take `blocked`, which skips the keys of earlier samples where SDPA's
+  /// mask would compute them all.
   automatic,
   /// at::scaled_dot_product_attention (LibTorch 2.x only; refused on 1.13), GQA through its
   /// enable_gqa on CUDA (2.5+), else keys and values repeated (the CPU's flash kernel takes no
@@ -28,7 +30,9 @@ enum class AttentionKernel {
   /// the saved log-sum-exp (flash attention's recomputation): no [B, H, Tq, Tk] tensor is kept
   /// for backward, and a block never materialises more than [B, H, query_block, Tk]. GQA reads
   /// the Hkv key/value heads directly (no repeated copies). Sequences of at most query_block
-  /// positions take the `math` path (one block: nothing to save).
+  /// positions take the `math` path (one block: nothing to save). With packed segments a block
+  /// reads only the keys from the start of its first query's sample (varlen attention): a row
+  /// of many short samples costs what the samples cost apart.
   blocked,
   /// The reference: scores, mask, softmax (fp32) and the weighted sum as Hugging Face's
   /// "eager" attention computes them, keys and values repeated for GQA; autograd keeps the
