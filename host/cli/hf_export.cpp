@@ -94,8 +94,20 @@ std::string model_config_json(const std::string& config_path, at::ScalarType dty
   return out.dump(2);
 }
 
-/// save_pretrained's generation_config.json for a model without one: the token ids of config.json.
-std::string generation_config_json(const std::string& config_json) {
+/// save_pretrained's generation_config.json: the one the run's model came with (chat models name
+/// their end-of-turn token there), else, for a model without one, the token ids of config.json.
+std::string generation_config_json(const std::string& run_config, const std::string& config_json) {
+  if (const fs::path source = run_generation_config(run_config); !source.empty()) {
+    std::ifstream in(source, std::ios::binary);
+    const std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+    try {
+      TESSERA_CHECK(json::parse(text).is_object(), source.string(), " is not a JSON object");
+    } catch (const json::exception& e) {
+      TESSERA_FAIL(source.string(), " (the model's generation config, copied by the export) is not JSON: ", e.what());
+    }
+    std::cout << "copied " << source.string() << "\n";
+    return text;
+  }
   const json config = json::parse(config_json);
   json out = {{"_from_model_config", true}};
   for (const char* key : {"bos_token_id", "eos_token_id", "pad_token_id"})
@@ -259,7 +271,7 @@ void export_hf(const HfExportRequest& request) {
   const core::HfExport done = core::write_hf_directory(
       request.to, specs,
       [&](std::size_t i) { return read(i).to(specs[i].dtype).contiguous(); },
-      config_json, generation_config_json(config_json), request.max_shard_bytes);
+      config_json, generation_config_json(config_path, config_json), request.max_shard_bytes);
   std::cout << "exported " << checkpoint << " to " << request.to << " (Hugging Face: " << specs.size() << " tensors, "
             << (lora ? std::to_string(merged) + " with their LoRA adapters merged (W + alpha / r B A), " : "")
             << core::hf_dtype_name(dtype) << ", " << done.total_bytes << " bytes in " << done.files.size()

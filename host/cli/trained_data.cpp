@@ -136,6 +136,24 @@ std::vector<fs::path> hf_tokenizer_files(const fs::path& folder) {
   return files;
 }
 
+fs::path run_generation_config(const std::string& run_config) {
+  toml::table root;
+  try {
+    root = toml::parse_file(run_config);
+  } catch (const toml::parse_error& e) {
+    TESSERA_FAIL(run_config, ": invalid TOML: ", e.description());
+  }
+  std::error_code ec;
+  std::vector<fs::path> folders;
+  if (const std::string config = string_at(root, "model", "config"); !config.empty())
+    folders.push_back(fs::path(config).parent_path());
+  if (const fs::path folder = hf_folder_of(string_at(root, "trainer", "init_from")); !folder.empty())
+    folders.push_back(folder);
+  for (const fs::path& folder : folders)
+    if (fs::is_regular_file(folder / "generation_config.json", ec)) return folder / "generation_config.json";
+  return {};
+}
+
 std::vector<fs::path> run_tokenizer_files(const std::string& run_config, std::string& source) {
   source.clear();
   toml::table root;

@@ -29,4 +29,9 @@ std::vector<std::filesystem::path> hf_tokenizer_files(const std::filesystem::pat
 /// folder. `source` receives where they were found ("" when none).
 std::vector<std::filesystem::path> run_tokenizer_files(const std::string& run_config, std::string& source);
 
+/// The generation_config.json the run's model came with (transformers' save_pretrained writes the
+/// one the model was loaded with): beside its [model] config file, else in its [trainer] init_from
+/// Hugging Face folder; "" when neither holds one.
+std::filesystem::path run_generation_config(const std::string& run_config);
+
 }  // namespace tessera::host

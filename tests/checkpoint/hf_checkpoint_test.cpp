@@ -243,6 +243,11 @@ TEST_P(HfRoundTrip, PythonFolderThroughFsdpAndBackBitwise) {
   const Source s = GetParam();
   const std::string dir = tessera::testing::fresh_dir(std::string("hf-rt-") + s.dtype);
   python("write " + dir + "/src " + kSmallPy + " --dtype " + s.dtype + " --shards " + std::to_string(s.shards));
+  // A source with its own generation config (a chat model's end-of-turn token) is exported with
+  // it, as save_pretrained writes the one the model was loaded with; one without gets config.json's ids.
+  const std::string own_generation = R"({"bos_token_id": 1, "eos_token_id": [2, 7], "do_sample": true, "top_p": 0.8})";
+  const bool has_generation = std::string(s.dtype) == "bf16";
+  if (has_generation) std::ofstream(dir + "/src/generation_config.json") << own_generation;
   auto fit = run_tessera("fit --config " + write_config(dir, kSmall) + " --set launch.devices=2 --set strategy.plugin=fsdp" +
                          " --set strategy.state_dict_type=sharded --set trainer.init_from=" + dir + "/src");
   ASSERT_EQ(fit.exit_code, 0) << fit.output;
@@ -259,7 +264,8 @@ TEST_P(HfRoundTrip, PythonFolderThroughFsdpAndBackBitwise) {
                                       : std::string(s.export_dtype) == "bf16" ? "bfloat16"
                                                                               : "float16");
   EXPECT_EQ(json::parse(read_text(dir + "/out/generation_config.json")),
-            json::parse(R"({"_from_model_config":true,"bos_token_id":1,"eos_token_id":2})"));
+            json::parse(has_generation ? own_generation
+                                       : std::string(R"({"_from_model_config":true,"bos_token_id":1,"eos_token_id":2})")));
 }
 
 INSTANTIATE_TEST_SUITE_P(Dtypes, HfRoundTrip,

@@ -146,14 +146,11 @@ std::string write_llama_vocab128k(const std::string& dir) {
 
 // Issue 61.2: the plan within 15% of the measured peak where the loss path matters (vocab
 // 128,256 at T 2048 and 512, fused and not) and on the shipped gpt config (fsdp2, 2 ranks),
-// two steps each: the second holds the optimizer state beside a step's peak. ~52 s on 2 cores.
-// Left out, outside 15% when measured (2026-12-02, de6ae29), causes not yet found:
-//  - T 512 unfused: planned 1,467 MB, measured 1,253 (+17%): the plan counts 4 fp32 logits
-//    arrays (3 live in backward plus the freed forward logits, as T 2048 measures 3.7), T 512
-//    measures 2.9.
-//  - configs/llama-tokens.toml (text data in place of its token shards, same model and fsdp2
-//    on 2 ranks): planned 230 MB, measured 199 (+16%); gpt-fortunes, alike but for the model,
-//    is +12%.
+// two steps each: the second holds the optimizer state beside a step's peak. ~60 s on 2 cores.
+// Left out, inside 15% but by too little to hold on every machine (measured 2026-12-02 at
+// d0d9074): configs/llama-tokens.toml, the main job (text data in place of its token shards,
+// same model, fsdp2 on 2 ranks), planned 230 MB, measured 201 (+14%); its fixed part is ~35 MB
+// over at batch 4 (+24%), where the 57M GPT's (below) is within 2%: cause not yet found.
 TEST(PlanVsMeasuredPeak, WithinFifteenPercentOnTheLlamaVocab128kAndTheShippedGpt) {
   TESSERA_SKIP_IF_ADDRESS_SANITIZER();
   const std::string dir = tessera::testing::fresh_dir("plan-measured-configs");
@@ -165,6 +162,7 @@ TEST(PlanVsMeasuredPeak, WithinFifteenPercentOnTheLlamaVocab128kAndTheShippedGpt
   const std::tuple<std::string, std::string, std::string> cases[] = {
       {"llama128k_T2048_unfused", llama, "--set model.fused_loss=false"},
       {"llama128k_T2048_fused", llama, "--set model.fused_loss=true"},
+      {"llama128k_T512_unfused", llama, "--set model.fused_loss=false --set data.block_size=512"},
       {"llama128k_T512_fused", llama, "--set model.fused_loss=true --set data.block_size=512"},
       {"gpt-fortunes_fsdp2_2", gpt, shortened},
   };
@@ -176,8 +174,8 @@ TEST(PlanVsMeasuredPeak, WithinFifteenPercentOnTheLlamaVocab128kAndTheShippedGpt
 
 // The "largest batch_size" the plan offers fits: with the machine's memory set to 3,000 MB the
 // plan of the unfused T 512 llama (about 1 GB more each sample: its logits) offers a batch, and
-// fit at that batch peaks within those 3,000 MB. (At batch 2 the plan is 2,475 MB against a
-// measured 1,760, +41%: safe, but the unfused logits' per-sample scaling is not yet within 15%.)
+// fit at that batch peaks within those 3,000 MB. (At batch 2 the plan is 2,225 MB against a
+// measured 1,759, +26%: safe, but the unfused logits' per-sample scaling is not yet within 15%.)
 TEST(PlanVsMeasuredPeak, TheLargestBatchSizeItOffersFits) {
   TESSERA_SKIP_IF_ADDRESS_SANITIZER();
   const std::string dir = tessera::testing::fresh_dir("plan-measured-batch");

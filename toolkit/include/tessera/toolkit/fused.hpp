@@ -46,7 +46,7 @@ struct LossPathMemory {
   /// The largest transient of the loss's forward or backward, in bytes: a chunk's logits and
   /// softmax (and casts) for linear_cross_entropy; for a plain log_softmax over logits, its
   /// gradient and the logits' gradient beside the kept log-probabilities, and the forward's
-  /// logits, which stay resident in a training process (12 bytes an fp32 logit).
+  /// logits, resident in part in a training process (10 bytes an fp32 logit, as measured).
   double workspace_bytes = 0;
   /// What linear_cross_entropy keeps for backward that does not grow with the tokens: its
   /// weight gradient [vocab, H] (among the saved tensors a trace counts, but per step, not per sample).
