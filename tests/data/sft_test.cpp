@@ -507,7 +507,7 @@ double weight_difference(const LabelRun& a, const LabelRun& b) {
 
 // Masked chat rows hold different numbers of labels, so the mean of each rank's (or micro-batch's)
 // mean is not the global batch's mean: [trainer] loss_average = "labels" (the default) weighs each
-// micro-batch by its labels over the global batch's, so ddp on 2 ranks and 2 accumulated
+// micro-batch by its labels over the global batch's, so ddp and fsdp2 on 2 ranks and 2 accumulated
 // micro-batches train what one device does on the whole batch, unpacked and packed (padding-free
 // rows of different lengths); "micro_batches" (DDP's mean of means) is seen to differ.
 TEST(LabelAverage, RanksAndMicroBatchesTrainWhatOneDeviceDoesOnTheGlobalBatch) {
@@ -518,10 +518,11 @@ TEST(LabelAverage, RanksAndMicroBatchesTrainWhatOneDeviceDoesOnTheGlobalBatch) {
     const std::string packed = " --set data.packing=" + packing;
     const LabelRun one = fit_labels(data, "one", 1, 4, "--set strategy.plugin=single_device" + packed);
     const LabelRun ddp = fit_labels(data, "ddp", 2, 2, "--set strategy.plugin=ddp" + packed);
+    const LabelRun fsdp2 = fit_labels(data, "fsdp2", 2, 2, "--set strategy.plugin=fsdp2" + packed);
     const LabelRun accumulated =
         fit_labels(data, "accumulated", 1, 2, "--set strategy.plugin=single_device --set trainer.accumulate_grad_batches=2" + packed);
     ASSERT_EQ(one.losses.size(), 3u);
-    for (const LabelRun* run : {&ddp, &accumulated}) {
+    for (const LabelRun* run : {&ddp, &fsdp2, &accumulated}) {
       ASSERT_EQ(run->losses.size(), 3u);
       for (const auto& [step, loss] : one.losses) EXPECT_NEAR(run->losses.at(step), loss, 1e-5) << "step " << step;
       EXPECT_LT(weight_difference(one, *run), 1e-5);
