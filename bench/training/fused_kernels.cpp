@@ -2,7 +2,7 @@
 // LibTorch math they replace, forward + backward, on the shapes of the bench models. Fused and
 // unfused alternate round by round, so a slow spell of the host hits both; each row prints the
 // median of its rounds' time ratios fused / unfused (below 1: the fused kernel is faster).
-//   build/bin/fused_kernels_bench [rounds] [threads]  (run with GOMP_SPINCOUNT=10000
+//   build/bin/fused_kernels_bench [rounds] [threads] [name filter]  (run with GOMP_SPINCOUNT=10000
 //   OPENBLAS_THREAD_TIMEOUT=20, as the tessera binary runs, to measure what a step sees)
 #include <algorithm>
 #include <chrono>
@@ -51,13 +51,86 @@ Row linear_cross_entropy_row(const std::string& name, std::int64_t rows, std::in
   return {name, fused, unfused, repeats};
 }
 
+/// Forward and backward of `outputs` with fixed upstream gradients (what a step does with them).
+void backward(const std::vector<at::Tensor>& outputs, const std::vector<at::Tensor>& grads) {
+  torch::autograd::backward(outputs, grads);
+}
+
+/// LlamaRMSNorm as the llama computes it unfused (fused_rms_norm = false), with the residual add
+/// before it when `residual`.
+Row rms_norm_row(const std::string& name, std::int64_t rows, std::int64_t hidden, at::ScalarType dtype, bool residual,
+                 int repeats) {
+  auto x = leaf({rows, hidden}, dtype), delta = leaf({rows, hidden}, dtype), w = leaf({hidden}, dtype);
+  auto dy = at::randn({rows, hidden}).to(dtype), dh = at::randn({rows, hidden}).to(dtype);
+  const double eps = 1e-6;
+  Step fused = [=] {
+    if (!residual) return backward({tessera::toolkit::rms_norm(x, w, eps)}, {dy});
+    auto [h, y] = tessera::toolkit::add_rms_norm(x, delta, w, eps);
+    backward({h, y}, {dh, dy});
+  };
+  Step unfused = [=] {
+    const at::Tensor h = residual ? x + delta : x;
+    at::Tensor f = h.to(at::kFloat);
+    f = f * at::rsqrt(f.pow(2).mean(-1, /*keepdim=*/true) + eps);
+    const at::Tensor y = w * f.to(dtype);
+    if (residual) backward({h, y}, {dh, dy});
+    else backward({y}, {dy});
+  };
+  return {name, fused, unfused, repeats};
+}
+
+at::Tensor rotate_half(const at::Tensor& x) {
+  const std::int64_t half = x.size(-1) / 2;
+  return at::cat({-x.narrow(-1, half, half), x.narrow(-1, 0, half)}, -1);
+}
+
+/// Hugging Face's apply_rotary_pos_emb on q [B, Hq, T, D] and k [B, Hkv, T, D].
+Row rotary_row(const std::string& name, std::int64_t B, std::int64_t Hq, std::int64_t Hkv, std::int64_t T,
+               std::int64_t D, at::ScalarType dtype, int repeats) {
+  auto q = leaf({B, Hq, T, D}, dtype), k = leaf({B, Hkv, T, D}, dtype);
+  const at::Tensor angles = at::arange(T, at::kFloat).unsqueeze(1) * at::rand({D / 2});
+  const at::Tensor emb = at::cat({angles, angles}, -1);
+  const at::Tensor c = emb.cos().to(dtype), sn = emb.sin().to(dtype);
+  auto gq = at::randn({B, Hq, T, D}).to(dtype), gk = at::randn({B, Hkv, T, D}).to(dtype);
+  Step fused = [=] {
+    auto [oq, ok] = tessera::toolkit::rotary_embedding(q, k, c, sn);
+    backward({oq, ok}, {gq, gk});
+  };
+  Step unfused = [=] { backward({q * c + rotate_half(q) * sn, k * c + rotate_half(k) * sn}, {gq, gk}); };
+  return {name, fused, unfused, repeats};
+}
+
+/// The llama's MLP gate, silu(gate) * up.
+Row swiglu_row(const std::string& name, std::int64_t rows, std::int64_t width, at::ScalarType dtype, int repeats) {
+  auto gate = leaf({rows, width}, dtype), up = leaf({rows, width}, dtype);
+  auto dy = at::randn({rows, width}).to(dtype);
+  Step fused = [=] { backward({tessera::toolkit::swiglu(gate, up)}, {dy}); };
+  Step unfused = [=] { backward({at::silu(gate) * up}, {dy}); };
+  return {name, fused, unfused, repeats};
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   const int rounds = argc > 1 ? std::atoi(argv[1]) : 7;
   if (argc > 2) at::set_num_threads(std::atoi(argv[2]));
+  // [filter]: only the rows whose name contains it.
+  const std::string filter = argc > 3 ? argv[3] : "";
   at::manual_seed(0);
   std::vector<Row> rows;
+  // The shapes of configs/llama-fortunes.toml's steps (16 x 128 tokens, 256 wide, 4 heads of 64,
+  // 2 KV heads, MLP 688) and of a 1B Llama's per-rank slice (4 x 512 tokens, 2048 wide, 32 heads of
+  // 64, 8 KV heads, MLP 5632).
+  for (at::ScalarType dtype : {at::kFloat, at::kBFloat16}) {
+    const std::string t = dtype == at::kFloat ? "fp32" : "bf16";
+    rows.push_back(rms_norm_row("RMSNorm 2048 x 256, " + t, 2048, 256, dtype, false, 20));
+    rows.push_back(rms_norm_row("add+RMSNorm 2048 x 256, " + t, 2048, 256, dtype, true, 20));
+    rows.push_back(rms_norm_row("add+RMSNorm 2048 x 2048, " + t, 2048, 2048, dtype, true, 4));
+    rows.push_back(rotary_row("rotary q 16x4x128x64, k 16x2x128x64, " + t, 16, 4, 2, 128, 64, dtype, 20));
+    rows.push_back(rotary_row("rotary q 4x32x512x64, k 4x8x512x64, " + t, 4, 32, 8, 512, 64, dtype, 2));
+    rows.push_back(swiglu_row("SwiGLU 2048 x 688, " + t, 2048, 688, dtype, 10));
+    rows.push_back(swiglu_row("SwiGLU 2048 x 5632, " + t, 2048, 5632, dtype, 2));
+  }
   rows.push_back(linear_cross_entropy_row("linear+CE llama vocab 128256, 2048 x 64, fp32", 2048, 64, 128256, at::kFloat, 1));
   rows.push_back(linear_cross_entropy_row("linear+CE llama vocab 128256, 2048 x 64, bf16", 2048, 64, 128256, at::kBFloat16, 1));
   rows.push_back(linear_cross_entropy_row("linear+CE gpt vocab 256, 4096 x 384, fp32", 4096, 384, 256, at::kFloat, 10));
@@ -65,6 +138,7 @@ int main(int argc, char** argv) {
   std::printf("%-56s %8s %8s %8s   (median of %d rounds; threads %d)\n", "kernel, shape", "fused s", "unfused", "ratio",
               rounds, at::get_num_threads());
   for (const Row& row : rows) {
+    if (row.name.find(filter) == std::string::npos) continue;
     row.fused();  // warm-up: allocator, BLAS pools
     row.unfused();
     std::vector<double> ratios, fused, unfused;

@@ -3,6 +3,8 @@
 // gradients. Tolerances: fp32 1e-5 relative to the largest magnitude (the same sums in another
 // order); bf16 3e-2 (the fused kernels round once where the chain of ops rounds at every op, a
 // few of bf16's 2^-8 steps apart).
+#include <limits>
+
 #include <gtest/gtest.h>
 
 #include <functional>
@@ -155,8 +157,17 @@ TEST(FusedSwiGLU, EqualsSiluTimesUp) {
                 [&](const Tensors& in) { return Tensors{at::silu(in[0]) * in[1]}; },
                 {strided, randn({21, 131}, 15).to(dtype)}, tolerance(dtype));
   }
-  at::Tensor extreme = at::tensor({-200.0f, -90.0f, -20.0f, 0.0f, 20.0f, 90.0f, 200.0f});
+  // Saturated gates, on both sides of where the kernel's sigmoid takes its exact 0 and 1 (below
+  // -87, above 88), repeated past a vector's lanes; values and gradients; NaN stays NaN.
+  at::Tensor extreme = at::tensor({-1e30f, -200.0f, -90.0f, -87.5f, -86.5f, -20.0f, 0.0f, 20.0f, 87.5f, 88.5f, 90.0f,
+                                   200.0f, 1e30f})
+                           .repeat({3});
   expect_close(tk::swiglu(extreme, at::ones_like(extreme)), at::silu(extreme), 1e-6, "saturated gates");
+  expect_same([&](const Tensors& in) { return Tensors{tk::swiglu(in[0], in[1])}; },
+              [&](const Tensors& in) { return Tensors{at::silu(in[0]) * in[1]}; },
+              {extreme.clamp(-200, 200), randn({39}, 16)}, tolerance(at::kFloat));
+  const at::Tensor nan = tk::swiglu(at::full({16}, std::numeric_limits<float>::quiet_NaN()), at::ones({16}));
+  EXPECT_TRUE(nan.isnan().all().item<bool>()) << nan;
 }
 
 // Other dtypes run the unfused math itself.

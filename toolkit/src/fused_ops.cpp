@@ -51,18 +51,44 @@ inline float rounded(float v) {  // v as T would hold it (round to nearest even 
 }
 
 template <typename T>
-void load(const T* src, float* dst, std::int64_t n) {
+inline __attribute__((always_inline)) void load(const T* src, float* dst, std::int64_t n) {
 #pragma omp simd
   for (std::int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]);
 }
 template <typename T>
-void store(const float* src, T* dst, std::int64_t n) {
+inline __attribute__((always_inline)) void store(const float* src, T* dst, std::int64_t n) {
 #pragma omp simd
   for (std::int64_t i = 0; i < n; ++i) dst[i] = static_cast<T>(src[i]);
 }
 
 /// Rows per task: about 32K elements.
 std::int64_t grain(std::int64_t width) { return std::max<std::int64_t>(1, 32768 / std::max<std::int64_t>(width, 1)); }
+
+// Each kernel's loops are compiled twice, chosen at run time: for the baseline's SSE2 (the
+// toolkit's target) and for AVX2 + FMA where the CPU has them, as ATen dispatches its own
+// kernels. The loop bodies are always_inline lambdas, inlined into (and so compiled for) each
+// target; SSE2 alone left SwiGLU below ATen's silu (its exp's dependent chain) and bf16 rows at par.
+bool has_avx2_fma() {
+  static const bool has = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  return has;
+}
+template <typename Body>
+__attribute__((target("avx2,fma"))) void run_avx2(const Body& body, std::int64_t begin, std::int64_t end) {
+  body(begin, end);
+}
+template <typename Body>
+void run_baseline(const Body& body, std::int64_t begin, std::int64_t end) {
+  body(begin, end);
+}
+/// at::parallel_for over [0, n) of `body` (an always_inline lambda) in the CPU's best build.
+template <typename Body>
+void parallel_kernel(std::int64_t n, std::int64_t grain_size, const Body& body) {
+  const bool avx2 = has_avx2_fma();
+  at::parallel_for(0, n, grain_size, [&](std::int64_t begin, std::int64_t end) {
+    if (avx2) run_avx2(body, begin, end);
+    else run_baseline(body, begin, end);
+  });
+}
 
 // --- RMSNorm ------------------------------------------------------------------------------------
 
@@ -76,7 +102,7 @@ at::Tensor rms_norm_reference(const at::Tensor& x, const at::Tensor& weight, dou
 /// y = w * round_In(h * rstd) per row of h [rows, D]; rstd [rows] out.
 template <typename In, typename Out>
 void rms_forward_kernel(const In* h, const float* w, Out* y, float* rstd, std::int64_t rows, std::int64_t D, float eps) {
-  at::parallel_for(0, rows, grain(D), [&](std::int64_t begin, std::int64_t end) {
+  parallel_kernel(rows, grain(D), [&](std::int64_t begin, std::int64_t end) __attribute__((always_inline)) {
     std::vector<float> row(static_cast<std::size_t>(D));
     float* b = row.data();
     for (std::int64_t r = begin; r < end; ++r) {
@@ -97,7 +123,7 @@ void rms_forward_kernel(const In* h, const float* w, Out* y, float* rstd, std::i
 template <typename In, typename Out>
 void rms_backward_kernel(const Out* dy, const In* h, const float* w, const float* rstd, const In* dh_extra, In* dh,
                          float* dw_partial, std::int64_t rows, std::int64_t D) {
-  at::parallel_for(0, rows, grain(D), [&](std::int64_t begin, std::int64_t end) {
+  parallel_kernel(rows, grain(D), [&](std::int64_t begin, std::int64_t end) __attribute__((always_inline)) {
     std::vector<float> buffers(static_cast<std::size_t>(3 * D));
     float *hb = buffers.data(), *gb = hb + D, *eb = gb + D;
     float* dw = dw_partial + static_cast<std::int64_t>(at::get_thread_num()) * D;
@@ -230,7 +256,7 @@ template <typename In, typename Out>
 void rotary_kernel(const In* x, at::IntArrayRef sizes, at::IntArrayRef strides, const float* c, const float* s, Out* out,
                    bool backward) {
   const std::int64_t B = sizes[0], H = sizes[1], T = sizes[2], D = sizes[3], half = D / 2;
-  at::parallel_for(0, B * H * T, grain(D), [&](std::int64_t begin, std::int64_t end) {
+  parallel_kernel(B * H * T, grain(D), [&](std::int64_t begin, std::int64_t end) __attribute__((always_inline)) {
     std::vector<float> row(static_cast<std::size_t>(2 * D));
     float *xb = row.data(), *ob = xb + D;
     for (std::int64_t r = begin; r < end; ++r) {
@@ -310,12 +336,12 @@ class RotaryFunction : public torch::autograd::Function<RotaryFunction> {
 // --- SwiGLU -------------------------------------------------------------------------------------
 
 /// e^x for x in [-87, 88] (Cephes' expf: range reduction by ln 2, degree-5 polynomial, within
-/// 2 ulp), branch-free so that the loops around it vectorise.
-inline float exp_approx(float x) {
-  x = std::min(std::max(x, -87.0f), 88.0f);
-  const float t = x * 1.44269504088896341f;
-  const int n = static_cast<int>(t + (t >= 0.f ? 0.5f : -0.5f));
-  const float fn = static_cast<float>(n);
+/// 2 ulp), branch-free so that the loops around it vectorise: n = round(x / ln 2) by adding and
+/// taking away 1.5 x 2^23, and only the exponent n clamped (to the normal floats'). Clamping x
+/// itself made GCC split the loop on the clamped cases, a second division per element: 3x slower.
+inline __attribute__((always_inline)) float exp_approx(float x) {
+  constexpr float kRound = 12582912.0f;  // 1.5 x 2^23: a float there has no fraction bits
+  const float fn = (x * 1.44269504088896341f + kRound) - kRound;
   const float r = (x - fn * 0.693359375f) + fn * 2.12194440e-4f;
   float p = 1.9875691500E-4f;
   p = p * r + 1.3981999507E-3f;
@@ -324,15 +350,26 @@ inline float exp_approx(float x) {
   p = p * r + 1.6666665459E-1f;
   p = p * r + 5.0000001201E-1f;
   p = p * r * r + r + 1.0f;
+  std::int32_t n = static_cast<std::int32_t>(fn);
+  n = n < -126 ? -126 : n;
+  n = n > 127 ? 127 : n;
   const std::int32_t bits = (n + 127) << 23;
   float scale;
   std::memcpy(&scale, &bits, sizeof scale);
   return p * scale;
 }
 
+/// 1 / (1 + e^-g): exact 1 above 88 and 0 below -87 (where e^-g leaves exp_approx's range), NaN
+/// for NaN.
+inline __attribute__((always_inline)) float sigmoid(float g) {
+  float s = 1.f / (1.f + exp_approx(-g));
+  s = g > 88.f ? 1.f : s;
+  return g < -87.f ? 0.f : s;
+}
+
 template <typename G, typename U, typename Out>
 void swiglu_forward_kernel(const G* gate, const U* up, Out* y, std::int64_t n) {
-  at::parallel_for(0, n, 16384, [&](std::int64_t begin, std::int64_t end) {
+  parallel_kernel(n, 16384, [&](std::int64_t begin, std::int64_t end) __attribute__((always_inline)) {
     constexpr std::int64_t kBlock = 1024;
     float gb[kBlock], ub[kBlock];
     for (std::int64_t i0 = begin; i0 < end; i0 += kBlock) {
@@ -340,7 +377,7 @@ void swiglu_forward_kernel(const G* gate, const U* up, Out* y, std::int64_t n) {
       load(gate + i0, gb, m);
       load(up + i0, ub, m);
 #pragma omp simd
-      for (std::int64_t i = 0; i < m; ++i) gb[i] = gb[i] / (1.f + exp_approx(-gb[i])) * ub[i];
+      for (std::int64_t i = 0; i < m; ++i) gb[i] = gb[i] * sigmoid(gb[i]) * ub[i];
       store(gb, y + i0, m);
     }
   });
@@ -348,7 +385,7 @@ void swiglu_forward_kernel(const G* gate, const U* up, Out* y, std::int64_t n) {
 
 template <typename G, typename U, typename D>
 void swiglu_backward_kernel(const D* dy, const G* gate, const U* up, G* dgate, U* dup, std::int64_t n) {
-  at::parallel_for(0, n, 16384, [&](std::int64_t begin, std::int64_t end) {
+  parallel_kernel(n, 16384, [&](std::int64_t begin, std::int64_t end) __attribute__((always_inline)) {
     constexpr std::int64_t kBlock = 1024;
     float db[kBlock], gb[kBlock], ub[kBlock];
     for (std::int64_t i0 = begin; i0 < end; i0 += kBlock) {
@@ -358,7 +395,7 @@ void swiglu_backward_kernel(const D* dy, const G* gate, const U* up, G* dgate, U
       load(up + i0, ub, m);
 #pragma omp simd
       for (std::int64_t i = 0; i < m; ++i) {
-        const float g = gb[i], s = 1.f / (1.f + exp_approx(-g)), d = db[i];
+        const float g = gb[i], s = sigmoid(g), d = db[i];
         gb[i] = d * ub[i] * s * (1.f + g * (1.f - s));  // d/dg silu(g) u
         ub[i] = d * g * s;                              // silu(g)
       }
