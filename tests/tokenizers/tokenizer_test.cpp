@@ -290,9 +290,13 @@ TEST(HuggingFaceTokenizer, EqualsTheTokenizersLibraryTokenForToken) {
   fs::remove_all(dir);
 }
 
+// Texts that spell special tokens (the corpus's inserted "<s>", Llama 2's chat format) encode
+// them as their ids, as Hugging Face's tokenizers do, not as their characters.
 TEST(SentencePieceTokenizer, EqualsPythonSentencePieceOnModelsTesseraTrains) {
   const fs::path dir = fresh_dir("spm_tokenizers");
-  const auto texts = corpus();
+  auto texts = corpus();
+  texts.push_back("<s>[INST] What is a riddle? [/INST] A question.</s><s>[INST] And?[/INST]");
+  texts.push_back("<unk></s> x <s></s>");
   write_file(dir / "corpus.json", json(texts).dump());
   std::string inputs;
   for (const auto& file : fortune_files()) inputs += " " + quote(file.string());
@@ -337,6 +341,10 @@ TEST(SentencePieceTokenizer, EqualsPythonSentencePieceOnModelsTesseraTrains) {
       }
     }
     EXPECT_EQ(failures, 0) << "of " << texts.size() << " texts";
+    const auto chat = tokenizer->encode(texts[texts.size() - 2]);
+    ASSERT_GE(chat.size(), 2u);
+    EXPECT_EQ(chat.front(), 1) << "<s> spelled out, not BOS";
+    EXPECT_EQ(std::count(chat.begin(), chat.end(), 2), 1) << "</s> spelled out, not EOS";
 
     // The command line gives the same ids and text.
     const auto cli = run_tessera("tokenizer encode --tokenizer " + quote(out.string()) +

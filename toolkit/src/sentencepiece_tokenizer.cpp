@@ -3,6 +3,7 @@
 // namespace: see [Note: SentencePiece in its own namespace] in sentencepiece_shim.h.
 #include <dlfcn.h>
 
+#include <algorithm>
 #include <exception>
 #include <filesystem>
 
@@ -75,23 +76,34 @@ class SentencePieceTokenizer final : public Tokenizer {
     TESSERA_CHECK(size_ > 0, "SentencePiece model ", source, " has an empty vocabulary");
     int unk = -1;
     shim_.special_ids(model_, &bos_, &eos_, &pad_, &unk);
+    for (int id = 0; id < size_; ++id)
+      if (shim_.is_special(model_, id)) specials_.push_back({shim_.piece(model_, id), id});
+    // Longest first: at one position the longer piece wins, as in Hugging Face's trie.
+    std::stable_sort(specials_.begin(), specials_.end(),
+                     [](const Special& a, const Special& b) { return a.piece.size() > b.piece.size(); });
   }
   ~SentencePieceTokenizer() override { shim_.free(model_); }
 
+  // Hugging Face's Llama tokenizers split a text on its special tokens first, so "<s>[INST]" in a
+  // rendered chat is BOS, then "[INST]" encoded alone (SentencePiece's dummy prefix included:
+  // "▁["); SentencePiece never makes a control symbol from text and would spell "<s>" out.
   std::vector<TokenId> encode(std::string_view text, bool add_special_tokens) const override {
     check_utf8(text, source_);
-    int32_t* ids = nullptr;
-    size_t count = 0;
-    char* error = nullptr;
-    TESSERA_CHECK(shim_.encode(model_, text.data(), text.size(), &ids, &count, &error) == 0, "SentencePiece ", source_,
-                  " could not encode: ", shim_.take_error(error));
     std::vector<TokenId> out;
-    out.reserve(count + 1);
     // Llama's (and spm's --add_bos) convention: BOS first, no EOS (data prepare appends EOS per document).
     if (add_special_tokens && bos_ >= 0) out.push_back(bos_);
-    out.insert(out.end(), ids, ids + count);
-    shim_.release(ids);
-    return out;
+    for (std::size_t begin = 0;;) {
+      const Special* next = nullptr;
+      std::size_t at = text.size();
+      for (const Special& special : specials_) {
+        const std::size_t found = text.find(special.piece, begin);
+        if (found < at) at = found, next = &special;
+      }
+      encode_plain(text.substr(begin, at - begin), out);
+      if (next == nullptr) return out;
+      out.push_back(next->id);
+      begin = at + next->piece.size();
+    }
   }
 
   std::string decode(const std::vector<TokenId>& ids, bool skip_special_tokens) const override {
@@ -135,10 +147,27 @@ class SentencePieceTokenizer final : public Tokenizer {
     return id >= 0 ? std::optional<TokenId>(id) : std::nullopt;
   }
 
+  void encode_plain(std::string_view text, std::vector<TokenId>& out) const {
+    if (text.empty()) return;
+    int32_t* ids = nullptr;
+    size_t count = 0;
+    char* error = nullptr;
+    TESSERA_CHECK(shim_.encode(model_, text.data(), text.size(), &ids, &count, &error) == 0, "SentencePiece ", source_,
+                  " could not encode: ", shim_.take_error(error));
+    out.insert(out.end(), ids, ids + count);
+    shim_.release(ids);
+  }
+
+  struct Special {
+    std::string piece;  ///< its text ("<s>")
+    TokenId id;
+  };
+
   const Shim& shim_;
   TsppModel* model_ = nullptr;
   std::string source_;
   int size_ = 0, bos_ = -1, eos_ = -1, pad_ = -1;
+  std::vector<Special> specials_;  ///< control and unknown pieces, longest first
 };
 
 struct LineSource {
