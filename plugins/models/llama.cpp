@@ -117,17 +117,24 @@ void adapt_linear(torch::nn::Module& parent, const std::string& name, torch::nn:
 
 // --- modules (modeling_llama.py) ---------------------------------------------------------------
 
-/// Which of the toolkit's fused kernels the modules run ([model] fused_rms_norm, fused_rotary,
-/// fused_swiglu); each off runs the unfused math Hugging Face's modeling code writes.
+/// Where one of the toolkit's fused kernels runs ([model] fused_rms_norm, fused_rotary,
+/// fused_swiglu); elsewhere the modules run the unfused math Hugging Face's modeling code writes.
+/// A key set true or false: everywhere or nowhere. Left out: on the CPU, where each kernel is
+/// measured faster than the unfused math (docs/performance.md), not on CUDA, whose kernels have
+/// not yet run on a GPU (kernels_cuda_test, issue 63).
+enum class KernelUse { nowhere, cpu_only, everywhere };
+bool fused_on(KernelUse use, const at::Tensor& x) {
+  return use == KernelUse::everywhere || (use == KernelUse::cpu_only && x.is_cpu());
+}
 struct LlamaKernels {
-  bool rms_norm = true, rotary = true, swiglu = true;
+  KernelUse rms_norm = KernelUse::cpu_only, rotary = KernelUse::cpu_only, swiglu = KernelUse::cpu_only;
 };
 
 /// RMSNorm computed in fp32, cast back to the input's dtype before the weight (LlamaRMSNorm,
 /// Qwen3RMSNorm).
 class LlamaRMSNormImpl : public torch::nn::Module {
  public:
-  LlamaRMSNormImpl(std::int64_t hidden_size, double eps, bool fused = false)
+  LlamaRMSNormImpl(std::int64_t hidden_size, double eps, KernelUse fused = KernelUse::nowhere)
       : torch::nn::Module("LlamaRMSNorm"), eps_(eps), fused_(fused) {
     weight = register_parameter("weight", at::ones({hidden_size}));
   }
@@ -135,7 +142,7 @@ class LlamaRMSNormImpl : public torch::nn::Module {
     // A q/k norm under tensor parallelism sees this rank's heads only: the weight's gradient is
     // the sum over the tp ranks' (forward identity, backward all-reduce).
     const at::Tensor w = tp ? toolkit::copy_to_tensor_parallel_region(weight, tp) : weight;
-    if (fused_) return toolkit::rms_norm(x, w, eps_);
+    if (fused_on(fused_, x)) return toolkit::rms_norm(x, w, eps_);
     at::Tensor h = x.to(at::kFloat);
     at::Tensor variance = h.pow(2).mean(-1, /*keepdim=*/true);
     h = h * at::rsqrt(variance + eps_);
@@ -143,7 +150,7 @@ class LlamaRMSNormImpl : public torch::nn::Module {
   }
   /// {x + delta, forward(x + delta)}: the residual add and the norm, one fused node when fused.
   std::pair<at::Tensor, at::Tensor> add_forward(const at::Tensor& x, const at::Tensor& delta) {
-    if (fused_) return toolkit::add_rms_norm(x, delta, weight, eps_);
+    if (fused_on(fused_, x)) return toolkit::add_rms_norm(x, delta, weight, eps_);
     at::Tensor h = x + delta;
     return {h, forward(h)};
   }
@@ -152,14 +159,14 @@ class LlamaRMSNormImpl : public torch::nn::Module {
 
  private:
   double eps_;
-  bool fused_;
+  KernelUse fused_;
 };
 TORCH_MODULE(LlamaRMSNorm);
 
 class LlamaAttentionImpl : public torch::nn::Module {
  public:
-  LlamaAttentionImpl(const LlamaConfig& c, const toolkit::CausalAttentionOptions& attention, bool fused_rotary,
-                     bool fused_rms_norm)
+  LlamaAttentionImpl(const LlamaConfig& c, const toolkit::CausalAttentionOptions& attention, KernelUse fused_rotary,
+                     KernelUse fused_rms_norm)
       : torch::nn::Module("LlamaAttention"),
         fused_rotary_(fused_rotary),
         heads_(c.num_attention_heads),
@@ -194,7 +201,7 @@ class LlamaAttentionImpl : public torch::nn::Module {
     }
     q = q.transpose(1, 2);
     k = k.transpose(1, 2);
-    if (fused_rotary_ && cos.dim() == 2) {  // the fused kernel takes one set of positions for every row
+    if (fused_on(fused_rotary_, q) && cos.dim() == 2) {  // the fused kernel takes one set of positions for every row
       std::tie(q, k) = toolkit::rotary_embedding(q, k, cos, sin);
     } else {
       q = q * cos + rotate_half(q) * sin;
@@ -233,7 +240,7 @@ class LlamaAttentionImpl : public torch::nn::Module {
     return torch::nn::AnyModule(replace_module(name, toolkit::ColumnParallelLinear(linear.get<torch::nn::LinearImpl>(), tp)));
   }
 
-  bool fused_rotary_;
+  KernelUse fused_rotary_;
   std::int64_t heads_, kv_heads_, head_dim_;
   toolkit::CausalAttentionOptions attention_;
 };
@@ -242,14 +249,14 @@ TORCH_MODULE(LlamaAttention);
 /// SwiGLU: down(silu(gate(x)) * up(x)).
 class LlamaMLPImpl : public torch::nn::Module {
  public:
-  LlamaMLPImpl(const LlamaConfig& c, bool fused_swiglu) : torch::nn::Module("LlamaMLP"), fused_swiglu_(fused_swiglu) {
+  LlamaMLPImpl(const LlamaConfig& c, KernelUse fused_swiglu) : torch::nn::Module("LlamaMLP"), fused_swiglu_(fused_swiglu) {
     gate_proj = make_linear(*this, "gate_proj", c.hidden_size, c.intermediate_size, c.mlp_bias);
     up_proj = make_linear(*this, "up_proj", c.hidden_size, c.intermediate_size, c.mlp_bias);
     down_proj = make_linear(*this, "down_proj", c.intermediate_size, c.hidden_size, c.mlp_bias);
   }
   at::Tensor forward(const at::Tensor& x) {
     at::Tensor gate = gate_proj.forward<at::Tensor>(x), up = up_proj.forward<at::Tensor>(x);
-    return down_proj.forward<at::Tensor>(fused_swiglu_ ? toolkit::swiglu(gate, up) : at::silu(gate) * up);
+    return down_proj.forward<at::Tensor>(fused_on(fused_swiglu_, gate) ? toolkit::swiglu(gate, up) : at::silu(gate) * up);
   }
   /// gate and up column-parallel, down row-parallel.
   void parallelize(const std::shared_ptr<sdk::TensorParallelGroup>& tp) {
@@ -269,7 +276,7 @@ class LlamaMLPImpl : public torch::nn::Module {
   torch::nn::AnyModule gate_proj, up_proj, down_proj;
 
  private:
-  bool fused_swiglu_;
+  KernelUse fused_swiglu_;
 };
 TORCH_MODULE(LlamaMLP);
 
@@ -471,17 +478,21 @@ class Llama final : public CausalLM<LlamaForCausalLM>, public sdk::HuggingFaceMo
     stop_ids_ = generation_eos_ids(reader.path());
     read_loss_options(o);
     read_lora(o, kLoraTargets, kLoraDefaultTargets);
-    kernels_.rms_norm = o.get_bool(
-        {"fused_rms_norm",
-         "RMSNorm as toolkit::rms_norm (one pass a row; the residual add before post_attention_layernorm fused in); "
-         "false (the default until it is measured faster): Hugging Face's chain of ops"},
-        false);
-    kernels_.rotary = o.get_bool(
-        {"fused_rotary", "the rotary embedding of q and k as toolkit::rotary_embedding (one pass); false: rotate_half"},
-        false);
-    kernels_.swiglu = o.get_bool(
-        {"fused_swiglu", "the MLP's silu(gate) * up as toolkit::swiglu (one pass, gate and up kept); false: two ops"},
-        false);
+    // Each key's default is documented as true (it runs where measured faster: the CPU); see KernelUse.
+    auto kernel = [&](const char* key, const char* doc) {
+      const bool on = o.get_bool({key, doc}, true);
+      return !o.has(key) ? KernelUse::cpu_only : on ? KernelUse::everywhere : KernelUse::nowhere;
+    };
+    kernels_.rms_norm = kernel("fused_rms_norm",
+                               "RMSNorm as toolkit::rms_norm (one pass a row; the residual add before "
+                               "post_attention_layernorm fused in); false: Hugging Face's chain of ops. Left out: "
+                               "fused on the CPU, not on CUDA (its kernels not yet run on a GPU)");
+    kernels_.rotary = kernel("fused_rotary",
+                             "the rotary embedding of q and k as toolkit::rotary_embedding (one pass); false: "
+                             "rotate_half. Left out: fused on the CPU, not on CUDA");
+    kernels_.swiglu = kernel("fused_swiglu",
+                             "the MLP's silu(gate) * up as toolkit::swiglu (one pass, gate and up kept); false: two "
+                             "ops. Left out: fused on the CPU, not on CUDA");
   }
 
   /// [model] predict = "logits": the logits [B, T, vocab_size] (fp32) of the prompts.
