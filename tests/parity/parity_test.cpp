@@ -183,6 +183,23 @@ TEST(Parity, FSDP2LlamaDeferredInit) {
   // eager single-device model's weights, so the runs train alike from step 1.
   check_parity("fsdp2", "--set strategy.deferred_init=true", "llama", 1, {2});
 }
+// The llama's fused kernels (RMSNorm with its residual add, rotary, SwiGLU: on the CPU by default)
+// train as the unfused math Hugging Face's modeling code writes, under every strategy: the same
+// losses and parameters after 6 steps (fp32; the kernels round as the ops do within ~1e-7).
+TEST(Parity, LlamaFusedKernelsTrainAsTheUnfusedMathUnderEveryStrategy) {
+  const std::string on = "--set model.fused_rms_norm=true --set model.fused_rotary=true --set model.fused_swiglu=true";
+  const std::string off =
+      "--set model.fused_rms_norm=false --set model.fused_rotary=false --set model.fused_swiglu=false";
+  for (const auto& [strategy, world] : std::vector<std::pair<std::string, int>>{
+           {"single_device", 1}, {"ddp", 2}, {"fsdp", 2}, {"fsdp2", 3}}) {
+    SCOPED_TRACE(strategy);
+    const std::string sets = "--set strategy.plugin=" + strategy + " ";
+    const auto unfused = fit(strategy + "-unfused-llama", "llama", world, sets + off);
+    const auto fused = fit(strategy + "-fused-llama", "llama", world, sets + on);
+    expect_same(unfused, fused, strategy + " fused against unfused", 2e-5);
+  }
+}
+
 // As Qwen3, whose q/k norms each tp rank applies to its own heads: their gradients are summed over
 // the tp ranks (without, q_norm's weight drifted 5e-4 from one device's in 4 steps).
 TEST(Parity, FSDP2LlamaDp2Tp2) {
