@@ -172,15 +172,14 @@ TEST(PlanVsMeasuredPeak, WithinFifteenPercentOnTheLlamaVocab128kTheShippedGptAnd
   TESSERA_SKIP_IF_ADDRESS_SANITIZER();
   const std::string dir = tessera::testing::fresh_dir("plan-measured-configs");
   const std::string llama = write_llama_vocab128k(dir);
-  const std::string shortened = kShortRun;
   const std::string gpt = shipped_config("gpt-fortunes.toml");
   const std::tuple<std::string, std::string, std::string> cases[] = {
       {"llama128k_T2048_unfused", llama, "--set model.fused_loss=false"},
       {"llama128k_T2048_fused", llama, "--set model.fused_loss=true"},
       {"llama128k_T512_unfused", llama, "--set model.fused_loss=false --set data.block_size=512"},
       {"llama128k_T512_fused", llama, "--set model.fused_loss=true --set data.block_size=512"},
-      {"gpt-fortunes_fsdp2_2", gpt, shortened},
-      {"llama-tokens_fsdp2_2", shipped_config("llama-tokens.toml"), shortened + " " + main_job_data()},
+      {"gpt-fortunes_fsdp2_2", gpt, kShortRun},
+      {"llama-tokens_fsdp2_2", shipped_config("llama-tokens.toml"), kShortRun + (" " + main_job_data())},
   };
   for (const auto& [name, config, sets] : cases) {
     const PlannedAndMeasured r = plan_and_fit(name, config, sets);

@@ -92,17 +92,21 @@ class SentencePieceTokenizer final : public Tokenizer {
     std::vector<TokenId> out;
     // Llama's (and spm's --add_bos) convention: BOS first, no EOS (data prepare appends EOS per document).
     if (add_special_tokens && bos_ >= 0) out.push_back(bos_);
+    // Each special's next occurrence, searched again only once the scan has passed it: one pass
+    // over the text per special, however many of them the text spells.
+    constexpr std::size_t none = std::string_view::npos;
+    std::vector<std::size_t> next(specials_.size());
+    for (std::size_t i = 0; i < specials_.size(); ++i) next[i] = text.find(specials_[i].piece);
     for (std::size_t begin = 0;;) {
-      const Special* next = nullptr;
-      std::size_t at = text.size();
-      for (const Special& special : specials_) {
-        const std::size_t found = text.find(special.piece, begin);
-        if (found < at) at = found, next = &special;
+      std::size_t at = none, hit = 0;
+      for (std::size_t i = 0; i < specials_.size(); ++i) {
+        if (next[i] != none && next[i] < begin) next[i] = text.find(specials_[i].piece, begin);
+        if (next[i] < at) at = next[i], hit = i;  // strict: the longer piece at one position
       }
-      encode_plain(text.substr(begin, at - begin), out);
-      if (next == nullptr) return out;
-      out.push_back(next->id);
-      begin = at + next->piece.size();
+      encode_plain(text.substr(begin, (at == none ? text.size() : at) - begin), out);
+      if (at == none) return out;
+      out.push_back(specials_[hit].id);
+      begin = at + specials_[hit].piece.size();
     }
   }
 
