@@ -6,9 +6,13 @@
 #include <gtest/gtest.h>
 
 #if defined(__SANITIZE_ADDRESS__)
+/// An instrumented build runs a few times slower: a wall-clock bound in a test (a budget that
+/// must refuse "at once") is multiplied by it, as ctest's limits are by TESSERA_TEST_TIMEOUT_SCALE.
+inline constexpr int kSanitizerSlowdown = 4;
 #define TESSERA_SKIP_IF_ADDRESS_SANITIZER()                                                                   \
   GTEST_SKIP() << "SKIPPED: built with AddressSanitizer, whose shadow memory and allocator change what this " \
                   "test measures (bash .ci/run runs it)"
 #else
+inline constexpr int kSanitizerSlowdown = 1;
 #define TESSERA_SKIP_IF_ADDRESS_SANITIZER() static_cast<void>(0)
 #endif
