@@ -48,6 +48,16 @@ namespace {
 constexpr double kGlooBackstopS = 10.0;
 constexpr double kNcclExtraTimeoutS = 30.0;
 
+/// A channel that a communicator abandons after a timeout (its worker may still sit in the
+/// collective, and the destructor would join it): kept until the process exits, never destroyed,
+/// and reachable from here, so that LeakSanitizer's check at exit does not count it.
+void abandon(std::unique_ptr<detail::CollectiveChannel> channel) {
+  static std::mutex mutex;
+  static auto* kept = new std::vector<detail::CollectiveChannel*>;
+  const std::lock_guard<std::mutex> lock(mutex);
+  kept->push_back(channel.release());
+}
+
 std::int64_t bytes_of(const at::Tensor& t) { return t.numel() * static_cast<std::int64_t>(t.element_size()); }
 
 /// What the Monitor may keep of a collective that the stream waits for: c10d's NCCL work copied
@@ -174,7 +184,7 @@ class C10dCommunicator final : public Communicator {
     // in the collective, and their destructors would join them: leave them to the process's exit.
     if (shared().poisoned) {
       (void)backend_.release();
-      (void)channel_.release();
+      abandon(std::move(channel_));
     } else {
       shut_down();
     }
