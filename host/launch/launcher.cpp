@@ -336,6 +336,7 @@ std::optional<int> launch_or_join(const LaunchSettings& settings, const std::str
     std::int64_t time_ms;
   };
   std::vector<Failed> failed;
+  std::vector<Failed> stopped;  // ended by the launcher's stop: in the report if it had reported a failure
   std::vector<bool> done(local, false);
   std::int64_t remaining = local;
   int exit_code = 0;
@@ -365,7 +366,10 @@ std::optional<int> launch_or_join(const LaunchSettings& settings, const std::str
       done[i] = true;
       --remaining;
       if (WIFEXITED(status) && WEXITSTATUS(status) == 0) continue;
-      if (stopping) continue;  // stopped by us: not a root cause
+      if (stopping) {  // stopped by us: not a root cause
+        stopped.push_back({settings.node_rank * local + i, pids[i], status, core::wall_ms()});
+        continue;
+      }
       if (i == 0) pump(0);     // rank 0's last words are in the pipe
       failed.push_back({settings.node_rank * local + i, pids[i], status, core::wall_ms()});
       if (!settling) {
@@ -468,6 +472,10 @@ std::optional<int> launch_or_join(const LaunchSettings& settings, const std::str
     std::vector<const Failed*> others;
     for (const Failed& f : failed)
       if (&f != root) others.push_back(&f);
+    // A rank that reported its failure but had not exited when the settle period ended (a slow
+    // exit: a large process's teardown, a sanitizer's leak check) is one of them too.
+    for (const Failed& f : stopped)
+      if (records.count(f.rank)) others.push_back(&f);
     std::stable_sort(others.begin(), others.end(),
                      [&](const Failed* x, const Failed* y) { return time_of(*x) < time_of(*y); });
     for (const Failed* f : others) {
