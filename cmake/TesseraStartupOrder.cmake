@@ -7,9 +7,10 @@
 # executables' first dependencies moves them to the front of that list (~35 passed a lookup).
 #
 # Measured, not guessed: a probe linked to LibTorch runs under LD_DEBUG=bindings, which says where
-# each lookup ended; the order is used only if a probe linked with it binds every symbol
-# reference to the same library as before (no definition changes hands: jemalloc's malloc, one
-# BLAS). The C and C++ runtimes keep their place (tessera links jemalloc ahead of them). Only
+# each lookup ended; the order is used only once a probe linked with it binds every reference to
+# a strong definition where it bound before (jemalloc's malloc, LibTorch's BLAS), weak ones
+# (C++ inline code, a copy in each library) to any copy. The C and C++ runtimes keep their
+# place (tessera links jemalloc ahead of them). Only
 # libraries in the loader's default folders are named (an installed binary finds them as the
 # probe did). Left out: sanitizer builds (their runtime must come first), non-glibc systems.
 option(TESSERA_STARTUP_ORDER "Order the executables' libraries for a faster start (measured at configure time)" ON)
