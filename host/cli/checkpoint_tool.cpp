@@ -27,7 +27,7 @@ namespace {
 
 namespace fs = std::filesystem;
 
-constexpr const char* kToolUsage = R"(usage:
+constexpr const char* kCheckpointUsage = R"(usage:
   tessera checkpoint inspect PATH                    summary: step, world size, tensors, sizes
   tessera checkpoint verify PATH                     every checksum (exit 1 naming the damaged file)
   tessera checkpoint export PATH --to FILE.safetensors|FILE.ckpt
@@ -242,7 +242,7 @@ int checkpoint_tool(int argc, char** argv) {
   try {
     for (std::size_t i = 0; i < words.size(); ++i) {
       const std::string& w = words[i];
-      if (w == "--help" || w == "-h") return std::cout << kToolUsage, 0;
+      if (w == "--help" || w == "-h") return std::cout << kCheckpointUsage, 0;
       if (w == "--dry-run") {
         dry_run = true;
         continue;
@@ -293,7 +293,7 @@ int checkpoint_tool(int argc, char** argv) {
       }
     }
   } catch (const sdk::Error& e) {
-    std::cerr << "tessera checkpoint: " << e.what() << "\n\n" << kToolUsage;
+    std::cerr << "tessera checkpoint: " << e.what() << "\n\n" << kCheckpointUsage;
     return 2;
   }
   try {

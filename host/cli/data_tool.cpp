@@ -34,6 +34,7 @@
 
 #include "cli/corpus_files.hpp"
 #include "cli/prepare_pipeline.hpp"
+#include "cli/trained_data.hpp"
 
 namespace tessera::host {
 
@@ -260,14 +261,6 @@ void read_documents(const fs::path& file, const Settings& s,
   flush();
 }
 
-fs::path tokenizer_file(const fs::path& path) {
-  std::error_code ec;
-  if (!fs::is_directory(path, ec)) return path;
-  for (const char* name : {"tokenizer.json", "tokenizer.model"})  // load_tokenizer's order
-    if (fs::is_regular_file(path / name, ec)) return path / name;
-  return path;
-}
-
 /// What the output was (or is being) prepared from: a rerun resumes only the same preparation.
 json plan_of(const Settings& s, const std::vector<fs::path>& files, const std::string& tokenizer_hash) {
   json inputs = json::array();
@@ -304,7 +297,7 @@ class Preparation {
 
   int run() {
     tokenizer_ = toolkit::load_tokenizer(s_.tokenizer);
-    const fs::path tokenizer_path = tokenizer_file(s_.tokenizer);
+    const fs::path tokenizer_path = tokenizer_file(s_.tokenizer).value_or(fs::path(s_.tokenizer));
     const std::optional<toolkit::TokenId> eos = tokenizer_->eos_id();
     TESSERA_CHECK(eos.has_value(), "--tokenizer ", s_.tokenizer, ": the tokenizer has no EOS token, which prepare ",
                   "appends after every document");

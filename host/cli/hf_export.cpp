@@ -32,9 +32,7 @@ namespace tessera::host {
 namespace {
 
 namespace fs = std::filesystem;
-using json = nlohmann::ordered_json;
-
-constexpr const char* kRunConfig = "config.toml";  // what each run folder keeps (Trainer)
+using ordered_json = nlohmann::ordered_json;  // config.json keeps its keys in order
 
 }  // namespace
 
@@ -83,9 +81,9 @@ std::string model_config_json(const std::string& config_path, at::ScalarType dty
   TESSERA_CHECK(hf != nullptr, "model '", name, "' (", config_path, ") does not implement sdk::HuggingFaceModel: its ",
                 "tensor names and configuration are not Hugging Face's, so no Hugging Face folder describes it; ",
                 "export its weights with --to FILE.safetensors instead");
-  json out;
+  ordered_json out;
   try {
-    out = json::parse(hf->hf_config_json());
+    out = ordered_json::parse(hf->hf_config_json());
   } catch (const std::exception& e) {
     TESSERA_FAIL("model '", name, "': hf_config_json() is not JSON: ", e.what());
   }
@@ -101,15 +99,15 @@ std::string generation_config_json(const std::string& run_config, const std::str
     std::ifstream in(source, std::ios::binary);
     const std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
     try {
-      TESSERA_CHECK(json::parse(text).is_object(), source.string(), " is not a JSON object");
-    } catch (const json::exception& e) {
+      TESSERA_CHECK(ordered_json::parse(text).is_object(), source.string(), " is not a JSON object");
+    } catch (const ordered_json::exception& e) {
       TESSERA_FAIL(source.string(), " (the model's generation config, copied by the export) is not JSON: ", e.what());
     }
     std::cout << "copied " << source.string() << "\n";
     return text;
   }
-  const json config = json::parse(config_json);
-  json out = {{"_from_model_config", true}};
+  const ordered_json config = ordered_json::parse(config_json);
+  ordered_json out = {{"_from_model_config", true}};
   for (const char* key : {"bos_token_id", "eos_token_id", "pad_token_id"})
     if (config.contains(key) && !config.at(key).is_null()) out[key] = config.at(key);
   return out.dump(2);
@@ -307,8 +305,8 @@ void export_peft(const HfExportRequest& request) {
   });
   // LoraConfig's fields as PEFT writes them (to_dict), those Tessera computes with set, the
   // others at PEFT's defaults.
-  json config;
-  config["base_model_name_or_path"] = lora->base_model.empty() ? json() : json(lora->base_model);
+  ordered_json config;
+  config["base_model_name_or_path"] = lora->base_model.empty() ? ordered_json() : ordered_json(lora->base_model);
   config["bias"] = "none";
   config["fan_in_fan_out"] = false;
   config["inference_mode"] = true;

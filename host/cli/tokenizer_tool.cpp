@@ -28,7 +28,7 @@ namespace tessera::host {
 namespace {
 namespace fs = std::filesystem;
 
-constexpr const char* kToolUsage = R"(usage:
+constexpr const char* kTokenizerUsage = R"(usage:
   tessera tokenizer train --input FILE|DIR... --vocab-size N --type bpe|unigram --output DIR
                           [--max-sentences N] [--character-coverage F] [--byte-fallback]
   tessera tokenizer encode --tokenizer T [--add-special-tokens] (--text STRING | FILE...)
@@ -339,13 +339,13 @@ int run(const Options& o) {
 int tokenizer_tool(int argc, char** argv) {
   const std::vector<std::string> words(argv + 1, argv + argc);
   for (const auto& w : words) {
-    if (w == "--help" || w == "-h") return std::cout << kToolUsage, 0;
+    if (w == "--help" || w == "-h") return std::cout << kTokenizerUsage, 0;
   }
   Options options;
   try {
     options = parse(words);
   } catch (const sdk::Error& e) {
-    std::cerr << "tessera tokenizer: " << e.what() << "\n\n" << kToolUsage;
+    std::cerr << "tessera tokenizer: " << e.what() << "\n\n" << kTokenizerUsage;
     return 2;
   }
   try {

@@ -15,27 +15,12 @@ namespace {
 
 namespace fs = std::filesystem;
 
-constexpr const char* kRunConfig = "config.toml";  // what each run folder keeps (Trainer)
-
 /// save_pretrained's tokenizer files (fast and slow tokenizers, chat templates), the model files aside.
 const std::vector<std::string>& tokenizer_file_names() {
   static const std::vector<std::string> names = {
       "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model", "added_tokens.json",
       "vocab.json",     "merges.txt",            "vocab.txt",               "chat_template.jinja", "chat_template.json"};
   return names;
-}
-
-/// The file a tokenizer path stands for: a folder's tokenizer.json, else its tokenizer.model
-/// (toolkit::load_tokenizer's order), or the file itself.
-std::optional<fs::path> tokenizer_file(const fs::path& path) {
-  std::error_code ec;
-  if (fs::is_directory(path, ec)) {
-    for (const char* name : {"tokenizer.json", "tokenizer.model"})
-      if (fs::is_regular_file(path / name, ec)) return path / name;
-    return std::nullopt;
-  }
-  if (fs::is_regular_file(path, ec)) return path;
-  return std::nullopt;
 }
 
 /// What the ids of a [data] section mean: `hash` tells two apart ("" when unknown).
@@ -89,6 +74,17 @@ std::string option_string(const sdk::Options& options, const std::string& key) {
 }
 
 }  // namespace
+
+std::optional<fs::path> tokenizer_file(const fs::path& path) {
+  std::error_code ec;
+  if (fs::is_directory(path, ec)) {
+    for (const char* name : {"tokenizer.json", "tokenizer.model"})
+      if (fs::is_regular_file(path / name, ec)) return path / name;
+    return std::nullopt;
+  }
+  if (fs::is_regular_file(path, ec)) return path;
+  return std::nullopt;
+}
 
 std::string run_config_of_checkpoint(const std::string& checkpoint) {
   if (checkpoint.empty()) return "";

@@ -87,21 +87,6 @@ class TextWindows final : public sdk::Dataset {
   std::int64_t block_size_, stride_;
 };
 
-/// One batch of one sample: the encoded prompt.
-class Prompt final : public sdk::Dataset {
- public:
-  explicit Prompt(const std::string& text) : text_(text) {}
-  std::int64_t size() const override { return 1; }
-  sdk::Batch get_batch(const std::vector<std::int64_t>&) const override {
-    at::Tensor bytes = at::empty({1, static_cast<std::int64_t>(text_.size())}, at::kByte);
-    std::memcpy(bytes.data_ptr(), text_.data(), text_.size());
-    return sdk::Batch{bytes.to(at::kLong), {}};
-  }
-
- private:
-  std::string text_;
-};
-
 class Text final : public sdk::DataModule {
  public:
   explicit Text(const sdk::Options& o)
@@ -157,7 +142,10 @@ class Text final : public sdk::DataModule {
   std::shared_ptr<sdk::Dataset> train_dataset() override { return train_; }
   std::shared_ptr<sdk::Dataset> val_dataset() override { return val_; }
   std::shared_ptr<sdk::Dataset> test_dataset() override { return test_; }  // null without test_fraction
-  std::shared_ptr<sdk::Dataset> predict_dataset() override { return std::make_shared<Prompt>(prompt_); }
+  std::shared_ptr<sdk::Dataset> predict_dataset() override {  // the prompt's bytes are its ids
+    const at::Tensor bytes = at::from_blob(prompt_.data(), {1, static_cast<std::int64_t>(prompt_.size())}, at::kByte);
+    return std::make_shared<PromptDataset>(bytes.to(at::kLong));
+  }
 
   std::string describe_prediction(const sdk::Batch&, const at::Tensor& output) const override {
     at::Tensor tokens = output.to(at::kLong).clamp(0, 255).to(at::kByte).cpu().contiguous();

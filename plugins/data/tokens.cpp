@@ -269,21 +269,6 @@ class Blend final : public sdk::Dataset, public sdk::LargeDataset {
   std::int64_t total_ = 0;
 };
 
-/// One sample: the encoded prompt (text, or a conversation rendered with the generation prompt).
-class Prompt final : public sdk::Dataset {
- public:
-  explicit Prompt(std::vector<toolkit::TokenId> ids) : ids_(std::move(ids)) {}
-  std::int64_t size() const override { return 1; }
-  sdk::Batch get_batch(const std::vector<std::int64_t>&) const override {
-    at::Tensor input = at::empty({1, static_cast<std::int64_t>(ids_.size())}, at::kLong);
-    std::copy(ids_.begin(), ids_.end(), input.data_ptr<std::int64_t>());
-    return sdk::Batch{input, {}};
-  }
-
- private:
-  std::vector<toolkit::TokenId> ids_;
-};
-
 class Tokens final : public sdk::DataModule, public sdk::TokenVocabulary {
  public:
   explicit Tokens(const sdk::Options& o)
@@ -552,7 +537,8 @@ class Tokens final : public sdk::DataModule, public sdk::TokenVocabulary {
       ids = tokenizer_->encode(prompt_, /*add_special_tokens=*/false);
       TESSERA_CHECK(!ids.empty(), options_.locate("prompt"), " = \"", prompt_, "\" encodes to no token");
     }
-    prompt_dataset_ = std::make_shared<Prompt>(std::move(ids));
+    prompt_dataset_ = std::make_shared<PromptDataset>(
+        at::tensor(std::vector<std::int64_t>(ids.begin(), ids.end()), at::kLong).unsqueeze(0));
   }
 
   /// [data] prompt_messages rendered with the generation prompt by the tokenizer folder's template.

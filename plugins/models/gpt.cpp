@@ -39,8 +39,8 @@ constexpr std::int64_t kByteVocab = 256;  // the default: bytes (the `text` data
 /// The Linear modules of a Block that [model.lora] target_modules may name: the fused q/k/v
 /// projection `attn`, the attention output `proj`, the MLP's `fc` and `fc_proj` (GPT-2's c_attn,
 /// c_proj, c_fc, mlp.c_proj); PEFT's default for GPT-2 is its fused c_attn, so `attn` here.
-const std::vector<std::string> kLoraTargets{"attn", "proj", "fc", "fc_proj"};
-const std::vector<std::string> kLoraDefaultTargets{"attn"};
+const std::vector<std::string> kGptLoraTargets{"attn", "proj", "fc", "fc_proj"};
+const std::vector<std::string> kGptLoraDefaultTargets{"attn"};
 
 struct GPTConfig {
   std::int64_t n_layer, n_head, n_embd, block_size;
@@ -80,7 +80,7 @@ class BlockImpl : public torch::nn::Module {
     return h + dropout(fc_proj.forward<at::Tensor>(F::gelu(fc.forward<at::Tensor>(ln_2(h)))));
   }
 
-  /// LoRA on the targeted Linear modules (kLoraTargets' names); `matched` gains each one applied.
+  /// LoRA on the targeted Linear modules (kGptLoraTargets' names); `matched` gains each one applied.
   void add_lora(const toolkit::LoraOptions& lora, std::vector<std::string>& matched) {
     for (auto [name, linear] : {std::pair{"attn", &attn}, {"proj", &proj}, {"fc", &fc}, {"fc_proj", &fc_proj}}) {
       const auto& targets = lora.target_modules;
@@ -152,7 +152,7 @@ class GPTNetImpl : public torch::nn::Module {
     if (lora) {  // before the draws: the adapters are initialised with the rest
       std::vector<std::string> matched;
       for (auto& block : units) block->add_lora(*lora, matched);
-      toolkit::check_lora_targets_matched(*lora, matched, kLoraTargets);
+      toolkit::check_lora_targets_matched(*lora, matched, kGptLoraTargets);
       toolkit::mark_only_lora_as_trainable(*this);
     }
     for (auto& item : named_parameters()) init_parameter(item.key(), item.value(), c.n_layer, init_seed);
@@ -251,7 +251,7 @@ class GPT final : public CausalLM<GPTNet> {
                        true)),
         n_head_key_(o.locate("n_head")) {
     read_loss_options(o);
-    read_lora(o, kLoraTargets, kLoraDefaultTargets);
+    read_lora(o, kGptLoraTargets, kGptLoraDefaultTargets);
     TESSERA_CHECK(config_.n_embd % config_.n_head == 0, o.locate("n_embd"), " = ", config_.n_embd,
                   " must be divisible by n_head = ", config_.n_head, " (",
                   o.locate("n_head"), ")");

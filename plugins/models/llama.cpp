@@ -43,8 +43,8 @@ namespace {
 
 /// The Linear modules [model.lora] target_modules may name (PEFT's names for LlamaForCausalLM),
 /// and PEFT's default for the llama family (TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING).
-const std::vector<std::string> kLoraTargets{"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"};
-const std::vector<std::string> kLoraDefaultTargets{"q_proj", "v_proj"};
+const std::vector<std::string> kLlamaLoraTargets{"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"};
+const std::vector<std::string> kLlamaLoraDefaultTargets{"q_proj", "v_proj"};
 
 // --- rotary embeddings (modeling_rope_utils.py) ------------------------------------------------
 
@@ -342,7 +342,7 @@ class LlamaForCausalLMImpl : public torch::nn::Module {
         layer->self_attn->add_lora(*lora, matched);
         layer->mlp->add_lora(*lora, matched);
       }
-      toolkit::check_lora_targets_matched(*lora, matched, kLoraTargets);
+      toolkit::check_lora_targets_matched(*lora, matched, kLlamaLoraTargets);
       toolkit::mark_only_lora_as_trainable(*this);
     }
     for (auto& item : named_parameters()) init_parameter(item.key(), item.value(), c, seed);
@@ -477,7 +477,7 @@ class Llama final : public CausalLM<LlamaForCausalLM>, public sdk::HuggingFaceMo
     heads_key_ = reader.where("num_key_value_heads");
     stop_ids_ = generation_eos_ids(reader.path());
     read_loss_options(o);
-    read_lora(o, kLoraTargets, kLoraDefaultTargets);
+    read_lora(o, kLlamaLoraTargets, kLlamaLoraDefaultTargets);
     // Each key's default is documented as true (it runs where measured faster: the CPU); see KernelUse.
     auto kernel = [&](const char* key, const char* doc) {
       const bool on = o.get_bool({key, doc}, true);

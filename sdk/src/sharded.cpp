@@ -1,38 +1,25 @@
 #include "tessera/sdk/sharded.hpp"
 
-#include <mutex>
-#include <unordered_map>
-
 #include <torch/csrc/autograd/grad_mode.h>
+
+#include "module_registry.hpp"
 
 namespace tessera::sdk {
 
 ShardedModel::~ShardedModel() = default;
 
 namespace {
-struct Registry {
-  std::mutex mutex;
-  std::unordered_map<const torch::nn::Module*, std::shared_ptr<ShardedModel>> models;
-};
-Registry& registry() {
-  static Registry instance;
+detail::ModuleRegistry<ShardedModel>& models() {
+  static detail::ModuleRegistry<ShardedModel> instance;
   return instance;
 }
 }  // namespace
 
 void set_sharded_model(const torch::nn::Module& network, std::shared_ptr<ShardedModel> model) {
-  auto& r = registry();
-  std::lock_guard<std::mutex> lock(r.mutex);
-  if (model) r.models[&network] = std::move(model);
-  else r.models.erase(&network);
+  models().set(network, std::move(model));
 }
 
-ShardedModel* sharded_model(const torch::nn::Module& network) {
-  auto& r = registry();
-  std::lock_guard<std::mutex> lock(r.mutex);
-  auto it = r.models.find(&network);
-  return it == r.models.end() ? nullptr : it->second.get();
-}
+ShardedModel* sharded_model(const torch::nn::Module& network) { return models().find(network); }
 
 GuardPtr summon_full_params(const torch::nn::Module& network, const SummonOptions& options) {
   ShardedModel* model = sharded_model(network);

@@ -16,6 +16,7 @@
 #include <sstream>
 #include <thread>
 
+#include "multiprocess.hpp"
 #include "sanitizers.hpp"
 #include "tessera/toolkit/chat_template.hpp"
 
@@ -41,12 +42,7 @@ RenderOptions fixed_time() {
   return options;
 }
 
-std::string read_file(const fs::path& path) {
-  std::ifstream in(path, std::ios::binary);
-  std::ostringstream out;
-  out << in.rdbuf();
-  return out.str();
-}
+using tessera::testing::read_file;
 
 const fs::path kScratch = fs::temp_directory_path() / ("tessera_chat_template_test_" + std::to_string(getpid()));
 

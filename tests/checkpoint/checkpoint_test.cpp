@@ -27,17 +27,8 @@ namespace sdk = tessera::sdk;
 
 using tessera::testing::error_of;
 
-std::string read_file(const fs::path& path) {
-  std::ifstream in(path, std::ios::binary);
-  return std::string((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-}
-
-std::vector<std::string> files_in(const fs::path& dir) {
-  std::vector<std::string> names;
-  for (const auto& entry : fs::directory_iterator(dir)) names.push_back(entry.path().filename().string());
-  std::sort(names.begin(), names.end());
-  return names;
-}
+using tessera::testing::read_file;
+using tessera::testing::files_in;
 
 /// Two parameters, given gradients, stepped `steps` times.
 struct Params {

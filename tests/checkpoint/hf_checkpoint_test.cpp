@@ -35,10 +35,7 @@ using tessera::testing::run_command;
 using tessera::testing::run_dir;
 using tessera::testing::run_tessera;
 
-std::string read_text(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  return std::string((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-}
+using tessera::testing::read_file;
 
 /// hf_folder.py (an independent writer, checker and comparer); its output, exit status checked.
 std::string python(const std::string& arguments) {
@@ -161,16 +158,16 @@ TEST(HfFolder, WritesShardsAndIndexFieldByFieldReadByPython) {
   EXPECT_EQ(produced, tensors.size());
   ASSERT_EQ(out.files.size(), 3u);
   EXPECT_EQ(out.files[0], "model-00001-of-00003.safetensors");
-  EXPECT_EQ(json::parse(read_text(dir + "/hf/config.json")), json::parse(R"({"model_type":"x"})"));
+  EXPECT_EQ(json::parse(read_file(dir + "/hf/config.json")), json::parse(R"({"model_type":"x"})"));
   EXPECT_TRUE(fs::exists(dir + "/hf/generation_config.json"));
   EXPECT_FALSE(fs::exists(dir + "/hf/model.safetensors"));
 
   // Field by field, from the raw bytes (not Tessera's parser).
-  const json index = json::parse(read_text(dir + "/hf/model.safetensors.index.json"));
+  const json index = json::parse(read_file(dir + "/hf/model.safetensors.index.json"));
   std::int64_t total = 0;
   std::set<std::string> seen;
   for (const std::string& file : out.files) {
-    const std::string raw = read_text(dir + "/hf/" + file);
+    const std::string raw = read_file(dir + "/hf/" + file);
     std::uint64_t n = 0;
     std::memcpy(&n, raw.data(), 8);  // little-endian u64 (this machine is little-endian)
     ASSERT_LE(8 + n, raw.size());
@@ -257,13 +254,13 @@ TEST_P(HfRoundTrip, PythonFolderThroughFsdpAndBackBitwise) {
   ASSERT_EQ(exp.exit_code, 0) << exp.output;
   python("check " + dir + "/out");
   EXPECT_NE(python("compare " + dir + "/out " + dir + "/src").find("equal 12 tensors"), std::string::npos);
-  const json config = json::parse(read_text(dir + "/out/config.json"));
+  const json config = json::parse(read_file(dir + "/out/config.json"));
   EXPECT_EQ(config.at("model_type"), "tessera_hf_tiny");
   EXPECT_EQ(config.at("hidden_size"), 24);
   EXPECT_EQ(config.at("torch_dtype"), std::string(s.export_dtype) == "fp32"   ? "float32"
                                       : std::string(s.export_dtype) == "bf16" ? "bfloat16"
                                                                               : "float16");
-  EXPECT_EQ(json::parse(read_text(dir + "/out/generation_config.json")),
+  EXPECT_EQ(json::parse(read_file(dir + "/out/generation_config.json")),
             json::parse(has_generation ? own_generation
                                        : std::string(R"({"_from_model_config":true,"bos_token_id":1,"eos_token_id":2})")));
 }
@@ -408,7 +405,7 @@ TEST(HfImport, RefusesWhatDoesNotFitNamingIt) {
 
   // A config.json that states another size than the model's (same shapes otherwise).
   python("write " + dir + "/cfg " + kSmallPy);
-  json config = json::parse(read_text(dir + "/cfg/config.json"));
+  json config = json::parse(read_file(dir + "/cfg/config.json"));
   config["rms_norm_eps"] = 1e-5;
   std::ofstream(dir + "/cfg/config.json") << config.dump();
   out = init_from(dir + "/r4", dir + "/cfg");

@@ -35,12 +35,7 @@ std::string write_config(const std::string& dir, std::int64_t max_steps = 4) {
   return dir + "/run.toml";
 }
 
-std::string slurp(const std::string& path) {
-  std::ifstream in(path);
-  std::stringstream s;
-  s << in.rdbuf();
-  return s.str();
-}
+using tessera::testing::read_file;
 
 /// Whether any process still runs with `dir` in its command line.
 bool processes_left(const std::string& dir) {
@@ -73,7 +68,7 @@ pid_t start_fit(const std::string& dir, const std::string& config, const std::st
 bool wait_for_text(const std::string& path, const std::string& text, double seconds) {
   auto until = Clock::now() + std::chrono::duration<double>(seconds);
   while (Clock::now() < until) {
-    if (slurp(path).find(text) != std::string::npos) return true;
+    if (read_file(path).find(text) != std::string::npos) return true;
     std::this_thread::sleep_for(std::chrono::milliseconds(100));
   }
   return false;
@@ -103,7 +98,7 @@ TEST(Launcher, EveryRankLogsAndOnlyRankZeroTalks) {
   EXPECT_NE(r.output.find("launched 2 local rank(s)"), std::string::npos) << r.output;
   EXPECT_NE(r.output.find("[local]"), std::string::npos) << "the environment is printed at start\n" << r.output;
   for (int rank : {0, 1}) {
-    std::string log = slurp(dir + "/version_0/logs/rank-" + std::to_string(rank) + ".log");
+    std::string log = read_file(dir + "/version_0/logs/rank-" + std::to_string(rank) + ".log");
     EXPECT_NE(log.find("step"), std::string::npos) << "rank " << rank << " log:\n" << log;
   }
 }
@@ -148,22 +143,22 @@ TEST(Launcher, ExitingRankIsReportedWithItsStatusAndLogTail) {
 TEST(Launcher, InterruptStopsEveryRank) {
   std::string dir = tessera::testing::fresh_dir("launch-interrupt");
   pid_t launcher = start_fit(dir, write_config(dir, 100000), "--set launch.devices=2");
-  ASSERT_TRUE(wait_for_text(dir + "/version_0/logs/rank-1.log", "step", 90)) << slurp(dir + "/launcher.out");
+  ASSERT_TRUE(wait_for_text(dir + "/version_0/logs/rank-1.log", "step", 90)) << read_file(dir + "/launcher.out");
   auto start = Clock::now();
   ::kill(launcher, SIGTERM);
   int status = 0;
   ::waitpid(launcher, &status, 0);
   double seconds = std::chrono::duration<double>(Clock::now() - start).count();
-  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 128 + SIGTERM) << slurp(dir + "/launcher.out");
+  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 128 + SIGTERM) << read_file(dir + "/launcher.out");
   EXPECT_LT(seconds, 15);
-  EXPECT_NE(slurp(dir + "/launcher.out").find("interrupted"), std::string::npos) << slurp(dir + "/launcher.out");
+  EXPECT_NE(read_file(dir + "/launcher.out").find("interrupted"), std::string::npos) << read_file(dir + "/launcher.out");
   EXPECT_TRUE(all_gone_within(dir, 2)) << "a rank outlived the launcher";
 }
 
 TEST(Launcher, KilledLauncherLeavesNoOrphans) {
   std::string dir = tessera::testing::fresh_dir("launch-sigkill");
   pid_t launcher = start_fit(dir, write_config(dir, 100000), "--set launch.devices=2");
-  ASSERT_TRUE(wait_for_text(dir + "/version_0/logs/rank-1.log", "step", 90)) << slurp(dir + "/launcher.out");
+  ASSERT_TRUE(wait_for_text(dir + "/version_0/logs/rank-1.log", "step", 90)) << read_file(dir + "/launcher.out");
   ::kill(launcher, SIGKILL);
   ::waitpid(launcher, nullptr, 0);
   EXPECT_TRUE(all_gone_within(dir, 5)) << "ranks survived their launcher (PR_SET_PDEATHSIG)";
@@ -178,7 +173,7 @@ TEST(Launcher, TorchrunWorkerWritesTheElasticErrorFile) {
                            std::to_string(port.port()) + " TORCHELASTIC_ERROR_FILE=" + error_file,
                        120);
   EXPECT_NE(r.exit_code, 0);
-  std::string json = slurp(error_file);
+  std::string json = read_file(error_file);
   EXPECT_NE(json.find("{\"message\": {\"message\": \""), std::string::npos) << json;
   EXPECT_NE(json.find("/nonexistent"), std::string::npos) << json;
   EXPECT_NE(json.find("\"timestamp\""), std::string::npos) << json;

@@ -32,12 +32,7 @@ using Clock = std::chrono::steady_clock;
 
 #define EXPECT_CONTAINS(text, part) EXPECT_NE(std::string(text).find(part), std::string::npos) << (text)
 
-std::string slurp(const std::string& path) {
-  std::ifstream in(path);
-  std::stringstream s;
-  s << in.rdbuf();
-  return s.str();
-}
+using tessera::testing::read_file;
 
 /// A 2-layer GPT small enough to train a few steps in seconds; `extra` is appended (TOML).
 std::string write_config(const std::string& dir, std::int64_t max_steps, const std::string& strategy = "ddp",
@@ -149,7 +144,7 @@ TEST_P(BadInputs, AreRefusedBeforeWorkNamingTheKey) {
   std::string prefix = toml.rfind("plugin_dirs", 0) == 0 ? toml : "";
   std::string config = write_config(dir, 1000000, "ddp", prefix.empty() ? toml : "");
   if (!prefix.empty()) {  // a top-level key must come before the first section
-    std::string body = slurp(config);
+    std::string body = read_file(config);
     std::ofstream(config) << prefix << "\n" << body;
   }
   std::string args = c.arguments;
@@ -292,18 +287,18 @@ TEST(Hang, AStoppedRankIsNamedWithItsCollectiveWhileTheOtherWaits) {
     ::_exit(127);
   }
   auto until = Clock::now() + std::chrono::seconds(90);
-  while (Clock::now() < until && slurp(dir + "/version_0/logs/rank-1.log").find("step 1/") == std::string::npos)
+  while (Clock::now() < until && read_file(dir + "/version_0/logs/rank-1.log").find("step 1/") == std::string::npos)
     std::this_thread::sleep_for(std::chrono::milliseconds(100));
   std::this_thread::sleep_for(std::chrono::seconds(2));  // well into training: its ledger shows a unit's collective
   pid_t victim = rank_pid(launcher, 1);
-  ASSERT_GT(victim, 0) << slurp(dir + "/launcher.out");
+  ASSERT_GT(victim, 0) << read_file(dir + "/launcher.out");
   ASSERT_EQ(::kill(victim, SIGSTOP), 0);
   auto start = Clock::now();
   int status = 0;
   while (::waitpid(launcher, &status, WNOHANG) == 0 && Clock::now() - start < std::chrono::seconds(60))
     std::this_thread::sleep_for(std::chrono::milliseconds(100));
   double seconds = std::chrono::duration<double>(Clock::now() - start).count();
-  std::string out = slurp(dir + "/launcher.out");
+  std::string out = read_file(dir + "/launcher.out");
   ::kill(victim, SIGKILL);
   ASSERT_LT(seconds, 60) << "the job did not stop\n" << out;
   EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) != 0) << out;
@@ -394,7 +389,7 @@ TEST_P(Anomaly, ANaNInOneUnitsGradientOnOneRankIsNamedByUnitAndParameterOnEveryR
   const std::string sharded_origin = "unit 'blocks.1', parameter 'blocks.1.attn.weight' (1 NaN, 0 Inf of 768";
   const std::string origin = strategy == "ddp" ? "parameter 'blocks.1.attn.weight' (1 NaN, 0 Inf of 768" : sharded_origin;
   for (int rank : {0, 1}) {
-    const std::string log = slurp(dir + "/version_0/logs/rank-" + std::to_string(rank) + ".log");
+    const std::string log = read_file(dir + "/version_0/logs/rank-" + std::to_string(rank) + ".log");
     EXPECT_CONTAINS(log, "step 3 ([trainer] detect_anomaly)");
     EXPECT_CONTAINS(log, "it appeared first in backward in " + origin);
     EXPECT_CONTAINS(log, "1 parameter(s) have non-finite gradients");
@@ -415,7 +410,7 @@ TEST(Anomaly, StepsTheGradScalerSkipsAreCountedAndReportedNotFailures) {
   EXPECT_CONTAINS(r.output, "step 3: the grad scaler skipped the optimizer step (inf/NaN gradients); loss scale now "
                             "32768, 1 step(s) skipped so far");
   EXPECT_CONTAINS(r.output, "step 4/4");
-  EXPECT_CONTAINS(slurp(tessera::testing::run_dir(dir) + "/metrics.csv"), "skipped_steps");
+  EXPECT_CONTAINS(read_file(tessera::testing::run_dir(dir) + "/metrics.csv"), "skipped_steps");
 }
 
 // ---------------------------------------------------------------- Open MPI's real mpirun

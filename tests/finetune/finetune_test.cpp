@@ -32,12 +32,7 @@ const std::string kConfig = TESSERA_SOURCE_DIR "/configs/llama-finetune-hf.toml"
 const std::string kReference = "/usr/bin/python3 " TESSERA_SOURCE_DIR "/tests/finetune/finetune_reference.py";
 const std::string kPrompt = "The meaning of life is";  // the shipped config's [data] prompt
 
-std::string read_file(const fs::path& path) {
-  std::ifstream in(path, std::ios::binary);
-  std::ostringstream out;
-  out << in.rdbuf();
-  return out.str();
-}
+using tessera::testing::read_file;
 
 /// The Hugging Face folder, its corpus prepared into token shards, and the --set flags that point
 /// the shipped config at them (as docs/llama.md's commands do), made once per test process.

@@ -33,12 +33,7 @@ using Clock = std::chrono::steady_clock;
 #define EXPECT_CONTAINS(text, part) EXPECT_NE(std::string(text).find(part), std::string::npos) << (text)
 #define EXPECT_LACKS(text, part) EXPECT_EQ(std::string(text).find(part), std::string::npos) << (text)
 
-std::string slurp(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  std::stringstream s;
-  s << in.rdbuf();
-  return s.str();
-}
+using tessera::testing::read_file;
 
 /// A 2-layer GPT that trains a few steps in seconds on fortunes; `extra` is appended (TOML).
 std::string write_config(const std::string& dir, std::int64_t max_steps, const std::string& extra = "") {
@@ -130,9 +125,9 @@ TEST(RankLogs, ARequeueKeepsTheCrashedAttemptsLogs) {
   EXPECT_CONTAINS(crash.output, "last lines of " + dir + "/version_0/logs/rank-1.log");
   auto requeue = run_tessera("fit --config " + config + " --ckpt-path last --set launch.devices=2", "", 120);
   ASSERT_EQ(requeue.exit_code, 0) << requeue.output;
-  const std::string crashed = slurp(dir + "/version_0/logs/rank-1.log");
+  const std::string crashed = read_file(dir + "/version_0/logs/rank-1.log");
   EXPECT_CONTAINS(crashed, "fault injection: rank 1 exit at step 2");
-  const std::string resumed = slurp(dir + "/version_1/logs/rank-1.log");
+  const std::string resumed = read_file(dir + "/version_1/logs/rank-1.log");
   EXPECT_CONTAINS(resumed, "step 4/4");
   EXPECT_LACKS(resumed, "fault injection");
   EXPECT_LACKS(crashed, "step 4/4");
@@ -298,7 +293,7 @@ TEST(Resume, AutoGoesOnFromTheNewestCheckpointThatVerifies) {
   const std::string config = write_config(dir, 3, "[callbacks.model_checkpoint]\nevery_n_train_steps = 1\n"
                                                   "save_top_k = -1\nsave_last = false\n");
   {  // the callback's own section replaces [trainer] checkpoint_every_n_steps
-    std::string text = slurp(config);
+    std::string text = read_file(config);
     text.erase(text.find("checkpoint_every_n_steps = 1\n"), 29);
     std::ofstream(config) << text;
   }
@@ -311,7 +306,7 @@ TEST(Resume, AutoGoesOnFromTheNewestCheckpointThatVerifies) {
     file.seekp(static_cast<std::streamoff>(fs::file_size(newest) / 2));
     file.write("\x7f\x7f\x7f\x7f\x7f\x7f\x7f\x7f\x7f\x7f\x7f\x7f\x7f\x7f\x7f\x7f", 16);
   }
-  const std::string damaged = slurp(newest);
+  const std::string damaged = read_file(newest);
   ASSERT_NE(run_tessera("checkpoint verify " + newest, "", 60).exit_code, 0) << "the damage must be detectable";
   auto last = run_tessera("fit --config " + config + " --ckpt-path last --set trainer.max_steps=4", "", 120);
   EXPECT_NE(last.exit_code, 0) << "an explicit --ckpt-path last is that checkpoint or an error\n" << last.output;
@@ -320,7 +315,7 @@ TEST(Resume, AutoGoesOnFromTheNewestCheckpointThatVerifies) {
   EXPECT_CONTAINS(resumed.output, "resume = \"auto\": passed over a checkpoint that does not verify (it is kept): " + newest);
   EXPECT_CONTAINS(resumed.output, "resume = \"auto\": resuming from " + previous + ", the newest checkpoint that verifies");
   EXPECT_CONTAINS(resumed.output, "step 3/4");  // the previous save was step 2's: steps 3 and 4 train again
-  EXPECT_EQ(slurp(newest), damaged) << "the damaged save was changed";
+  EXPECT_EQ(read_file(newest), damaged) << "the damaged save was changed";
 }
 
 // A loss that turns NaN/Inf (here an absurd learning rate) stops the run before the optimizer
@@ -360,7 +355,7 @@ TEST(Validation, MetricsAreWeightedByBatchSize) {
   auto validate = run_tessera("validate --config " + dir + "/run.toml --ckpt-path last", "", 120);
   ASSERT_EQ(validate.exit_code, 0) << validate.output;
   const auto val = tessera::testing::metric_series(dir + "/version_1/metrics.csv", "validate", "val_loss");
-  ASSERT_EQ(val.size(), 1u) << slurp(dir + "/version_1/metrics.csv");
+  ASSERT_EQ(val.size(), 1u) << read_file(dir + "/version_1/metrics.csv");
   const std::string script = dir + "/reference.py";
   std::ofstream(script) << "import gzip, struct, sys, torch\n"
                            "sys.path.insert(0, '" TESSERA_TEST_SUPPORT_DIR "')\n"

@@ -30,12 +30,7 @@ using Clock = std::chrono::steady_clock;
 #define EXPECT_CONTAINS(text, part) EXPECT_NE(std::string(text).find(part), std::string::npos) << (text)
 #define EXPECT_LACKS(text, part) EXPECT_EQ(std::string(text).find(part), std::string::npos) << (text)
 
-std::string slurp(const std::string& path) {
-  std::ifstream in(path);
-  std::stringstream s;
-  s << in.rdbuf();
-  return s.str();
-}
+using tessera::testing::read_file;
 
 constexpr int kPort = 29400;  // each pair of hosts has its own network: no other test can hold it
 
@@ -170,12 +165,12 @@ TEST_P(Parity, TwoHostsOfTwoRanksTrainAsFourRanksOnOneHost) {
   // would have failed to connect across the hosts).
   const auto reference = losses(one), across = losses(two);
   ASSERT_EQ(reference.size(), 3u) << single.output;
-  ASSERT_EQ(across.size(), 3u) << a.output << slurp(two + "/version_0/logs/rank-2.log");
+  ASSERT_EQ(across.size(), 3u) << a.output << read_file(two + "/version_0/logs/rank-2.log");
   // metrics.csv keeps 8 digits: equal there (a wrong reduction or shard is off by far more).
   for (const auto& [step, loss] : reference)
     EXPECT_NEAR(across.at(step), loss, 1e-6 * std::abs(loss)) << layout.name << " step " << step;
   // Each group names its path in the log: across hosts Gloo binds the link's address.
-  EXPECT_CONTAINS(slurp(two + "/version_0/logs/rank-2.log"), "collectives: Gloo over " + hosts_.address(1));
+  EXPECT_CONTAINS(read_file(two + "/version_0/logs/rank-2.log"), "collectives: Gloo over " + hosts_.address(1));
 }
 
 INSTANTIATE_TEST_SUITE_P(
@@ -213,11 +208,11 @@ TEST_P(TwoLevelParity, TwoHostsMatchOneHostAndRepeatTheirBits) {
     ASSERT_EQ(across.size(), 3u) << a.output;
     for (const auto& [step, loss] : reference)
       EXPECT_NEAR(across.at(step), loss, 1e-5 * std::abs(loss)) << layout.name << " step " << step;
-    EXPECT_CONTAINS(slurp(two + "/version_0/logs/rank-2.log"), layout.path);
+    EXPECT_CONTAINS(read_file(two + "/version_0/logs/rank-2.log"), layout.path);
   }
-  EXPECT_EQ(slurp(runs[0] + "/version_0/metrics.csv"), slurp(runs[1] + "/version_0/metrics.csv"));
-  const std::string weights[2] = {slurp(runs[0] + "/version_0/checkpoints/last.ckpt"),
-                                  slurp(runs[1] + "/version_0/checkpoints/last.ckpt")};
+  EXPECT_EQ(read_file(runs[0] + "/version_0/metrics.csv"), read_file(runs[1] + "/version_0/metrics.csv"));
+  const std::string weights[2] = {read_file(runs[0] + "/version_0/checkpoints/last.ckpt"),
+                                  read_file(runs[1] + "/version_0/checkpoints/last.ckpt")};
   ASSERT_FALSE(weights[0].empty());
   EXPECT_TRUE(weights[0] == weights[1]) << "the two runs' checkpoints differ";
 }
@@ -283,7 +278,7 @@ std::pair<CommandResult, CommandResult> lose_host(const TwoHosts& hosts, const s
   });
   auto until = Clock::now() + std::chrono::seconds(120);
   while (Clock::now() < until && job.wait_for(std::chrono::milliseconds(200)) != std::future_status::ready &&
-         !std::regex_search(slurp(dir + "/version_0/logs/rank-3.log"), std::regex("step [3-9]")))
+         !std::regex_search(read_file(dir + "/version_0/logs/rank-3.log"), std::regex("step [3-9]")))
     ;
   auto start = Clock::now();
   strike();
@@ -337,7 +332,7 @@ TEST(Restart, AJobWhoseRankDiesIsRestartedByTorchrunAndEndsWithTheUninterruptedL
     // One thread per rank under both launchers (torchrun sets OMP_NUM_THREADS=1, tessera's
     // launcher cores / ranks): the same sums in the same order, bit for bit.
     std::string path = write_config(dir, 8, "plugin = \"ddp\"", "[launch]\nnum_threads = 1\n");
-    std::string text = slurp(path);
+    std::string text = read_file(path);
     text.replace(text.find("[logger]\nversion = \"0\"\n"), 23, "");
     text.replace(text.find("[trainer]\n"), 10, "[trainer]\nresume = \"auto\"\ncheckpoint_every_n_steps = 2\n");
     std::ofstream(path) << text;
@@ -387,7 +382,7 @@ TEST_F(OnTwoHosts, AnElasticJobThatLosesAHostGoesOnWithTheOtherFromTheShardedChe
   auto config = [&](const std::string& dir) {
     std::string path = write_config(dir, 30, "plugin = \"fsdp2\"\nstate_dict_type = \"sharded\"",
                                     "[checkpoint_io]\nplugin = \"distributed\"\n[launch]\nnum_threads = 1\n");
-    std::string text = slurp(path);
+    std::string text = read_file(path);
     text.replace(text.find("[logger]\nversion = \"0\"\n"), 23, "");
     text.replace(text.find("[trainer]\n"), 10, "[trainer]\nresume = \"auto\"\ncheckpoint_every_n_steps = 2\n");
     std::ofstream(path) << text;
@@ -404,13 +399,13 @@ TEST_F(OnTwoHosts, AnElasticJobThatLosesAHostGoesOnWithTheOtherFromTheShardedChe
   // Host b goes once the four ranks have committed a few sharded saves.
   auto until = Clock::now() + std::chrono::seconds(150);
   while (Clock::now() < until && job.wait_for(std::chrono::milliseconds(200)) != std::future_status::ready &&
-         !std::regex_search(slurp(dir + "/version_0/logs/rank-3.log"), std::regex("step (7|8|9|1[0-9])")))
+         !std::regex_search(read_file(dir + "/version_0/logs/rank-3.log"), std::regex("step (7|8|9|1[0-9])")))
     ;
   hosts_.kill_all(1);
   auto [a, b] = job.get();
   ASSERT_EQ(a.exit_code, 0) << "host a:\n" << a.output << "\nhost b:\n" << b.output;
   // The restarted attempt is a run of its own, of two ranks, resumed from a four-rank save.
-  const std::string log = slurp(dir + "/version_1/logs/rank-0.log");
+  const std::string log = read_file(dir + "/version_1/logs/rank-0.log");
   EXPECT_CONTAINS(log, "2 rank(s)");
   std::smatch restored;
   ASSERT_TRUE(std::regex_search(log, restored, std::regex("restored (\\S+)"))) << log << a.output;

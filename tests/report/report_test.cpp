@@ -25,12 +25,7 @@ namespace fs = std::filesystem;
 using tessera::testing::run_command;
 using tessera::testing::run_tessera;
 
-std::string read_file(const fs::path& path) {
-  std::ifstream in(path, std::ios::binary);
-  std::ostringstream out;
-  out << in.rdbuf();
-  return out.str();
-}
+using tessera::testing::read_file;
 
 struct Runs {
   fs::path root, second, page;

@@ -9,6 +9,7 @@
 #include <functional>
 #include <map>
 #include <string>
+#include <vector>
 
 #include <ATen/core/Tensor.h>
 
@@ -56,6 +57,11 @@ std::string fresh_dir(const std::string& name);
 /// Removes a test's folder and what it holds (core::remove_tree: std::filesystem::remove_all
 /// crashes on a folder where a pip wheel's LibTorch is linked).
 void remove_dir(const std::filesystem::path& path);
+
+/// A file's bytes ("" when it cannot be read).
+std::string read_file(const std::filesystem::path& path);
+/// The names of what a folder holds, sorted.
+std::vector<std::string> files_in(const std::filesystem::path& dir);
 
 /// The named tensors of a checkpoint's state_dict.
 std::map<std::string, at::Tensor> checkpoint_state(const std::string& path);

@@ -1,5 +1,7 @@
 #include "two_hosts.hpp"
 
+#include "multiprocess.hpp"
+
 #include <signal.h>
 #include <sys/prctl.h>
 #include <sys/wait.h>
@@ -25,12 +27,7 @@ std::string quote(const std::string& text) {
   return out + "'";
 }
 
-std::string slurp(const std::string& path) {
-  std::ifstream in(path);
-  std::stringstream s;
-  s << in.rdbuf();
-  return s.str();
-}
+using tessera::testing::read_file;
 
 /// Runs `command`; "" when it succeeded, else what it said.
 std::string must(const std::string& command) {
@@ -102,7 +99,7 @@ TwoHosts::TwoHosts() : tag_(std::to_string(::getpid())) {
       std::this_thread::sleep_for(std::chrono::milliseconds(20));
     if (!fs::exists(ready))
       why_not_ = "host " + name(h) + " could not be made (unshare --uts --mount, a tmpfs on /dev/shm): " +
-                 slurp(dir_ + "/holder-" + std::to_string(h) + ".log");
+                 read_file(dir_ + "/holder-" + std::to_string(h) + ".log");
   }
   if (why_not_.empty()) {
     CommandResult check = run_command(on(1, "hostname; getent hosts " + name(0)) + " 2>&1");
@@ -143,8 +140,8 @@ std::pair<CommandResult, CommandResult> TwoHosts::run_both(const std::string& a,
   run_command("( " + t + on(0, a) + " > " + out + "-0.out 2>&1; echo $? > " + out + "-0.rc ) & ( " + t + on(1, b) +
               " > " + out + "-1.out 2>&1; echo $? > " + out + "-1.rc ) & wait");
   auto result = [&](int h) {
-    std::string rc = slurp(out + "-" + std::to_string(h) + ".rc");
-    return CommandResult{rc.empty() ? -1 : std::stoi(rc), slurp(out + "-" + std::to_string(h) + ".out")};
+    std::string rc = read_file(out + "-" + std::to_string(h) + ".rc");
+    return CommandResult{rc.empty() ? -1 : std::stoi(rc), read_file(out + "-" + std::to_string(h) + ".out")};
   };
   return {result(0), result(1)};
 }

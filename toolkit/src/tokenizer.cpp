@@ -4,6 +4,7 @@
 #include <sstream>
 
 #include "tessera/sdk/error.hpp"
+#include "read_file.hpp"
 
 namespace tessera::toolkit {
 namespace fs = std::filesystem;
@@ -12,13 +13,7 @@ Tokenizer::~Tokenizer() = default;
 
 namespace {
 
-std::string read_file(const fs::path& path) {
-  std::ifstream in(path, std::ios::binary);
-  TESSERA_CHECK(in, "cannot read tokenizer file ", path.string());
-  std::ostringstream bytes;
-  bytes << in.rdbuf();
-  return bytes.str();
-}
+using detail::read_file;
 
 fs::path file_in_directory(const fs::path& dir) {
   for (const char* name : {"tokenizer.json", "tokenizer.model"}) {

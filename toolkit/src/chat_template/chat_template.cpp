@@ -9,6 +9,7 @@
 #include "chat_template/lexer.hpp"
 #include "chat_template/parser.hpp"
 #include "chat_template/render.hpp"
+#include "read_file.hpp"
 
 namespace tessera::toolkit {
 namespace {
@@ -39,13 +40,7 @@ nlohmann::ordered_json parse_json(const std::string& text, const std::string& fi
   }
 }
 
-std::string read_file(const std::filesystem::path& path) {
-  std::ifstream in(path, std::ios::binary);
-  TESSERA_CHECK(in, "cannot read ", path.string());
-  std::ostringstream bytes;
-  bytes << in.rdbuf();
-  return bytes.str();
-}
+using detail::read_file;
 
 jinja::Value converted(const nlohmann::ordered_json& j, const std::string& what) {
   try {
