@@ -1,15 +1,20 @@
 # Build helpers shared by the in-tree targets. The installed SDK ships its own copy of
 # tessera_add_plugin() (sdk/cmake/TesseraSDKConfig.cmake.in) for out-of-tree plugins.
 
-# Reuse the project's precompiled LibTorch header (default visibility). It is compiled with
-# -fPIC; GCC refuses it for -fPIE code, so executables compile as -fPIC too (same code).
+# Reuse the project's precompiled LibTorch header (default visibility): tessera_pch, or the one
+# a folder names in TESSERA_TORCH_PCH (tests/: compiled at the tests' -O level, which GCC
+# requires). It is compiled with -fPIC; GCC refuses it for -fPIE code, so executables compile as
+# -fPIC too (same code).
 function(tessera_use_torch_pch target)
   get_target_property(type ${target} TYPE)
   if(type STREQUAL "EXECUTABLE")
     set_target_properties(${target} PROPERTIES POSITION_INDEPENDENT_CODE OFF)
     target_compile_options(${target} PRIVATE -fPIC)
   endif()
-  target_precompile_headers(${target} REUSE_FROM tessera_pch)
+  if(NOT TESSERA_TORCH_PCH)
+    set(TESSERA_TORCH_PCH tessera_pch)
+  endif()
+  target_precompile_headers(${target} REUSE_FROM ${TESSERA_TORCH_PCH})
 endfunction()
 
 # tessera_add_plugin(<name> SOURCES a.cpp ...) builds lib<name>.so as a MODULE into the
