@@ -20,7 +20,8 @@ case "$1" in
   providers)
     bindings "$2" "$3" | awk '{print $3}' | LC_ALL=C sort | uniq -c | sort -rn | awk '{print $2}' ;;
   same)
-    bindings "$2" "$4" > "$4.a"
+    # probe-a's bindings once for all rounds (kept while newer than probe-a)
+    [ -s "$4.a" ] && [ "$4.a" -nt "$2" ] || bindings "$2" "$4" > "$4.a"
     bindings "$3" "$4" > "$4.b"
     [ -s "$4.a" ] && [ -s "$4.b" ] || exit 1
     # "<symbol> <library before> <library after>" for each reference that binds elsewhere now
