@@ -1,6 +1,14 @@
 # Build helpers shared by the in-tree targets. The installed SDK ships its own copy of
 # tessera_add_plugin() (sdk/cmake/TesseraSDKConfig.cmake.in) for out-of-tree plugins.
 
+# A precompiled LibTorch header (TESSERA_PCH_HEADERS) as the object library `name`, compiled
+# with the flags of the folder that adds it.
+function(tessera_add_torch_pch name)
+  add_library(${name} OBJECT "${PROJECT_SOURCE_DIR}/cmake/pch.cpp")
+  target_link_libraries(${name} PUBLIC ${TORCH_LIBRARIES} OpenMP::OpenMP_CXX)
+  target_precompile_headers(${name} PUBLIC ${TESSERA_PCH_HEADERS})
+endfunction()
+
 # Reuse the project's precompiled LibTorch header (default visibility): tessera_pch, or the one
 # a folder names in TESSERA_TORCH_PCH (tests/: compiled at the tests' -O level, which GCC
 # requires). It is compiled with -fPIC; GCC refuses it for -fPIE code, so executables compile as

@@ -26,10 +26,7 @@ namespace {
 namespace fs = std::filesystem;
 using namespace tessera::testing;
 
-using tessera::testing::read_file;
-using tessera::testing::files_in;
 void write_file(const fs::path& path, const std::string& bytes) { std::ofstream(path, std::ios::binary) << bytes; }
-
 
 class ShardedFormat : public ::testing::Test {
  protected:
