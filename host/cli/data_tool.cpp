@@ -297,7 +297,7 @@ class Preparation {
 
   int run() {
     tokenizer_ = toolkit::load_tokenizer(s_.tokenizer);
-    const fs::path tokenizer_path = tokenizer_file(s_.tokenizer).value_or(fs::path(s_.tokenizer));
+    const fs::path tokenizer_path = toolkit::tokenizer_file(s_.tokenizer).value_or(fs::path(s_.tokenizer));
     const std::optional<toolkit::TokenId> eos = tokenizer_->eos_id();
     TESSERA_CHECK(eos.has_value(), "--tokenizer ", s_.tokenizer, ": the tokenizer has no EOS token, which prepare ",
                   "appends after every document");

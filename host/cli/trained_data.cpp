@@ -8,6 +8,7 @@
 #include "checkpoint/huggingface.hpp"
 #include "tessera/sdk/error.hpp"
 #include "tessera/toolkit/token_shards.hpp"
+#include "tessera/toolkit/tokenizer.hpp"
 
 namespace tessera::host {
 
@@ -33,7 +34,7 @@ Vocabulary vocabulary_of(const std::string& plugin, const std::string& tokenizer
   if (plugin == "text") return {"[data] plugin = \"text\" (byte ids, 0-255)", "bytes"};
   if (plugin != "tokens") return {"[data] plugin = \"" + plugin + "\"", ""};
   if (!tokenizer.empty())
-    if (std::optional<fs::path> file = tokenizer_file(tokenizer))
+    if (std::optional<fs::path> file = toolkit::tokenizer_file(tokenizer))
       return {"[data] plugin = \"tokens\" with the tokenizer " + file->string(), toolkit::xxh64_file(*file)};
   std::error_code ec;
   if (!path.empty() && fs::is_regular_file(fs::path(path) / toolkit::kManifestName, ec)) {
@@ -75,17 +76,6 @@ std::string option_string(const sdk::Options& options, const std::string& key) {
 
 }  // namespace
 
-std::optional<fs::path> tokenizer_file(const fs::path& path) {
-  std::error_code ec;
-  if (fs::is_directory(path, ec)) {
-    for (const char* name : {"tokenizer.json", "tokenizer.model"})
-      if (fs::is_regular_file(path / name, ec)) return path / name;
-    return std::nullopt;
-  }
-  if (fs::is_regular_file(path, ec)) return path;
-  return std::nullopt;
-}
-
 std::string run_config_of_checkpoint(const std::string& checkpoint) {
   if (checkpoint.empty()) return "";
   std::error_code ec;
@@ -113,7 +103,7 @@ std::string trained_data_warning(const Config& config, const std::string& checkp
                             string_at(root, "data", "path"));
     trained_where = "checkpoint " + checkpoint + " was trained (" + run_config + ") on ";
   } else if (const fs::path folder = hf_folder_of(config.trainer.init_from); checkpoint.empty() && !folder.empty()) {
-    if (std::optional<fs::path> file = tokenizer_file(folder)) {
+    if (std::optional<fs::path> file = toolkit::tokenizer_file(folder)) {
       trained = {"the ids of its tokenizer " + file->string(), toolkit::xxh64_file(*file)};
       trained_where = "the weights of [trainer] init_from = \"" + config.trainer.init_from + "\" come with ";
     }

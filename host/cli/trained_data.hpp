@@ -14,10 +14,6 @@ namespace tessera::host {
 /// The configuration each run folder keeps (Trainer writes it beside checkpoints/).
 inline constexpr const char* kRunConfig = "config.toml";
 
-/// The file a tokenizer path stands for: a folder's tokenizer.json, else its tokenizer.model
-/// (toolkit::load_tokenizer's order), or the file itself; nullopt when there is none.
-std::optional<std::filesystem::path> tokenizer_file(const std::filesystem::path& path);
-
 /// The run folder's config.toml of a checkpoint inside one (RUN/checkpoints/CKPT, or a `last`
 /// link there), or "" when it is not in a run folder.
 std::string run_config_of_checkpoint(const std::string& checkpoint);

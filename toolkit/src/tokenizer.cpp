@@ -15,21 +15,24 @@ namespace {
 
 using detail::read_file;
 
-fs::path file_in_directory(const fs::path& dir) {
-  for (const char* name : {"tokenizer.json", "tokenizer.model"}) {
-    if (fs::is_regular_file(dir / name)) return dir / name;
-  }
-  TESSERA_FAIL("tokenizer directory ", dir.string(),
-               " holds neither tokenizer.json (Hugging Face) nor tokenizer.model (SentencePiece)");
-}
-
 }  // namespace
+
+std::optional<fs::path> tokenizer_file(const fs::path& path) {
+  std::error_code ec;
+  if (!fs::is_directory(path, ec)) return fs::is_regular_file(path, ec) ? std::optional(path) : std::nullopt;
+  for (const char* name : {"tokenizer.json", "tokenizer.model"})
+    if (fs::is_regular_file(path / name, ec)) return path / name;
+  return std::nullopt;
+}
 
 std::unique_ptr<Tokenizer> load_tokenizer(const fs::path& given) {
   TESSERA_CHECK(fs::exists(given), "tokenizer ", given.string(),
                 " does not exist (give a SentencePiece tokenizer.model, a Hugging Face tokenizer.json, or a "
                 "directory holding one)");
-  const fs::path path = fs::is_directory(given) ? file_in_directory(given) : given;
+  const std::optional<fs::path> found = tokenizer_file(given);
+  TESSERA_CHECK(found || !fs::is_directory(given), "tokenizer directory ", given.string(),
+                " holds neither tokenizer.json (Hugging Face) nor tokenizer.model (SentencePiece)");
+  const fs::path path = found.value_or(given);
   const std::string bytes = read_file(path);
   const auto first = bytes.find_first_not_of(" \t\r\n");
   // JSON is told by its first byte: a ModelProto starts with a protobuf field tag, never '{'.

@@ -44,6 +44,10 @@ class Tokenizer {
 /// told from the file's bytes, not its name. An sdk::Error names the file and what would be valid.
 std::unique_ptr<Tokenizer> load_tokenizer(const std::filesystem::path& path);
 
+/// The file load_tokenizer reads for `path`: a directory's tokenizer.json, else its
+/// tokenizer.model, or the file itself; nullopt when there is none.
+std::optional<std::filesystem::path> tokenizer_file(const std::filesystem::path& path);
+
 /// A Hugging Face tokenizer from the bytes of a tokenizer.json; `source` names them in errors
 /// (a file path). Anything the file uses that is not implemented is refused by its JSON path.
 /// `config_json`, when not empty, is the tokenizer_config.json beside it (bos/eos/pad names).
