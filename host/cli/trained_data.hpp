@@ -3,7 +3,6 @@
 // vocabulary (bytes, or which tokenizer) for predict's warning, and the tokenizer files a
 // Hugging Face export copies beside the weights (as save_pretrained writes them).
 #include <filesystem>
-#include <optional>
 #include <string>
 #include <vector>
 

@@ -29,10 +29,9 @@ std::unique_ptr<Tokenizer> load_tokenizer(const fs::path& given) {
   TESSERA_CHECK(fs::exists(given), "tokenizer ", given.string(),
                 " does not exist (give a SentencePiece tokenizer.model, a Hugging Face tokenizer.json, or a "
                 "directory holding one)");
-  const std::optional<fs::path> found = tokenizer_file(given);
-  TESSERA_CHECK(found || !fs::is_directory(given), "tokenizer directory ", given.string(),
+  const fs::path path = tokenizer_file(given).value_or(given);
+  TESSERA_CHECK(!fs::is_directory(path), "tokenizer directory ", given.string(),
                 " holds neither tokenizer.json (Hugging Face) nor tokenizer.model (SentencePiece)");
-  const fs::path path = found.value_or(given);
   const std::string bytes = read_file(path);
   const auto first = bytes.find_first_not_of(" \t\r\n");
   // JSON is told by its first byte: a ModelProto starts with a protobuf field tag, never '{'.
